@@ -1,0 +1,226 @@
+"""Run configuration: defaults, named-size presets and validation.
+
+Every run is one `ml_collections.ConfigDict`. `base_config()` holds every key the code reads (so a
+typo in `--config.key=value` fails at parse time), `configs/*.py` only change values, and
+`validate()` rejects impossible shapes before anything is compiled, naming the field and the fix.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+LINEAR_KINDS = ("dense", "lowrank", "cola")
+REMAT_POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")
+STRATEGIES = ("btp", "vanilla", "megatron")
+DATA_SOURCES = ("embedded", "text", "jsonl", "tokens")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field and the fix."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "tiny"
+    c.run_dir = "runs/tiny"
+    c.seed = 0
+
+    m = c.model = ml_collections.ConfigDict()
+    m.vocab_size = 256  # byte-level tokenizer for the embedded corpus
+    m.d_model = 128
+    m.n_layers = 4
+    m.n_heads = 4
+    m.n_kv_heads = 4  # < n_heads gives grouped-query attention
+    m.d_ff = 352
+    m.rank = 32  # bottleneck width r of lowrank / cola projections
+    m.linear = "cola"  # dense | lowrank | cola, for every projection
+    m.only_lr_act = False  # MLP form: True -> down(gate*up), False -> down(silu(gate)*up)
+    m.max_seq_len = 128
+    m.rope_theta = 10000.0
+    m.norm_eps = 1e-6
+    m.tie_embeddings = False
+    m.dtype = "auto"  # compute dtype: bfloat16 on GPU/TPU, float32 on CPU
+    m.param_dtype = "float32"
+    m.init_std = 0.02  # embedding init
+
+    d = c.data = ml_collections.ConfigDict()
+    d.source = "embedded"  # embedded | text | jsonl | tokens
+    d.path = ""  # file, directory or glob for text/jsonl/tokens
+    d.eval_path = ""  # optional separate eval set; otherwise eval_fraction of the data is held out
+    d.eval_fraction = 0.05
+    d.tokenizer = "byte"  # byte | path to a HF tokenizers .json | path to a SentencePiece .model
+    d.token_dtype = "uint16"  # for source=tokens: uint16 | uint32
+    d.jsonl_field = "text"
+    d.embedded_max_bytes = 4_000_000  # how much of the embedded corpus to read
+
+    t = c.train = ml_collections.ConfigDict()
+    t.seq_len = 128
+    t.global_batch = 16  # sequences per optimizer step, all devices and micro-batches together
+    t.grad_accum = 1  # micro-batches per optimizer step
+    t.steps = 400  # the schedule's length
+    t.stop_at_step = 0  # stop this invocation (with a checkpoint) at this step; 0: train.steps
+    t.lr = 3e-3
+    t.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak
+    t.warmup_steps = 40
+    t.weight_decay = 0.01
+    t.b1 = 0.9
+    t.b2 = 0.95
+    t.eps = 1e-8
+    t.grad_clip = 0.5
+    t.log_every = 20
+    t.eval_every = 100
+    t.eval_batches = 8
+    t.progress = True
+
+    k = c.checkpoint = ml_collections.ConfigDict()
+    k.every = 100
+    k.keep = 3
+    k.async_save = True
+    k.restore_from = ""  # a run dir or a step dir to start from; empty: resume run_dir if it has one
+    k.resume = True
+
+    r = c.remat = ml_collections.ConfigDict()
+    r.policy = "none"  # none | full | dots | lowrank | offload_lowrank
+
+    p = c.parallel = ml_collections.ConfigDict()
+    p.data = -1  # mesh axis sizes; one may be -1 (all remaining devices)
+    p.fsdp = 1
+    p.tensor = 1
+    p.strategy = "btp"  # btp | vanilla | megatron (how the tensor axis splits the model)
+    p.online_norm = True  # btp: send RMSNorm statistics with the A partial products
+    p.sequence_parallel = False  # megatron: shard norms/residual along sequence
+
+    kn = c.kernels = ml_collections.ConfigDict()
+    kn.rmsnorm = "xla"  # xla | pallas
+
+    c.lock()
+    return c
+
+
+# Shapes of the paper's model zoo (d, I, H, L); r = d/4 except where the CoLA table says otherwise.
+SIZES = {
+    "60m": dict(d_model=512, d_ff=1376, n_heads=8, n_layers=8, rank=128),
+    "130m": dict(d_model=768, d_ff=2048, n_heads=12, n_layers=12, rank=256),
+    "350m": dict(d_model=1024, d_ff=2736, n_heads=16, n_layers=24, rank=256),
+    "1b": dict(d_model=2048, d_ff=5472, n_heads=32, n_layers=24, rank=512),
+    "3b": dict(d_model=3200, d_ff=8640, n_heads=32, n_layers=26, rank=800),
+    "7b": dict(d_model=4096, d_ff=11008, n_heads=32, n_layers=32, rank=1024),
+    "13b": dict(d_model=5120, d_ff=13824, n_heads=40, n_layers=40, rank=1280),
+}
+# CoLA recipe: (peak lr, steps); seq 256, global batch 512, 10% warmup, cosine to 0.1x.
+RECIPE = {
+    "60m": (6e-3, 10_000),
+    "130m": (3e-3, 20_000),
+    "350m": (3e-3, 60_000),
+    "1b": (2e-3, 100_000),
+    "3b": (1.5e-3, 120_000),
+    "7b": (1e-3, 150_000),
+    "13b": (1e-3, 150_000),
+}
+
+
+def sized_config(size: str, linear: str) -> ml_collections.ConfigDict:
+    """A zoo model: `linear='cola'` for CoLA, `'dense'` for the full-rank LLaMA baseline."""
+    c = base_config()
+    family = "llama" if linear == "dense" else "cola"
+    c.name = f"{family}_{size}"
+    c.run_dir = f"runs/{c.name}"
+    shape = SIZES[size]
+    for key, value in shape.items():
+        c.model[key] = value
+    c.model.n_kv_heads = shape["n_heads"]
+    c.model.linear = linear
+    c.model.vocab_size = 32000
+    c.model.max_seq_len = 4096
+    c.model.only_lr_act = linear == "cola" and size not in ("60m", "130m")
+    lr, steps = RECIPE[size]
+    c.train.seq_len = 256
+    c.train.global_batch = 512
+    c.train.lr = lr
+    c.train.steps = steps
+    c.train.warmup_steps = steps // 10
+    c.train.log_every = 50
+    c.train.eval_every = 1000
+    c.checkpoint.every = 1000
+    # The recipe trains on C4 tokenised with the T5/LLaMA tokenizer: point data.path at it.
+    c.data.source = "tokens"
+    return c
+
+
+def _check(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"config field `{field}`: {message}")
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Reject configurations that cannot build, naming the field and what would work."""
+    m, t, p = c.model, c.train, c.parallel
+    _check(m.linear in LINEAR_KINDS, "model.linear", f"{m.linear!r} is not one of {LINEAR_KINDS}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+        _check(int(m[name]) > 0, f"model.{name}", f"must be a positive integer, got {m[name]}")
+    _check(
+        m.d_model % m.n_heads == 0,
+        "model.n_heads",
+        f"{m.n_heads} heads do not divide d_model={m.d_model}; "
+        f"choose a divisor of {m.d_model} (e.g. {_divisors_near(m.d_model, m.n_heads)})",
+    )
+    _check(
+        m.n_heads % m.n_kv_heads == 0,
+        "model.n_kv_heads",
+        f"{m.n_kv_heads} KV heads do not divide n_heads={m.n_heads} (GQA groups must be whole); "
+        f"choose one of {_divisors(m.n_heads)}",
+    )
+    _check((m.d_model // m.n_heads) % 2 == 0, "model.n_heads", "head_dim = d_model/n_heads must be even for RoPE")
+    if m.linear != "dense":
+        smallest = min(m.d_model, m.d_ff, m.n_kv_heads * (m.d_model // m.n_heads))
+        _check(
+            0 < m.rank < smallest,
+            "model.rank",
+            f"rank {m.rank} must be in (0, {smallest}) (smaller than every projection's width), "
+            f"e.g. d_model/4 = {m.d_model // 4}",
+        )
+    _check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
+    _check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
+    _check(t.seq_len > 0, "train.seq_len", "must be positive")
+    _check(
+        t.seq_len <= m.max_seq_len,
+        "train.seq_len",
+        f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten",
+    )
+    _check(t.steps > 0, "train.steps", "must be positive")
+    _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    _check(
+        t.global_batch % t.grad_accum == 0,
+        "train.global_batch",
+        f"{t.global_batch} is not divisible by train.grad_accum={t.grad_accum}",
+    )
+    _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
+    _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+    _check(t.log_every > 0, "train.log_every", "must be positive")
+    _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
+    _check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive (it never deletes all checkpoints)")
+    _check(c.remat.policy in REMAT_POLICIES, "remat.policy", f"{c.remat.policy!r} is not one of {REMAT_POLICIES}")
+    _check(c.data.source in DATA_SOURCES, "data.source", f"{c.data.source!r} is not one of {DATA_SOURCES}")
+    _check(
+        c.data.source == "embedded" or bool(c.data.path),
+        "data.path",
+        f"data.source={c.data.source!r} needs a path: pass --config.data.path=/path/to/data "
+        "(or --config.data.source=embedded for the built-in corpus)",
+    )
+    _check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
+    _check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
+    _check(p.strategy in STRATEGIES, "parallel.strategy", f"{p.strategy!r} is not one of {STRATEGIES}")
+    _check(c.kernels.rmsnorm in ("xla", "pallas"), "kernels.rmsnorm", "must be xla or pallas")
+    sizes = [p.data, p.fsdp, p.tensor]
+    _check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of data/fsdp/tensor may be -1")
+    for name in ("data", "fsdp", "tensor"):
+        _check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
+    return c
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _divisors_near(n: int, k: int) -> list[int]:
+    return sorted(_divisors(n), key=lambda x: abs(x - k))[:3]

@@ -1,0 +1,63 @@
+"""Tokenizers: bytes (no files needed), or a local HF `tokenizers` JSON / SentencePiece model."""
+from __future__ import annotations
+
+import os
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255: needs no vocabulary file and covers any text."""
+
+    vocab_size = 256
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # optional dependency
+            raise ImportError("data.tokenizer points at a tokenizers JSON: `pip install tokenizers`") from e
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eos_id = next((self._tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>")
+                            if self._tok.token_to_id(t) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: str):
+        try:
+            import sentencepiece as spm
+        except ImportError as e:  # optional dependency
+            raise ImportError("data.tokenizer points at a SentencePiece model: `pip install sentencepiece`") from e
+        self._sp = spm.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str):
+    if spec in ("", "byte"):
+        return ByteTokenizer()
+    if not os.path.isfile(spec):
+        raise FileNotFoundError(f"config field `data.tokenizer`: no file at {spec!r}; "
+                                "give a tokenizers .json, a SentencePiece .model, or 'byte'")
+    if spec.endswith(".json"):
+        return HFTokenizer(spec)
+    return SentencePieceTokenizer(spec)

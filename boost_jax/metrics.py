@@ -1,0 +1,63 @@
+"""Throughput, MFU and the metric writers (JSONL always, TensorBoard when available)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+# Dense bf16 peak FLOP/s per device, matched against `device.device_kind` by substring.
+PEAK_BF16_FLOPS = [
+    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12),
+    ("L40S", 362e12), ("A10G", 70e12), ("V100", 125e12),
+    ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v4", 275e12),
+]
+
+
+def peak_flops(device_kind: str) -> float | None:
+    for key, value in PEAK_BF16_FLOPS:
+        if key.lower() in device_kind.lower():
+            return value
+    return None
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, n_devices: int, device_kind: str) -> dict:
+    tok_s = tokens / max(seconds, 1e-9)
+    tflops = flops_per_token * tok_s / n_devices / 1e12
+    peak = peak_flops(device_kind)
+    return {"tokens_per_s": tok_s, "tflops_per_device": tflops,
+            "mfu": (tflops * 1e12 / peak) if peak else None}
+
+
+def fmt_mfu(mfu) -> str:
+    return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb_dir = os.path.join(run_dir, "tensorboard")
+        self._tb = None
+        if enabled:
+            try:
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(self.tb_dir)
+            except ImportError:
+                self.tb_dir = None
+
+    def write(self, step: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), **{k: v for k, v in record.items() if v is not None}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

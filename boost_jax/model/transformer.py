@@ -1,0 +1,124 @@
+"""The LLaMA-style decoder: embedding, a scanned stack of pre-norm blocks, final norm, LM head."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from boost_jax import remat
+from boost_jax.model.attention import Attention
+from boost_jax.model.linear import Projection, RMSNorm, dense_init
+from boost_jax.parallel.rules import constrain
+
+RESIDUAL = ("act_batch", "act_seq", "act_embed")
+
+
+def compute_dtype(name: str):
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(name)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+        proj = dict(kind=cfg.linear, rank=cfg.rank, rngs=rngs, param_dtype=param_dtype)
+        self.gate = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **proj)
+        self.up = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **proj)
+        self.down = Projection(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **proj)
+        # CoLA's larger models drop the SwiGLU σ: the bottleneck σ is the only nonlinearity.
+        self.only_lr_act = bool(cfg.only_lr_act) and cfg.linear == "cola"
+
+    def __call__(self, x):
+        g, u = self.gate(x), self.up(x)
+        h = g * u if self.only_lr_act else jax.nn.silu(g) * u
+        return self.down(constrain(h, ("act_batch", "act_seq", "act_mlp")))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, positions, cache=None):
+        h, cache = self.attn(self.attn_norm(x), positions, cache)
+        x = constrain(x + h, RESIDUAL)
+        x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        return x, cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none"):
+        param_dtype = jnp.dtype(cfg.param_dtype)
+        self.dtype = compute_dtype(cfg.dtype)
+        self.remat_policy = remat_policy
+        self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
+        self.embed = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
+                                                                param_dtype), axes=("vocab", "embed"))
+
+        # One Block's parameters with a leading layer axis, so the stack runs as one lax.scan and
+        # compile time does not grow with depth.
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(r):
+            return Block(cfg, rngs=r, param_dtype=param_dtype)
+
+        self.layers = stacked(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.tie_embeddings = bool(cfg.tie_embeddings)
+        if not self.tie_embeddings:
+            self.lm_head = nnx.Param(dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model,
+                                                cfg.d_model, param_dtype), axes=("embed", "vocab"))
+
+    def init_cache(self, batch: int, max_len: int):
+        shape = (self.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
+        return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
+
+    def hidden(self, tokens, positions=None, cache=None):
+        """Final-norm hidden states [B, T, d] (and the updated cache, or None)."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+        x = constrain(self.embed[...].astype(self.dtype)[tokens], RESIDUAL)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(x, xs):
+            state, layer_cache = xs
+            return nnx.merge(graphdef, state)(x, positions, layer_cache)
+
+        x, cache = jax.lax.scan(remat.wrap(body, self.remat_policy), x, (layer_state, cache))
+        return self.final_norm(x), cache
+
+    def head_weight(self):
+        return self.embed[...].T if self.tie_embeddings else self.lm_head[...]
+
+    def __call__(self, tokens, positions=None, cache=None):
+        """Logits [B, T, vocab] in float32, and the updated cache (None without one)."""
+        h, cache = self.hidden(tokens, positions, cache)
+        logits = jnp.einsum("btd,dv->btv", h, self.head_weight().astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab")), cache
+
+
+def build_model(model_cfg, seed: int = 0, remat_policy: str = "none") -> Transformer:
+    return Transformer(model_cfg, rngs=nnx.Rngs(params=seed), remat_policy=remat_policy)
+
+
+def projection_flops(d_in: int, d_out: int, kind: str, rank: int) -> int:
+    """Forward multiply-add FLOPs per token of one projection (both factors when factorised)."""
+    return 2 * d_in * d_out if kind == "dense" else 2 * rank * (d_in + d_out)
+
+
+def flops_per_token(cfg, seq_len: int, training: bool = True) -> float:
+    """Model FLOPs per token: every projection, attention scores and values over the full (masked)
+    sequence as XLA computes them, and the LM head. Training counts forward + backward = 3x forward;
+    recompute from activation checkpointing is not model work and is not counted."""
+    d, h, kv, i = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
+    dh = d // h
+    f = lambda a, b: projection_flops(a, b, cfg.linear, cfg.rank)  # noqa: E731
+    per_layer = (f(d, h * dh) + 2 * f(d, kv * dh) + f(h * dh, d)  # q, k, v, o
+                 + 2 * f(d, i) + f(i, d)  # gate, up, down
+                 + 2 * 2 * seq_len * h * dh)  # q·k and p·v
+    forward = cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
+    return 3.0 * forward if training else float(forward)

@@ -1,0 +1,25 @@
+"""AdamW with linear warmup, cosine decay to a floor, and global-norm clipping."""
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def lr_schedule(t):
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=max(int(t.warmup_steps), 1),
+        decay_steps=max(int(t.steps), int(t.warmup_steps) + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def decay_mask(params):
+    # Norm scales are not decayed; every matrix (embedding, W, A, B, head) is.
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+
+
+def make_optimizer(t):
+    schedule = lr_schedule(t)
+    tx = optax.chain(
+        optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
+        optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decay_mask),
+    )
+    return tx, schedule

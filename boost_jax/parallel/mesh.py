@@ -1,0 +1,58 @@
+"""The device mesh: named axes (data, fsdp, tensor) sized from `parallel.*`, one of them inferable."""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from boost_jax.config import ConfigError
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the global batch is split over both
+
+
+def mesh_shape(p, n_devices: int) -> tuple[int, ...]:
+    sizes = [int(p[a]) for a in AXES]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ConfigError(f"config field `parallel`: {dict(zip(AXES, sizes))} cannot be completed to "
+                              f"{n_devices} devices ({known} does not divide {n_devices})")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ConfigError(f"config field `parallel`: data*fsdp*tensor = {math.prod(sizes)} but there are "
+                          f"{n_devices} devices; set one of parallel.data/fsdp/tensor to -1 to infer it")
+    return tuple(sizes)
+
+
+def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
+    """The tensor axis must split whole heads, KV heads and the MLP and hidden widths (and the rank
+    for strategies that split it); the batch axes must split the micro-batch."""
+    m, t = cfg.model, cfg.train
+    sizes = dict(zip(AXES, shape))
+    tp = sizes["tensor"]
+    if tp > 1:
+        need = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.d_ff": m.d_ff,
+                "model.d_model": m.d_model}
+        if m.linear != "dense" and cfg.parallel.strategy == "vanilla":
+            need["model.rank"] = m.rank
+        for field, value in need.items():
+            if value % tp:
+                valid = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
+                raise ConfigError(f"config field `parallel.tensor`: {tp} does not divide {field}={value}; "
+                                  f"valid tensor sizes: {valid}")
+    batch_ways = sizes["data"] * sizes["fsdp"]
+    micro = t.global_batch // t.grad_accum
+    if micro % batch_ways:
+        raise ConfigError(f"config field `train.global_batch`: the micro-batch {micro} (= global_batch/grad_accum) "
+                          f"must be divisible by data*fsdp = {batch_ways}")
+
+
+def make_mesh(cfg, devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(cfg.parallel, len(devices))
+    check_divisibility(cfg, shape)
+    # Auto axes: GSPMD propagates shardings from our parameter specs and activation constraints.
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))

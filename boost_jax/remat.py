@@ -1,0 +1,37 @@
+"""Activation checkpointing policies, chosen by name from `remat.policy`.
+
+- none: save everything the backward wants (fastest, most memory).
+- full: save only each block's input (the residual carried by the layer scan); recompute the rest.
+- dots: save matmul outputs without batch dims (XLA's usual choice).
+- lowrank: save only the r-wide σ(A·x) tensors tagged `lowrank` (CoLA-M / BOOST); recompute the B
+  expansions, attention and the MLP product. Under BTP those tensors are replicated over `tensor`,
+  so the recompute needs no collective.
+- offload_lowrank: as lowrank, but the saved tensors live in pinned host memory.
+"""
+from __future__ import annotations
+
+import jax
+
+SAVED_NAMES = ("lowrank",)
+
+
+def policy(name: str):
+    cp = jax.checkpoint_policies
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "dots":
+        return cp.dots_with_no_batch_dims_saveable
+    if name == "lowrank":
+        return cp.save_only_these_names(*SAVED_NAMES)
+    if name == "offload_lowrank":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_NAMES),
+            offload_src="device", offload_dst="pinned_host")
+    raise ValueError(f"unknown remat policy {name!r}")
+
+
+def wrap(fn, name: str):
+    """`fn` under the named policy; `none` returns it untouched."""
+    if name == "none":
+        return fn
+    return jax.checkpoint(fn, policy=policy(name), prevent_cse=False)

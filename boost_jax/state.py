@@ -1,0 +1,88 @@
+"""Train state and its shardings, built abstractly first so nothing is allocated before it is placed.
+
+State is a plain pytree: params (a pure dict mirroring the model), optimizer state, step, rng.
+`logical_axes` reads the axis names each parameter declares (a leading `layers` axis is added for
+the scanned stack), the strategy's rules turn them into PartitionSpecs, and the same shardings serve
+init, the jitted train step and Orbax restore (so a checkpoint is resharded onto whatever mesh runs).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from boost_jax.model import build_model
+from boost_jax.parallel.rules import spec_for
+
+
+@dataclasses.dataclass
+class StateSpec:
+    graphdef: object  # the model's structure; merged with params inside the step
+    abstract: dict  # ShapeDtypeStructs of the train state, with target shardings
+    shardings: dict  # NamedShardings of the train state
+    axes: dict  # logical axis names of every parameter
+
+
+def logical_axes(model) -> dict:
+    flat = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = tuple(var.get_metadata().get("axes", ()))
+        shape = var.get_value().shape
+        if len(shape) == len(names) + 1:  # stacked by the layer vmap
+            names = ("layers",) + names
+        if len(names) != len(shape):
+            raise ValueError(f"parameter {'/'.join(map(str, path))} has shape {shape} but axes {names}")
+        flat[path] = names
+    return _unflatten(flat)
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
+def state_spec(cfg, tx, mesh, rules) -> StateSpec:
+    model = nnx.eval_shape(lambda: build_model(cfg.model, cfg.seed, cfg.remat.policy))
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    axes = logical_axes(model)
+    param_specs = jax.tree.map(lambda names, p: spec_for(names, p.shape, mesh, rules), axes, params,
+                               is_leaf=_is_axes)
+    opt_abstract = jax.eval_shape(tx.init, params)
+    # Optimizer moments mirror their parameter's layout; scalars (counts) are replicated.
+    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, opt_abstract, param_specs,
+                                      transform_non_params=lambda _: P(),
+                                      is_leaf=lambda x: isinstance(x, P))
+    specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "rng": P()}
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    abstract_values = {"params": params, "opt_state": opt_abstract,
+                       "step": jax.ShapeDtypeStruct((), jnp.int32),
+                       "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract_values, shardings)
+    return StateSpec(graphdef, abstract, shardings, axes)
+
+
+def init_state(cfg, tx, spec: StateSpec) -> dict:
+    """Initialise parameters and optimizer state directly in their target shardings."""
+
+    def init():
+        model = build_model(cfg.model, cfg.seed, cfg.remat.policy)
+        params = nnx.to_pure_dict(nnx.state(model))
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32)}
+
+    return jax.jit(init, out_shardings=spec.shardings)()

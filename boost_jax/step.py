@@ -1,0 +1,52 @@
+"""The jitted train and eval steps (one compiled program each, state donated)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def next_token_loss(graphdef, params, tokens):
+    """Mean next-token cross-entropy of tokens [B, T+1] (float32)."""
+    model = nnx.merge(graphdef, params)
+    logits, _ = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def make_train_step(graphdef, tx, schedule):
+    grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(graphdef, p, x))
+
+    def train_step(state, batch):
+        """batch: [grad_accum, micro_batch, T+1]. Micro-batch gradients are summed by a scan so only
+        one gradient buffer lives at a time; the update is skipped (state kept) if not finite."""
+        params = state["params"]
+        if batch.shape[0] == 1:
+            loss, grads = grad_fn(params, batch[0])
+        else:
+            def micro(acc, tokens):
+                l, g = grad_fn(params, tokens)
+                return jax.tree.map(jnp.add, acc, g), l
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, losses = jax.lax.scan(micro, zeros, batch)
+            grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
+            loss = losses.mean()
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
+                     "step": state["step"] + finite.astype(jnp.int32), "rng": state["rng"]}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef):
+    def eval_step(params, tokens):
+        return next_token_loss(graphdef, params, tokens)
+
+    return eval_step

@@ -1,0 +1,35 @@
+"""Emulate an 8-device cluster on the CPU. XLA_FLAGS must be set before jax is imported."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from boost_jax.config import base_config  # noqa: E402
+
+
+def small_config(run_dir, **overrides):
+    """A model small enough to compile in seconds; overrides use dotted keys."""
+    c = base_config()
+    c.run_dir = str(run_dir)
+    c.model.update(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8, max_seq_len=32)
+    c.train.update(seq_len=16, global_batch=8, steps=8, warmup_steps=2, log_every=2, eval_every=4,
+                   eval_batches=2, progress=False)
+    c.checkpoint.update(every=4, async_save=False)
+    c.data.embedded_max_bytes = 200_000
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    def make(**kw):
+        return small_config(kw.pop("run_dir", tmp_path / "run"), **kw)
+
+    return make

@@ -1,0 +1,76 @@
+"""Config validation fails early and names the field; every shipped config loads and validates."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from boost_jax.config import ConfigError, validate
+from boost_jax.parallel.mesh import make_mesh
+
+CONFIGS = sorted(p for p in (Path(__file__).parents[1] / "configs").glob("*.py"))
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def test_all_zoo_configs_exist():
+    names = {p.stem for p in CONFIGS}
+    for size in ("60m", "130m", "350m", "1b", "3b", "7b", "13b"):
+        assert f"cola_{size}" in names and f"llama_{size}" in names
+    assert "tiny" in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_validate(path):
+    cfg = load(path)
+    if cfg.data.source != "embedded":
+        cfg.data.path = "/some/tokens.bin"  # the recipe configs name the corpus a user points at
+    validate(cfg)
+    assert cfg.model.linear == ("dense" if path.stem.startswith("llama") else "cola")
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("model.n_heads", 5, "model.n_heads"),
+    ("model.n_kv_heads", 3, "model.n_kv_heads"),
+    ("model.rank", 128, "model.rank"),
+    ("model.rank", 0, "model.rank"),
+    ("model.linear", "sparse", "model.linear"),
+    ("train.seq_len", 4096, "train.seq_len"),
+    ("train.grad_accum", 3, "train.global_batch"),
+    ("remat.policy", "some", "remat.policy"),
+    ("parallel.strategy", "zero", "parallel.strategy"),
+    ("data.source", "text", "data.path"),
+])
+def test_invalid_values_name_the_field(make_config, field, value, needle):
+    cfg = make_config(**{field: value})
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_unknown_key_is_rejected(make_config):
+    cfg = make_config()
+    with pytest.raises(AttributeError):
+        cfg.model.hiden_size = 3  # locked ConfigDict: typos do not pass silently
+
+
+def test_mesh_that_does_not_fit_devices(make_config):
+    with pytest.raises(ConfigError, match="parallel"):
+        make_mesh(make_config(**{"parallel.data": 3, "parallel.tensor": 1}))
+
+
+def test_tensor_axis_must_divide_heads(make_config):
+    cfg = make_config(**{"parallel.data": 1, "parallel.tensor": 8})  # 4 heads, 2 KV heads
+    with pytest.raises(ConfigError, match=r"parallel\.tensor.*model\.n_heads"):
+        make_mesh(cfg)
+
+
+def test_cli_rejects_unknown_override(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "boost_jax.train", "--config.model.hiden=3",
+                        f"--config.run_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "hiden" in (r.stderr + r.stdout)

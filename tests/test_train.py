@@ -1,0 +1,126 @@
+"""The training loop: loss falls, exact resume, signals, divergence and bad checkpoints."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from boost_jax import train
+from boost_jax.checkpoint import CheckpointError, Checkpointer
+from boost_jax.config import base_config
+
+
+def metric_rows(run_dir, key="loss"):
+    rows = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def final_params(run_dir, step):
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=3, create=False)
+    meta = ckpt.read_meta(step)
+    from boost_jax.generate import config_from_meta, load_params  # noqa: F401
+    model, _, _ = load_params(str(Path(run_dir) / "checkpoints" / str(step)))
+    ckpt.close()
+    from flax import nnx
+    return meta, nnx.to_pure_dict(nnx.state(model))
+
+
+def test_default_model_learns(tmp_path):
+    cfg = base_config()  # the tiny CoLA default, shortened
+    cfg.run_dir = str(tmp_path / "run")
+    cfg.train.update(steps=60, warmup_steps=6, eval_every=60, eval_batches=4, progress=False)
+    cfg.data.embedded_max_bytes = 1_000_000
+    out = train.run(cfg)
+    (s0, first), (s1, last) = out["evals"][0], out["evals"][-1]
+    assert (s0, s1) == (0, 60)
+    assert last < first - 1.5, out["evals"]
+    rows = [json.loads(line) for line in open(out["metrics"])]
+    logged = [r for r in rows if "loss" in r][-1]
+    for key in ("loss", "perplexity", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device"):
+        assert key in logged and np.isfinite(logged[key])
+    assert os.listdir(out["tensorboard"])
+    assert Checkpointer(out["checkpoints"], keep=3, create=False).latest_step() == 60
+
+
+def test_resume_continues_bit_for_bit(make_config, tmp_path):
+    straight = make_config(**{"run_dir": str(tmp_path / "a"), "train.log_every": 1})
+    train.run(straight)
+    split = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4})
+    out = train.run(split)
+    assert out["step"] == 4
+    split.train.stop_at_step = 0
+    out = train.run(split)  # auto-resumes from step 4 in the same run dir
+    assert out["step"] == 8
+    a, b = metric_rows(tmp_path / "a"), metric_rows(tmp_path / "b")
+    assert [a[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)]
+    meta_a, pa = final_params(tmp_path / "a", 8)
+    meta_b, pb = final_params(tmp_path / "b", 8)
+    assert meta_a["data_position"] == meta_b["data_position"] == 8 * 8
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(make_config):
+    cfg = make_config(**{"train.lr": 1e30, "train.warmup_steps": 0, "train.steps": 12, "checkpoint.every": 1,
+                         "train.grad_clip": 0.0, "train.eval_every": 0})
+    with pytest.raises(train.TrainingDiverged, match="last good checkpoint is step"):
+        train.run(cfg)
+    ckpt = Checkpointer(Path(cfg.run_dir) / "checkpoints", keep=3, create=False)
+    step = ckpt.latest_step()
+    assert step is not None and step < 12
+    _, params = final_params(cfg.run_dir, step)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def _checkpoint_files(run_dir):
+    return sorted(str(p) for p in (Path(run_dir) / "checkpoints").rglob("*"))
+
+
+def test_incompatible_checkpoint_names_mismatch_and_is_kept(make_config):
+    cfg = make_config()
+    train.run(cfg)
+    before = _checkpoint_files(cfg.run_dir)
+    bigger = make_config(**{"model.d_model": 64})
+    with pytest.raises(CheckpointError, match=r"does not fit this model[\s\S]*embed"):
+        train.run(bigger)
+    assert _checkpoint_files(cfg.run_dir) == before
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_is_kept(make_config):
+    cfg = make_config()
+    train.run(cfg)
+    step_dir = Path(cfg.run_dir) / "checkpoints" / "8"
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"not a checkpoint")
+    before = _checkpoint_files(cfg.run_dir)
+    cfg.train.steps = 12
+    with pytest.raises(CheckpointError, match="left untouched"):
+        train.run(cfg)
+    assert _checkpoint_files(cfg.run_dir) == before
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "boost_jax.train", f"--config.run_dir={run_dir}", "--config.train.steps=100000",
+            "--config.train.log_every=1", "--config.train.eval_every=0", "--config.checkpoint.every=100000",
+            "--config.train.progress=False", "--config.model.n_layers=1", "--config.train.global_batch=8",
+            "--config.data.embedded_max_bytes=200000"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
+                                          and len(metric_rows(run_dir)) >= 3):
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopped by SIGTERM" in out
+    step = Checkpointer(run_dir / "checkpoints", keep=3, create=False).latest_step()
+    assert step is not None and step >= 3
