@@ -134,8 +134,9 @@ def run(cfg) -> dict:
                     step += 1
                     window_steps += 1
                     bar.update(1)
+                    signalled = stop.signal  # read once: a signal arriving later is handled next step
                     due_log = step % t.log_every == 0 or step == end
-                    due_save = step % cfg.checkpoint.every == 0 or step == end or stop.signal
+                    due_save = step % cfg.checkpoint.every == 0 or step == end or signalled
                     if due_log or due_save:
                         m = jax.device_get(metrics)
                         if not m["finite"]:
@@ -160,8 +161,8 @@ def run(cfg) -> dict:
                     if due_save:
                         ckpt.save(step, state, meta(step), force=True)
                         last_saved = step
-                    if stop.signal:
-                        stopped = stop.signal
+                    if signalled:
+                        stopped = signalled
                         break
         finally:
             bar.close()
