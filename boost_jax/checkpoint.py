@@ -28,7 +28,7 @@ def resolve(path: str) -> tuple[Path, int | None]:
     """A run dir, its `checkpoints/` dir, or one step dir -> (manager root, step or None for latest)."""
     p = Path(path).expanduser().resolve()
     if not p.exists():
-        raise CheckpointError(f"config field `checkpoint.restore_from`: {str(p)!r} does not exist")
+        raise CheckpointError(f"config field `restore_from`: {str(p)!r} does not exist")
     if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
     if p.name.isdigit() and (p / "state").is_dir():
@@ -60,7 +60,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
             raise CheckpointError(f"checkpoint {self.directory}/{step} is unreadable ({type(e).__name__}: {e}); "
                                   "it was left untouched; restore another step with "
-                                  "--config.checkpoint.restore_from=DIR/STEP") from e
+                                  "--config.restore_from=DIR/STEP") from e
 
     def check_compatible(self, step: int, abstract_state) -> dict:
         meta = self.read_meta(step)

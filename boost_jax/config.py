@@ -24,6 +24,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.name = "tiny"
     c.run_dir = "runs/tiny"
     c.seed = 0
+    c.restore_from = ""  # a run dir or one step dir to start from; empty: resume run_dir if it has one
 
     m = c.model = ml_collections.ConfigDict()
     m.vocab_size = 256  # byte-level tokenizer for the embedded corpus
@@ -76,7 +77,6 @@ def base_config() -> ml_collections.ConfigDict:
     k.every = 100
     k.keep = 3
     k.async_save = True
-    k.restore_from = ""  # a run dir or a step dir to start from; empty: resume run_dir if it has one
     k.resume = True
 
     r = c.remat = ml_collections.ConfigDict()

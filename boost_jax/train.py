@@ -83,12 +83,12 @@ def run(cfg) -> dict:
         ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
         state, position = None, 0
         source = None
-        if cfg.checkpoint.restore_from:
-            root, step = resolve(cfg.checkpoint.restore_from)
+        if cfg.restore_from:
+            root, step = resolve(cfg.restore_from)
             source = Checkpointer(root, keep=cfg.checkpoint.keep, create=False)
             step = source.latest_step() if step is None else step
             if step is None:
-                raise CheckpointError(f"config field `checkpoint.restore_from`: no checkpoint in {root}")
+                raise CheckpointError(f"config field `restore_from`: no checkpoint in {root}")
         elif cfg.checkpoint.resume and ckpt.latest_step() is not None:
             source, step = ckpt, ckpt.latest_step()
         if source is not None:

@@ -125,3 +125,18 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     stopped_at = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
     assert stopped_at >= 3
     assert Checkpointer(run_dir / "checkpoints", keep=3, create=False).latest_step() == stopped_at
+
+
+def test_restore_from_another_run(make_config, tmp_path):
+    first = make_config(**{"run_dir": str(tmp_path / "a"), "train.stop_at_step": 4})
+    train.run(first)
+    second = make_config(**{"run_dir": str(tmp_path / "b"), "restore_from": str(tmp_path / "a")})
+    out = train.run(second)
+    assert out["evals"][0][0] == 4 and out["step"] == 8  # started at the restored step
+    with pytest.raises(CheckpointError, match="restore_from"):
+        train.run(make_config(**{"run_dir": str(tmp_path / "c"), "restore_from": str(tmp_path / "nowhere")}))
+
+
+def test_tied_embeddings_train(make_config):
+    out = train.run(make_config(**{"model.tie_embeddings": True, "train.eval_every": 0}))
+    assert out["step"] == 8
