@@ -43,6 +43,8 @@ def base_config() -> ml_collections.ConfigDict:
     m.dtype = "auto"  # compute dtype: bfloat16 on GPU/TPU, float32 on CPU
     m.param_dtype = "float32"
     m.init_std = 0.02  # embedding init
+    m.group_linears = True  # q/k/v and gate/up first stages as one GEMM, B's as one batched dot
+    m.scan_unroll = False  # unroll the layer scan (tools use it to measure per-layer collectives)
 
     d = c.data = ml_collections.ConfigDict()
     d.source = "embedded"  # embedded | text | jsonl | tokens
@@ -83,6 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
     r.policy = "none"  # none | full | dots | lowrank | offload_lowrank
 
     p = c.parallel = ml_collections.ConfigDict()
+    p.num_devices = 0  # use the first N devices (0: all)
     p.data = -1  # mesh axis sizes; one may be -1 (all remaining devices)
     p.fsdp = 1
     p.tensor = 1

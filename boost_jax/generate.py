@@ -20,7 +20,7 @@ from boost_jax.config import base_config
 from boost_jax.data import load_tokenizer
 from boost_jax.optim import make_optimizer
 from boost_jax.parallel.mesh import make_mesh
-from boost_jax.parallel.rules import strategy_rules
+from boost_jax.parallel.strategies import get_strategy
 from boost_jax.state import state_spec
 
 
@@ -47,7 +47,7 @@ def load_params(checkpoint: str):
     cfg.parallel.update(data=1, fsdp=1, tensor=1)
     mesh = make_mesh(cfg, jax.devices()[:1])
     tx, _ = make_optimizer(cfg.train)
-    spec = state_spec(cfg, tx, mesh, strategy_rules(cfg.parallel.strategy))
+    spec = state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))
     state, _ = ckpt.restore(step, spec.abstract)
     ckpt.close()
     graphdef = spec.graphdef

@@ -3,16 +3,16 @@
 - none: save everything the backward wants (fastest, most memory).
 - full: save only each block's input (the residual carried by the layer scan); recompute the rest.
 - dots: save matmul outputs without batch dims (XLA's usual choice).
-- lowrank: save only the r-wide σ(A·x) tensors tagged `lowrank` (CoLA-M / BOOST); recompute the B
-  expansions, attention and the MLP product. Under BTP those tensors are replicated over `tensor`,
-  so the recompute needs no collective.
+- lowrank: save only the r-wide, fully reduced A·x tensors tagged `lowrank` and the per-row norm
+  statistics (CoLA-M / BOOST); recompute σ, the B expansions, attention and the MLP product. Under
+  BTP those tensors are replicated over `tensor`, so the recompute needs no collective.
 - offload_lowrank: as lowrank, but the saved tensors live in pinned host memory.
 """
 from __future__ import annotations
 
 import jax
 
-SAVED_NAMES = ("lowrank",)
+SAVED_NAMES = ("lowrank", "norm_stats")  # r-wide reduced A outputs; per-row norm statistics
 
 
 def policy(name: str):

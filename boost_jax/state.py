@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from boost_jax.model import build_model
+from boost_jax.model import model_from_config
 from boost_jax.parallel.rules import spec_for
 
 
@@ -54,12 +54,12 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
 
-def state_spec(cfg, tx, mesh, rules) -> StateSpec:
-    model = nnx.eval_shape(lambda: build_model(cfg.model, cfg.seed, cfg.remat.policy))
+def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
+    model = nnx.eval_shape(lambda: model_from_config(cfg))
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     axes = logical_axes(model)
-    param_specs = jax.tree.map(lambda names, p: spec_for(names, p.shape, mesh, rules), axes, params,
+    param_specs = jax.tree.map(lambda names, p: spec_for(names, p.shape, mesh, strategy.rules), axes, params,
                                is_leaf=_is_axes)
     opt_abstract = jax.eval_shape(tx.init, params)
     # Optimizer moments mirror their parameter's layout; scalars (counts) are replicated.
@@ -80,7 +80,7 @@ def init_state(cfg, tx, spec: StateSpec) -> dict:
     """Initialise parameters and optimizer state directly in their target shardings."""
 
     def init():
-        model = build_model(cfg.model, cfg.seed, cfg.remat.policy)
+        model = model_from_config(cfg)
         params = nnx.to_pure_dict(nnx.state(model))
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
                 "rng": jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32)}

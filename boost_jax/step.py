@@ -5,13 +5,26 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from boost_jax.parallel.mesh import BATCH_AXES
+
+
+def cross_entropy(logits, labels):
+    """Mean cross-entropy that stays vocab-parallel: only reductions over the vocab axis (max, sum,
+    and the label's logit picked by comparison with an iota), so sharded logits are never gathered."""
+    top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    lse = jnp.log(jnp.exp(logits - top).sum(axis=-1)) + top[..., 0]
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    picked = jnp.where(vocab == labels[..., None], logits, 0.0).sum(axis=-1)
+    return (lse - picked).mean()
 
 
 def next_token_loss(graphdef, params, tokens):
     """Mean next-token cross-entropy of tokens [B, T+1] (float32)."""
     model = nnx.merge(graphdef, params)
     logits, _ = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return cross_entropy(logits, tokens[:, 1:])
 
 
 def make_train_step(graphdef, tx, schedule):
@@ -50,3 +63,13 @@ def make_eval_step(graphdef):
         return next_token_loss(graphdef, params, tokens)
 
     return eval_step
+
+
+def jit_train_step(spec, tx, schedule, mesh):
+    """(the jitted train step, the sharding of its [grad_accum, micro_batch, T+1] batch).
+
+    The trainer runs it and the tools lower it, so what the tools report is what runs."""
+    batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+    step = jax.jit(make_train_step(spec.graphdef, tx, schedule), donate_argnums=0,
+                   in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None))
+    return step, batch_sharding

@@ -23,9 +23,10 @@ from boost_jax.metrics import MetricsWriter, fmt_mfu, throughput
 from boost_jax.model import flops_per_token
 from boost_jax.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
-from boost_jax.parallel.rules import strategy_rules, use_rules
+from boost_jax.parallel.rules import use_rules
+from boost_jax.parallel.strategies import get_strategy
 from boost_jax.state import init_state, state_spec
-from boost_jax.step import make_eval_step, make_train_step
+from boost_jax.step import jit_train_step, make_eval_step
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
@@ -70,7 +71,7 @@ def run(cfg) -> dict:
     run_dir = Path(cfg.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg)
-    rules = strategy_rules(cfg.parallel.strategy)
+    strategy = get_strategy(cfg.parallel)
     train_data, eval_data, _ = build_loaders(cfg, jax.process_index(), jax.process_count())
     tx, schedule = make_optimizer(t)
     micro = t.global_batch // t.grad_accum
@@ -78,8 +79,8 @@ def run(cfg) -> dict:
     tokens_per_step = t.global_batch * t.seq_len
     device_kind = jax.devices()[0].device_kind
 
-    with use_rules(mesh, rules):
-        spec = state_spec(cfg, tx, mesh, rules)
+    with use_rules(mesh, strategy):
+        spec = state_spec(cfg, tx, mesh, strategy)
         ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
         state, position = None, 0
         source = None
@@ -99,10 +100,8 @@ def run(cfg) -> dict:
         else:
             state = init_state(cfg, tx, spec)
 
-        batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+        train_step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
         eval_sharding = NamedSharding(mesh, P(BATCH_AXES))
-        train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule), donate_argnums=0,
-                             in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None))
         eval_step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings["params"], eval_sharding))
 
         def evaluate(params) -> float:

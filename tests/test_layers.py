@@ -78,13 +78,15 @@ def test_gqa_attention_matches_repeated_heads(kv_heads):
 @pytest.mark.parametrize("only_lr_act", [False, True])
 def test_mlp_forms(only_lr_act):
     from ml_collections import ConfigDict
-    cfg = ConfigDict(dict(d_model=16, d_ff=24, linear="cola", rank=4, only_lr_act=only_lr_act))
+    cfg = ConfigDict(dict(d_model=16, d_ff=24, linear="cola", rank=4, only_lr_act=only_lr_act, group_linears=True))
     mlp = MLP(cfg, rngs=nnx.Rngs(params=0), param_dtype=jnp.float32)
+    norm = RMSNorm(16, eps=1e-6)
     x = np.random.default_rng(6).standard_normal((2, 3, 16)).astype(np.float32)
     ab = lambda p, z: silu(z @ np.asarray(p.a[...])) @ np.asarray(p.b[...])  # noqa: E731
-    g, u = ab(mlp.gate, x), ab(mlp.up, x)
+    xn = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+    g, u = ab(mlp.gate, xn), ab(mlp.up, xn)
     want = ab(mlp.down, g * u if only_lr_act else silu(g) * u)
-    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x), norm)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_scanned_stack_equals_layer_by_layer(make_config):

@@ -14,11 +14,9 @@ import pytest
 from boost_jax import train
 from boost_jax.checkpoint import CheckpointError, Checkpointer
 from boost_jax.config import base_config
+from tests_support import metric_rows
 
 
-def metric_rows(run_dir, key="loss"):
-    rows = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
-    return {r["step"]: r[key] for r in rows if key in r}
 
 
 def final_params(run_dir, step):

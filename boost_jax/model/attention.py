@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from boost_jax.model.linear import Projection
+from boost_jax.model.linear import Projection, project
 from boost_jax.parallel.rules import constrain
 
 
@@ -43,17 +43,20 @@ class Attention(nnx.Module):
         d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d // h
         self.rope_theta = cfg.rope_theta
+        self.grouped = bool(cfg.group_linears)
         proj = dict(kind=cfg.linear, rank=cfg.rank, rngs=rngs, param_dtype=param_dtype)
         self.q = Projection(d, h * self.head_dim, axes=("embed", "heads"), **proj)
         self.k = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), **proj)
         self.v = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), **proj)
         self.o = Projection(h * self.head_dim, d, axes=("heads", "embed"), **proj)
 
-    def __call__(self, x, positions, cache=None):
+    def __call__(self, x, norm, positions, cache=None):
+        """x: the block's input residual; `norm` is applied first (fused with the A's under BTP)."""
         b, t, _ = x.shape
-        q = self.q(x).reshape(b, t, self.n_heads, self.head_dim)
-        k = self.k(x).reshape(b, t, self.n_kv_heads, self.head_dim)
-        v = self.v(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q, k, v = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm)
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         q = constrain(rope(q, positions, self.rope_theta), ("act_batch", "act_seq", "act_heads", None))
         k = constrain(rope(k, positions, self.rope_theta), ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))

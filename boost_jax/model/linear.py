@@ -1,17 +1,25 @@
 """Projections: dense W, low-rank B·A, or CoLA B·σ(A·x) with σ = SiLU.
 
-Every projection is split into two stages so that parallel strategies and kernels can act on the
-bottleneck: `compress` (x -> the r-wide σ(A·x), or the whole output for dense) and `expand`
-(B·h, identity for dense). The r-wide tensor is tagged `lowrank` for activation checkpointing.
+Every projection has two stages so that parallel strategies and kernels can act on the bottleneck:
+the first (`A`, or the whole `W` for dense) and the second (`B`, nothing for dense). Projections
+that read the same input run their first stages as ONE GEMM over stacked weights, and their second
+stages as one batched dot_general (BOOST's linear layer grouping); parameters keep their own names.
+The r-wide σ(A·x) tensor is tagged `lowrank` for activation checkpointing.
 """
 from __future__ import annotations
+
+import itertools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from boost_jax.parallel.rules import constrain
+from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
+from boost_jax.parallel import rules
+from boost_jax.parallel.rules import constrain, gathered, logical_spec
+
+RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
 
 
 def factor_init(key, shape, d_in: int, d_out: int, rank: int, dtype):
@@ -31,7 +39,8 @@ class Projection(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, kind: str, rank: int, axes: tuple[str, str],
                  rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.kind = kind
-        self.axes = axes
+        self.first_axes = axes if kind == "dense" else (axes[0], "rank")
+        self.second_axes = ("rank", axes[1])
         if kind == "dense":
             self.w = nnx.Param(dense_init(rngs.params(), (d_in, d_out), d_in, d_out, param_dtype), axes=axes)
         else:
@@ -44,34 +53,98 @@ class Projection(nnx.Module):
     def factored(self) -> bool:
         return self.kind != "dense"
 
-    def compress(self, x: jax.Array) -> jax.Array:
-        if not self.factored:
-            return x @ self.w[...].astype(x.dtype)
-        return self.activate(x @ self.a[...].astype(x.dtype))
+    def first(self):
+        return self.a if self.factored else self.w
 
-    def activate(self, h: jax.Array) -> jax.Array:
-        """σ on a (fully reduced) A output, then pin and tag the r-wide tensor."""
-        if self.kind == "cola":
-            h = jax.nn.silu(h)
-        h = constrain(h, ("act_batch", "act_seq", "act_rank"))
-        return checkpoint_name(h, "lowrank")
+    def first_weight(self) -> jax.Array:
+        return gathered((self.a if self.factored else self.w)[...], self.first_axes)
 
-    def expand(self, h: jax.Array) -> jax.Array:
-        if not self.factored:
-            return h
-        return h @ self.b[...].astype(h.dtype)
+    def second_weight(self) -> jax.Array:
+        return gathered(self.b[...], self.second_axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.expand(self.compress(x))
+        return project([self], x, grouped=False)[0]
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("norm",))
+    """RMSNorm (statistics in float32). `impl="pallas"` runs the fused kernel, which also yields the
+    per-row sum of squares that online RMSNorm sends with the A partial products."""
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # Statistics in float32 whatever the compute dtype.
-        xf = x.astype(jnp.float32)
-        inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32, axis: str = "norm", impl: str = "xla"):
+        self.eps = eps
+        self.impl = impl
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=(axis,))
+
+    def rows(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(normalised rows, Σx² per row) of an unsharded (or local) x."""
+        return rmsnorm_rows(x, self.scale[...], self.eps, impl=self.impl)
+
+    def __call__(self, x: jax.Array, names=("act_batch", "act_res_seq", "act_embed")) -> jax.Array:
+        if self.impl == "xla":
+            return self.rows(x)[0]
+        spec = logical_spec(names, x.shape)
+        if spec is None:
+            return self.rows(x)[0]
+        if len(spec) == x.ndim and spec[-1] is not None:
+            # Rows split along d (BTP without online norm): the kernel needs whole rows.
+            return rmsnorm_rows(x, self.scale[...], self.eps, impl="xla")[0]
+        # A pallas_call is not partitioned by GSPMD: run it per shard.
+        mesh = rules.current()[0]
+        return jax.shard_map(lambda v, w: rmsnorm_rows(v, w, self.eps, impl=self.impl)[0], mesh=mesh,
+                             in_specs=(spec, jax.sharding.PartitionSpec()), out_specs=spec,
+                             check_vma=False)(x, self.scale[...])  # a pallas_call has no vma types
+
+
+def _runs(projs, weight):
+    """Consecutive projections whose `weight(p)` shapes agree: each run is one grouped GEMM."""
+    i = 0
+    for _, run in itertools.groupby(projs, key=lambda p: weight(p).shape):
+        run = list(run)
+        yield i, run
+        i += len(run)
+
+
+def _bottleneck(projs, h, tag: bool = True):
+    """σ on the fully reduced [B, T, g, r] first-stage output. The reduced tensor (before σ) is
+    what low-rank checkpointing saves: recomputing from it needs no collective."""
+    h = constrain(h, RANK_ACT)
+    if tag:
+        h = checkpoint_name(h, "lowrank")
+    return jax.nn.silu(h) if projs[0].kind == "cola" else h
+
+
+def _first_stage(projs, x, grouped: bool, norm=None):
+    """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given)."""
+    ctx = rules.current()
+    if (norm is not None and ctx is not None and ctx[1].online_norm and ctx[0].shape["tensor"] > 1
+            and all(p.factored for p in projs)):
+        # BTP: norm statistics travel in the same all-reduce as the A partial products.
+        from boost_jax.parallel.online_norm import online_norm_matmul
+        a = jnp.stack([p.first_weight() for p in projs]).astype(x.dtype)
+        h = online_norm_matmul(x, norm.scale[...], a, eps=norm.eps, mesh=ctx[0], impl=norm.impl)
+        return [(projs, _bottleneck(projs, h, tag=False))]  # tagged inside, before the division
+    if norm is not None:
+        x = norm(x)
+    out = []
+    runs = _runs(projs, lambda p: p.first()) if grouped else ((i, [p]) for i, p in enumerate(projs))
+    for _, run in runs:
+        w = jnp.stack([p.first_weight() for p in run]).astype(x.dtype)  # [g, d_in, width]
+        h = jnp.einsum("btd,gdr->btgr", x, w)
+        out.append((run, _bottleneck(run, h) if run[0].factored else h))
+    return out
+
+
+def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
+    """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
+    run of equal first-stage shapes, one batched dot_general per run of equal B shapes."""
+    outs = []
+    for run, h in _first_stage(projs, x, grouped, norm):
+        if not run[0].factored:
+            outs.extend(h[:, :, i] for i in range(len(run)))
+            continue
+        sub = _runs(run, lambda p: p.b) if grouped else ((i, [p]) for i, p in enumerate(run))
+        for i, group in sub:
+            b = jnp.stack([p.second_weight() for p in group]).astype(h.dtype)  # [g, r, d_out]
+            y = jnp.einsum("btgr,gro->btgo", h[:, :, i:i + len(group)], b)
+            outs.extend(y[:, :, j] for j in range(len(group)))
+    return outs

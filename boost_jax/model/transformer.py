@@ -7,10 +7,10 @@ from flax import nnx
 
 from boost_jax import remat
 from boost_jax.model.attention import Attention
-from boost_jax.model.linear import Projection, RMSNorm, dense_init
-from boost_jax.parallel.rules import constrain
+from boost_jax.model.linear import Projection, RMSNorm, dense_init, project
+from boost_jax.parallel.rules import constrain, gathered
 
-RESIDUAL = ("act_batch", "act_seq", "act_embed")
+RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 
 
 def compute_dtype(name: str):
@@ -27,49 +27,52 @@ class MLP(nnx.Module):
         self.down = Projection(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **proj)
         # CoLA's larger models drop the SwiGLU σ: the bottleneck σ is the only nonlinearity.
         self.only_lr_act = bool(cfg.only_lr_act) and cfg.linear == "cola"
+        self.grouped = bool(cfg.group_linears)
 
-    def __call__(self, x):
-        g, u = self.gate(x), self.up(x)
+    def __call__(self, x, norm):
+        g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm)
         h = g * u if self.only_lr_act else jax.nn.silu(g) * u
         return self.down(constrain(h, ("act_batch", "act_seq", "act_mlp")))
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, norm_impl: str = "xla"):
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm_impl)
         self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm_impl)
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, x, positions, cache=None):
-        h, cache = self.attn(self.attn_norm(x), positions, cache)
+        h, cache = self.attn(x, self.attn_norm, positions, cache)
         x = constrain(x + h, RESIDUAL)
-        x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        x = constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL)
         return x, cache
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none"):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none", norm_impl: str = "xla"):
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.dtype = compute_dtype(cfg.dtype)
         self.remat_policy = remat_policy
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
         self.embed = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
-                                                                param_dtype), axes=("vocab", "embed"))
+                                                                param_dtype), axes=("vocab_in", "embed"))
 
         # One Block's parameters with a leading layer axis, so the stack runs as one lax.scan and
         # compile time does not grow with depth.
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stacked(r):
-            return Block(cfg, rngs=r, param_dtype=param_dtype)
+            return Block(cfg, rngs=r, param_dtype=param_dtype, norm_impl=norm_impl)
 
         self.layers = stacked(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype, axis="head_norm",
+                                  impl=norm_impl)
+        self.unroll = bool(cfg.scan_unroll)
         self.tie_embeddings = bool(cfg.tie_embeddings)
         if not self.tie_embeddings:
             self.lm_head = nnx.Param(dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model,
-                                                cfg.d_model, param_dtype), axes=("embed", "vocab"))
+                                                cfg.d_model, param_dtype), axes=("head_embed", "vocab"))
 
     def init_cache(self, batch: int, max_len: int):
         shape = (self.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
@@ -80,18 +83,24 @@ class Transformer(nnx.Module):
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-        x = constrain(self.embed[...].astype(self.dtype)[tokens], RESIDUAL)
+        x = constrain(gathered(self.embed[...], ("vocab_in", "embed")).astype(self.dtype)[tokens], RESIDUAL)
         graphdef, layer_state = nnx.split(self.layers)
 
         def body(x, xs):
             state, layer_cache = xs
             return nnx.merge(graphdef, state)(x, positions, layer_cache)
 
-        x, cache = jax.lax.scan(remat.wrap(body, self.remat_policy), x, (layer_state, cache))
-        return self.final_norm(x), cache
+        x, cache = jax.lax.scan(remat.wrap(body, self.remat_policy), x, (layer_state, cache),
+                                unroll=self.n_layers if self.unroll else 1)
+        # One gather of the hidden state (BTP keeps it split along d; sequence parallelism along T),
+        # then the final norm and a vocab-parallel head run without further collectives.
+        whole_rows = ("act_batch", "act_seq", None)
+        return self.final_norm(constrain(x, whole_rows), whole_rows), cache
 
     def head_weight(self):
-        return self.embed[...].T if self.tie_embeddings else self.lm_head[...]
+        if self.tie_embeddings:
+            return gathered(self.embed[...], ("vocab_in", "embed")).T
+        return gathered(self.lm_head[...], ("head_embed", "vocab"))
 
     def __call__(self, tokens, positions=None, cache=None):
         """Logits [B, T, vocab] in float32, and the updated cache (None without one)."""
@@ -101,8 +110,13 @@ class Transformer(nnx.Module):
         return constrain(logits, ("act_batch", "act_seq", "act_vocab")), cache
 
 
-def build_model(model_cfg, seed: int = 0, remat_policy: str = "none") -> Transformer:
-    return Transformer(model_cfg, rngs=nnx.Rngs(params=seed), remat_policy=remat_policy)
+def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla") -> Transformer:
+    return Transformer(model_cfg, rngs=nnx.Rngs(params=seed), remat_policy=remat_policy, norm_impl=norm_impl)
+
+
+def model_from_config(cfg) -> Transformer:
+    """The model a run config describes (shapes, remat policy, norm kernel)."""
+    return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm)
 
 
 def projection_flops(d_in: int, d_out: int, kind: str, rank: int) -> int:

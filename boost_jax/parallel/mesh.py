@@ -52,6 +52,11 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
 
 def make_mesh(cfg, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
+    if cfg.parallel.num_devices:
+        if cfg.parallel.num_devices > len(devices):
+            raise ConfigError(f"config field `parallel.num_devices`: {cfg.parallel.num_devices} requested, "
+                              f"{len(devices)} available")
+        devices = devices[: cfg.parallel.num_devices]
     shape = mesh_shape(cfg.parallel, len(devices))
     check_divisibility(cfg, shape)
     # Auto axes: GSPMD propagates shardings from our parameter specs and activation constraints.

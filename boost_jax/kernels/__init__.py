@@ -1,0 +1,1 @@
+"""Hand-written Pallas kernels (each with a plain-jnp reference path)."""

@@ -1,0 +1,44 @@
+"""Online RMSNorm fused with row-parallel A GEMMs: one all-reduce carries both (BOOST, exact).
+
+With x split along d into x_i (width d_i) on the `tensor` axis, each device
+  1. s_i = Σ x_i²;  rms_i = sqrt(s_i/d_i + eps);  x̂_i = γ_i ⊙ x_i / rms_i   (well-scaled GEMM input)
+  2. H_i = (x̂_i · A_i) · rms_i                                             (local partial product)
+  3. [H, S] = Σ_i [H_i, s_i]                                                (ONE all-reduce)
+  4. Y = H / sqrt(S/d + eps)
+rms_i cancels, so Y = (γ ⊙ x)·A / rms(x) exactly; the norm needs no collective of its own.
+
+Steps 1-2 run per shard in `shard_map` (where the Pallas norm kernel can run) and return the
+partials stacked along a leading axis split over `tensor`; the sum over that axis is the all-reduce
+(XLA combines the H and S reductions into one tuple all-reduce). The reduced H and S are tagged for
+activation checkpointing, so a low-rank remat policy recomputes only the local, collective-free part.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from boost_jax.kernels.rmsnorm import rmsnorm
+from boost_jax.parallel.strategies import BATCH
+
+
+def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla"):
+    """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g."""
+    d = x.shape[-1]
+    batch = tuple(a for a in BATCH if mesh.shape[a] > 1) or None
+
+    def local(x, scale, a):
+        xhat, s = rmsnorm(x, scale, eps, impl=impl)  # locally normalised rows and the local Σx²
+        rms_i = jnp.sqrt(s / x.shape[-1] + eps)
+        h = jnp.einsum("btd,gdr->btgr", xhat, a.astype(x.dtype), preferred_element_type=jnp.float32)
+        h = (h * rms_i[..., None, None]).astype(x.dtype)
+        return h[None], s[None]
+
+    h_parts, s_parts = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(batch, None, axis), P(axis), P(None, axis, None)),
+        out_specs=(P(axis, batch, None, None, None), P(axis, batch, None)),
+        check_vma=impl != "pallas")(x, scale, a_stack)  # a pallas_call carries no varying-axis types
+    h = checkpoint_name(h_parts.sum(axis=0), "lowrank")
+    s = checkpoint_name(s_parts.sum(axis=0), "norm_stats")
+    return (h.astype(jnp.float32) / jnp.sqrt(s / d + eps)[..., None, None]).astype(x.dtype)

@@ -1,0 +1,390 @@
+"""Per-device communication of each tensor-parallel strategy, read from compiled HLO (nothing allocated).
+
+    python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 \
+        --strategy btp,vanilla,megatron [--batch 4] [--seq 4096] [--dtype bfloat16] \
+        [--json PATH] [--markdown PATH] [--no-memory]
+
+For each strategy the model is lowered from abstract shapes (ShapeDtypeStructs carrying the state's
+shardings) and compiled three ways: the forward loss, forward+backward (jax.grad of the loss, grads
+in the parameters' layout) and the real train step of `jit_train_step`. Each is compiled with the
+layer scan unrolled at n_layers=1 and 2 so every layer's collectives are listed separately:
+per layer = (2 layers) - (1 layer), the rest (embedding, head, loss, optimizer) = (1 layer) - per
+layer, and the whole model = rest + L x per layer ("lowered at 1 and 2 layers, scaled to L").
+
+Strategies: `btp`, `vanilla`, `megatron`, optionally `NAME:LINEAR` (LINEAR = dense|lowrank|cola).
+`megatron` alone means the full-rank (dense) twin of the config, the baseline BOOST compares with
+(`megatron:cola` forces the low-rank model); the others use the config's own `model.linear`.
+
+Bytes are elements x the LOGICAL dtype: the compute dtype (--dtype) for tensor-axis collectives
+(activations) and float32 for data/fsdp ones (gradients, parameters). The HLO's own dtype is not
+used: XLA's CPU backend carries bf16 all-reduces as f32, which would double the tensor-axis bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from boost_jax.tools.devices import emulate_cpu_devices, load_config, parse_mesh, pick_devices
+
+PROGRAMS = ("forward", "forward_backward", "train_step")
+LINEARS = ("dense", "lowrank", "cola")
+GIB = 2 ** 30
+
+
+# ---------------------------------------------------------------- tallies: {"kind@axes": {count, elements}}
+
+def _key(c) -> str:
+    return f"{c.kind}@{'+'.join(c.axes) or 'none'}"
+
+
+def _tally(collectives) -> dict:
+    out: dict = {}
+    for c in collectives:
+        slot = out.setdefault(_key(c), {"count": 0, "elements": 0})
+        slot["count"] += 1
+        slot["elements"] += c.elements
+    return out
+
+
+def _combine(a: dict, b: dict, wa: int = 1, wb: int = 1) -> dict:
+    """wa*a + wb*b, entries that cancel dropped."""
+    out = {}
+    for k in sorted(set(a) | set(b)):
+        slot = {f: wa * a.get(k, {}).get(f, 0) + wb * b.get(k, {}).get(f, 0) for f in ("count", "elements")}
+        if slot["count"] or slot["elements"]:
+            out[k] = slot
+    return out
+
+
+def _axis_group(key: str) -> str:
+    """'tensor' (activations) or 'data_fsdp' (gradients, parameters; anything touching data/fsdp)."""
+    axes = key.split("@")[1].split("+")
+    return "data_fsdp" if {"data", "fsdp"} & set(axes) else "tensor"
+
+
+def _with_bytes(tally: dict, act_bytes: int) -> dict:
+    return {k: {**v, "bytes": v["elements"] * (act_bytes if _axis_group(k) == "tensor" else 4)}
+            for k, v in tally.items()}
+
+
+def _sum_by(tally: dict, group) -> dict:
+    out: dict = {}
+    for k, v in tally.items():
+        slot = out.setdefault(group(k), {f: 0 for f in v})
+        for f, x in v.items():
+            slot[f] += x
+    return out
+
+
+# ---------------------------------------------------------------- configs and compiles
+
+def parse_strategies(text) -> list[tuple[str, str | None]]:
+    """'btp,megatron:cola' -> [('btp', None), ('megatron', 'cola')]; None: the default linear."""
+    from boost_jax.config import STRATEGIES
+
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        name, _, linear = item.strip().partition(":")
+        if name not in STRATEGIES:
+            raise SystemExit(f"--strategy: {name!r} is not one of {STRATEGIES}")
+        if linear and linear not in LINEARS:
+            raise SystemExit(f"--strategy: {item!r}: the part after ':' must be one of {LINEARS}")
+        out.append((name, linear or None))
+    return out
+
+
+def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, seq: int, dtype: str,
+                   remat: str | None = None):
+    """The config one strategy column is measured on (depth and unrolling are set per compile)."""
+    from boost_jax.config import validate
+
+    c = base.copy_and_resolve_references()
+    linear = linear or ("dense" if strategy == "megatron" else c.model.linear)
+    if linear != c.model.linear:  # the twin: same shapes, other projection kind (cola_7b <-> llama_7b)
+        c.name = c.name.replace("cola", "llama") if linear == "dense" else c.name.replace("llama", "cola")
+        c.model.linear = linear
+        c.model.only_lr_act = c.model.only_lr_act and linear == "cola"
+    c.model.dtype = dtype
+    c.remat.policy = remat or c.remat.policy
+    c.model.max_seq_len = max(c.model.max_seq_len, seq)
+    c.train.update(seq_len=seq, global_batch=batch, grad_accum=1)
+    data, fsdp, tensor = mesh
+    c.parallel.update(data=data, fsdp=fsdp, tensor=tensor, num_devices=math.prod(mesh), strategy=strategy)
+    c.data.source = "embedded"  # nothing is read; a zoo config's `tokens` source would need a path
+    return validate(c)
+
+
+def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool):
+    """(compiled, mesh, seconds) for one program at one depth, from abstract shapes only."""
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.optim import make_optimizer
+    from boost_jax.parallel.mesh import make_mesh
+    from boost_jax.parallel.rules import use_rules
+    from boost_jax.parallel.strategies import get_strategy
+    from boost_jax.state import state_spec
+    from boost_jax.step import jit_train_step, next_token_loss
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.n_layers, cfg.model.scan_unroll = n_layers, unroll
+    tx, schedule = make_optimizer(cfg.train)
+    mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
+    start = time.perf_counter()
+    with use_rules(mesh, strategy):  # the model's sharding constraints read it while tracing
+        spec = state_spec(cfg, tx, mesh, strategy)
+        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
+        batch = jax.ShapeDtypeStruct((1, cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
+                                     sharding=batch_sharding)
+        if program == "train_step":
+            lowered = step.lower(spec.abstract, batch)
+        else:
+            def loss(params, b):
+                return next_token_loss(spec.graphdef, params, b[0])
+
+            # Gradients come out in the parameters' layout, as the optimizer receives them.
+            fn = jax.jit(loss) if program == "forward" else jax.jit(
+                jax.grad(loss), out_shardings=spec.shardings["params"])
+            lowered = fn.lower(spec.abstract["params"], batch)
+        compiled = lowered.compile()
+    return compiled, mesh, time.perf_counter() - start
+
+
+def _cost_flops(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float(cost.get("flops", 0.0)) if cost else None
+
+
+def _memory(compiled) -> dict | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    arg, out, temp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
+    alias = m.alias_size_in_bytes  # donated state: its outputs reuse the argument buffers
+    return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
+            "total_bytes": arg + out + temp - alias}
+
+
+# ---------------------------------------------------------------- one strategy
+
+def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
+    """Every number for one strategy column (cfg from `variant_config`)."""
+    from boost_jax.model import flops_per_token
+    from boost_jax.model.transformer import compute_dtype
+    from boost_jax.tools.hlo_comm import parse_collectives
+
+    m, p = cfg.model, cfg.parallel
+    depth = m.n_layers
+    tokens = cfg.train.global_batch * cfg.train.seq_len // (p.data * p.fsdp)  # per device
+    act_bytes = compute_dtype(m.dtype).itemsize
+    res: dict = {"strategy": p.strategy, "linear": m.linear, "config": cfg.name, "n_layers": depth,
+                 "model": {k: int(m[k]) for k in ("d_model", "d_ff", "rank", "n_heads", "n_kv_heads", "vocab_size")},
+                 "tokens_per_device": tokens, "activation_bytes": act_bytes, "compile_s": {}, "programs": {}}
+    xla_flops = []
+    for program in programs:
+        tallies = []
+        for layers in (1, 2):
+            compiled, mesh, seconds = compile_program(cfg, program, devices, layers, unroll=True)
+            cs = parse_collectives(compiled.as_text(), mesh)
+            if any(c.in_loop for c in cs):  # a loop would hide per-layer copies behind one listing
+                raise RuntimeError(f"{program}: collectives inside a while loop despite scan_unroll")
+            tallies.append(_tally(cs))
+            res["compile_s"][f"{program}@{layers}"] = round(seconds, 2)
+            if program == "train_step":
+                xla_flops.append(_cost_flops(compiled))
+        layer = _combine(tallies[1], tallies[0], 1, -1)
+        rest = _combine(tallies[0], layer, 1, -1)
+        total = _combine(rest, layer, 1, depth)
+        res["programs"][program] = {k: _with_bytes(v, act_bytes)
+                                    for k, v in (("per_layer", layer), ("rest", rest), ("total", total))}
+
+    progs = res["programs"]
+    fwd = progs["forward"]["per_layer"]
+    bwd = _combine(progs["forward_backward"]["per_layer"], fwd, 1, -1) if "forward_backward" in progs else {}
+    for name, tally in (("forward", fwd), ("backward", bwd)):
+        by_axis = _sum_by(_with_bytes(tally, act_bytes), _axis_group)
+        res[f"per_layer_{name}"] = {
+            g: {**v, "elements_per_token": v["elements"] / tokens} for g, v in sorted(by_axis.items())}
+    fwd_t = res["per_layer_forward"].get("tensor", {}).get("elements_per_token", 0.0)
+    res["per_layer_forward_units"] = {"r": fwd_t / m.rank, "d": fwd_t / m.d_model}
+    if "train_step" in progs:
+        total = progs["train_step"]["total"]
+        res["step_by_kind"] = _sum_by(total, lambda k: k.split("@")[0])
+        res["step_by_axis"] = _sum_by(total, _axis_group)
+
+    fpt = flops_per_token(m, cfg.train.seq_len, training=True)
+    n_dev = p.data * p.fsdp * p.tensor
+    res["flops"] = {"analytic_per_token": fpt,
+                    "analytic_per_device_step": fpt * cfg.train.global_batch * cfg.train.seq_len / n_dev}
+    if len(xla_flops) == 2 and None not in xla_flops:  # same 1/2-layer scaling as the collectives
+        layer_f = xla_flops[1] - xla_flops[0]
+        res["flops"]["xla_per_device_step"] = xla_flops[0] - layer_f + depth * layer_f
+
+    res["memory"] = None
+    if memory:  # the program that runs: full depth, layers scanned
+        compiled, _, seconds = compile_program(cfg, "train_step", devices, depth, unroll=False)
+        res["compile_s"][f"train_step@{depth}(scan)"] = round(seconds, 2)
+        res["memory"] = _memory(compiled)
+    return res
+
+
+def report(cfg_or_path, mesh=(1, 1, 4), strategies=("btp", "vanilla", "megatron"), batch: int = 4,
+           seq: int = 4096, dtype: str = "bfloat16", memory: bool = True, programs=PROGRAMS,
+           remat: str | None = None) -> dict:
+    """All numbers for each strategy (see the module docstring); JSON-serialisable."""
+    mesh = parse_mesh(mesh) if isinstance(mesh, str) else tuple(mesh)
+    devices = pick_devices(math.prod(mesh))
+    base = load_config(cfg_or_path)
+    columns = {}
+    for name, linear in parse_strategies(strategies):
+        cfg = variant_config(base, name, linear, mesh, batch, seq, dtype, remat)
+        label = name if linear is None else f"{name}:{linear}"
+        columns[label] = measure(cfg, devices, memory=memory, programs=programs)
+    return {"config": base.name, "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)), "batch": batch,
+            "seq": seq, "dtype": dtype, "remat": remat or base.remat.policy, "platform": devices[0].platform,
+            "method": METHOD, "d_model": int(base.model.d_model), "rank": int(base.model.rank),
+            "n_layers": int(base.model.n_layers), "strategies": columns}
+
+
+METHOD = ("Collectives read from the optimized HLO, per device per step; lowered at 1 and 2 layers "
+          "(scan unrolled), scaled to L: per layer = 2-layer minus 1-layer, rest = 1-layer minus per layer. "
+          "Bytes = elements x logical dtype: the compute dtype for tensor-axis (activation) collectives, "
+          "float32 for data/fsdp (gradient/parameter) ones (XLA:CPU carries bf16 all-reduces as f32, so the "
+          "HLO's own dtype would double them). Elements per token: per device tokens = batch*seq/(data*fsdp).")
+
+
+# ---------------------------------------------------------------- printing
+
+def _fmt_kinds(by_kind: dict) -> str:
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+             "collective-permute": "CP"}
+    return ", ".join(f"{v['count']} {short.get(k, k)}" for k, v in sorted(by_kind.items()))
+
+
+def _get(x, *path, default=0.0):
+    for p in path:
+        if not isinstance(x, dict) or p not in x:
+            return default
+        x = x[p]
+    return x
+
+
+def _gib(nbytes: float) -> str:
+    x = nbytes / GIB
+    return f"{x:.3f}" if x >= 0.01 or x == 0 else f"{x:.2e}"
+
+
+def _layer(c: dict, direction: str, group: str, field: str):
+    return _get(c, f"per_layer_{direction}", group, field, default=0)
+
+
+def to_markdown(rep: dict) -> str:
+    cols = rep["strategies"]
+    r, d = rep["rank"], rep["d_model"]
+
+    def row(label, fn):
+        return f"| {label} | " + " | ".join(fn(c) for c in cols.values()) + " |"
+
+    def per_token(c, direction):
+        return (f"{_layer(c, direction, 'tensor', 'elements_per_token'):.0f} "
+                f"({_layer(c, direction, 'tensor', 'count')} coll.)")
+
+    def both(c, group):
+        return _layer(c, "forward", group, "bytes") + _layer(c, "backward", group, "bytes")
+
+    def xla_flops(c):
+        x = _get(c, "flops", "xla_per_device_step", default=None)
+        return "-" if x is None else f"{x / 1e12:.3g}"
+
+    def memory(c):
+        m = c.get("memory")
+        keys = ("argument_bytes", "output_bytes", "temp_bytes", "total_bytes")
+        return "-" if not m else " / ".join(f"{m[k] / GIB:.1f}" for k in keys)
+
+    mesh = rep["mesh"]
+    title = (f"**{rep['config']}**, mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
+             f"batch {rep['batch']} x seq {rep['seq']}, {rep['dtype']}, L = {rep['n_layers']} "
+             "(lowered at 1 and 2 layers, scaled to L), per device per step.")
+    lines = [
+        title,
+        "",
+        "| | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+        row("model", lambda c: f"{c['config']} ({c['linear']})"),
+        row("fwd / layer, tensor: elements/token", lambda c: per_token(c, "forward")),
+        row("fwd / layer, tensor: in r / in d", lambda c: (
+            f"{c['per_layer_forward_units']['r']:.2f} r / {c['per_layer_forward_units']['d']:.2f} d")),
+        row("bwd / layer, tensor: elements/token", lambda c: per_token(c, "backward")),
+        row("fwd / layer, tensor: GiB", lambda c: _gib(_layer(c, "forward", "tensor", "bytes"))),
+        row("fwd+bwd / layer, tensor: GiB", lambda c: _gib(both(c, "tensor"))),
+        row("fwd+bwd / layer, data+fsdp: GiB", lambda c: _gib(both(c, "data_fsdp"))),
+        row("train step, tensor: GiB", lambda c: _gib(_get(c, "step_by_axis", "tensor", "bytes"))),
+        row("train step, data+fsdp: GiB", lambda c: _gib(_get(c, "step_by_axis", "data_fsdp", "bytes"))),
+        row("train step: collectives", lambda c: _fmt_kinds(_get(c, "step_by_kind", default={}))),
+        row("TFLOP/device/step, analytic", lambda c: f"{c['flops']['analytic_per_device_step'] / 1e12:.3g}"),
+        row("TFLOP/device/step, XLA cost_analysis", xla_flops),
+    ]
+    has_memory = any(c.get("memory") for c in cols.values())
+    if has_memory:
+        lines.append(row("peak memory GiB: arg / out / temp / total", memory))
+    lines.append(row("compile seconds", lambda c: f"{sum(c['compile_s'].values()):.0f}"))
+    lines += ["", "Per-layer forward tensor-axis traffic:"]
+    for name, c in cols.items():
+        x = _layer(c, "forward", "tensor", "elements_per_token")
+        lines.append(f"- {name}: {x / r:.2f} r = {x / d:.2f} d ({x:.0f} elements/token, r={r}, d={d}); "
+                     f"{_gib(_layer(c, 'forward', 'tensor', 'bytes'))} GiB per layer forward "
+                     f"at {rep['batch']}x{rep['seq']} tokens")
+    lines += ["", rep["method"]]
+    if has_memory:
+        lines.append("Peak memory: `.memory_analysis()` of the full-depth scanned train step, the "
+                     f"{rep['platform'].upper()} compiler's estimate (total = argument + output + temp - aliased), "
+                     f"remat policy `{rep['remat']}`.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_7b.py")
+    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor sizes (default 1,1,4)")
+    ap.add_argument("--strategy", default="btp,vanilla,megatron",
+                    help="comma list of btp|vanilla|megatron[:dense|lowrank|cola]; bare megatron = dense twin")
+    ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--no-memory", action="store_true", help="skip the full-depth compile for peak memory")
+    ap.add_argument("--remat", help="remat.policy for every column (default: the config's)")
+    args = ap.parse_args(argv)
+    mesh = parse_mesh(args.mesh)
+    emulate_cpu_devices(math.prod(mesh))  # before report() imports jax
+    from boost_jax.config import ConfigError
+
+    try:
+        rep = report(args.config, mesh, args.strategy, args.batch, args.seq, args.dtype,
+                     memory=not args.no_memory, remat=args.remat)
+    except ConfigError as e:
+        raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy/--remat)") from e
+    text = to_markdown(rep)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    return rep
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,69 @@
+"""Helpers the command-line tools share: emulated CPU devices and loading a config file.
+
+Nothing here imports jax at module level: `emulate_cpu_devices` must run before jax is imported.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+_FLAG = "--xla_force_host_platform_device_count"
+
+
+def emulate_cpu_devices(n: int) -> None:
+    """Ask XLA's CPU backend for at least n devices. Only possible before jax is imported, so a
+    no-op afterwards (`pick_devices` then says what went wrong). Harmless on GPU/TPU hosts."""
+    if "jax" in sys.modules:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    m = re.search(rf"{_FLAG}=(\d+)", flags)
+    if m and int(m.group(1)) >= n:
+        return
+    flags = re.sub(rf"{_FLAG}=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
+
+
+def pick_devices(n: int, flag: str = "--mesh") -> list:
+    """n devices of the default backend, else of the CPU backend (tools only compile, so emulated
+    CPU devices serve when the host has fewer accelerators than the mesh needs)."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < n:
+        cpu = jax.devices("cpu")
+        if len(cpu) < n:
+            raise SystemExit(
+                f"{flag} needs {n} devices but JAX sees {len(devices)} ({devices[0].platform}) and "
+                f"{len(cpu)} CPU devices: jax was imported before XLA_FLAGS could be set; export "
+                f"XLA_FLAGS={_FLAG}={n} before starting Python")
+        devices = cpu
+    return devices[:n]
+
+
+def load_config(cfg_or_path):
+    """A ConfigDict (copied) or the `get_config()` of a configs/*.py file."""
+    if not isinstance(cfg_or_path, (str, Path)):
+        return cfg_or_path.copy_and_resolve_references()
+    path = Path(cfg_or_path)
+    if not path.is_file():
+        raise SystemExit(f"--config: no such file {str(path)!r} (expected e.g. configs/cola_7b.py)")
+    spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise SystemExit(f"--config: {path} has no get_config()")
+    return module.get_config()
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+    """'data,fsdp,tensor' -> a tuple of three positive ints."""
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise SystemExit(f"--mesh: expected three positive sizes data,fsdp,tensor (e.g. 1,1,4), got {text!r}")
+    return sizes

@@ -1,0 +1,324 @@
+"""Account for every collective in the optimized HLO of a compiled JAX program.
+
+Feed it ``jax.jit(f).lower(*args).compile().as_text()`` (or use ``compiled_collectives``).
+
+Counting rules (per participating device, static: an op inside a ``while`` body is counted once,
+look at ``in_loop`` and multiply by the trip count yourself):
+
+* ``elements`` is the payload in ELEMENTS, not bytes. XLA's CPU backend combines independent
+  all-reduces into one tuple all-reduce and carries bf16 all-reduces as f32 (convert before and
+  after), so bytes read off the HLO would not match the program you wrote; elements do.
+  all-reduce / all-to-all / collective-permute: operand size; all-gather: gathered (output) size;
+  reduce-scatter: input size. Tuple operands are summed.
+* Async ``*-start`` ops count as their base kind; ``*-done`` halves are ignored. (The CPU
+  backend emits only synchronous collectives; GPU emits ``all-reduce-start`` & co and wraps
+  all-to-all / reduce-scatter in ``async-start(...), calls=%comp``: the op inside ``%comp`` counts.)
+* ``in_loop``: the computation is reachable from a ``while``'s ``body=``/``condition=`` through
+  any ``calls=``/``to_apply=``/``branch_computations=``... edge (scan and fori_loop lower to
+  ``while``; ``lax.cond`` inside them to ``conditional`` with ``branch_computations``).
+* Replica-group ids (with ``use_global_device_ids=true``) are LOGICAL ids: positions in the
+  compiled device assignment, i.e. in ``mesh.devices.flat`` order, not ``device.id``. (Checked:
+  a mesh built from permuted devices yields the same replica_groups as the identity mesh.)
+
+Replica-group syntaxes understood (all seen from XLA as shipped with jax 0.10):
+  explicit ``{{0,1,2,3},{4,5,6,7}}``; empty ``{}`` (all devices); iota ``[2,4]<=[8]`` and
+  ``[4,2]<=[2,4]T(1,0)``; mesh-axes ``mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0))
+  {'axis_1'}`` with sub-axes ``'axis_0':(2)2`` (emitted by GSPMD/Shardy partitioning).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Opcode -> base kind. `-done` halves are absent on purpose so they are skipped.
+_OPCODES = {**{k: k for k in KINDS}, **{f"{k}-start": k for k in KINDS}}
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")
+# `name = shape opcode(` ; shape may be a (nested) tuple, so it is matched lazily up to the opcode.
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_CALLEES = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
+    r"|called_computations)="
+    r"(\{[^}]*\}|%?[\w.\-]+)")
+_WHILE_BODY = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+_INTS = re.compile(r"-?\d+")
+
+
+@dataclass
+class Collective:
+    kind: str
+    elements: int
+    dtype: str
+    group_size: int
+    axes: tuple[str, ...]
+    computation: str
+    in_loop: bool
+
+
+# ---------------------------------------------------------------- shapes and operands
+
+def _shape_elements(shape: str) -> int:
+    """Elements of an HLO shape string, summed over tuple members (tokens count 0)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype == "token":
+            continue
+        total += math.prod(int(d) for d in _INTS.findall(dims.replace("<=", "")))
+    return total
+
+
+def _shape_dtype(shape: str) -> str:
+    m = _ARRAY.search(shape)
+    return m.group(1) if m else ""
+
+
+def _split_top(s: str) -> tuple[list[str], str]:
+    """Split the text after `opcode(` into top-level operands and the attribute tail."""
+    depth, start, parts = 0, 0, []
+    for i, ch in enumerate(s):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:  # the `)` closing the operand list
+                parts.append(s[start:i])
+                return [p.strip() for p in parts if p.strip()], s[i + 1:]
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    return [p.strip() for p in parts if p.strip()], ""
+
+
+def _operand_shape(operand: str, symbols: dict[str, str]) -> str:
+    # Operands print either bare (`%x`) or with their shape (`f32[4]{0} %x`), depending on options.
+    shape, _, name = operand.rpartition(" ")
+    return shape if shape else symbols.get(name.lstrip("%"), "")
+
+
+# ---------------------------------------------------------------- replica groups
+
+def _iota(dims: Sequence[int], reshape: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
+    """XLA iota tile assignment: iota(prod) reshaped to `reshape`, transposed by `perm`, shaped `dims`."""
+    a = np.arange(math.prod(reshape)).reshape(reshape)
+    if perm:
+        a = a.transpose(perm)
+    return a.reshape(dims)
+
+
+def _ints(s: str | None) -> list[int]:
+    return [int(x) for x in _INTS.findall(s or "")]
+
+
+def _mesh_axes_groups(text: str) -> list[list[int]]:
+    """Expand `mesh[...](, device_ids=(...))? {axis refs}` into explicit groups."""
+    m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}", text)
+    if m is None:
+        raise ValueError(f"unrecognised mesh replica groups: {text[:120]!r}")
+    names, sizes = [], []
+    for name, size in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1)):
+        names.append(name)
+        sizes.append(int(size))
+    n = math.prod(sizes)
+    ids_text = (m.group(2) or "").strip()
+    if not ids_text:
+        devices = np.arange(n).reshape(sizes)
+    elif ids_text.startswith("["):  # iota form `[reshape]T(perm)` (dims are the mesh's)
+        it = re.match(r"\[([\d,]*)\](?:<=\[([\d,]*)\])?(?:T\(([\d,]*)\))?", ids_text)
+        reshape = _ints(it.group(2)) or _ints(it.group(1))
+        devices = _iota(sizes, reshape, _ints(it.group(3)) or None)
+    else:
+        devices = np.asarray(_ints(ids_text)).reshape(sizes)
+    coords = np.indices(sizes).reshape(len(sizes), -1).T  # row-major coords of each position
+    # For each grouped (sub-)axis: (mesh axis index, stride inside that axis, size).
+    grouped = []
+    for ref in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", m.group(3)):
+        name, pre, size = ref
+        i = names.index(name)
+        if pre:  # sub-axis `(pre)size`: axis = [pre, size, rest] with `pre` the major part
+            grouped.append((i, sizes[i] // (int(pre) * int(size)), int(size)))
+        else:
+            grouped.append((i, 1, sizes[i]))
+    groups: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = defaultdict(list)
+    for pos, c in enumerate(coords):
+        key = list(c)
+        order = []
+        for i, stride, size in grouped:
+            sub = (c[i] // stride) % size
+            key[i] -= sub * stride  # drop the grouped component: members share the rest
+            order.append(sub)
+        groups[tuple(key)].append((tuple(order), int(devices.flat[pos])))
+    return [[d for _, d in sorted(members)] for _, members in sorted(groups.items())]
+
+
+def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list[int]]:
+    """Parse the value of a `replica_groups=` attribute (any syntax) into explicit id groups."""
+    text = text.strip()
+    if text.startswith("mesh["):
+        return _mesh_axes_groups(text)
+    if text.startswith("["):  # iota: [groups,size]<=[reshape]T(perm)
+        m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+        if m is None:
+            raise ValueError(f"unrecognised iota replica groups: {text[:120]!r}")
+        dims = _ints(m.group(1))
+        arr = _iota(dims, _ints(m.group(2)), _ints(m.group(3)) or None)
+        return arr.reshape(dims[0], -1).tolist()
+    if text.startswith("{"):
+        groups = [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", text[1:])]
+        groups = [g for g in groups if g]
+        if groups:
+            return groups
+        if num_devices is None:  # `{}` means one group of every device
+            raise ValueError("replica_groups={} needs the device count")
+        return [list(range(num_devices))]
+    raise ValueError(f"unrecognised replica groups: {text[:120]!r}")
+
+
+def _braced(s: str) -> str:
+    """The leading `{...}` of s, braces balanced."""
+    depth = 0
+    for j, ch in enumerate(s):
+        depth += ch == "{"
+        depth -= ch == "}"
+        if depth == 0:
+            return s[: j + 1]
+    return s
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    """Raw value of `key=`; the mesh form contains a space, so it is cut at its closing `}`."""
+    m = re.search(rf"\b{key}=", attrs)
+    if m is None:
+        return None
+    s = attrs[m.end():]
+    if s.startswith("mesh["):
+        return s[: s.index("}") + 1]
+    if s.startswith("{"):
+        return _braced(s)
+    m = re.match(r"\[[\d,]*\]<=\[[\d,]*\](?:T\([\d,]*\))?", s)  # iota form
+    return m.group(0) if m else None
+
+
+# ---------------------------------------------------------------- mesh axes
+
+def _axes_of(groups: Iterable[Sequence[int]], mesh: Mesh | None) -> tuple[str, ...]:
+    """Mesh axes along which members of any group differ (ids are positions in mesh.devices.flat)."""
+    if mesh is None:
+        return ()
+    shape = mesh.devices.shape
+    size = math.prod(shape)
+    varying: set[int] = set()
+    for g in groups:
+        if any(d >= size for d in g):
+            raise ValueError(f"device id {max(g)} outside a mesh of {size} devices")
+        coords = np.array(np.unravel_index(np.asarray(g), shape))  # [ndim, members]
+        varying |= {i for i in range(len(shape)) if len(set(coords[i].tolist())) > 1}
+    return tuple(mesh.axis_names[i] for i in sorted(varying))
+
+
+def _permute_group_size(pairs: list[list[int]]) -> int:
+    """Largest connected component of the source->target graph (a ring of n gives n)."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for s, t in pairs:
+        if s != t:
+            parent[find(s)] = find(t)
+    sizes = defaultdict(int)
+    for x in list(parent):
+        sizes[find(x)] += 1
+    return max(sizes.values(), default=2)
+
+
+# ---------------------------------------------------------------- main entry points
+
+def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collective]:
+    """Every collective in an optimized HLO module, in textual order. Without a mesh, axes=()."""
+    # Needed for `replica_groups={}` (= every device); the module header knows the count.
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    replicas = re.search(r"replica_count=(\d+)", hlo_text)
+    num_devices = (mesh.devices.size if mesh is not None
+                   else int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1))
+
+    calls: dict[str, set[str]] = defaultdict(set)
+    loop_roots: set[str] = set()
+    found: list[tuple[str, str, str, list[str], str, dict[str, str]]] = []  # per collective
+    comp, symbols = "", {}
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+            header_name = _HEADER.match(line)
+            comp, symbols = (header_name.group(1) if header_name else line.split()[0]), {}
+            continue
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        name, shape, opcode, rest = m.groups()
+        symbols[name] = shape
+        for callee in _CALLEES.findall(rest):
+            calls[comp].update(c.lstrip("%") for c in re.findall(r"%?([\w.\-]+)", callee))
+        if opcode == "while":
+            loop_roots.update(_WHILE_BODY.findall(rest))
+        if opcode in _OPCODES:
+            operands, attrs = _split_top(rest)
+            found.append((comp, _OPCODES[opcode], shape, operands, attrs, symbols))
+
+    in_loop, todo = set(), list(loop_roots)  # computations reachable from any while body/condition
+    while todo:
+        c = todo.pop()
+        if c not in in_loop:
+            in_loop.add(c)
+            todo.extend(calls.get(c, ()))
+
+    out = []
+    for comp, kind, shape, operands, attrs, symbols in found:
+        op_shapes = [_operand_shape(o, symbols) for o in operands]
+        if kind == "collective-permute":
+            op_shapes = op_shapes[:1]  # the in-place form adds output buffer/offsets as operands
+            pairs = (_attr(attrs, "source_target_pairs") or "{}")[1:]
+            groups = [_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
+            group_size = _permute_group_size(groups)
+        else:
+            groups = parse_replica_groups(_attr(attrs, "replica_groups") or "{}", num_devices)
+            group_size = len(groups[0])
+        if all(op_shapes):
+            elements = sum(_shape_elements(s) for s in op_shapes)
+            elements *= group_size if kind == "all-gather" else 1  # gather payload = gathered size
+        else:  # operand shape unknown: fall back on the result (only meaningful for sync ops)
+            elements = _shape_elements(shape) * (group_size if kind == "reduce-scatter" else 1)
+        dtype = _shape_dtype(op_shapes[0] if op_shapes and op_shapes[0] else shape)
+        out.append(Collective(kind, elements, dtype, group_size, _axes_of(groups, mesh), comp, comp in in_loop))
+    return out
+
+
+def summarize(collectives: Iterable[Collective], *, by: Sequence[str] = ("kind",)) -> dict:
+    """{key: {"count", "elements"}}; key is the field value for one field, else a tuple of values."""
+    out: dict = {}
+    for c in collectives:
+        values = tuple(getattr(c, f) for f in by)
+        key = values[0] if len(by) == 1 else values
+        slot = out.setdefault(key, {"count": 0, "elements": 0})
+        slot["count"] += 1
+        slot["elements"] += c.elements
+    return out
+
+
+def compiled_collectives(fn: Callable, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> list[Collective]:
+    """Compile `fn` (jitted or not) for these arguments and parse its collectives."""
+    import jax
+
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return parse_collectives(jitted.lower(*args, **kwargs).compile().as_text(), mesh)

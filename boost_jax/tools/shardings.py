@@ -1,0 +1,117 @@
+"""Print how a strategy lays out every parameter (from abstract shapes; nothing is allocated).
+
+    python -m boost_jax.tools.shardings --config configs/cola_60m.py [--mesh 1,1,4] [--strategy btp]
+        [--show layers/attn/q/a]
+
+One line per parameter: path, global shape, per-device shape, logical axes, PartitionSpec.
+`--show PATH` builds that one parameter (zeros, placed with its sharding) and draws which device
+holds which block with `jax.debug.visualize_array_sharding`. That draws 1-D and 2-D arrays only;
+stacked layer parameters are [layers, ...] with the layer axis never sharded, so layer 0's slice
+(same layout as every layer) is drawn.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import sys
+
+from boost_jax.tools.devices import emulate_cpu_devices, load_config, parse_mesh, pick_devices
+
+
+def _path(keys) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def param_table(cfg, devices):
+    """[(path, shape, local shape, axes, spec)], the mesh and the parameters' shardings by path."""
+    import jax
+
+    from boost_jax.optim import make_optimizer
+    from boost_jax.parallel.mesh import make_mesh
+    from boost_jax.parallel.strategies import get_strategy
+    from boost_jax.state import _is_axes, state_spec
+
+    tx, _ = make_optimizer(cfg.train)
+    mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
+    spec = state_spec(cfg, tx, mesh, strategy)
+    axes = {_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(spec.axes, is_leaf=_is_axes)[0]}
+    rows, shardings = [], {}
+    for p, leaf in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]:
+        path = _path(p)
+        shardings[path] = leaf.sharding
+        rows.append((path, tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape)), axes[path],
+                     leaf.sharding.spec))
+    return rows, mesh, shardings
+
+
+def format_table(rows) -> str:
+    cells = [("path", "shape", "per device", "logical axes", "PartitionSpec")]
+    cells += [(p, str(s), str(local), "(" + ", ".join(str(a) for a in ax) + ")", str(spec))
+              for p, s, local, ax, spec in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def show(path: str, rows, shardings) -> None:
+    """Place zeros of one parameter with its sharding and draw the device layout."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    path = path.replace(".", "/")
+    if path not in shardings:
+        close = difflib.get_close_matches(path, list(shardings), n=5, cutoff=0.3)
+        raise SystemExit(f"--show: no parameter {path!r}; close matches: {close or sorted(shardings)[:8]}")
+    _, shape, _, axes, spec = next(r for r in rows if r[0] == path)
+    sharding = shardings[path]
+    if len(shape) > 2:
+        if axes[0] != "layers" or (len(spec) and spec[0] is not None):
+            raise SystemExit(f"--show: {path} is {len(shape)}-D {shape} and not a stack of layers; "
+                             "visualize_array_sharding draws 1-D and 2-D arrays only")
+        print(f"{path} is a stack of {shape[0]} layers (layer axis not sharded); drawing layer 0's "
+              f"{list(shape[1:])} slice, laid out as {P(*spec[1:])}:")
+        shape, sharding = shape[1:], NamedSharding(sharding.mesh, P(*spec[1:]))
+    else:
+        print(f"{path} {list(shape)} laid out as {spec}:")
+    x = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
+    jax.debug.visualize_array_sharding(x)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_60m.py")
+    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor sizes (default 1,1,4)")
+    ap.add_argument("--strategy", help="btp | vanilla | megatron (default: the config's parallel.strategy)")
+    ap.add_argument("--show", metavar="PARAM_PATH", help="draw one parameter's layout, e.g. layers/attn/q/a")
+    args = ap.parse_args(argv)
+    mesh_sizes = parse_mesh(args.mesh)
+    emulate_cpu_devices(math.prod(mesh_sizes))  # before anything imports jax
+    from boost_jax.config import STRATEGIES, ConfigError, validate
+
+    cfg = load_config(args.config)
+    if args.strategy:
+        if args.strategy not in STRATEGIES:
+            raise SystemExit(f"--strategy: {args.strategy!r} is not one of {STRATEGIES}")
+        cfg.parallel.strategy = args.strategy
+    data, fsdp, tensor = mesh_sizes
+    cfg.parallel.update(data=data, fsdp=fsdp, tensor=tensor, num_devices=math.prod(mesh_sizes))
+    cfg.train.global_batch = max(cfg.train.global_batch // (data * fsdp), 1) * data * fsdp  # divisible
+    cfg.train.grad_accum = 1
+    cfg.data.source = "embedded"  # nothing is read; a zoo config's `tokens` source would need a path
+    try:
+        validate(cfg)
+        rows, mesh, shardings = param_table(cfg, pick_devices(math.prod(mesh_sizes)))
+    except ConfigError as e:
+        raise SystemExit(f"{e} (set via --mesh/--strategy)") from e
+    print(f"{cfg.name}: strategy {cfg.parallel.strategy}, linear {cfg.model.linear}, "
+          f"mesh {dict(mesh.shape)}")
+    print(format_table(rows))
+    if args.show:
+        print()
+        show(args.show, rows, shardings)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,92 @@
+"""comm_report on a scaled-down MHA model (d=512, H=8, I=1376, r=128) on 4 emulated devices, and the
+shardings CLI. Targets are the BOOST traffic formulas per token per layer on the tensor axis
+(../shared/reference/boost.md): BTP 7r forward, 7r more backward; vanilla 5d+2I; Megatron 2d."""
+import pytest
+
+from boost_jax.config import base_config
+from boost_jax.tools import comm_report, shardings
+
+D, H, I, R = 512, 8, 1376, 128
+MESH = (1, 1, 4)
+STATS = 8  # norm statistics riding with the A all-reduces: one scalar per token per norm (2 per layer)
+
+
+def model_config():
+    c = base_config()
+    c.model.update(d_model=D, n_heads=H, n_kv_heads=H, d_ff=I, rank=R, n_layers=2, vocab_size=1024, max_seq_len=64)
+    return c
+
+
+@pytest.fixture(scope="module")
+def columns():
+    common = {"mesh": MESH, "batch": 2, "seq": 64, "dtype": "bfloat16", "memory": False}
+    btp = comm_report.report(model_config(), strategies="btp", **common)  # all three programs
+    # The baselines only need the forward and forward+backward programs (keeps the file fast).
+    others = comm_report.report(model_config(), strategies="vanilla,megatron",
+                                programs=("forward", "forward_backward"), **common)
+    return {**btp["strategies"], **others["strategies"]}
+
+
+def tensor(col, direction):
+    return col[f"per_layer_{direction}"]["tensor"]
+
+
+def test_btp_forward_is_7r_in_4_collectives(columns):
+    fwd = tensor(columns["btp"], "forward")
+    assert abs(fwd["elements_per_token"] - 7 * R) <= 0.05 * 7 * R
+    assert fwd["count"] <= 4
+    assert "data_fsdp" not in columns["btp"]["per_layer_forward"]  # mesh has no batch axes
+
+
+def test_btp_backward_mirrors_forward(columns):
+    fwd, bwd = tensor(columns["btp"], "forward"), tensor(columns["btp"], "backward")
+    assert fwd["elements_per_token"] + bwd["elements_per_token"] <= 14 * R + STATS
+    assert bwd["elements_per_token"] >= 7 * R  # the B's input gradients: no reshard was dropped or added
+
+
+def test_btp_train_step_adds_nothing_per_layer(columns):
+    step = columns["btp"]["programs"]["train_step"]
+    per_layer = step["per_layer"]["all-reduce@tensor"]["elements"] / columns["btp"]["tokens_per_device"]
+    both = tensor(columns["btp"], "forward")["elements_per_token"] + tensor(columns["btp"], "backward")[
+        "elements_per_token"]
+    assert per_layer == pytest.approx(both)
+    # Once per step: the residual stream, split along d, is gathered before the final norm and head.
+    (gather,) = [v for k, v in step["rest"].items() if k.startswith("all-gather")]
+    assert gather["count"] == 1 and gather["elements"] == columns["btp"]["tokens_per_device"] * D
+
+
+def test_vanilla_pays_full_output_widths(columns):
+    fwd = tensor(columns["vanilla"], "forward")
+    assert fwd["elements_per_token"] >= 4 * D + 2 * I
+
+
+def test_megatron_dense_is_2d(columns):
+    col = columns["megatron"]
+    assert col["linear"] == "dense"  # bare `megatron` measures the full-rank twin
+    assert abs(tensor(col, "forward")["elements_per_token"] - 2 * D) <= 0.05 * 2 * D
+    assert abs(tensor(col, "backward")["elements_per_token"] - 2 * D) <= 0.05 * 2 * D
+
+
+def test_strategy_spec_parsing():
+    assert comm_report.parse_strategies("btp,megatron:cola") == [("btp", None), ("megatron", "cola")]
+    cfg = comm_report.variant_config(model_config(), "megatron", "cola", MESH, 2, 64, "bfloat16")
+    assert cfg.model.linear == "cola"
+    with pytest.raises(SystemExit, match="--strategy"):
+        comm_report.parse_strategies("btp,zero")
+
+
+def test_shardings_cli_puts_tensor_on_btp_a_input_dim(capsys, tmp_path):
+    cfg_file = tmp_path / "small.py"
+    cfg_file.write_text("from boost_jax.config import base_config\n\ndef get_config():\n"
+                        f"    c = base_config()\n    c.model.update(d_model={D}, n_heads={H}, n_kv_heads={H}, "
+                        f"d_ff={I}, rank={R})\n    return c\n")
+    shardings.main(["--config", str(cfg_file), "--mesh", "1,1,4", "--strategy", "btp",
+                    "--show", "layers/attn/q/a"])
+    out = capsys.readouterr().out
+    table, drawing = out.split("\n\n", 1)
+    rows = {line.split()[0]: line for line in table.splitlines()}
+    # [layers, d_in, r]: the A factor is row-parallel, split along its input (d) dim only.
+    assert rows["layers/attn/q/a"].rstrip().endswith("P(None, 'tensor')")
+    assert "(layers, embed, rank)" in rows["layers/attn/q/a"]
+    assert rows["layers/attn/q/b"].rstrip().endswith("P(None, None, 'tensor')")  # B column-parallel
+    assert "drawing layer 0's [512, 128] slice" in drawing and "CPU 3" in drawing

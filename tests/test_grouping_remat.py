@@ -1,0 +1,80 @@
+"""Linear-layer grouping (fewer dots, same outputs) and activation checkpointing policies (same
+gradients; under BTP the low-rank policy recomputes without any collective)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from boost_jax.model import model_from_config
+from boost_jax.optim import make_optimizer
+from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
+from boost_jax.parallel.rules import use_rules
+from boost_jax.parallel.strategies import get_strategy
+from boost_jax.state import state_spec
+from boost_jax.step import next_token_loss
+from boost_jax.tools.hlo_comm import parse_collectives
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 17)), jnp.int32)
+
+
+def one_layer(make_config, **kw):
+    return make_config(**{"model.n_layers": 1, "parallel.num_devices": 1, "parallel.data": 1, **kw})
+
+
+def count_dots(hlo: str) -> int:
+    return len(re.findall(r"\bdot\(", hlo))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_grouping_uses_fewer_dots_and_same_outputs(make_config, kv_heads):
+    outs, dots = {}, {}
+    for grouped in (True, False):
+        cfg = one_layer(make_config, **{"model.group_linears": grouped, "model.n_kv_heads": kv_heads})
+        model = model_from_config(cfg)
+        graphdef, params = nnx.split(model)
+        fwd = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)[0])
+        outs[grouped] = np.asarray(fwd(params, TOKENS[:, :-1]))
+        dots[grouped] = count_dots(fwd.lower(params, TOKENS[:, :-1]).compile().as_text())
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    # Ungrouped: 7 projections x 2 factors + 2 attention einsums + head = 17 dots.
+    assert dots[False] == 17
+    assert dots[True] < dots[False]
+
+
+def grads_under(cfg):
+    model = model_from_config(cfg)
+    graphdef, params = nnx.split(model)
+    return jax.jit(jax.grad(lambda p, t: next_token_loss(graphdef, p, t)))(params, TOKENS)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "lowrank"])
+def test_remat_policies_keep_gradients(make_config, policy):
+    base = grads_under(make_config(**{"parallel.num_devices": 1, "parallel.data": 1}))
+    got = grads_under(make_config(**{"parallel.num_devices": 1, "parallel.data": 1, "remat.policy": policy}))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def btp_grad_collectives(make_config, policy):
+    cfg = make_config(**{"parallel.strategy": "btp", "parallel.data": 2, "parallel.tensor": 4,
+                         "remat.policy": policy, "model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8,
+                         "model.d_ff": 128, "model.rank": 16})
+    tx, _ = make_optimizer(cfg.train)
+    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
+    with use_rules(mesh, strategy):
+        spec = state_spec(cfg, tx, mesh, strategy)
+        tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P(BATCH_AXES)))
+        fn = jax.jit(jax.grad(lambda p, t: next_token_loss(spec.graphdef, p, t)))
+        hlo = fn.lower(spec.abstract["params"], tokens).compile().as_text()
+    found = parse_collectives(hlo, mesh)
+    return sorted((c.kind, c.elements) for c in found if c.axes == ("tensor",))
+
+
+def test_lowrank_remat_recomputes_without_collectives_under_btp(make_config):
+    none = btp_grad_collectives(make_config, "none")
+    assert btp_grad_collectives(make_config, "lowrank") == none
+    assert len(btp_grad_collectives(make_config, "full")) > len(none)  # full remat re-runs the all-reduces

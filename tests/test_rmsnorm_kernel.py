@@ -1,0 +1,114 @@
+"""Pallas RMSNorm(+Σx²) kernel vs the jnp reference, in interpret mode on CPU.
+
+The interpreter fills out-of-bounds block lanes with NaN, so any missing row/column mask in the
+kernels shows up as NaN here: odd row counts and widths that are not powers of two test masking.
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from boost_jax.kernels import rmsnorm as K
+
+EPS = 1e-6
+
+
+def _inputs(shape, dtype, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
+    w = (1.0 + 0.1 * jax.random.normal(ks[1], shape[-1:], jnp.float32)).astype(dtype)
+    gy = jax.random.normal(ks[2], shape, jnp.float32)
+    gs = jax.random.normal(ks[3], shape[:-1], jnp.float32)
+    return x, w, gy, gs
+
+
+def _fwd_and_grads(fn, x, w, gy, gs):
+    """(y, s) and d/d(x, scale) of the random linear functional Σ y·gy + Σ s·gs, under jit."""
+    def loss(x, w):
+        y, s = fn(x, w)
+        return jnp.sum(y.astype(jnp.float32) * gy) + jnp.sum(s * gs), (y, s)
+
+    (_, (y, s)), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    return y, s, dx, dw
+
+
+def _close(a, b, rtol, atol_frac):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol_frac * float(np.abs(b).max()))
+
+
+# (shape, block_rows): 1/7/13 rows, a 3-D input, widths 48/100/130/256; block_rows=4 gives
+# several grid steps with a partial last block.
+CASES = [((1, 48), None), ((7, 100), None), ((13, 130), 4), ((3, 5, 256), 4), ((13, 100), 2)]
+
+
+@pytest.mark.parametrize("shape,block_rows", CASES)
+def test_f32_matches_reference(shape, block_rows):
+    x, w, gy, gs = _inputs(shape, jnp.float32, seed=len(shape) * 100 + shape[-1])
+    got = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, block_rows=block_rows), x, w, gy, gs)
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
+    assert got[1].shape == shape[:-1]
+    for a, b in zip(got, ref):  # y, s, dx, dscale
+        _close(a, b, rtol=1e-5, atol_frac=1e-6)
+
+
+@pytest.mark.parametrize("shape,block_rows", [((7, 100), None), ((3, 5, 130), 4)])
+def test_bf16_matches_reference(shape, block_rows):
+    x, w, gy, gs = _inputs(shape, jnp.bfloat16, seed=7)
+    got = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, block_rows=block_rows), x, w, gy, gs)
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    assert [a.dtype for a in got] == [jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.bfloat16]
+    for a, b in zip(got, ref):
+        _close(a, b, rtol=2e-2, atol_frac=1e-2)
+
+
+def test_nan_stays_in_its_row():
+    x, w, gy, gs = _inputs((13, 100), jnp.float32, seed=3)
+    x = x.at[5, 17].set(jnp.nan)
+    y, s, dx, dw = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, block_rows=4), x, w, gy, gs)
+    yr, sr, dxr, _ = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    assert np.isnan(y[5]).all() and np.isnan(s[5]) and np.isnan(dx[5]).all()
+    assert np.isnan(dw).all()  # dscale sums over every row, NaN row included (as the reference)
+    others = np.arange(13) != 5
+    assert np.isfinite(y[others]).all() and np.isfinite(dx[others]).all()
+    _close(y[others], yr[others], 1e-5, 1e-6)
+    _close(s[others], sr[others], 1e-5, 1e-6)
+    _close(dx[others], dxr[others], 1e-5, 1e-6)
+
+
+def test_xla_impl_is_reference():
+    x, w, _, _ = _inputs((2, 3, 48), jnp.float32, seed=1)
+    for a, b in zip(K.rmsnorm(x, w, EPS, impl="xla"), K.rmsnorm_reference(x, w, EPS)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError):
+        K.rmsnorm(x, w, EPS, block_rows=3)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the fallback is what CPU does; GPUs compile")
+def test_compiled_on_cpu_falls_back_with_one_warning(monkeypatch):
+    # CPU has no compiled Pallas lowering: the probe fails, we warn once and use the XLA path.
+    monkeypatch.setattr(K, "_WARNED", False)
+    monkeypatch.setattr(K, "_LOWERS", {})
+    x, w, gy, gs = _inputs((7, 48), jnp.float32, seed=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, interpret=False), x, w, gy, gs)
+        K.rmsnorm(x.astype(jnp.bfloat16), w, EPS, interpret=False)  # new probe key, no 2nd warning
+    msgs = [str(c.message) for c in caught if "falling back" in str(c.message)]
+    assert len(msgs) == 1, msgs
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_eps_zero_padded_rows_stay_out_of_dscale():
+    # eps=0: a zero-filled out-of-range row has rsqrt(0)=inf; it must not poison dscale.
+    x, w, gy, gs = _inputs((7, 48), jnp.float32, seed=5)
+    got = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, 0.0, block_rows=4), x, w, gy, gs)
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, 0.0), x, w, gy, gs)
+    for a, b in zip(got, ref):
+        _close(a, b, rtol=1e-5, atol_frac=1e-6)
