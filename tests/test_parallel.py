@@ -39,7 +39,19 @@ def loss_and_grads(cfg, params_host, tokens):
     return float(loss), jax.device_get(grads)
 
 
+_REFERENCES: dict = {}
+
+
 def reference(cfg):
+    """Params, tokens, loss and grads on one device; cached by everything but the parallel section
+    (on one device every strategy's table shards nothing, so they share one reference)."""
+    key = (cfg.model.to_json(), cfg.train.to_json(), cfg.data.to_json(), cfg.kernels.rmsnorm, cfg.seed)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(cfg)
+    return _REFERENCES[key]
+
+
+def _reference(cfg):
     single = cfg.copy_and_resolve_references()
     single.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
     tx, _ = make_optimizer(single.train)
