@@ -25,7 +25,7 @@ _COMMON_TAIL = (
 # vocab-parallel after one gather of the final hidden state.
 BTP = (
     ("embed", "tensor"), ("norm", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
-    ("vocab", "tensor"), ("rank", None),
+    ("vocab", "tensor"),
     ("act_embed", "tensor"), ("act_heads", "tensor"), ("act_kv_heads", "tensor"), ("act_mlp", "tensor"),
     ("act_vocab", "tensor"), ("act_rank", None),
 ) + _COMMON_TAIL

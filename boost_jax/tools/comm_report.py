@@ -241,6 +241,8 @@ def report(cfg_or_path, mesh=(1, 1, 4), strategies=("btp", "vanilla", "megatron"
            seq: int = 4096, dtype: str = "bfloat16", memory: bool = True, programs=PROGRAMS,
            remat: str | None = None) -> dict:
     """All numbers for each strategy (see the module docstring); JSON-serialisable."""
+    if "forward" not in programs:
+        raise ValueError(f"programs={programs!r}: 'forward' is needed (backward = forward_backward - forward)")
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else tuple(mesh)
     devices = pick_devices(math.prod(mesh))
     base = load_config(cfg_or_path)

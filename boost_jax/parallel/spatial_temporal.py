@@ -1,0 +1,227 @@
+"""PrimePar's spatial-temporal partition P(n x n): a linear layer on an n x n device grid that
+communicates only point-to-point (Cannon's algorithm), with a matching backward.
+
+    O[..., M, K] = I[..., M, N] @ W[N, K]
+
+Grid and blocks
+---------------
+Two mesh axes of equal size n form the grid: device (r, c) has index r on ``row_axis`` and c on
+``col_axis``. M, N and K are each cut into n equal contiguous blocks; X<a, b> denotes block a of
+the second-to-last dim and block b of the last dim of X (all leading/batch dims kept whole).
+Indices are mod n throughout.
+
+Layouts (all are *global* arrays sharded with the plain block spec
+``P(*batch, row_axis, col_axis)`` over their last two dims, so the block at position (r, c) of the
+array is what device (r, c) holds):
+
+* plain     X<r, c> on (r, c): the ordinary layout.        Used for O and dO.
+* skewed I  Is<r, c> = I<r, r + c>: row r's N-blocks rotated left by r.  Used for I and dI.
+* skewed W  Ws<r, c> = W<r + c, c>: column c's N-blocks rotated up by c. Used for W and dW.
+
+``skew_input``/``unskew_input`` and ``skew_weight``/``unskew_weight`` convert between the plain
+and skewed global arrays (pure block permutations, usable on host or unsharded arrays).
+``skew_sharded``/``unskew_sharded`` do the I <-> skewed-I conversion of an already block-sharded
+activation with a single collective-permute (e.g. to feed O of one st_matmul into the next).
+
+Schedules (step t = 0 .. n-1; "from (a, b)" = what is received before the next step)
+-----------------------------------------------------------------------------------
+* forward   O<r, c> stays.  Holds I<r, s>, W<s, c> with s = r + c + t.
+            I from (r, c+1) (row ring), W from (r+1, c) (column ring).
+* dI        dI<r, r+c> stays (= skewed-I layout).  Holds dO<r, k>, W<r+c, k> with k = c + t.
+            dO from (r, c+1) (row ring), W from (r-1, c+1) (anti-diagonal ring).
+* dW        dW<r+c, c> stays (= skewed-W layout).  Holds I<i, r+c>, dO<i, c> with i = r + t.
+            dO from (r+1, c) (column ring), I from (r+1, c-1) (anti-diagonal ring).
+
+Every step's send depends only on the previous step's inputs, never on its result, so XLA may
+overlap it with the matmul. Only the forward's own I block and the weight (already resident) are
+saved for the backward. Deviations from the paper's wording, both because JAX arrays are
+immutable: the dI phase does n-1 hops and drops its rotated W copy instead of hopping it back to
+the forward layout (the original W is still there), and the dW phase starts from the *original*
+stashed I block (not the forward's last rotated copy), which makes dW land directly in the
+skewed-W layout, so the paper's final one-hop redistribution of dW is not needed.
+
+Batch dims: the first leading dim of I may also be split over ``batch_axes`` (plain data
+parallelism); then dW is summed over those axes with a psum (the only non-permute collective, and
+absent when batch_axes is None).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+AxisNames = str | tuple[str, ...] | None
+
+
+# ---------------------------------------------------------------- global block permutations
+
+def _permute_blocks(x: jax.Array, n: int, src_row, src_col) -> jax.Array:
+    """out<r, c> = x<src_row(r, c), src_col(r, c)> over the last two dims cut into n x n blocks."""
+    *lead, m, k = x.shape
+    if m % n or k % n:
+        raise ValueError(f"last two dims {(m, k)} must be divisible by n={n}")
+    b = jnp.reshape(x, (*lead, n, m // n, n, k // n))
+    b = jnp.moveaxis(b, (-4, -2), (0, 1))  # [n, n, *lead, mb, kb]
+    r = jnp.arange(n)[:, None]
+    c = jnp.arange(n)[None, :]
+    b = b[src_row(r, c) % n, src_col(r, c) % n]
+    return jnp.reshape(jnp.moveaxis(b, (0, 1), (-4, -2)), x.shape)
+
+
+def skew_input(x: jax.Array, n: int) -> jax.Array:
+    """Plain I[..., M, N] -> skewed: block (r, c) becomes I<r, r + c>."""
+    return _permute_blocks(x, n, lambda r, c: r + 0 * c, lambda r, c: r + c)
+
+
+def unskew_input(xs: jax.Array, n: int) -> jax.Array:
+    """Inverse of skew_input: I<r, j> = Is<r, j - r>."""
+    return _permute_blocks(xs, n, lambda r, j: r + 0 * j, lambda r, j: j - r)
+
+
+def skew_weight(w: jax.Array, n: int) -> jax.Array:
+    """Plain W[N, K] -> skewed: block (r, c) becomes W<r + c, c>."""
+    return _permute_blocks(w, n, lambda r, c: r + c, lambda r, c: c + 0 * r)
+
+
+def unskew_weight(ws: jax.Array, n: int) -> jax.Array:
+    """Inverse of skew_weight: W<j, c> = Ws<j - c, c>."""
+    return _permute_blocks(ws, n, lambda j, c: j - c, lambda j, c: c + 0 * j)
+
+
+# ---------------------------------------------------------------- shard_map plumbing
+
+def _grid(mesh: Mesh, row_axis: str, col_axis: str) -> int:
+    n = mesh.shape[row_axis]
+    if mesh.shape[col_axis] != n:
+        raise ValueError(f"grid must be square: {row_axis}={n}, {col_axis}={mesh.shape[col_axis]}")
+    return n
+
+
+def _x_spec(ndim: int, row_axis: str, col_axis: str, batch_axes: AxisNames) -> P:
+    if ndim < 2 or (batch_axes is not None and ndim < 3):
+        raise ValueError(f"activation needs >= {2 if batch_axes is None else 3} dims, got {ndim}")
+    lead = [batch_axes] + [None] * (ndim - 3) if ndim >= 3 else []
+    return P(*lead, row_axis, col_axis)
+
+
+def _shift(x: jax.Array, axes: tuple[str, str], n: int, dr: int, dc: int) -> jax.Array:
+    """Device (r, c) receives x from (r + dr, c + dc) on the grid (one collective-permute)."""
+    if len(set(axes)) != 2:
+        raise ValueError(axes)
+    if dr == 0:  # single-axis rings keep the replica groups small
+        return jax.lax.ppermute(x, axes[1], [((c + dc) % n, c) for c in range(n)])
+    if dc == 0:
+        return jax.lax.ppermute(x, axes[0], [((r + dr) % n, r) for r in range(n)])
+    # Over the axis tuple, device (r, c) has linear index r * n + c.
+    return jax.lax.ppermute(x, axes, [(((r + dr) % n) * n + (c + dc) % n, r * n + c)
+                                      for r in range(n) for c in range(n)])
+
+
+def _acc_dtype(*xs: jax.Array):
+    # Sum the n partial products in at least f32 (bf16 partial sums would lose bits each step).
+    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+def _fwd_local(i, w, *, axes, n):
+    acc_t = _acc_dtype(i, w)
+    acc = jnp.einsum("...mn,nk->...mk", i, w, preferred_element_type=acc_t)
+    for _ in range(n - 1):
+        i, w = _shift(i, axes, n, 0, 1), _shift(w, axes, n, 1, 0)
+        acc = acc + jnp.einsum("...mn,nk->...mk", i, w, preferred_element_type=acc_t)
+    return acc.astype(jnp.result_type(i, w))
+
+
+def _bwd_local(i, w, do, *, axes, n, batch_axes):
+    # dI<r, r+c> = sum_k dO<r, k> W<r+c, k>^T
+    acc_t = _acc_dtype(do, w)
+    g, wk = do, w
+    di = jnp.einsum("...mk,nk->...mn", g, wk, preferred_element_type=acc_t)
+    for _ in range(n - 1):
+        g, wk = _shift(g, axes, n, 0, 1), _shift(wk, axes, n, -1, 1)
+        di = di + jnp.einsum("...mk,nk->...mn", g, wk, preferred_element_type=acc_t)
+    # dW<r+c, c> = sum_i I<i, r+c>^T dO<i, c>
+    lead = "".join(chr(ord("a") + j) for j in range(i.ndim - 2))
+    spec = f"{lead}mn,{lead}mk->nk"
+    g, ii = do, i
+    dw = jnp.einsum(spec, ii, g, preferred_element_type=acc_t)
+    for _ in range(n - 1):
+        g, ii = _shift(g, axes, n, 1, 0), _shift(ii, axes, n, 1, -1)
+        dw = dw + jnp.einsum(spec, ii, g, preferred_element_type=acc_t)
+    if batch_axes is not None:  # data parallelism: each batch shard holds a partial dW
+        dw = jax.lax.psum(dw, batch_axes)
+    return di.astype(i.dtype), dw.astype(w.dtype)
+
+
+@functools.cache
+def _build(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int):
+    n = _grid(mesh, row_axis, col_axis)
+    axes = (row_axis, col_axis)
+    x_spec, w_spec = _x_spec(ndim, row_axis, col_axis, batch_axes), P(row_axis, col_axis)
+    fwd_sm = jax.shard_map(functools.partial(_fwd_local, axes=axes, n=n), mesh=mesh,
+                           in_specs=(x_spec, w_spec), out_specs=x_spec)
+    bwd_sm = jax.shard_map(functools.partial(_bwd_local, axes=axes, n=n, batch_axes=batch_axes),
+                           mesh=mesh, in_specs=(x_spec, w_spec, x_spec), out_specs=(x_spec, w_spec))
+
+    @jax.custom_vjp
+    def f(i, w):
+        return fwd_sm(i, w)
+
+    def f_fwd(i, w):
+        # Residuals: the layer's own input block and the (resident) weight; no rotated copies.
+        return fwd_sm(i, w), (i, w)
+
+    def f_bwd(res, do):
+        i, w = res
+        return bwd_sm(i, w, do)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _norm_batch(batch_axes: str | Sequence[str] | None) -> AxisNames:
+    if batch_axes is None or isinstance(batch_axes, str):
+        return batch_axes
+    return tuple(batch_axes) or None
+
+
+def st_matmul(i_skewed: jax.Array, w_skewed: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
+              batch_axes: str | Sequence[str] | None = None) -> jax.Array:
+    """O = I @ W on the (row_axis x col_axis) grid; I and W in skewed layout, O in plain layout.
+
+    Differentiable: dI comes back in the skewed-I layout and dW in the skewed-W layout.
+    i_skewed: [..., M, N] (first dim split over batch_axes if given); w_skewed: [N, K].
+    """
+    if w_skewed.ndim != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {w_skewed.shape}")
+    f = _build(mesh, row_axis, col_axis, _norm_batch(batch_axes), i_skewed.ndim)
+    return f(i_skewed, w_skewed)
+
+
+@functools.cache
+def _build_skew(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int, sign: int):
+    n = _grid(mesh, row_axis, col_axis)
+    spec = _x_spec(ndim, row_axis, col_axis, batch_axes)
+
+    def local(x):
+        # skew: (r, c) needs block (r, r + c), held by device (r, r + c); unskew is the inverse.
+        perm = [(r * n + (c + sign * r) % n, r * n + c) for r in range(n) for c in range(n)]
+        return jax.lax.ppermute(x, (row_axis, col_axis), perm) if n > 1 else x
+
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)
+
+
+def skew_sharded(x: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
+                 batch_axes: str | Sequence[str] | None = None) -> jax.Array:
+    """skew_input(x, n) for a plain block-sharded activation, as one collective-permute
+    (row r's blocks rotate by r within the row). Differentiable (its transpose is unskew)."""
+    return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, 1)(x)
+
+
+def unskew_sharded(x: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
+                   batch_axes: str | Sequence[str] | None = None) -> jax.Array:
+    """unskew_input(x, n) for a skewed block-sharded activation, as one collective-permute."""
+    return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, -1)(x)
