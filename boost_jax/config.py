@@ -92,9 +92,20 @@ def base_config() -> ml_collections.ConfigDict:
     p.strategy = "btp"  # btp | vanilla | megatron (how the tensor axis splits the model)
     p.online_norm = True  # btp: send RMSNorm statistics with the A partial products
     p.sequence_parallel = False  # megatron: shard norms/residual along sequence
+    # Projection groups run as PrimePar spatial-temporal GEMMs on the (fsdp, tensor) grid:
+    # "" (none), "st" (all) or e.g. "mlp_in=st,mlp_out=st" (groups: qkv, o, mlp_in, mlp_out).
+    p.linear_partition = ""
 
     kn = c.kernels = ml_collections.ConfigDict()
     kn.rmsnorm = "xla"  # xla | pallas
+
+    # Multi-process runs (boost_jax/distributed.py). 0 / -1 / "": take it from BOOST_COORDINATOR,
+    # BOOST_NUM_PROCESSES, BOOST_PROCESS_ID, else from SLURM, else run as a single process.
+    ds = c.distributed = ml_collections.ConfigDict()
+    ds.coordinator_address = ""  # host:port of process 0
+    ds.num_processes = 0
+    ds.process_id = -1
+    ds.cpu_collectives = "gloo"  # cross-process collectives of the CPU backend: gloo | mpi
 
     c.lock()
     return c

@@ -53,7 +53,7 @@ def reference(cfg):
 
 def _reference(cfg):
     single = cfg.copy_and_resolve_references()
-    single.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
+    single.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1, linear_partition="")
     tx, _ = make_optimizer(single.train)
     mesh, strategy = make_mesh(single), get_strategy(single.parallel)
     with use_rules(mesh, strategy):
@@ -88,6 +88,9 @@ VARIANTS = {
     "pallas_megatron": {"kernels.rmsnorm": "pallas", "parallel.strategy": "megatron"},
     "tied_embeddings_2x2x2": {"model.tie_embeddings": True, "mesh": (2, 2, 2)},
     "dense_ungrouped_2x2x2": {"model.linear": "dense", "model.group_linears": False, "mesh": (2, 2, 2)},
+    "spatial_temporal_all_2x2x2": {"parallel.linear_partition": "st", "mesh": (2, 2, 2)},
+    "spatial_temporal_mlp_dense": {"parallel.linear_partition": "mlp_in=st,mlp_out=st", "model.linear": "dense",
+                                   "parallel.strategy": "megatron", "mesh": (1, 2, 2)},
 }
 
 
@@ -112,3 +115,15 @@ def test_training_curve_matches_single_device(make_config, tmp_path, strategy):
     from tests_support import metric_rows
     a, b = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "many")
     np.testing.assert_allclose([b[s] for s in range(1, 6)], [a[s] for s in range(1, 6)], rtol=2e-5)
+
+
+def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_path):
+    common = {"train.log_every": 1, "train.eval_every": 0, "train.steps": 4}
+    single = par_config(make_config, "btp", "cola", (1, 1, 1), run_dir=str(tmp_path / "one"), **common)
+    grid = par_config(make_config, "btp", "cola", (2, 2, 2), run_dir=str(tmp_path / "st"),
+                      **{"parallel.linear_partition": "st", **common})
+    train.run(single)
+    train.run(grid)
+    from tests_support import metric_rows
+    a, b = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "st")
+    np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=2e-5)

@@ -45,10 +45,10 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.grouped = bool(cfg.group_linears)
         proj = dict(kind=cfg.linear, rank=cfg.rank, rngs=rngs, param_dtype=param_dtype)
-        self.q = Projection(d, h * self.head_dim, axes=("embed", "heads"), **proj)
-        self.k = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), **proj)
-        self.v = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), **proj)
-        self.o = Projection(h * self.head_dim, d, axes=("heads", "embed"), **proj)
+        self.q = Projection(d, h * self.head_dim, axes=("embed", "heads"), group="qkv", **proj)
+        self.k = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
+        self.v = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
+        self.o = Projection(h * self.head_dim, d, axes=("heads", "embed"), group="o", **proj)
 
     def __call__(self, x, norm, positions, cache=None):
         """x: the block's input residual; `norm` is applied first (fused with the A's under BTP)."""

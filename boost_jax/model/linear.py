@@ -37,8 +37,9 @@ class Projection(nnx.Module):
     """One linear map d_in -> d_out whose parameters name their logical axes (`axes` = in, out)."""
 
     def __init__(self, d_in: int, d_out: int, *, kind: str, rank: int, axes: tuple[str, str],
-                 rngs: nnx.Rngs, param_dtype=jnp.float32):
+                 rngs: nnx.Rngs, param_dtype=jnp.float32, group: str = ""):
         self.kind = kind
+        self.group = group  # qkv | o | mlp_in | mlp_out: the unit a parallel plan partitions
         self.first_axes = axes if kind == "dense" else (axes[0], "rank")
         self.second_axes = ("rank", axes[1])
         if kind == "dense":
@@ -134,9 +135,30 @@ def _first_stage(projs, x, grouped: bool, norm=None):
     return out
 
 
+def _spatial_temporal(p: Projection, x, mesh) -> jax.Array:
+    """One projection as PrimePar P(n x n) GEMMs on the (fsdp, tensor) grid: the sequence splits over
+    fsdp, the contracted width over tensor, the batch over data; only point-to-point traffic inside.
+    Weights are stored in the ordinary layout and skewed at use (a block permutation)."""
+    from boost_jax.parallel.spatial_temporal import skew_sharded, skew_weight, st_matmul
+    n = mesh.shape["tensor"]
+    kw = dict(mesh=mesh, row_axis="fsdp", col_axis="tensor", batch_axes="data" if mesh.shape["data"] > 1 else None)
+
+    def matmul(v, w):
+        return st_matmul(skew_sharded(v, **kw), skew_weight(w.astype(v.dtype), n), **kw)
+
+    if not p.factored:
+        return matmul(x, p.w[...])
+    h = checkpoint_name(matmul(x, p.a[...]), "lowrank")
+    return matmul(jax.nn.silu(h) if p.kind == "cola" else h, p.b[...])
+
+
 def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
     run of equal first-stage shapes, one batched dot_general per run of equal B shapes."""
+    ctx = rules.current()
+    if ctx is not None and projs[0].group in ctx[1].st_groups:
+        x = norm(x) if norm is not None else x
+        return [_spatial_temporal(p, x, ctx[0]) for p in projs]
     outs = []
     for run, h in _first_stage(projs, x, grouped, norm):
         if not run[0].factored:

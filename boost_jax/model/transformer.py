@@ -22,9 +22,9 @@ def compute_dtype(name: str):
 class MLP(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
         proj = dict(kind=cfg.linear, rank=cfg.rank, rngs=rngs, param_dtype=param_dtype)
-        self.gate = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **proj)
-        self.up = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **proj)
-        self.down = Projection(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **proj)
+        self.gate = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
+        self.up = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
+        self.down = Projection(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), group="mlp_out", **proj)
         # CoLA's larger models drop the SwiGLU σ: the bottleneck σ is the only nonlinearity.
         self.only_lr_act = bool(cfg.only_lr_act) and cfg.linear == "cola"
         self.grouped = bool(cfg.group_linears)

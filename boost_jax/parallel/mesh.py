@@ -43,6 +43,21 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
                 valid = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
                 raise ConfigError(f"config field `parallel.tensor`: {tp} does not divide {field}={value}; "
                                   f"valid tensor sizes: {valid}")
+    if cfg.parallel.linear_partition.strip():
+        from boost_jax.parallel.strategies import st_groups
+        if st_groups(cfg.parallel.linear_partition):
+            n = sizes["tensor"]
+            if sizes["fsdp"] != n or n < 2:
+                raise ConfigError(f"config field `parallel.linear_partition`: spatial-temporal GEMMs need a square "
+                                  f"grid, parallel.fsdp == parallel.tensor >= 2 (got fsdp={sizes['fsdp']}, tensor={n})")
+            widths = {"train.seq_len": t.seq_len, "model.d_model": m.d_model, "model.d_ff": m.d_ff,
+                      "model.n_kv_heads*head_dim": m.n_kv_heads * (m.d_model // m.n_heads)}
+            if m.linear != "dense":
+                widths["model.rank"] = m.rank
+            for field, value in widths.items():
+                if value % n:
+                    raise ConfigError(f"config field `parallel.linear_partition`: the {n}x{n} grid must divide "
+                                      f"{field}={value}")
     batch_ways = sizes["data"] * sizes["fsdp"]
     micro = t.global_batch // t.grad_accum
     if micro % batch_ways:

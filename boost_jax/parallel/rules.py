@@ -27,6 +27,7 @@ class Strategy:
     name: str
     rules: tuple
     online_norm: bool = False  # BTP: a norm in front of row-parallel A's sends its statistics with them
+    st_groups: frozenset = frozenset()  # projection groups run as PrimePar P(n x n) on (fsdp, tensor)
 
     @property
     def compute_rules(self) -> tuple:

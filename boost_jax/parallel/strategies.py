@@ -51,13 +51,36 @@ MEGATRON = (
 MEGATRON_SP = (("act_res_seq", "tensor"),) + MEGATRON
 
 
+PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
+
+
+def st_groups(spec: str) -> frozenset:
+    """Parse `parallel.linear_partition`: "" (the strategy's own layout), "st" (every projection
+    group spatial-temporal) or "group=st,..." for some of qkv, o, mlp_in, mlp_out."""
+    spec = spec.strip()
+    if not spec:
+        return frozenset()
+    if spec == "st":
+        return frozenset(PROJECTION_GROUPS)
+    groups = set()
+    for item in spec.split(","):
+        group, _, choice = item.partition("=")
+        if group.strip() not in PROJECTION_GROUPS or choice.strip() not in ("st", "default"):
+            raise ValueError(f"config field `parallel.linear_partition`: {item!r} is not GROUP=st|default "
+                             f"with GROUP one of {PROJECTION_GROUPS} (or the single value 'st')")
+        if choice.strip() == "st":
+            groups.add(group.strip())
+    return frozenset(groups)
+
+
 def get_strategy(p) -> Strategy:
     """The Strategy for a `parallel` config section."""
+    st = st_groups(p.linear_partition)
     if p.strategy == "btp":
-        return Strategy("btp", BTP, online_norm=bool(p.online_norm))
+        return Strategy("btp", BTP, online_norm=bool(p.online_norm), st_groups=st)
     if p.strategy == "vanilla":
-        return Strategy("vanilla", VANILLA)
+        return Strategy("vanilla", VANILLA, st_groups=st)
     if p.strategy == "megatron":
         return Strategy("megatron_sp" if p.sequence_parallel else "megatron",
-                        MEGATRON_SP if p.sequence_parallel else MEGATRON)
+                        MEGATRON_SP if p.sequence_parallel else MEGATRON, st_groups=st)
     raise ValueError(f"config field `parallel.strategy`: unknown {p.strategy!r}")
