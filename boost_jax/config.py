@@ -86,6 +86,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     p = c.parallel = ml_collections.ConfigDict()
     p.num_devices = 0  # use the first N devices (0: all)
+    p.pipeline = 1  # pipeline stages (GPipe); the layers are split evenly
+    p.microbatches = 0  # pipeline micro-batches per step (0: 2 per stage)
     p.data = -1  # mesh axis sizes; one may be -1 (all remaining devices)
     p.fsdp = 1
     p.tensor = 1
@@ -225,9 +227,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
     _check(p.strategy in STRATEGIES, "parallel.strategy", f"{p.strategy!r} is not one of {STRATEGIES}")
     _check(c.kernels.rmsnorm in ("xla", "pallas"), "kernels.rmsnorm", "must be xla or pallas")
-    sizes = [p.data, p.fsdp, p.tensor]
-    _check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of data/fsdp/tensor may be -1")
-    for name in ("data", "fsdp", "tensor"):
+    sizes = [p.pipeline, p.data, p.fsdp, p.tensor]
+    _check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")
+    _check(p.microbatches >= 0, "parallel.microbatches", "must be >= 0 (0: two per pipeline stage)")
+    for name in ("pipeline", "data", "fsdp", "tensor"):
         _check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
     return c
 

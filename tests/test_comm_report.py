@@ -90,3 +90,15 @@ def test_shardings_cli_puts_tensor_on_btp_a_input_dim(capsys, tmp_path):
     assert "(layers, embed, rank)" in rows["layers/attn/q/a"]
     assert rows["layers/attn/q/b"].rstrip().endswith("P(None, None, 'tensor')")  # B column-parallel
     assert "drawing layer 0's [512, 128] slice" in drawing and "CPU 3" in drawing
+
+
+def test_pipeline_report_shows_collective_permutes():
+    from boost_jax.config import base_config
+    from boost_jax.tools.comm_report import pipeline_report
+
+    cfg = base_config()
+    cfg.model.update(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, rank=16)
+    rep = pipeline_report(cfg, (2, 1, 1, 2), "btp", batch=8, seq=16, dtype="float32")
+    permutes = [c for c in rep["collectives"] if c["kind"] == "collective-permute" and c["axes"] == ["pipeline"]]
+    assert permutes and permutes[0]["count"] >= rep["ticks"] - 1  # stage outputs shift at least once a tick
+    assert rep["bubble"] == (2 - 1) / (4 + 2 - 1)

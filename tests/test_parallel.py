@@ -19,10 +19,11 @@ MESHES = [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (8, 1, 1)]
 
 def par_config(make_config, strategy, linear, mesh, **kw):
     data, fsdp, tensor = mesh
+    pipeline = kw.get("parallel.pipeline", 1)
     overrides = {"model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8, "model.d_ff": 128,
                  "model.rank": 16, "model.linear": linear, "parallel.strategy": strategy,
                  "parallel.data": data, "parallel.fsdp": fsdp, "parallel.tensor": tensor,
-                 "parallel.num_devices": data * fsdp * tensor}
+                 "parallel.num_devices": pipeline * data * fsdp * tensor}
     overrides.update(kw)
     return make_config(**overrides)
 
@@ -53,7 +54,7 @@ def reference(cfg):
 
 def _reference(cfg):
     single = cfg.copy_and_resolve_references()
-    single.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1, linear_partition="")
+    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, linear_partition="")
     tx, _ = make_optimizer(single.train)
     mesh, strategy = make_mesh(single), get_strategy(single.parallel)
     with use_rules(mesh, strategy):
@@ -127,3 +128,19 @@ def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_
     from tests_support import metric_rows
     a, b = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "st")
     np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=2e-5)
+
+
+# (pipeline, tensor, data) as the issue names them; 4 layers so every stage count divides them.
+PIPELINE_MESHES = [(2, 4, 1), (2, 2, 2), (4, 2, 1)]
+
+
+@pytest.mark.parametrize("mesh", PIPELINE_MESHES, ids=lambda m: "pp{}_tp{}_dp{}".format(*m))
+@pytest.mark.parametrize("strategy", ["btp", "megatron"])
+def test_pipeline_matches_single_device(make_config, strategy, mesh):
+    pipeline, tensor, data = mesh
+    cfg = par_config(make_config, strategy, "cola", (data, 1, tensor),
+                     **{"parallel.pipeline": pipeline, "model.n_layers": 4})
+    params, tokens, (ref_loss, ref_grads) = reference(cfg)
+    loss, grads = loss_and_grads(cfg, params, tokens)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(grads, ref_grads, 1e-5)

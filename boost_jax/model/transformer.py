@@ -8,6 +8,8 @@ from flax import nnx
 from boost_jax import remat
 from boost_jax.model.attention import Attention
 from boost_jax.model.linear import Projection, RMSNorm, dense_init, project
+from boost_jax.parallel import rules
+from boost_jax.parallel.pipeline import gpipe
 from boost_jax.parallel.rules import constrain, gathered
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -86,12 +88,23 @@ class Transformer(nnx.Module):
         x = constrain(gathered(self.embed[...], ("vocab_in", "embed")).astype(self.dtype)[tokens], RESIDUAL)
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body(x, xs):
-            state, layer_cache = xs
-            return nnx.merge(graphdef, state)(x, positions, layer_cache)
+        def layer(x, state, layer_cache, pos):
+            return nnx.merge(graphdef, state)(x, pos, layer_cache)
 
-        x, cache = jax.lax.scan(remat.wrap(body, self.remat_policy), x, (layer_state, cache),
-                                unroll=self.n_layers if self.unroll else 1)
+        layer = remat.wrap(layer, self.remat_policy)
+        ctx = rules.current()
+        if ctx is not None and ctx[0].shape.get("pipeline", 1) > 1 and cache is None:
+            stages, micro = ctx[0].shape["pipeline"], ctx[1].microbatches
+            micro_pos = positions[: b // micro]  # training positions are the same for every row
+
+            def stage(stage_state, x_micro):
+                return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
+                                    unroll=self.unroll)[0]
+
+            x = gpipe(stage, layer_state, x, stages=stages, microbatches=micro, unroll=self.unroll)
+        else:
+            x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions), x, (layer_state, cache),
+                                    unroll=self.n_layers if self.unroll else 1)
         # One gather of the hidden state (BTP keeps it split along d; sequence parallelism along T),
         # then the final norm and a vocab-parallel head run without further collectives.
         whole_rows = ("act_batch", "act_seq", None)

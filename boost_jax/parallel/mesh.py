@@ -9,7 +9,7 @@ from jax.sharding import AxisType, Mesh
 
 from boost_jax.config import ConfigError
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first: pipeline stages may span nodes
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over both
 
 
@@ -22,7 +22,7 @@ def mesh_shape(p, n_devices: int) -> tuple[int, ...]:
                               f"{n_devices} devices ({known} does not divide {n_devices})")
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
-        raise ConfigError(f"config field `parallel`: data*fsdp*tensor = {math.prod(sizes)} but there are "
+        raise ConfigError(f"config field `parallel`: pipeline*data*fsdp*tensor = {math.prod(sizes)} but there are "
                           f"{n_devices} devices; set one of parallel.data/fsdp/tensor to -1 to infer it")
     return tuple(sizes)
 
@@ -63,6 +63,15 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
     if micro % batch_ways:
         raise ConfigError(f"config field `train.global_batch`: the micro-batch {micro} (= global_batch/grad_accum) "
                           f"must be divisible by data*fsdp = {batch_ways}")
+    stages = sizes["pipeline"]
+    if stages > 1:
+        if m.n_layers % stages:
+            raise ConfigError(f"config field `parallel.pipeline`: {stages} stages do not divide "
+                              f"model.n_layers={m.n_layers}")
+        chunks = int(cfg.parallel.microbatches) or 2 * stages
+        if micro % (chunks * batch_ways):
+            raise ConfigError(f"config field `parallel.microbatches`: the micro-batch {micro} must split into "
+                              f"{chunks} pipeline micro-batches of a multiple of data*fsdp = {batch_ways} rows")
 
 
 def make_mesh(cfg, devices=None) -> Mesh:

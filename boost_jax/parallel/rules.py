@@ -28,6 +28,7 @@ class Strategy:
     rules: tuple
     online_norm: bool = False  # BTP: a norm in front of row-parallel A's sends its statistics with them
     st_groups: frozenset = frozenset()  # projection groups run as PrimePar P(n x n) on (fsdp, tensor)
+    microbatches: int = 1  # pipeline micro-batches per pass (used when the mesh has pipeline > 1)
 
     @property
     def compute_rules(self) -> tuple:

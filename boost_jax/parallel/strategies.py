@@ -17,7 +17,7 @@ _COMMON_TAIL = (
     ("embed", "fsdp"), ("rank", "fsdp"), ("heads", "fsdp"), ("kv_heads", "fsdp"), ("mlp", "fsdp"),
     ("vocab_in", "fsdp"), ("head_embed", "fsdp"), ("vocab", "fsdp"),
     ("act_batch", BATCH),
-    ("layers", None), ("head_norm", None), ("act_seq", None), ("act_res_seq", None),
+    ("layers", "pipeline"), ("head_norm", None), ("act_seq", None), ("act_res_seq", None),
 )
 
 # BTP: the residual stream stays split along d; every A is row-parallel (its r-wide partial product
@@ -75,12 +75,12 @@ def st_groups(spec: str) -> frozenset:
 
 def get_strategy(p) -> Strategy:
     """The Strategy for a `parallel` config section."""
-    st = st_groups(p.linear_partition)
+    extra = dict(st_groups=st_groups(p.linear_partition), microbatches=int(p.microbatches) or 2 * int(p.pipeline))
     if p.strategy == "btp":
-        return Strategy("btp", BTP, online_norm=bool(p.online_norm), st_groups=st)
+        return Strategy("btp", BTP, online_norm=bool(p.online_norm), **extra)
     if p.strategy == "vanilla":
-        return Strategy("vanilla", VANILLA, st_groups=st)
+        return Strategy("vanilla", VANILLA, **extra)
     if p.strategy == "megatron":
         return Strategy("megatron_sp" if p.sequence_parallel else "megatron",
-                        MEGATRON_SP if p.sequence_parallel else MEGATRON, st_groups=st)
+                        MEGATRON_SP if p.sequence_parallel else MEGATRON, **extra)
     raise ValueError(f"config field `parallel.strategy`: unknown {p.strategy!r}")

@@ -58,12 +58,13 @@ def load_config(cfg_or_path):
     return module.get_config()
 
 
-def parse_mesh(text: str) -> tuple[int, int, int]:
-    """'data,fsdp,tensor' -> a tuple of three positive ints."""
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """'data,fsdp,tensor' or 'pipeline,data,fsdp,tensor' -> a tuple of positive ints."""
     try:
         sizes = tuple(int(s) for s in text.split(","))
     except ValueError:
         sizes = ()
-    if len(sizes) != 3 or min(sizes) < 1:
-        raise SystemExit(f"--mesh: expected three positive sizes data,fsdp,tensor (e.g. 1,1,4), got {text!r}")
+    if len(sizes) not in (3, 4) or min(sizes) < 1:
+        raise SystemExit(f"--mesh: expected positive sizes data,fsdp,tensor or pipeline,data,fsdp,tensor "
+                         f"(e.g. 1,1,4 or 2,1,1,4), got {text!r}")
     return sizes
