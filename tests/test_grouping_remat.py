@@ -51,7 +51,7 @@ def grads_under(cfg):
     return jax.jit(jax.grad(lambda p, t: next_token_loss(graphdef, p, t)))(params, TOKENS)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "lowrank"])
+@pytest.mark.parametrize("policy", ["full", "dots", "lowrank", "offload_lowrank"])
 def test_remat_policies_keep_gradients(make_config, policy):
     base = grads_under(make_config(**{"parallel.num_devices": 1, "parallel.data": 1}))
     got = grads_under(make_config(**{"parallel.num_devices": 1, "parallel.data": 1, "remat.policy": policy}))
