@@ -96,3 +96,44 @@ def test_missing_or_empty_path(make_config, tmp_path, kind):
     cfg = make_config(**{"data.source": "tokens", "data.path": str(path)})
     with pytest.raises((FileNotFoundError, ValueError), match="data.path"):
         build_loaders(cfg)
+
+
+def _corpus(tmp_path):
+    lines = [f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n" for i in range(300)]
+    (tmp_path / "corpus.txt").write_text("".join(lines))
+    return tmp_path / "corpus.txt", lines
+
+
+def test_hf_tokenizers_json(make_config, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    path, lines = _corpus(tmp_path)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(lines, tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tok.json"))
+    cfg = make_config(**{"data.source": "text", "data.path": str(path), "data.tokenizer": str(tmp_path / "tok.json"),
+                         "model.vocab_size": 300})
+    tr, _, loaded = build_loaders(cfg)
+    assert loaded.vocab_size <= 300 and loaded.eos_id == 1
+    assert "def function_" in loaded.decode(tr.batch(0)[0])
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        build_loaders(make_config(**{"data.source": "text", "data.path": str(path),
+                                     "data.tokenizer": str(tmp_path / "tok.json"), "model.vocab_size": 100}))
+
+
+def test_sentencepiece_model(make_config, tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    path, _ = _corpus(tmp_path)
+    spm.SentencePieceTrainer.train(input=str(path), model_prefix=str(tmp_path / "sp"), vocab_size=200,
+                                   model_type="bpe", minloglevel=2)
+    cfg = make_config(**{"data.source": "text", "data.path": str(path), "data.tokenizer": str(tmp_path / "sp.model"),
+                         "model.vocab_size": 200})
+    tr, _, loaded = build_loaders(cfg)
+    assert loaded.vocab_size == 200
+    assert "function" in loaded.decode(tr.batch(0)[0])
+
+
+def test_missing_tokenizer_file(make_config, tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.tokenizer"):
+        build_loaders(make_config(**{"data.tokenizer": str(tmp_path / "nope.json")}))
