@@ -44,7 +44,7 @@ def load_params(checkpoint: str):
         raise CheckpointError(f"no checkpoint found in {root}")
     cfg = config_from_meta(ckpt.read_meta(step))
     # Restore onto one device whatever mesh saved it (the abstract target carries the sharding).
-    cfg.parallel.update(data=1, fsdp=1, tensor=1)
+    cfg.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="")
     mesh = make_mesh(cfg, jax.devices()[:1])
     tx, _ = make_optimizer(cfg.train)
     spec = state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))

@@ -36,3 +36,13 @@ def test_generate_cli_from_checkpoint(make_config):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("import os") and len(r.stdout.strip()) > len("import os")
+
+
+def test_generate_from_a_pipelined_tensor_parallel_run(make_config):
+    cfg = make_config(**{"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.data": 2, "model.n_layers": 2,
+                         "train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2})
+    train.run(cfg)
+    from boost_jax.generate import load_params
+    model, loaded, _ = load_params(cfg.run_dir)  # onto one device, whatever mesh saved it
+    out = generate(model, np.zeros((1, 3), np.int32), 4)
+    assert out.shape == (1, 7) and loaded.parallel.pipeline == 1
