@@ -19,6 +19,7 @@ from tqdm import tqdm
 from boost_jax import config as config_lib
 from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
 from boost_jax.data import build_loaders
+from boost_jax.distributed import DistributedError, maybe_initialize
 from boost_jax.metrics import MetricsWriter, fmt_mfu, throughput
 from boost_jax.model import flops_per_token
 from boost_jax.optim import make_optimizer
@@ -30,6 +31,13 @@ from boost_jax.step import jit_train_step, make_eval_step
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
+
+
+def _agree(signal_name):
+    """The signal any process received, or None; a collective, so all processes call it together."""
+    from jax.experimental import multihost_utils
+    got = multihost_utils.process_allgather(np.int32(signal_name is not None))
+    return (signal_name or "SIGTERM") if np.any(got) else None
 
 
 class TrainingDiverged(RuntimeError):
@@ -59,6 +67,15 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
+def _batch_slice(mesh, global_batch: int) -> tuple[int, int]:
+    """(index, count) of the slice of the global batch this process feeds. Processes whose devices
+    hold the same rows (a tensor or pipeline axis spanning processes) must load the same rows."""
+    shards = NamedSharding(mesh, P(BATCH_AXES)).addressable_devices_indices_map((global_batch,))
+    lo = min(idx[0].start or 0 for idx in shards.values())
+    hi = max(global_batch if idx[0].stop is None else idx[0].stop for idx in shards.values())
+    return lo // (hi - lo), global_batch // (hi - lo)
+
+
 def _to_global(batch: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, batch)
 
@@ -66,13 +83,14 @@ def _to_global(batch: np.ndarray, sharding) -> jax.Array:
 def run(cfg) -> dict:
     """Train per `cfg`; returns a summary (first/last eval loss, where things were written)."""
     config_lib.validate(cfg)
+    maybe_initialize(cfg)  # before anything below asks JAX for devices (process_index does)
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
     t, main_process = cfg.train, jax.process_index() == 0
     run_dir = Path(cfg.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg)
     strategy = get_strategy(cfg.parallel)
-    train_data, eval_data, _ = build_loaders(cfg, jax.process_index(), jax.process_count())
+    train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(mesh, t.global_batch))
     tx, schedule = make_optimizer(t)
     micro = t.global_batch // t.grad_accum
     fpt = flops_per_token(cfg.model, t.seq_len)
@@ -135,6 +153,8 @@ def run(cfg) -> dict:
                     bar.update(1)
                     signalled = stop.signal  # read once: a signal arriving later is handled next step
                     due_log = step % t.log_every == 0 or step == end
+                    if jax.process_count() > 1:  # every process must stop (and save) at the same step
+                        signalled = _agree(signalled) if due_log else None
                     due_save = step % cfg.checkpoint.every == 0 or step == end or signalled
                     if due_log or due_save:
                         m = jax.device_get(metrics)
@@ -192,7 +212,8 @@ def main(argv=None) -> int:
     def _main(_):
         try:
             run(flags_.config)
-        except (config_lib.ConfigError, CheckpointError, TrainingDiverged, FileNotFoundError, ValueError) as e:
+        except (config_lib.ConfigError, CheckpointError, TrainingDiverged, DistributedError, FileNotFoundError,
+                ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
 

@@ -1,0 +1,163 @@
+"""Perplexity of a saved run:
+
+    python -m boost_jax.evaluate --checkpoint RUN_DIR [--split eval|train] [--batches N] [--json OUT]
+        [--config.data.source=text --config.data.path=/data/val.txt ...] [--config.parallel.tensor=2 ...]
+
+Restores the parameters only (not the optimizer state, so it needs about a third of the training
+memory) onto a mesh of the current devices: the run's `parallel.*` (with any overrides) when the
+devices fit it, else one device. Reports the mean next-token loss over N global batches of the run's
+held-out split, or of any dataset given with `--config.data.*` overrides, and exp(loss).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import flags
+from absl import logging as absl_logging
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import config_flags
+
+from boost_jax import config as config_lib
+from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
+from boost_jax.data import build_loaders
+from boost_jax.generate import config_from_meta
+from boost_jax.optim import make_optimizer
+from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
+from boost_jax.parallel.rules import use_rules
+from boost_jax.parallel.strategies import get_strategy
+from boost_jax.state import state_spec
+from boost_jax.step import make_eval_step
+
+ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="")
+
+
+def read_run(checkpoint: str):
+    """(config the run was saved with, checkpoint root, step) for a run dir, checkpoints dir or step dir."""
+    root, step = resolve(checkpoint)
+    ckpt = Checkpointer(root, keep=1, create=False)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no checkpoint found in {root}")
+    cfg = config_from_meta(ckpt.read_meta(step))
+    ckpt.close()
+    return cfg, root, step
+
+
+def make_eval_mesh(cfg, devices=None):
+    """The run's mesh on these devices if they fit it, else one device (cfg.parallel is updated to match)."""
+    try:
+        return make_mesh(cfg, devices)
+    except config_lib.ConfigError as e:
+        print(f"note: evaluating on one device ({e})", file=sys.stderr)
+        cfg.parallel.update(ONE_DEVICE)
+        return make_mesh(cfg, list(jax.devices() if devices is None else devices)[:1])
+
+
+def restore_params(root, step: int, abstract_params):
+    """Only the `params` subtree of a checkpoint's state, in the abstract tree's shardings."""
+    ckpt = Checkpointer(root, keep=1, create=False)
+    try:  # same shape check as training, so a wrong model names the mismatching parameters
+        ckpt.check_compatible(step, {"params": abstract_params})
+    finally:
+        ckpt.close()
+    target = {"params": abstract_params}
+    restore_args = jax.tree.map(
+        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target)
+    path = root / str(step) / "state"
+    try:
+        # partial_restore reads just these arrays; the optimizer moments stay on disk.
+        with ocp.PyTreeCheckpointer() as reader:
+            out = reader.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                                     partial_restore=True))
+    except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
+        raise CheckpointError(f"parameters in {path} could not be restored ({type(e).__name__}: {e}); "
+                              "the checkpoint was left untouched") from e
+    return out["params"]
+
+
+def perplexity(cfg, params, spec, mesh, *, split: str = "eval", batches: int | None = None) -> dict:
+    """Mean next-token loss (and exp of it) over `batches` global batches of a split."""
+    t = cfg.train
+    batches = t.eval_batches if batches is None else batches
+    train_data, eval_data, _ = build_loaders(cfg)  # one process: it feeds the whole batch
+    data = eval_data if split == "eval" else train_data
+    if batches * t.global_batch > data.n:
+        print(f"note: {batches} batches x {t.global_batch} sequences exceed the {data.n} windows of the "
+              f"{split} split; windows repeat", file=sys.stderr)
+    sharding = NamedSharding(mesh, P(BATCH_AXES))
+    with use_rules(mesh, get_strategy(cfg.parallel)):
+        step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings["params"], sharding))
+        losses = [step(params, jax.make_array_from_process_local_data(sharding, data.batch(i * t.global_batch)))
+                  for i in range(batches)]
+    loss = float(np.mean(jax.device_get(losses)))
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "batches": batches,
+            "tokens": batches * t.global_batch * t.seq_len, "split": split}
+
+
+def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batches=None, devices=None) -> dict:
+    """Restore a checkpoint's params, apply `overrides(cfg)` (data, batch, mesh) and measure perplexity."""
+    cfg, root, step = read_run(checkpoint)
+    cfg.lock()  # a misspelt override fails instead of adding a key
+    overrides(cfg)
+    config_lib.validate(cfg)
+    mesh = make_eval_mesh(cfg, devices)
+    tx, _ = make_optimizer(cfg.train)
+    with use_rules(mesh, get_strategy(cfg.parallel)):
+        spec = state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))
+    params = restore_params(root, step, spec.abstract["params"])
+    result = perplexity(cfg, params, spec, mesh, split=split, batches=batches)
+    d = cfg.data
+    return {"checkpoint": str(root / str(step)), "step": step, **result,
+            "data": {"source": d.source, "path": d.path, "eval_path": d.eval_path},
+            "mesh": dict(mesh.shape), "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="Any other argument must be a --config.KEY=VALUE override.")
+    ap.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or one step dir")
+    ap.add_argument("--split", choices=("eval", "train"), default="eval")
+    ap.add_argument("--batches", type=int, default=None, help="global batches to average (default train.eval_batches)")
+    ap.add_argument("--json", default="", help="also write the result to this JSON file")
+    args, rest = ap.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        ap.error(f"unrecognized arguments {bad}; overrides look like --config.data.path=/data/val.txt")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+
+    def overrides(cfg):
+        # absl parses --config.* exactly as the trainer does (types, unknown keys), on private FlagValues.
+        fv = flags.FlagValues()
+        try:
+            config_flags.DEFINE_config_dict("config", cfg, flag_values=fv, sys_argv=["evaluate", *rest])
+            fv(["evaluate", *rest])
+        except (flags.Error, AttributeError, KeyError) as e:
+            why = e
+            while isinstance(why, (AttributeError, KeyError)) and why.args:  # unwrap to ml_collections' text
+                why = why.args[0]
+            why = str(why) if isinstance(e, flags.Error) else "unknown key " + str(why).replace("\n", "; ")
+            raise config_lib.ConfigError(f"overrides {rest}: {why} (the keys are those of "
+                                         "boost_jax/config.py)") from e
+
+    try:
+        result = evaluate(args.checkpoint, overrides, split=args.split, batches=args.batches)
+    except (config_lib.ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{result['checkpoint']}: {result['split']} loss {result['loss']:.4f}, perplexity "
+          f"{result['perplexity']:.2f} ({result['batches']} batches, {result['tokens']} tokens, mesh {result['mesh']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
