@@ -1,0 +1,141 @@
+"""Plan the parallel layout of a training run: search mesh x per-group partition choices x remat x
+micro-batching with an α-β / GEMM-efficiency / memory cost model (boost_jax/planner), print the top
+plans and the --config overrides that run the best one.
+
+    python -m boost_jax.plan --config configs/cola_7b.py --devices 32 \
+        --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \
+        [--attention materialized|flash] [--remat none,lowrank,full] [--grad-accum N] [--verify]
+
+--verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
+devices, one sequence per batch shard, seq <= 128) with boost_jax.tools.comm_report and prints the
+planner's per-layer collective elements next to the measured ones.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from boost_jax.tools.devices import emulate_cpu_devices, load_config
+
+GB = 1e9
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f}"
+
+
+def table(plans, batch: int) -> str:
+    head = ("| # | mesh d x f x t | micro x accum | remat | residual | qkv / o / gate_up / down | attn / act "
+            "| step s | tokens/s | MFU | GB/GPU | link GB/step intra / inter | trainer |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i, p in enumerate(plans, 1):
+        lines.append(
+            f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {p.remat} | {p.layer.residual} "
+            f"| {' / '.join(p.layer.choices)} | {p.layer.attention} / {p.layer.act} | {p.step_s:.3g} "
+            f"| {p.tokens_per_s:,.0f} | {100 * p.mfu:.1f}% | {_gb(p.memory['total'])} "
+            f"| {_gb(p.link_bytes['intra'])} / {_gb(p.link_bytes['inter'])} | {p.runnable} |")
+    return "\n".join(lines)
+
+
+def breakdown(p, layers: int) -> str:
+    lc, rc = p.layer_cost, p.rest_cost
+    m = p.memory
+    return (f"per micro-batch: {layers} layers x {1e3 * lc.total:.2f} ms (compute {1e3 * lc.compute:.2f}, "
+            f"tensor comm {1e3 * lc.comm:.2f}, recompute {1e3 * lc.recompute:.2f}) + embedding/head "
+            f"{1e3 * rc.total:.2f} ms + exposed data/fsdp {1e3 * p.exposed_dp_s:.2f} ms; optimizer "
+            f"{1e3 * p.optimizer_s:.1f} ms per step\n"
+            f"memory per GPU: states {_gb(m['states'])} + fsdp gathers {_gb(m['gathered'])} + saved activations "
+            f"{_gb(m['activations'])} + one layer's working set {_gb(m['working'])} + logits {_gb(m['logits'])} "
+            f"= {_gb(m['total'])} GB")
+
+
+def run_verify(cfg, cluster, plan, seq: int) -> bool:
+    from boost_jax.planner import verify
+
+    mesh, batch, vseq = verify.shrink(plan.mesh, seq)
+    sp = plan.sequence_parallel
+    print(f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}, mesh {mesh}, batch {batch} x seq {vseq}, "
+          f"remat {plan.remat}, compiled on emulated CPU devices (bytes per layer per device)")
+    rows = verify.compare(cfg, cluster, mesh, plan.strategy, sp, plan.remat, batch, vseq)
+    print("| traffic | planner | HLO (comm_report) | planner / HLO | within 10% |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['traffic']} | {r['predicted']:,.0f} | {r['measured']:,.0f} | {r['ratio']:.3f} "
+              f"| {'yes' if r['ok'] else 'NO'} |")
+    ok = all(r["ok"] for r in rows)
+    if not ok and rows[-1]["ok"]:
+        print("The whole program agrees but the per-layer split does not: XLA partitioned the 1-layer "
+              "program differently from the 2-layer one (comm_report's per layer = 2-layer - 1-layer).")
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_7b.py")
+    ap.add_argument("--devices", type=int, required=True, help="number of GPUs")
+    ap.add_argument("--cluster", required=True, help="a configs/clusters/*.py file")
+    ap.add_argument("--batch", type=int, help="global batch in sequences (default: the config's train.global_batch)")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the config's train.seq_len)")
+    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--attention", default="materialized", choices=("materialized", "flash"),
+                    help="materialized: XLA's attention as the trainer runs it; flash: a fused kernel")
+    ap.add_argument("--remat", default="none,lowrank,full", help="comma list of remat policies to search")
+    ap.add_argument("--grad-accum", type=int, default=0, help="fix train.grad_accum (default: search)")
+    ap.add_argument("--verify", action="store_true", help="compile the best runnable plan and compare collectives")
+    args = ap.parse_args(argv)
+    if args.verify:
+        emulate_cpu_devices(8)  # before anything imports jax
+    from boost_jax.planner import Options, load_cluster, search
+    from boost_jax.planner.search import model_flops_per_token
+
+    cfg = load_config(args.config)
+    try:
+        cluster = load_cluster(args.cluster)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    batch = args.batch or int(cfg.train.global_batch)
+    seq = args.seq or int(cfg.train.seq_len)
+    if args.devices < 1 or batch < 1 or seq < 1:
+        raise SystemExit("--devices, --batch and --seq must be positive")
+    if args.grad_accum and batch % args.grad_accum:
+        raise SystemExit(f"--grad-accum {args.grad_accum} does not divide --batch {batch}")
+    cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), seq)
+    opts = Options(batch=batch, seq=seq, attention=args.attention, grad_accum=args.grad_accum, top=args.top,
+                   remat=tuple(x.strip() for x in args.remat.split(",")))
+    fpt = model_flops_per_token(cfg, seq)
+    try:
+        res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+
+    print(f"{cfg.name} ({cfg.model.linear}, d={cfg.model.d_model}, r={cfg.model.rank}, L={cfg.model.n_layers}) on "
+          f"{args.devices} GPUs of {cluster.name} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB); "
+          f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention}")
+    print(f"search: {res.considered} plans priced, {res.rejected_memory} over the usable "
+          f"{cluster.usable_hbm / GB:.0f} GB/GPU, in {res.seconds:.2f} s")
+    if not res.plans:
+        s = res.smallest
+        hint = "raise --devices or lower --batch" + ("" if "full" in opts.remat else ", or add full to --remat")
+        raise SystemExit(f"no plan fits in {cluster.usable_hbm / GB:.0f} GB/GPU; the smallest needs "
+                         f"{_gb(s.memory['total'])} GB ({s.mesh}, remat {s.remat}, states "
+                         f"{_gb(s.memory['states'])} GB): {hint}")
+    print()
+    print(table(res.plans, batch))
+    best = res.plans[0]
+    print(f"\nbest: {breakdown(best, int(cfg.model.n_layers))}")
+    runnable = res.best_runnable
+    if runnable is None:
+        print("\nno plan the trainer can run fits (every fitting plan needs st or mixed choices)")
+        return 1
+    if runnable is not best:
+        print(f"\nThe best plan is not runnable yet ({best.runnable}). The best the trainer can run is "
+              f"{runnable.step_s / best.step_s - 1:.1%} slower: {runnable.mesh}, {runnable.layer}, "
+              f"remat {runnable.remat}, {runnable.step_s:.3f} s/step, MFU {100 * runnable.mfu:.1f}%.")
+    print(f"\nrun it with:\n  python -m boost_jax.train --config {args.config} {runnable.overrides}")
+    if args.verify:
+        return 0 if run_verify(cfg, cluster, runnable, seq) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

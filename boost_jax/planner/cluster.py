@@ -1,0 +1,76 @@
+"""A cluster description (configs/clusters/*.py) as a frozen dataclass the cost model reads."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    bandwidth: float  # effective bytes/s per GPU in a ring collective (NCCL "bus bandwidth")
+    latency: float  # seconds per ring step (α)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bandwidth: float
+    usable_hbm_fraction: float
+    intra: Link
+    inter: Link
+    gemm_efficiency: float
+    gemm_half_dim: float
+    flash_efficiency: float
+    elementwise_passes: float
+
+    @property
+    def usable_hbm(self) -> float:
+        return self.hbm_bytes * self.usable_hbm_fraction
+
+    def link(self, stride: int, size: int) -> Link:
+        """The link a group of `size` devices `stride` ids apart runs on. Mesh axes are laid out
+        row-major over consecutive device ids, so a group stays inside one node iff it covers
+        at most gpus_per_node consecutive ids."""
+        return self.intra if stride * size <= self.gpus_per_node else self.inter
+
+    def spans_nodes(self, stride: int, size: int) -> bool:
+        return stride * size > self.gpus_per_node
+
+
+_FIELDS = ("name", "gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bandwidth", "usable_hbm_fraction",
+           "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency", "gemm_efficiency",
+           "gemm_half_dim", "flash_efficiency", "elementwise_passes")
+
+
+def from_dict(c) -> Cluster:
+    missing = [f for f in _FIELDS if f not in c]
+    if missing:
+        raise ValueError(f"--cluster: the cluster config lacks {missing} (see configs/clusters/a100_4x.py)")
+    for f in _FIELDS[1:]:
+        if not float(c[f]) > 0:
+            raise ValueError(f"--cluster: {f} must be positive, got {c[f]}")
+    return Cluster(
+        name=str(c["name"]), gpus_per_node=int(c["gpus_per_node"]), peak_flops=float(c["peak_flops"]),
+        hbm_bytes=float(c["hbm_bytes"]), hbm_bandwidth=float(c["hbm_bandwidth"]),
+        usable_hbm_fraction=float(c["usable_hbm_fraction"]),
+        intra=Link(float(c["intra_bandwidth"]), float(c["intra_latency"])),
+        inter=Link(float(c["inter_bandwidth"]), float(c["inter_latency"])),
+        gemm_efficiency=float(c["gemm_efficiency"]), gemm_half_dim=float(c["gemm_half_dim"]),
+        flash_efficiency=float(c["flash_efficiency"]), elementwise_passes=float(c["elementwise_passes"]))
+
+
+def load_cluster(path) -> Cluster:
+    """The Cluster of a configs/clusters/*.py file (its `get_config()`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--cluster: no such file {str(path)!r} (e.g. configs/clusters/a100_4x.py)")
+    spec = importlib.util.spec_from_file_location(f"_cluster_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"--cluster: {path} has no get_config()")
+    return from_dict(module.get_config())

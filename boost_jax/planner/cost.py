@@ -1,0 +1,191 @@
+"""Seconds and bytes: the α-β communication model, the GEMM/attention compute model and the memory model.
+
+Communication (per device; p = group size, B = payload bytes, β/α from the group's link):
+    all-reduce (ring)          2(p-1)/p · B/β + 2(p-1)·α
+    all-gather, reduce-scatter  (p-1)/p · B/β +  (p-1)·α     (B = the whole gathered tensor)
+    all-to-all                  (p-1)/p · B/β +  (p-1)·α     (B = this device's block)
+    collective-permute                    B/β +        α
+β and α are the cluster's intra-node link when the group fits in one node, else the inter-node one.
+Tensor-axis collectives sit on the critical path (their result feeds the next GEMM); P(n x n)'s
+permutes overlap the step's GEMM (Σ_t max(compute, comm)); data/fsdp collectives hide behind the
+whole micro-batch (see search.evaluate).
+
+Compute: a GEMM (m, k, n) takes 2mkn / (peak · e · s(m) s(k) s(n)), s(x) = x / (x + h): the skinny-GEMM
+penalty (h = cluster.gemm_half_dim). Backward = 2 GEMMs of the same shape up to transposition, so
+twice the forward. Elementwise work is HBM traffic: elementwise_passes x activation bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from boost_jax.planner.cluster import Cluster
+from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul
+
+STATE_BYTES = 4  # parameters, gradients and their collectives are float32 in the trainer
+ADAM_STATE_BYTES = 16  # fp32 param + fp32 grad + Adam m and v
+ACCUM_BYTES = 4  # the fp32 gradient accumulator of grad_accum > 1
+OPTIMIZER_TRAFFIC = 32  # HBM bytes per parameter per AdamW update (read/write p, m, v; read g, norm)
+# Attention as XLA runs it (scores materialised): HBM bytes per (head, query, key) score. Traffic:
+# forward writes fp32 scores, reads them for the softmax, writes bf16 probabilities, reads them for
+# P·V (12); the backward reads/writes dP, dS, P (16). Saved for the backward without remat: fp32
+# scores, fp32 masked scores, bf16 probabilities (10), which matches XLA's own memory analysis
+# (benchmarks/remat_memory.md: 299 GiB for cola_1b, seq 2048, batch 8, policy none).
+SCORE_TRAFFIC = (12, 16)
+SCORE_SAVED = 10
+# Under remat the backward of one layer holds its recomputed activations and their gradients: this
+# many times the layer's no-remat activations. 1.5 puts cola_1b (seq 2048, batch 8) within 12% of
+# XLA's memory analysis for `full` and `lowrank` (benchmarks/remat_memory.md), `none` within 6%.
+WORKING_SET = 1.5
+FLASH_BACKWARD = 2.5  # FlashAttention's backward: 5 GEMMs (scores recomputed) against the forward's 2
+ATTENTION_IMPLS = ("materialized", "flash")
+REMAT_POLICIES = ("none", "lowrank", "full")
+
+
+# ---------------------------------------------------------------- communication
+
+def link_bytes(kind: str, nbytes: float, p: int) -> float:
+    """Bytes one device puts on its links for one collective."""
+    if p <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (p - 1) / p * nbytes
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (p - 1) / p * nbytes
+    if kind == "collective-permute":
+        return nbytes
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _steps(kind: str, p: int) -> int:
+    return {"all-reduce": 2 * (p - 1), "collective-permute": 1}.get(kind, p - 1)
+
+
+def collective_seconds(kind: str, nbytes: float, p: int, bandwidth: float, latency: float) -> float:
+    """The α-β time of one collective (see the module docstring)."""
+    if p <= 1:
+        return 0.0
+    return link_bytes(kind, nbytes, p) / bandwidth + _steps(kind, p) * latency
+
+
+def coll_bytes(c: Coll, act_bytes: int) -> float:
+    return c.elements * (act_bytes if c.axis == "tensor" else STATE_BYTES)
+
+
+def coll_seconds(c: Coll, cluster: Cluster, act_bytes: int) -> float:
+    link = cluster.link(c.stride, c.size)
+    return collective_seconds(c.kind, coll_bytes(c, act_bytes), c.size, link.bandwidth, link.latency)
+
+
+# ---------------------------------------------------------------- compute
+
+def gemm_efficiency(m: float, k: float, n: float, cluster: Cluster) -> float:
+    h = cluster.gemm_half_dim
+    s = 1.0
+    for x in (m, k, n):
+        s *= x / (x + h)
+    return cluster.gemm_efficiency * s
+
+
+def gemm_seconds(m: float, k: float, n: float, cluster: Cluster) -> float:
+    """Forward time of one (m, k, n) GEMM."""
+    if min(m, k, n) <= 0:
+        return 0.0
+    return 2 * m * k * n / (cluster.peak_flops * gemm_efficiency(m, k, n, cluster))
+
+
+def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, float]:
+    """(forward, backward) of P(n x n): each phase is n local GEMMs whose n-1 one-hop permutes run
+    under the GEMMs (double-buffered), so a step costs max(GEMM, its two transfers)."""
+    n = st.n
+    step = gemm_seconds(st.m / n, st.k / n, st.out / n, cluster)
+    colls = st.colls()
+    skew, unskew = coll_seconds(colls[0], cluster, act_bytes), coll_seconds(colls[-1], cluster, act_bytes)
+    pairs = [colls[1 + 6 * s: 7 + 6 * s] for s in range(n - 1)]  # per step: fwd 2, dI 2, dW 2
+
+    def phase(j: int) -> float:
+        return step + sum(max(step, sum(coll_seconds(c, cluster, act_bytes) for c in p[j:j + 2])) for p in pairs)
+
+    return skew + phase(0), phase(2) + phase(4) + unskew
+
+
+def attention_seconds(a: Attn, impl: str, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) of causal attention on this device."""
+    flops = 4 * a.queries * a.keys * a.head_dim * a.heads  # q·kᵀ and p·v over every key
+    if impl == "flash":  # skips masked blocks; the busiest token block sets the pace
+        fwd = 0.5 * flops * a.imbalance / (cluster.peak_flops * cluster.flash_efficiency)
+        return fwd, FLASH_BACKWARD * fwd
+    if impl != "materialized":
+        raise ValueError(f"--attention: {impl!r} is not one of {ATTENTION_IMPLS}")
+    gemm = flops / (cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, a.keys, cluster))
+    scores = a.queries * a.keys * a.heads
+    return (gemm + SCORE_TRAFFIC[0] * scores / cluster.hbm_bandwidth,
+            2 * gemm + SCORE_TRAFFIC[1] * scores / cluster.hbm_bandwidth)
+
+
+# ---------------------------------------------------------------- one operator
+
+@dataclasses.dataclass
+class Cost:
+    compute: float = 0.0  # GEMMs, attention, elementwise; forward + backward
+    comm: float = 0.0  # exposed tensor-axis collectives, forward + backward
+    recompute: float = 0.0  # what the remat policy re-runs in the backward (compute and collectives)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm + self.recompute
+
+    def __add__(self, o: Cost) -> Cost:
+        return Cost(self.compute + o.compute, self.comm + o.comm, self.recompute + o.recompute)
+
+    def scale(self, x: float) -> Cost:
+        return Cost(self.compute * x, self.comm * x, self.recompute * x)
+
+
+def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
+    """(GEMMs, st matmuls, attention?, collectives) a remat policy re-runs. `lowrank` keeps the
+    reduced first-stage (A) outputs, so it redoes everything after them, collectives included unless
+    their result is the kept tensor; `full` redoes the whole forward."""
+    if policy == "none" or not op.recompute:
+        return [], [], False, []
+    fwd = [c for c in op.colls if c.phase == "fwd"]
+    if policy == "full":
+        return op.gemms, op.st, op.attn is not None, fwd
+    if policy == "lowrank":
+        return ([g for g in op.gemms if g.tag != "A"], [s for s in op.st if s.tag != "A"], op.attn is not None,
+                [c for c in fwd if not c.saved])
+    raise ValueError(f"--remat: {policy!r} is not one of {REMAT_POLICIES}")
+
+
+def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized",
+          act_bytes: int = 2) -> Cost:
+    """Forward + backward (+ recompute) time of one operator on one device."""
+    gemm = [gemm_seconds(g.m, g.k, g.n, cluster) for g in op.gemms]
+    st = [st_seconds(s, cluster, act_bytes) for s in op.st]
+    attn = attention_seconds(op.attn, attention, cluster) if op.attn else (0.0, 0.0)
+    elementwise = cluster.elementwise_passes * op.acts * act_bytes / cluster.hbm_bandwidth
+    cost = Cost(compute=3 * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
+                comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls))
+    if policy != "none":
+        g_re, st_re, attn_re, c_re = recomputed(op, policy)
+        cost.recompute = (sum(gemm_seconds(g.m, g.k, g.n, cluster) for g in g_re)
+                          + sum(st_seconds(s, cluster, act_bytes)[0] for s in st_re) + attn[0] * attn_re
+                          + elementwise / 3 * op.recompute + sum(coll_seconds(c, cluster, act_bytes) for c in c_re))
+    return cost
+
+
+# ---------------------------------------------------------------- memory
+
+def saved_bytes(op: Op, policy: str, attention: str, act_bytes: int = 2) -> float:
+    """Activation bytes this operator keeps for the backward under a remat policy (one micro-batch)."""
+    if policy == "full":
+        return 0.0
+    if policy == "lowrank":
+        return op.saved_lowrank * act_bytes
+    scores = op.attn.queries * op.attn.keys * op.attn.heads * SCORE_SAVED if (
+        op.attn and attention == "materialized") else 0.0
+    return op.acts * act_bytes + scores
+
+
+def state_bytes(params: float, grad_accum: int) -> float:
+    """Parameters, gradients and AdamW moments (fp32), plus the accumulator when accumulating."""
+    return params * (ADAM_STATE_BYTES + (ACCUM_BYTES if grad_accum > 1 else 0))

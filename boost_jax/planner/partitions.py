@@ -1,0 +1,360 @@
+"""What a partition choice *does* (hardware-free): the GEMMs, collectives and activations it implies.
+
+A transformer block is priced as a small graph. Between operators an activation [M tokens, width]
+lives on the `tensor` group (t devices) in one of these layouts:
+
+    R  replicated            H  features split t ways      S  tokens split t ways
+    G  tokens x features on an n x n grid (t = n^2, the PrimePar primitive's layout)
+    P  partial sums still to be reduced (only ever an operator's output)
+
+Operators are the four projection groups (qkv, o, gate_up, down; each takes one partition choice:
+btp, vanilla, megatron or st), the attention and MLP-activation cores (run in whatever layout they
+are fed) and the RMSNorms. Edges between operators redistribute the activation when layouts differ.
+Everything is per device and per micro-batch; M is the micro-batch's tokens on one tensor group.
+Element counts follow boost_jax.tools.comm_report: all-reduce / reduce-scatter / all-to-all /
+collective-permute count their operand, all-gather its result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GROUPS = ("qkv", "o", "gate_up", "down")
+CHOICES = ("btp", "vanilla", "megatron", "st")
+# Megatron's column-parallel groups (the others are row-parallel).
+COLUMN = ("qkv", "gate_up")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """The shapes of one transformer block (and what surrounds the stack)."""
+    d: int
+    ff: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rank: int
+    vocab: int
+    layers: int
+    factored: bool  # lowrank / cola (B·σ(A·x)) rather than dense
+    only_lr_act: bool
+    online_norm: bool
+
+    @classmethod
+    def from_config(cls, cfg) -> Block:
+        m = cfg.model
+        return cls(d=int(m.d_model), ff=int(m.d_ff), heads=int(m.n_heads), kv_heads=int(m.n_kv_heads),
+                   head_dim=int(m.d_model) // int(m.n_heads), rank=int(m.rank), vocab=int(m.vocab_size),
+                   layers=int(m.n_layers), factored=m.linear != "dense",
+                   only_lr_act=bool(m.only_lr_act) and m.linear == "cola",
+                   online_norm=bool(cfg.parallel.online_norm))
+
+    def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
+        """(shared input width, output widths) of a projection group."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"qkv": (self.d, (q, kv, kv)), "o": (q, (self.d,)), "gate_up": (self.d, (self.ff, self.ff)),
+                "down": (self.ff, (self.d,))}[group]
+
+
+@dataclasses.dataclass(frozen=True)
+class Coll:
+    kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+    elements: float  # payload per device (see the module docstring)
+    size: int  # devices in the group
+    stride: int  # device-id distance between group members: decides intra- or inter-node link
+    phase: str  # fwd | bwd
+    axis: str = "tensor"  # tensor (activations, compute dtype) | data_fsdp (parameters/gradients, fp32)
+    saved: bool = False  # its result is what low-rank checkpointing keeps: never recomputed
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    m: float
+    k: float
+    n: float
+    tag: str  # A (first stage), B (second stage), W (dense), head
+
+
+@dataclasses.dataclass(frozen=True)
+class StMatmul:
+    """P(n x n) on [m, k] @ [k, out]: n steps of local (m/n, k/n, out/n) GEMMs, one-hop permutes."""
+    m: float
+    k: float
+    out: float
+    n: int
+    tag: str
+
+    def colls(self) -> list[Coll]:
+        t, n = self.n * self.n, self.n
+        i, w, o = self.m * self.k / t, self.k * self.out / t, self.m * self.out / t
+
+        def cp(elements, phase, ring):  # ring: (size, stride) of the devices it cycles through
+            return Coll("collective-permute", elements, *ring, phase)
+
+        row, col, diag = (n, 1), (n, n), (t, 1)  # the grid's inner axis holds the features
+        out = [cp(i, "fwd", row)]  # skew the input once
+        for _ in range(n - 1):
+            out += [cp(i, "fwd", row), cp(w, "fwd", col),  # forward: I along rows, W along columns
+                    cp(o, "bwd", row), cp(w, "bwd", diag),  # dI phase: dO along rows, W diagonally
+                    cp(o, "bwd", col), cp(i, "bwd", diag)]  # dW phase: dO along columns, I diagonally
+        return out + [cp(i, "bwd", row)]  # unskew dI
+
+
+@dataclasses.dataclass(frozen=True)
+class Attn:
+    queries: float  # query tokens on this device
+    keys: int  # keys each query attends (the sequence; causal masking halves the useful work)
+    heads: float  # heads on this device
+    head_dim: int
+    imbalance: float  # busiest / mean device work under a causal mask (token splits)
+
+
+@dataclasses.dataclass
+class Op:
+    name: str
+    gemms: list = dataclasses.field(default_factory=list)
+    st: list = dataclasses.field(default_factory=list)
+    colls: list = dataclasses.field(default_factory=list)
+    attn: Attn | None = None
+    acts: float = 0.0  # activation elements produced in the forward (this device, micro-batch)
+    saved_lowrank: float = 0.0  # of which the `lowrank` remat policy keeps
+    weights: float = 0.0  # parameter elements on this device after the tensor split (before fsdp)
+    recompute: bool = True  # False: its output is the layer's output, which no remat policy redoes
+
+    def all_colls(self) -> list[Coll]:
+        return self.colls + [c for s in self.st for c in s.colls()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    block: Block
+    t: int  # tensor-parallel size
+    tokens: float  # M: tokens of a micro-batch on one tensor group
+    seq: int
+
+    @property
+    def n(self) -> int:
+        """Side of the st grid (0 when t is not a square > 1)."""
+        n = math.isqrt(self.t)
+        return n if n > 1 and n * n == self.t else 0
+
+    def splits(self, layout: str) -> tuple[int, int]:
+        """(feature split, token split) of a layout."""
+        return {"R": (1, 1), "P": (1, 1), "H": (self.t, 1), "S": (1, self.t), "G": (self.n, self.n)}[layout]
+
+    def local(self, layout: str, width: float) -> float:
+        fs, ts = self.splits(layout)
+        return self.tokens * width / (fs * ts)
+
+
+def layouts(ctx: Ctx) -> tuple[str, ...]:
+    """The layouts an activation can take on this tensor size (token splits cut each sequence)."""
+    if ctx.t == 1:
+        return ("R",)
+    return ("R", "H") + (("S",) if ctx.seq % ctx.t == 0 else ()) + (("G",) if ctx.n and ctx.seq % ctx.n == 0 else ())
+
+
+def _divides(t: int, *xs: int) -> bool:
+    return all(x % t == 0 for x in xs)
+
+
+# ---------------------------------------------------------------- edges and norms
+
+def edge(ctx: Ctx, src: str, dst: str, width: int, partial_grad: bool = False, layer_output: bool = False) -> Op:
+    """Redistribute a [M, width] activation from layout src to dst. The backward moves its gradient
+    the other way; a replicated producer needs the whole gradient, so R -> split costs a gather there.
+    `partial_grad`: the consumer (a column-parallel input, dst R) hands back partial input gradients,
+    all-reduced into a replicated source or reduce-scattered into a split one (Megatron-SP)."""
+    op = Op(f"{src}->{dst}", recompute=not layer_output)
+    if ctx.t == 1:
+        return op
+    full, t = ctx.tokens * width, ctx.t
+    if partial_grad:
+        op.colls = [Coll("all-reduce" if src in ("R", "P") else "reduce-scatter", full, t, 1, "bwd")]
+    if src == dst:
+        return op
+    if src == "P":
+        if dst == "R":
+            op.colls += [Coll("all-reduce", full, t, 1, "fwd")]
+        else:
+            op.colls += [Coll("reduce-scatter", full, t, 1, "fwd"), Coll("all-gather", full, t, 1, "bwd")]
+    elif src == "R":
+        op.colls += [Coll("all-gather", full, t, 1, "bwd")]
+    elif dst == "R":
+        op.colls += [Coll("all-gather", full, t, 1, "fwd")]
+    else:  # between two split layouts: each device keeps its overlap, swaps the rest
+        op.colls += [Coll("all-to-all", full / t, t, 1, "fwd"), Coll("all-to-all", full / t, t, 1, "bwd")]
+    op.acts = ctx.local(dst, width)
+    return op
+
+
+def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
+    """RMSNorm in `layout`. Split features need the sum of squares reduced over the feature group: a
+    scalar per token, riding in the following A all-reduce when `fused` (BTP's online RMSNorm)."""
+    fs, ts = ctx.splits(layout)
+    op = Op(f"norm@{layout}", acts=ctx.local(layout, ctx.block.d), weights=ctx.block.d / fs)
+    if fs > 1 and not fused:
+        op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p) for p in ("fwd", "bwd")]
+    return op
+
+
+# ---------------------------------------------------------------- projection groups
+
+def group_choices(ctx: Ctx, group: str) -> list[tuple[str, str, str]]:
+    """(choice, input layout, output layout) that can run this group on this tensor size."""
+    b, t = ctx.block, ctx.t
+    if t == 1:
+        return [("none", "R", "R")]
+    din, douts = b.projections(group)
+    heads_ok = group not in ("qkv", "o") or _divides(t, b.heads, b.kv_heads)
+    out = []
+    if b.factored and heads_ok and _divides(t, din, *douts):
+        out.append(("btp", "H", "H"))
+    if b.factored and _divides(t, b.rank):
+        out.append(("vanilla", "R", "P"))
+    if heads_ok and group in COLUMN and _divides(t, *douts):
+        out.append(("megatron", "R", "H"))
+    if heads_ok and group not in COLUMN and _divides(t, din):
+        out.append(("megatron", "H", "R" if b.factored else "P"))
+    n = ctx.n
+    if n and _divides(n, din, *douts, b.rank, b.heads, b.kv_heads, ctx.seq):
+        out.append(("st", "G", "G"))
+    return out
+
+
+def partial_input_grad(block: Block, group: str, choice: str) -> bool:
+    """Whether the group's input gradient comes out partial (its input is replicated and the GEMM
+    reading it split along its output): reduced by the edge in front of it (see `edge`). Megatron's
+    factorised column groups keep A whole, so their input gradient is complete."""
+    return choice == "vanilla" or (choice == "megatron" and group in COLUMN and not block.factored)
+
+
+def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
+    """The work of one projection group under one choice (see the BOOST notes for btp/vanilla/megatron
+    and the PrimePar notes for st). `fused_norm`: a norm's statistics ride in the A all-reduce.
+    Partial input gradients (partial_input_grad) are charged to the edge in front."""
+    b, t, m = ctx.block, ctx.t, ctx.tokens
+    din, douts = b.projections(group)
+    g, r, dsum = len(douts), b.rank, sum(douts)
+    op = Op(f"{group}:{choice}")
+    if choice == "none":  # t == 1: nothing is split
+        if b.factored:
+            op.gemms = [Gemm(m, din, g * r, "A")] + [Gemm(m, r, o, "B") for o in douts]
+            op.acts, op.saved_lowrank, op.weights = m * (2 * g * r + dsum), m * g * r, din * g * r + r * dsum
+        else:
+            op.gemms, op.acts, op.weights = [Gemm(m, din, dsum, "W")], m * dsum, din * dsum
+        return op
+    if choice == "btp":  # A row-parallel (partial r-wide product all-reduced), B column-parallel
+        stats = m if fused_norm else 0
+        op.gemms = [Gemm(m, din / t, g * r, "A")] + [Gemm(m, r, o / t, "B") for o in douts]
+        op.colls = [Coll("all-reduce", m * g * r + stats, t, 1, "fwd", saved=True),
+                    Coll("all-reduce", m * g * r, t, 1, "bwd")]  # the B's input gradient
+        op.acts, op.saved_lowrank = m * (2 * g * r + dsum / t), m * g * r + stats
+        op.weights = (din * g * r + r * dsum) / t
+    elif choice == "vanilla":  # A column-parallel (r split), B row-parallel: output left partial
+        op.gemms = [Gemm(m, din, g * r / t, "A")] + [Gemm(m, r / t, o, "B") for o in douts]
+        op.acts, op.saved_lowrank = m * (2 * g * r / t + dsum), m * g * r / t
+        op.weights = (din * g * r + r * dsum) / t
+    elif choice == "megatron" and group in COLUMN:  # output columns split; the input is replicated
+        if b.factored:  # A replicated (redundant compute), B column-parallel
+            op.gemms = [Gemm(m, din, g * r, "A")] + [Gemm(m, r, o / t, "B") for o in douts]
+            op.colls = [Coll("all-reduce", m * g * r, t, 1, "bwd")]
+            op.acts, op.saved_lowrank = m * (2 * g * r + dsum / t), m * g * r
+            op.weights = din * g * r + r * dsum / t
+        else:
+            op.gemms = [Gemm(m, din, dsum / t, "W")]
+            op.acts, op.weights = m * dsum / t, din * dsum / t
+    elif choice == "megatron":  # row-parallel: input features split, partial output reduced
+        if b.factored:  # A row-parallel, r-wide all-reduce, B replicated
+            op.gemms = [Gemm(m, din / t, r, "A"), Gemm(m, r, dsum, "B")]
+            op.colls = [Coll("all-reduce", m * r, t, 1, "fwd", saved=True)]
+            op.acts, op.saved_lowrank = m * (2 * r + dsum), m * r
+            op.weights = din * r / t + r * dsum
+        else:  # output left partial: the edge after it reduces
+            op.gemms = [Gemm(m, din / t, dsum, "W")]
+            op.acts, op.weights = m * dsum, din * dsum / t
+    elif choice == "st":  # every GEMM is a P(n x n) on the token x feature grid
+        n = ctx.n
+        if b.factored:
+            op.st = [StMatmul(m, din, g * r, n, "A")] + [StMatmul(m, r, o, n, "B") for o in douts]
+            op.acts, op.saved_lowrank = m * (2 * g * r + dsum) / t, m * g * r / t
+            op.weights = (din * g * r + r * dsum) / t
+        else:
+            op.st = [StMatmul(m, din, dsum, n, "W")]
+            op.acts, op.weights = m * dsum / t, din * dsum / t
+    else:
+        raise ValueError(f"unknown partition choice {choice!r} for {group}")
+    return op
+
+
+# ---------------------------------------------------------------- cores
+
+def attention(ctx: Ctx, layout: str) -> Op | None:
+    """Causal attention fed q, k, v in `layout` (None where it cannot run). Token splits gather the
+    keys and values of the whole sequence (context parallelism) and carry the causal imbalance."""
+    b = ctx.block
+    fs, ts = ctx.splits(layout)
+    if layout == "P" or not _divides(fs, b.heads, b.kv_heads) or not _divides(ts, ctx.seq):
+        return None
+    q, kv = b.heads * b.head_dim, b.kv_heads * b.head_dim
+    op = Op(f"attention@{layout}")
+    op.acts = ctx.local(layout, 2 * q + kv)  # rotated q, k and the output
+    if ts > 1:
+        gathered = ctx.tokens * 2 * kv / fs
+        stride = 1 if layout == "S" else ctx.n
+        op.colls = [Coll("all-gather", gathered, ts, stride, "fwd"),
+                    Coll("reduce-scatter", gathered, ts, stride, "bwd")]
+        op.acts += gathered
+    op.attn = Attn(queries=ctx.tokens / ts, keys=ctx.seq, heads=b.heads / fs, head_dim=b.head_dim,
+                   imbalance=(2 * ts - 1) / ts)
+    return op
+
+
+def activation(ctx: Ctx, layout: str) -> Op | None:
+    """The MLP's σ(gate)·up (or gate·up) in `layout`: elementwise, no communication."""
+    fs, _ = ctx.splits(layout)
+    if layout == "P" or ctx.block.ff % fs:
+        return None
+    return Op(f"act@{layout}", acts=ctx.local(layout, ctx.block.ff) * (1 if ctx.block.only_lr_act else 2))
+
+
+def residual_add(ctx: Ctx, layout: str) -> Op:
+    return Op(f"add@{layout}", acts=ctx.local(layout, ctx.block.d))
+
+
+# ---------------------------------------------------------------- outside the layer stack
+
+def embedding(ctx: Ctx, residual: str) -> Op:
+    """Token embedding into the residual layout: a d-split table feeds H (and G) without traffic; a
+    vocab-split one leaves partial rows that are reduced (R) or reduce-scattered (S)."""
+    b = ctx.block
+    src = "H" if residual in ("H", "G") else "P"
+    op = edge(ctx, src, residual, b.d) if ctx.t > 1 else Op("embed")
+    op.name, op.weights = f"embed->{residual}", b.vocab * b.d / ctx.t
+    return op
+
+
+def head(ctx: Ctx, residual: str) -> Op:
+    """Gather the hidden rows, final norm, vocab-parallel LM head and loss: 3 scalars per token for the
+    loss's reductions, and the head's input gradient all-reduced in the backward."""
+    b, t, m = ctx.block, ctx.t, ctx.tokens
+    op = edge(ctx, residual, "R", b.d)
+    op.name = f"{residual}->head"
+    op.gemms = [Gemm(m, b.d, b.vocab / t, "head")]
+    op.weights = b.d * b.vocab / t + b.d
+    if t > 1:
+        op.colls = op.colls + [Coll("all-reduce", 3 * m, t, 1, "fwd"), Coll("all-reduce", m * b.d, t, 1, "bwd")]
+    return op
+
+
+# ---------------------------------------------------------------- the trainer's strategies
+
+def uniform_plan(strategy: str, sequence_parallel: bool = False) -> tuple[str, tuple[str, ...], str, str]:
+    """(residual layout, group choices, attention layout, act layout) of a trainer strategy."""
+    if strategy == "btp":
+        return "H", ("btp",) * 4, "H", "H"
+    if strategy == "vanilla":
+        return "R", ("vanilla",) * 4, "R", "R"
+    if strategy == "megatron":
+        return ("S" if sequence_parallel else "R"), ("megatron",) * 4, "H", "H"
+    raise ValueError(f"unknown strategy {strategy!r}")

@@ -1,0 +1,396 @@
+"""The plan search: mesh x micro-batching x remat policy x per-group partition choices.
+
+For every factorisation data x fsdp x tensor of the device count (pipeline = 1: see PIPELINE), every
+gradient-accumulation count that splits the batch evenly and every remat policy, one transformer
+layer is solved by PrimePar's segmented dynamic programme: the residual edges cut the block into two
+segments (norm -> qkv -> attention -> o -> add, norm -> gate_up -> act -> down -> add); inside a
+segment the DP state is the activation's layout between operators and an edge between different
+layouts costs the redistribution. Each residual layout's segments are solved independently and
+summed; identical layers are combined by multiplying by L. The DP keeps the `keep` best paths per
+state (k-best), so the non-additive parts (data/fsdp traffic hidden behind the micro-batch, memory)
+are applied afterwards to a short list. Plans over the usable HBM are rejected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+
+from boost_jax.planner import cost as C
+from boost_jax.planner import partitions as P
+from boost_jax.planner.cluster import Cluster
+
+# Pipeline stages: the trainer has none yet. A size s > 1 would divide the layers by s, add the
+# (s-1)/(grad_accum+s-1) bubble and a point-to-point send per micro-batch at each stage boundary.
+PIPELINE = (1,)
+SEGMENTS = (("qkv", "attention", "o"), ("gate_up", "act", "down"))
+BUILDERS = {"edge": P.edge, "norm": P.norm, "group": P.group_op, "attention": P.attention, "act": P.activation,
+            "add": P.residual_add}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    data: int
+    fsdp: int
+    tensor: int
+    pipeline: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor * self.pipeline
+
+    def __str__(self) -> str:
+        return f"{self.data}x{self.fsdp}x{self.tensor}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer's partitioning: the residual stream's layout, the choice per projection group
+    (qkv, o, gate_up, down) and the layouts the attention and MLP activation run in."""
+    residual: str
+    choices: tuple[str, str, str, str]
+    attention: str
+    act: str
+
+    def __str__(self) -> str:
+        return f"res {self.residual} | {'/'.join(self.choices)} | attn {self.attention} | act {self.act}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    batch: int  # global batch, sequences per optimizer step
+    seq: int
+    attention: str = "materialized"  # materialized (what XLA runs) | flash
+    remat: tuple = C.REMAT_POLICIES
+    grad_accum: int = 0  # 0: search
+    top: int = 5
+    keep: int = 8  # DP paths kept per state
+    act_bytes: int = 2  # bf16 activations
+    check_memory: bool = True
+
+
+@dataclasses.dataclass
+class Plan:
+    mesh: Mesh
+    grad_accum: int
+    remat: str
+    layer: Layer
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    memory: dict  # bytes per GPU by part, and "total"
+    link_bytes: dict  # bytes per GPU per step: intra / inter
+    layer_cost: C.Cost  # one layer, one micro-batch
+    rest_cost: C.Cost  # embedding, head, loss: one micro-batch
+    exposed_dp_s: float  # data/fsdp traffic not hidden behind the micro-batch
+    optimizer_s: float
+    layer_colls: list  # one layer, one micro-batch: tensor and data/fsdp collectives (no recompute)
+    redo_colls: list  # one layer, one micro-batch: forward collectives the remat policy re-runs
+    rest_colls: list  # embedding, head, loss (tensor and data/fsdp), one micro-batch
+    tokens: float  # tokens per micro-batch on one tensor group
+    runnable: str  # "yes" or why the trainer cannot run it
+    strategy: str  # the trainer's parallel.strategy (runnable plans)
+    sequence_parallel: bool
+    overrides: str  # --config.* flags (runnable plans)
+
+
+@dataclasses.dataclass
+class Result:
+    plans: list  # the top plans, best first (distinct partitionings, each at its best accum/remat)
+    best_runnable: Plan | None
+    considered: int
+    rejected_memory: int
+    seconds: float
+    smallest: Plan | None  # the least memory of all considered (to explain an empty result)
+
+
+# ---------------------------------------------------------------- one (tensor size, micro-batch, policy)
+
+class Pricer:
+    """Operators and their costs for one context, memoised (the DP asks for the same ones often)."""
+
+    def __init__(self, ctx: P.Ctx, cluster: Cluster, policy: str, opts: Options):
+        self.ctx, self.cluster, self.policy, self.opts = ctx, cluster, policy, opts
+        self._ops: dict = {}
+        self._costs: dict = {}
+        self.layers: list | None = None
+
+    def op(self, key) -> P.Op | None:
+        """key = (kind, *arguments of the partitions.py builder)."""
+        if key not in self._ops:
+            self._ops[key] = BUILDERS[key[0]](self.ctx, *key[1:])
+        return self._ops[key]
+
+    def cost(self, key) -> C.Cost:
+        if key not in self._costs:
+            self._costs[key] = C.price(self.op(key), self.cluster, self.policy, self.opts.attention,
+                                       self.opts.act_bytes)
+        return self._costs[key]
+
+    def seconds(self, keys) -> float:
+        return sum(self.cost(k).total for k in keys)
+
+
+class Stages:
+    """The operator keys of one segment's three DP stages, entered and left in `residual`:
+    first(g) = edge in, norm, first group; core(src, layout) = edge, attention/act;
+    last(core, g) = edge, last group, edge back to the residual, residual add."""
+
+    def __init__(self, pr: Pricer, seg, residual: str):
+        b = self.block = pr.ctx.block
+        self.seg, self.residual, self.d = seg, residual, b.d
+        self.w1, self.w2 = sum(b.projections(seg[0])[1]), b.projections(seg[2])[0]
+        self.online_norm = b.online_norm
+        self.layer_output = seg == SEGMENTS[-1]  # the layer's last edge is never recomputed
+
+    def first(self, g) -> list:
+        fused = g[0] == "btp" and self.online_norm
+        return [("edge", self.residual, g[1], self.d, P.partial_input_grad(self.block, self.seg[0], g[0]), False),
+                ("norm", g[1], fused), ("group", self.seg[0], g[0], fused)]
+
+    def core(self, src: str, layout: str) -> list:
+        return [("edge", src, layout, self.w1, False, False), (self.seg[1], layout)]
+
+    def last(self, core: str, g) -> list:
+        return [("edge", core, g[1], self.w2, P.partial_input_grad(self.block, self.seg[2], g[0]), False),
+                ("group", self.seg[2], g[0], False),
+                ("edge", g[2], self.residual, self.d, False, self.layer_output), ("add", self.residual)]
+
+
+def solve_segment(pr: Pricer, seg, residual: str, k: int) -> list[tuple[float, tuple]]:
+    """k best (seconds, (first choice, core layout, last choice)) for a segment entered and left in
+    `residual`: a DP over the activation's layout between the operators."""
+    st = Stages(pr, seg, residual)
+    firsts, lasts = P.group_choices(pr.ctx, seg[0]), P.group_choices(pr.ctx, seg[2])
+    state: dict[str, list] = {}
+    for first in firsts:  # stage 1 -> state = the first group's output layout
+        state.setdefault(first[2], []).append((pr.seconds(st.first(first)), (first,)))
+    cores: dict[str, list] = {}
+    for lay, paths in state.items():  # stage 2 -> state = the core's layout
+        paths = heapq.nsmallest(k, paths)
+        for core in P.layouts(pr.ctx):
+            if pr.op((seg[1], core)) is None:
+                continue
+            s = pr.seconds(st.core(lay, core))
+            cores.setdefault(core, []).extend((t + s, path + (core,)) for t, path in paths)
+    done = []
+    for core, paths in cores.items():  # stage 3 -> back in the residual layout
+        paths = heapq.nsmallest(k, paths)
+        for last in lasts:
+            s = pr.seconds(st.last(core, last))
+            done.extend((t + s, path + (last,)) for t, path in paths)
+    return heapq.nsmallest(k, done)
+
+
+def best_layers(pr: Pricer, k: int) -> list[Layer]:
+    """The k fastest layer partitionings over every residual layout (memoised on the pricer)."""
+    if pr.layers is None:
+        found = []
+        for residual in P.layouts(pr.ctx):
+            attn, mlp = (solve_segment(pr, seg, residual, k) for seg in SEGMENTS)
+            for ta, (qkv, lay_a, o) in attn:
+                for tm, (gu, lay_m, down) in mlp:
+                    found.append((ta + tm, Layer(residual, (qkv[0], o[0], gu[0], down[0]), lay_a, lay_m)))
+        pr.layers = [layer for _, layer in heapq.nsmallest(k, found, key=lambda x: x[0])]
+    return pr.layers
+
+
+def layer_keys(pr: Pricer, layer: Layer) -> list:
+    """The operator keys of a whole layer, in order."""
+    choice = dict(zip(P.GROUPS, layer.choices))
+    keys = []
+    for seg, core in zip(SEGMENTS, (layer.attention, layer.act)):
+        first, last = ({c[0]: c for c in P.group_choices(pr.ctx, g)}[choice[g]] for g in (seg[0], seg[2]))
+        st = Stages(pr, seg, layer.residual)
+        keys += st.first(first) + st.core(first[2], core) + st.last(core, last)
+    return keys
+
+
+# ---------------------------------------------------------------- a whole plan
+
+def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str) -> list[P.Coll]:
+    """Data/fsdp traffic of parameters holding these elements per tensor shard, per micro-batch: FSDP
+    gathers the weights before use (again in the backward when remat recomputes the forward); the
+    gradients are reduce-scattered over fsdp alone, else all-reduced over data (x fsdp), as the
+    compiled HLO does. The trainer sums micro-batch gradients in the parameters' layout, so this
+    happens once per micro-batch."""
+    t, f, d = mesh.tensor, mesh.fsdp, mesh.data
+    out = []
+    if f > 1:
+        out.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+        if remat != "none":
+            out.append(P.Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
+    if d > 1:
+        out.append(P.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+    elif f > 1:
+        out += [P.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
+                P.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp")]
+    return out
+
+
+def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
+    """("yes", strategy, sequence_parallel) if the trainer runs this layer as one of its strategies,
+    else ("no: why", "", False)."""
+    if mesh.tensor == 1:
+        return "yes", "btp" if block.factored else "megatron", False
+    if "st" in layer.choices or "G" in (layer.residual, layer.attention, layer.act):
+        return "no: st (P(n x n) is not in the trainer yet)", "", False
+    for strategy, sp in (("btp", False), ("vanilla", False), ("megatron", False), ("megatron", True)):
+        if (layer.residual, layer.choices, layer.attention, layer.act) == P.uniform_plan(strategy, sp):
+            return "yes", strategy, sp
+    if len(set(layer.choices)) > 1:
+        return "no: mixed per-group choices", "", False
+    return "no: layouts the strategy tables do not express", "", False
+
+
+def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_token: float) -> Plan:
+    """Price a whole plan: L identical layers, embedding and head, data/fsdp traffic, optimizer."""
+    ctx, cl, opts, policy = pr.ctx, pr.cluster, pr.opts, pr.policy
+    b = ctx.block
+    keys = layer_keys(pr, layer)
+    ops = [pr.op(k) for k in keys]
+    layer_cost = sum((pr.cost(k) for k in keys), C.Cost())
+    norm_w = sum(op.weights for op in ops if op.name.startswith("norm"))
+    fsdp_w = sum(op.weights for op in ops) - norm_w
+    rest = [P.embedding(ctx, layer.residual), P.head(ctx, layer.residual)]
+    rest_cost = sum((C.price(op, cl, "none", opts.attention, opts.act_bytes) for op in rest), C.Cost())
+    rest_fsdp_w = sum(op.weights for op in rest) - b.d  # the final norm is not fsdp-sharded
+
+    tensor_colls = [c for op in ops for c in op.all_colls()]
+    dp = data_colls(mesh, fsdp_w, norm_w, policy)
+    dp_rest = data_colls(mesh, rest_fsdp_w, b.d, "none")
+    dp_s = sum(C.coll_seconds(c, cl, opts.act_bytes) for c in dp) * b.layers + sum(
+        C.coll_seconds(c, cl, opts.act_bytes) for c in dp_rest)
+    # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
+    # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
+    path = b.layers * layer_cost.total + rest_cost.total
+    exposed = max(0.0, dp_s - path)
+    micro_s = path + exposed
+
+    params = b.layers * (fsdp_w / mesh.fsdp + norm_w) + rest_fsdp_w / mesh.fsdp + b.d
+    optimizer_s = params * C.OPTIMIZER_TRAFFIC / cl.hbm_bandwidth
+    step_s = grad_accum * micro_s + optimizer_s
+
+    carry = ctx.local(layer.residual, b.d) * opts.act_bytes if policy != "none" else 0.0
+    per_layer = sum(C.saved_bytes(op, policy, opts.attention, opts.act_bytes) for op in ops) + carry
+    memory = {"states": C.state_bytes(params, grad_accum),
+              "gathered": 2 * fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 else 0.0,
+              "activations": b.layers * per_layer,
+              "working": 0.0 if policy == "none" else C.WORKING_SET * sum(
+                  C.saved_bytes(op, "none", opts.attention, opts.act_bytes) for op in ops),
+              "logits": 3 * ctx.tokens * b.vocab / mesh.tensor * 4}  # fp32 logits, softmax, gradient
+    memory["total"] = sum(memory.values())
+
+    # Bytes on each GPU's links per step, recomputed collectives included.
+    recomputed = [c for op in ops for c in C.recomputed(op, policy)[3]]
+    per_micro = [(c, b.layers) for c in tensor_colls + recomputed + dp] + [
+        (c, 1) for op in rest for c in op.colls] + [(c, 1) for c in dp_rest]
+    links = {"intra": 0.0, "inter": 0.0}
+    for c, times in per_micro:
+        where = "inter" if cl.spans_nodes(c.stride, c.size) else "intra"
+        links[where] += grad_accum * times * C.link_bytes(c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
+
+    tokens = opts.batch * opts.seq
+    status, strategy, sp = runnable(b, mesh, layer)
+    flags = ""
+    if status == "yes":
+        flags = (f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
+                 f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
+                 + ("--config.parallel.sequence_parallel=true " if sp else "")
+                 + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
+                 f"--config.train.seq_len={opts.seq} --config.remat.policy={policy}")
+    return Plan(mesh=mesh, grad_accum=grad_accum, remat=policy, layer=layer, step_s=step_s,
+                tokens_per_s=tokens / step_s,
+                mfu=flops_per_token * tokens / (step_s * mesh.devices * cl.peak_flops),
+                memory=memory, link_bytes=links, layer_cost=layer_cost, rest_cost=rest_cost,
+                exposed_dp_s=exposed, optimizer_s=optimizer_s, layer_colls=tensor_colls + dp,
+                redo_colls=recomputed,
+                rest_colls=[c for op in rest for c in op.colls] + dp_rest, tokens=ctx.tokens,
+                runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags)
+
+
+# ---------------------------------------------------------------- enumeration
+
+def meshes(devices: int):
+    """Every data x fsdp x tensor factorisation (x pipeline, fixed at 1 for now)."""
+    for pp in PIPELINE:
+        if devices % pp:
+            continue
+        rest = devices // pp
+        for t in _divisors(rest):
+            for f in _divisors(rest // t):
+                yield Mesh(rest // (t * f), f, t, pp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def policies(block: P.Block, opts: Options) -> list[str]:
+    bad = [p for p in opts.remat if p not in C.REMAT_POLICIES]
+    if bad:
+        raise ValueError(f"--remat: {bad} not in {C.REMAT_POLICIES}")
+    # `lowrank` keeps the bottleneck activations: only factorised models have them.
+    return [p for p in opts.remat if block.factored or p != "lowrank"]
+
+
+def model_flops_per_token(cfg, seq: int) -> float:
+    from boost_jax.model.transformer import flops_per_token  # imports jax: keep it off the search path
+
+    return flops_per_token(cfg.model, seq, training=True)
+
+
+def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, layer: Layer, opts: Options,
+             flops_per_token: float | None = None) -> Plan:
+    """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan."""
+    block = P.Block.from_config(cfg)
+    micro = opts.batch // grad_accum // (mesh.data * mesh.fsdp)
+    if micro * grad_accum * mesh.data * mesh.fsdp != opts.batch:
+        raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches over "
+                         f"data x fsdp = {mesh.data * mesh.fsdp}")
+    pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq), cluster, remat, opts)
+    fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
+    return evaluate(pr, mesh, grad_accum, layer, fpt)
+
+
+def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: float | None = None) -> Result:
+    """The top plans for `devices` GPUs of `cluster` training `cfg` at opts.batch x opts.seq."""
+    block = P.Block.from_config(cfg)
+    fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
+    start = time.perf_counter()
+    pricers: dict = {}
+    plans, considered, rejected, smallest = [], 0, 0, None
+    for mesh in meshes(devices):
+        ways = mesh.data * mesh.fsdp
+        accums = [opts.grad_accum] if opts.grad_accum else _divisors(opts.batch)
+        for accum in accums:
+            if opts.batch % accum or (opts.batch // accum) % ways:
+                continue
+            tokens = opts.batch // accum // ways * opts.seq
+            ctx = P.Ctx(block, mesh.tensor, tokens, opts.seq)
+            if any(not P.group_choices(ctx, g) for g in P.GROUPS):
+                break  # no choice splits some group over this tensor size
+            for policy in policies(block, opts):
+                key = (mesh.tensor, tokens, policy)
+                if key not in pricers:
+                    pricers[key] = Pricer(ctx, cluster, policy, opts)
+                for layer in best_layers(pricers[key], opts.keep):
+                    plan = evaluate(pricers[key], mesh, accum, layer, fpt)
+                    considered += 1
+                    if smallest is None or plan.memory["total"] < smallest.memory["total"]:
+                        smallest = plan
+                    if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
+                        rejected += 1
+                        continue
+                    plans.append(plan)
+    # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path.
+    plans.sort(key=lambda p: (p.step_s, p.runnable != "yes", p.layer_cost.total))
+    top, seen = [], set()
+    for p in plans:  # distinct partitionings, each at its best micro-batching and remat
+        if (p.mesh, p.layer) not in seen:
+            seen.add((p.mesh, p.layer))
+            top.append(p)
+        if len(top) == opts.top:
+            break
+    best_runnable = next((p for p in plans if p.runnable == "yes"), None)
+    return Result(top, best_runnable, considered, rejected, time.perf_counter() - start, smallest)

@@ -1,0 +1,82 @@
+"""--verify: the planner's per-layer collectives next to what comm_report reads from the compiled HLO.
+
+The plan is lowered as the trainer would run it (a uniform strategy) on emulated CPU devices, at
+shapes small enough to compile in seconds; prediction and measurement use the same shapes. Compared
+per layer and per device, in elements: tensor-axis forward, tensor-axis backward (recompute
+included, as comm_report's backward = forward_backward - forward), data/fsdp forward + backward.
+Bytes follow comm_report: elements x the compute dtype (bf16) on the tensor axis, x 4 (fp32
+parameters and gradients) on data/fsdp.
+"""
+from __future__ import annotations
+
+from boost_jax.planner import partitions as P
+from boost_jax.planner.cost import STATE_BYTES
+from boost_jax.planner.search import Layer, Mesh, Options, plan_for
+
+TOLERANCE = 0.10
+ACT_BYTES = 2  # comm_report's dtype="bfloat16"
+# Every collective of the 2-layer forward+backward program. comm_report's per-layer numbers are the
+# 2-layer minus the 1-layer program, which assumes XLA partitions both alike; this row does not.
+WHOLE = "2-layer program, all"
+MAX_DEVICES = 8  # what the CPU backend emulates comfortably
+
+
+def shrink(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES) -> tuple[Mesh, int, int]:
+    """(mesh, batch, seq) to verify a plan on: the same tensor size (up to max_devices) and 2-way
+    data / fsdp where the plan has them, one sequence per batch shard, short sequences."""
+    t = max(k for k in range(1, min(mesh.tensor, max_devices) + 1) if mesh.tensor % k == 0 and
+            max_devices % k == 0)
+    f = 2 if mesh.fsdp > 1 and 2 * t <= max_devices else 1
+    d = 2 if mesh.data > 1 and 2 * t * f <= max_devices else 1
+    return Mesh(d, f, t), d * f, min(seq, 128)
+
+
+def predicted(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, batch: int,
+              seq: int) -> dict:
+    layer = Layer(*P.uniform_plan(strategy, sequence_parallel))
+    opts = Options(batch=batch, seq=seq, check_memory=False, act_bytes=ACT_BYTES)
+    plan = plan_for(cfg, cluster, mesh, 1, remat, layer, opts, flops_per_token=0.0)
+
+    def nbytes(colls):
+        return sum(c.elements * (ACT_BYTES if c.axis == "tensor" else STATE_BYTES) for c in colls)
+
+    tensor = [c for c in plan.layer_colls if c.axis == "tensor"]
+    return {"tensor fwd": nbytes(c for c in tensor if c.phase == "fwd"),
+            # the remat recompute runs inside the backward
+            "tensor bwd": nbytes([c for c in tensor if c.phase == "bwd"] + plan.redo_colls),
+            "data/fsdp fwd+bwd": nbytes(c for c in plan.layer_colls if c.axis == "data_fsdp"),
+            WHOLE: nbytes(plan.rest_colls + 2 * (plan.layer_colls + plan.redo_colls))}
+
+
+def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, batch: int, seq: int) -> dict:
+    from boost_jax.tools.comm_report import report
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.parallel.sequence_parallel = sequence_parallel
+    label = f"{strategy}:{cfg.model.linear}"  # explicit linear: bare `megatron` would mean the dense twin
+    rep = report(cfg, mesh=(mesh.data, mesh.fsdp, mesh.tensor), strategies=label, batch=batch, seq=seq,
+                 dtype="bfloat16", memory=False, programs=("forward", "forward_backward"), remat=remat)
+    col = rep["strategies"][label]
+
+    def nbytes(direction, group):
+        return float(col[f"per_layer_{direction}"].get(group, {}).get("bytes", 0))
+
+    fb = col["programs"]["forward_backward"]
+    whole = sum(v["bytes"] for v in fb["rest"].values()) + 2 * sum(v["bytes"] for v in fb["per_layer"].values())
+    return {"tensor fwd": nbytes("forward", "tensor"), "tensor bwd": nbytes("backward", "tensor"),
+            "data/fsdp fwd+bwd": nbytes("forward", "data_fsdp") + nbytes("backward", "data_fsdp"), WHOLE: whole}
+
+
+def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False, remat: str = "none",
+            batch: int = 2, seq: int = 64) -> list[dict]:
+    """One row per traffic class: predicted and measured bytes per layer per device, and whether they
+    agree within TOLERANCE."""
+    pred = predicted(cfg, cluster, mesh, strategy, sequence_parallel, remat, batch, seq)
+    meas = measured(cfg, mesh, strategy, sequence_parallel, remat, batch, seq)
+    rows = []
+    for key in pred:
+        p, m = pred[key], meas[key]
+        ok = abs(p - m) <= TOLERANCE * max(p, m)
+        rows.append({"traffic": key, "predicted": p, "measured": m, "ratio": p / m if m else float(p == 0),
+                     "ok": ok})
+    return rows
