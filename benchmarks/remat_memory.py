@@ -12,7 +12,6 @@ step is rest + L x layer. The overhead is that step's FLOPs over the `none` poli
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from boost_jax.config import load_config_file
 from boost_jax.optim import make_optimizer
 from boost_jax.parallel.mesh import make_mesh
 from boost_jax.parallel.rules import use_rules
@@ -29,13 +29,6 @@ from boost_jax.state import state_spec
 from boost_jax.step import jit_train_step
 
 POLICIES = ("none", "full", "dots", "lowrank")
-
-
-def load_config(path):
-    spec = importlib.util.spec_from_file_location("cfg", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
 
 
 def compiled_step(cfg):
@@ -74,7 +67,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "remat_memory.json"))
     args = ap.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_config_file(args.config)
     cfg.train.update(seq_len=args.seq, global_batch=args.batch, grad_accum=1)
     cfg.model.update(dtype=args.dtype, max_seq_len=max(cfg.model.max_seq_len, args.seq))
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)

@@ -36,6 +36,31 @@ def resolve(path: str) -> tuple[Path, int | None]:
     return p, None
 
 
+def config_from_meta(meta: dict):
+    """The run config a checkpoint was saved with, on top of today's defaults (new keys keep them)."""
+    from boost_jax.config import base_config
+    cfg = base_config()
+    cfg.unlock()
+    for section, values in meta["config"].items():
+        if isinstance(values, dict):
+            cfg[section].update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+def read_run(checkpoint: str):
+    """(config the run was saved with, checkpoint root, step) for a run dir, checkpoints dir or step dir."""
+    root, step = resolve(checkpoint)
+    ckpt = Checkpointer(root, keep=1, create=False)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no checkpoint found in {root}")
+    cfg = config_from_meta(ckpt.read_meta(step))
+    ckpt.close()
+    return cfg, root, step
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, keep: int, async_save: bool = True, create=True):
         self.directory = Path(directory).resolve()

@@ -6,6 +6,9 @@ typo in `--config.key=value` fails at parse time), `configs/*.py` only change va
 """
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import ml_collections
 
 LINEAR_KINDS = ("dense", "lowrank", "cola")
@@ -241,3 +244,16 @@ def _divisors(n: int) -> list[int]:
 
 def _divisors_near(n: int, k: int) -> list[int]:
     return sorted(_divisors(n), key=lambda x: abs(x - k))[:3]
+
+
+def load_config_file(path, flag: str = "--config"):
+    """The `get_config()` of a Python config file (configs/*.py, configs/clusters/*.py); errors name `flag`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag}: no such file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"{flag}: {path} has no get_config()")
+    return module.get_config()

@@ -24,30 +24,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from boost_jax import config as config_lib
-from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
+from boost_jax.checkpoint import Checkpointer, CheckpointError, read_run
 from boost_jax.data import build_loaders
-from boost_jax.generate import config_from_meta
 from boost_jax.optim import make_optimizer
-from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
+from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
 from boost_jax.state import state_spec
 from boost_jax.step import make_eval_step
-
-ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="")
-
-
-def read_run(checkpoint: str):
-    """(config the run was saved with, checkpoint root, step) for a run dir, checkpoints dir or step dir."""
-    root, step = resolve(checkpoint)
-    ckpt = Checkpointer(root, keep=1, create=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no checkpoint found in {root}")
-    cfg = config_from_meta(ckpt.read_meta(step))
-    ckpt.close()
-    return cfg, root, step
-
 
 def make_eval_mesh(cfg, devices=None):
     """The run's mesh on these devices if they fit it, else one device (cfg.parallel is updated to match)."""

@@ -10,41 +10,24 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging as absl_logging
 from flax import nnx
 
-from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
-from boost_jax.config import base_config
+from boost_jax.checkpoint import Checkpointer, CheckpointError, read_run
 from boost_jax.data import load_tokenizer
 from boost_jax.optim import make_optimizer
-from boost_jax.parallel.mesh import make_mesh
+from boost_jax.parallel.mesh import ONE_DEVICE, make_mesh
 from boost_jax.parallel.strategies import get_strategy
 from boost_jax.state import state_spec
 
 
-def config_from_meta(meta: dict) -> ml_collections.ConfigDict:
-    cfg = base_config()
-    cfg.unlock()
-    for section, values in meta["config"].items():
-        if isinstance(values, dict):
-            cfg[section].update(values)
-        else:
-            cfg[section] = values
-    return cfg
-
-
 def load_params(checkpoint: str):
     """(model with restored params, config, tokenizer) from a run dir or a step dir; params only."""
-    root, step = resolve(checkpoint)
+    cfg, root, step = read_run(checkpoint)
     ckpt = Checkpointer(root, keep=1, create=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no checkpoint found in {root}")
-    cfg = config_from_meta(ckpt.read_meta(step))
     # Restore onto one device whatever mesh saved it (the abstract target carries the sharding).
-    cfg.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="")
+    cfg.parallel.update(ONE_DEVICE)
     mesh = make_mesh(cfg, jax.devices()[:1])
     tx, _ = make_optimizer(cfg.train)
     spec = state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))

@@ -92,7 +92,6 @@ def run(cfg) -> dict:
     strategy = get_strategy(cfg.parallel)
     train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(mesh, t.global_batch))
     tx, schedule = make_optimizer(t)
-    micro = t.global_batch // t.grad_accum
     fpt = flops_per_token(cfg.model, t.seq_len)
     tokens_per_step = t.global_batch * t.seq_len
     device_kind = jax.devices()[0].device_kind

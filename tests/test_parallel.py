@@ -1,6 +1,5 @@
 """Every strategy x linear kind x mesh computes the single-device loss and gradients (float32)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P

@@ -22,7 +22,7 @@ from tests_support import metric_rows
 def final_params(run_dir, step):
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=3, create=False)
     meta = ckpt.read_meta(step)
-    from boost_jax.generate import config_from_meta, load_params  # noqa: F401
+    from boost_jax.generate import load_params
     model, _, _ = load_params(str(Path(run_dir) / "checkpoints" / str(step)))
     ckpt.close()
     from flax import nnx

@@ -11,6 +11,8 @@ from boost_jax.config import ConfigError
 
 AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first: pipeline stages may span nodes
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over both
+# `parallel` settings that put a run (any mesh, any partition) on a single device.
+ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="")
 
 
 def mesh_shape(p, n_devices: int) -> tuple[int, ...]:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +63,8 @@ def from_dict(c) -> Cluster:
 
 def load_cluster(path) -> Cluster:
     """The Cluster of a configs/clusters/*.py file (its `get_config()`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--cluster: no such file {str(path)!r} (e.g. configs/clusters/a100_4x.py)")
-    spec = importlib.util.spec_from_file_location(f"_cluster_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"--cluster: {path} has no get_config()")
-    return from_dict(module.get_config())
+    from boost_jax.config import load_config_file
+    try:
+        return from_dict(load_config_file(path, "--cluster"))
+    except FileNotFoundError as e:
+        raise ValueError(f"{e} (e.g. configs/clusters/a100_4x.py)") from e

@@ -4,7 +4,6 @@ Nothing here imports jax at module level: `emulate_cpu_devices` must run before 
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
@@ -47,15 +46,11 @@ def load_config(cfg_or_path):
     """A ConfigDict (copied) or the `get_config()` of a configs/*.py file."""
     if not isinstance(cfg_or_path, (str, Path)):
         return cfg_or_path.copy_and_resolve_references()
-    path = Path(cfg_or_path)
-    if not path.is_file():
-        raise SystemExit(f"--config: no such file {str(path)!r} (expected e.g. configs/cola_7b.py)")
-    spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise SystemExit(f"--config: {path} has no get_config()")
-    return module.get_config()
+    from boost_jax.config import load_config_file
+    try:
+        return load_config_file(cfg_or_path)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"{e} (expected e.g. configs/cola_7b.py)") from e
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
