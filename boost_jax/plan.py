@@ -1,10 +1,12 @@
-"""Plan the parallel layout of a training run: search mesh x per-group partition choices x remat x
-micro-batching with an α-β / GEMM-efficiency / memory cost model (boost_jax/planner), print the top
-plans and the --config overrides that run the best one.
+"""Plan the parallel layout of a training run: search mesh (pipeline x data x fsdp x tensor) x GPipe
+micro-batches x per-group partition choices x remat x micro-batching with an α-β / GEMM-efficiency /
+memory cost model (boost_jax/planner), print the top plans and the --config overrides that run the
+best one.
 
     python -m boost_jax.plan --config configs/cola_7b.py --devices 32 \
         --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \
-        [--attention materialized|flash] [--remat none,lowrank,full] [--grad-accum N] [--verify]
+        [--attention materialized|flash] [--remat none,lowrank,full] [--grad-accum N] \
+        [--pipeline 1,2,4] [--microbatches M] [--verify]
 
 --verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
 devices, one sequence per batch shard, seq <= 128) with boost_jax.tools.comm_report and prints the
@@ -25,12 +27,14 @@ def _gb(x: float) -> str:
 
 
 def table(plans, batch: int) -> str:
-    head = ("| # | mesh d x f x t | micro x accum | remat | residual | qkv / o / gate_up / down | attn / act "
+    head = ("| # | mesh p x d x f x t | micro x accum | GPipe M (bubble) | remat | residual "
+            "| qkv / o / gate_up / down | attn / act "
             "| step s | tokens/s | MFU | GB/GPU | link GB/step intra / inter | trainer |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
+        pipe = f"{p.microbatches} ({100 * p.bubble:.0f}%)" if p.mesh.pipeline > 1 else "-"
         lines.append(
-            f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {p.remat} | {p.layer.residual} "
+            f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {pipe} | {p.remat} | {p.layer.residual} "
             f"| {' / '.join(p.layer.choices)} | {p.layer.attention} / {p.layer.act} | {p.step_s:.3g} "
             f"| {p.tokens_per_s:,.0f} | {100 * p.mfu:.1f}% | {_gb(p.memory['total'])} "
             f"| {_gb(p.link_bytes['intra'])} / {_gb(p.link_bytes['inter'])} | {p.runnable} |")
@@ -40,13 +44,21 @@ def table(plans, batch: int) -> str:
 def breakdown(p, layers: int) -> str:
     lc, rc = p.layer_cost, p.rest_cost
     m = p.memory
-    return (f"per micro-batch: {layers} layers x {1e3 * lc.total:.2f} ms (compute {1e3 * lc.compute:.2f}, "
-            f"tensor comm {1e3 * lc.comm:.2f}, recompute {1e3 * lc.recompute:.2f}) + embedding/head "
-            f"{1e3 * rc.total:.2f} ms + exposed data/fsdp {1e3 * p.exposed_dp_s:.2f} ms; optimizer "
-            f"{1e3 * p.optimizer_s:.1f} ms per step\n"
+    layer = (f"{1e3 * lc.total:.2f} ms (compute {1e3 * lc.compute:.2f}, tensor comm {1e3 * lc.comm:.2f}, "
+             f"recompute {1e3 * lc.recompute:.2f})")
+    stages = p.mesh.pipeline
+    if stages > 1:
+        ticks = p.microbatches + stages - 1
+        path = (f"per accumulation micro-batch: {ticks} GPipe ticks ({p.microbatches} micro-batches + {stages - 1} "
+                f"bubble, {100 * p.bubble:.0f}%) x {layers // stages} layers x {layer} + stage hand-overs "
+                f"{1e3 * p.shift_s:.2f} ms")
+    else:
+        path = f"per micro-batch: {layers} layers x {layer}"
+    return (f"{path} + embedding/head {1e3 * rc.total:.2f} ms + exposed data/fsdp {1e3 * p.exposed_dp_s:.2f} ms; "
+            f"optimizer {1e3 * p.optimizer_s:.1f} ms per step\n"
             f"memory per GPU: states {_gb(m['states'])} + fsdp gathers {_gb(m['gathered'])} + saved activations "
             f"{_gb(m['activations'])} + one layer's working set {_gb(m['working'])} + logits {_gb(m['logits'])} "
-            f"= {_gb(m['total'])} GB")
+            + (f"+ pipeline buffers {_gb(m['pipeline'])} " if stages > 1 else "") + f"= {_gb(m['total'])} GB")
 
 
 def run_verify(cfg, cluster, plan, seq: int) -> bool:
@@ -56,6 +68,9 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
     sp = plan.sequence_parallel
     print(f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}, mesh {mesh}, batch {batch} x seq {vseq}, "
           f"remat {plan.remat}, compiled on emulated CPU devices (bytes per layer per device)")
+    if plan.mesh.pipeline > 1:
+        print("(one pipeline stage's layers: the stage hand-overs are not compared; "
+              "`comm_report --mesh S,data,fsdp,tensor` lists them)")
     rows = verify.compare(cfg, cluster, mesh, plan.strategy, sp, plan.remat, batch, vseq)
     print("| traffic | planner | HLO (comm_report) | planner / HLO | within 10% |\n|---|---|---|---|---|")
     for r in rows:
@@ -81,6 +96,10 @@ def main(argv=None) -> int:
                     help="materialized: XLA's attention as the trainer runs it; flash: a fused kernel")
     ap.add_argument("--remat", default="none,lowrank,full", help="comma list of remat policies to search")
     ap.add_argument("--grad-accum", type=int, default=0, help="fix train.grad_accum (default: search)")
+    ap.add_argument("--pipeline", default="", help="comma list of pipeline stage counts (default: every one "
+                    "that divides --devices and the layers)")
+    ap.add_argument("--microbatches", type=int, default=0,
+                    help="fix the GPipe micro-batches per pass of pipelined plans (default: search S, 2S, 4S)")
     ap.add_argument("--verify", action="store_true", help="compile the best runnable plan and compare collectives")
     args = ap.parse_args(argv)
     if args.verify:
@@ -100,8 +119,15 @@ def main(argv=None) -> int:
     if args.grad_accum and batch % args.grad_accum:
         raise SystemExit(f"--grad-accum {args.grad_accum} does not divide --batch {batch}")
     cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), seq)
+    try:
+        pipeline = tuple(int(x) for x in args.pipeline.split(",") if x.strip())
+    except ValueError as e:
+        raise SystemExit(f"--pipeline: expected a comma list of integers, got {args.pipeline!r}") from e
+    if args.microbatches < 0 or any(s < 1 for s in pipeline):
+        raise SystemExit("--pipeline and --microbatches must be positive")
     opts = Options(batch=batch, seq=seq, attention=args.attention, grad_accum=args.grad_accum, top=args.top,
-                   remat=tuple(x.strip() for x in args.remat.split(",")))
+                   remat=tuple(x.strip() for x in args.remat.split(",")), pipeline=pipeline,
+                   microbatches=args.microbatches)
     fpt = model_flops_per_token(cfg, seq)
     try:
         res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)
@@ -131,6 +157,7 @@ def main(argv=None) -> int:
         print(f"\nThe best plan is not runnable yet ({best.runnable}). The best the trainer can run is "
               f"{runnable.step_s / best.step_s - 1:.1%} slower: {runnable.mesh}, {runnable.layer}, "
               f"remat {runnable.remat}, {runnable.step_s:.3f} s/step, MFU {100 * runnable.mfu:.1f}%.")
+        print("  " + breakdown(runnable, int(cfg.model.n_layers)).replace("\n", "\n  "))
     print(f"\nrun it with:\n  python -m boost_jax.train --config {args.config} {runnable.overrides}")
     if args.verify:
         return 0 if run_verify(cfg, cluster, runnable, seq) else 1

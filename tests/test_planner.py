@@ -1,5 +1,6 @@
 """The parallelism planner (boost_jax/planner): α-β formulas, memory rejection, the search space, the
-7B validation against BOOST's reported times, search speed, and its collectives against the HLO."""
+7B validation against BOOST's reported times, search speed, pipeline plans, and its collectives
+against the HLO."""
 import importlib.util
 import math
 from pathlib import Path
@@ -14,7 +15,7 @@ from jax.sharding import Mesh as JaxMesh
 from boost_jax.config import base_config, sized_config
 from boost_jax.planner import Layer, Mesh, Options, cost, load_cluster, plan_for, search
 from boost_jax.planner import partitions as P
-from boost_jax.planner.search import meshes
+from boost_jax.planner.search import meshes, microbatch_counts, stage_counts
 from boost_jax.planner.verify import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,9 +62,15 @@ def test_plans_over_hbm_are_rejected():
 def test_search_space_and_mesh_products():
     assert sorted((m.data, m.fsdp, m.tensor) for m in meshes(12)) == sorted(
         (d, f, 12 // (d * f)) for d in range(1, 13) for f in range(1, 13) if 12 % (d * f) == 0)
+    assert sorted((m.pipeline, m.data * m.fsdp * m.tensor) for m in meshes(12, (1, 3))) == sorted(
+        [(1, 12)] * 18 + [(3, 4)] * 6)
+    assert stage_counts(64, 40, Options(batch=1, seq=1)) == [1, 2, 4, 8]  # divide devices and layers
+    assert stage_counts(64, 40, Options(batch=1, seq=1, pipeline=(2, 3, 16))) == [2]
+    assert microbatch_counts(1, 64, Options(batch=1, seq=1)) == [1]
+    assert microbatch_counts(4, 24, Options(batch=1, seq=1)) == [4, 8]  # 16 does not split 24 rows
     res = search(sized_config("7b", "cola"), H100, 64, Options(batch=512, seq=256, top=10), flops_per_token=1.0)
     assert len(res.plans) == 10
-    assert all(p.mesh.devices == 64 and p.mesh.pipeline == 1 for p in res.plans)
+    assert all(p.mesh.devices == 64 for p in res.plans)
     assert res.plans == sorted(res.plans, key=lambda p: p.step_s)
     assert res.best_runnable is not None and res.best_runnable.runnable == "yes"
     assert "--config.parallel.strategy=" in res.best_runnable.overrides
@@ -73,6 +80,48 @@ def test_search_space_and_mesh_products():
 def test_search_takes_under_10s_for_64_devices():
     res = search(sized_config("7b", "cola"), H100, 64, Options(batch=512, seq=4096), flops_per_token=1.0)
     assert res.plans and res.seconds < 10.0
+    # With pipeline stages and GPipe micro-batch counts in the space (13B: 40 layers, S in 1, 2, 4, 8).
+    res = search(sized_config("13b", "cola"), H100, 64, Options(batch=512, seq=256, top=10), flops_per_token=1.0)
+    assert res.seconds < 10.0 and res.considered > 10_000
+    piped = [p for p in res.plans if p.mesh.pipeline > 1]
+    assert piped and all(p.mesh.devices == 64 and 40 % p.mesh.pipeline == 0 for p in piped)
+    runnable = next(p for p in piped if p.runnable == "yes")
+    assert (f"--config.parallel.pipeline={runnable.mesh.pipeline} "
+            f"--config.parallel.microbatches={runnable.microbatches} ") in runnable.overrides
+    assert (512 // runnable.grad_accum // (runnable.mesh.data * runnable.mesh.fsdp)) % runnable.microbatches == 0
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipeline_step_time_grows_with_the_bubble(stages):
+    """Fewer GPipe micro-batches (same S, same batch): a bigger bubble, (S-1)/(M+S-1), and a slower step
+    that tracks the ticks per micro-batch, (M+S-1)/M (bigger micro-batches run slightly better GEMMs)."""
+    cfg, btp = sized_config("13b", "cola"), Layer(*P.uniform_plan("btp"))
+    plans = [plan_for(cfg, H100, Mesh(2, 1, 4, stages), 1, "full", btp, Options(batch=512, seq=256), 1.0, m)
+             for m in (4 * stages, 2 * stages, stages)]
+    assert [p.bubble for p in plans] == [(stages - 1) / (m + stages - 1) for m in (4 * stages, 2 * stages, stages)]
+    assert plans[0].step_s < plans[1].step_s < plans[2].step_s
+    ticks = (2 * stages - 1) / stages / ((5 * stages - 1) / (4 * stages))
+    assert 0.8 * ticks < plans[2].step_s / plans[0].step_s < ticks
+    assert all(p.shift_s > 0 and p.pipeline_colls[0].size == stages for p in plans)
+    assert all(p.runnable == "yes" and "--config.parallel.pipeline=" in p.overrides for p in plans)
+
+
+def test_pipeline_splits_a_model_too_big_for_one_gpu():
+    """cola_13b's fp32 states (16 B/param) overflow one 80 GB H100; with 2 stages each GPU holds half the
+    layers and the plan fits."""
+    cfg, one = sized_config("13b", "cola"), Layer("R", ("none",) * 4, "R", "R")
+    opts = Options(batch=8, seq=256, check_memory=False)
+    flat = plan_for(cfg, H100, Mesh(1, 1, 1), 1, "full", one, opts, 1.0)
+    piped = plan_for(cfg, H100, Mesh(1, 1, 1, 2), 1, "full", one, opts, 1.0)
+    assert flat.memory["total"] > H100.usable_hbm >= piped.memory["total"]
+    rest = (2 * 32000 * 5120 + 5120) * cost.ADAM_STATE_BYTES  # embedding, head, final norm: on every stage
+    assert piped.memory["states"] - rest == pytest.approx((flat.memory["states"] - rest) / 2)
+    # The search on 2 GPUs: the fitting plans split the parameters (pipeline, fsdp or tensor); pure
+    # data parallelism (a whole replica per GPU) is rejected; pipeline plans are among those kept.
+    res = search(cfg, H100, 2, Options(batch=8, seq=256, top=50), flops_per_token=1.0)
+    assert res.plans and res.rejected_memory > 0
+    assert all(p.mesh.data < 2 for p in res.plans)
+    assert any(p.mesh.pipeline == 2 and p.runnable == "yes" for p in res.plans)
 
 
 def test_7b_validation_matches_boost_ordering_and_ratios():

@@ -8,7 +8,8 @@ Communication (per device; p = group size, B = payload bytes, β/α from the gro
 β and α are the cluster's intra-node link when the group fits in one node, else the inter-node one.
 Tensor-axis collectives sit on the critical path (their result feeds the next GEMM); P(n x n)'s
 permutes overlap the step's GEMM (Σ_t max(compute, comm)); data/fsdp collectives hide behind the
-whole micro-batch (see search.evaluate).
+whole micro-batch (see search.evaluate). Pipeline stage hand-overs (one collective-permute of the
+residual per GPipe tick, each way) sit on the critical path too: the next tick's stage reads them.
 
 Compute: a GEMM (m, k, n) takes 2mkn / (peak · e · s(m) s(k) s(n)), s(x) = x / (x + h): the skinny-GEMM
 penalty (h = cluster.gemm_half_dim). Backward = 2 GEMMs of the same shape up to transposition, so
@@ -68,7 +69,7 @@ def collective_seconds(kind: str, nbytes: float, p: int, bandwidth: float, laten
 
 
 def coll_bytes(c: Coll, act_bytes: int) -> float:
-    return c.elements * (act_bytes if c.axis == "tensor" else STATE_BYTES)
+    return c.elements * (STATE_BYTES if c.axis == "data_fsdp" else act_bytes)
 
 
 def coll_seconds(c: Coll, cluster: Cluster, act_bytes: int) -> float:
@@ -184,6 +185,12 @@ def saved_bytes(op: Op, policy: str, attention: str, act_bytes: int = 2) -> floa
     scores = op.attn.queries * op.attn.keys * op.attn.heads * SCORE_SAVED if (
         op.attn and attention == "materialized") else 0.0
     return op.acts * act_bytes + scores
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """GPipe's idle share of the ticks, (S-1)/(M+S-1) (= boost_jax.parallel.pipeline.bubble_fraction,
+    which imports jax)."""
+    return (stages - 1) / (microbatches + stages - 1)
 
 
 def state_bytes(params: float, grad_accum: int) -> float:

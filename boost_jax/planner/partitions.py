@@ -63,7 +63,7 @@ class Coll:
     size: int  # devices in the group
     stride: int  # device-id distance between group members: decides intra- or inter-node link
     phase: str  # fwd | bwd
-    axis: str = "tensor"  # tensor (activations, compute dtype) | data_fsdp (parameters/gradients, fp32)
+    axis: str = "tensor"  # tensor, pipeline (activations, compute dtype) | data_fsdp (parameters/gradients, fp32)
     saved: bool = False  # its result is what low-rank checkpointing keeps: never recomputed
 
 
@@ -345,6 +345,17 @@ def head(ctx: Ctx, residual: str) -> Op:
     if t > 1:
         op.colls = op.colls + [Coll("all-reduce", 3 * m, t, 1, "fwd"), Coll("all-reduce", m * b.d, t, 1, "bwd")]
     return op
+
+
+def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int) -> list[Coll]:
+    """One GPipe tick's hand-over between pipeline stages (boost_jax/parallel/pipeline.py): every
+    stage's output, the residual stream of one pipeline micro-batch in its layout, moves one stage on
+    (a roll over the `pipeline` axis: one collective-permute); the backward sends its gradient back.
+    `stride`: devices per stage (the pipeline axis is outermost)."""
+    if stages <= 1:
+        return []
+    elements = ctx.local(residual, ctx.block.d)
+    return [Coll("collective-permute", elements, stages, stride, phase, "pipeline") for phase in ("fwd", "bwd")]
 
 
 # ---------------------------------------------------------------- the trainer's strategies

@@ -1,14 +1,16 @@
-"""The plan search: mesh x micro-batching x remat policy x per-group partition choices.
+"""The plan search: mesh x pipeline micro-batches x micro-batching x remat policy x per-group partition choices.
 
-For every factorisation data x fsdp x tensor of the device count (pipeline = 1: see PIPELINE), every
-gradient-accumulation count that splits the batch evenly and every remat policy, one transformer
-layer is solved by PrimePar's segmented dynamic programme: the residual edges cut the block into two
-segments (norm -> qkv -> attention -> o -> add, norm -> gate_up -> act -> down -> add); inside a
-segment the DP state is the activation's layout between operators and an edge between different
-layouts costs the redistribution. Each residual layout's segments are solved independently and
-summed; identical layers are combined by multiplying by L. The DP keeps the `keep` best paths per
-state (k-best), so the non-additive parts (data/fsdp traffic hidden behind the micro-batch, memory)
-are applied afterwards to a short list. Plans over the usable HBM are rejected.
+For every factorisation pipeline x data x fsdp x tensor of the device count (pipeline: every stage
+count that divides the layers; see `stage_counts`), every GPipe micro-batch count (S, 2S, 4S; see
+`microbatch_counts`), every gradient-accumulation count that splits the batch evenly and every remat
+policy, one transformer layer is solved by PrimePar's segmented dynamic programme: the residual
+edges cut the block into two segments (norm -> qkv -> attention -> o -> add, norm -> gate_up -> act
+-> down -> add); inside a segment the DP state is the activation's layout between operators and an
+edge between different layouts costs the redistribution. Each residual layout's segments are solved
+independently and summed; identical layers are combined by multiplying by L (by L/S per stage and
+the M+S-1 GPipe ticks under pipelining). The DP keeps the `keep` best paths per state (k-best), so
+the non-additive parts (data/fsdp traffic hidden behind the micro-batch, memory) are applied
+afterwards to a short list. Plans over the usable HBM are rejected.
 """
 from __future__ import annotations
 
@@ -20,9 +22,8 @@ from boost_jax.planner import cost as C
 from boost_jax.planner import partitions as P
 from boost_jax.planner.cluster import Cluster
 
-# Pipeline stages: the trainer has none yet. A size s > 1 would divide the layers by s, add the
-# (s-1)/(grad_accum+s-1) bubble and a point-to-point send per micro-batch at each stage boundary.
-PIPELINE = (1,)
+# GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
+MICROBATCHES_PER_STAGE = (1, 2, 4)
 SEGMENTS = (("qkv", "attention", "o"), ("gate_up", "act", "down"))
 BUILDERS = {"edge": P.edge, "norm": P.norm, "group": P.group_op, "attention": P.attention, "act": P.activation,
             "add": P.residual_add}
@@ -40,7 +41,7 @@ class Mesh:
         return self.data * self.fsdp * self.tensor * self.pipeline
 
     def __str__(self) -> str:
-        return f"{self.data}x{self.fsdp}x{self.tensor}"
+        return f"{self.pipeline}x{self.data}x{self.fsdp}x{self.tensor}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Options:
     attention: str = "materialized"  # materialized (what XLA runs) | flash
     remat: tuple = C.REMAT_POLICIES
     grad_accum: int = 0  # 0: search
+    pipeline: tuple = ()  # pipeline stage counts to search; (): every one that divides devices and layers
+    microbatches: int = 0  # GPipe micro-batches per pass when pipelined; 0: search S, 2S, 4S
     top: int = 5
     keep: int = 8  # DP paths kept per state
     act_bytes: int = 2  # bf16 activations
@@ -92,6 +95,10 @@ class Plan:
     strategy: str  # the trainer's parallel.strategy (runnable plans)
     sequence_parallel: bool
     overrides: str  # --config.* flags (runnable plans)
+    microbatches: int = 1  # GPipe micro-batches per pass (1 without pipelining)
+    bubble: float = 0.0  # (S-1)/(M+S-1): the share of ticks that run on no micro-batch
+    shift_s: float = 0.0  # stage hand-overs per accumulation micro-batch (all ticks, fwd + bwd)
+    pipeline_colls: list = dataclasses.field(default_factory=list)  # one tick's stage hand-overs
 
 
 @dataclasses.dataclass
@@ -113,6 +120,8 @@ class Pricer:
         self.ctx, self.cluster, self.policy, self.opts = ctx, cluster, policy, opts
         self._ops: dict = {}
         self._costs: dict = {}
+        self._summaries: dict = {}
+        self._rest: dict = {}
         self.layers: list | None = None
 
     def op(self, key) -> P.Op | None:
@@ -208,6 +217,55 @@ def layer_keys(pr: Pricer, layer: Layer) -> list:
 
 # ---------------------------------------------------------------- a whole plan
 
+@dataclasses.dataclass
+class LayerSummary:
+    """What a plan needs of one layer partitioning on one pricer (mesh-independent, memoised)."""
+    ops: list
+    cost: C.Cost  # one layer, one micro-batch
+    norm_w: float  # norm weights (not fsdp-sharded)
+    fsdp_w: float  # the rest of the layer's weights on one tensor shard
+    tensor_colls: list  # tensor-axis collectives, forward + backward
+    recomputed: list  # forward collectives the remat policy re-runs
+    saved: float  # activation bytes kept for the backward (the remat policy's, plus its carry)
+    working: float  # one layer's activations during its backward under remat
+    tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
+
+
+def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
+    if layer not in pr._summaries:
+        ctx, cl, opts, policy = pr.ctx, pr.cluster, pr.opts, pr.policy
+        keys = layer_keys(pr, layer)
+        ops = [pr.op(k) for k in keys]
+        norm_w = sum(op.weights for op in ops if op.name.startswith("norm"))
+        tensor_colls = [c for op in ops for c in op.all_colls()]
+        recomputed = [c for op in ops for c in C.recomputed(op, policy)[3]]
+        carry = ctx.local(layer.residual, ctx.block.d) * opts.act_bytes if policy != "none" else 0.0
+        links = {"intra": 0.0, "inter": 0.0}
+        for c in tensor_colls + recomputed:
+            links["inter" if cl.spans_nodes(c.stride, c.size) else "intra"] += C.link_bytes(
+                c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
+        pr._summaries[layer] = LayerSummary(
+            ops=ops, cost=sum((pr.cost(k) for k in keys), C.Cost()), norm_w=norm_w,
+            fsdp_w=sum(op.weights for op in ops) - norm_w, tensor_colls=tensor_colls, recomputed=recomputed,
+            saved=sum(C.saved_bytes(op, policy, opts.attention, opts.act_bytes) for op in ops) + carry,
+            working=0.0 if policy == "none" else C.WORKING_SET * sum(
+                C.saved_bytes(op, "none", opts.attention, opts.act_bytes) for op in ops),
+            tensor_links=links)
+    return pr._summaries[layer]
+
+
+def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost]:
+    """Embedding, head and loss (and their cost) of one accumulation micro-batch: outside the
+    pipeline they run on all its rows, on every stage."""
+    key = (residual, microbatches)
+    if key not in pr._rest:
+        ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
+        rest = [P.embedding(ctx, residual), P.head(ctx, residual)]
+        pr._rest[key] = rest, sum((C.price(op, pr.cluster, "none", pr.opts.attention, pr.opts.act_bytes)
+                                   for op in rest), C.Cost())
+    return pr._rest[key]
+
+
 def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str) -> list[P.Coll]:
     """Data/fsdp traffic of parameters holding these elements per tensor shard, per micro-batch: FSDP
     gathers the weights before use (again in the backward when remat recomputes the forward); the
@@ -243,58 +301,64 @@ def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
     return "no: layouts the strategy tables do not express", "", False
 
 
-def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_token: float) -> Plan:
-    """Price a whole plan: L identical layers, embedding and head, data/fsdp traffic, optimizer."""
+def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_token: float,
+             microbatches: int = 1) -> Plan:
+    """Price a whole plan: L identical layers (L/S per stage over M+S-1 GPipe ticks when pipelined),
+    embedding and head, data/fsdp traffic, stage hand-overs, optimizer."""
     ctx, cl, opts, policy = pr.ctx, pr.cluster, pr.opts, pr.policy
     b = ctx.block
-    keys = layer_keys(pr, layer)
-    ops = [pr.op(k) for k in keys]
-    layer_cost = sum((pr.cost(k) for k in keys), C.Cost())
-    norm_w = sum(op.weights for op in ops if op.name.startswith("norm"))
-    fsdp_w = sum(op.weights for op in ops) - norm_w
-    rest = [P.embedding(ctx, layer.residual), P.head(ctx, layer.residual)]
-    rest_cost = sum((C.price(op, cl, "none", opts.attention, opts.act_bytes) for op in rest), C.Cost())
+    s = layer_summary(pr, layer)
+    stages = mesh.pipeline
+    m = microbatches if stages > 1 else 1
+    ticks, per_stage = m + stages - 1, b.layers // stages
+    runs = ticks * per_stage  # layer passes per device per accumulation micro-batch (bubble ticks included)
+    rest, rest_cost = rest_ops(pr, layer.residual, m)
     rest_fsdp_w = sum(op.weights for op in rest) - b.d  # the final norm is not fsdp-sharded
+    shift = P.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor)
+    shift_s = ticks * sum(C.coll_seconds(c, cl, opts.act_bytes) for c in shift)
 
-    tensor_colls = [c for op in ops for c in op.all_colls()]
-    dp = data_colls(mesh, fsdp_w, norm_w, policy)
+    # Data/fsdp traffic of a stage's layers: the weights are loop-invariant in the tick loop and their
+    # gradients are summed in the parameters' layout, as in the accumulation loop, so it repeats per tick.
+    dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy)
     dp_rest = data_colls(mesh, rest_fsdp_w, b.d, "none")
-    dp_s = sum(C.coll_seconds(c, cl, opts.act_bytes) for c in dp) * b.layers + sum(
+    dp_s = sum(C.coll_seconds(c, cl, opts.act_bytes) for c in dp) * runs + sum(
         C.coll_seconds(c, cl, opts.act_bytes) for c in dp_rest)
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
     # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
-    path = b.layers * layer_cost.total + rest_cost.total
+    # Every tick runs every stage (bubble ticks compute on nothing), then hands over: ticks x stage.
+    path = runs * s.cost.total + shift_s + rest_cost.total
     exposed = max(0.0, dp_s - path)
     micro_s = path + exposed
 
-    params = b.layers * (fsdp_w / mesh.fsdp + norm_w) + rest_fsdp_w / mesh.fsdp + b.d
+    params = per_stage * (s.fsdp_w / mesh.fsdp + s.norm_w) + rest_fsdp_w / mesh.fsdp + b.d
     optimizer_s = params * C.OPTIMIZER_TRAFFIC / cl.hbm_bandwidth
     step_s = grad_accum * micro_s + optimizer_s
 
-    carry = ctx.local(layer.residual, b.d) * opts.act_bytes if policy != "none" else 0.0
-    per_layer = sum(C.saved_bytes(op, policy, opts.attention, opts.act_bytes) for op in ops) + carry
+    rest_tokens = ctx.tokens * m
     memory = {"states": C.state_bytes(params, grad_accum),
-              "gathered": 2 * fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 else 0.0,
-              "activations": b.layers * per_layer,
-              "working": 0.0 if policy == "none" else C.WORKING_SET * sum(
-                  C.saved_bytes(op, "none", opts.attention, opts.act_bytes) for op in ops),
-              "logits": 3 * ctx.tokens * b.vocab / mesh.tensor * 4}  # fp32 logits, softmax, gradient
+              "gathered": 2 * s.fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 else 0.0,
+              # GPipe under autodiff keeps every tick's stage activations (the scan's residuals)
+              "activations": runs * s.saved,
+              "working": s.working,
+              "logits": 3 * rest_tokens * b.vocab / mesh.tensor * 4,  # fp32 logits, softmax, gradient
+              # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
+              "pipeline": 2 * ctx.local(layer.residual, b.d) * m * opts.act_bytes if stages > 1 else 0.0}
     memory["total"] = sum(memory.values())
 
     # Bytes on each GPU's links per step, recomputed collectives included.
-    recomputed = [c for op in ops for c in C.recomputed(op, policy)[3]]
-    per_micro = [(c, b.layers) for c in tensor_colls + recomputed + dp] + [
-        (c, 1) for op in rest for c in op.colls] + [(c, 1) for c in dp_rest]
-    links = {"intra": 0.0, "inter": 0.0}
-    for c, times in per_micro:
+    links = {k: v * runs for k, v in s.tensor_links.items()}
+    for c, times in [(c, runs) for c in dp] + [(c, ticks) for c in shift] + [
+            (c, 1) for c in [c for op in rest for c in op.colls] + dp_rest]:
         where = "inter" if cl.spans_nodes(c.stride, c.size) else "intra"
-        links[where] += grad_accum * times * C.link_bytes(c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
+        links[where] += times * C.link_bytes(c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
+    links = {k: grad_accum * v for k, v in links.items()}
 
     tokens = opts.batch * opts.seq
     status, strategy, sp = runnable(b, mesh, layer)
     flags = ""
     if status == "yes":
-        flags = (f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
+        flags = ((f"--config.parallel.pipeline={stages} --config.parallel.microbatches={m} " if stages > 1 else "")
+                 + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
                  f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
                  + ("--config.parallel.sequence_parallel=true " if sp else "")
                  + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
@@ -302,24 +366,45 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     return Plan(mesh=mesh, grad_accum=grad_accum, remat=policy, layer=layer, step_s=step_s,
                 tokens_per_s=tokens / step_s,
                 mfu=flops_per_token * tokens / (step_s * mesh.devices * cl.peak_flops),
-                memory=memory, link_bytes=links, layer_cost=layer_cost, rest_cost=rest_cost,
-                exposed_dp_s=exposed, optimizer_s=optimizer_s, layer_colls=tensor_colls + dp,
-                redo_colls=recomputed,
+                memory=memory, link_bytes=links, layer_cost=s.cost, rest_cost=rest_cost,
+                exposed_dp_s=exposed, optimizer_s=optimizer_s, layer_colls=s.tensor_colls + dp,
+                redo_colls=s.recomputed,
                 rest_colls=[c for op in rest for c in op.colls] + dp_rest, tokens=ctx.tokens,
-                runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags)
+                runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags,
+                microbatches=m, bubble=C.bubble_fraction(stages, m), shift_s=shift_s, pipeline_colls=shift)
 
 
 # ---------------------------------------------------------------- enumeration
 
-def meshes(devices: int):
-    """Every data x fsdp x tensor factorisation (x pipeline, fixed at 1 for now)."""
-    for pp in PIPELINE:
+def meshes(devices: int, stages=(1,)):
+    """Every pipeline x data x fsdp x tensor factorisation with pipeline in `stages`. The pipeline
+    axis is outermost (boost_jax.parallel.mesh.AXES): its groups are the ones that cross nodes first."""
+    for pp in stages:
         if devices % pp:
             continue
         rest = devices // pp
         for t in _divisors(rest):
             for f in _divisors(rest // t):
                 yield Mesh(rest // (t * f), f, t, pp)
+
+
+def stage_counts(devices: int, layers: int, opts: Options) -> list[int]:
+    """Pipeline sizes: divisors of the device count that split the layers evenly (the trainer's GPipe
+    cuts the stack into equal stages), restricted to opts.pipeline when given."""
+    out = [s for s in _divisors(devices) if layers % s == 0 and (not opts.pipeline or s in opts.pipeline)]
+    if not out:
+        raise ValueError(f"--pipeline: none of {list(opts.pipeline) or 'the sizes'} divides both --devices "
+                         f"{devices} and the model's {layers} layers")
+    return out
+
+
+def microbatch_counts(stages: int, rows: int, opts: Options) -> list[int]:
+    """GPipe micro-batches per pass that split `rows` (sequences per data x fsdp shard of one
+    accumulation micro-batch) evenly: S, 2S, 4S or opts.microbatches. 1 without pipelining."""
+    if stages == 1:
+        return [1]
+    wanted = [opts.microbatches] if opts.microbatches else [k * stages for k in MICROBATCHES_PER_STAGE]
+    return [m for m in wanted if rows % m == 0]
 
 
 def _divisors(n: int) -> list[int]:
@@ -341,16 +426,21 @@ def model_flops_per_token(cfg, seq: int) -> float:
 
 
 def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, layer: Layer, opts: Options,
-             flops_per_token: float | None = None) -> Plan:
-    """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan."""
+             flops_per_token: float | None = None, microbatches: int = 0) -> Plan:
+    """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan.
+    `microbatches`: GPipe micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S)."""
     block = P.Block.from_config(cfg)
-    micro = opts.batch // grad_accum // (mesh.data * mesh.fsdp)
-    if micro * grad_accum * mesh.data * mesh.fsdp != opts.batch:
-        raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches over "
-                         f"data x fsdp = {mesh.data * mesh.fsdp}")
+    stages = mesh.pipeline
+    m = (microbatches or 2 * stages) if stages > 1 else 1
+    if block.layers % stages:
+        raise ValueError(f"{stages} pipeline stages do not divide the model's {block.layers} layers")
+    micro = opts.batch // grad_accum // (mesh.data * mesh.fsdp * m)
+    if micro * grad_accum * mesh.data * mesh.fsdp * m != opts.batch:
+        raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
+                         f"micro-batches over data x fsdp = {mesh.data * mesh.fsdp}")
     pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq), cluster, remat, opts)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
-    return evaluate(pr, mesh, grad_accum, layer, fpt)
+    return evaluate(pr, mesh, grad_accum, layer, fpt, m)
 
 
 def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: float | None = None) -> Result:
@@ -360,29 +450,30 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     start = time.perf_counter()
     pricers: dict = {}
     plans, considered, rejected, smallest = [], 0, 0, None
-    for mesh in meshes(devices):
+    for mesh in meshes(devices, stage_counts(devices, block.layers, opts)):
         ways = mesh.data * mesh.fsdp
+        if any(not P.group_choices(P.Ctx(block, mesh.tensor, opts.seq, opts.seq), g) for g in P.GROUPS):
+            continue  # no choice splits some group over this tensor size
         accums = [opts.grad_accum] if opts.grad_accum else _divisors(opts.batch)
         for accum in accums:
             if opts.batch % accum or (opts.batch // accum) % ways:
                 continue
-            tokens = opts.batch // accum // ways * opts.seq
-            ctx = P.Ctx(block, mesh.tensor, tokens, opts.seq)
-            if any(not P.group_choices(ctx, g) for g in P.GROUPS):
-                break  # no choice splits some group over this tensor size
-            for policy in policies(block, opts):
-                key = (mesh.tensor, tokens, policy)
-                if key not in pricers:
-                    pricers[key] = Pricer(ctx, cluster, policy, opts)
-                for layer in best_layers(pricers[key], opts.keep):
-                    plan = evaluate(pricers[key], mesh, accum, layer, fpt)
-                    considered += 1
-                    if smallest is None or plan.memory["total"] < smallest.memory["total"]:
-                        smallest = plan
-                    if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
-                        rejected += 1
-                        continue
-                    plans.append(plan)
+            rows = opts.batch // accum // ways
+            for micro in microbatch_counts(mesh.pipeline, rows, opts):
+                tokens = rows // micro * opts.seq
+                for policy in policies(block, opts):
+                    key = (mesh.tensor, tokens, policy)
+                    if key not in pricers:
+                        pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq), cluster, policy, opts)
+                    for layer in best_layers(pricers[key], opts.keep):
+                        plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro)
+                        considered += 1
+                        if smallest is None or plan.memory["total"] < smallest.memory["total"]:
+                            smallest = plan
+                        if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
+                            rejected += 1
+                            continue
+                        plans.append(plan)
     # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path.
     plans.sort(key=lambda p: (p.step_s, p.runnable != "yes", p.layer_cost.total))
     top, seen = [], set()
