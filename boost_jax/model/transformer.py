@@ -9,7 +9,7 @@ from boost_jax import remat
 from boost_jax.model.attention import Attention
 from boost_jax.model.linear import Projection, RMSNorm, dense_init, project
 from boost_jax.parallel import rules
-from boost_jax.parallel.pipeline import gpipe
+from boost_jax.parallel.pipeline import gpipe, to_microbatches
 from boost_jax.parallel.rules import constrain, gathered
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -83,6 +83,7 @@ class Transformer(nnx.Module):
     def hidden(self, tokens, positions=None, cache=None):
         """Final-norm hidden states [B, T, d] (and the updated cache, or None)."""
         b, t = tokens.shape
+        given_positions = positions is not None
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
         x = constrain(gathered(self.embed[...], ("vocab_in", "embed")).astype(self.dtype)[tokens], RESIDUAL)
@@ -95,7 +96,10 @@ class Transformer(nnx.Module):
         ctx = rules.current()
         if ctx is not None and ctx[0].shape.get("pipeline", 1) > 1 and cache is None:
             stages, micro = ctx[0].shape["pipeline"], ctx[1].microbatches
-            micro_pos = positions[: b // micro]  # training positions are the same for every row
+            # Training positions are the same for every row. A fresh iota of the micro-batch's shape is
+            # built on every device; slicing the batch-sharded one would move rows between devices.
+            micro_pos = (to_microbatches(positions, micro)[0] if given_positions
+                         else jnp.broadcast_to(jnp.arange(t)[None], (b // micro, t)))
 
             def stage(stage_state, x_micro):
                 return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,

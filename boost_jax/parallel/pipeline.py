@@ -29,6 +29,17 @@ def from_microbatches(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+@jax.custom_vjp
+def shift_stages(x: jax.Array) -> jax.Array:
+    """Stage s's output becomes stage s+1's input: a roll of the stage dim, one collective-permute.
+    The custom VJP rolls the cotangent back the same way (one permute); autodiff of jnp.roll would
+    transpose its slice + concatenate into two one-way permutes per tick."""
+    return jnp.roll(x, 1, axis=0)
+
+
+shift_stages.defvjp(lambda x: (shift_stages(x), None), lambda _, g: (jnp.roll(g, -1, axis=0),))
+
+
 def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, unroll: bool = False) -> jax.Array:
     """Run `stage_fn(stage_state, x_micro) -> x_micro` over the stages for every micro-batch.
 
@@ -44,12 +55,17 @@ def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int
         entering = jax.lax.dynamic_index_in_dim(micro, jnp.minimum(t, microbatches - 1), keepdims=False)
         inputs = jnp.where(stage_ids == 0, entering[None], inputs)
         out = run_stages(staged, inputs)
-        # The last stage finishes micro-batch t-(S-1); earlier ticks write slot 0, overwritten later.
+        # Every stage files its output in its own row of `outputs` (stage-local, no traffic); the last
+        # stage's row ends up holding micro-batch t-(S-1) at slot t-(S-1). Earlier ticks write slot 0,
+        # overwritten later.
         done = jnp.maximum(t - (stages - 1), 0)
-        outputs = jax.lax.dynamic_update_index_in_dim(outputs, out[stages - 1], done, 0)
-        return (jnp.roll(out, 1, axis=0), outputs), None
+        outputs = jax.lax.dynamic_update_index_in_dim(outputs, out[:, None], done, 1)
+        return (shift_stages(out), outputs), None
 
     inputs = jnp.zeros((stages,) + micro.shape[1:], x.dtype)
-    (_, outputs), _ = jax.lax.scan(tick, (inputs, jnp.zeros_like(micro)),
-                                   jnp.arange(microbatches + stages - 1), unroll=unroll)
+    outputs = jnp.zeros((stages,) + micro.shape, x.dtype)  # [S, M, b, ...]
+    (_, outputs), _ = jax.lax.scan(tick, (inputs, outputs), jnp.arange(microbatches + stages - 1),
+                                   unroll=unroll)
+    # One hand-over of the finished micro-batches from the last stage, instead of one per tick.
+    outputs = outputs[stages - 1]
     return from_microbatches(outputs)
