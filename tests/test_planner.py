@@ -16,7 +16,7 @@ from boost_jax.config import base_config, sized_config
 from boost_jax.planner import Layer, Mesh, Options, cost, load_cluster, plan_for, search
 from boost_jax.planner import partitions as P
 from boost_jax.planner.search import meshes, microbatch_counts, stage_counts
-from boost_jax.planner.verify import compare
+from boost_jax.planner.verify import compare, compare_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 A100 = load_cluster(ROOT / "configs/clusters/a100_4x.py")
@@ -83,6 +83,8 @@ def test_search_takes_under_10s_for_64_devices():
     # With pipeline stages and GPipe micro-batch counts in the space (13B: 40 layers, S in 1, 2, 4, 8).
     res = search(sized_config("13b", "cola"), H100, 64, Options(batch=512, seq=256, top=10), flops_per_token=1.0)
     assert res.seconds < 10.0 and res.considered > 10_000
+    res = search(sized_config("13b", "cola"), H100, 64, Options(batch=512, seq=256, top=10, pipeline=(2, 4)),
+                 flops_per_token=1.0)
     piped = [p for p in res.plans if p.mesh.pipeline > 1]
     assert piped and all(p.mesh.devices == 64 and 40 % p.mesh.pipeline == 0 for p in piped)
     runnable = next(p for p in piped if p.runnable == "yes")
@@ -174,6 +176,19 @@ def test_verify_agrees_with_comm_report():
     for r in rows:
         assert r["ok"], r
         assert r["measured"] > 0 and math.isclose(r["predicted"], r["measured"], rel_tol=0.10)
+
+
+@pytest.mark.parametrize("mesh, remat, micro", [(Mesh(1, 2, 2, pipeline=2), "lowrank", 2),
+                                                 (Mesh(2, 1, 2, pipeline=2), "none", 4)])
+def test_verify_pipeline_agrees_with_the_compiled_step(mesh, remat, micro):
+    """A pipelined plan's whole-step traffic (hand-overs, the pipeline's ends, per-tick gradient
+    reductions, once-gathered FSDP weights, remat re-gathers) against the compiled GPipe step."""
+    c = base_config()
+    c.model.update(d_model=256, n_heads=4, n_kv_heads=4, d_ff=688, rank=64, vocab_size=512, max_seq_len=64)
+    rows = compare_pipeline(c, A100, mesh, "btp", remat=remat, microbatches=micro, seq=32)
+    assert [r["traffic"] for r in rows] == [f"{k} (whole step)" for k in ("pipeline", "tensor", "data/fsdp")]
+    for r in rows:
+        assert r["measured"] > 0 and math.isclose(r["predicted"], r["measured"], rel_tol=0.02), r
 
 
 @pytest.mark.parametrize("policy, xla_gib", [("none", 299.10), ("full", 25.46), ("lowrank", 30.81)])

@@ -358,6 +358,21 @@ def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int) -> list[Coll]
     return [Coll("collective-permute", elements, stages, stride, phase, "pipeline") for phase in ("fwd", "bwd")]
 
 
+def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int) -> list[Coll]:
+    """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline.py: the
+    last stage hands the M finished micro-batches to every stage for the head (a permute and an
+    all-reduce; a permute back in the backward), and the stage-0 input's gradient, one micro-batch
+    per tick, is summed over the pipeline axis (the input buffer is replicated over it)."""
+    if stages <= 1:
+        return []
+    one = ctx.local(residual, ctx.block.d)
+    done, ticks = microbatches * one, (microbatches + stages - 1) * one
+    return [Coll("collective-permute", done, stages, stride, "fwd", "pipeline"),
+            Coll("all-reduce", done, stages, stride, "fwd", "pipeline"),
+            Coll("collective-permute", done, stages, stride, "bwd", "pipeline"),
+            Coll("all-reduce", ticks, stages, stride, "bwd", "pipeline")]
+
+
 # ---------------------------------------------------------------- the trainer's strategies
 
 def uniform_plan(strategy: str, sequence_parallel: bool = False) -> tuple[str, tuple[str, ...], str, str]:

@@ -97,8 +97,10 @@ class Plan:
     overrides: str  # --config.* flags (runnable plans)
     microbatches: int = 1  # GPipe micro-batches per pass (1 without pipelining)
     bubble: float = 0.0  # (S-1)/(M+S-1): the share of ticks that run on no micro-batch
-    shift_s: float = 0.0  # stage hand-overs per accumulation micro-batch (all ticks, fwd + bwd)
+    shift_s: float = 0.0  # stage hand-overs per accumulation micro-batch (all ticks, fwd + bwd) + the ends'
     pipeline_colls: list = dataclasses.field(default_factory=list)  # one tick's stage hand-overs
+    # every collective of one accumulation micro-batch as (Coll, times it runs)
+    step_colls: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -266,24 +268,30 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost
     return pr._rest[key]
 
 
-def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str) -> list[P.Coll]:
-    """Data/fsdp traffic of parameters holding these elements per tensor shard, per micro-batch: FSDP
-    gathers the weights before use (again in the backward when remat recomputes the forward); the
-    gradients are reduce-scattered over fsdp alone, else all-reduced over data (x fsdp), as the
-    compiled HLO does. The trainer sums micro-batch gradients in the parameters' layout, so this
-    happens once per micro-batch."""
+def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
+               pipelined: bool = False) -> tuple[list[P.Coll], list[P.Coll]]:
+    """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
+    `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
+    GPipe tick when pipelined). FSDP gathers the weights before use (again in the backward when remat
+    recomputes the forward). The gradients are reduce-scattered over fsdp alone, else all-reduced over
+    data (x fsdp), as the compiled HLO does; the trainer sums micro-batch gradients in the parameters'
+    layout, so this happens once per micro-batch.
+    Pipelined (read from the compiled HLO of boost_jax/parallel/pipeline.py): XLA hoists the stage's
+    gathers out of the tick loop (once), but reduces every tick's gradient, all-reduced at full size
+    even over fsdp alone (GSPMD cannot carry a partial sum through the loop), and a remat backward
+    gathers again every tick."""
     t, f, d = mesh.tensor, mesh.fsdp, mesh.data
-    out = []
+    once, per_pass = [], []
     if f > 1:
-        out.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+        once.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
         if remat != "none":
-            out.append(P.Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
-    if d > 1:
-        out.append(P.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+            per_pass.append(P.Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
+    if d > 1 or (pipelined and f > 1):
+        per_pass.append(P.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
     elif f > 1:
-        out += [P.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
-                P.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp")]
-    return out
+        per_pass += [P.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
+                     P.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp")]
+    return once, per_pass
 
 
 def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
@@ -315,14 +323,20 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     rest, rest_cost = rest_ops(pr, layer.residual, m)
     rest_fsdp_w = sum(op.weights for op in rest) - b.d  # the final norm is not fsdp-sharded
     shift = P.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor)
-    shift_s = ticks * sum(C.coll_seconds(c, cl, opts.act_bytes) for c in shift)
+    ends = P.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, m)
+    # The last tick's forward hand-over feeds nothing (XLA drops it); the backward runs all of them.
+    shifts = [(c, ticks - 1 if c.phase == "fwd" else ticks) for c in shift]
+    shift_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in shifts) + sum(
+        C.coll_seconds(c, cl, opts.act_bytes) for c in ends)
 
-    # Data/fsdp traffic of a stage's layers: the weights are loop-invariant in the tick loop and their
-    # gradients are summed in the parameters' layout, as in the accumulation loop, so it repeats per tick.
-    dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy)
-    dp_rest = data_colls(mesh, rest_fsdp_w, b.d, "none")
-    dp_s = sum(C.coll_seconds(c, cl, opts.act_bytes) for c in dp) * runs + sum(
-        C.coll_seconds(c, cl, opts.act_bytes) for c in dp_rest)
+    dp_once, dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy, pipelined=stages > 1)
+    dp_rest = sum(data_colls(mesh, rest_fsdp_w, b.d, "none"), [])  # embedding and head, once
+    # Every collective of one accumulation micro-batch, with how often it runs.
+    # Every collective of one accumulation micro-batch but the layers' tensor-axis ones, with how often
+    # it runs.
+    counted = ([(c, runs) for c in dp] + [(c, per_stage) for c in dp_once] + shifts
+               + [(c, 1) for c in [c for op in rest for c in op.colls] + dp_rest + ends])
+    dp_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in counted if c.axis == "data_fsdp")
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
     # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
     # Every tick runs every stage (bubble ticks compute on nothing), then hands over: ticks x stage.
@@ -336,7 +350,10 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
 
     rest_tokens = ctx.tokens * m
     memory = {"states": C.state_bytes(params, grad_accum),
-              "gathered": 2 * s.fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 else 0.0,
+              # one layer's gathered weights and gradient, double-buffered; pipelined: the whole stage's,
+              # gathered once before the tick loop, and its gradient summed in that layout
+              "gathered": (2 * (per_stage if stages > 1 else 1) * s.fsdp_w * C.STATE_BYTES
+                           if mesh.fsdp > 1 else 0.0),
               # GPipe under autodiff keeps every tick's stage activations (the scan's residuals)
               "activations": runs * s.saved,
               "working": s.working,
@@ -347,8 +364,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
 
     # Bytes on each GPU's links per step, recomputed collectives included.
     links = {k: v * runs for k, v in s.tensor_links.items()}
-    for c, times in [(c, runs) for c in dp] + [(c, ticks) for c in shift] + [
-            (c, 1) for c in [c for op in rest for c in op.colls] + dp_rest]:
+    for c, times in counted:
         where = "inter" if cl.spans_nodes(c.stride, c.size) else "intra"
         links[where] += times * C.link_bytes(c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
     links = {k: grad_accum * v for k, v in links.items()}
@@ -367,11 +383,12 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                 tokens_per_s=tokens / step_s,
                 mfu=flops_per_token * tokens / (step_s * mesh.devices * cl.peak_flops),
                 memory=memory, link_bytes=links, layer_cost=s.cost, rest_cost=rest_cost,
-                exposed_dp_s=exposed, optimizer_s=optimizer_s, layer_colls=s.tensor_colls + dp,
+                exposed_dp_s=exposed, optimizer_s=optimizer_s, layer_colls=s.tensor_colls + dp_once + dp,
                 redo_colls=s.recomputed,
                 rest_colls=[c for op in rest for c in op.colls] + dp_rest, tokens=ctx.tokens,
                 runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags,
-                microbatches=m, bubble=C.bubble_fraction(stages, m), shift_s=shift_s, pipeline_colls=shift)
+                microbatches=m, bubble=C.bubble_fraction(stages, m), shift_s=shift_s, pipeline_colls=shift,
+                step_colls=[(c, runs) for c in s.tensor_colls + s.recomputed] + counted)
 
 
 # ---------------------------------------------------------------- enumeration

@@ -80,3 +80,50 @@ def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = F
         rows.append({"traffic": key, "predicted": p, "measured": m, "ratio": p / m if m else float(p == 0),
                      "ok": ok})
     return rows
+
+
+# ---------------------------------------------------------------- pipelined plans
+
+def shrink_pipeline(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES) -> tuple[Mesh, int]:
+    """(mesh, seq) to verify a pipelined plan on: 2 stages, then as `shrink` within what is left."""
+    inner, _, seq = shrink(Mesh(mesh.data, mesh.fsdp, mesh.tensor), seq, max_devices // 2)
+    return Mesh(inner.data, inner.fsdp, inner.tensor, pipeline=2), seq
+
+
+def _axis_class(axes) -> str:
+    return "pipeline" if "pipeline" in axes else "data/fsdp" if {"data", "fsdp"} & set(axes) else "tensor"
+
+
+def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False,
+                     remat: str = "none", microbatches: int = 0, seq: int = 64) -> list[dict]:
+    """A pipelined plan's whole-step collectives (one accumulation micro-batch, every GPipe tick) next
+    to comm_report.pipeline_report's count in the compiled, unrolled train step, in elements per device
+    by traffic class (pipeline / tensor / data-fsdp). The model is cut to one layer per stage."""
+    from boost_jax.tools.comm_report import pipeline_report
+
+    m = microbatches or 2 * mesh.pipeline
+    batch = mesh.data * mesh.fsdp * m
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.n_layers = mesh.pipeline
+    cfg.parallel.update(sequence_parallel=sequence_parallel, microbatches=m)
+    layer = Layer(*P.uniform_plan(strategy, sequence_parallel))
+    opts = Options(batch=batch, seq=seq, check_memory=False, act_bytes=ACT_BYTES)
+    plan = plan_for(cfg, cluster, mesh, 1, remat, layer, opts, flops_per_token=0.0, microbatches=m)
+    pred: dict = {}
+    for c, times in plan.step_colls:
+        key = {"data_fsdp": "data/fsdp"}.get(c.axis, c.axis)
+        pred[key] = pred.get(key, 0.0) + times * c.elements
+    rep = pipeline_report(cfg, (mesh.pipeline, mesh.data, mesh.fsdp, mesh.tensor), strategy, batch=batch, seq=seq,
+                          dtype="bfloat16", remat=remat)
+    meas: dict = {}
+    for c in rep["collectives"]:
+        key = _axis_class(c["axes"])
+        meas[key] = meas.get(key, 0.0) + c["elements"]
+    rows = []
+    for key in ("pipeline", "tensor", "data/fsdp"):
+        p, q = pred.get(key, 0.0), meas.get(key, 0.0)
+        if p == q == 0:
+            continue
+        rows.append({"traffic": f"{key} (whole step)", "predicted": p, "measured": q,
+                     "ratio": p / q if q else float(p == 0), "ok": abs(p - q) <= TOLERANCE * max(p, q)})
+    return rows

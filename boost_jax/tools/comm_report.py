@@ -400,7 +400,7 @@ def main(argv=None) -> dict:
 
 
 def pipeline_report(cfg_or_path, mesh, strategy: str = "btp", batch: int = 8, seq: int = 256,
-                    dtype: str = "bfloat16") -> dict:
+                    dtype: str = "bfloat16", remat: str | None = None) -> dict:
     """A pipelined step's collectives by kind and mesh axis (whole step, every loop unrolled, so the
     pipeline's collective-permutes are counted once per tick). mesh = (pipeline, data, fsdp, tensor).
     The per-layer method of `report` does not apply: layers only exist in whole stages."""
@@ -410,7 +410,7 @@ def pipeline_report(cfg_or_path, mesh, strategy: str = "btp", batch: int = 8, se
     pipeline, *rest = mesh
     devices = pick_devices(math.prod(mesh))
     base = load_config(cfg_or_path)
-    cfg = variant_config(base, strategy, base.model.linear, tuple(rest), batch, seq, dtype, None)
+    cfg = variant_config(base, strategy, base.model.linear, tuple(rest), batch, seq, dtype, remat)
     cfg.parallel.update(pipeline=pipeline, num_devices=math.prod(mesh))
     compiled, mesh_obj, seconds = compile_program(cfg, "train_step", devices, cfg.model.n_layers, unroll=True)
     table = summarize(parse_collectives(compiled.as_text(), mesh_obj), by=("kind", "axes"))
