@@ -331,7 +331,6 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
 
     dp_once, dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy, pipelined=stages > 1)
     dp_rest = sum(data_colls(mesh, rest_fsdp_w, b.d, "none"), [])  # embedding and head, once
-    # Every collective of one accumulation micro-batch, with how often it runs.
     # Every collective of one accumulation micro-batch but the layers' tensor-axis ones, with how often
     # it runs.
     counted = ([(c, runs) for c in dp] + [(c, per_stage) for c in dp_once] + shifts
