@@ -19,7 +19,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [  # (name, config, overrides)
@@ -66,40 +65,25 @@ def norm_bandwidth(steps: int) -> list[dict]:
 
 
 def train_variant(config: str, overrides: dict, steps: int, seq: int, batch: int) -> dict:
-    import importlib.util
+    from boost_jax.config import load_config_file
     from boost_jax.metrics import peak_flops
     from boost_jax.model import flops_per_token
-    from boost_jax.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import init_state, state_spec
-    from boost_jax.step import jit_train_step
+    from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
-    spec_ = importlib.util.spec_from_file_location("c", os.path.join(HERE, "..", "configs", f"{config}.py"))
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
-    cfg = mod.get_config()
+    cfg = load_config_file(os.path.join(HERE, "..", "configs", f"{config}.py"))
     cfg.train.update(seq_len=seq, global_batch=batch, grad_accum=1)
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
     for key, value in overrides.items():
         section, name = key.split(".")
         cfg[section][name] = value
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        state = init_state(cfg, tx, spec)
-        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
-        tokens = jax.device_put(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (1, batch, seq + 1))
-                                .astype(np.int32), batch_sharding)
-        state, _ = step(state, tokens)
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = step(state, tokens)
-        jax.block_until_ready(metrics)
-        secs = (time.perf_counter() - t0) / steps
+    step, state, tokens, _, _ = build(cfg, None)
+    state, _ = step(state, tokens)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, tokens)
+    jax.block_until_ready(metrics)
+    secs = (time.perf_counter() - t0) / steps
     tok_s = batch * seq / secs
     peak = peak_flops(jax.devices()[0].device_kind)
     mfu = flops_per_token(cfg.model, seq) * tok_s / peak if peak else None

@@ -20,29 +20,16 @@ from boost_jax.tools.devices import emulate_cpu_devices
 
 def step_seconds(cfg, steps: int) -> float:
     import jax
-    import numpy as np
 
-    from boost_jax.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import init_state, state_spec
-    from boost_jax.step import jit_train_step
+    from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        state = init_state(cfg, tx, spec)
-        step, sharding = jit_train_step(spec, tx, schedule, mesh)
-        batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (1, cfg.train.global_batch,
-                                                                          cfg.train.seq_len + 1), np.int32), sharding)
+    step, state, batch, _, _ = build(cfg, None)
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for _ in range(steps):
         state, m = step(state, batch)
-        jax.block_until_ready(m)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, m = step(state, batch)
-        jax.block_until_ready(m)
+    jax.block_until_ready(m)
     return (time.perf_counter() - t0) / steps
 
 
