@@ -11,7 +11,8 @@ from pathlib import Path
 
 import ml_collections
 
-LINEAR_KINDS = ("dense", "lowrank", "cola")
+from boost_jax.model.kinds import NAMES as LINEAR_KINDS
+
 REMAT_POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")
 STRATEGIES = ("btp", "vanilla", "megatron")
 DATA_SOURCES = ("embedded", "text", "jsonl", "tokens")
@@ -36,8 +37,18 @@ def base_config() -> ml_collections.ConfigDict:
     m.n_heads = 4
     m.n_kv_heads = 4  # < n_heads gives grouped-query attention
     m.d_ff = 352
-    m.rank = 32  # bottleneck width r of lowrank / cola projections
-    m.linear = "cola"  # dense | lowrank | cola, for every projection
+    m.rank = 32  # bottleneck width r of lowrank / cola / sltrain projections; tt: the middle rank r_mid
+    m.linear = "cola"  # dense | lowrank | cola | tt | sltrain, for every projection (model/kinds/)
+    # tt: tensor-train cores per projection (even; half on each side of the r_mid bottleneck), the
+    # rank between cores of a half (0: model.rank; always capped by the TT bound, see kinds/tt.py),
+    # and the bottleneck activation.
+    m.tt_cores = 4
+    m.tt_inner_rank = 0
+    m.tt_activation = "none"  # none | silu
+    # sltrain: W = (alpha/r)·B·A + S, S on a fixed random support of b x b blocks.
+    m.sparse_density = 0.03  # fraction of S's entries that are nonzero
+    m.sparse_block = 16  # b; 1 is SLTrain's element-wise support (see kinds/sltrain.py)
+    m.sltrain_alpha = 32.0
     m.only_lr_act = False  # MLP form: True -> down(gate*up), False -> down(silu(gate)*up)
     m.max_seq_len = 128
     m.rope_theta = 10000.0
@@ -190,14 +201,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"choose one of {_divisors(m.n_heads)}",
     )
     _check((m.d_model // m.n_heads) % 2 == 0, "model.n_heads", "head_dim = d_model/n_heads must be even for RoPE")
-    if m.linear != "dense":
-        smallest = min(m.d_model, m.d_ff, m.n_kv_heads * (m.d_model // m.n_heads))
-        _check(
-            0 < m.rank < smallest,
-            "model.rank",
-            f"rank {m.rank} must be in (0, {smallest}) (smaller than every projection's width), "
-            f"e.g. d_model/4 = {m.d_model // 4}",
-        )
+    from boost_jax.model.kinds import kind_class
+    widths = {"model.d_model": m.d_model, "model.d_ff": m.d_ff,
+              "model.n_kv_heads*head_dim": m.n_kv_heads * (m.d_model // m.n_heads)}
+    problem = kind_class(m.linear).validate(m, widths)
+    if problem:
+        field, _, message = problem.partition(": ")
+        raise ConfigError(f"config field `{field}`: {message}")
     _check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
     _check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
     _check(t.seq_len > 0, "train.seq_len", "must be positive")

@@ -203,6 +203,9 @@ def export(checkpoint: str, out: str) -> Path:
 
     st = _safetensors()
     model, cfg, tok = load_params(checkpoint)
+    if cfg.model.linear not in ("dense", *ACTIVATION):
+        raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports dense, "
+                          f"{', '.join(ACTIVATION)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # {"format": "pt"}: transformers refuses safetensors files without it.

@@ -1,6 +1,9 @@
 """Train state and its shardings, built abstractly first so nothing is allocated before it is placed.
 
 State is a plain pytree: params (a pure dict mirroring the model), optimizer state, step, rng.
+`params` holds every model variable; its floating-point leaves are what is trained (`trainable`),
+integer leaves are fixed arrays a linear kind keeps (e.g. a sparse support): saved, sharded and
+restored like parameters, never differentiated or updated.
 `logical_axes` reads the axis names each parameter declares (a leading `layers` axis is added for
 the scanned stack), the strategy's rules turn them into PartitionSpecs, and the same shardings serve
 init, the jitted train step and Orbax restore (so a checkpoint is resharded onto whatever mesh runs).
@@ -29,7 +32,7 @@ class StateSpec:
 
 def logical_axes(model) -> dict:
     flat = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(model)):
         names = tuple(var.get_metadata().get("axes", ()))
         shape = var.get_value().shape
         if len(shape) == len(names) + 1:  # stacked by the layer vmap
@@ -50,6 +53,21 @@ def _unflatten(flat: dict) -> dict:
     return out
 
 
+def _is_trained(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def trainable(params, tree=None):
+    """The leaves the optimizer updates (floating point), fixed integer leaves as None; with `tree`
+    (shardings, specs: any tree with params' structure), `tree`'s entries at the trainable leaves."""
+    return jax.tree.map(lambda p, x: x if _is_trained(p) else None, params, params if tree is None else tree)
+
+
+def with_frozen(trained, params):
+    """`trained`'s leaves, and `params`' fixed leaves where `trained` has None."""
+    return jax.tree.map(lambda t, p: p if t is None else t, trained, params, is_leaf=lambda x: x is None)
+
+
 def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
@@ -61,9 +79,9 @@ def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
     axes = logical_axes(model)
     param_specs = jax.tree.map(lambda names, p: spec_for(names, p.shape, mesh, strategy.rules), axes, params,
                                is_leaf=_is_axes)
-    opt_abstract = jax.eval_shape(tx.init, params)
+    opt_abstract = jax.eval_shape(tx.init, trainable(params))
     # Optimizer moments mirror their parameter's layout; scalars (counts) are replicated.
-    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, opt_abstract, param_specs,
+    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, opt_abstract, trainable(params, param_specs),
                                       transform_non_params=lambda _: P(),
                                       is_leaf=lambda x: isinstance(x, P))
     specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "rng": P()}
@@ -82,7 +100,7 @@ def init_state(cfg, tx, spec: StateSpec) -> dict:
     def init():
         model = model_from_config(cfg)
         params = nnx.to_pure_dict(nnx.state(model))
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+        return {"params": params, "opt_state": tx.init(trainable(params)), "step": jnp.zeros((), jnp.int32),
                 "rng": jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32)}
 
     return jax.jit(init, out_shardings=spec.shardings)()

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.parallel.mesh import BATCH_AXES
+from boost_jax.state import trainable, with_frozen
 
 
 def cross_entropy(logits, labels):
@@ -28,27 +29,29 @@ def next_token_loss(graphdef, params, tokens):
 
 
 def make_train_step(graphdef, tx, schedule):
-    grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(graphdef, p, x))
+    # Differentiate the trainable leaves only; fixed integer leaves ride along unchanged.
+    grad_fn = jax.value_and_grad(lambda t, p, x: next_token_loss(graphdef, with_frozen(t, p), x))
 
     def train_step(state, batch):
         """batch: [grad_accum, micro_batch, T+1]. Micro-batch gradients are summed by a scan so only
         one gradient buffer lives at a time; the update is skipped (state kept) if not finite."""
         params = state["params"]
+        trained = trainable(params)
         if batch.shape[0] == 1:
-            loss, grads = grad_fn(params, batch[0])
+            loss, grads = grad_fn(trained, params, batch[0])
         else:
             def micro(acc, tokens):
-                l, g = grad_fn(params, tokens)
+                l, g = grad_fn(trained, params, tokens)
                 return jax.tree.map(jnp.add, acc, g), l
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
+            zeros = jax.tree.map(jnp.zeros_like, trained)
             grads, losses = jax.lax.scan(micro, zeros, batch)
             grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
             loss = losses.mean()
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
+        updates, opt_state = tx.update(grads, state["opt_state"], trained)
+        new_params = with_frozen(optax.apply_updates(trained, updates), params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
                      "step": state["step"] + finite.astype(jnp.int32), "rng": state["rng"]}

@@ -5,9 +5,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from boost_jax.config import base_config
 from boost_jax.model.attention import causal_attention, rope
 from boost_jax.model.linear import Projection, RMSNorm
 from boost_jax.model.transformer import MLP
+
+
+def small_model(kind, **fields):
+    m = base_config().model
+    m.update(linear=kind, **fields)
+    return m
 
 
 def silu(x):
@@ -17,7 +24,8 @@ def silu(x):
 @pytest.mark.parametrize("kind", ["dense", "lowrank", "cola"])
 def test_projection_matches_formula(kind):
     rng = np.random.default_rng(0)
-    proj = Projection(24, 40, kind=kind, rank=6, axes=("embed", "mlp"), rngs=nnx.Rngs(params=1))
+    proj = Projection(small_model(kind, rank=6), 24, 40, axes=("embed", "mlp"), group="mlp_in",
+                      rngs=nnx.Rngs(params=1))
     x = rng.standard_normal((3, 5, 24)).astype(np.float32)
     got = np.asarray(proj(jnp.asarray(x)))
     if kind == "dense":
@@ -30,7 +38,8 @@ def test_projection_matches_formula(kind):
 
 def test_cola_init_product_variance():
     d_in, d_out, r = 512, 768, 128
-    proj = Projection(d_in, d_out, kind="lowrank", rank=r, axes=("embed", "mlp"), rngs=nnx.Rngs(params=3))
+    proj = Projection(small_model("lowrank", rank=r), d_in, d_out, axes=("embed", "mlp"), group="mlp_in",
+                      rngs=nnx.Rngs(params=3))
     a, b = np.asarray(proj.a[...]), np.asarray(proj.b[...])
     factor_std = r ** -0.25 * (d_in + d_out) ** -0.25
     assert abs(a.std() / factor_std - 1) < 0.02 and abs(b.std() / factor_std - 1) < 0.02

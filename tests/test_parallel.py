@@ -10,10 +10,15 @@ from boost_jax.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import init_state, state_spec
+from boost_jax.state import init_state, state_spec, trainable, with_frozen
 from boost_jax.step import next_token_loss
 
 MESHES = [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (8, 1, 1)]
+LINEARS = ["dense", "lowrank", "cola", "tt", "sltrain"]
+# Shapes of the kinds that have their own fields: 2 + 2 TT cores (modes 8 x 8 for d, 16 x 8 for the MLP,
+# so tensor sizes up to 8 split the outer modes) with SiLU at the bottleneck; 4 x 4 sparse blocks.
+KIND_FIELDS = {"tt": {"model.tt_cores": 4, "model.tt_inner_rank": 4, "model.tt_activation": "silu"},
+               "sltrain": {"model.sparse_block": 4, "model.sparse_density": 0.1}}
 
 
 def par_config(make_config, strategy, linear, mesh, **kw):
@@ -23,6 +28,7 @@ def par_config(make_config, strategy, linear, mesh, **kw):
                  "model.rank": 16, "model.linear": linear, "parallel.strategy": strategy,
                  "parallel.data": data, "parallel.fsdp": fsdp, "parallel.tensor": tensor,
                  "parallel.num_devices": pipeline * data * fsdp * tensor}
+    overrides.update(KIND_FIELDS.get(linear, {}))
     overrides.update(kw)
     return make_config(**overrides)
 
@@ -34,8 +40,8 @@ def loss_and_grads(cfg, params_host, tokens):
         spec = state_spec(cfg, tx, mesh, strategy)
         params = jax.device_put(params_host, spec.shardings["params"])
         batch = jax.device_put(tokens, NamedSharding(mesh, P(BATCH_AXES)))
-        fn = jax.jit(jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x)))
-        loss, grads = fn(params, batch)
+        fn = jax.jit(jax.value_and_grad(lambda t, p, x: next_token_loss(spec.graphdef, with_frozen(t, p), x)))
+        loss, grads = fn(trainable(params), params, batch)
     return float(loss), jax.device_get(grads)
 
 
@@ -58,8 +64,17 @@ def _reference(cfg):
     mesh, strategy = make_mesh(single), get_strategy(single.parallel)
     with use_rules(mesh, strategy):
         params = jax.device_get(init_state(single, tx, state_spec(single, tx, mesh, strategy))["params"])
+    params = perturb_zero_factors(params)
     tokens = build_loaders(single)[0].batch(0)
     return params, tokens, loss_and_grads(single, params, tokens)
+
+
+def perturb_zero_factors(params):
+    """Fresh random values for factors initialised to zero (sltrain's B), so every gradient path is
+    exercised: with B = 0 the gradient of A would be exactly zero everywhere."""
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda x: (0.1 * rng.standard_normal(x.shape)).astype(x.dtype)
+                        if x.dtype.kind == "f" and x.size > 1 and not np.any(x) else x, params)
 
 
 def assert_close_tree(got, want, rtol):
@@ -69,7 +84,7 @@ def assert_close_tree(got, want, rtol):
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
-@pytest.mark.parametrize("linear", ["dense", "lowrank", "cola"])
+@pytest.mark.parametrize("linear", LINEARS)
 @pytest.mark.parametrize("strategy", ["btp", "vanilla", "megatron"])
 def test_strategy_matches_single_device(make_config, strategy, linear, mesh):
     cfg = par_config(make_config, strategy, linear, mesh)

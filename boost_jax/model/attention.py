@@ -44,11 +44,11 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d // h
         self.rope_theta = cfg.rope_theta
         self.grouped = bool(cfg.group_linears)
-        proj = dict(kind=cfg.linear, rank=cfg.rank, rngs=rngs, param_dtype=param_dtype)
-        self.q = Projection(d, h * self.head_dim, axes=("embed", "heads"), group="qkv", **proj)
-        self.k = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
-        self.v = Projection(d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
-        self.o = Projection(h * self.head_dim, d, axes=("heads", "embed"), group="o", **proj)
+        proj = dict(rngs=rngs, param_dtype=param_dtype)
+        self.q = Projection(cfg, d, h * self.head_dim, axes=("embed", "heads"), group="qkv", **proj)
+        self.k = Projection(cfg, d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
+        self.v = Projection(cfg, d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
+        self.o = Projection(cfg, h * self.head_dim, d, axes=("heads", "embed"), group="o", **proj)
 
     def __call__(self, x, norm, positions, cache=None):
         """x: the block's input residual; `norm` is applied first (fused with the A's under BTP)."""

@@ -1,10 +1,11 @@
-"""Projections: dense W, low-rank B·A, or CoLA B·σ(A·x) with σ = SiLU.
+"""Applying projections: every projection is a linear kind (`model/kinds/`: dense W, low-rank B·A,
+CoLA B·σ(A·x), tensor-train, sparse + low-rank), seen here only through the kind interface.
 
 Every projection has two stages so that parallel strategies and kernels can act on the bottleneck:
-the first (`A`, or the whole `W` for dense) and the second (`B`, nothing for dense). Projections
-that read the same input run their first stages as ONE GEMM over stacked weights, and their second
-stages as one batched dot_general (BOOST's linear layer grouping); parameters keep their own names.
-The r-wide σ(A·x) tensor is tagged `lowrank` for activation checkpointing.
+the first ([d_in, width]) and the second ([width, d_out], nothing for dense). Projections that read
+the same input run their first stages as ONE GEMM over stacked weights, and their second stages as
+one batched dot_general (BOOST's linear layer grouping); parameters keep their own names. The r-wide
+first-stage output is tagged `lowrank` for activation checkpointing (before σ).
 """
 from __future__ import annotations
 
@@ -16,55 +17,19 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
+from boost_jax.model.kinds import kind_class
+from boost_jax.model.kinds.base import LinearKind, dense_init, stored  # noqa: F401  (dense_init: the LM head)
 from boost_jax.parallel import rules
-from boost_jax.parallel.rules import constrain, gathered, logical_spec
+from boost_jax.parallel.rules import constrain, logical_spec
 
 RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
+WHOLE_ROWS = ("act_batch", "act_seq", None)
 
 
-def factor_init(key, shape, d_in: int, d_out: int, rank: int, dtype):
-    # CoLA init: each factor N(0,1)·r^-1/4·(d_in+d_out)^-1/4, so B·A has entry variance 1/(d_in+d_out).
-    std = rank ** -0.25 * (d_in + d_out) ** -0.25
-    return std * jax.random.normal(key, shape, dtype)
-
-
-def dense_init(key, shape, d_in: int, d_out: int, dtype):
-    # Same per-entry variance as the factorised product, so dense and low-rank start alike.
-    return (d_in + d_out) ** -0.5 * jax.random.normal(key, shape, dtype)
-
-
-class Projection(nnx.Module):
-    """One linear map d_in -> d_out whose parameters name their logical axes (`axes` = in, out)."""
-
-    def __init__(self, d_in: int, d_out: int, *, kind: str, rank: int, axes: tuple[str, str],
-                 rngs: nnx.Rngs, param_dtype=jnp.float32, group: str = ""):
-        self.kind = kind
-        self.group = group  # qkv | o | mlp_in | mlp_out: the unit a parallel plan partitions
-        self.first_axes = axes if kind == "dense" else (axes[0], "rank")
-        self.second_axes = ("rank", axes[1])
-        if kind == "dense":
-            self.w = nnx.Param(dense_init(rngs.params(), (d_in, d_out), d_in, d_out, param_dtype), axes=axes)
-        else:
-            self.a = nnx.Param(factor_init(rngs.params(), (d_in, rank), d_in, d_out, rank, param_dtype),
-                               axes=(axes[0], "rank"))
-            self.b = nnx.Param(factor_init(rngs.params(), (rank, d_out), d_in, d_out, rank, param_dtype),
-                               axes=("rank", axes[1]))
-
-    @property
-    def factored(self) -> bool:
-        return self.kind != "dense"
-
-    def first(self):
-        return self.a if self.factored else self.w
-
-    def first_weight(self) -> jax.Array:
-        return gathered((self.a if self.factored else self.w)[...], self.first_axes)
-
-    def second_weight(self) -> jax.Array:
-        return gathered(self.b[...], self.second_axes)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return project([self], x, grouped=False)[0]
+def Projection(m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs,
+               param_dtype=jnp.float32) -> LinearKind:
+    """A projection of the kind `m.linear` names (`m`: the model config section)."""
+    return kind_class(m.linear)(m, d_in, d_out, axes=axes, group=group, rngs=rngs, param_dtype=param_dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -96,10 +61,10 @@ class RMSNorm(nnx.Module):
                              check_vma=False)(x, self.scale[...])  # a pallas_call has no vma types
 
 
-def _runs(projs, weight):
-    """Consecutive projections whose `weight(p)` shapes agree: each run is one grouped GEMM."""
+def _runs(projs, shape):
+    """Consecutive projections whose `shape(p)` agree: each run is one grouped GEMM."""
     i = 0
-    for _, run in itertools.groupby(projs, key=lambda p: weight(p).shape):
+    for _, run in itertools.groupby(projs, key=shape):
         run = list(run)
         yield i, run
         i += len(run)
@@ -111,7 +76,7 @@ def _bottleneck(projs, h, tag: bool = True):
     h = constrain(h, RANK_ACT)
     if tag:
         h = checkpoint_name(h, "lowrank")
-    return jax.nn.silu(h) if projs[0].kind == "cola" else h
+    return projs[0].bottleneck(h)
 
 
 def _first_stage(projs, x, grouped: bool, norm=None):
@@ -127,7 +92,7 @@ def _first_stage(projs, x, grouped: bool, norm=None):
     if norm is not None:
         x = norm(x)
     out = []
-    runs = _runs(projs, lambda p: p.first()) if grouped else ((i, [p]) for i, p in enumerate(projs))
+    runs = _runs(projs, lambda p: p.first_shape) if grouped else ((i, [p]) for i, p in enumerate(projs))
     for _, run in runs:
         w = jnp.stack([p.first_weight() for p in run]).astype(x.dtype)  # [g, d_in, width]
         h = jnp.einsum("btd,gdr->btgr", x, w)
@@ -135,7 +100,7 @@ def _first_stage(projs, x, grouped: bool, norm=None):
     return out
 
 
-def _spatial_temporal(p: Projection, x, mesh) -> jax.Array:
+def _spatial_temporal(p: LinearKind, x, mesh) -> jax.Array:
     """One projection as PrimePar P(n x n) GEMMs on the (fsdp, tensor) grid: the sequence splits over
     fsdp, the contracted width over tensor, the batch over data; only point-to-point traffic inside.
     Weights are stored in the ordinary layout and skewed at use (a block permutation)."""
@@ -147,9 +112,9 @@ def _spatial_temporal(p: Projection, x, mesh) -> jax.Array:
         return st_matmul(skew_sharded(v, **kw), skew_weight(w.astype(v.dtype), n), **kw)
 
     if not p.factored:
-        return matmul(x, p.w[...])
-    h = checkpoint_name(matmul(x, p.a[...]), "lowrank")
-    return matmul(jax.nn.silu(h) if p.kind == "cola" else h, p.b[...])
+        return matmul(x, p.first_weight(stored))
+    h = checkpoint_name(matmul(x, p.first_weight(stored)), "lowrank")
+    return matmul(p.bottleneck(h), p.second_weight(stored))
 
 
 def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
@@ -158,15 +123,26 @@ def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
     ctx = rules.current()
     if ctx is not None and projs[0].group in ctx[1].st_groups:
         x = norm(x) if norm is not None else x
-        return [_spatial_temporal(p, x, ctx[0]) for p in projs]
+        return _with_extra(projs, [_spatial_temporal(p, x, ctx[0]) for p in projs], x, None)
     outs = []
     for run, h in _first_stage(projs, x, grouped, norm):
         if not run[0].factored:
             outs.extend(h[:, :, i] for i in range(len(run)))
             continue
-        sub = _runs(run, lambda p: p.b) if grouped else ((i, [p]) for i, p in enumerate(run))
+        sub = _runs(run, lambda p: p.second_shape) if grouped else ((i, [p]) for i, p in enumerate(run))
         for i, group in sub:
             b = jnp.stack([p.second_weight() for p in group]).astype(h.dtype)  # [g, r, d_out]
             y = jnp.einsum("btgr,gro->btgo", h[:, :, i:i + len(group)], b)
             outs.extend(y[:, :, j] for j in range(len(group)))
-    return outs
+    return _with_extra(projs, outs, x, norm)
+
+
+def _with_extra(projs, outs, x, norm):
+    """Add the kinds' extra terms (e.g. a sparse S·x), computed from the normalised input in whole
+    rows: a strategy that splits the input features gathers it once for the group."""
+    if not any(p.has_extra for p in projs):
+        return outs
+    rows = constrain(x, WHOLE_ROWS)
+    if norm is not None:
+        rows = norm(rows, WHOLE_ROWS)
+    return [y + p.extra(rows).astype(y.dtype) if p.has_extra else y for p, y in zip(projs, outs)]

@@ -7,6 +7,7 @@ from flax import nnx
 
 from boost_jax import remat
 from boost_jax.model.attention import Attention
+from boost_jax.model.kinds import kind_class
 from boost_jax.model.linear import Projection, RMSNorm, dense_init, project
 from boost_jax.parallel import rules
 from boost_jax.parallel.pipeline import gpipe, to_microbatches
@@ -23,12 +24,12 @@ def compute_dtype(name: str):
 
 class MLP(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
-        proj = dict(kind=cfg.linear, rank=cfg.rank, rngs=rngs, param_dtype=param_dtype)
-        self.gate = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
-        self.up = Projection(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
-        self.down = Projection(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), group="mlp_out", **proj)
+        proj = dict(rngs=rngs, param_dtype=param_dtype)
+        self.gate = Projection(cfg, cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
+        self.up = Projection(cfg, cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
+        self.down = Projection(cfg, cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), group="mlp_out", **proj)
         # CoLA's larger models drop the SwiGLU σ: the bottleneck σ is the only nonlinearity.
-        self.only_lr_act = bool(cfg.only_lr_act) and cfg.linear == "cola"
+        self.only_lr_act = bool(cfg.only_lr_act) and kind_class(cfg.linear).nonlinear(cfg)
         self.grouped = bool(cfg.group_linears)
 
     def __call__(self, x, norm):
@@ -136,18 +137,13 @@ def model_from_config(cfg) -> Transformer:
     return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm)
 
 
-def projection_flops(d_in: int, d_out: int, kind: str, rank: int) -> int:
-    """Forward multiply-add FLOPs per token of one projection (both factors when factorised)."""
-    return 2 * d_in * d_out if kind == "dense" else 2 * rank * (d_in + d_out)
-
-
 def flops_per_token(cfg, seq_len: int, training: bool = True) -> float:
     """Model FLOPs per token: every projection, attention scores and values over the full (masked)
     sequence as XLA computes them, and the LM head. Training counts forward + backward = 3x forward;
     recompute from activation checkpointing is not model work and is not counted."""
     d, h, kv, i = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
     dh = d // h
-    f = lambda a, b: projection_flops(a, b, cfg.linear, cfg.rank)  # noqa: E731
+    f = lambda a, b: kind_class(cfg.linear).flops(cfg, a, b)  # noqa: E731
     per_layer = (f(d, h * dh) + 2 * f(d, kv * dh) + f(h * dh, d)  # q, k, v, o
                  + 2 * f(d, i) + f(i, d)  # gate, up, down
                  + 2 * 2 * seq_len * h * dh)  # q·k and p·v

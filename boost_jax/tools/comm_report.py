@@ -127,7 +127,7 @@ def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool):
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.rules import use_rules
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import state_spec
+    from boost_jax.state import state_spec, trainable, with_frozen
     from boost_jax.step import jit_train_step, next_token_loss
 
     cfg = cfg.copy_and_resolve_references()
@@ -147,8 +147,11 @@ def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool):
                 return next_token_loss(spec.graphdef, params, b[0])
 
             # Gradients come out in the parameters' layout, as the optimizer receives them.
+            def grads(params, b):  # of the trainable leaves, as in the train step
+                return jax.grad(lambda t: loss(with_frozen(t, params), b))(trainable(params))
+
             fn = jax.jit(loss) if program == "forward" else jax.jit(
-                jax.grad(loss), out_shardings=spec.shardings["params"])
+                grads, out_shardings=trainable(spec.abstract["params"], spec.shardings["params"]))
             lowered = fn.lower(spec.abstract["params"], batch)
         compiled = lowered.compile()
     return compiled, mesh, time.perf_counter() - start

@@ -1,0 +1,117 @@
+"""The interface every linear kind implements.
+
+A projection maps d_in -> d_out in two stages so that strategies and kernels can act on the
+bottleneck: the first stage is a [d_in, width] matrix (`first_weight`), then σ (`bottleneck`), then a
+[width, d_out] matrix (`second_weight`). A dense kind has only the first stage (width = d_out).
+Each stored parameter names its logical axes; `first_weight`/`second_weight` take `use`, the function
+that turns a stored parameter into its compute layout (FSDP gathers it; the spatial-temporal
+partition takes it as stored), and build the matrix from what `use` returns. A kind may add a term
+computed from the normalised input rows (`extra`, e.g. a sparse matrix), which parallel plans handle
+generically (the input is gathered to whole rows).
+"""
+from __future__ import annotations
+
+from typing import Callable, ClassVar
+
+import jax
+from flax import nnx
+
+from boost_jax.parallel.rules import gathered
+
+Use = Callable[[jax.Array, tuple], jax.Array]
+
+
+def factor_init(key, shape, d_in: int, d_out: int, rank: int, dtype):
+    # CoLA init: each factor N(0,1)·r^-1/4·(d_in+d_out)^-1/4, so B·A has entry variance 1/(d_in+d_out).
+    std = rank ** -0.25 * (d_in + d_out) ** -0.25
+    return std * jax.random.normal(key, shape, dtype)
+
+
+def dense_init(key, shape, d_in: int, d_out: int, dtype):
+    # Same per-entry variance as the factorised product, so dense and low-rank start alike.
+    return (d_in + d_out) ** -0.5 * jax.random.normal(key, shape, dtype)
+
+
+class LinearKind(nnx.Module):
+    """One linear map d_in -> d_out; `axes` = the logical names of its (in, out) dims; `group` = the
+    projection group a parallel plan partitions as a unit (qkv | o | mlp_in | mlp_out)."""
+
+    factored: ClassVar[bool] = True  # a bottleneck between two stages (False: one d_in x d_out stage)
+    has_extra: ClassVar[bool] = False  # `extra` adds a term from the normalised input rows
+
+    def __init__(self, m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs,
+                 param_dtype):
+        self.d_in, self.d_out, self.group = d_in, d_out, group
+        self.in_axis, self.out_axis = axes
+        self.width = self.bottleneck_width(m, d_in, d_out)
+
+    # --- what a kind defines -------------------------------------------------------------------
+    @classmethod
+    def bottleneck_width(cls, m, d_in: int, d_out: int) -> int:
+        """Width of the first stage's output (the rank r of a factored kind)."""
+        return int(m.rank)
+
+    @classmethod
+    def flops(cls, m, d_in: int, d_out: int) -> int:
+        """Forward multiply-add FLOPs per token."""
+        return 2 * cls.bottleneck_width(m, d_in, d_out) * (d_in + d_out)
+
+    @classmethod
+    def n_params(cls, m, d_in: int, d_out: int) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def nonlinear(cls, m) -> bool:
+        """True when σ at the bottleneck is a nonlinearity (so the MLP may drop SwiGLU's σ)."""
+        return False
+
+    @classmethod
+    def validate(cls, m, widths: dict[str, int]) -> str | None:
+        """A message naming what is wrong with the `model` section for this kind, or None.
+        `widths`: every projection input/output width by config field."""
+        smallest = min(widths.values())
+        if not 0 < m.rank < smallest:
+            field = min(widths, key=widths.get)
+            return (f"model.rank: {m.rank} must be in (0, {smallest}) (smaller than {field}, the narrowest "
+                    f"projection), e.g. d_model/4 = {m.d_model // 4}")
+        return None
+
+    def first_weight(self, use: Use = gathered) -> jax.Array:
+        raise NotImplementedError
+
+    def second_weight(self, use: Use = gathered) -> jax.Array | None:
+        raise NotImplementedError
+
+    def bottleneck(self, h: jax.Array) -> jax.Array:
+        """σ applied to the fully reduced first-stage output."""
+        return h
+
+    def extra(self, x: jax.Array) -> jax.Array:
+        """A term added to the output, from the normalised input x [B, T, d_in] (whole rows)."""
+        raise NotImplementedError
+
+    # --- shared ----------------------------------------------------------------------------------
+    @property
+    def first_axes(self) -> tuple:
+        return (self.in_axis, "rank") if self.factored else (self.in_axis, self.out_axis)
+
+    @property
+    def second_axes(self) -> tuple:
+        return ("rank", self.out_axis)
+
+    @property
+    def first_shape(self) -> tuple[int, int]:
+        return (self.d_in, self.width if self.factored else self.d_out)
+
+    @property
+    def second_shape(self) -> tuple[int, int]:
+        return (self.width, self.d_out)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from boost_jax.model.linear import project
+        return project([self], x, grouped=False)[0]
+
+
+def stored(w: jax.Array, names) -> jax.Array:
+    """`use` for callers that take parameters in their stored layout."""
+    return w
