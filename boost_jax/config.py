@@ -177,6 +177,50 @@ def sized_config(size: str, linear: str) -> ml_collections.ConfigDict:
     return c
 
 
+# BOOST's tensor-train models: (d, I, H, L, tt_rank = the middle rank, cores). 60m and 1b are BOOST's
+# published TT configs; 130m and 350m (not published) take the zoo's shapes and CoLA ranks.
+TT_SIZES = {
+    "60m": dict(d_model=512, d_ff=1344, n_heads=8, n_layers=8, rank=128, tt_cores=6),
+    "130m": dict(d_model=768, d_ff=2048, n_heads=12, n_layers=12, rank=256, tt_cores=6),
+    "350m": dict(d_model=1024, d_ff=2736, n_heads=16, n_layers=24, rank=256, tt_cores=6),
+    "1b": dict(d_model=2048, d_ff=5472, n_heads=32, n_layers=24, rank=512, tt_cores=6),
+}
+
+
+def tt_config(size: str) -> ml_collections.ConfigDict:
+    """A tensor-train model: BOOST's shapes (TT_SIZES), no bottleneck activation (BOOST's TT is linear
+    through r_mid), inner ranks r_mid/4 (our choice: BOOST sets them from a parameter-budget ratio the
+    reference does not record), and the zoo's CoLA schedule for its size."""
+    c = sized_config(size, "tt")
+    c.name, c.run_dir = f"tt_{size}", f"runs/tt_{size}"
+    c.model.update(TT_SIZES[size])
+    c.model.update(tt_inner_rank=c.model.rank // 4, tt_activation="none", only_lr_act=False)
+    return c
+
+
+# SLTrain's published runs (the authors' scripts): rank, alpha, steps, warmup; density 0.03, lr 3e-3,
+# weight decay 0, AdamW (0.9, 0.999), global batch 512 x 256 tokens, on the zoo's LLaMA shapes.
+SLTRAIN_RECIPE = {
+    "60m": dict(rank=128, sltrain_alpha=32.0, steps=11_000, warmup_steps=1_100),
+    "130m": dict(rank=256, sltrain_alpha=16.0, steps=22_000, warmup_steps=2_200),
+    "350m": dict(rank=256, sltrain_alpha=16.0, steps=65_000, warmup_steps=6_500),
+    "1b": dict(rank=512, sltrain_alpha=8.0, steps=140_000, warmup_steps=10_000),
+}
+
+
+def sltrain_config(size: str) -> ml_collections.ConfigDict:
+    """A sparse + low-rank model with SLTrain's recipe. Its support is 16 x 16 blocks (SLTrain's is
+    element-wise, `model.sparse_block=1`, which gathers nnz input values per token: see kinds/sltrain.py)."""
+    c = sized_config(size, "sltrain")
+    c.name, c.run_dir = f"sltrain_{size}", f"runs/sltrain_{size}"
+    recipe = SLTRAIN_RECIPE[size]
+    c.model.update(rank=recipe["rank"], sltrain_alpha=recipe["sltrain_alpha"], sparse_density=0.03,
+                   sparse_block=16, only_lr_act=False)
+    c.train.update(lr=3e-3, steps=recipe["steps"], warmup_steps=recipe["warmup_steps"], weight_decay=0.0,
+                   b1=0.9, b2=0.999)
+    return c
+
+
 def _check(cond: bool, field: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"config field `{field}`: {message}")

@@ -55,6 +55,34 @@ def test_btp_train_step_adds_nothing_per_layer(columns):
     assert gather["count"] == 1 and gather["elements"] == columns["btp"]["tokens_per_device"] * D
 
 
+@pytest.fixture(scope="module")
+def bottleneck_kinds():
+    """BTP forward traffic of the tensor-train (6 cores through r_mid = R) and sparse + low-rank kinds."""
+    out = {}
+    for linear, fields in {"tt": dict(tt_cores=6, tt_inner_rank=R // 4, tt_activation="silu"),
+                           "sltrain": dict(sparse_block=16, sparse_density=0.03)}.items():
+        c = model_config()
+        c.model.update(linear=linear, **fields)
+        out[linear] = comm_report.report(c, strategies="btp", programs=("forward",), mesh=MESH, batch=2, seq=64,
+                                         dtype="bfloat16", memory=False)["strategies"]["btp"]
+    return out
+
+
+def test_tt_btp_forward_is_7_rmid_in_4_collectives(bottleneck_kinds):
+    fwd = tensor(bottleneck_kinds["tt"], "forward")
+    assert abs(fwd["elements_per_token"] - 7 * R) <= 0.05 * 7 * R
+    assert fwd["count"] <= 4
+
+
+def test_sltrain_btp_forward_shows_the_sparse_gathers(bottleneck_kinds):
+    """S·x reads whole input rows: on top of the low-rank part's 7r, each projection group's input is
+    all-gathered over the tensor axis once (d for q/k/v, H·dh for o, d for gate/up, I for down; the
+    report counts a gather's output elements), and nothing else is added."""
+    fwd = tensor(bottleneck_kinds["sltrain"], "forward")
+    assert fwd["elements_per_token"] == pytest.approx(7 * R + 3 * D + I, rel=0.02)
+    assert fwd["count"] <= 4 + 4 + 2  # the A all-reduces, one gather per group, the norm scales
+
+
 def test_vanilla_pays_full_output_widths(columns):
     fwd = tensor(columns["vanilla"], "forward")
     assert fwd["elements_per_token"] >= 4 * D + 2 * I

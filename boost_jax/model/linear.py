@@ -20,7 +20,7 @@ from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import LinearKind, dense_init, stored  # noqa: F401  (dense_init: the LM head)
 from boost_jax.parallel import rules
-from boost_jax.parallel.rules import constrain, logical_spec
+from boost_jax.parallel.rules import constrain, gathered, logical_spec
 
 RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
 WHOLE_ROWS = ("act_batch", "act_seq", None)
@@ -143,6 +143,7 @@ def _with_extra(projs, outs, x, norm):
     if not any(p.has_extra for p in projs):
         return outs
     rows = constrain(x, WHOLE_ROWS)
-    if norm is not None:
-        rows = norm(rows, WHOLE_ROWS)
+    if norm is not None:  # normalised locally on the gathered rows, with the (small) scale gathered
+        scale = gathered(norm.scale[...], (None,))
+        rows = constrain(rmsnorm_rows(rows, scale, norm.eps, impl="xla")[0], WHOLE_ROWS)
     return [y + p.extra(rows).astype(y.dtype) if p.has_extra else y for p, y in zip(projs, outs)]

@@ -137,15 +137,28 @@ def model_from_config(cfg) -> Transformer:
     return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm)
 
 
+def projection_shapes(cfg) -> list[tuple[int, int]]:
+    """(d_in, d_out) of every projection of one block: q, k, v, o, gate, up, down."""
+    d, h, kv, i = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
+    dh = d // h
+    return [(d, h * dh), (d, kv * dh), (d, kv * dh), (h * dh, d), (d, i), (d, i), (i, d)]
+
+
+def weight_flops(cfg, training: bool = True) -> float:
+    """FLOPs per step spent building projection matrices from stored parameters (tensor-train cores),
+    independent of the tokens: forward once, backward twice that."""
+    kind = kind_class(cfg.linear)
+    forward = cfg.n_layers * sum(kind.weight_flops(cfg, a, b) for a, b in projection_shapes(cfg))
+    return 3.0 * forward if training else float(forward)
+
+
 def flops_per_token(cfg, seq_len: int, training: bool = True) -> float:
     """Model FLOPs per token: every projection, attention scores and values over the full (masked)
     sequence as XLA computes them, and the LM head. Training counts forward + backward = 3x forward;
-    recompute from activation checkpointing is not model work and is not counted."""
-    d, h, kv, i = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
-    dh = d // h
-    f = lambda a, b: kind_class(cfg.linear).flops(cfg, a, b)  # noqa: E731
-    per_layer = (f(d, h * dh) + 2 * f(d, kv * dh) + f(h * dh, d)  # q, k, v, o
-                 + 2 * f(d, i) + f(i, d)  # gate, up, down
-                 + 2 * 2 * seq_len * h * dh)  # q·k and p·v
-    forward = cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
+    recompute from activation checkpointing is not model work and is not counted, nor is building
+    weights from stored factors once per step (`weight_flops`)."""
+    kind = kind_class(cfg.linear)
+    per_layer = (sum(kind.flops(cfg, a, b) for a, b in projection_shapes(cfg))  # q, k, v, o, gate, up, down
+                 + 2 * 2 * seq_len * cfg.d_model)  # q·k and p·v over all heads
+    forward = cfg.n_layers * per_layer + 2 * cfg.d_model * cfg.vocab_size
     return 3.0 * forward if training else float(forward)

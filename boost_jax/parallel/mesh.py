@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from boost_jax.config import ConfigError
+from boost_jax.model.kinds import kind_class
 
 AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first: pipeline stages may span nodes
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over both
@@ -38,7 +39,7 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
     if tp > 1:
         need = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.d_ff": m.d_ff,
                 "model.d_model": m.d_model}
-        if m.linear != "dense" and cfg.parallel.strategy == "vanilla":
+        if kind_class(m.linear).factored and cfg.parallel.strategy == "vanilla":
             need["model.rank"] = m.rank
         for field, value in need.items():
             if value % tp:
@@ -54,7 +55,7 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
                                   f"grid, parallel.fsdp == parallel.tensor >= 2 (got fsdp={sizes['fsdp']}, tensor={n})")
             widths = {"train.seq_len": t.seq_len, "model.d_model": m.d_model, "model.d_ff": m.d_ff,
                       "model.n_kv_heads*head_dim": m.n_kv_heads * (m.d_model // m.n_heads)}
-            if m.linear != "dense":
+            if kind_class(m.linear).factored:
                 widths["model.rank"] = m.rank
             for field, value in widths.items():
                 if value % n:

@@ -15,6 +15,7 @@ BATCH = ("data", "fsdp")
 _COMMON_TAIL = (
     # FSDP fallbacks for whatever the tensor axis left unsplit.
     ("embed", "fsdp"), ("rank", "fsdp"), ("heads", "fsdp"), ("kv_heads", "fsdp"), ("mlp", "fsdp"),
+    ("tt_rank", "fsdp"), ("sparse_blocks", "fsdp"),
     ("vocab_in", "fsdp"), ("head_embed", "fsdp"), ("vocab", "fsdp"),
     ("act_batch", BATCH),
     ("layers", "pipeline"), ("head_norm", None), ("act_seq", None), ("act_res_seq", None),

@@ -36,17 +36,24 @@ class Block:
     rank: int
     vocab: int
     layers: int
-    factored: bool  # lowrank / cola (B·σ(A·x)) rather than dense
+    factored: bool  # a bottleneck kind (B·σ(A·x); tt's reconstructed halves) rather than dense
     only_lr_act: bool
     online_norm: bool
 
     @classmethod
     def from_config(cls, cfg) -> Block:
+        from boost_jax.config import ConfigError
+        from boost_jax.model.kinds import kind_class
         m = cfg.model
+        kind = kind_class(m.linear)
+        if kind.has_extra:  # e.g. sltrain's sparse S·x: a term with its own traffic, not priced yet
+            raise ConfigError(f"config field `model.linear`: the planner does not price {m.linear}'s extra "
+                              f"term; plan the low-rank twin (--config.model.linear=lowrank) and add S's traffic "
+                              f"from `python -m boost_jax.tools.comm_report`")
         return cls(d=int(m.d_model), ff=int(m.d_ff), heads=int(m.n_heads), kv_heads=int(m.n_kv_heads),
                    head_dim=int(m.d_model) // int(m.n_heads), rank=int(m.rank), vocab=int(m.vocab_size),
-                   layers=int(m.n_layers), factored=m.linear != "dense",
-                   only_lr_act=bool(m.only_lr_act) and m.linear == "cola",
+                   layers=int(m.n_layers), factored=kind.factored,
+                   only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
                    online_norm=bool(cfg.parallel.online_norm))
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:

@@ -24,7 +24,7 @@ def _path(keys) -> str:
 
 
 def param_table(cfg, devices):
-    """[(path, shape, local shape, axes, spec)], the mesh and the parameters' shardings by path."""
+    """[(path, shape, local shape, axes, spec)], the mesh, and the parameters' shardings and dtypes by path."""
     import jax
 
     from boost_jax.optim import make_optimizer
@@ -36,13 +36,14 @@ def param_table(cfg, devices):
     mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
     spec = state_spec(cfg, tx, mesh, strategy)
     axes = {_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(spec.axes, is_leaf=_is_axes)[0]}
-    rows, shardings = [], {}
+    rows, shardings, dtypes = [], {}, {}
     for p, leaf in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]:
         path = _path(p)
         shardings[path] = leaf.sharding
+        dtypes[path] = leaf.dtype
         rows.append((path, tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape)), axes[path],
                      leaf.sharding.spec))
-    return rows, mesh, shardings
+    return rows, mesh, shardings, dtypes
 
 
 def format_table(rows) -> str:
@@ -51,6 +52,22 @@ def format_table(rows) -> str:
               for p, s, local, ax, spec in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(5)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def count_line(rows, dtypes) -> str:
+    """Totals: trained parameters (floating point) and fixed integer entries (a sparse support), whole
+    and per device."""
+    import numpy as np
+
+    total = {True: [0, 0], False: [0, 0]}
+    for path, shape, local, _, _ in rows:
+        trained = bool(np.issubdtype(dtypes[path], np.inexact))
+        total[trained][0] += math.prod(shape)
+        total[trained][1] += math.prod(local)
+    line = f"parameters: {total[True][0]:,} ({total[True][0] / 1e6:.1f}M), per device {total[True][1]:,}"
+    if total[False][0]:
+        line += f"; fixed integer entries (not trained): {total[False][0]:,}, per device {total[False][1]:,}"
+    return line
 
 
 def show(path: str, rows, shardings) -> None:
@@ -102,12 +119,13 @@ def main(argv=None) -> None:
     cfg.data.source = "embedded"  # nothing is read; a zoo config's `tokens` source would need a path
     try:
         validate(cfg)
-        rows, mesh, shardings = param_table(cfg, pick_devices(math.prod(mesh_sizes)))
+        rows, mesh, shardings, dtypes = param_table(cfg, pick_devices(math.prod(mesh_sizes)))
     except ConfigError as e:
         raise SystemExit(f"{e} (set via --mesh/--strategy)") from e
     print(f"{cfg.name}: strategy {cfg.parallel.strategy}, linear {cfg.model.linear}, "
           f"mesh {dict(mesh.shape)}")
     print(format_table(rows))
+    print(count_line(rows, dtypes))
     if args.show:
         print()
         show(args.show, rows, shardings)

@@ -57,6 +57,12 @@ class LinearKind(nnx.Module):
         return 2 * cls.bottleneck_width(m, d_in, d_out) * (d_in + d_out)
 
     @classmethod
+    def weight_flops(cls, m, d_in: int, d_out: int) -> int:
+        """FLOPs to build the two stage matrices from the stored parameters, once per forward pass
+        (not per token): zero unless the matrices are reconstructed (tensor-train)."""
+        return 0
+
+    @classmethod
     def n_params(cls, m, d_in: int, d_out: int) -> int:
         raise NotImplementedError
 

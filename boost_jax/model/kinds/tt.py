@@ -85,6 +85,19 @@ class TensorTrain(LinearKind):
         return sum(math.prod(s) for s in first + second)
 
     @classmethod
+    def weight_flops(cls, m, d_in, d_out):
+        first, second = tt_shapes(m, d_in, d_out)
+        flops, rows = 0, first[0][1]
+        for left, mode, right in first[1:]:  # [rows, left] x [left, mode*right]
+            flops += 2 * rows * left * mode * right
+            rows *= mode
+        cols = second[-1][1]
+        for left, mode, right in reversed(second[:-1]):  # [left*mode, right] x [right, cols]
+            flops += 2 * left * mode * right * cols
+            cols *= mode
+        return flops
+
+    @classmethod
     def nonlinear(cls, m):
         return m.tt_activation == "silu"
 
