@@ -170,3 +170,19 @@ def test_kind_resumes_bit_for_bit(make_config, tmp_path, linear):
     train.run(split)
     a, b = metric_rows(tmp_path / "a"), metric_rows(tmp_path / "b")
     assert [a[s] for s in (3, 4)] == [b[s] for s in (3, 4)]
+
+
+@pytest.mark.parametrize("linear", ["dense", "lowrank", "cola", "tt", "sltrain"])
+def test_kind_parameter_counts_match_the_state(linear):
+    """Each kind's n_params, summed over a block's projections, is what the model really holds."""
+    from boost_jax.model import build_model
+    from boost_jax.model.kinds import kind_class
+    from boost_jax.model.transformer import projection_shapes
+    m = model_section(linear, d_model=96, d_ff=160, n_heads=4, n_kv_heads=2, rank=12, n_layers=2,
+                      tt_cores=6, tt_inner_rank=5, sparse_block=4)
+    state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(m))))
+    layer = state["layers"]
+    proj = {**{k: layer["attn"][k] for k in "qkvo"}, **{k: layer["mlp"][k] for k in ("gate", "up", "down")}}
+    held = sum(math.prod(x.shape) for x in jax.tree.leaves(proj) if jnp.issubdtype(x.dtype, jnp.inexact))
+    want = m.n_layers * sum(kind_class(linear).n_params(m, a, b) for a, b in projection_shapes(m))
+    assert held == want

@@ -106,6 +106,10 @@ VARIANTS = {
     "spatial_temporal_all_2x2x2": {"parallel.linear_partition": "st", "mesh": (2, 2, 2)},
     "spatial_temporal_mlp_dense": {"parallel.linear_partition": "mlp_in=st,mlp_out=st", "model.linear": "dense",
                                    "parallel.strategy": "megatron", "mesh": (1, 2, 2)},
+    "tt_pipeline_fsdp_remat": {"model.linear": "tt", "parallel.pipeline": 2, "model.n_layers": 4,
+                               "remat.policy": "lowrank", "mesh": (1, 2, 2)},
+    "sltrain_pipeline_fsdp_remat": {"model.linear": "sltrain", "parallel.pipeline": 2, "model.n_layers": 4,
+                                    "remat.policy": "lowrank", "mesh": (1, 2, 2)},
 }
 
 
