@@ -143,7 +143,8 @@ def test_gqa_fold_checks_the_repeated_heads(cola_export):
     tensors = export.load_safetensors(hf / "model.safetensors")
     assert export.kv_heads_repeated(tensors, cfg.model)
     # Trained on in the official code, the copies of a KV head drift apart: the import keeps all heads.
-    drifted = dict(tensors, **{"model.layers.1.self_attn.v_proj.cola_b": tensors["model.layers.1.self_attn.v_proj.cola_b"] + np.arange(32) * 1e-3})
+    name = "model.layers.1.self_attn.v_proj.cola_b"
+    drifted = dict(tensors, **{name: tensors[name] + np.arange(32) * 1e-3})
     assert not export.kv_heads_repeated(drifted, cfg.model)
 
 
