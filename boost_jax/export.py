@@ -37,7 +37,8 @@ fresh optimizer state, which `python -m boost_jax.generate` and training resume 
 `--intermediate-multiple M` zero-pads intermediate_size up to a multiple of M (the official 1B's 5461
 splits over no tensor-parallel size but 43 and 127): the padded gate/up columns and down rows start
 at zero, get zero gradients (their activations and the weights reading them are zero) and so stay
-zero under AdamW, clipping and weight decay; the model computes and trains exactly as the unpadded one.
+zero under AdamW, clipping and weight decay; the model computes and trains exactly as the unpadded one
+(an export of it writes the padded width, which loads and computes the same).
 """
 from __future__ import annotations
 
@@ -204,6 +205,7 @@ def model_fields(hf: dict) -> dict:
     linear = {v: k for k, v in LR_ACT.items()}.get(lr_act) if cola else "dense"
     only_lr_act = bool(hf.get("only_lr_act", True)) if cola else False
     problems = [
+        (hf.get("model_type") not in ("llama", "cola"), f"model_type={hf.get('model_type')!r} (llama or cola)"),
         (hf.get("head_dim") not in (None, d // h), f"head_dim={hf.get('head_dim')} != hidden_size/heads={d // h}"),
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (only silu)"),
         (bool(hf.get("attention_bias") or hf.get("mlp_bias")), "attention/mlp biases"),
@@ -355,6 +357,9 @@ def main(argv=None) -> int:
             print(f"wrote {out}/config.json and {out}/model.safetensors")
         else:
             step_dir, cfg = import_hf(args.import_hf, args.out, intermediate_multiple=args.intermediate_multiple)
+            if cfg.model.d_ff % 2:
+                print(f"note: model.d_ff={cfg.model.d_ff} is odd, so parallel.tensor > 1 cannot split the MLP; "
+                      "--intermediate-multiple M zero-pads it (inert) to a multiple of M")
             print(f"wrote {step_dir} (step 0, fresh optimizer state)\n"
                   f"sample: python -m boost_jax.generate --checkpoint {args.out}\n"
                   f"train:  python -m boost_jax.train --config.run_dir={args.out} {train_flags(cfg)}")

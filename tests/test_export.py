@@ -153,6 +153,7 @@ def test_gqa_fold_checks_the_repeated_heads(cola_export):
     ({"lr_act_type": "gelu"}, "lr_act_type"),
     ({"lr_act_type": "linear", "only_lr_act": True}, "only_lr_act"),
     ({"mlp_bias": True}, "biases"),
+    ({"model_type": "cola_llama"}, "llama or cola"),
 ])
 def test_import_rejects_cola_variants(bad, why):
     hf = {**COLA_CONFIG, **bad}
