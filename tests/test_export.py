@@ -10,12 +10,15 @@ import pytest
 
 pytest.importorskip("safetensors", reason="export needs safetensors: pip install -e '.[test]'")
 
+from safetensors.numpy import save_file  # noqa: E402
+
 from flax import nnx  # noqa: E402
 
 from boost_jax import export, train  # noqa: E402
 from boost_jax.checkpoint import Checkpointer  # noqa: E402
 from boost_jax.config import ConfigError  # noqa: E402
 from boost_jax.generate import load_params  # noqa: E402
+from boost_jax.model.transformer import build_model  # noqa: E402
 from conftest import small_config  # noqa: E402
 
 
@@ -173,14 +176,17 @@ def test_cola_defaults_are_the_official_ones():
 def test_intermediate_padding_is_inert(tmp_path):
     """intermediate_size 63 splits over no tensor size 2: zero-padded to 64 it computes the same logits,
     trains with tensor=2 exactly as the unpadded model with tensor=1, and its pads stay exactly zero."""
-    cfg = trained_run(tmp_path / "run", **{"model.d_ff": 63})
-    export.export(cfg.run_dir, tmp_path / "hf")
+    m = small_config(tmp_path / "unused", **{"model.d_ff": 63}).model
+    model = build_model(m, seed=3)  # a CoLA checkpoint as another implementation would write it
+    (tmp_path / "hf").mkdir()
+    save_file(export.to_hf(pure(model), m), str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(export.hf_config(m)))
     assert export.main(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "plain")]) == 0
     assert export.main(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "padded"),
                         "--intermediate-multiple", "8"]) == 0
     tokens = np.random.default_rng(1).integers(0, 256, (2, 16)).astype(np.int32)
     np.testing.assert_allclose(np.asarray(load_params(str(tmp_path / "padded"))[0](tokens)[0]),
-                               np.asarray(load_params(cfg.run_dir)[0](tokens)[0]), rtol=1e-6, atol=1e-6)
+                               np.asarray(model(tokens)[0]), rtol=1e-6, atol=1e-6)
 
     common = {"model.d_ff": 63, "train.steps": 2, "train.eval_every": 0, "model.n_kv_heads": 2}
     with pytest.raises(ConfigError, match="model.d_ff=63.*--intermediate-multiple"):
@@ -194,7 +200,7 @@ def test_intermediate_padding_is_inert(tmp_path):
         p, q = np.asarray(padded[name][f]), np.asarray(plain[name][f])
         assert not np.any(np.take(p, [63], axis=axis)), name  # the pad is still exactly zero
         np.testing.assert_allclose(np.take(p, range(63), axis=axis), q, rtol=1e-5, atol=1e-6, err_msg=name)
-        assert not np.allclose(q, np.asarray(pure(load_params(cfg.run_dir)[0])["layers"]["mlp"][name][f])), name
+        assert not np.allclose(q, np.asarray(pure(model)["layers"]["mlp"][name][f])), name  # it did train
 
 
 def test_import_rejects_unsupported_llama(dense_export, tmp_path):
