@@ -35,7 +35,7 @@ heads so that the import folds them back. `--import-hf` reads both forms (and sh
 `*.safetensors` directories, float32/float16/bfloat16) back into an Orbax checkpoint at step 0 with
 fresh optimizer state, which `python -m boost_jax.generate` and training resume use.
 `--intermediate-multiple M` zero-pads intermediate_size up to a multiple of M (the official 1B's 5461
-splits over no tensor-parallel size but 43 and 127): the padded gate/up columns and down rows start
+= 43 x 127 splits over no power-of-two tensor-parallel size): the padded gate/up columns and down rows start
 at zero, get zero gradients (their activations and the weights reading them are zero) and so stay
 zero under AdamW, clipping and weight decay; the model computes and trains exactly as the unpadded one
 (an export of it writes the padded width, which loads and computes the same).
