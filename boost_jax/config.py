@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     d = c.data = ml_collections.ConfigDict()
     d.source = "embedded"  # embedded | text | jsonl | tokens
-    d.path = ""  # file, directory or glob for text/jsonl/tokens
+    d.path = ""  # file, directory or glob for text/jsonl/tokens; a mixture: PATH:WEIGHT,PATH:WEIGHT
     d.eval_path = ""  # optional separate eval set; otherwise eval_fraction of the data is held out
     d.eval_fraction = 0.05
     d.tokenizer = "byte"  # byte | path to a HF tokenizers .json | path to a SentencePiece .model
@@ -230,6 +230,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"data.source={c.data.source!r} needs a path: pass --config.data.path=/path/to/data "
         "(or --config.data.source=embedded for the built-in corpus)",
     )
+    if c.data.source != "embedded":
+        from boost_jax.data.sources import parse_mixture
+
+        for field, spec in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path)):
+            try:
+                parse_mixture(spec, field) if spec else None
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     _check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
     _check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
     _check(p.strategy in STRATEGIES, "parallel.strategy", f"{p.strategy!r} is not one of {STRATEGIES}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import sysconfig
 from pathlib import Path
@@ -34,6 +35,46 @@ def embedded_corpus(max_bytes: int) -> bytes:
         raise FileNotFoundError(f"embedded corpus: no Python sources under {root}; "
                                 "use --config.data.source=text --config.data.path=...")
     return b"\n\n".join(parts)[:max_bytes]
+
+
+def parse_mixture(spec: str, field: str) -> list[tuple[str, str, float]]:
+    """`PATH[:WEIGHT][,PATH[:WEIGHT]...]` -> [(name, path, weight)], weights normalised to sum to 1.
+
+    A part without a weight weighs 1; NAME (for the per-source metrics) is the last plain component
+    of the path, without suffix. Errors name the field.
+    """
+    from boost_jax.data.loader import MIX_BLOCK
+
+    syntax = f"write PATH[:WEIGHT][,PATH[:WEIGHT]...], e.g. --config.{field}=/data/c4:0.7,/data/code:0.3"
+    parts = []
+    for part in spec.split(","):
+        path, sep, tail = part.strip().rpartition(":")
+        try:
+            weight = float(tail) if sep else 1.0
+        except ValueError:  # a ':' that belongs to the path
+            path, weight = part.strip(), 1.0
+        path = path if sep else tail
+        if not path:
+            raise ValueError(f"config field `{field}`: {spec!r} has an empty source; {syntax}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"config field `{field}`: the weight of {path!r} is {tail}; weights must be positive")
+        parts.append((path, weight))
+    paths = [p for p, _ in parts]
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"config field `{field}`: {spec!r} names a source twice; give it one summed weight")
+    total = sum(w for _, w in parts)
+    small = [p for p, w in parts if w / total < 1 / MIX_BLOCK]
+    if small:
+        raise ValueError(f"config field `{field}`: the weight of {small[0]!r} is below 1/{MIX_BLOCK} of the total")
+    names: list[str] = []
+    for path, _ in parts:
+        plain = [c for c in Path(path).parts if c not in ("/", ".", "..") and not any(ch in c for ch in "*?[")]
+        if plain and plain[-1] == "index.json":
+            plain.pop()
+        name = plain[-1].split(".")[0] if plain else ""
+        name = name or "data"
+        names.append(name if name not in names else f"{name}_{len(names) + 1}")
+    return [(n, p, w / total) for n, (p, w) in zip(names, parts)]
 
 
 def expand_paths(spec: str, field: str, suffixes: tuple[str, ...]) -> list[str]:
