@@ -1,9 +1,9 @@
-"""Hugging Face interchange: export a run to safetensors + config.json, import a HF Llama as a run.
+"""Hugging Face interchange: export a run to safetensors + config.json, import a HF Llama or CoLA model.
 
     python -m boost_jax.export --checkpoint RUN_DIR --out HF_DIR      # latest step (or give a step dir)
     python -m boost_jax.export --import-hf HF_DIR --out RUN_DIR       # -> RUN_DIR/checkpoints/0
 
-Needs `safetensors` (`pip install -e '.[hf]'`); torch is needed only to load the result in transformers.
+Needs `safetensors` (`pip install -e '.[hf]'`); torch is needed only to load the result in PyTorch.
 
 Full-rank models (model.linear=dense) export as a plain `LlamaForCausalLM` that
 `transformers.LlamaForCausalLM.from_pretrained(HF_DIR)` loads: our RoPE is the same rotate-half over
@@ -18,18 +18,27 @@ the head dim (no q/k permutation), our RMSNorm is HF's, and every weight is tran
     model.norm.weight                                  [d]          final_norm/scale
     lm_head.weight                                     [vocab, d]   lm_head.T (absent when tied)
 
-Low-rank and CoLA models (model.linear=lowrank|cola) use the same names, except that every
-`X_proj.weight` becomes two factors, still in the [out, in] convention:
+CoLA and low-rank models (model.linear=cola|lowrank) export in the layout of the official CoLA
+implementation (`ColaForCausalLM`, config `model_type: "cola"`): the same names, except that every
+`X_proj.weight` becomes the two factors of `y = act(x @ cola_a) @ cola_b`, stored like ours (no transpose):
 
-    model.layers.{i}.self_attn.q_proj.A                [r, in]      layers/attn/q/a[i].T  (applied first)
-    model.layers.{i}.self_attn.q_proj.B                [out, r]     layers/attn/q/b[i].T
-    y = B @ act(A @ x),  act = SiLU ("activation": "silu", cola) or identity ("identity", lowrank)
+    model.layers.{i}.self_attn.q_proj.cola_a           [in, r]      layers/attn/q/a[i]
+    model.layers.{i}.self_attn.q_proj.cola_b           [r, out]     layers/attn/q/b[i]
 
-and config.json adds `linear`, `rank`, `activation` and `only_lr_act` (true: the MLP is
-down(gate * up), no SwiGLU SiLU) to the Llama fields, with model_type `cola_llama` so that
-transformers refuses it instead of loading random dense weights. `--import-hf` reads both forms
-(and sharded `*.safetensors` directories, float32/float16/bfloat16) back into an Orbax checkpoint at
-step 0 with fresh optimizer state, which `python -m boost_jax.generate` and training resume use.
+with act = SiLU (cola, `lr_act_type: "silu"`) or identity (lowrank, `lr_act_type: "linear"`), and
+`only_lr_act` true for the MLP form down(gate * up) (false: down(silu(gate) * up)). That config class
+silently defaults every field it does not find (rank d/4, only_lr_act true, eps 1e-6, rope_theta 1e4,
+bos/eos ids 1/2), so config.json sets each of them. The official code has no GQA (k and v are
+num_heads * head_dim wide): a GQA model exports exactly by repeating each KV head's columns of the
+k/v `cola_b` (what grouped attention computes), with `boost_num_key_value_heads` recording our KV
+heads so that the import folds them back. `--import-hf` reads both forms (and sharded
+`*.safetensors` directories, float32/float16/bfloat16) back into an Orbax checkpoint at step 0 with
+fresh optimizer state, which `python -m boost_jax.generate` and training resume use.
+`--intermediate-multiple M` zero-pads intermediate_size up to a multiple of M (the official 1B's 5461
+= 43 x 127 splits over no power-of-two tensor-parallel size): the padded gate/up columns and down rows start
+at zero, get zero gradients (their activations and the weights reading them are zero) and so stay
+zero under AdamW, clipping and weight decay; the model computes and trains exactly as the unpadded one
+(an export of it writes the padded width, which loads and computes the same).
 """
 from __future__ import annotations
 
@@ -48,7 +57,8 @@ LLAMA_FIELDS = {  # HF Llama config key -> our model.* field
     "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
     "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings",
 }
-ACTIVATION = {"cola": "silu", "lowrank": "identity"}
+LR_ACT = {"cola": "silu", "lowrank": "linear"}  # model.linear -> the CoLA config's lr_act_type (bottleneck σ)
+GQA_KEY = "boost_num_key_value_heads"  # our KV heads, when the CoLA file repeats them to num_heads
 
 
 class ExportError(ValueError):
@@ -80,9 +90,16 @@ def tensor_names(m):
                 name = f"{pre}{hf_block}.{p}_proj."
                 if m.linear == "dense":
                     yield ("layers", block, p, "w"), i, name + "weight", True
-                else:
-                    yield ("layers", block, p, "a"), i, name + "A", True
-                    yield ("layers", block, p, "b"), i, name + "B", True
+                else:  # CoLA stores x @ cola_a @ cola_b: [in, r] and [r, out], as we do
+                    yield ("layers", block, p, "a"), i, name + "cola_a", False
+                    yield ("layers", block, p, "b"), i, name + "cola_b", False
+
+
+def _kv_group(m, name: str) -> int:
+    """Query heads per KV head that the file repeats in this tensor (the CoLA layout has no GQA)."""
+    if m.linear != "dense" and name.endswith(("k_proj.cola_b", "v_proj.cola_b")):
+        return m.n_heads // m.n_kv_heads
+    return 1
 
 
 def _get(tree, path):
@@ -92,18 +109,41 @@ def _get(tree, path):
 
 
 def to_hf(params: dict, m) -> dict[str, np.ndarray]:
-    """Our pure-dict params -> {HF name: float32 array in [out, in]}."""
+    """Our pure-dict params -> {HF name: float32 array} in the Llama or CoLA layout."""
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)  # one host copy per array
     out = {}
     for path, layer, name, transposed in tensor_names(m):
         x = _get(params, path)
         x = x if layer is None else x[layer]
+        g = _kv_group(m, name)
+        if g > 1:  # [r, kv*hd] -> [r, heads*hd]: query head j reads KV head j // g, as grouped attention does
+            r, width = x.shape
+            x = np.repeat(x.reshape(r, m.n_kv_heads, width // m.n_kv_heads), g, axis=1).reshape(r, -1)
         out[name] = np.ascontiguousarray(x.T if transposed else x)  # safetensors writes C order
     return out
 
 
-def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m) -> dict:
-    """{HF name: array} -> our pure-dict params (numpy) shaped and typed like `abstract_params`."""
+def kv_heads_repeated(tensors: dict[str, np.ndarray], m) -> bool:
+    """Whether every k/v cola_b of the file holds each KV head's columns repeated n_heads/n_kv_heads times."""
+    for _, _, name, _ in tensor_names(m):
+        g = _kv_group(m, name)
+        x = tensors.get(name)
+        if g > 1 and x is not None and x.ndim == 2 and x.shape[1] == m.d_model // m.n_heads * m.n_heads:
+            x = x.reshape(x.shape[0], m.n_kv_heads, g, -1)
+            if not (x == x[:, :, :1]).all():
+                return False
+    return True
+
+
+def _ff_padded(name: str, have, want, file_ff: int | None, d_ff: int) -> bool:
+    """An MLP tensor whose intermediate axis the import zero-pads from file_ff to d_ff."""
+    return (file_ff is not None and ".mlp." in name and len(have) == len(want)
+            and all(h == w or (h == file_ff and w == d_ff) for h, w in zip(have, want)))
+
+
+def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m, file_d_ff: int | None = None) -> dict:
+    """{HF name: array} -> our pure-dict params (numpy) shaped and typed like `abstract_params`.
+    With file_d_ff < m.d_ff the MLP's intermediate axis is zero-padded (see the module docstring)."""
     params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params)
     used, wrong = set(), []
     for path, layer, name, transposed in tensor_names(m):
@@ -112,15 +152,15 @@ def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m) -> dict:
         dst = _get(params, path)
         x = np.asarray(tensors[name])
         x = x.T if transposed else x
+        g = _kv_group(m, name)
+        if g > 1 and x.ndim == 2 and x.shape[1] == m.n_heads * (m.d_model // m.n_heads):
+            x = x.reshape(x.shape[0], m.n_kv_heads, g, -1)[:, :, 0].reshape(x.shape[0], -1)
         want = dst.shape if layer is None else dst.shape[1:]
-        if x.shape != want:
-            wrong.append(f"{name}: file {tuple(tensors[name].shape)} vs expected "
-                         f"{want[::-1] if transposed else want}")
+        if x.shape != want and not _ff_padded(name, x.shape, want, file_d_ff, m.d_ff):
+            shown = tuple(tensors[name].shape)
+            wrong.append(f"{name}: file {shown} vs expected {want[::-1] if transposed else want}")
             continue
-        if layer is None:
-            dst[...] = x
-        else:
-            dst[layer] = x
+        (dst if layer is None else dst[layer])[tuple(slice(0, n) for n in x.shape)] = x
         used.add(name)
     # Old HF checkpoints store the RoPE table; a tied model may still carry its head.
     extra = [f"unexpected {k}" for k in sorted(set(tensors) - used)
@@ -133,47 +173,57 @@ def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m) -> dict:
 # ---------------------------------------------------------------- configs
 
 def hf_config(m, eos_id=None) -> dict:
-    """config.json for model config m: a LlamaForCausalLM, or the documented CoLA/low-rank variant."""
+    """config.json for model config m: a LlamaForCausalLM, or an official-layout ColaForCausalLM."""
     c = {hf: m[ours] for hf, ours in LLAMA_FIELDS.items()}
     c.update(
         architectures=["LlamaForCausalLM"], model_type="llama", head_dim=m.d_model // m.n_heads,
         hidden_act="silu", attention_bias=False, mlp_bias=False, rope_theta=float(m.rope_theta),
         # transformers >= 5 reads rope_parameters, older versions rope_theta; both say the same.
-        rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
-        torch_dtype="float32", dtype="float32", bos_token_id=None, eos_token_id=eos_id,
-        tie_word_embeddings=bool(m.tie_embeddings),
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)}, rope_scaling=None,
+        torch_dtype="float32", dtype="float32", bos_token_id=None, eos_token_id=eos_id, pad_token_id=None,
+        tie_word_embeddings=bool(m.tie_embeddings), rms_norm_eps=float(m.norm_eps),
+        attention_dropout=0.0, pretraining_tp=1, initializer_range=float(m.init_std), use_cache=True,
     )
     if m.linear != "dense":
-        c.update(architectures=["ColaLlamaForCausalLM"], model_type="cola_llama", linear=m.linear,
-                 rank=int(m.rank), activation=ACTIVATION[m.linear],
+        c.update(architectures=["ColaForCausalLM"], model_type="cola", num_key_value_heads=m.n_heads,
+                 rank=int(m.rank), lr_act_type=LR_ACT[m.linear],
                  only_lr_act=bool(m.only_lr_act) and m.linear == "cola")
+        if m.n_kv_heads != m.n_heads:
+            c[GQA_KEY] = int(m.n_kv_heads)
     return c
 
 
 def model_fields(hf: dict) -> dict:
-    """HF config.json -> our model.* fields; rejects Llama variants this model cannot represent."""
+    """HF config.json -> our model.* fields; rejects variants this model cannot represent. A CoLA
+    config is read as the official code reads it, missing fields taking its defaults."""
+    cola = hf.get("model_type") == "cola"
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    lr_act = hf.get("lr_act_type") or hf.get("hidden_act", "silu")
+    kv = hf.get("num_key_value_heads") or h
+    linear = {v: k for k, v in LR_ACT.items()}.get(lr_act) if cola else "dense"
+    only_lr_act = bool(hf.get("only_lr_act", True)) if cola else False
     problems = [
+        (hf.get("model_type") not in ("llama", "cola"), f"model_type={hf.get('model_type')!r} (llama or cola)"),
         (hf.get("head_dim") not in (None, d // h), f"head_dim={hf.get('head_dim')} != hidden_size/heads={d // h}"),
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (only silu)"),
         (bool(hf.get("attention_bias") or hf.get("mlp_bias")), "attention/mlp biases"),
         (rope.get("rope_type", "default") != "default" or scaling.get("rope_type", scaling.get("type", "default"))
          not in ("default", None), "RoPE scaling"),
+        (cola and linear is None, f"lr_act_type={lr_act!r} (silu or linear)"),
+        (cola and kv != h, f"num_key_value_heads={kv} != num_attention_heads={h} (the CoLA layout has no GQA)"),
+        (linear == "lowrank" and only_lr_act, "only_lr_act=true with lr_act_type='linear' (no MLP activation)"),
     ]
     bad = [why for cond, why in problems if cond]
     if bad:
         raise ExportError("cannot import this model: " + ", ".join(bad))
     fields = {ours: hf[key] for key, ours in LLAMA_FIELDS.items() if key in hf}
-    fields["n_kv_heads"] = hf.get("num_key_value_heads") or h
+    fields["n_kv_heads"] = (hf.get(GQA_KEY) or h) if cola else kv
     fields["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    fields["linear"] = hf.get("linear", "dense")
-    if fields["linear"] != "dense":
-        if hf.get("activation", ACTIVATION[fields["linear"]]) != ACTIVATION[fields["linear"]]:
-            raise ExportError(f"linear={fields['linear']} needs activation={ACTIVATION[fields['linear']]!r}, "
-                              f"got {hf.get('activation')!r}")
-        fields.update(rank=hf["rank"], only_lr_act=bool(hf.get("only_lr_act", False)))
+    fields["linear"] = linear
+    if cola:
+        fields.update(rank=hf.get("rank") or d // 4, only_lr_act=only_lr_act)
     return fields
 
 
@@ -218,9 +268,10 @@ def export(checkpoint: str, out: str) -> Path:
     return out
 
 
-def import_hf(hf_dir: str, run_dir: str, seed: int = 0) -> tuple[Path, object]:
-    """HF Llama (or exported CoLA) dir -> RUN_DIR/checkpoints/0 with fresh optimizer state.
-    Returns (checkpoint dir, the run config to train or sample with)."""
+def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: int = 1) -> tuple[Path, object]:
+    """HF Llama or CoLA dir -> RUN_DIR/checkpoints/0 with fresh optimizer state; intermediate_size is
+    zero-padded up to a multiple of `intermediate_multiple`. Returns (checkpoint dir, the run config
+    to train or sample with)."""
     from boost_jax.checkpoint import Checkpointer
     from boost_jax.config import base_config, validate
     from boost_jax.optim import make_optimizer
@@ -232,9 +283,21 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0) -> tuple[Path, object]:
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ExportError(f"no *.safetensors in {hf_dir}")
+    if intermediate_multiple < 1:
+        raise ExportError(f"--intermediate-multiple must be >= 1, got {intermediate_multiple}")
+    tensors = {}
+    for f in files:
+        tensors.update(load_safetensors(f))
     cfg = base_config()
     cfg.run_dir = str(run_dir)
-    cfg.model.update(model_fields(json.loads((hf_dir / "config.json").read_text())))
+    hf = json.loads((hf_dir / "config.json").read_text())
+    cfg.model.update(model_fields(hf))
+    if hf.get("model_type") == "cola":
+        cfg.train.b2 = 0.999  # the official CoLA training's AdamW betas, as in configs/cola_*.py
+    if not kv_heads_repeated(tensors, cfg.model):  # trained on without GQA: keep every head's k/v
+        cfg.model.n_kv_heads = cfg.model.n_heads
+    file_d_ff = cfg.model.d_ff
+    cfg.model.d_ff = -(-file_d_ff // intermediate_multiple) * intermediate_multiple
     cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer.model"):  # else the byte tokenizer (ids 0..255)
@@ -250,10 +313,8 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0) -> tuple[Path, object]:
     mesh = make_mesh(one, jax.devices()[:1])
     tx, _ = make_optimizer(cfg.train)
     spec = state_spec(one, tx, mesh, get_strategy(one.parallel))
-    tensors = {}
-    for f in files:
-        tensors.update(load_safetensors(f))
-    params = jax.device_put(from_hf(tensors, spec.abstract["params"], cfg.model), spec.shardings["params"])
+    params = jax.device_put(from_hf(tensors, spec.abstract["params"], cfg.model, file_d_ff),
+                            spec.shardings["params"])
     state = {"params": params,
              "opt_state": jax.jit(tx.init, out_shardings=spec.shardings["opt_state"])(params),
              "step": jnp.zeros((), jnp.int32),
@@ -280,9 +341,12 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="export: a run dir, its checkpoints/ dir, or one step dir")
-    src.add_argument("--import-hf", metavar="HF_DIR", help="import: a HF Llama (or exported CoLA) dir")
+    src.add_argument("--import-hf", metavar="HF_DIR", help="import: a HF Llama or CoLA (model_type cola) dir")
     ap.add_argument("--out", required=True, help="export: the HF dir to write; import: the run dir to write")
     ap.add_argument("--format", default="hf", choices=("hf",), help="export format (only hf)")
+    ap.add_argument("--intermediate-multiple", type=int, default=1, metavar="M",
+                    help="import: zero-pad intermediate_size up to a multiple of M (inert) so that "
+                         "parallel.tensor sizes dividing M can split the MLP")
     args = ap.parse_args(argv)
     from absl import logging as absl_logging
 
@@ -295,7 +359,10 @@ def main(argv=None) -> int:
             out = export(args.checkpoint, args.out)
             print(f"wrote {out}/config.json and {out}/model.safetensors")
         else:
-            step_dir, cfg = import_hf(args.import_hf, args.out)
+            step_dir, cfg = import_hf(args.import_hf, args.out, intermediate_multiple=args.intermediate_multiple)
+            if cfg.model.d_ff % 2:
+                print(f"note: model.d_ff={cfg.model.d_ff} is odd, so parallel.tensor > 1 cannot split the MLP; "
+                      "--intermediate-multiple M zero-pads it (inert) to a multiple of M")
             print(f"wrote {step_dir} (step 0, fresh optimizer state)\n"
                   f"sample: python -m boost_jax.generate --checkpoint {args.out}\n"
                   f"train:  python -m boost_jax.train --config.run_dir={args.out} {train_flags(cfg)}")

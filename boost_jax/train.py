@@ -167,7 +167,8 @@ def run(cfg) -> dict:
                         rate = throughput(tokens_per_step * window_steps, elapsed, fpt, jax.device_count(), device_kind)
                         record = {"loss": float(m["loss"]), "perplexity": math.exp(min(float(m["loss"]), 50.0)),
                                   "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                                  "step_time_s": elapsed / window_steps, **rate}
+                                  "step_time_s": elapsed / window_steps, **rate,
+                                  **train_data.source_tokens(position)}
                         writer.write(step, record)
                         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate['tokens_per_s']:.0f}",
                                         mfu=fmt_mfu(rate["mfu"]))

@@ -1,4 +1,9 @@
-"""1B full-rank LLaMA baseline with the CoLA recipe's hyper-parameters. Point data.path at your tokenized corpus."""
+"""1B full-rank LLaMA baseline, BOOST's I = 5472 (CoLA's 5461 zero-padded to a multiple of 32).
+
+Recipe: CoLA's official one (AdamW betas (0.9, 0.999), wd 0.01, clip 0.5, peak lr 2e-3, 100k steps,
+10% warmup, cosine to 0.1x, seq 256, global batch 512), not BOOST's AdamW (0.9, 0.95) at seq 4096.
+Point data.path at your tokenized corpus.
+"""
 from boost_jax.config import sized_config
 
 

@@ -1,5 +1,7 @@
 """Config validation fails early and names the field; every shipped config loads and validates."""
+import ast
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,16 @@ def test_shipped_configs_validate(path):
         cfg.data.path = "/some/tokens.bin"  # the recipe configs name the corpus a user points at
     validate(cfg)
     assert cfg.model.linear == ("dense" if path.stem.startswith("llama") else "cola")
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem != "tiny"], ids=lambda p: p.stem)
+def test_zoo_configs_follow_the_recipe_they_state(path):
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    t = load(path).train
+    assert "Recipe: CoLA's official one (AdamW betas (0.9, 0.999), wd 0.01, clip 0.5" in doc
+    assert (t.b1, t.b2, t.weight_decay, t.grad_clip, t.seq_len, t.global_batch) == (0.9, 0.999, 0.01, 0.5, 256, 512)
+    lr, steps = re.search(r"peak lr (\S+), (\d+)k steps", doc).groups()
+    assert (t.lr, t.steps, t.warmup_steps, t.min_lr_ratio) == (float(lr), int(steps) * 1000, int(steps) * 100, 0.1)
 
 
 @pytest.mark.parametrize("field,value,needle", [

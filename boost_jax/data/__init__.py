@@ -1,32 +1,61 @@
 """Data: sources -> token arrays -> a stateless, resumable, process-sharded batch loader."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 
-from boost_jax.data.loader import TokenLoader
-from boost_jax.data.sources import embedded_corpus, expand_paths, read_texts, token_files
+from boost_jax.data.loader import MixtureLoader, TokenLoader
+from boost_jax.data.sources import (embedded_corpus, expand_paths, parse_mixture, prepared_index, prepared_shards,
+                                    token_files)
 from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["TokenLoader", "build_loaders", "load_tokenizer", "ByteTokenizer"]
-
-
-def _encode(texts: list[str], tok) -> np.ndarray:
-    ids: list[int] = []
-    for t in texts:
-        ids.extend(tok.encode(t))
-        if tok.eos_id is not None:
-            ids.append(tok.eos_id)
-    return np.asarray(ids, dtype=np.uint32)
+__all__ = ["TokenLoader", "MixtureLoader", "build_loaders", "load_tokenizer", "ByteTokenizer"]
 
 
 def _tokens(source: str, path: str, cfg, tok, field: str) -> list[np.ndarray]:
     d = cfg.data
     if source == "embedded":
         return [np.frombuffer(embedded_corpus(d.embedded_max_bytes), dtype=np.uint8)]
+    check = dict(tokenizer=d.tokenizer, vocab_size=cfg.model.vocab_size)
     if source == "tokens":
+        index = prepared_index(path)
+        if index is not None:
+            return prepared_shards(index, field, token_dtype=d.token_dtype, **check)
         return token_files(expand_paths(path, field, (".bin", ".npy")), d.token_dtype)
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
-    return [_encode(read_texts(expand_paths(path, field, suffixes), d.jsonl_field), tok)]
+    cache = _token_cache(expand_paths(path, field, suffixes), cfg)
+    return prepared_shards(cache / "index.json", field, token_dtype=None, **check)
+
+
+def _token_cache(paths: list[str], cfg) -> Path:
+    """Text and JSONL inputs are tokenised once, into shards under RUN_DIR/token_cache/KEY (KEY: the
+    tokenizer, the JSONL field and every input's path, size and mtime), by the first process only;
+    later starts and the other processes memory-map them."""
+    import jax
+
+    from boost_jax.data.prepare import INDEX, prepare, tokenizer_id  # lazily: `python -m` runs that module
+
+    d = cfg.data
+    key = json.dumps([tokenizer_id(d.tokenizer), d.jsonl_field,
+                      [[str(Path(p).resolve()), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]])
+    out = Path(cfg.run_dir).expanduser().resolve() / "token_cache" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if jax.process_index() == 0 and not (out / INDEX).exists():
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"config field `run_dir`: cannot write the token cache {out} ({e.strerror}); "
+                             "set --config.run_dir to a writable directory") from None
+        big = sum(os.path.getsize(p) for p in paths) > 256 << 20
+        prepare(paths, out, d.tokenizer, field=d.jsonl_field, workers=min(os.cpu_count() or 1, 8) if big else 0,
+                progress=big)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("token_cache")
+    return out
 
 
 def _split_tail(segments: list[np.ndarray], fraction: float):
@@ -47,21 +76,53 @@ def _split_tail(segments: list[np.ndarray], fraction: float):
     return train, held
 
 
+def _check_mixture(cfg, mixture, field: str) -> None:
+    """The prepared directories of a `tokens` mixture must agree on tokenizer, vocabulary and dtype."""
+    if cfg.data.source != "tokens" or len(mixture) < 2:
+        return
+    seen = {}
+    for _, path, _ in mixture:
+        index = prepared_index(path)
+        if index is not None:
+            meta = json.loads(index.read_text())
+            seen[path] = (meta.get("tokenizer_id"), meta.get("vocab_size"), meta.get("dtype"))
+    items = list(seen.items())
+    for path, got in items[1:]:
+        if got != items[0][1]:
+            raise ValueError(f"config field `{field}`: the mixed sources {items[0][0]} and {path} were tokenised "
+                             f"differently (tokenizer, vocab, dtype: {items[0][1]} vs {got}); prepare them with one tokenizer")
+
+
+def _loader(cfg, mixture, segments, name: str, shuffle: bool, process_index: int, process_count: int):
+    t = cfg.train
+    common = dict(seq_len=t.seq_len, global_batch=t.global_batch, vocab_size=cfg.model.vocab_size,
+                  process_index=process_index, process_count=process_count, shuffle=shuffle)
+    if len(mixture) == 1:
+        return TokenLoader(segments[0], seed=cfg.seed, name=f"{name} ({cfg.data.source})", **common)
+    loaders = [TokenLoader(seg, seed=(cfg.seed, k), name=f"{name} ({cfg.data.source} {path})", **common)
+               for k, ((_, path, _), seg) in enumerate(zip(mixture, segments))]
+    return MixtureLoader(loaders, [w for _, _, w in mixture], [n for n, _, _ in mixture], seed=cfg.seed,
+                         global_batch=t.global_batch, process_index=process_index, process_count=process_count)
+
+
 def build_loaders(cfg, process_index: int = 0, process_count: int = 1):
-    """(train loader, eval loader, tokenizer) for a run config."""
-    d, t = cfg.data, cfg.train
+    """(train loader, eval loader, tokenizer) for a run config. `data.path` (and `data.eval_path`) may
+    name a weighted mixture of sources (see `parse_mixture`); without `data.eval_path` the last
+    `data.eval_fraction` of every source is held out and mixed with the same weights."""
+    d = cfg.data
     tok = load_tokenizer(d.tokenizer)
     if d.tokenizer not in ("", "byte") and tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"config field `model.vocab_size`: {cfg.model.vocab_size} is smaller than the "
                          f"tokenizer's {tok.vocab_size}; set --config.model.vocab_size={tok.vocab_size}")
-    segments = _tokens(d.source, d.path, cfg, tok, "data.path")
+    mixture = [("embedded", "", 1.0)] if d.source == "embedded" else parse_mixture(d.path, "data.path")
+    _check_mixture(cfg, mixture, "data.path")
+    sources = [_tokens(d.source, path, cfg, tok, "data.path") for _, path, _ in mixture]
     if d.eval_path:
-        train, held = segments, _tokens(d.source, d.eval_path, cfg, tok, "data.eval_path")
+        eval_mixture = parse_mixture(d.eval_path, "data.eval_path")
+        _check_mixture(cfg, eval_mixture, "data.eval_path")
+        train, held = sources, [_tokens(d.source, path, cfg, tok, "data.eval_path") for _, path, _ in eval_mixture]
     else:
-        train, held = _split_tail(segments, d.eval_fraction)
-    common = dict(seq_len=t.seq_len, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
-                  process_index=process_index, process_count=process_count)
-    train_loader = TokenLoader(train, global_batch=t.global_batch, name=f"train data ({d.source})", **common)
-    eval_loader = TokenLoader(held, global_batch=t.global_batch, name=f"eval data ({d.source})",
-                              shuffle=False, **common)
-    return train_loader, eval_loader, tok
+        eval_mixture = mixture
+        train, held = zip(*[_split_tail(s, d.eval_fraction) for s in sources])
+    return (_loader(cfg, mixture, train, "train data", True, process_index, process_count),
+            _loader(cfg, eval_mixture, held, "eval data", False, process_index, process_count), tok)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import sysconfig
 from pathlib import Path
@@ -36,6 +37,46 @@ def embedded_corpus(max_bytes: int) -> bytes:
     return b"\n\n".join(parts)[:max_bytes]
 
 
+def parse_mixture(spec: str, field: str) -> list[tuple[str, str, float]]:
+    """`PATH[:WEIGHT][,PATH[:WEIGHT]...]` -> [(name, path, weight)], weights normalised to sum to 1.
+
+    A part without a weight weighs 1; NAME (for the per-source metrics) is the last plain component
+    of the path, without suffix. Errors name the field.
+    """
+    from boost_jax.data.loader import MIX_BLOCK
+
+    syntax = f"write PATH[:WEIGHT][,PATH[:WEIGHT]...], e.g. --config.{field}=/data/c4:0.7,/data/code:0.3"
+    parts = []
+    for part in spec.split(","):
+        path, sep, tail = part.strip().rpartition(":")
+        try:
+            weight = float(tail) if sep else 1.0
+        except ValueError:  # a ':' that belongs to the path
+            path, weight = part.strip(), 1.0
+        path = path if sep else tail
+        if not path:
+            raise ValueError(f"config field `{field}`: {spec!r} has an empty source; {syntax}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"config field `{field}`: the weight of {path!r} is {tail}; weights must be positive")
+        parts.append((path, weight))
+    paths = [p for p, _ in parts]
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"config field `{field}`: {spec!r} names a source twice; give it one summed weight")
+    total = sum(w for _, w in parts)
+    small = [p for p, w in parts if w / total < 1 / MIX_BLOCK]
+    if small:
+        raise ValueError(f"config field `{field}`: the weight of {small[0]!r} is below 1/{MIX_BLOCK} of the total")
+    names: list[str] = []
+    for path, _ in parts:
+        plain = [c for c in Path(path).parts if c not in ("/", ".", "..") and not any(ch in c for ch in "*?[")]
+        if plain and plain[-1] == "index.json":
+            plain.pop()
+        name = plain[-1].split(".")[0] if plain else ""
+        name = name or "data"
+        names.append(name if name not in names else f"{name}_{len(names) + 1}")
+    return [(n, p, w / total) for n, (p, w) in zip(names, parts)]
+
+
 def expand_paths(spec: str, field: str, suffixes: tuple[str, ...]) -> list[str]:
     """A file, a directory (its files with `suffixes`, sorted) or a glob; errors name the field."""
     if os.path.isdir(spec):
@@ -53,21 +94,49 @@ def expand_paths(spec: str, field: str, suffixes: tuple[str, ...]) -> list[str]:
     return paths
 
 
-def read_texts(paths: list[str], jsonl_field: str) -> list[str]:
-    texts = []
-    for path in paths:
-        if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    record = json.loads(line)
-                    if jsonl_field not in record:
-                        raise KeyError(f"{path}:{n}: no field {jsonl_field!r} (set data.jsonl_field)")
-                    texts.append(record[jsonl_field])
-        else:
-            texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
-    return texts
+def prepared_index(spec: str) -> Path | None:
+    """The index.json of a `python -m boost_jax.data.prepare` directory named by spec, if it is one."""
+    path = Path(spec)
+    if path.name == "index.json" and path.is_file():
+        return path
+    if path.is_dir() and (path / "plan.json").exists():
+        if not (path / "index.json").exists():
+            raise ValueError(f"{path}: an unfinished `python -m boost_jax.data.prepare` (no index.json); "
+                             "rerun the same command to finish it")
+        return path / "index.json"
+    return None
+
+
+def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size: int,
+                    token_dtype: str | None) -> list[np.ndarray]:
+    """The memory-mapped shards of a prepared directory, after checking that the run reads them as
+    they were written: dtype, vocabulary and tokenizer; every error names the field to change."""
+    from boost_jax.data.prepare import FORMAT, tokenizer_id
+
+    index = json.loads(index_path.read_text())
+    where = index_path.parent
+    if index.get("format") != FORMAT:
+        raise ValueError(f"config field `{field}`: {index_path} is not a {FORMAT} index")
+    if token_dtype is not None and index["dtype"] != token_dtype:
+        raise ValueError(f"config field `data.token_dtype`: {token_dtype}, but {where} holds {index['dtype']} "
+                         f"tokens; set --config.data.token_dtype={index['dtype']}")
+    if index["vocab_size"] > vocab_size:
+        raise ValueError(f"config field `model.vocab_size`: {vocab_size} is smaller than the vocabulary "
+                         f"({index['vocab_size']}) that {where} was tokenised with; set "
+                         f"--config.model.vocab_size={index['vocab_size']}")
+    if tokenizer_id(tokenizer) != index["tokenizer_id"]:
+        raise ValueError(f"config field `data.tokenizer`: {tokenizer!r} is not the tokenizer {where} was made "
+                         f"with ({index['tokenizer']}, {index['tokenizer_id']}); point data.tokenizer at it")
+    arrays = []
+    for shard in index["shards"]:
+        path = where / shard["file"]
+        size = path.stat().st_size if path.exists() else -1
+        if size != shard["tokens"] * np.dtype(index["dtype"]).itemsize:
+            raise ValueError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
+                             f"{shard['tokens']} {index['dtype']} tokens; prepare {where} again")
+        if shard["tokens"]:
+            arrays.append(np.memmap(path, dtype=np.dtype(index["dtype"]), mode="r"))
+    return arrays
 
 
 def token_files(paths: list[str], dtype: str) -> list[np.ndarray]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255: needs no vocabulary file and covers any text."""
@@ -12,6 +14,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -31,6 +36,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
 
@@ -47,6 +55,9 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])

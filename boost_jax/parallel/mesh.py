@@ -44,8 +44,10 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
         for field, value in need.items():
             if value % tp:
                 valid = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
+                pad = (" (an imported model: --import-hf again with --intermediate-multiple "
+                       f"{tp} zero-pads it, inertly)") if field == "model.d_ff" else ""
                 raise ConfigError(f"config field `parallel.tensor`: {tp} does not divide {field}={value}; "
-                                  f"valid tensor sizes: {valid}")
+                                  f"valid tensor sizes: {valid}{pad}")
     if cfg.parallel.linear_partition.strip():
         from boost_jax.parallel.strategies import st_groups
         if st_groups(cfg.parallel.linear_partition):

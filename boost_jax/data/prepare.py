@@ -1,0 +1,352 @@
+"""Tokenise text / JSONL / Parquet corpora into token shards that `data.source=tokens` reads.
+
+    python -m boost_jax.data.prepare /data/c4/en/*.json.gz --out /data/c4_t5 --tokenizer t5.model
+    python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_t5 \\
+        --config.data.tokenizer=t5.model
+
+Inputs: files, directories or globs of `.jsonl`/`.json` (one JSON object per line, the text in
+`--field`), `.txt`/`.md`/`.text` (a file is one document, tokenised in 8 MB pieces cut at line ends)
+and `.parquet` (the `--field` column; needs pyarrow), each optionally `.gz` or `.zst` (needs
+zstandard). Uncompressed JSONL is cut at line starts into work units of about `--unit-mb` MB, so one
+large file still spreads over the worker processes; small files share a unit, and any other file is
+one unit. Each unit streams through the tokenizer in
+batches of documents (memory stays bounded by the batch, whatever the input size), every document
+ends with the tokenizer's EOS (the byte tokenizer has none: its 256 ids are all bytes), and the unit
+becomes one raw shard `shard_NNNNN.bin` of uint16 (vocabulary <= 65536) or uint32 tokens, written
+under a temporary name and renamed when complete, with `shard_NNNNN.json` holding its counts. A rerun
+with the same arguments keeps the finished shards and redoes only the rest (`plan.json` records the
+inputs and tokenizer, so a rerun with different ones is refused instead of mixing them). Last,
+`index.json` lists the shards in input order with the tokenizer, vocabulary size, dtype, document
+and token counts, which the `tokens` source checks against the run's config.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+INDEX, PLAN = "index.json", "plan.json"
+FORMAT = "boost_jax.tokens/1"
+TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"
+TEXT_CHUNK = 8 << 20  # a text file is tokenised in pieces of this many bytes, cut at line ends
+BATCH_BYTES = 1 << 20  # documents per tokenizer call, by size
+
+
+class PrepareError(ValueError):
+    """Bad input or output for the preparation; the message names the file and the fix."""
+
+
+def file_format(path: str) -> str:
+    name = path[:-3] if path.endswith(".gz") else path[:-4] if path.endswith(".zst") else path
+    if name.endswith((".jsonl", ".json")):
+        return JSONL
+    return PARQUET if name.endswith(".parquet") else TEXT
+
+
+def _splittable(path: str) -> bool:
+    """Only uncompressed JSONL is cut into ranges (at line starts): a text file is one document."""
+    return file_format(path) == JSONL and not path.endswith((".gz", ".zst"))
+
+
+def tokenizer_id(spec: str) -> str:
+    """'byte', or the name and content hash of a tokenizer file (paths differ between machines)."""
+    if spec in ("", "byte"):
+        return "byte"
+    digest = hashlib.sha256(Path(spec).read_bytes()).hexdigest()[:16]
+    return f"{Path(spec).name}:sha256:{digest}"
+
+
+def token_dtype(vocab_size: int, requested: str = "auto") -> str:
+    fits = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    if requested == "auto":
+        return fits
+    if requested == "uint16" and fits == "uint32":
+        raise PrepareError(f"--dtype uint16 cannot hold a vocabulary of {vocab_size}; use uint32 or auto")
+    return requested
+
+
+def plan_units(paths: list[str], unit_bytes: int) -> list[list[list]]:
+    """Work units: lists of [path, start, end] byte ranges, in input order, about unit_bytes each."""
+    units, current, size_now = [], [], 0
+    for path in paths:
+        size = os.path.getsize(path)
+        step = unit_bytes if _splittable(path) else size
+        for start in range(0, size, max(step, 1)):
+            end = min(size, start + step)
+            if current and size_now + end - start > unit_bytes:
+                units.append(current)
+                current, size_now = [], 0
+            current.append([path, start, end])
+            size_now += end - start
+    if current:
+        units.append(current)
+    return units
+
+
+# ---------------------------------------------------------------- reading (in the workers)
+
+def _open(path: str):
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise PrepareError(f"{path}: reading .zst needs zstandard: pip install zstandard") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
+
+
+def _lines(f, start: int, end: int):
+    """(offset, line) for the lines that start in [start, end): each line belongs to one range."""
+    if start:
+        f.seek(start - 1)
+        f.readline()  # the rest of a line that began in the previous range
+    pos = f.tell() if start else 0
+    while pos < end:
+        line = f.readline()
+        if not line:
+            return
+        yield pos, line
+        pos += len(line)
+
+
+def _documents(path: str, start: int, end: int, field: str):
+    """(text, ends_document) pieces of one byte range; text None only marks a document's end."""
+    fmt = file_format(path)
+    if fmt == PARQUET:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise PrepareError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
+        parquet = pq.ParquetFile(path)
+        if field not in parquet.schema_arrow.names:
+            raise PrepareError(f"{path}: no column {field!r} (columns: {parquet.schema_arrow.names}); "
+                               "set --field (data.jsonl_field)")
+        for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield str(text), True
+        return
+    with _open(path) as f:
+        if fmt == JSONL:
+            for pos, line in _lines(f, start, end if _splittable(path) else float("inf")):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise PrepareError(f"{path} (byte {pos}): not a JSON line ({e})") from None
+                text = record.get(field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise PrepareError(f"{path} (byte {pos}): no string field {field!r}; "
+                                       "set --field (data.jsonl_field)")
+                yield text, True
+            return
+        piece, piece_bytes = [], 0  # the whole file, in pieces that bound the memory
+        for _, line in _lines(f, 0, float("inf")):
+            piece.append(line)
+            piece_bytes += len(line)
+            if piece_bytes >= TEXT_CHUNK:
+                yield b"".join(piece).decode("utf-8", errors="replace"), False
+                piece, piece_bytes = [], 0
+        yield (b"".join(piece).decode("utf-8", errors="replace") if piece else None), True
+
+
+def _encode(tok, texts: list, ends: list[bool], dtype) -> np.ndarray:
+    """One array: each text's ids, then EOS where a document ends (if the tokenizer has one)."""
+    eos = tok.eos_id
+    ids = tok.encode_batch([t for t in texts if t is not None])
+    parts, k = [], 0
+    for text, end in zip(texts, ends):
+        if text is not None:
+            parts.append(np.asarray(ids[k], dtype))
+            k += 1
+        if end and eos is not None:
+            parts.append(np.array([eos], dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+_TOKENIZERS: dict = {}
+_PROGRESS = None
+
+
+def _init_worker(progress_queue) -> None:
+    global _PROGRESS
+    _PROGRESS = progress_queue
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+
+
+def _tokenizer(spec: str):
+    """Loaded once per process (and again if the file changes)."""
+    key = (spec, os.stat(spec).st_mtime_ns if os.path.isfile(spec) else None)
+    if key not in _TOKENIZERS:
+        from boost_jax.data.tokenizer import load_tokenizer
+        _TOKENIZERS[key] = load_tokenizer(spec)
+    return _TOKENIZERS[key]
+
+
+def run_unit(index: int, pieces: list, out: str, tokenizer: str, field: str, dtype: str, progress=None) -> dict:
+    """Tokenise one work unit into shard_{index}.bin; returns (and writes) its counts."""
+    tok, dtype = _tokenizer(tokenizer), np.dtype(dtype)
+    out = Path(out)
+    name = f"shard_{index:05d}"
+    report = progress or (_PROGRESS.put if _PROGRESS is not None else None)
+    docs = tokens = 0
+    with open(out / f"{name}.bin.tmp", "wb") as f:
+        for path, start, end in pieces:
+            texts, ends, size, reported = [], [], 0, 0
+            for text, ended in _documents(path, start, end, field):
+                texts.append(text)
+                ends.append(ended)
+                size += len(text) if text is not None else 0
+                if size >= BATCH_BYTES:
+                    block = _encode(tok, texts, ends, dtype)
+                    block.tofile(f)
+                    docs, tokens = docs + sum(ends), tokens + len(block)
+                    step = min(size, end - start - reported)  # characters ~ input bytes, for the bar
+                    reported += step
+                    if report:
+                        report((step, len(block)))
+                    texts, ends, size = [], [], 0
+            block = _encode(tok, texts, ends, dtype)
+            block.tofile(f)
+            docs, tokens = docs + sum(ends), tokens + len(block)
+            if report:
+                report((end - start - reported, len(block)))
+    os.replace(out / f"{name}.bin.tmp", out / f"{name}.bin")
+    meta = {"file": f"{name}.bin", "documents": docs, "tokens": tokens,
+            "bytes": sum(e - s for _, s, e in pieces)}
+    (out / f"{name}.json.tmp").write_text(json.dumps(meta))
+    os.replace(out / f"{name}.json.tmp", out / f"{name}.json")  # the shard counts as finished from here
+    return meta
+
+
+# ---------------------------------------------------------------- driver
+
+def prepare(paths: list[str], out, tokenizer: str = "byte", *, field: str = "text", workers: int = 0,
+            dtype: str = "auto", unit_bytes: int = 64 << 20, progress: bool = True) -> dict:
+    """Tokenise `paths` into shards under `out` (resuming a previous run of the same plan); returns
+    the index. workers=0 tokenises in this process, N > 0 in N spawned worker processes."""
+    from tqdm import tqdm
+
+    from boost_jax.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size, dtype)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    units = plan_units([str(p) for p in paths], unit_bytes)
+    plan = {"format": FORMAT, "tokenizer": tokenizer_id(tokenizer), "field": field, "dtype": dtype,
+            "inputs": [[str(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths], "units": units}
+    if (out / PLAN).exists():
+        if json.loads((out / PLAN).read_text()) != plan:
+            raise PrepareError(f"{out} holds a preparation of other inputs or with another tokenizer, --field, "
+                               f"--dtype or --unit-mb ({out / PLAN}); choose a new --out or delete that directory")
+    else:
+        (out / PLAN).write_text(json.dumps(plan, indent=1))
+    (out / INDEX).unlink(missing_ok=True)
+
+    metas = {i: json.loads((out / f"shard_{i:05d}.json").read_text()) for i in range(len(units))
+             if (out / f"shard_{i:05d}.json").exists()}
+    todo = [i for i in range(len(units)) if i not in metas]
+    total = sum(e - s for u in units for _, s, e in u)
+    bar = tqdm(total=total, initial=sum(m["bytes"] for m in metas.values()), unit="B", unit_scale=True,
+               desc=f"tokenising ({len(metas)}/{len(units)} shards done)" if metas else "tokenising",
+               disable=not progress, dynamic_ncols=True)
+    t0, new_tokens = time.perf_counter(), 0
+
+    def advance(step):
+        nonlocal new_tokens
+        new_tokens += step[1]
+        bar.update(step[0])
+        bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tokens/s", refresh=False)
+
+    args = (str(out), tokenizer, field, dtype)
+    try:
+        if workers <= 0:
+            for i in todo:
+                metas[i] = run_unit(i, units[i], *args, progress=advance)
+        elif todo:
+            ctx = multiprocessing.get_context("spawn")  # no fork of a process that may run JAX threads
+            queue = ctx.Queue()
+            with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(queue,)) as pool:
+                pending = {i: pool.apply_async(run_unit, (i, units[i], *args)) for i in todo}
+                while pending:
+                    while not queue.empty():
+                        advance(queue.get())
+                    for i in [i for i, r in pending.items() if r.ready()]:
+                        metas[i] = pending.pop(i).get()  # re-raises a worker's error here
+                    time.sleep(0.05)
+                while not queue.empty():
+                    advance(queue.get())
+        bar.update(bar.total - bar.n)  # reports still in flight when the last unit returned
+    finally:
+        bar.close()  # before any error message
+    seconds = time.perf_counter() - t0
+    shards = [metas[i] for i in range(len(units))]
+    index = {"format": FORMAT, "tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer),
+             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype, "field": field,
+             "documents": sum(m["documents"] for m in shards), "tokens": sum(m["tokens"] for m in shards),
+             "bytes": total, "shards": shards}
+    (out / f"{INDEX}.tmp").write_text(json.dumps(index, indent=1))
+    os.replace(out / f"{INDEX}.tmp", out / INDEX)
+    index["seconds"] = seconds  # this invocation's time (not stored: a resumed run did less work)
+    return index
+
+
+def input_files(specs: list[str]) -> list[str]:
+    from boost_jax.data.sources import expand_paths
+
+    suffixes = tuple(s + c for s in (".jsonl", ".json", ".txt", ".md", ".text", ".parquet")
+                     for c in ("", ".gz", ".zst"))
+    paths = []
+    for spec in specs:
+        try:
+            paths += expand_paths(spec, "inputs", suffixes)
+        except FileNotFoundError:
+            raise PrepareError(f"inputs: nothing found at {spec!r} (give files, globs, or directories of "
+                               ".jsonl/.json/.txt/.md/.text/.parquet files, each optionally .gz or .zst)") from None
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("inputs", nargs="+", help="files, directories or globs")
+    ap.add_argument("--out", required=True, help="the directory of shards (rerun with it to resume)")
+    ap.add_argument("--tokenizer", default="byte", help="byte | a HF tokenizers .json | a SentencePiece .model")
+    ap.add_argument("--field", default="text", help="the JSONL field / Parquet column holding the text")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="tokenizer processes (0: this process); default: all cores")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "uint16", "uint32"))
+    ap.add_argument("--unit-mb", type=float, default=64, help="input MB per work unit and shard")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        paths = input_files(args.inputs)
+        if len(set(paths)) != len(paths):
+            raise PrepareError("inputs: a file is named twice")
+        index = prepare(paths, args.out, args.tokenizer, field=args.field, workers=args.workers, dtype=args.dtype,
+                        unit_bytes=int(args.unit_mb * (1 << 20)), progress=not args.no_progress)
+    except (PrepareError, FileNotFoundError, ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(index['shards'])} shards, {index['documents']:,} documents, {index['tokens']:,} "
+          f"{index['dtype']} tokens to {args.out} ({index['seconds']:.1f} s)\n"
+          f"train: --config.data.source=tokens --config.data.path={args.out} "
+          f"--config.data.token_dtype={index['dtype']} --config.data.tokenizer={args.tokenizer or 'byte'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
