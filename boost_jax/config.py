@@ -203,7 +203,8 @@ def tt_config(size: str) -> ml_collections.ConfigDict:
 
 
 # SLTrain's published runs (the authors' scripts): rank, alpha, steps, warmup; density 0.03, lr 3e-3,
-# weight decay 0, AdamW (0.9, 0.999), global batch 512 x 256 tokens, on the zoo's LLaMA shapes.
+# weight decay 0, no gradient clipping, AdamW (0.9, 0.999), cosine to 0.1x, global batch 512 x 256
+# tokens, on the zoo's LLaMA shapes.
 SLTRAIN_RECIPE = {
     "60m": dict(rank=128, sltrain_alpha=32.0, steps=11_000, warmup_steps=1_100),
     "130m": dict(rank=256, sltrain_alpha=16.0, steps=22_000, warmup_steps=2_200),
@@ -221,7 +222,7 @@ def sltrain_config(size: str) -> ml_collections.ConfigDict:
     c.model.update(rank=recipe["rank"], sltrain_alpha=recipe["sltrain_alpha"], sparse_density=0.03,
                    sparse_block=16, only_lr_act=False)
     c.train.update(lr=3e-3, steps=recipe["steps"], warmup_steps=recipe["warmup_steps"], weight_decay=0.0,
-                   b1=0.9, b2=0.999)
+                   b1=0.9, b2=0.999, grad_clip=0.0)
     return c
 
 

@@ -253,9 +253,9 @@ def export(checkpoint: str, out: str) -> Path:
 
     st = _safetensors()
     model, cfg, tok = load_params(checkpoint)
-    if cfg.model.linear not in ("dense", *ACTIVATION):
+    if cfg.model.linear not in ("dense", *LR_ACT):
         raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports dense, "
-                          f"{', '.join(ACTIVATION)}")
+                          f"{', '.join(LR_ACT)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # {"format": "pt"}: transformers refuses safetensors files without it.

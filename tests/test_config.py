@@ -32,17 +32,25 @@ def test_shipped_configs_validate(path):
     if cfg.data.source != "embedded":
         cfg.data.path = "/some/tokens.bin"  # the recipe configs name the corpus a user points at
     validate(cfg)
-    assert cfg.model.linear == ("dense" if path.stem.startswith("llama") else "cola")
+    family = path.stem.split("_")[0]
+    assert cfg.model.linear == {"llama": "dense", "tt": "tt", "sltrain": "sltrain"}.get(family, "cola")
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem != "tiny"], ids=lambda p: p.stem)
 def test_zoo_configs_follow_the_recipe_they_state(path):
     doc = ast.get_docstring(ast.parse(path.read_text()))
     t = load(path).train
-    assert "Recipe: CoLA's official one (AdamW betas (0.9, 0.999), wd 0.01, clip 0.5" in doc
-    assert (t.b1, t.b2, t.weight_decay, t.grad_clip, t.seq_len, t.global_batch) == (0.9, 0.999, 0.01, 0.5, 256, 512)
-    lr, steps = re.search(r"peak lr (\S+), (\d+)k steps", doc).groups()
-    assert (t.lr, t.steps, t.warmup_steps, t.min_lr_ratio) == (float(lr), int(steps) * 1000, int(steps) * 100, 0.1)
+    recipe = {"llama": "CoLA's official one", "cola": "CoLA's official one", "tt": "CoLA's official one",
+              "sltrain": "SLTrain's"}[path.stem.split("_")[0]]
+    found = re.search(r"Recipe: (.+?) \(AdamW betas \((\S+), (\S+)\), wd (\S+), clip (\S+), peak lr (\S+), (\d+)k steps,\s+"
+                      r"(10%|\d+) warmup(?: steps)?, cosine to 0\.1x, seq (\d+), global batch (\d+)\)", doc)
+    assert found, doc
+    name, b1, b2, wd, clip, lr, steps, warmup, seq, batch = found.groups()
+    assert name == recipe
+    assert (t.b1, t.b2, t.weight_decay, t.grad_clip, t.lr, t.steps) == tuple(map(float, (b1, b2, wd, clip, lr))) + (
+        int(steps) * 1000,)
+    assert t.warmup_steps == (int(steps) * 100 if warmup == "10%" else int(warmup))
+    assert (t.min_lr_ratio, t.seq_len, t.global_batch) == (0.1, int(seq), int(batch))
 
 
 @pytest.mark.parametrize("field,value,needle", [
