@@ -90,7 +90,8 @@ def _check_mixture(cfg, mixture, field: str) -> None:
     for path, got in items[1:]:
         if got != items[0][1]:
             raise ValueError(f"config field `{field}`: the mixed sources {items[0][0]} and {path} were tokenised "
-                             f"differently (tokenizer, vocab, dtype: {items[0][1]} vs {got}); prepare them with one tokenizer")
+                             f"differently (tokenizer, vocab, dtype: {items[0][1]} vs {got}); "
+                             "prepare them with one tokenizer")
 
 
 def _loader(cfg, mixture, segments, name: str, shuffle: bool, process_index: int, process_count: int):
