@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
-from boost_jax.model.kinds.base import LinearKind, dense_init, stored  # noqa: F401  (dense_init: the LM head)
+from boost_jax.model.kinds.base import LinearKind, stored
 from boost_jax.parallel import rules
 from boost_jax.parallel.rules import constrain, gathered, logical_spec
 

@@ -8,7 +8,8 @@ from flax import nnx
 from boost_jax import remat
 from boost_jax.model.attention import Attention
 from boost_jax.model.kinds import kind_class
-from boost_jax.model.linear import Projection, RMSNorm, dense_init, project
+from boost_jax.model.kinds.base import dense_init
+from boost_jax.model.linear import Projection, RMSNorm, project
 from boost_jax.parallel import rules
 from boost_jax.parallel.pipeline import gpipe, to_microbatches
 from boost_jax.parallel.rules import constrain, gathered
