@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from boost_jax.data.loader import TokenLoader
-from boost_jax.data.sources import embedded_corpus, expand_paths, read_texts, token_files
+from boost_jax.data.sources import check_vocab, embedded_corpus, expand_paths, read_texts, token_files
 from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = ["TokenLoader", "build_loaders", "load_tokenizer", "ByteTokenizer"]
@@ -24,9 +24,14 @@ def _tokens(source: str, path: str, cfg, tok, field: str) -> list[np.ndarray]:
     if source == "embedded":
         return [np.frombuffer(embedded_corpus(d.embedded_max_bytes), dtype=np.uint8)]
     if source == "tokens":
-        return token_files(expand_paths(path, field, (".bin", ".npy")), d.token_dtype)
+        paths = expand_paths(path, field, (".bin", ".npy"))
+        arrays = token_files(paths, d.token_dtype)
+        check_vocab(arrays, paths, cfg.model.vocab_size)
+        return arrays
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
-    return [_encode(read_texts(expand_paths(path, field, suffixes), d.jsonl_field), tok)]
+    ids = _encode(read_texts(expand_paths(path, field, suffixes), d.jsonl_field), tok)
+    check_vocab([ids], [f"{field} {path!r} tokenized with data.tokenizer={d.tokenizer!r}"], cfg.model.vocab_size)
+    return [ids]
 
 
 def _split_tail(segments: list[np.ndarray], fraction: float):

@@ -53,30 +53,80 @@ def expand_paths(spec: str, field: str, suffixes: tuple[str, ...]) -> list[str]:
     return paths
 
 
+def _jsonl_texts(path: str, field: str):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid UTF-8 (byte {e.start} of the line); "
+                                 "re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n}: a JSON {type(record).__name__}, not an object with a "
+                                 f"{field!r} field")
+            if field not in record:
+                raise ValueError(f"{path}:{n}: no field {field!r} (its fields: {sorted(record)[:6]}); "
+                                 "set data.jsonl_field")
+            if not isinstance(record[field], str):
+                raise ValueError(f"{path}:{n}: field {field!r} is not a string but {type(record[field]).__name__}")
+            yield record[field]
+
+
 def read_texts(paths: list[str], jsonl_field: str) -> list[str]:
+    """The documents of text and JSONL files; malformed input is an error naming the file and line."""
     texts = []
     for path in paths:
         if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    record = json.loads(line)
-                    if jsonl_field not in record:
-                        raise KeyError(f"{path}:{n}: no field {jsonl_field!r} (set data.jsonl_field)")
-                    texts.append(record[jsonl_field])
-        else:
-            texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+            texts.extend(_jsonl_texts(path, jsonl_field))
+            continue
+        raw = Path(path).read_bytes()
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {e.start} of the file); "
+                             "re-encode the file as UTF-8") from None
     return texts
 
 
 def token_files(paths: list[str], dtype: str) -> list[np.ndarray]:
     """Memory-mapped token files: raw .bin arrays of `dtype` (as common preprocessing scripts write)
-    or .npy arrays; nothing is read into memory until a batch touches it."""
+    or 1-D integer .npy arrays; nothing is read into memory until a batch (or `check_vocab`) touches it."""
     arrays = []
     for path in paths:
         if path.endswith(".npy"):
-            arrays.append(np.load(path, mmap_mode="r"))
+            a = np.load(path, mmap_mode="r")
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"{path}: a {a.ndim}-D {a.dtype} array; token files must be 1-D integer arrays "
+                                 "(np.save(path, tokens.ravel().astype(np.uint32)))")
+            arrays.append(a)
         else:
+            size, width = os.path.getsize(path), np.dtype(dtype).itemsize
+            if size % width:
+                raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes "
+                                 "each); check data.token_dtype or the file's end")
             arrays.append(np.memmap(path, dtype=np.dtype(dtype), mode="r"))
     return arrays
+
+
+def check_vocab(arrays: list[np.ndarray], names: list[str], vocab_size: int, chunk: int = 1 << 24) -> None:
+    """Every token id in [0, vocab_size), checked before training (in chunks, so a memory-mapped file is
+    streamed once) instead of failing at the batch that happens to hold a bad id."""
+    for a, name in zip(arrays, names):
+        info = np.iinfo(a.dtype)
+        if info.min >= 0 and info.max < vocab_size:
+            continue  # this dtype cannot hold a bad id
+        for lo in range(0, len(a), chunk):
+            part = np.asarray(a[lo:lo + chunk])
+            bad = np.flatnonzero((part >= vocab_size) | (part < 0))
+            if len(bad):
+                i = lo + int(bad[0])
+                raise ValueError(f"{name}: token {i} is {int(a[i])}, outside [0, model.vocab_size={vocab_size}); "
+                                 "the data was tokenized for a larger vocabulary: raise model.vocab_size or "
+                                 "check data.token_dtype")
