@@ -127,7 +127,8 @@ def reference(tmp_path_factory):
     from conftest import small_config
 
     def make(run_dir, **kw):
-        return small_config(run_dir, **{"train.steps": 12, "train.log_every": 1, "train.eval_every": 0, **kw})
+        return small_config(run_dir, **{"train.steps": 12, "train.log_every": 1, "train.eval_every": 0,
+                                        "checkpoint.keep": 10, **kw})
 
     ref_dir = tmp_path_factory.mktemp("reference") / "run"
     train.run(make(ref_dir))
@@ -206,7 +207,7 @@ def test_sigkill_mid_save_second_trainer_and_triple_sigint(make_config, tmp_path
     and resuming from them continues the reference curve."""
     ends = []
     for k, fault in enumerate(("kill", "kill", "sigint")):
-        cfg = long_config(make_config, tmp_path / f"run{k}", **{"checkpoint.every": 1})
+        cfg = long_config(make_config, tmp_path / f"run{k}", **{"checkpoint.every": 1, "checkpoint.keep": 100})
         proc = spawn(cfg)
         wait_for_rows(proc, cfg.run_dir, 3 + 2 * k)
         if k == 0:
@@ -232,7 +233,7 @@ def test_sigkill_mid_save_second_trainer_and_triple_sigint(make_config, tmp_path
         train.run(cfg)
         assert tmp_dirs(cfg.run_dir) == []
         ends.append((cfg.run_dir, last))
-    ref = long_config(make_config, tmp_path / "ref", **{"checkpoint.every": 1,
+    ref = long_config(make_config, tmp_path / "ref", **{"checkpoint.every": 1, "checkpoint.keep": 100,
                                                           "train.stop_at_step": max(e for _, e in ends) + 2})
     train.run(ref)
     for run_dir, last in ends:
@@ -341,6 +342,16 @@ def test_corrupt_latest_falls_back_to_newest_good_step(reference, tmp_path, caps
     aside = Path(cfg.run_dir) / "checkpoints" / "8.corrupt"
     assert sorted(str(p.relative_to(aside)) for p in aside.rglob("*")) == damaged  # kept, not deleted
     continues_reference(cfg.run_dir, ref_dir, list(range(5, 13)), cfg)
+    # Going back to step 4 by hand in the same run_dir: the later steps are renamed, not in the way.
+    cfg.restore_from = str(Path(cfg.run_dir) / "checkpoints" / "4")
+    cfg.train.eval_every = 6  # a changed setting is announced, and the old config.json kept
+    train.run(cfg)
+    out = capsys.readouterr().out
+    assert "note: resuming with a changed config (train.eval_every: 0 -> 6)" in out, out
+    assert json.loads((Path(cfg.run_dir) / "config.before_step4.json").read_text())["train"]["eval_every"] == 0
+    assert sorted(p.name for p in (Path(cfg.run_dir) / "checkpoints").iterdir()) == [
+        "12", "12.superseded", "4", "8", "8.corrupt", "8.superseded"]
+    continues_reference(cfg.run_dir, ref_dir, list(range(5, 13)), cfg)
 
 
 def test_tools_refuse_damaged_or_nonfinite_weights(reference, tmp_path, capsys):
@@ -365,3 +376,5 @@ def test_tools_refuse_damaged_or_nonfinite_weights(reference, tmp_path, capsys):
             err = capsys.readouterr().err
             assert re.search(why, err) and "--checkpoint DIR/STEP" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+    # The intact run samples; a top-k larger than the vocabulary keeps every token instead of failing.
+    assert generate.main(["--checkpoint", str(ref_dir), "--max_new_tokens", "2", "--top_k", "1000"]) == 0
