@@ -68,7 +68,7 @@ def fingerprint(tree) -> tuple[dict[str, int], list[str]]:
     return sums, bad
 
 
-def _one_line(e: Exception, width: int = 300) -> str:
+def one_line(e: Exception, width: int = 300) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= width else text[:width] + " ..."
 
@@ -181,7 +181,8 @@ class Checkpointer:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-            raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} is unreadable ({type(e).__name__}: {_one_line(e)}); "
+            raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} is unreadable "
+                                    f"({type(e).__name__}: {one_line(e)}); "
                                     f"it was left untouched; restore another step with {self.hint}") from e
 
     def check_compatible(self, step: int, abstract_state) -> dict:
@@ -211,7 +212,7 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract_state)))
         except Exception as e:  # noqa: BLE001
             raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} could not be restored "
-                                    f"({type(e).__name__}: {_one_line(e)}); it was left untouched; restore another step "
+                                    f"({type(e).__name__}: {one_line(e)}); it was left untouched; restore another step "
                                     f"with {self.hint}") from e
         verify(restored["state"], meta, f"checkpoint {self.directory}/{step}", self.hint)
         return restored["state"], meta
@@ -267,7 +268,7 @@ class Checkpointer:
                 removed.append(tmp.name)
         latest = self.committed_step()
         last = f"step {latest} in {self.directory}" if latest is not None else f"none (nothing in {self.directory})"
-        raise CheckpointError(f"saving step {step} failed ({type(e).__name__}: {_one_line(e)}); "
+        raise CheckpointError(f"saving step {step} failed ({type(e).__name__}: {one_line(e)}); "
                               f"{'its partial files were removed; ' if removed else ''}"
                               f"the last good checkpoint is {last}. Fix the cause (disk space, permissions) "
                               "and rerun to resume from it") from e

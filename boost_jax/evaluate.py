@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from boost_jax import config as config_lib
-from boost_jax.checkpoint import Checkpointer, CheckpointError, read_run, verify
+from boost_jax.checkpoint import Checkpointer, CheckpointError, one_line, read_run, verify
 from boost_jax.data import build_loaders
 from boost_jax.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
@@ -60,8 +60,8 @@ def restore_params(root, step: int, abstract_params):
             out = reader.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                                                      partial_restore=True))
     except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-        raise CheckpointError(f"parameters in {path} could not be restored ({type(e).__name__}: {e}); "
-                              "the checkpoint was left untouched") from e
+        raise CheckpointError(f"parameters in {path} could not be restored ({type(e).__name__}: {one_line(e)}); "
+                              "the checkpoint was left untouched; use another step with --checkpoint DIR/STEP") from e
     verify(out, meta, f"checkpoint {root}/{step}", "--checkpoint DIR/STEP")  # damaged or NaN weights: refuse
     return out["params"]
 

@@ -278,7 +278,8 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
                         in_a_row += 1
                         if t.nonfinite == "skip" and in_a_row < MAX_SKIPPED_IN_A_ROW:
                             skipped += 1
-                            bar.write(f"step {bad}: {what}; skipped it (train.nonfinite=skip)") if main_process else None
+                            if main_process:
+                                bar.write(f"step {bad}: {what}; skipped it (train.nonfinite=skip)")
                             continue
                         if in_a_row > 1:
                             what += f" ({in_a_row} steps in a row)"

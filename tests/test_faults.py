@@ -362,13 +362,15 @@ def test_tools_refuse_damaged_or_nonfinite_weights(reference, tmp_path, capsys):
     flip_bits(bad / "checkpoints" / "12", 97)
     nan = tmp_path / "nan"  # a checkpoint written without the finite check (as older versions could)
     state, meta = saved_state(ref_dir, 12, make(ref_dir))
+    state = jax.tree.map(np.array, state)  # writable copies
     state["params"]["embed"][0, 0] = np.nan
     ckpt = Checkpointer(nan / "checkpoints", keep=1, async_save=False)
     import orbax.checkpoint as ocp
     meta.pop("checksums")
     ckpt.manager.save(12, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
     ckpt.close()
-    for run, why in ((bad, r"could not be restored|do not match the checksums"), (nan, r"NaN/inf values in \['params'\]\['embed'\]")):
+    for run, why in ((bad, r"could not be restored|do not match the checksums"),
+                     (nan, r"NaN/inf values in \['params'\]\['embed'\]")):
         for tool, args in ((evaluate.main, ["--checkpoint", str(run)]),
                            (generate.main, ["--checkpoint", str(run), "--max_new_tokens", "2"]),
                            (export.main, ["--checkpoint", str(run), "--out", str(tmp_path / "hf")])):
