@@ -145,7 +145,8 @@ class Checkpointer:
         """owner: this process holds the run directory's lock, so it may remove leftovers of unfinished
         saves (`*.orbax-checkpoint-tmp*`) and rename bad steps aside."""
         self.directory = Path(directory).resolve()
-        self.hint, self.owner, self.pending = hint, owner, None
+        self.hint, self.pending = hint, None
+        self._renames = owner and jax.process_index() == 0  # one process renames and removes
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=create, cleanup_tmp_directories=owner)
         self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "meta"), options=options)
@@ -217,24 +218,24 @@ class Checkpointer:
         verify(restored["state"], meta, f"checkpoint {self.directory}/{step}", self.hint)
         return restored["state"], meta
 
-    def restore_newest_good(self, abstract_state, below: int | None = None, log=print):
-        """(state, meta, step) of the newest step (below `below`, if given) that restores intact. Damaged
-        newer steps are skipped with a message and, when this process owns the directory, renamed aside
-        to `N.corrupt`. Raises CheckpointError if no step is good (then nothing is renamed) or if a step
-        does not fit the model."""
+    def restore_newest_good(self, abstract_state, log=print):
+        """(state, meta, step) of the newest step that restores intact. Damaged newer steps are skipped
+        with a message and, when this process group owns the directory, renamed aside to `N.corrupt`
+        (by process 0). Raises CheckpointError if no step is good (then nothing is renamed) or if a
+        step does not fit the model."""
         damaged = []
-        for step in sorted((s for s in self.all_steps() if below is None or s < below), reverse=True):
+        for step in sorted(self.all_steps(), reverse=True):
             try:
                 state, meta = self.restore(step, abstract_state)
             except CorruptCheckpoint as e:
                 damaged.append(step)
                 log(f"warning: {str(e).split('; it was left untouched')[0]}")
                 continue
-            for bad in damaged if self.owner else ():
+            for bad in damaged if self._renames else ():
                 log(f"moved damaged checkpoint {self.directory / str(bad)} aside to "
                     f"{move_aside(self.directory / str(bad), 'corrupt')}")
             if damaged:
-                self.manager.reload()
+                self._reload()
                 log(f"falling back to step {step}, the newest intact checkpoint")
             return state, meta, step
         if damaged:
@@ -245,11 +246,18 @@ class Checkpointer:
     def move_newer_aside(self, step: int, log=print) -> None:
         """Rename steps newer than `step` to `N.superseded` so that training from `step` can save again."""
         newer = [s for s in self.all_steps() if s > step]
-        for s in newer:
+        for s in newer if self._renames else ():
             log(f"moved checkpoint {self.directory / str(s)} (newer than the restored step {step}) aside to "
                 f"{move_aside(self.directory / str(s), 'superseded')}")
         if newer:
-            self.manager.reload()
+            self._reload()
+
+    def _reload(self) -> None:
+        """Re-list the steps after process 0 renamed some (every process must see the same list)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("boost_jax checkpoints renamed")
+        self.manager.reload()
 
     def check(self) -> None:
         """Raise CheckpointError if a background save failed; its partial files are removed first, so
@@ -262,7 +270,7 @@ class Checkpointer:
     def _failed(self, e: Exception):
         step, self.pending = self.pending, None
         removed = []
-        if step is not None and self.owner:
+        if step is not None and self._renames:
             for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(tmp, ignore_errors=True)
                 removed.append(tmp.name)

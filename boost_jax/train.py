@@ -210,8 +210,7 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
             else:
                 state, meta = source.restore(step, spec.abstract)
             source.close()
-            if main_process:
-                ckpt.move_newer_aside(step, log=say)  # their labels would collide with the new ones
+            ckpt.move_newer_aside(step, log=say)  # their labels would collide with the new ones
         elif cfg.checkpoint.resume and ckpt.all_steps():
             source = ckpt
             state, meta, step = ckpt.restore_newest_good(spec.abstract, log=say)
