@@ -2,21 +2,36 @@
 
 A checkpoint step holds two items: `state` (params, optimizer state, step, rng; restored into
 abstract target shardings, so any mesh can read any checkpoint) and `meta` (JSON: data position,
-the config, the parameter shapes). Before restoring, the saved shapes are compared with the model
-being built, so an incompatible checkpoint fails with the names of the mismatched parameters and
-nothing on disk is touched.
+the config, the parameter shapes, a checksum per array). Before restoring, the saved shapes are
+compared with the model being built, so an incompatible checkpoint fails with the names of the
+mismatched parameters and nothing on disk is touched.
+
+Integrity: a state is saved only if every parameter and optimizer array is finite, and the
+checksum of every array (computed on device, independent of the sharding) is stored in `meta`
+and verified after a restore. A step that fails to read, or whose arrays do not match their
+checksums or are not finite, is `CorruptCheckpoint`; `restore_newest_good` then falls back to the
+newest good step and renames the bad ones aside (`N.corrupt`), never deleting them.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+RESTORE_HINT = "--config.restore_from=DIR/STEP"  # how the trainer picks a step; the tools pass theirs
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A step that cannot be read back as it was saved (unreadable, bad checksum, non-finite)."""
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:
@@ -24,11 +39,64 @@ def _flat_shapes(tree) -> dict[str, tuple]:
     return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
-def resolve(path: str) -> tuple[Path, int | None]:
+def _checksum(x):
+    """sum_i bits_i * (2 i + 1) mod 2^32 over the array's elements: any single flipped bit changes it
+    (the weight is odd), and integer sums do not depend on how the array is sharded or reduced."""
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    words = (x if x.dtype == bits else jax.lax.bitcast_convert_type(x, bits)).astype(jnp.uint32)
+    index, stride = jnp.zeros(x.shape, jnp.uint32), 1
+    for d in reversed(range(x.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * np.uint32(stride % 2**32)
+        stride *= x.shape[d]
+    return jnp.sum(words * (2 * index + 1), dtype=jnp.uint32)
+
+
+def _finite(x):
+    return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+
+
+@jax.jit
+def _fingerprint(tree):
+    return jax.tree.map(_checksum, tree), jax.tree.map(_finite, tree)
+
+
+def fingerprint(tree) -> tuple[dict[str, int], list[str]]:
+    """({array path: checksum}, [paths of arrays with a NaN or inf]) of a pytree of arrays."""
+    sums, finite = jax.device_get(_fingerprint(tree))
+    sums = {jax.tree_util.keystr(p): int(v) for p, v in jax.tree_util.tree_flatten_with_path(sums)[0]}
+    bad = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_flatten_with_path(finite)[0] if not v]
+    return sums, bad
+
+
+def one_line(e: Exception, width: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= width else text[:width] + " ..."
+
+
+def _names(paths: list[str], n: int = 4) -> str:
+    return ", ".join(paths[:n]) + (f" and {len(paths) - n} more" if len(paths) > n else "")
+
+
+def verify(tree, meta: dict, where: str, hint: str = RESTORE_HINT) -> None:
+    """Raise CorruptCheckpoint if restored arrays differ from the checksums saved with them or are not
+    finite. Checkpoints written before checksums were recorded are only checked for finiteness."""
+    sums, bad = fingerprint(tree)
+    saved = meta.get("checksums", {})
+    wrong = sorted(k for k, v in sums.items() if k in saved and saved[k] != v)
+    if wrong:
+        raise CorruptCheckpoint(f"{where}: {len(wrong)} array(s) do not match the checksums saved with them "
+                                f"({_names(wrong)}): the files were damaged after saving; it was left untouched; "
+                                f"use another step with {hint}")
+    if bad:
+        raise CorruptCheckpoint(f"{where} holds NaN/inf values in {_names(bad)}; it was left untouched; "
+                                f"use another step with {hint}")
+
+
+def resolve(path: str, field: str = "config field `restore_from`") -> tuple[Path, int | None]:
     """A run dir, its `checkpoints/` dir, or one step dir -> (manager root, step or None for latest)."""
     p = Path(path).expanduser().resolve()
     if not p.exists():
-        raise CheckpointError(f"config field `restore_from`: {str(p)!r} does not exist")
+        raise CheckpointError(f"{field}: {str(p)!r} does not exist")
     if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
     if p.name.isdigit() and (p / "state").is_dir():
@@ -50,22 +118,37 @@ def config_from_meta(meta: dict):
 
 
 def read_run(checkpoint: str):
-    """(config the run was saved with, checkpoint root, step) for a run dir, checkpoints dir or step dir."""
-    root, step = resolve(checkpoint)
-    ckpt = Checkpointer(root, keep=1, create=False)
+    """(config the run was saved with, checkpoint root, step) for a run dir, checkpoints dir or step dir;
+    errors speak of the tools' `--checkpoint` flag."""
+    root, step = resolve(checkpoint, "--checkpoint")
+    ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
     step = ckpt.latest_step() if step is None else step
     if step is None:
-        raise CheckpointError(f"no checkpoint found in {root}")
+        raise CheckpointError(f"--checkpoint: no checkpoint found in {root}")
     cfg = config_from_meta(ckpt.read_meta(step))
     ckpt.close()
     return cfg, root, step
 
 
+def move_aside(step_dir: Path, why: str) -> Path:
+    """Rename a step directory to `N.<why>` (never delete it); returns the new path."""
+    target, n = step_dir.with_name(f"{step_dir.name}.{why}"), 1
+    while target.exists():
+        target, n = step_dir.with_name(f"{step_dir.name}.{why}.{n}"), n + 1
+    step_dir.rename(target)
+    return target
+
+
 class Checkpointer:
-    def __init__(self, directory: str | os.PathLike, *, keep: int, async_save: bool = True, create=True):
+    def __init__(self, directory: str | os.PathLike, *, keep: int, async_save: bool = True, create=True,
+                 owner: bool = False, hint: str = RESTORE_HINT):
+        """owner: this process holds the run directory's lock, so it may remove leftovers of unfinished
+        saves (`*.orbax-checkpoint-tmp*`) and rename bad steps aside."""
         self.directory = Path(directory).resolve()
+        self.hint, self.pending = hint, None
+        self._renames = owner and jax.process_index() == 0  # one process renames and removes
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=create)
+                                               create=create, cleanup_tmp_directories=owner)
         self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "meta"), options=options)
 
     def latest_step(self) -> int | None:
@@ -75,17 +158,33 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
-        meta = {**meta, "param_shapes": {k: list(v) for k, v in _flat_shapes(state["params"]).items()}}
-        return self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+        """Start saving `state` as `step` (in the background when async). Refuses (CheckpointError, nothing
+        written) a state with a non-finite parameter or optimizer array."""
+        sums, bad = fingerprint(state)
+        if bad:
+            raise CheckpointError(f"not saving step {step}: NaN/inf in {_names(bad)}")
+        meta = {**meta, "param_shapes": {k: list(v) for k, v in _flat_shapes(state["params"]).items()},
+                "checksums": sums}
+        self.wait()  # Orbax would wait for the previous save too; this way its failure is reported as such
+        self.pending = step
+        try:
+            return self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+        except Exception as e:  # noqa: BLE001 - e.g. the disk filled up during the synchronous part
+            self._failed(e)
+
+    def committed_step(self) -> int | None:
+        """The newest step whose save has finished (its directory renamed into place)."""
+        steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()] if self.directory.is_dir() else []
+        return max(steps, default=None)
 
     def read_meta(self, step: int) -> dict:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-            raise CheckpointError(f"checkpoint {self.directory}/{step} is unreadable ({type(e).__name__}: {e}); "
-                                  "it was left untouched; restore another step with "
-                                  "--config.restore_from=DIR/STEP") from e
+            raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} is unreadable "
+                                    f"({type(e).__name__}: {one_line(e)}); "
+                                    f"it was left untouched; restore another step with {self.hint}") from e
 
     def check_compatible(self, step: int, abstract_state) -> dict:
         meta = self.read_meta(step)
@@ -106,19 +205,92 @@ class Checkpointer:
         return meta
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
-        """(state in the abstract tree's shardings, meta). Raises CheckpointError, never deletes."""
+        """(state in the abstract tree's shardings, meta), verified against the saved checksums.
+        Raises CheckpointError (CorruptCheckpoint for damaged data), never deletes."""
         meta = self.check_compatible(step, abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {self.directory}/{step} could not be restored "
-                                  f"({type(e).__name__}: {e}); it was left untouched") from e
+            raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} could not be restored "
+                                    f"({type(e).__name__}: {one_line(e)}); it was left untouched; restore another step "
+                                    f"with {self.hint}") from e
+        verify(restored["state"], meta, f"checkpoint {self.directory}/{step}", self.hint)
         return restored["state"], meta
 
+    def restore_newest_good(self, abstract_state, log=print):
+        """(state, meta, step) of the newest step that restores intact. Damaged newer steps are skipped
+        with a message and, when this process group owns the directory, renamed aside to `N.corrupt`
+        (by process 0). Raises CheckpointError if no step is good (then nothing is renamed) or if a
+        step does not fit the model."""
+        damaged = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except CorruptCheckpoint as e:
+                damaged.append(step)
+                log(f"warning: {str(e).split('; it was left untouched')[0]}")
+                continue
+            for bad in damaged if self._renames else ():
+                log(f"moved damaged checkpoint {self.directory / str(bad)} aside to "
+                    f"{move_aside(self.directory / str(bad), 'corrupt')}")
+            if damaged:
+                self._reload()
+                log(f"falling back to step {step}, the newest intact checkpoint")
+            return state, meta, step
+        if damaged:
+            raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {damaged}); they were "
+                                  f"left untouched. Start a new run_dir, or restore another run with {self.hint}")
+        raise CheckpointError(f"no checkpoint in {self.directory}")
+
+    def move_newer_aside(self, step: int, log=print) -> None:
+        """Rename steps newer than `step` to `N.superseded` so that training from `step` can save again."""
+        newer = [s for s in self.all_steps() if s > step]
+        for s in newer if self._renames else ():
+            log(f"moved checkpoint {self.directory / str(s)} (newer than the restored step {step}) aside to "
+                f"{move_aside(self.directory / str(s), 'superseded')}")
+        if newer:
+            self._reload()
+
+    def _reload(self) -> None:
+        """Re-list the steps after process 0 renamed some (every process must see the same list)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("boost_jax checkpoints renamed")
+        self.manager.reload()
+
+    def check(self) -> None:
+        """Raise CheckpointError if a background save failed; its partial files are removed first, so
+        the previous checkpoints stay the newest on disk."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+
+    def _failed(self, e: Exception):
+        step, self.pending = self.pending, None
+        removed = []
+        if step is not None and self._renames:
+            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp.name)
+        latest = self.committed_step()
+        last = f"step {latest} in {self.directory}" if latest is not None else f"none (nothing in {self.directory})"
+        raise CheckpointError(f"saving step {step} failed ({type(e).__name__}: {one_line(e)}); "
+                              f"{'its partial files were removed; ' if removed else ''}"
+                              f"the last good checkpoint is {last}. Fix the cause (disk space, permissions) "
+                              "and rerun to resume from it") from e
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+        self.pending = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()

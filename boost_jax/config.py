@@ -7,6 +7,7 @@ typo in `--config.key=value` fails at parse time), `configs/*.py` only change va
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import ml_collections
@@ -17,6 +18,7 @@ REMAT_POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")
 STRATEGIES = ("btp", "vanilla", "megatron")
 DATA_SOURCES = ("embedded", "text", "jsonl", "tokens")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+NONFINITE = ("stop", "skip")
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
     t.b2 = 0.95  # BOOST's AdamW (0.9, 0.95); the zoo configs (sized_config) use CoLA's (0.9, 0.999)
     t.eps = 1e-8
     t.grad_clip = 0.5
+    # A step whose loss, gradient norm or updated weights are NaN/inf is never applied; then
+    # stop: end the run (the checkpoints on disk are the last good ones); skip: go on with the next
+    # batch (the skipped step still counts) and report skipped_steps in the metrics.
+    t.nonfinite = "stop"
     t.log_every = 20
     t.eval_every = 100
     t.eval_batches = 8
@@ -274,6 +280,17 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
     _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+    _check(math.isfinite(t.lr) and t.lr > 0, "train.lr", f"must be a positive number, got {t.lr} (e.g. 3e-3)")
+    for name in ("b1", "b2"):
+        _check(0.0 <= t[name] < 1.0, f"train.{name}", f"must be in [0, 1), got {t[name]} (e.g. 0.9 / 0.95)")
+    _check(math.isfinite(t.eps) and t.eps > 0, "train.eps", f"must be a positive number, got {t.eps} (e.g. 1e-8)")
+    for name in ("weight_decay", "grad_clip"):
+        _check(math.isfinite(t[name]) and t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
+    _check(t.nonfinite in NONFINITE, "train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE}")
+    _check(t.stop_at_step >= 0, "train.stop_at_step", f"must be >= 0 (0: train to train.steps), got {t.stop_at_step}")
+    _check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: no evaluation)")
+    _check(t.eval_batches >= 1, "train.eval_batches",
+           f"must be >= 1, got {t.eval_batches}; to skip evaluation set train.eval_every=0")
     _check(t.log_every > 0, "train.log_every", "must be positive")
     _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
     _check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive (it never deletes all checkpoints)")

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from boost_jax import config as config_lib
-from boost_jax.checkpoint import Checkpointer, CheckpointError, read_run
+from boost_jax.checkpoint import Checkpointer, CheckpointError, one_line, read_run, verify
 from boost_jax.data import build_loaders
 from boost_jax.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
@@ -45,9 +45,9 @@ def make_eval_mesh(cfg, devices=None):
 
 def restore_params(root, step: int, abstract_params):
     """Only the `params` subtree of a checkpoint's state, in the abstract tree's shardings."""
-    ckpt = Checkpointer(root, keep=1, create=False)
+    ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
     try:  # same shape check as training, so a wrong model names the mismatching parameters
-        ckpt.check_compatible(step, {"params": abstract_params})
+        meta = ckpt.check_compatible(step, {"params": abstract_params})
     finally:
         ckpt.close()
     target = {"params": abstract_params}
@@ -60,8 +60,9 @@ def restore_params(root, step: int, abstract_params):
             out = reader.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                                                      partial_restore=True))
     except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-        raise CheckpointError(f"parameters in {path} could not be restored ({type(e).__name__}: {e}); "
-                              "the checkpoint was left untouched") from e
+        raise CheckpointError(f"parameters in {path} could not be restored ({type(e).__name__}: {one_line(e)}); "
+                              "the checkpoint was left untouched; use another step with --checkpoint DIR/STEP") from e
+    verify(out, meta, f"checkpoint {root}/{step}", "--checkpoint DIR/STEP")  # damaged or NaN weights: refuse
     return out["params"]
 
 
@@ -111,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=None, help="global batches to average (default train.eval_batches)")
     ap.add_argument("--json", default="", help="also write the result to this JSON file")
     args, rest = ap.parse_known_args(argv)
+    if args.batches is not None and args.batches < 1:
+        ap.error(f"--batches must be >= 1, got {args.batches}")
     bad = [a for a in rest if not a.startswith("--config.")]
     if bad:
         ap.error(f"unrecognized arguments {bad}; overrides look like --config.data.path=/data/val.txt")

@@ -252,11 +252,13 @@ def export(checkpoint: str, out: str) -> Path:
     from boost_jax.generate import load_params
 
     st = _safetensors()
-    model, cfg, tok = load_params(checkpoint)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out: {out} is a file; give a directory to write the model into")
+    model, cfg, tok = load_params(checkpoint)  # refuses damaged or non-finite weights
     if cfg.model.linear not in ("dense", *LR_ACT):
         raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports dense, "
                           f"{', '.join(LR_ACT)}")
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # {"format": "pt"}: transformers refuses safetensors files without it.
     st.save_file(to_hf(nnx.to_pure_dict(nnx.state(model)), cfg.model), str(out / "model.safetensors"),

@@ -25,14 +25,16 @@ from boost_jax.state import state_spec
 def load_params(checkpoint: str):
     """(model with restored params, config, tokenizer) from a run dir or a step dir; params only."""
     cfg, root, step = read_run(checkpoint)
-    ckpt = Checkpointer(root, keep=1, create=False)
+    ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
     # Restore onto one device whatever mesh saved it (the abstract target carries the sharding).
     cfg.parallel.update(ONE_DEVICE)
     mesh = make_mesh(cfg, jax.devices()[:1])
     tx, _ = make_optimizer(cfg.train)
     spec = state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))
-    state, _ = ckpt.restore(step, spec.abstract)
-    ckpt.close()
+    try:
+        state, _ = ckpt.restore(step, spec.abstract)  # verified: damaged or non-finite weights raise
+    finally:
+        ckpt.close()
     graphdef = spec.graphdef
     return nnx.merge(graphdef, state["params"]), cfg, load_tokenizer(cfg.data.tokenizer)
 
@@ -86,13 +88,20 @@ def main(argv=None) -> int:
     ap.add_argument("--top_k", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.max_new_tokens < 1:
+        ap.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if args.top_k < 0 or args.temperature < 0:
+        ap.error("--top_k and --temperature must be >= 0 (0: no top-k / greedy)")
+    if not args.prompt:
+        ap.error("--prompt is empty: give at least one character to start from")
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
         model, cfg, tok = load_params(args.checkpoint)
-    except CheckpointError as e:
+    except (CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     ids = np.asarray([tok.encode(args.prompt)], dtype=np.int32)
+    args.top_k = min(args.top_k, cfg.model.vocab_size)  # top-k of the whole vocabulary keeps every token
     if ids.shape[1] + args.max_new_tokens > cfg.model.max_seq_len:
         print(f"note: generating past model.max_seq_len={cfg.model.max_seq_len}; RoPE extrapolates", file=sys.stderr)
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)

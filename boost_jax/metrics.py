@@ -50,7 +50,9 @@ class MetricsWriter:
     def write(self, step: int, record: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: v for k, v in record.items() if v is not None}}
+        # NaN/inf are not JSON: such a value is left out of the row, like a missing one.
+        row = {"step": int(step), **{k: v for k, v in record.items()
+                                     if v is not None and not (isinstance(v, float) and not math.isfinite(v))}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:

@@ -34,7 +34,8 @@ def make_train_step(graphdef, tx, schedule):
 
     def train_step(state, batch):
         """batch: [grad_accum, micro_batch, T+1]. Micro-batch gradients are summed by a scan so only
-        one gradient buffer lives at a time; the update is skipped (state kept) if not finite."""
+        one gradient buffer lives at a time; the update is skipped (params and optimizer state kept) if
+        the loss, the gradient norm or any updated parameter is not finite."""
         params = state["params"]
         trained = trainable(params)
         if batch.shape[0] == 1:
@@ -49,12 +50,17 @@ def make_train_step(graphdef, tx, schedule):
             grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
             loss = losses.mean()
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], trained)
-        new_params = with_frozen(optax.apply_updates(trained, updates), params)
+        new_trained = optax.apply_updates(trained, updates)
+        new_params = with_frozen(new_trained, params)
+        # Finite loss and gradients can still overflow the weights (a huge lr): check what is kept.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.all(
+            jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(new_trained)]))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        # A skipped step still counts (and consumed its batch), so step, checkpoint label and data
+        # position stay one counter.
         new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
-                     "step": state["step"] + finite.astype(jnp.int32), "rng": state["rng"]}
+                     "step": state["step"] + 1, "rng": state["rng"]}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite}
         return new_state, metrics
 

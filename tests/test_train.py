@@ -90,16 +90,16 @@ def test_incompatible_checkpoint_names_mismatch_and_is_kept(make_config):
     assert _checkpoint_files(cfg.run_dir) == before
 
 
-def test_corrupt_checkpoint_is_a_clear_error_and_is_kept(make_config):
+def test_all_checkpoints_corrupt_is_a_clear_error_and_all_are_kept(make_config):
     cfg = make_config()
     train.run(cfg)
-    step_dir = Path(cfg.run_dir) / "checkpoints" / "8"
-    for f in (step_dir / "state").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"not a checkpoint")
+    for step in (4, 8):  # with one good step left, training falls back to it (tests/test_faults.py)
+        for f in (Path(cfg.run_dir) / "checkpoints" / str(step) / "state").rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"not a checkpoint")
     before = _checkpoint_files(cfg.run_dir)
     cfg.train.steps = 12
-    with pytest.raises(CheckpointError, match="left untouched"):
+    with pytest.raises(CheckpointError, match=r"every checkpoint .* is damaged \(steps \[8, 4\]\); they were left"):
         train.run(cfg)
     assert _checkpoint_files(cfg.run_dir) == before
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from boost_jax.data.loader import MixtureLoader, TokenLoader
-from boost_jax.data.sources import (embedded_corpus, expand_paths, parse_mixture, prepared_index, prepared_shards,
-                                    token_files)
+from boost_jax.data.sources import (check_vocab, embedded_corpus, expand_paths, parse_mixture, prepared_index,
+                                    prepared_shards, token_files)
 from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = ["TokenLoader", "MixtureLoader", "build_loaders", "load_tokenizer", "ByteTokenizer"]
@@ -25,7 +25,10 @@ def _tokens(source: str, path: str, cfg, tok, field: str) -> list[np.ndarray]:
         index = prepared_index(path)
         if index is not None:
             return prepared_shards(index, field, token_dtype=d.token_dtype, **check)
-        return token_files(expand_paths(path, field, (".bin", ".npy")), d.token_dtype)
+        paths = expand_paths(path, field, (".bin", ".npy"))
+        arrays = token_files(paths, d.token_dtype)
+        check_vocab(arrays, paths, cfg.model.vocab_size)
+        return arrays
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
     cache = _token_cache(expand_paths(path, field, suffixes), cfg)
     return prepared_shards(cache / "index.json", field, token_dtype=None, **check)

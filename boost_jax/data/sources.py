@@ -141,11 +141,36 @@ def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size:
 
 def token_files(paths: list[str], dtype: str) -> list[np.ndarray]:
     """Memory-mapped token files: raw .bin arrays of `dtype` (as common preprocessing scripts write)
-    or .npy arrays; nothing is read into memory until a batch touches it."""
+    or 1-D integer .npy arrays; nothing is read into memory until a batch (or `check_vocab`) touches it."""
     arrays = []
     for path in paths:
         if path.endswith(".npy"):
-            arrays.append(np.load(path, mmap_mode="r"))
+            a = np.load(path, mmap_mode="r")
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"{path}: a {a.ndim}-D {a.dtype} array; token files must be 1-D integer arrays "
+                                 "(np.save(path, tokens.ravel().astype(np.uint32)))")
+            arrays.append(a)
         else:
+            size, width = os.path.getsize(path), np.dtype(dtype).itemsize
+            if size % width:
+                raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes "
+                                 "each); check data.token_dtype or the file's end")
             arrays.append(np.memmap(path, dtype=np.dtype(dtype), mode="r"))
     return arrays
+
+
+def check_vocab(arrays: list[np.ndarray], names: list[str], vocab_size: int, chunk: int = 1 << 24) -> None:
+    """Every token id in [0, vocab_size), checked before training (in chunks, so a memory-mapped file is
+    streamed once) instead of failing at the batch that happens to hold a bad id."""
+    for a, name in zip(arrays, names):
+        info = np.iinfo(a.dtype)
+        if info.min >= 0 and info.max < vocab_size:
+            continue  # this dtype cannot hold a bad id
+        for lo in range(0, len(a), chunk):
+            part = np.asarray(a[lo:lo + chunk])
+            bad = np.flatnonzero((part >= vocab_size) | (part < 0))
+            if len(bad):
+                i = lo + int(bad[0])
+                raise ValueError(f"{name}: token {i} is {int(a[i])}, outside [0, model.vocab_size={vocab_size}); "
+                                 "the data was tokenized for a larger vocabulary: raise model.vocab_size or "
+                                 "check data.token_dtype")

@@ -1,0 +1,113 @@
+"""Bad input ends in a one-line error naming the field, file or line (never a traceback)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from boost_jax import train
+from boost_jax.config import ConfigError, validate
+from boost_jax.data import build_loaders
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(module, *args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=env)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_train_cli_misspelt_key_and_missing_config_file(tmp_path):
+    rc, _, err = cli("boost_jax.train", "--config.train.lrr=1", f"--config.run_dir={tmp_path}")
+    assert rc == 1 and err.count("\n") == 1, err
+    assert 'unknown key \'lrr\'; Did you mean "lr" instead of "lrr"?' in err
+    rc, _, err = cli("boost_jax.train", f"--config={tmp_path}/nope.py")
+    assert rc == 1 and err.count("\n") == 1 and "No such file or directory" in err and "nope.py" in err, err
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("train.lr", float("nan"), "train.lr"),
+    ("train.lr", -1e-3, "train.lr"),
+    ("train.b1", 1.0, "train.b1"),
+    ("train.b2", -0.1, "train.b2"),
+    ("train.eps", 0.0, "train.eps"),
+    ("train.weight_decay", float("inf"), "train.weight_decay"),
+    ("train.nonfinite", "ignore", "train.nonfinite"),
+    ("train.stop_at_step", -3, "train.stop_at_step"),
+    ("train.eval_batches", 0, "train.eval_batches"),
+])
+def test_optimizer_and_loop_settings_are_validated(make_config, field, value, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        validate(make_config(**{field: value}))
+
+
+def test_run_dir_that_is_a_file(make_config, tmp_path):
+    (tmp_path / "f").write_text("x")
+    for run_dir in (tmp_path / "f", tmp_path / "f" / "sub"):
+        with pytest.raises(ConfigError, match=r"config field `run_dir`: cannot write to .*f"):
+            train.run(make_config(run_dir=run_dir))
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('{"txt": "hello"}', r"d\.jsonl:2: no field 'text' \(its fields: \['txt'\]\); set data\.jsonl_field"),
+    ('{"text": 17}', r"d\.jsonl:2: field 'text' is not a string but int"),
+    ('["text", "a"]', r"d\.jsonl:2: a JSON list, not an object"),
+    ('{"text": "a"', r"d\.jsonl:2: not JSON"),
+])
+def test_jsonl_errors_name_file_and_line(make_config, tmp_path, line, needle):
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=needle):
+        build_loaders(make_config(**{"data.source": "jsonl", "data.path": str(tmp_path / "d.jsonl")}))
+
+
+def test_invalid_utf8_is_an_error_not_replaced(make_config, tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"line one\nline two \xff\xfe\n")
+    with pytest.raises(ValueError, match=r"a\.txt:2: not valid UTF-8 \(byte 18 of the file\)"):
+        build_loaders(make_config(**{"data.source": "text", "data.path": str(tmp_path / "a.txt")}))
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"b\.jsonl:2: not valid UTF-8"):
+        build_loaders(make_config(**{"data.source": "jsonl", "data.path": str(tmp_path / "b.jsonl")}))
+
+
+def test_token_files_of_the_wrong_length_shape_dtype_or_vocabulary(make_config, tmp_path):
+    def load(path, **kw):
+        return build_loaders(make_config(**{"data.source": "tokens", "data.path": str(path), **kw}))
+
+    good = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint16)
+    good.tofile(tmp_path / "ok.bin")
+    load(tmp_path / "ok.bin")
+    (tmp_path / "odd.bin").write_bytes(good.tobytes() + b"\x01")
+    with pytest.raises(ValueError, match=r"odd\.bin: 8001 bytes is not a whole number of uint16 tokens"):
+        load(tmp_path / "odd.bin")
+    np.save(tmp_path / "two.npy", good.reshape(40, 100))
+    with pytest.raises(ValueError, match=r"two\.npy: a 2-D uint16 array; token files must be 1-D integer"):
+        load(tmp_path / "two.npy")
+    np.save(tmp_path / "float.npy", good.astype(np.float32))
+    with pytest.raises(ValueError, match=r"float\.npy: a 1-D float32 array"):
+        load(tmp_path / "float.npy")
+    oov = good.copy()
+    oov[-3] = 300  # one id past model.vocab_size=256, near the end: found before training
+    oov.tofile(tmp_path / "oov.bin")
+    with pytest.raises(ValueError, match=r"oov\.bin: token 3997 is 300, outside \[0, model\.vocab_size=256\)"):
+        load(tmp_path / "oov.bin")
+
+
+def test_tool_arguments(tmp_path, capsys):
+    from boost_jax import evaluate, export, generate
+    for args, needle in ((["--prompt", ""], "--prompt is empty"),
+                         (["--max_new_tokens", "-5"], "--max_new_tokens must be >= 1"),
+                         (["--top_k", "-1"], "--top_k and --temperature must be >= 0")):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--checkpoint", str(tmp_path), *args])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    for tool in (evaluate.main, generate.main):  # the tools take --checkpoint, and say so
+        assert tool(["--checkpoint", str(tmp_path / "nowhere")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --checkpoint: ") and "restore_from" not in err, err
+    (tmp_path / "file").write_text("x")
+    assert export.main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "file")]) == 1
+    assert "--out: " in capsys.readouterr().err and (tmp_path / "file").read_text() == "x"

@@ -1,0 +1,382 @@
+"""Fault injection: signals during a save, SIGKILL, failed saves, NaN steps, bit rot, two trainers.
+
+Each test checks the exit status, the message, what is on disk, and that training resumed after the
+fault continues the loss curve of an uninterrupted reference run bit for bit.
+"""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from boost_jax import step as step_lib
+from boost_jax import train
+from boost_jax.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint, fingerprint
+from boost_jax.config import base_config
+from boost_jax.runlock import RunDirBusy
+from tests_support import metric_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- helpers
+
+def cli_flags(cfg) -> list[str]:
+    """--config.* flags that rebuild cfg from the defaults (for a trainer in a subprocess)."""
+    def flat(tree, prefix=""):
+        for k, v in tree.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    base = dict(flat(base_config().to_dict()))
+    return [f"--config.{k}={v}" for k, v in flat(cfg.to_dict()) if base[k] != v]
+
+
+def spawn(cfg):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_rows(proc, run_dir, n, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        if (Path(run_dir) / "metrics.jsonl").exists() and len(metric_rows(run_dir)) >= n:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{run_dir}: fewer than {n} logged steps after {timeout}s")
+
+
+def signal_repeatedly(proc, sig, times, gap):
+    for _ in range(times):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            return
+        time.sleep(gap)
+
+
+def steps_on_disk(run_dir):
+    d = Path(run_dir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit())
+
+
+def tmp_dirs(run_dir):
+    return sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir() if "orbax-checkpoint-tmp" in p.name)
+
+
+def saved_state(run_dir, step, cfg):
+    """The raw state arrays of a checkpoint (restored and verified on one device)."""
+    from boost_jax.optim import make_optimizer
+    from boost_jax.parallel.mesh import ONE_DEVICE, make_mesh
+    from boost_jax.parallel.strategies import get_strategy
+    from boost_jax.state import state_spec
+    one = cfg.copy_and_resolve_references()
+    one.parallel.update(ONE_DEVICE)
+    mesh = make_mesh(one, jax.devices()[:1])
+    spec = state_spec(one, make_optimizer(one.train)[0], mesh, get_strategy(one.parallel))
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=10, create=False)
+    try:
+        state, meta = ckpt.restore(step, spec.abstract)
+    finally:
+        ckpt.close()
+    return jax.tree.map(np.asarray, state), meta
+
+
+def assert_same_states(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def continues_reference(run_dir, ref_dir, steps, cfg):
+    """The loss rows of `steps` and the final checkpoint agree bit for bit with the reference run."""
+    got, want = metric_rows(run_dir), metric_rows(ref_dir)
+    assert [got[s] for s in steps] == [want[s] for s in steps]
+    assert_same_states(saved_state(run_dir, steps[-1], cfg)[0], saved_state(ref_dir, steps[-1], cfg)[0])
+
+
+def long_config(make_config, run_dir, **kw):
+    """A run that lasts until it is stopped (the schedule is long; steps take milliseconds)."""
+    return make_config(**{"run_dir": str(run_dir), "model.n_layers": 1, "train.steps": 100000,
+                          "train.log_every": 1, "train.eval_every": 0, "checkpoint.async_save": True, **kw})
+
+
+def flip_bits(step_dir: Path, stride: int):
+    """Flip one bit in every `stride`-th byte of a checkpoint's array data files."""
+    for f in sorted((step_dir / "state").rglob("*")):
+        if f.is_file() and f.parent.name == "d":
+            b = bytearray(f.read_bytes())
+            for i in range(stride // 2, len(b), stride):
+                b[i] ^= 0x10
+            f.write_bytes(bytes(b))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 12-step run (loss logged every step, checkpoints every 4) and its config maker."""
+    from conftest import small_config
+
+    def make(run_dir, **kw):
+        return small_config(run_dir, **{"train.steps": 12, "train.log_every": 1, "train.eval_every": 0,
+                                        "checkpoint.keep": 10, **kw})
+
+    ref_dir = tmp_path_factory.mktemp("reference") / "run"
+    train.run(make(ref_dir))
+    return ref_dir, make
+
+
+# ---------------------------------------------------------------- checksums
+
+def test_checksum_is_sharding_independent_and_sees_one_bit():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    h = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
+    words = x.view(np.uint32).astype(np.uint64).ravel()
+    expect = int((words * (2 * np.arange(words.size, dtype=np.uint64) + 1)).sum() % 2**32)  # numpy reference
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    one, _ = fingerprint({"x": jnp.asarray(x), "h": h, "n": jnp.int32(7)})
+    sharded, bad = fingerprint({"x": jax.device_put(x, NamedSharding(mesh, P("a", "b"))),
+                                "h": jax.device_put(h, NamedSharding(mesh, P(None, "b"))), "n": jnp.int32(7)})
+    assert one == sharded and one["['x']"] == expect and bad == []
+    for flat in rng.choice(x.size, 5, replace=False):
+        y = x.copy()
+        y.reshape(-1).view(np.uint32)[flat] ^= np.uint32(1 << int(rng.integers(32)))
+        assert fingerprint({"x": jnp.asarray(y)})[0]["['x']"] != expect
+    y = x.copy()
+    y[3, 2] = np.inf
+    assert fingerprint({"x": jnp.asarray(y), "n": jnp.int32(1)})[1] == ["['x']"]
+
+
+def test_bit_flips_never_restore_silently(reference, tmp_path):
+    ref_dir, make = reference
+    cfg = make(ref_dir)
+    want, _ = saved_state(ref_dir, 12, cfg)
+    files = [f for f in sorted((ref_dir / "checkpoints" / "12" / "state").rglob("*"))
+             if f.is_file() and f.parent.name == "d"]
+    detected = 0
+    for k in range(8):  # one bit in one byte, at spread-out places of the data files
+        run = tmp_path / f"flip{k}"
+        shutil.copytree(ref_dir / "checkpoints", run / "checkpoints")
+        f = run / files[k % len(files)].relative_to(ref_dir)
+        b = bytearray(f.read_bytes())
+        b[(len(b) * (2 * k + 1)) // 16] ^= 1 << (k % 8)
+        f.write_bytes(bytes(b))
+        try:
+            got, _ = saved_state(run, 12, cfg)
+        except CorruptCheckpoint as e:
+            assert "left untouched" in str(e)
+            detected += 1
+            continue
+        assert_same_states(got, want)  # restored without error only if the flip hit unused bytes
+    assert detected >= 1
+
+
+# ---------------------------------------------------------------- signals, SIGKILL, two trainers
+
+def test_repeated_sigterm_during_the_save_is_absorbed(make_config, tmp_path):
+    cfg = long_config(make_config, tmp_path / "run", **{"checkpoint.every": 100000})
+    proc = spawn(cfg)
+    wait_for_rows(proc, cfg.run_dir, 3)
+    signal_repeatedly(proc, signal.SIGTERM, 40, 0.05)  # as Slurm or Kubernetes may do
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "SIGTERM again: still stopping" in out
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    assert steps_on_disk(cfg.run_dir) == [stopped] and tmp_dirs(cfg.run_dir) == []
+    # Resuming continues an uninterrupted run bit for bit (same schedule, same data positions).
+    cfg.train.stop_at_step = stopped + 2
+    train.run(cfg)
+    ref = long_config(make_config, tmp_path / "ref", **{"checkpoint.every": 100000, "train.stop_at_step": stopped + 2})
+    train.run(ref)
+    continues_reference(cfg.run_dir, ref.run_dir, [stopped + 1, stopped + 2], cfg)
+
+
+def test_sigkill_mid_save_second_trainer_and_triple_sigint(make_config, tmp_path):
+    """A second trainer on a live run_dir stops at once; SIGKILL at two points of the async saves and
+    a third SIGINT each leave only complete checkpoints (plus tmp dirs that the next start removes),
+    and resuming from them continues the reference curve."""
+    ends = []
+    for k, fault in enumerate(("kill", "kill", "sigint")):
+        cfg = long_config(make_config, tmp_path / f"run{k}", **{"checkpoint.every": 1, "checkpoint.keep": 100})
+        proc = spawn(cfg)
+        wait_for_rows(proc, cfg.run_dir, 3 + 2 * k)
+        if k == 0:
+            with pytest.raises(RunDirBusy, match=rf"is in use by a trainer on host .* pid {proc.pid} "):
+                train.run(cfg)
+        if fault == "kill":
+            time.sleep(0.1 * k)
+            proc.kill()
+        else:
+            signal_repeatedly(proc, signal.SIGINT, 3, 0.01)
+        out, _ = proc.communicate(timeout=300)
+        if fault == "kill":
+            assert proc.returncode == -signal.SIGKILL
+        elif proc.returncode == 130:  # the third SIGINT came before the save finished
+            resume = re.search(r"SIGINT a third time: exiting .* a rerun resumes from step (\d+)", out)
+            assert resume and int(resume.group(1)) == max(steps_on_disk(cfg.run_dir)), out
+        else:  # the save finished first: a normal stop
+            assert proc.returncode == 0 and "stopped by SIGINT" in out, out
+        last = max(steps_on_disk(cfg.run_dir))
+        meta = saved_state(cfg.run_dir, last, cfg)[1]  # every finalized step is complete and verified
+        assert meta["step"] == last and meta["data_position"] == last * cfg.train.global_batch
+        cfg.train.stop_at_step = last + 2  # the lock died with its holder: this takes it over
+        train.run(cfg)
+        assert tmp_dirs(cfg.run_dir) == []
+        ends.append((cfg.run_dir, last))
+    ref = long_config(make_config, tmp_path / "ref", **{"checkpoint.every": 1, "checkpoint.keep": 100,
+                                                          "train.stop_at_step": max(e for _, e in ends) + 2})
+    train.run(ref)
+    for run_dir, last in ends:
+        continues_reference(run_dir, ref.run_dir, [last + 1, last + 2], cfg)
+
+
+# ---------------------------------------------------------------- failed saves
+
+def test_failed_async_save_stops_at_once_and_cleans_up(reference, tmp_path, monkeypatch):
+    ref_dir, make = reference
+    from orbax.checkpoint._src.path import async_path
+    rename = async_path.rename
+
+    async def disk_full_at_8(src, dst):
+        if Path(dst).name == "8":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await rename(src, dst)
+
+    monkeypatch.setattr(async_path, "rename", disk_full_at_8)
+    cfg = make(tmp_path / "run", **{"checkpoint.async_save": True})
+    with pytest.raises(CheckpointError, match=r"saving step 8 failed \(OSError: \[Errno 28\] No space left on "
+                                              r"device\); its partial files were removed; the last good "
+                                              r"checkpoint is step 4"):
+        train.run(cfg)
+    # It stopped at the first step (or, at the latest, the next save) after the failure became known.
+    assert steps_on_disk(cfg.run_dir) == [4] and tmp_dirs(cfg.run_dir) == []
+    monkeypatch.undo()
+    train.run(cfg)  # resumes from 4
+    continues_reference(cfg.run_dir, ref_dir, list(range(5, 13)), cfg)
+
+
+def test_nonfinite_state_is_never_saved(make_config):
+    cfg = make_config(**{"checkpoint.every": 1})
+    ckpt = Checkpointer(Path(cfg.run_dir) / "checkpoints", keep=3, async_save=False)
+    state = {"params": {"w": jnp.ones((4, 4)).at[1, 2].set(jnp.nan)}, "opt_state": (jnp.zeros(3),),
+             "step": jnp.int32(1)}
+    with pytest.raises(CheckpointError, match=r"not saving step 1: NaN/inf in \['params'\]\['w'\]"):
+        ckpt.save(1, state, {}, force=True)
+    ckpt.close()
+    assert ckpt.all_steps() == []
+
+
+# ---------------------------------------------------------------- NaN steps
+
+def poison_step(monkeypatch, cfg, step):
+    """Make the loss NaN on exactly the batch that train step `step` consumes."""
+    from boost_jax.data import build_loaders
+    bad = jnp.asarray(build_loaders(cfg)[0].batch((step - 1) * cfg.train.global_batch))
+    real = step_lib.next_token_loss
+
+    def loss(graphdef, params, tokens):
+        hit = (tokens.shape == bad.shape) and jnp.all(tokens == bad)
+        return real(graphdef, params, tokens) * jnp.where(hit, jnp.nan, 1.0)
+
+    monkeypatch.setattr(step_lib, "next_token_loss", loss)
+
+
+def test_transient_nan_is_skipped_and_resume_stays_consistent(reference, tmp_path, monkeypatch):
+    _, make = reference
+    straight = make(tmp_path / "a", **{"train.nonfinite": "skip", "checkpoint.every": 1, "train.steps": 8})
+    poison_step(monkeypatch, straight, 5)
+    out = train.run(straight)
+    assert out["step"] == 8 and out["skipped_steps"] == 1
+    s4, m4 = saved_state(straight.run_dir, 4, straight)
+    s5, m5 = saved_state(straight.run_dir, 5, straight)
+    assert_same_states({k: s4[k] for k in ("params", "opt_state")}, {k: s5[k] for k in ("params", "opt_state")})
+    assert (int(s5["step"]), m5["data_position"], m5["skipped_steps"]) == (5, 5 * 8, 1)
+    rows = [json.loads(line) for line in open(Path(straight.run_dir) / "metrics.jsonl")]
+    assert [r["skipped_steps"] for r in rows if "loss" in r or "skipped_steps" in r][-1] == 1
+    assert not any("loss" in r for r in rows if r["step"] == 5)  # NaN is not written (nor valid JSON)
+    # The same run stopped at 6 and resumed: the labels, data and optimizer steps line up.
+    split = make(tmp_path / "b", **{"train.nonfinite": "skip", "checkpoint.every": 1, "train.steps": 8,
+                                    "train.stop_at_step": 6})
+    train.run(split)
+    split.train.stop_at_step = 0
+    assert train.run(split)["skipped_steps"] == 1
+    continues_reference(split.run_dir, straight.run_dir, [7, 8], split)
+
+
+def test_nan_under_stop_names_the_step_and_saves_nothing_after_it(reference, tmp_path, monkeypatch):
+    _, make = reference
+    cfg = make(tmp_path / "run", **{"train.log_every": 3})  # the NaN step 5 is neither logged nor saved
+    poison_step(monkeypatch, cfg, 5)
+    with pytest.raises(train.TrainingDiverged, match=r"step 5: loss nan, grad norm nan or the updated weights "
+                                                     r"not finite; stopping \(train.nonfinite=stop\)\. The last good "
+                                                     r"checkpoint is step 4"):
+        train.run(cfg)
+    assert steps_on_disk(cfg.run_dir) == [4]
+
+
+# ---------------------------------------------------------------- corruption
+
+def test_corrupt_latest_falls_back_to_newest_good_step(reference, tmp_path, capsys):
+    ref_dir, make = reference
+    cfg = make(tmp_path / "run", **{"train.stop_at_step": 8})
+    train.run(cfg)
+    flip_bits(Path(cfg.run_dir) / "checkpoints" / "8", 97)
+    damaged = sorted(str(p.relative_to(Path(cfg.run_dir) / "checkpoints" / "8"))
+                     for p in (Path(cfg.run_dir) / "checkpoints" / "8").rglob("*"))
+    cfg.train.stop_at_step = 0
+    capsys.readouterr()
+    train.run(cfg)
+    out = capsys.readouterr().out
+    assert re.search(r"checkpoints/8 aside to .*checkpoints/8\.corrupt", out), out
+    assert "falling back to step 4" in out and "restored step 4" in out
+    aside = Path(cfg.run_dir) / "checkpoints" / "8.corrupt"
+    assert sorted(str(p.relative_to(aside)) for p in aside.rglob("*")) == damaged  # kept, not deleted
+    continues_reference(cfg.run_dir, ref_dir, list(range(5, 13)), cfg)
+    # Going back to step 4 by hand in the same run_dir: the later steps are renamed, not in the way.
+    cfg.restore_from = str(Path(cfg.run_dir) / "checkpoints" / "4")
+    cfg.train.eval_every = 6  # a changed setting is announced, and the old config.json kept
+    train.run(cfg)
+    out = capsys.readouterr().out
+    assert "note: resuming with a changed config (train.eval_every: 0 -> 6)" in out, out
+    assert json.loads((Path(cfg.run_dir) / "config.before_step4.json").read_text())["train"]["eval_every"] == 0
+    assert sorted(p.name for p in (Path(cfg.run_dir) / "checkpoints").iterdir()) == [
+        "12", "12.superseded", "4", "8", "8.corrupt", "8.superseded"]
+    continues_reference(cfg.run_dir, ref_dir, list(range(5, 13)), cfg)
+
+
+def test_tools_refuse_damaged_or_nonfinite_weights(reference, tmp_path, capsys):
+    from boost_jax import evaluate, export, generate
+    ref_dir, make = reference
+    bad = tmp_path / "bad"
+    shutil.copytree(ref_dir / "checkpoints", bad / "checkpoints")
+    flip_bits(bad / "checkpoints" / "12", 97)
+    nan = tmp_path / "nan"  # a checkpoint written without the finite check (as older versions could)
+    state, meta = saved_state(ref_dir, 12, make(ref_dir))
+    state = jax.tree.map(np.array, state)  # writable copies
+    state["params"]["embed"][0, 0] = np.nan
+    ckpt = Checkpointer(nan / "checkpoints", keep=1, async_save=False)
+    import orbax.checkpoint as ocp
+    meta.pop("checksums")
+    ckpt.manager.save(12, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    ckpt.close()
+    for run, why in ((bad, r"could not be restored|do not match the checksums"),
+                     (nan, r"NaN/inf values in \['params'\]\['embed'\]")):
+        for tool, args in ((evaluate.main, ["--checkpoint", str(run)]),
+                           (generate.main, ["--checkpoint", str(run), "--max_new_tokens", "2"]),
+                           (export.main, ["--checkpoint", str(run), "--out", str(tmp_path / "hf")])):
+            assert tool(args) == 1
+            err = capsys.readouterr().err
+            assert re.search(why, err) and "--checkpoint DIR/STEP" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    # The intact run samples; a top-k larger than the vocabulary keeps every token instead of failing.
+    assert generate.main(["--checkpoint", str(ref_dir), "--max_new_tokens", "2", "--top_k", "1000"]) == 0
