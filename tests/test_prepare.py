@@ -145,7 +145,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     assert prep.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o"), "--workers", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
-    assert err == f"error: {tmp_path / 'bad.jsonl'} (byte 17): no string field 'text'; set --field (data.jsonl_field)"
+    assert err == (f"error: {tmp_path / 'bad.jsonl'}:2: no field 'text' (its fields: ['body']); "
+                   "set data.jsonl_field (prepare: --field)")
     assert prep.main([str(tmp_path / "none*.jsonl"), "--out", str(tmp_path / "o")]) == 1
     assert "inputs: nothing found" in capsys.readouterr().err
     assert prep.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2"), "--dtype", "uint16",

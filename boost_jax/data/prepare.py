@@ -120,6 +120,19 @@ def _lines(f, start: int, end: int):
         pos += len(line)
 
 
+def _line_of(path: str, pos: int) -> str:
+    """PATH:LINE of the line starting at byte `pos` of the (decompressed) file; for error messages."""
+    newlines, done = 0, 0
+    with _open(path) as f:
+        while done < pos:
+            chunk = f.read(min(1 << 20, pos - done))
+            if not chunk:
+                break
+            newlines += chunk.count(b"\n")
+            done += len(chunk)
+    return f"{path}:{newlines + 1}"
+
+
 def _documents(path: str, start: int, end: int, field: str):
     """(text, ends_document) pieces of one byte range; text None only marks a document's end."""
     fmt = file_format(path)
@@ -144,22 +157,42 @@ def _documents(path: str, start: int, end: int, field: str):
                     continue
                 try:
                     record = json.loads(line)
+                except UnicodeDecodeError as e:
+                    raise PrepareError(f"{_line_of(path, pos)}: not valid UTF-8 (byte {e.start} of the line); "
+                                       "re-encode the file as UTF-8") from None
                 except ValueError as e:
-                    raise PrepareError(f"{path} (byte {pos}): not a JSON line ({e})") from None
-                text = record.get(field) if isinstance(record, dict) else None
+                    raise PrepareError(f"{_line_of(path, pos)}: not JSON ({getattr(e, 'msg', e)}, column "
+                                       f"{getattr(e, 'colno', '?')})") from None
+                if not isinstance(record, dict):
+                    raise PrepareError(f"{_line_of(path, pos)}: a JSON {type(record).__name__}, not an object "
+                                       f"with a {field!r} field")
+                if field not in record:
+                    raise PrepareError(f"{_line_of(path, pos)}: no field {field!r} (its fields: "
+                                       f"{sorted(record)[:6]}); set data.jsonl_field (prepare: --field)")
+                text = record[field]
                 if not isinstance(text, str):
-                    raise PrepareError(f"{path} (byte {pos}): no string field {field!r}; "
-                                       "set --field (data.jsonl_field)")
+                    raise PrepareError(f"{_line_of(path, pos)}: field {field!r} is not a string but "
+                                       f"{type(text).__name__}")
                 yield text, True
             return
-        piece, piece_bytes = [], 0  # the whole file, in pieces that bound the memory
-        for _, line in _lines(f, 0, float("inf")):
+        piece, piece_start = [], 0  # the whole file, in pieces of whole lines that bound the memory
+        for pos, line in _lines(f, 0, float("inf")):
+            if not piece:
+                piece_start = pos
             piece.append(line)
-            piece_bytes += len(line)
-            if piece_bytes >= TEXT_CHUNK:
-                yield b"".join(piece).decode("utf-8", errors="replace"), False
-                piece, piece_bytes = [], 0
-        yield (b"".join(piece).decode("utf-8", errors="replace") if piece else None), True
+            if pos + len(line) - piece_start >= TEXT_CHUNK:
+                yield _decode(b"".join(piece), path, piece_start), False
+                piece = []
+        yield (_decode(b"".join(piece), path, piece_start) if piece else None), True
+
+
+def _decode(data: bytes, path: str, offset: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = offset + e.start
+        raise PrepareError(f"{_line_of(path, at)}: not valid UTF-8 (byte {at} of the file); "
+                           "re-encode the file as UTF-8") from None
 
 
 def _encode(tok, texts: list, ends: list[bool], dtype) -> np.ndarray:
