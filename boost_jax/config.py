@@ -16,6 +16,7 @@ REMAT_POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")
 STRATEGIES = ("btp", "vanilla", "megatron")
 DATA_SOURCES = ("embedded", "text", "jsonl", "tokens")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "pallas", "cudnn")  # boost_jax/model/attention.py
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
     m.init_std = 0.02  # embedding init
     m.group_linears = True  # q/k/v and gate/up first stages as one GEMM, B's as one batched dot
     m.scan_unroll = False  # unroll the layer scan (tools use it to measure per-layer collectives)
+    # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention.py). auto: cudnn on a GPU in
+    # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
+    m.attention = "auto"
 
     d = c.data = ml_collections.ConfigDict()
     d.source = "embedded"  # embedded | text | jsonl | tokens
@@ -198,6 +202,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             f"rank {m.rank} must be in (0, {smallest}) (smaller than every projection's width), "
             f"e.g. d_model/4 = {m.d_model // 4}",
         )
+    _check(m.attention in ATTENTION_IMPLS, "model.attention", f"{m.attention!r} is not one of {ATTENTION_IMPLS}")
     _check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
     _check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
     _check(t.seq_len > 0, "train.seq_len", "must be positive")
