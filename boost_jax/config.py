@@ -52,6 +52,8 @@ def base_config() -> ml_collections.ConfigDict:
     # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention.py). auto: cudnn on a GPU in
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
     m.attention = "auto"
+    m.loss_chunk = 512  # positions per chunk of the head + cross-entropy (no f32 [B,T,V]); 0: one piece
+    m.z_loss = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the training loss
 
     d = c.data = ml_collections.ConfigDict()
     d.source = "embedded"  # embedded | text | jsonl | tokens
@@ -80,6 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.log_every = 20
     t.eval_every = 100
     t.eval_batches = 8
+    t.eval_microbatches = 0  # sequential slices of an eval batch (0: train.grad_accum)
     t.progress = True
 
     k = c.checkpoint = ml_collections.ConfigDict()
@@ -217,6 +220,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         t.global_batch % t.grad_accum == 0,
         "train.global_batch",
         f"{t.global_batch} is not divisible by train.grad_accum={t.grad_accum}",
+    )
+    _check(m.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0: the whole sequence in one piece)")
+    _check(m.z_loss >= 0, "model.z_loss", "must be >= 0 (0 disables the z-loss)")
+    _check(t.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0 (0: train.grad_accum)")
+    _check(
+        t.global_batch % (t.eval_microbatches or t.grad_accum) == 0,
+        "train.eval_microbatches",
+        f"{t.eval_microbatches or t.grad_accum} does not divide train.global_batch={t.global_batch}",
     )
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
     _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")

@@ -119,7 +119,8 @@ def run(cfg) -> dict:
 
         train_step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
         eval_sharding = NamedSharding(mesh, P(BATCH_AXES))
-        eval_step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings["params"], eval_sharding))
+        eval_step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum),
+                            in_shardings=(spec.shardings["params"], eval_sharding))
 
         def evaluate(params) -> float:
             losses = [eval_step(params, _to_global(eval_data.batch(i * t.global_batch), eval_sharding))
