@@ -102,6 +102,9 @@ def base_config() -> ml_collections.ConfigDict:
     p.fsdp = 1
     p.tensor = 1
     p.strategy = "btp"  # btp | vanilla | megatron (how the tensor axis splits the model)
+    # The gradient all-reduce over `data`: once per optimizer step (whatever train.grad_accum is), in
+    # this dtype (float32 | bfloat16); over `fsdp` gradients are reduce-scattered per micro-batch.
+    p.grad_reduce_dtype = "float32"
     p.online_norm = True  # btp: send RMSNorm statistics with the A partial products
     p.sequence_parallel = False  # megatron: shard norms/residual along sequence
     # Projection groups run as PrimePar spatial-temporal GEMMs on the (fsdp, tensor) grid:
@@ -245,6 +248,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
     _check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
     _check(p.strategy in STRATEGIES, "parallel.strategy", f"{p.strategy!r} is not one of {STRATEGIES}")
+    _check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
+           f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
     _check(c.kernels.rmsnorm in ("xla", "pallas"), "kernels.rmsnorm", "must be xla or pallas")
     sizes = [p.pipeline, p.data, p.fsdp, p.tensor]
     _check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")

@@ -7,6 +7,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.parallel.grad_reduce import accumulate_grads
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.parallel.pipeline import to_microbatches
 
@@ -23,17 +24,7 @@ def make_train_step(graphdef, tx, schedule):
         """batch: [grad_accum, micro_batch, T+1]. Micro-batch gradients are summed by a scan so only
         one gradient buffer lives at a time; the update is skipped (state kept) if not finite."""
         params = state["params"]
-        if batch.shape[0] == 1:
-            loss, grads = grad_fn(params, batch[0])
-        else:
-            def micro(acc, tokens):
-                l, g = grad_fn(params, tokens)
-                return jax.tree.map(jnp.add, acc, g), l
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, losses = jax.lax.scan(micro, zeros, batch)
-            grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
-            loss = losses.mean()
+        loss, grads = accumulate_grads(grad_fn, params, batch)  # one reduction over `data` per step
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
