@@ -20,6 +20,7 @@ from boost_jax import config as config_lib
 from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
 from boost_jax.data import build_loaders
 from boost_jax.distributed import DistributedError, maybe_initialize
+from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.metrics import MetricsWriter, fmt_mfu, throughput
 from boost_jax.model import flops_per_token
 from boost_jax.optim import make_optimizer
@@ -141,12 +142,16 @@ def run(cfg) -> dict:
         bar = tqdm(total=t.steps, initial=step, disable=not (main_process and t.progress), dynamic_ncols=True,
                    desc=cfg.name, unit="step")
         window_start, window_steps, last_saved, stopped = time.perf_counter(), 0, step, None
+        first_step = step
+        kernels_used()  # start the record afresh: the first train step below traces the model
         end = min(t.stop_at_step or t.steps, t.steps)
         try:
             with _StopFlag() as stop:
                 while step < end:
                     local = train_data.batch(position).reshape(t.grad_accum, -1, t.seq_len + 1)
                     state, metrics = train_step(state, _to_global(local, batch_sharding))
+                    if step == first_step:  # traced now: record what the kernels actually ran
+                        writer.write(step + 1, {"kernels": kernels_used()})
                     position += t.global_batch
                     step += 1
                     window_steps += 1

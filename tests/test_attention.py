@@ -142,3 +142,13 @@ def test_sharded_matches_single_device_xla(make_config, monkeypatch, case):
     loss, grads = loss_and_grads(cfg, params, tokens)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert_close_tree(grads, ref_grads, 1e-5)
+
+
+def test_pallas_attention_lowers_to_triton_for_cuda():
+    """The compiled (not interpreted) flash kernels, forward and backward, lower for an NVIDIA GPU
+    from this CPU host (GQA, bf16, head dim 64)."""
+    q = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    loss = lambda q, k, v: A.pallas_attention(q, k, v, 0, interpret=False).astype(jnp.float32).sum()  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2
