@@ -152,3 +152,19 @@ def test_pallas_attention_lowers_to_triton_for_cuda():
     loss = lambda q, k, v: A.pallas_attention(q, k, v, 0, interpret=False).astype(jnp.float32).sum()  # noqa: E731
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2
+
+
+def test_chunked_adds_no_collective_under_btp(make_config, monkeypatch):
+    """The blockwise loops stay head-local: the compiled train step's collectives (kind, axes, count,
+    elements) are those of the xla attention (data 2 x tensor 4, GQA, 4 chunks of 64)."""
+    from boost_jax.tools.comm_report import compile_program
+    from boost_jax.tools.hlo_comm import parse_collectives, summarize
+    monkeypatch.setattr(A, "CHUNK", 64)
+    found = {}
+    for impl in ("xla", "chunked"):
+        cfg = par_config(make_config, "btp", "cola", (2, 1, 4), **{
+            "model.n_kv_heads": 4, "model.max_seq_len": 256, "train.seq_len": 256, "train.global_batch": 4,
+            "model.attention": impl})
+        compiled, mesh, _ = compile_program(cfg, "train_step", jax.devices()[:8], 2, False)
+        found[impl] = summarize(parse_collectives(compiled.as_text(), mesh), by=("kind", "axes"))
+    assert found["chunked"] == found["xla"]
