@@ -66,7 +66,8 @@ def main(argv=None) -> int:
                       f"({rows[-1]['compile_s']:.0f} s to compile)", file=sys.stderr)
     print(f"btp tensor {args.tensor} on {args.devices} devices, micro-batch 1 per data replica, bf16, remat "
           f"{args.remat}; per device, XLA CPU memory_analysis (compiled, not run); {jax.__version__}\n")
-    print("| config | attention | " + " | ".join(f"temp GiB @ {s}" for s in seqs) + f" | growth {seqs[0]}->{seqs[-1]} |")
+    print("| config | attention | " + " | ".join(f"temp GiB @ {s}" for s in seqs)
+          + f" | growth {seqs[0]}->{seqs[-1]} |")
     print("|---|---|" + "---|" * (len(seqs) + 1))
     for name in args.configs.split(","):
         for attention in args.attention.split(","):

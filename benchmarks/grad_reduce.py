@@ -5,8 +5,9 @@
 Compiles the real train step on `--data` emulated CPU devices (mesh data x 1 x 1, one sequence per
 device per micro-batch, abstract shapes) and reads the optimised HLO: every all-reduce over `data`
 counts its elements once, times the trip count (grad_accum) when it sits inside the accumulation
-loop (the layer scan is unrolled, so that is the only loop). It does so with the once-per-step reduction (`boost_jax/parallel/grad_reduce.py`) and with
-XLA's own placement (the plain accumulation loop) for comparison. Prints a Markdown table, writes JSON.
+loop (the layer scan is unrolled, so that is the only loop). It does so with the once-per-step
+reduction (`boost_jax/parallel/grad_reduce.py`) and with XLA's own placement (the plain
+accumulation loop) for comparison. Prints a Markdown table, writes JSON.
 """
 from __future__ import annotations
 
