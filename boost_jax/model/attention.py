@@ -16,7 +16,8 @@ offset of the first new token. q: [B, T, H, Dh], k/v: [B, S, KV, Dh] with H a mu
 - pallas: the Pallas flash-attention kernel of `jax.experimental.pallas.ops.gpu.attention`
   (Triton-lowered; the interpreter on CPU). GQA repeats k/v heads; lengths are padded to the block.
 - cudnn: `jax.nn.dot_product_attention(implementation="cudnn")`, bf16/fp16 on an NVIDIA GPU.
-- auto: cudnn on a GPU in bf16/fp16, else xla up to `AUTO_XLA_MAX_KEYS` keys, else chunked.
+- auto: cudnn on a GPU in bf16/fp16 (head dim a multiple of 8, at most 128), else xla up to
+  `AUTO_XLA_MAX_KEYS` keys, else chunked.
 
 A decode step (a traced offset) runs `chunked` under the fused kernels, which take offset 0 only.
 The attention output is tagged `attn_out` (and, where the implementation keeps one, its float32
@@ -72,7 +73,9 @@ def resolve(impl: str, q, k, offset) -> str:
     """The implementation `impl` runs as for these shapes on this backend."""
     fused_ok = _static_zero(offset)
     if impl == "auto":
-        if fused_ok and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        dh = q.shape[-1]
+        if (fused_ok and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+                and dh % 8 == 0 and dh <= 128 and k.shape[1] == q.shape[1]):  # what cuDNN's fused kernel takes
             return "cudnn"
         return "xla" if k.shape[1] <= AUTO_XLA_MAX_KEYS else "chunked"
     if impl not in IMPLEMENTATIONS:
