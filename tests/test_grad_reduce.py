@@ -53,10 +53,14 @@ def test_without_the_island_the_reduction_runs_per_micro_batch(make_config, monk
     assert in_loop >= n_params // 2  # most of the gradient, executed grad_accum times
 
 
-@pytest.mark.parametrize("mesh,reduce_dtype", [((2, 2, 2), "float32"), ((4, 1, 2), "float32"),
-                                               ((2, 2, 2), "bfloat16")])
-def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dtype):
-    cfg = par_config(make_config, "btp", "cola", mesh, **{"parallel.grad_reduce_dtype": reduce_dtype})
+@pytest.mark.parametrize("mesh,reduce_dtype,compute", [((2, 2, 2), "float32", "float32"),
+                                                       ((4, 1, 2), "float32", "float32"),
+                                                       ((2, 2, 2), "bfloat16", "float32"),
+                                                       ((2, 2, 2), "float32", "bfloat16")])
+def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dtype, compute):
+    """Against the one-device gradient in the same compute dtype (bf16: within bf16 rounding)."""
+    cfg = par_config(make_config, "btp", "cola", mesh, **{"parallel.grad_reduce_dtype": reduce_dtype,
+                                                         "model.dtype": compute})
     params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
     tx, _ = make_optimizer(cfg.train)
     m, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
@@ -66,6 +70,6 @@ def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dt
         batch = jax.device_put(tokens.reshape(2, -1, tokens.shape[-1]), NamedSharding(m, P(None, ("data", "fsdp"))))
         grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x))
         loss, grads = jax.jit(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b))(params, batch)
-    tol = 1e-5 if reduce_dtype == "float32" else 1e-2
-    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    tol = 1e-5 if reduce_dtype == compute == "float32" else 2e-2 if compute == "float32" else 5e-2
+    assert abs(float(loss) - ref_loss) <= (1e-5 if compute == "float32" else 1e-2) * abs(ref_loss)
     assert_close_tree(jax.device_get(grads), ref_grads, tol)
