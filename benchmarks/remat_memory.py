@@ -65,11 +65,16 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8, help="sequences per device")
     ap.add_argument("--dtype", default="bfloat16")
+    # The table is the materialised-attention, full-logits step the planner's memory model prices
+    # (tests/test_planner.py); --attention chunked --loss_chunk 512 measures today's long-sequence defaults.
+    ap.add_argument("--attention", default="xla", help="model.attention")
+    ap.add_argument("--loss_chunk", type=int, default=0, help="model.loss_chunk")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "remat_memory.json"))
     args = ap.parse_args(argv)
     cfg = load_config_file(args.config)
     cfg.train.update(seq_len=args.seq, global_batch=args.batch, grad_accum=1)
-    cfg.model.update(dtype=args.dtype, max_seq_len=max(cfg.model.max_seq_len, args.seq))
+    cfg.model.update(dtype=args.dtype, max_seq_len=max(cfg.model.max_seq_len, args.seq), attention=args.attention,
+                     loss_chunk=args.loss_chunk)
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
     rows = [measure(cfg, p) for p in POLICIES]
     none = rows[0]

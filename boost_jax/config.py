@@ -19,6 +19,7 @@ STRATEGIES = ("btp", "vanilla", "megatron")
 DATA_SOURCES = ("embedded", "text", "jsonl", "tokens")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "pallas", "cudnn")  # boost_jax/model/attention.py
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,11 @@ def base_config() -> ml_collections.ConfigDict:
     m.init_std = 0.02  # embedding init
     m.group_linears = True  # q/k/v and gate/up first stages as one GEMM, B's as one batched dot
     m.scan_unroll = False  # unroll the layer scan (tools use it to measure per-layer collectives)
+    # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention.py). auto: cudnn on a GPU in
+    # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
+    m.attention = "auto"
+    m.loss_chunk = 512  # positions per chunk of the head + cross-entropy (no f32 [B,T,V]); 0: one piece
+    m.z_loss = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the training loss
 
     d = c.data = ml_collections.ConfigDict()
     d.source = "embedded"  # embedded | text | jsonl | tokens
@@ -93,6 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.log_every = 20
     t.eval_every = 100
     t.eval_batches = 8
+    t.eval_microbatches = 0  # sequential slices of an eval batch (0: train.grad_accum)
     t.progress = True
 
     k = c.checkpoint = ml_collections.ConfigDict()
@@ -112,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
     p.fsdp = 1
     p.tensor = 1
     p.strategy = "btp"  # btp | vanilla | megatron (how the tensor axis splits the model)
+    # The gradient all-reduce over `data`: once per optimizer step (whatever train.grad_accum is), in
+    # this dtype (float32 | bfloat16); over `fsdp` gradients are reduce-scattered per micro-batch.
+    p.grad_reduce_dtype = "float32"
     p.online_norm = True  # btp: send RMSNorm statistics with the A partial products
     p.sequence_parallel = False  # megatron: shard norms/residual along sequence
     # Projection groups run as PrimePar spatial-temporal GEMMs on the (fsdp, tensor) grid:
@@ -263,6 +273,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if problem:
         field, _, message = problem.partition(": ")
         raise ConfigError(f"config field `{field}`: {message}")
+    _check(m.attention in ATTENTION_IMPLS, "model.attention", f"{m.attention!r} is not one of {ATTENTION_IMPLS}")
     _check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
     _check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
     _check(t.seq_len > 0, "train.seq_len", "must be positive")
@@ -277,6 +288,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         t.global_batch % t.grad_accum == 0,
         "train.global_batch",
         f"{t.global_batch} is not divisible by train.grad_accum={t.grad_accum}",
+    )
+    _check(m.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0: the whole sequence in one piece)")
+    _check(m.z_loss >= 0, "model.z_loss", "must be >= 0 (0 disables the z-loss)")
+    _check(t.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0 (0: train.grad_accum)")
+    _check(
+        t.global_batch % (t.eval_microbatches or t.grad_accum) == 0,
+        "train.eval_microbatches",
+        f"{t.eval_microbatches or t.grad_accum} does not divide train.global_batch={t.global_batch}",
     )
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
     _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
@@ -313,6 +332,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
     _check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
     _check(p.strategy in STRATEGIES, "parallel.strategy", f"{p.strategy!r} is not one of {STRATEGIES}")
+    _check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
+           f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
     _check(c.kernels.rmsnorm in ("xla", "pallas"), "kernels.rmsnorm", "must be xla or pallas")
     sizes = [p.pipeline, p.data, p.fsdp, p.tensor]
     _check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")

@@ -77,7 +77,8 @@ def perplexity(cfg, params, spec, mesh, *, split: str = "eval", batches: int | N
               f"{split} split; windows repeat", file=sys.stderr)
     sharding = NamedSharding(mesh, P(BATCH_AXES))
     with use_rules(mesh, get_strategy(cfg.parallel)):
-        step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings["params"], sharding))
+        step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum),
+                       in_shardings=(spec.shardings["params"], sharding))
         losses = [step(params, jax.make_array_from_process_local_data(sharding, data.batch(i * t.global_batch)))
                   for i in range(batches)]
     loss = float(np.mean(jax.device_get(losses)))

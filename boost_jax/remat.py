@@ -2,10 +2,12 @@
 
 - none: save everything the backward wants (fastest, most memory).
 - full: save only each block's input (the residual carried by the layer scan); recompute the rest.
-- dots: save matmul outputs without batch dims (XLA's usual choice).
+- dots: save matmul outputs without batch dims (XLA's usual choice) and the attention output and
+  log-sum-exp (`attn_out`, `attn_lse`), so a fused attention is not re-run in the backward.
 - lowrank: save only the r-wide, fully reduced A·x tensors tagged `lowrank` and the per-row norm
-  statistics (CoLA-M / BOOST); recompute σ, the B expansions, attention and the MLP product. Under
-  BTP those tensors are replicated over `tensor`, so the recompute needs no collective.
+  statistics (CoLA-M / BOOST); recompute σ, the B expansions, attention (its `attn_out`/`attn_lse`
+  are deliberately not kept) and the MLP product. Under BTP those tensors are replicated over
+  `tensor`, so the recompute needs no collective.
 - offload_lowrank: as lowrank, but the saved tensors live in pinned host memory.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import jax
 
 SAVED_NAMES = ("lowrank", "norm_stats")  # r-wide reduced A outputs; per-row norm statistics
+ATTENTION_NAMES = ("attn_out", "attn_lse")  # attention output and its float32 log-sum-exp
 
 
 def policy(name: str):
@@ -20,7 +23,8 @@ def policy(name: str):
     if name == "full":
         return cp.nothing_saveable
     if name == "dots":
-        return cp.dots_with_no_batch_dims_saveable
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                          cp.save_only_these_names(*ATTENTION_NAMES))
     if name == "lowrank":
         return cp.save_only_these_names(*SAVED_NAMES)
     if name == "offload_lowrank":

@@ -7,25 +7,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.parallel.grad_reduce import accumulate_grads
 from boost_jax.parallel.mesh import BATCH_AXES
+from boost_jax.parallel.pipeline import to_microbatches
 from boost_jax.state import trainable, with_frozen
 
 
-def cross_entropy(logits, labels):
-    """Mean cross-entropy that stays vocab-parallel: only reductions over the vocab axis (max, sum,
-    and the label's logit picked by comparison with an iota), so sharded logits are never gathered."""
-    top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
-    lse = jnp.log(jnp.exp(logits - top).sum(axis=-1)) + top[..., 0]
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    picked = jnp.where(vocab == labels[..., None], logits, 0.0).sum(axis=-1)
-    return (lse - picked).mean()
-
-
-def next_token_loss(graphdef, params, tokens):
-    """Mean next-token cross-entropy of tokens [B, T+1] (float32)."""
-    model = nnx.merge(graphdef, params)
-    logits, _ = model(tokens[:, :-1])
-    return cross_entropy(logits, tokens[:, 1:])
+def next_token_loss(graphdef, params, tokens, with_z_loss: bool = True):
+    """Mean next-token cross-entropy of tokens [B, T+1] (float32; boost_jax/loss.py)."""
+    return nnx.merge(graphdef, params).next_token_loss(tokens, with_z_loss)
 
 
 def make_train_step(graphdef, tx, schedule):
@@ -38,17 +28,8 @@ def make_train_step(graphdef, tx, schedule):
         the loss, the gradient norm or any updated parameter is not finite."""
         params = state["params"]
         trained = trainable(params)
-        if batch.shape[0] == 1:
-            loss, grads = grad_fn(trained, params, batch[0])
-        else:
-            def micro(acc, tokens):
-                l, g = grad_fn(trained, params, tokens)
-                return jax.tree.map(jnp.add, acc, g), l
-
-            zeros = jax.tree.map(jnp.zeros_like, trained)
-            grads, losses = jax.lax.scan(micro, zeros, batch)
-            grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
-            loss = losses.mean()
+        # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
+        loss, grads = accumulate_grads(lambda t, x: grad_fn(t, params, x), trained, batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], trained)
         new_trained = optax.apply_updates(trained, updates)
@@ -67,9 +48,14 @@ def make_train_step(graphdef, tx, schedule):
     return train_step
 
 
-def make_eval_step(graphdef):
+def make_eval_step(graphdef, microbatches: int = 1):
+    """Mean cross-entropy (no z-loss) of tokens [B, T+1], run as `microbatches` sequential slices
+    (as training runs its grad_accum micro-batches), so evaluation fits wherever training fits."""
     def eval_step(params, tokens):
-        return next_token_loss(graphdef, params, tokens)
+        if microbatches == 1:
+            return next_token_loss(graphdef, params, tokens, with_z_loss=False)
+        micro = to_microbatches(tokens, microbatches)  # each device keeps its rows
+        return jax.lax.map(lambda x: next_token_loss(graphdef, params, x, with_z_loss=False), micro).mean()
 
     return eval_step
 

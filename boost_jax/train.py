@@ -22,6 +22,7 @@ from boost_jax import config as config_lib
 from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
 from boost_jax.data import build_loaders
 from boost_jax.distributed import DistributedError, maybe_initialize
+from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.metrics import MetricsWriter, fmt_mfu, throughput
 from boost_jax.model import flops_per_token
 from boost_jax.optim import make_optimizer
@@ -225,7 +226,8 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
 
         train_step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
         eval_sharding = NamedSharding(mesh, P(BATCH_AXES))
-        eval_step = jax.jit(make_eval_step(spec.graphdef), in_shardings=(spec.shardings["params"], eval_sharding))
+        eval_step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum),
+                            in_shardings=(spec.shardings["params"], eval_sharding))
 
         def evaluate(params) -> float:
             losses = [eval_step(params, _to_global(eval_data.batch(i * t.global_batch), eval_sharding))
@@ -248,6 +250,8 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
         bar = tqdm(total=t.steps, initial=step, disable=not (main_process and t.progress), dynamic_ncols=True,
                    desc=cfg.name, unit="step")
         window_start, window_steps, last_saved, stopped = time.perf_counter(), 0, step, None
+        first_step = step
+        kernels_used()  # start the record afresh: the first train step below traces the model
         unchecked = []  # (step, metrics) not yet read back: checked together at the next log or save
         in_a_row = 0  # non-finite steps in a row
         end = min(t.stop_at_step or t.steps, t.steps)
@@ -256,6 +260,8 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
                 ckpt.check()  # a background save that failed stops the run here, not at the next save
                 local = train_data.batch(position).reshape(t.grad_accum, -1, t.seq_len + 1)
                 state, metrics = train_step(state, _to_global(local, batch_sharding))
+                if step == first_step:  # traced now: record what the kernels actually ran
+                    writer.write(step + 1, {"kernels": kernels_used()})
                 position += t.global_batch
                 step += 1
                 window_steps += 1

@@ -112,3 +112,63 @@ def test_eps_zero_padded_rows_stay_out_of_dscale():
     ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, 0.0), x, w, gy, gs)
     for a, b in zip(got, ref):
         _close(a, b, rtol=1e-5, atol_frac=1e-6)
+
+
+# Widths that are not powers of two: 3200 = 2048+1024+128 lanes; 1000 and 21 end in a remainder
+# below the 16-lane minimum (one overlapping, masked piece); 10 is narrower than 16.
+@pytest.mark.parametrize("shape", [(3, 3200), (5, 1000), (9, 21), (3, 10)])
+def test_any_width_matches_reference(shape):
+    x, w, gy, gs = _inputs(shape, jnp.float32, seed=shape[-1])
+    got = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, block_rows=2), x, w, gy, gs)
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    for a, b in zip(got, ref):
+        _close(a, b, rtol=1e-5, atol_frac=1e-6)
+
+
+def test_scale_partials_are_a_fixed_grid_not_one_row_per_block():
+    """600 rows in blocks of 2 = 300 row blocks; the backward's partial dscale is [128, d] (each of
+    128 programs loops over its blocks, some past the end), and the result still matches."""
+    shape = (600, 20)
+    x, w, gy, gs = _inputs(shape, jnp.float32, seed=11)
+    fn = lambda x, w: K.rmsnorm(x, w, EPS, block_rows=2)  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fn(x, w)[0] * gy) + jnp.sum(fn(x, w)[1] * gs),
+                                    argnums=(0, 1)))(x, w)
+    text = str(jaxpr)
+    assert "f32[128,20]" in text and "f32[300,20]" not in text
+    got = _fwd_and_grads(fn, x, w, gy, gs)
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    for a, b in zip(got, ref):
+        _close(a, b, rtol=1e-5, atol_frac=1e-6)
+
+
+@pytest.mark.parametrize("d", [3200, 4096, 100])
+def test_kernels_lower_to_triton_for_cuda(d):
+    """The compiled (not interpreted) kernels lower for an NVIDIA GPU from this CPU host."""
+    x = jax.ShapeDtypeStruct((64, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d,), jnp.float32)
+
+    def f(x, w):
+        loss = lambda x, w: K._rmsnorm_pallas(x, w, 1e-6, 4, False)[0].astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2  # the forward and backward kernels
+
+
+def test_fallback_is_recorded(monkeypatch):
+    monkeypatch.setattr(K, "_WARNED", True)  # the warning itself is covered above
+    monkeypatch.setattr(K, "_LOWERS", {})
+    K.kernels_used()  # clear
+    x, w, _, _ = _inputs((7, 48), jnp.float32, seed=2)
+    K.rmsnorm(x, w, EPS, interpret=False)
+    assert K.kernels_used()["rmsnorm"].startswith("xla (pallas did not lower: ")
+    K.rmsnorm(x, w, EPS)  # the CPU interpreter
+    assert K.kernels_used() == {"rmsnorm": "pallas (interpreted)"}
+
+
+def test_training_run_records_the_kernel_that_ran(make_config):
+    from boost_jax import train
+    from tests_support import metric_rows
+    cfg = make_config(**{"kernels.rmsnorm": "pallas", "train.steps": 2, "train.stop_at_step": 1, "train.eval_every": 0})
+    train.run(cfg)
+    assert metric_rows(cfg.run_dir, "kernels") == {1: {"rmsnorm": "pallas (interpreted)"}}

@@ -9,14 +9,21 @@ normalised rows, so the kernel emits both from one pass over x.
 
 `impl="pallas"` runs Pallas kernels (forward and backward, via `jax.custom_vjp`) lowered through
 the Triton backend on GPU and the interpreter on CPU. Block strategy: rows are flattened to
-[R, d]; a grid step owns `block_rows` rows and the whole row width, padded *inside the block* to a
-power of two (Triton needs power-of-two block sizes). Out-of-range rows/columns are masked at
-load (read as 0) and at store, so no padded copy of x is ever materialised.
+[R, d]; a forward program owns `block_rows` rows and the whole row width, read as power-of-two
+column pieces (Triton needs power-of-two block shapes; d = 3200 is 2048 + 1024 + 128 lanes, not
+4096). The backward runs a fixed grid of at most 128 programs, each looping over its row blocks
+and accumulating its partial dscale in registers, so the partials are [programs, d] float32
+whatever R is. Masked lanes read as 0 and are not stored; no padded copy of x is materialised.
+
+When the kernel does not lower on a GPU it falls back to XLA loudly: a warning, an absl log line,
+and `kernels_used()` (which the trainer writes to metrics.jsonl) names what ran and why.
 """
 from __future__ import annotations
 
 import functools
 import warnings
+
+from absl import logging
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +33,18 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas import triton as plgpu
 
 _F32 = jnp.float32
-_LOWERS: dict = {}  # (backend, dtypes, d, block_rows) -> bool, probed once per key
+_LOWERS: dict = {}  # (backend, dtypes, d, block_rows) -> failure reason ("" when it lowers), probed once
 _WARNED = False  # the fallback warning is emitted at most once per process
+_USED: dict = {}  # (backend, dtype, d) -> the implementation that ran, for `kernels_used()`
+
+
+def kernels_used() -> dict:
+    """{"rmsnorm": what the norms traced since the last call ran}: "xla", "pallas", "pallas
+    (interpreted)" or "xla (pallas did not lower: ...)", distinct outcomes joined by "; ". The
+    trainer records it after tracing its steps."""
+    used = "; ".join(sorted(set(_USED.values()))) or "none traced"
+    _USED.clear()
+    return {"rmsnorm": used}
 
 
 def rmsnorm_reference(x, scale, eps):
@@ -40,79 +57,129 @@ def rmsnorm_reference(x, scale, eps):
 
 
 # ----------------------------------------------------------------------------------------- kernels
+#
+# Refs are whole arrays; a program addresses its rows and columns with static-width slices:
+# - columns: d is covered by power-of-two pieces (its binary digits down to _MIN_PIECE, then one
+#   _MIN_PIECE-wide piece ending at d whose already-covered columns are masked), so any width runs
+#   with at most _MIN_PIECE-1 redundant lanes and no padding to the next power of two;
+# - rows: a block of `br` rows starts at min(i*br, n_rows-br) (never out of bounds) and rows before
+#   i*br (the previous block's) are masked, so the last, partial block needs no padded input.
 
-def _masks(n_rows, d, br, dp):
-    rows = pl.program_id(0) * br + jnp.arange(br)
-    rmask = rows < n_rows
-    cmask = jnp.arange(dp) < d
-    return rmask, cmask, rmask[:, None] & cmask[None, :]
-
-
-def _fwd_kernel(x_ref, w_ref, y_ref, s_ref, *, n_rows, d, eps):
-    br, dp = x_ref.shape
-    rmask, cmask, mask = _masks(n_rows, d, br, dp)
-    # other=0: padding lanes add nothing to Σx²; real NaNs are never masked.
-    x = plgpu.load(x_ref, mask=mask, other=0.0).astype(_F32)
-    w = plgpu.load(w_ref, mask=cmask, other=0.0).astype(_F32)
-    s = jnp.sum(x * x, axis=1)
-    r = lax.rsqrt(s / d + eps)  # true d, not the padded block width
-    plgpu.store(y_ref, (x * r[:, None] * w[None, :]).astype(y_ref.dtype), mask=mask)
-    plgpu.store(s_ref, s, mask=rmask)
+_MIN_PIECE = 16
+_MAX_PROGRAMS = 128  # the backward's fixed grid: scale partials are [programs, d], not [row blocks, d]
 
 
-def _bwd_kernel(x_ref, w_ref, dy_ref, ds_ref, dx_ref, dw_ref, *, n_rows, d, eps):
-    br, dp = x_ref.shape
-    rmask, cmask, mask = _masks(n_rows, d, br, dp)
-    x = plgpu.load(x_ref, mask=mask, other=0.0).astype(_F32)
-    w = plgpu.load(w_ref, mask=cmask, other=0.0).astype(_F32)
-    dy = plgpu.load(dy_ref, mask=mask, other=0.0).astype(_F32)
-    ds = plgpu.load(ds_ref, mask=rmask, other=0.0).astype(_F32)
-    # Recompute s (x is loaded anyway); r=0 on out-of-range rows keeps them out of dscale even
-    # when eps=0 would make rsqrt(0)=inf.
-    r = jnp.where(rmask, lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps), 0.0)
-    g = dy * w[None, :]
-    # y = x·r·w, r = (s/d+eps)^-1/2, ∂r/∂x = -r³x/d;  s contributes 2·x·ds.
-    c = jnp.sum(g * x, axis=1) * (r * r * r) / d
-    dx = g * r[:, None] - x * c[:, None] + 2.0 * x * ds[:, None]
-    plgpu.store(dx_ref, dx.astype(dx_ref.dtype), mask=mask)
-    dw_ref[...] = jnp.sum(dy * x * r[:, None], axis=0)  # this block's partial dscale
+def _pieces(d):
+    """Static (start, width, tail) column pieces covering [0, d); `tail` pieces mask columns < start+width-rest."""
+    out, start = [], 0
+    for bit in reversed(range(d.bit_length())):
+        w = 1 << bit
+        if d & w and (w >= _MIN_PIECE or d < _MIN_PIECE):
+            out.append((start, w, 0))
+            start += w
+    if start < d:  # a remainder narrower than _MIN_PIECE: one overlapping piece
+        out.append((d - _MIN_PIECE, _MIN_PIECE, d - start))
+    return tuple(out)
+
+
+def _rows(block, br, n_rows):
+    first = block * br
+    row0 = jnp.minimum(first, n_rows - br)
+    rows = row0 + jnp.arange(br)
+    return row0, (rows >= first) & (rows < n_rows)
+
+
+def _cols(width, tail):
+    return jnp.arange(width) >= width - tail if tail else None
+
+
+def _load(ref, row0, br, piece, rmask):
+    c0, w, tail = piece
+    cmask = _cols(w, tail)
+    mask = rmask[:, None] if cmask is None else rmask[:, None] & cmask[None, :]
+    return plgpu.load(ref.at[pl.ds(row0, br), pl.ds(c0, w)], mask=mask, other=0.0).astype(_F32)
+
+
+def _store(ref, row0, br, piece, rmask, value):
+    c0, w, tail = piece
+    cmask = _cols(w, tail)
+    mask = rmask[:, None] if cmask is None else rmask[:, None] & cmask[None, :]
+    plgpu.store(ref.at[pl.ds(row0, br), pl.ds(c0, w)], value.astype(ref.dtype), mask=mask)
+
+
+def _load_scale(w_ref, piece):
+    c0, w, tail = piece
+    v = plgpu.load(w_ref.at[pl.ds(c0, w)]).astype(_F32)
+    return v if not tail else jnp.where(_cols(w, tail), v, 0.0)
+
+
+def _fwd_kernel(x_ref, w_ref, y_ref, s_ref, *, n_rows, d, eps, br):
+    pieces = _pieces(d)
+    row0, rmask = _rows(pl.program_id(0), br, n_rows)
+    # Masked lanes read 0: they add nothing to Σx²; real NaNs are never masked.
+    xs = [_load(x_ref, row0, br, p, rmask) for p in pieces]
+    s = sum(jnp.sum(x * x, axis=1) for x in xs)
+    r = lax.rsqrt(s / d + eps)
+    for p, x in zip(pieces, xs):
+        _store(y_ref, row0, br, p, rmask, x * r[:, None] * _load_scale(w_ref, p)[None, :])
+    plgpu.store(s_ref.at[pl.ds(row0, br)], s, mask=rmask)
+
+
+def _bwd_kernel(x_ref, w_ref, dy_ref, ds_ref, dx_ref, dw_ref, *, n_rows, d, eps, br, programs, steps):
+    pieces = _pieces(d)
+    pid = pl.program_id(0)
+    ws = [_load_scale(w_ref, p) for p in pieces]
+
+    def block(k, acc):
+        row0, rmask = _rows(pid + k * programs, br, n_rows)  # blocks past the end mask every row
+        xs = [_load(x_ref, row0, br, p, rmask) for p in pieces]
+        dys = [_load(dy_ref, row0, br, p, rmask) for p in pieces]
+        ds = plgpu.load(ds_ref.at[pl.ds(row0, br)], mask=rmask, other=0.0).astype(_F32)
+        # Recompute s (x is loaded anyway); r=0 on masked rows keeps them out of dscale even when
+        # eps=0 would make rsqrt(0)=inf.
+        r = jnp.where(rmask, lax.rsqrt(sum(jnp.sum(x * x, axis=1) for x in xs) / d + eps), 0.0)
+        # y = x·r·w, r = (s/d+eps)^-1/2, ∂r/∂x = -r³x/d;  s contributes 2·x·ds.
+        c = sum(jnp.sum(dy * w[None, :] * x, axis=1) for x, dy, w in zip(xs, dys, ws)) * (r * r * r) / d
+        for p, x, dy, w in zip(pieces, xs, dys, ws):
+            _store(dx_ref, row0, br, p, rmask, dy * w[None, :] * r[:, None] - x * c[:, None] + 2.0 * x * ds[:, None])
+        return tuple(a + jnp.sum(dy * x * r[:, None], axis=0) for a, x, dy in zip(acc, xs, dys))
+
+    acc = lax.fori_loop(0, steps, block, tuple(jnp.zeros((w,), _F32) for _, w, _ in pieces))
+    for (c0, w, tail), a in zip(pieces, acc):  # this program's partial dscale, one row of [programs, d]
+        cmask = _cols(w, tail)
+        plgpu.store(dw_ref.at[pid, pl.ds(c0, w)], a, mask=cmask)
 
 
 # ------------------------------------------------------------------------------------ pallas calls
 
-def _common(x2, br):
-    n_rows, d = x2.shape
-    dp = pl.next_power_of_2(d)
-    nb = pl.cdiv(n_rows, br)
+def _params(br, d):
     # Block elements live in registers under Triton: more warps for wider blocks.
-    params = plgpu.CompilerParams(num_warps=4 if br * dp <= 8192 else 8, num_stages=1)
-    row_spec = pl.BlockSpec((br, dp), lambda i: (i, 0))
-    vec_spec = pl.BlockSpec((br,), lambda i: (i,))
-    w_spec = pl.BlockSpec((dp,), lambda i: (0,))
-    return n_rows, d, dp, nb, params, row_spec, vec_spec, w_spec
+    return plgpu.CompilerParams(num_warps=4 if br * d <= 8192 else 8, num_stages=1)
 
 
 def _fwd_call(x2, scale, eps, br, interpret):
-    n_rows, d, dp, nb, params, row_spec, vec_spec, w_spec = _common(x2, br)
-    kernel = functools.partial(_fwd_kernel, n_rows=n_rows, d=d, eps=eps)
+    n_rows, d = x2.shape
+    kernel = functools.partial(_fwd_kernel, n_rows=n_rows, d=d, eps=eps, br=br)
     return pl.pallas_call(
-        kernel, grid=(nb,), in_specs=[row_spec, w_spec], out_specs=[row_spec, vec_spec],
+        kernel, grid=(pl.cdiv(n_rows, br),),
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((n_rows,), _F32)],
-        compiler_params=params, interpret=interpret, name="rmsnorm_fwd",
+        compiler_params=_params(br, d), interpret=interpret, name="rmsnorm_fwd",
     )(x2, scale)
 
 
 def _bwd_call(x2, scale, dy, ds, eps, br, interpret):
-    n_rows, d, dp, nb, params, row_spec, vec_spec, w_spec = _common(x2, br)
-    kernel = functools.partial(_bwd_kernel, n_rows=n_rows, d=d, eps=eps)
+    n_rows, d = x2.shape
+    n_blocks = pl.cdiv(n_rows, br)
+    programs = min(n_blocks, _MAX_PROGRAMS)
+    kernel = functools.partial(_bwd_kernel, n_rows=n_rows, d=d, eps=eps, br=br, programs=programs,
+                               steps=pl.cdiv(n_blocks, programs))
     dx, dw_part = pl.pallas_call(
-        kernel, grid=(nb,), in_specs=[row_spec, w_spec, row_spec, vec_spec],
-        out_specs=[row_spec, pl.BlockSpec((None, dp), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((nb, dp), _F32)],
-        compiler_params=params, interpret=interpret, name="rmsnorm_bwd",
+        kernel, grid=(programs,),
+        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((programs, d), _F32)],
+        compiler_params=_params(br, d), interpret=interpret, name="rmsnorm_bwd",
     )(x2, scale, dy, ds)
-    # Cross-block reduction of dscale outside the kernel (no atomics needed).
-    return dx, jnp.sum(dw_part, axis=0)[:d].astype(scale.dtype)
+    # Cross-program reduction of dscale outside the kernel (no atomics needed).
+    return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -135,9 +202,9 @@ _rmsnorm_pallas.defvjp(_vjp_fwd, _vjp_bwd)
 
 # ------------------------------------------------------------------------------------- public API
 
-def _default_block_rows(n_rows, dp):
-    # ~8K elements per block (32 KiB of f32), at most 16 rows, no more rows than exist.
-    return min(max(1, 8192 // dp), 16, pl.next_power_of_2(max(n_rows, 1)))
+def _default_block_rows(d):
+    # ~8K elements per block (32 KiB of f32), at most 16 rows.
+    return min(max(1, 8192 // pl.next_power_of_2(d)), 16)
 
 
 def _pallas_lowers(x2, scale, br):
@@ -155,14 +222,15 @@ def _pallas_lowers(x2, scale, br):
 
         try:
             jax.jit(probe).lower(xs, ws, xs, ss).compile()
-            _LOWERS[key] = True
+            _LOWERS[key] = ""
         except Exception as e:  # noqa: BLE001 - any lowering/compile failure means "use XLA"
-            _LOWERS[key] = False
+            _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}"
+            message = (f"boost_jax rmsnorm: Pallas kernel does not lower on backend {backend!r} "
+                       f"({_LOWERS[key]}); falling back to the XLA implementation.")
+            logging.warning(message)
             if not _WARNED:
                 _WARNED = True
-                warnings.warn(f"boost_jax rmsnorm: Pallas kernel does not lower on backend "
-                              f"{backend!r} ({type(e).__name__}: {str(e)[:300]}); "
-                              f"falling back to the XLA implementation.", stacklevel=3)
+                warnings.warn(message, stacklevel=3)
     return _LOWERS[key]
 
 
@@ -172,7 +240,9 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     eps, block_rows and interpret are static. block_rows must be a power of two (Triton).
     interpret=None: Pallas interpreter on CPU, compiled (Triton) elsewhere.
     """
+    used_key = (jax.default_backend(), jnp.dtype(x.dtype).name, x.shape[-1])
     if impl == "xla":
+        _USED[used_key] = "xla"
         return rmsnorm_reference(x, scale, eps)
     if impl != "pallas":
         raise ValueError(f"unknown rmsnorm impl {impl!r}")
@@ -183,13 +253,17 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     n_rows = x2.shape[0]
     if n_rows == 0:
         return rmsnorm_reference(x, scale, eps)
-    br = block_rows or _default_block_rows(n_rows, pl.next_power_of_2(d))
+    br = block_rows or _default_block_rows(d)
     if br & (br - 1):
         raise ValueError(f"block_rows must be a power of two, got {br}")
+    br = min(br, 1 << (n_rows.bit_length() - 1))  # a block never starts before row 0
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     interpret = bool(interpret)
-    if not interpret and not _pallas_lowers(x2, scale, br):
+    failure = "" if interpret else _pallas_lowers(x2, scale, br)
+    _USED[used_key] = (f"xla (pallas did not lower: {failure})" if failure
+                       else "pallas (interpreted)" if interpret else "pallas")
+    if failure:
         return rmsnorm_reference(x, scale, eps)
     y, s = _rmsnorm_pallas(x2, scale, float(eps), br, interpret)
     return y.reshape(x.shape), s.reshape(lead)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax import remat
+from boost_jax.loss import head_loss, logits_of
 from boost_jax.model.attention import Attention
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
@@ -74,6 +75,7 @@ class Transformer(nnx.Module):
                                   impl=norm_impl)
         self.unroll = bool(cfg.scan_unroll)
         self.tie_embeddings = bool(cfg.tie_embeddings)
+        self.loss_chunk, self.z_loss = int(cfg.loss_chunk), float(cfg.z_loss)
         if not self.tie_embeddings:
             self.lm_head = nnx.Param(dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model,
                                                 cfg.d_model, param_dtype), axes=("head_embed", "vocab"))
@@ -124,9 +126,14 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions=None, cache=None):
         """Logits [B, T, vocab] in float32, and the updated cache (None without one)."""
         h, cache = self.hidden(tokens, positions, cache)
-        logits = jnp.einsum("btd,dv->btv", h, self.head_weight().astype(h.dtype),
-                            preferred_element_type=jnp.float32)
-        return constrain(logits, ("act_batch", "act_seq", "act_vocab")), cache
+        return logits_of(h, self.head_weight()), cache
+
+    def next_token_loss(self, tokens, with_z_loss: bool = True):
+        """Mean next-token cross-entropy of tokens [B, T+1] (float32), chunked over positions by
+        `model.loss_chunk` so no float32 [B, T, V] logits exist; plus `model.z_loss` when asked."""
+        h, _ = self.hidden(tokens[:, :-1])
+        return head_loss(h, self.head_weight(), tokens[:, 1:], chunk=self.loss_chunk,
+                         z_loss=self.z_loss if with_z_loss else 0.0)
 
 
 def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla") -> Transformer:

@@ -20,13 +20,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.kernels.rmsnorm import rmsnorm
-from boost_jax.parallel.strategies import BATCH
+from boost_jax.parallel.rules import logical_spec
 
 
 def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla"):
     """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g."""
     d = x.shape[-1]
-    batch = tuple(a for a in BATCH if mesh.shape[a] > 1) or None
+    batch = logical_spec(("act_batch",), x.shape[:1])  # the current rules' batch split (no `data` per replica)
+    batch = batch[0] if len(batch) else None
 
     def local(x, scale, a):
         xhat, s = rmsnorm(x, scale, eps, impl=impl)  # locally normalised rows and the local Σx²

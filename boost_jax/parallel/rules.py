@@ -29,6 +29,7 @@ class Strategy:
     online_norm: bool = False  # BTP: a norm in front of row-parallel A's sends its statistics with them
     st_groups: frozenset = frozenset()  # projection groups run as PrimePar P(n x n) on (fsdp, tensor)
     microbatches: int = 1  # pipeline micro-batches per pass (used when the mesh has pipeline > 1)
+    grad_reduce_dtype: str = "float32"  # dtype of the once-per-step gradient all-reduce over `data`
 
     @property
     def compute_rules(self) -> tuple:

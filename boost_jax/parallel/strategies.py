@@ -76,7 +76,8 @@ def st_groups(spec: str) -> frozenset:
 
 def get_strategy(p) -> Strategy:
     """The Strategy for a `parallel` config section."""
-    extra = dict(st_groups=st_groups(p.linear_partition), microbatches=int(p.microbatches) or 2 * int(p.pipeline))
+    extra = dict(st_groups=st_groups(p.linear_partition), microbatches=int(p.microbatches) or 2 * int(p.pipeline),
+                 grad_reduce_dtype=str(p.grad_reduce_dtype))
     if p.strategy == "btp":
         return Strategy("btp", BTP, online_norm=bool(p.online_norm), **extra)
     if p.strategy == "vanilla":

@@ -1,0 +1,88 @@
+"""Gradient accumulation with one reduction over `data` per optimizer step, in `parallel.grad_reduce_dtype`.
+
+Left to GSPMD, a step of `grad_accum` micro-batches all-reduces the gradient over `data` inside the
+accumulation loop, once per micro-batch, in whatever dtype the backward produced (bf16 under bf16
+compute). Here each data replica computes its own gradient instead: the micro-batch is viewed as
+[data, rows/data, T+1] and the loss is vmapped over that leading dim with `spmd_axis_name="data"`,
+under the strategy's rules with `data` removed (inside, the batch is split over `fsdp` alone). The
+per-replica gradients [data, ...] are accumulated in float32 across micro-batches, still split
+over `data`, and summed over that dim once at the end: one all-reduce per step, in the configured
+dtype, whatever grad_accum is.
+
+Over `fsdp` the gradient is still reduce-scattered once per micro-batch inside the loop. That is
+the right place: it keeps the accumulator sharded like the parameters (1/fsdp of the gradient per
+device) and its traffic is what FSDP must send anyway; deferring it would need a full, unsharded
+gradient buffer on every device.
+
+Used when the mesh has data > 1 and no pipeline or spatial-temporal projections (whose own
+schedules/islands place their reductions); otherwise the plain accumulation loop runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from boost_jax.parallel import rules
+
+
+def without_axis(strategy: rules.Strategy, axis: str) -> rules.Strategy:
+    """The strategy with `axis` removed from every rule (a rule left with no axes replicates)."""
+    def drop(axes):
+        kept = tuple(a for a in rules._as_tuple(axes) if a != axis)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return dataclasses.replace(strategy, rules=tuple((name, drop(axes)) for name, axes in strategy.rules))
+
+
+def _plain(grad_fn, params, batch):
+    """GSPMD's own placement: the scan's gradients are reduced where XLA puts it (per micro-batch)."""
+    if batch.shape[0] == 1:
+        return grad_fn(params, batch[0])
+
+    def micro(acc, tokens):
+        l, g = grad_fn(params, tokens)
+        return jax.tree.map(jnp.add, acc, g), l
+
+    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
+    return losses.mean(), jax.tree.map(lambda g: g / batch.shape[0], grads)
+
+
+def island_applies(mesh, strategy) -> bool:
+    return mesh.shape.get("data", 1) > 1 and mesh.shape.get("pipeline", 1) == 1 and not strategy.st_groups
+
+
+def accumulate_grads(grad_fn, params, batch):
+    """(mean loss, mean gradient) of `grad_fn(params, tokens) -> (loss, grads)` over batch
+    [grad_accum, micro_batch, T+1], reduced over `data` once (see the module docstring)."""
+    ctx = rules.current()
+    if ctx is None or not island_applies(*ctx):
+        return _plain(grad_fn, params, batch)
+    mesh, strategy = ctx
+    d, fsdp = mesh.shape["data"], mesh.shape.get("fsdp", 1)
+    a, b = batch.shape[:2]
+    # Rows are split data-major (P(None, ("data", "fsdp"))): replica i owns rows [i*b/d, (i+1)*b/d).
+    x = batch.reshape(a, d, b // d, *batch.shape[2:])
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "data", "fsdp" if fsdp > 1 else None)))
+    inner = without_axis(strategy, "data")
+
+    def local(p, tokens):
+        with rules.use_rules(mesh, inner):
+            return grad_fn(p, tokens)
+
+    per_replica = jax.vmap(local, in_axes=(None, 0), spmd_axis_name="data")
+    split = lambda t: jax.lax.with_sharding_constraint(  # noqa: E731 - [data, ...] stays split over data
+        t, NamedSharding(mesh, P("data", *([P.UNCONSTRAINED] * (t.ndim - 1)))))
+
+    def micro(acc, tokens):
+        l, g = per_replica(params, tokens)
+        return jax.tree.map(lambda s, g: split(s + g.astype(jnp.float32)), acc, g), l
+
+    zeros = jax.tree.map(lambda p: split(jnp.zeros((d,) + p.shape, jnp.float32)), params)
+    acc, losses = jax.lax.scan(micro, zeros, x)
+    dtype = jnp.dtype(strategy.grad_reduce_dtype)
+    grads = jax.tree.map(lambda g, p: (g.astype(dtype).sum(0).astype(jnp.float32) / (a * d)).astype(p.dtype),
+                         acc, params)
+    return losses.mean(), grads

@@ -1,0 +1,79 @@
+"""The chunked, vocab-parallel cross-entropy equals the plain full-logits loss (value and gradient),
+never holds float32 [B, T, V] logits, and evaluation in micro-batches gives the one-batch loss."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from boost_jax.loss import head_loss
+from boost_jax.model import build_model
+from boost_jax.step import make_eval_step
+
+from test_parallel import assert_close_tree, loss_and_grads, par_config, reference
+
+
+def plain_loss(h, w, labels, z_loss):
+    """Full float32 logits, jax.nn.log_softmax: the independent reference."""
+    logits = jnp.einsum("btd,dv->btv", h.astype(jnp.float32), w.astype(h.dtype).astype(jnp.float32))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1)[..., 0]
+    return jnp.mean(ce + z_loss * lse ** 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("chunk,z_loss", [(4, 0.0), (5, 1e-2), (0, 1e-2), (64, 0.0)])
+def test_chunked_loss_matches_full_logits(chunk, z_loss, dtype):
+    b, t, d, v = 3, 13, 16, 50
+    ks = jax.random.split(jax.random.key(chunk), 3)
+    h = jax.random.normal(ks[0], (b, t, d)).astype(dtype)
+    w = 0.3 * jax.random.normal(ks[1], (d, v))
+    labels = jax.random.randint(ks[2], (b, t), 0, v)
+    got = jax.jit(jax.value_and_grad(lambda h, w: head_loss(h, w, labels, chunk=chunk, z_loss=z_loss),
+                                     argnums=(0, 1)))(h, w)
+    want = jax.value_and_grad(lambda h, w: plain_loss(h, w, labels, z_loss), argnums=(0, 1))(h, w)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == r.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol,
+                                   atol=tol * float(np.abs(np.asarray(r, np.float32)).max()))
+
+
+def _f32_logit_buffers(chunk):
+    b, t, d, v = 2, 512, 32, 4096
+    h = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+    w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+    labels = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    grad = jax.grad(lambda h, w, l: head_loss(h, w, l, chunk=chunk), argnums=(0, 1))
+    compiled = jax.jit(grad).lower(h, w, labels).compile()
+    return compiled.as_text().count(f"f32[{b},{t},{v}]"), compiled.memory_analysis().temp_size_in_bytes, b * t * v * 4
+
+
+def test_no_float32_full_logits_in_the_compiled_step():
+    full_count, full_temp, one_buffer = _f32_logit_buffers(0)
+    assert full_count > 0 and full_temp >= one_buffer  # the plain loss does hold them
+    chunked_count, chunked_temp, _ = _f32_logit_buffers(64)
+    assert chunked_count == 0
+    assert chunked_temp < one_buffer / 2, (chunked_temp, one_buffer)  # a few [B, 64, V] blocks
+
+
+def test_sharded_chunked_loss_matches_single_device_plain(make_config):
+    """btp on data 2 x tensor 4 (vocab-parallel head), chunks of 5 positions (T = 16), z-loss on."""
+    cfg = par_config(make_config, "btp", "cola", (2, 1, 4), **{"model.loss_chunk": 0, "model.z_loss": 1e-3})
+    params, tokens, (ref_loss, ref_grads) = reference(cfg)
+    cfg.model.loss_chunk = 5
+    loss, grads = loss_and_grads(cfg, params, tokens)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(grads, ref_grads, 1e-5)
+
+
+def test_eval_in_microbatches_matches_one_batch(make_config):
+    cfg = make_config(**{"model.z_loss": 0.1})
+    model = build_model(cfg.model, seed=1)
+    graphdef, params = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 17)), jnp.int32)
+    one = jax.jit(make_eval_step(graphdef, 1))(params, tokens)
+    four = jax.jit(make_eval_step(graphdef, 4))(params, tokens)
+    logits, _ = model(tokens[:, :-1])  # eval reports the cross-entropy alone, without the z-loss
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], -1).mean()
+    np.testing.assert_allclose([float(one), float(four)], [float(ce)] * 2, rtol=1e-5)
