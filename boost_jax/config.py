@@ -12,7 +12,6 @@ from pathlib import Path
 
 import ml_collections
 
-from boost_jax.model.kinds import NAMES as LINEAR_KINDS
 
 REMAT_POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")
 STRATEGIES = ("btp", "vanilla", "megatron")
@@ -250,6 +249,7 @@ def _check(cond: bool, field: str, message: str) -> None:
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Reject configurations that cannot build, naming the field and what would work."""
     m, t, p = c.model, c.train, c.parallel
+    from boost_jax.model.kinds import NAMES as LINEAR_KINDS, kind_class  # the registry: model/kinds/__init__.py
     _check(m.linear in LINEAR_KINDS, "model.linear", f"{m.linear!r} is not one of {LINEAR_KINDS}")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         _check(int(m[name]) > 0, f"model.{name}", f"must be a positive integer, got {m[name]}")
@@ -266,7 +266,6 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"choose one of {_divisors(m.n_heads)}",
     )
     _check((m.d_model // m.n_heads) % 2 == 0, "model.n_heads", "head_dim = d_model/n_heads must be even for RoPE")
-    from boost_jax.model.kinds import kind_class
     widths = {"model.d_model": m.d_model, "model.d_ff": m.d_ff,
               "model.n_kv_heads*head_dim": m.n_kv_heads * (m.d_model // m.n_heads)}
     problem = kind_class(m.linear).validate(m, widths)
