@@ -65,6 +65,10 @@ def breakdown(p, layers: int) -> str:
 def run_verify(cfg, cluster, plan, seq: int) -> bool:
     from boost_jax.planner import verify
 
+    if "st" in plan.layer.choices:
+        raise SystemExit(f"--verify: the plan runs {plan.overrides.split('linear_partition=')[1].split()[0]} "
+                         "spatial-temporal; --verify compares uniform strategies only (compile it with the "
+                         "overrides above, or plan with --config.parallel.fsdp != tensor sizes)")
     sp = plan.sequence_parallel
     if plan.mesh.pipeline > 1:
         mesh, vseq = verify.shrink_pipeline(plan.mesh, seq)
