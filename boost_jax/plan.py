@@ -66,9 +66,8 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
     from boost_jax.planner import verify
 
     if "st" in plan.layer.choices:
-        raise SystemExit(f"--verify: the plan runs {plan.overrides.split('linear_partition=')[1].split()[0]} "
-                         "spatial-temporal; --verify compares uniform strategies only (compile it with the "
-                         "overrides above, or plan with --config.parallel.fsdp != tensor sizes)")
+        raise SystemExit("--verify: the plan has spatial-temporal groups (parallel.linear_partition), which "
+                         "--verify does not compare yet; it compares uniform btp/vanilla/megatron plans")
     sp = plan.sequence_parallel
     if plan.mesh.pipeline > 1:
         mesh, vseq = verify.shrink_pipeline(plan.mesh, seq)
