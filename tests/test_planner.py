@@ -224,9 +224,10 @@ def with_overrides(cfg, flags: str):
 
 @pytest.mark.parametrize("linear", ["cola", "dense"])
 def test_runnable_top_plans_compile(linear):
-    """Every top-5 plan marked runnable (spatial-temporal and mixed ones among them) builds the mesh
-    and strategy it names and compiles as the trainer's step on 8 emulated devices (7B widths, 2 layers,
-    abstract shapes)."""
+    """Every top-5 plan marked runnable, and the best runnable plan with st groups on each strategy
+    (mixed: btp/st/btp/btp for CoLA, megatron and megatron-SP around an st `o` for dense), builds
+    the mesh and strategy it names and compiles as the trainer's step on 8 emulated devices (7B
+    widths, 2 layers, abstract shapes)."""
     from boost_jax.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.rules import use_rules
@@ -237,9 +238,14 @@ def test_runnable_top_plans_compile(linear):
     cfg = sized_config("7b", linear)
     cfg.model.n_layers = 2
     cfg.data.source = "embedded"
-    res = search(cfg, A100, 8, Options(batch=16, seq=2048), flops_per_token=1.0)
-    plans = [p for p in res.plans if p.runnable == "yes"]
-    assert any("st" in p.layer.choices for p in plans), [str(p.layer) for p in res.plans]
+    res = search(cfg, A100, 8, Options(batch=16, seq=2048, top=30), flops_per_token=1.0)
+    plans = [p for p in res.plans[:5] if p.runnable == "yes"]
+    with_st = {}
+    for p in res.plans:
+        if p.runnable == "yes" and "st" in p.layer.choices:
+            with_st.setdefault((p.strategy, p.sequence_parallel), p)
+    assert with_st, [str(p.layer) for p in res.plans]
+    plans += [p for p in with_st.values() if p not in plans]
     for p in plans:
         run = with_overrides(cfg, p.overrides)
         tx, schedule = make_optimizer(run.train)
