@@ -261,3 +261,16 @@ def test_runnable_top_plans_compile(linear):
             batch = jax.ShapeDtypeStruct((run.train.grad_accum, micro, run.train.seq_len + 1), jnp.int32,
                                          sharding=batch_sharding)
             step.lower(spec.abstract, batch).compile()
+
+
+@pytest.mark.parametrize("choices", [("btp", "st", "btp", "btp"), ("st", "st", "st", "st")], ids=["o_st", "all_st"])
+def test_verify_st_plans_agree_with_the_compiled_step(choices):
+    """A mixed and an all-st plan (around btp, on the 2 x 2 fsdp x tensor grid): the planner's per-layer
+    bytes by class, the st grid's permutes included, against the compiled programs within 5%."""
+    c = base_config()
+    c.model.update(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1376, rank=128, n_layers=2, vocab_size=1024,
+                   max_seq_len=64)
+    rows = compare(c, A100, Mesh(1, 2, 2), "btp", batch=2, seq=64, layer=Layer("H", choices, "H", "H"))
+    assert "st grid fwd+bwd" in [r["traffic"] for r in rows]
+    for r in rows:
+        assert r["measured"] > 0 and math.isclose(r["predicted"], r["measured"], rel_tol=0.05), r

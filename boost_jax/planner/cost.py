@@ -100,7 +100,7 @@ def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, f
     n = st.n
     step = gemm_seconds(st.m, st.k / n, st.out / n, cluster)  # st.m: this device's tokens already
     colls = st.colls()  # [skew I, skew W] + per step (fwd 2, dI 2, dW 2) + [unskew dI, dW back]
-    seconds = lambda cs: sum(coll_seconds(c, cluster, act_bytes) for c in cs)  # noqa: E731
+    seconds = lambda cs: sum(coll_seconds(c, cluster, act_bytes) for c in cs if c.elements)  # noqa: E731
     skew, unskew = seconds(colls[:2]), seconds(colls[-2:])
     pairs = [colls[2 + 6 * s: 8 + 6 * s] for s in range(n - 1)]
 

@@ -73,8 +73,8 @@ class Coll:
     size: int  # devices in the group
     stride: int  # device-id distance between group members: decides intra- or inter-node link
     phase: str  # fwd | bwd
-    # tensor, pipeline (activations, compute dtype; st's grid hops too, weights cast before they move)
-    # | data_fsdp (parameters/gradients, fp32)
+    # tensor, pipeline, grid (activations, compute dtype; grid: st's permutes over fsdp, weights cast
+    # before they move) | data_fsdp (parameters/gradients, fp32)
     axis: str = "tensor"
     saved: bool = False  # its result is what low-rank checkpointing keeps: never recomputed
 
@@ -92,27 +92,33 @@ class StMatmul:
     """P(n x n) on [m, k] @ [k, out] on the (fsdp, tensor) grid, m = this device's tokens (its fsdp
     shard of the batch): n steps of local (m, k/n, out/n) GEMMs and one-hop permutes, as
     boost_jax.parallel.spatial_temporal.st_matmul runs them, plus the trainer's skews: the input's
-    (along the row) and the weight's one hop from its stored layout (dW hops back)."""
+    (along the row) and the weight's one hop from its stored layout (dW hops back). `shared`: another
+    projection reads the same input, and XLA merges the input's identical moves (its skew, its
+    forward row hops and its dW-phase diagonal hops, none of which depend on the weight), so they
+    appear with zero elements here."""
     m: float
     k: float
     out: float
     n: int
     tag: str
+    shared: bool = False
 
     def colls(self) -> list[Coll]:
         n = self.n
         i, w, o = self.m * self.k / n, self.k * self.out / (n * n), self.m * self.out / n
+        dx, i = i, 0.0 if self.shared else i  # dI is still every projection's own
 
         def cp(elements, phase, ring):  # ring: (size, stride) of the devices it cycles through
-            return Coll("collective-permute", elements, *ring, phase)
+            # Row moves stay on the tensor axis; the rest crosses fsdp too ("grid").
+            return Coll("collective-permute", elements, *ring, phase, "tensor" if ring == row else "grid")
 
         row, col, grid = (n, 1), (n, n), (n * n, 1)  # row: tensor; column: fsdp (stride = tensor size)
-        out = [cp(i, "fwd", row), cp(w, "fwd", grid)]  # skew the input and the weight
+        out = [cp(i, "fwd", row), cp(w, "fwd", grid)]  # skew I (within its row) and W
         for _ in range(n - 1):
             out += [cp(i, "fwd", row), cp(w, "fwd", col),  # forward: I along rows, W along columns
                     cp(o, "bwd", row), cp(w, "bwd", grid),  # dI phase: dO along rows, W diagonally
                     cp(o, "bwd", col), cp(i, "bwd", grid)]  # dW phase: dO along columns, I diagonally
-        return out + [cp(i, "bwd", row), cp(w, "bwd", grid)]  # unskew dI, dW back to its stored layout
+        return out + [cp(dx, "bwd", row), cp(w, "bwd", grid)]  # unskew dI, dW back to its stored layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,11 +299,12 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
         n = ctx.n  # == t
         # Kept for the backward: each GEMM's skewed input and its output (and σ's input).
         if b.factored:
-            op.st = [StMatmul(m, din, r, n, "A") for _ in douts] + [StMatmul(m, r, o, n, "B") for o in douts]
+            op.st = ([StMatmul(m, din, r, n, "A", shared=j > 0) for j in range(g)]
+                     + [StMatmul(m, r, o, n, "B") for o in douts])
             op.acts, op.saved_lowrank = m * (g * din + 3 * g * r + dsum) / n, m * g * r / n
             op.grid_weights = (din * g * r + r * dsum) / n
         else:
-            op.st = [StMatmul(m, din, o, n, "W") for o in douts]
+            op.st = [StMatmul(m, din, o, n, "W", shared=j > 0) for j, o in enumerate(douts)]
             op.acts, op.grid_weights = m * (g * din + dsum) / n, din * dsum / n
     else:
         raise ValueError(f"unknown partition choice {choice!r} for {group}")
