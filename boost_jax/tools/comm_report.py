@@ -340,6 +340,12 @@ def to_markdown(rep: dict) -> str:
         row("train step, tensor: GiB", lambda c: _gib(_get(c, "step_by_axis", "tensor", "bytes"))),
         row("train step, data+fsdp: GiB", lambda c: _gib(_get(c, "step_by_axis", "data_fsdp", "bytes"))),
         row("train step: collectives", lambda c: _fmt_kinds(_get(c, "step_by_kind", default={}))),
+    ]
+    if any(_get(c, "step_by_axis", "grid", "bytes") for c in rep["strategies"].values()):
+        lines += [  # parallel.linear_partition: the st groups' permutes across fsdp
+            row("fwd+bwd / layer, st grid: GiB", lambda c: _gib(both(c, "grid"))),
+            row("train step, st grid: GiB", lambda c: _gib(_get(c, "step_by_axis", "grid", "bytes")))]
+    lines += [
         row("TFLOP/device/step, analytic", lambda c: f"{c['flops']['analytic_per_device_step'] / 1e12:.3g}"),
         row("TFLOP/device/step, XLA cost_analysis", xla_flops),
     ]
