@@ -65,6 +65,11 @@ def breakdown(p, layers: int) -> str:
 def run_verify(cfg, cluster, plan, seq: int) -> bool:
     from boost_jax.planner import verify
 
+    st = "st" in plan.layer.choices
+    if st and (plan.strategy != "btp" or plan.mesh.tensor != 2 or plan.mesh.pipeline > 1):
+        raise SystemExit("--verify: spatial-temporal groups are compared around parallel.strategy=btp on a "
+                         f"2 x 2 grid without pipelining; this plan has {plan.strategy}, tensor {plan.mesh.tensor}, "
+                         f"pipeline {plan.mesh.pipeline} (compile it with the overrides above instead)")
     sp = plan.sequence_parallel
     if plan.mesh.pipeline > 1:
         mesh, vseq = verify.shrink_pipeline(plan.mesh, seq)
@@ -75,9 +80,10 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
         rows = verify.compare_pipeline(cfg, cluster, mesh, plan.strategy, sp, plan.remat, micro, vseq)
     else:
         mesh, batch, vseq = verify.shrink(plan.mesh, seq)
-        print(f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}, mesh {mesh}, batch {batch} x seq {vseq}, "
+        groups = f" + {verify.linear_partition(plan.layer)} on the fsdp x tensor grid" if st else ""
+        print(f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}{groups}, mesh {mesh}, batch {batch} x seq {vseq}, "
               f"remat {plan.remat}, compiled on emulated CPU devices (bytes per layer per device)")
-        rows = verify.compare(cfg, cluster, mesh, plan.strategy, sp, plan.remat, batch, vseq)
+        rows = verify.compare(cfg, cluster, mesh, plan.strategy, sp, plan.remat, batch, vseq, layer=plan.layer)
     print("| traffic | planner | HLO (comm_report) | planner / HLO | within 10% |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['traffic']} | {r['predicted']:,.0f} | {r['measured']:,.0f} | {r['ratio']:.3f} "

@@ -1,4 +1,10 @@
 """Every strategy x linear kind x mesh computes the single-device loss and gradients (float32)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -33,7 +39,9 @@ def par_config(make_config, strategy, linear, mesh, **kw):
     return make_config(**overrides)
 
 
-def loss_and_grads(cfg, params_host, tokens):
+def loss_and_grads(cfg, params_host, tokens, collectives=False):
+    """(loss, grads) of one micro-batch under cfg's mesh and strategy; with `collectives`, also the
+    compiled program's collectives (hlo_comm.Collective list)."""
     tx, _ = make_optimizer(cfg.train)
     mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
     with use_rules(mesh, strategy):
@@ -41,7 +49,12 @@ def loss_and_grads(cfg, params_host, tokens):
         params = jax.device_put(params_host, spec.shardings["params"])
         batch = jax.device_put(tokens, NamedSharding(mesh, P(BATCH_AXES)))
         fn = jax.jit(jax.value_and_grad(lambda t, p, x: next_token_loss(spec.graphdef, with_frozen(t, p), x)))
-        loss, grads = fn(trainable(params), params, batch)
+        args = (trainable(params), params, batch)
+        loss, grads = fn(*args)
+        if collectives:
+            from boost_jax.tools.hlo_comm import parse_collectives
+            colls = parse_collectives(fn.lower(*args).compile().as_text(), mesh)
+            return float(loss), jax.device_get(grads), colls
     return float(loss), jax.device_get(grads)
 
 
@@ -103,7 +116,6 @@ VARIANTS = {
     "pallas_megatron": {"kernels.rmsnorm": "pallas", "parallel.strategy": "megatron"},
     "tied_embeddings_2x2x2": {"model.tie_embeddings": True, "mesh": (2, 2, 2)},
     "dense_ungrouped_2x2x2": {"model.linear": "dense", "model.group_linears": False, "mesh": (2, 2, 2)},
-    "spatial_temporal_all_2x2x2": {"parallel.linear_partition": "st", "mesh": (2, 2, 2)},
     "spatial_temporal_mlp_dense": {"parallel.linear_partition": "mlp_in=st,mlp_out=st", "model.linear": "dense",
                                    "parallel.strategy": "megatron", "mesh": (1, 2, 2)},
     "tt_pipeline_fsdp_remat": {"model.linear": "tt", "parallel.pipeline": 2, "model.n_layers": 4,
@@ -136,8 +148,60 @@ def test_training_curve_matches_single_device(make_config, tmp_path, strategy):
     np.testing.assert_allclose([b[s] for s in range(1, 6)], [a[s] for s in range(1, 6)], rtol=2e-5)
 
 
+def check_spatial_temporal(cfg) -> None:
+    """Every projection group spatial-temporal: loss and every gradient match one device, and the
+    step has no all-to-all and no integer (index) collective; the grid's weights and activations
+    move by collective-permutes only."""
+    params, tokens, (ref_loss, ref_grads) = reference(cfg)
+    loss, grads, colls = loss_and_grads(cfg, params, tokens, collectives=True)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(grads, ref_grads, 1e-5)
+    kinds = {c.kind for c in colls}
+    assert "all-to-all" not in kinds, kinds
+    assert all(c.dtype.startswith(("f", "bf")) for c in colls), {(c.kind, c.dtype) for c in colls}
+    # Traffic on both grid axes at once is the skews' and the Cannon diagonals': permutes only.
+    assert {c.kind for c in colls if set(c.axes) == {"fsdp", "tensor"}} == {"collective-permute"}
+    # FSDP gathers only the embedding table and the LM head: no projection weight is gathered.
+    assert sum(c.kind == "all-gather" and "fsdp" in c.axes for c in colls) <= 2, colls
+
+
+ST_LINEARS = ["dense", "lowrank", "cola"]
+
+
+@pytest.mark.parametrize("mesh", [(1, 2, 2), (2, 2, 2)], ids=["fsdp2_tensor2", "data2_fsdp2_tensor2"])
+@pytest.mark.parametrize("linear", ST_LINEARS)
+def test_spatial_temporal_matches_single_device(make_config, linear, mesh):
+    check_spatial_temporal(par_config(make_config, "btp", linear, mesh, **{"parallel.linear_partition": "st"}))
+
+
+@pytest.fixture(scope="module")
+def grid4_results() -> dict[str, str]:
+    """The (fsdp, tensor) = (4, 4) checks need 16 devices; XLA's device count is fixed at jax
+    import, so they run once in a subprocess (this file as a script) and report per kind."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=16").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "grid4"], env=env, capture_output=True,
+                          text=True, timeout=900, check=False, cwd=os.path.dirname(os.path.abspath(__file__)))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("linear", ST_LINEARS)
+def test_spatial_temporal_4x4_matches_single_device(grid4_results, linear):
+    assert grid4_results[linear] == "ok", grid4_results[linear]
+
+
 def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_path):
-    common = {"train.log_every": 1, "train.eval_every": 0, "train.steps": 4}
+    """4 steps with every group spatial-temporal on (data, fsdp, tensor) = (2, 2, 2) follow the
+    one-device curve, and the checkpoint they save holds the weights in the ordinary layout: it
+    restores onto one device under plain BTP with the one-device run's values."""
+    from pathlib import Path
+
+    from boost_jax.evaluate import read_run, restore_params
+    common = {"train.log_every": 1, "train.eval_every": 0, "train.steps": 4, "checkpoint.every": 4}
     single = par_config(make_config, "btp", "cola", (1, 1, 1), run_dir=str(tmp_path / "one"), **common)
     grid = par_config(make_config, "btp", "cola", (2, 2, 2), run_dir=str(tmp_path / "st"),
                       **{"parallel.linear_partition": "st", **common})
@@ -146,6 +210,14 @@ def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_
     from tests_support import metric_rows
     a, b = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "st")
     np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=2e-5)
+    tx, _ = make_optimizer(single.train)
+    abstract = state_spec(single, tx, make_mesh(single), get_strategy(single.parallel)).abstract["params"]
+    restored = {}
+    for name in ("one", "st"):
+        _, root, step = read_run(str(tmp_path / name))
+        assert step == 4
+        restored[name] = restore_params(Path(root), step, abstract)
+    assert_close_tree(restored["st"], restored["one"], 1e-4)
 
 
 # (pipeline, tensor, data) as the issue names them; 4 layers so every stage count divides them.
@@ -162,3 +234,24 @@ def test_pipeline_matches_single_device(make_config, strategy, mesh):
     loss, grads = loss_and_grads(cfg, params, tokens)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert_close_tree(grads, ref_grads, 1e-5)
+
+
+if __name__ == "__main__":  # the 16-device subprocess of grid4_results
+    import tempfile
+    import traceback
+
+    flags = os.environ["XLA_FLAGS"]
+    from conftest import small_config  # appends an 8-device flag: keep this process's 16
+
+    os.environ["XLA_FLAGS"] = flags
+    assert sys.argv[1:] == ["grid4"] and jax.device_count() >= 16, jax.device_count()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ST_LINEARS:
+            try:
+                check_spatial_temporal(par_config(lambda **kw: small_config(tmp, **kw), "btp", kind, (1, 4, 4),
+                                                  **{"parallel.linear_partition": "st"}))
+                results[kind] = "ok"
+            except Exception:  # noqa: BLE001 - report every kind, not just the first failure
+                results[kind] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))

@@ -20,6 +20,8 @@ SAVED = {"model.n_heads": 8, "model.n_kv_heads": 8, "parallel.data": 1, "paralle
 TARGETS = {  # name: (parallel.* of the target, devices)
     "(2,2,2) vanilla": (dict(data=2, fsdp=2, tensor=2, strategy="vanilla"), 8),
     "(2,1,4) megatron": (dict(data=2, fsdp=1, tensor=4, strategy="megatron"), 8),
+    # Spatial-temporal groups keep the strategy's stored layout (they skew at use): nothing to convert.
+    "(2,2,2) btp st": (dict(data=2, fsdp=2, tensor=2, strategy="btp", linear_partition="st"), 8),
     "one device": (dict(data=1, fsdp=1, tensor=1, strategy="btp"), 1),
 }
 

@@ -41,11 +41,11 @@ def put(x, mesh: Mesh, spec: P):
     return jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
 
 
-def fwd_bwd(mesh, row, col, batch_axes=None):
+def fwd_bwd(mesh, row, col, batch_axes=None, row_dim=-2):
     """jit(x, w, g) -> (O, dI, dW) through jax.vjp of st_matmul (no loss reduction => no all-reduce)."""
     def f(i, w, g):
         o, vjp = jax.vjp(lambda a, b: st.st_matmul(a, b, mesh=mesh, row_axis=row, col_axis=col,
-                                                   batch_axes=batch_axes), i, w)
+                                                   batch_axes=batch_axes, row_dim=row_dim), i, w)
         return (o, *vjp(g))
     return jax.jit(f)
 
@@ -77,41 +77,80 @@ def check_layouts(n: int, seed: int = 0) -> None:
     np.testing.assert_array_equal(st.unskew_input(st.skew_input(x2, n), n), x2)
 
 
-def check_sharded_skew(n: int, mesh: Mesh, row: str, col: str, seed: int = 1) -> None:
+def rows_first(f, x, n: int, groups: int = 1):
+    """Apply a global skew helper `f` (which cuts dim -2 into n blocks) to an activation whose
+    grid rows split dim 0 (row_dim=0), that dim being cut into `groups` batch-axis chunks first."""
+    x = np.asarray(x)
+    b = np.moveaxis(x.reshape(groups, x.shape[0] // groups, *x.shape[1:]), 1, -2)
+    return np.moveaxis(np.asarray(f(b, n)), -2, 1).reshape(x.shape)
+
+
+def check_sharded_skew(n: int, mesh: Mesh, row: str, col: str, seed: int = 1, row_dim: int = -2) -> None:
     """skew_sharded == skew_input as global values, inverted by unskew_sharded, one permute each."""
-    x = np.random.default_rng(seed).standard_normal((2, 2 * n, 4 * n)).astype(np.float32)
-    xd = put(x, mesh, P(None, row, col))
-    skew = jax.jit(lambda a: st.skew_sharded(a, mesh=mesh, row_axis=row, col_axis=col))
-    unskew = jax.jit(lambda a: st.unskew_sharded(a, mesh=mesh, row_axis=row, col_axis=col))
+    x = np.random.default_rng(seed).standard_normal((2 * n, 2 * n, 4 * n)).astype(np.float32)
+    xd = put(x, mesh, st._x_spec(3, row, col, None, row_dim))
+    kw = dict(mesh=mesh, row_axis=row, col_axis=col, row_dim=row_dim)
+    skew = jax.jit(lambda a: st.skew_sharded(a, **kw))
+    unskew = jax.jit(lambda a: st.unskew_sharded(a, **kw))
     xs = skew(xd)
-    np.testing.assert_array_equal(xs, st.skew_input(x, n))
+    want = st.skew_input(x, n) if row_dim == -2 else rows_first(st.skew_input, x, n)
+    np.testing.assert_array_equal(xs, want)
     np.testing.assert_array_equal(unskew(xs), x)
     kinds = [c.kind for c in parse_collectives(skew.lower(xd).compile().as_text(), mesh)]
     assert kinds == ["collective-permute"], kinds
 
 
+def check_weight_skew(n: int, mesh: Mesh, row: str, col: str, seed: int = 4) -> None:
+    """skew_weight_sharded == skew_weight from every stored layout over the grid axes, with at
+    most one collective-permute (none when the layout needs only local slices); its transpose
+    returns a cotangent to the plain layout (unskew_weight)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((2 * n, 3 * n)).astype(np.float32)
+    g = rng.standard_normal((2 * n, 3 * n)).astype(np.float32)
+    for dims in [(row, col), (col, row), (row, None), (None, row), (col, None), (None, col), (None, None)]:
+        f = jax.jit(lambda a, dims=dims: st.skew_weight_sharded(a, dims, mesh=mesh, row_axis=row, col_axis=col))
+        wd = put(w, mesh, P(*dims))
+        out = f(wd)
+        np.testing.assert_array_equal(out, st.skew_weight(w, n), err_msg=str(dims))
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(row, col)), 2), dims
+        colls = parse_collectives(f.lower(wd).compile().as_text(), mesh)
+        assert [c.kind for c in colls] in ([], ["collective-permute"]), (dims, colls)
+        assert colls or dims in [(None, col), (None, None)], dims  # only those need no traffic
+        _, vjp = jax.vjp(f, wd)
+        np.testing.assert_allclose(vjp(put(g, mesh, P(row, col)))[0], st.unskew_weight(g, n), err_msg=str(dims))
+
+
 def check_numerics(n: int, mesh: Mesh, row: str, col: str, batch_axes=None, shape=(4, 2, 3, 5),
-                   seed: int = 2) -> None:
-    """O, dI, dW vs the unsharded reference, in the promised layouts, nothing replicated."""
+                   seed: int = 2, row_dim: int = -2) -> None:
+    """O, dI, dW vs the unsharded reference, in the promised layouts, nothing replicated.
+    row_dim=0: the grid rows split the batch dim (shape[0] is then per device, like bm)."""
     rng = np.random.default_rng(seed)
     b, bm, bn, bk = shape  # batch and per-device block sizes
+    groups = mesh.shape[batch_axes] if batch_axes else 1
+    if row_dim == 0:
+        b *= n * groups
     lead = (b,) if b else ()
     i = rng.standard_normal((*lead, bm * n, bn * n)).astype(np.float32)
     w = rng.standard_normal((bn * n, bk * n)).astype(np.float32)
     g = rng.standard_normal((*lead, bm * n, bk * n)).astype(np.float32)
-    x_spec = P(*([batch_axes] if b else []), row, col)
-    args = (put(st.skew_input(i, n), mesh, x_spec), put(st.skew_weight(w, n), mesh, P(row, col)),
+    x_spec = st._x_spec(i.ndim, row, col, batch_axes if b else None, row_dim)
+    skew, unskew = ((st.skew_input, st.unskew_input) if row_dim == -2 else
+                    (lambda x, n: rows_first(st.skew_input, x, n, groups),
+                     lambda x, n: rows_first(st.unskew_input, x, n, groups)))
+    args = (put(skew(i, n), mesh, x_spec), put(st.skew_weight(w, n), mesh, P(row, col)),
             put(g, mesh, x_spec))
-    o, di, dw = fwd_bwd(mesh, row, col, batch_axes)(*args)
+    o, di, dw = fwd_bwd(mesh, row, col, batch_axes, row_dim)(*args)
     o_ref, di_ref, dw_ref = reference(i, w, g)
     assert rel_err(o, o_ref) <= RTOL, rel_err(o, o_ref)
-    assert rel_err(st.unskew_input(di, n), di_ref) <= RTOL
+    assert rel_err(unskew(di, n), di_ref) <= RTOL
     assert rel_err(st.unskew_weight(dw, n), dw_ref) <= RTOL
     # Gradients come back exactly as the inputs were laid out; every tensor is split n x n.
     assert di.sharding.is_equivalent_to(args[0].sharding, di.ndim)
     assert dw.sharding.is_equivalent_to(args[1].sharding, dw.ndim)
     for a in (o, di, dw):
-        assert a.sharding.shard_shape(a.shape)[-2:] == (a.shape[-2] // n, a.shape[-1] // n)
+        rows = 0 if row_dim == 0 and a is not dw else -2
+        shard = a.sharding.shard_shape(a.shape)
+        assert (shard[rows], shard[-1]) == (a.shape[rows] // (n * (groups if rows == 0 else 1)), a.shape[-1] // n)
 
 
 def check_hlo(n: int, mesh: Mesh, row: str, col: str) -> None:
@@ -189,8 +228,17 @@ def test_layouts_n2():
     check_layouts(2)
 
 
-def test_sharded_skew_n2(mesh2):
-    check_sharded_skew(2, mesh2, *N2_AXES)
+@pytest.mark.parametrize("row_dim", [-2, 0])
+def test_sharded_skew_n2(mesh2, row_dim):
+    check_sharded_skew(2, mesh2, *N2_AXES, row_dim=row_dim)
+
+
+def test_weight_skew_n2(mesh2):
+    check_weight_skew(2, mesh2, *N2_AXES)
+
+
+def test_numerics_n2_rows_on_batch(mesh2):
+    check_numerics(2, mesh2, *N2_AXES, shape=(2, 3, 2, 4), row_dim=0)
 
 
 @pytest.mark.parametrize("shape", [(4, 2, 3, 5), (0, 3, 2, 4)], ids=["batched", "2d"])
@@ -202,6 +250,7 @@ def test_numerics_n2_with_batch_axis():
     """Batch split over a third mesh axis: dW gets the (conventional) data-parallel psum."""
     mesh = grid_mesh(2, ("data", *N2_AXES), batch=2)
     check_numerics(2, mesh, *N2_AXES, batch_axes="data")
+    check_numerics(2, mesh, *N2_AXES, batch_axes="data", shape=(1, 3, 2, 4), row_dim=0)
 
 
 def test_hlo_n2(mesh2):
@@ -228,6 +277,9 @@ def run_checks(n: int) -> dict[str, str]:
     checks = {
         "layouts": lambda: check_layouts(n),
         "sharded_skew": lambda: check_sharded_skew(n, mesh, *N4_AXES),
+        "sharded_skew_rows_on_batch": lambda: check_sharded_skew(n, mesh, *N4_AXES, row_dim=0),
+        "weight_skew": lambda: check_weight_skew(n, mesh, *N4_AXES),
+        "numerics_rows_on_batch": lambda: check_numerics(n, mesh, *N4_AXES, shape=(1, 2, 3, 2), row_dim=0),
         "numerics": lambda: check_numerics(n, mesh, *N4_AXES),
         "numerics_2d": lambda: check_numerics(n, mesh, *N4_AXES, shape=(0, 1, 2, 3)),
         "hlo": lambda: check_hlo(n, mesh, *N4_AXES),
@@ -243,7 +295,8 @@ def run_checks(n: int) -> dict[str, str]:
     return out
 
 
-N4_CHECKS = ["layouts", "sharded_skew", "numerics", "numerics_2d", "hlo", "model"]
+N4_CHECKS = ["layouts", "sharded_skew", "sharded_skew_rows_on_batch", "weight_skew", "numerics",
+             "numerics_rows_on_batch", "numerics_2d", "hlo", "model"]
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
-from boost_jax.model.kinds.base import LinearKind, stored
+from boost_jax.model.kinds.base import LinearKind
 from boost_jax.parallel import rules
-from boost_jax.parallel.rules import constrain, gathered, logical_spec
+from boost_jax.parallel.rules import constrain, gathered, logical_spec, spec_for
 
 RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
 WHOLE_ROWS = ("act_batch", "act_seq", None)
@@ -100,21 +101,38 @@ def _first_stage(projs, x, grouped: bool, norm=None):
     return out
 
 
-def _spatial_temporal(p: LinearKind, x, mesh) -> jax.Array:
-    """One projection as PrimePar P(n x n) GEMMs on the (fsdp, tensor) grid: the sequence splits over
-    fsdp, the contracted width over tensor, the batch over data; only point-to-point traffic inside.
-    Weights are stored in the ordinary layout and skewed at use (a block permutation)."""
-    from boost_jax.parallel.spatial_temporal import skew_sharded, skew_weight, st_matmul
-    n = mesh.shape["tensor"]
-    kw = dict(mesh=mesh, row_axis="fsdp", col_axis="tensor", batch_axes="data" if mesh.shape["data"] > 1 else None)
+def _spatial_temporal(p: LinearKind, x, ctx) -> jax.Array:
+    """One projection as PrimePar P(n x n) GEMMs on the (fsdp, tensor) grid. The grid takes the
+    activations as the trainer holds them (batch over data x fsdp, features over tensor: the M-block
+    of grid row r is fsdp shard r's sequences), so only the skew enters: one collective-permute per
+    GEMM input, the Cannon rings inside, and one permute per weight from its stored layout (its
+    transpose returns dW), with no gather of any tensor."""
+    from boost_jax.parallel.spatial_temporal import skew_sharded, skew_weight_sharded, st_matmul
+    mesh, strategy = ctx
+    grid = dict(mesh=mesh, row_axis="fsdp", col_axis="tensor")
+    kw = dict(grid, batch_axes="data" if mesh.shape["data"] > 1 else None, row_dim=0)
 
-    def matmul(v, w):
-        return st_matmul(skew_sharded(v, **kw), skew_weight(w.astype(v.dtype), n), **kw)
+    def skewed(get, dtype):
+        held = []
+
+        def use(w, names):  # the parameter as stored; remember where its blocks are
+            held.append((w, tuple(spec_for(names, w.shape, mesh, strategy.rules)) + (None, None)))
+            return w
+
+        w = get(use)
+        dims = held[0][1][:2] if len(held) == 1 and held[0][0] is w else None
+        if dims is None or not set(dims) <= {"fsdp", "tensor", None}:
+            dims = ("fsdp", "tensor")  # built from several parameters: laid out plainly by GSPMD first
+        w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*dims)))
+        return skew_weight_sharded(w.astype(dtype), dims, **grid)
+
+    def matmul(v, get):
+        return st_matmul(skew_sharded(v, **kw), skewed(get, v.dtype), **kw)
 
     if not p.factored:
-        return matmul(x, p.first_weight(stored))
-    h = checkpoint_name(matmul(x, p.first_weight(stored)), "lowrank")
-    return matmul(p.bottleneck(h), p.second_weight(stored))
+        return matmul(x, p.first_weight)
+    h = checkpoint_name(matmul(x, p.first_weight), "lowrank")
+    return matmul(p.bottleneck(h), p.second_weight)
 
 
 def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
@@ -123,7 +141,7 @@ def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
     ctx = rules.current()
     if ctx is not None and projs[0].group in ctx[1].st_groups:
         x = norm(x) if norm is not None else x
-        return _with_extra(projs, [_spatial_temporal(p, x, ctx[0]) for p in projs], x, None)
+        return _with_extra(projs, [_spatial_temporal(p, x, ctx) for p in projs], x, None)
     outs = []
     for run, h in _first_stage(projs, x, grouped, norm):
         if not run[0].factored:

@@ -55,7 +55,9 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
             if sizes["fsdp"] != n or n < 2:
                 raise ConfigError(f"config field `parallel.linear_partition`: spatial-temporal GEMMs need a square "
                                   f"grid, parallel.fsdp == parallel.tensor >= 2 (got fsdp={sizes['fsdp']}, tensor={n})")
-            widths = {"train.seq_len": t.seq_len, "model.d_model": m.d_model, "model.d_ff": m.d_ff,
+            # The grid's rows split the batch (already checked against data*fsdp below), its
+            # columns every projection width.
+            widths = {"model.d_model": m.d_model, "model.d_ff": m.d_ff,
                       "model.n_kv_heads*head_dim": m.n_kv_heads * (m.d_model // m.n_heads)}
             if kind_class(m.linear).factored:
                 widths["model.rank"] = m.rank

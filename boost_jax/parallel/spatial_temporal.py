@@ -43,6 +43,18 @@ skewed-W layout, so the paper's final one-hop redistribution of dW is not needed
 Batch dims: the first leading dim of I may also be split over ``batch_axes`` (plain data
 parallelism); then dW is summed over those axes with a psum (the only non-permute collective, and
 absent when batch_axes is None).
+
+Rows on the batch dim (``row_dim=0``): the M blocks need not be blocks of the second-to-last dim.
+With ``row_dim=0`` the row axis splits the FIRST dim of I (after ``batch_axes``, as the spec
+``P((*batch_axes, row_axis), ..., col_axis)`` orders them): M is then every token of the batch
+and device (r, c)'s M-block is its share of whole sequences, which is how a trainer that splits the
+batch over (data, fsdp) already holds its activations, so entering the grid costs nothing but the
+skew.
+
+Weights in another layout: ``skew_weight_sharded`` turns a weight stored block-sharded in any of
+the layouts a rule table gives it over the two grid axes (either dim on either axis, or replicated)
+into the skewed-W layout with at most one collective-permute (plus local slices of replicated
+dims); its transpose brings dW back the same way.
 """
 from __future__ import annotations
 
@@ -51,6 +63,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -101,7 +114,14 @@ def _grid(mesh: Mesh, row_axis: str, col_axis: str) -> int:
     return n
 
 
-def _x_spec(ndim: int, row_axis: str, col_axis: str, batch_axes: AxisNames) -> P:
+def _x_spec(ndim: int, row_axis: str, col_axis: str, batch_axes: AxisNames, row_dim: int = -2) -> P:
+    if row_dim == 0:  # rows split the first (batch) dim, inside the batch axes
+        if ndim < 2:
+            raise ValueError(f"activation needs >= 2 dims, got {ndim}")
+        batch = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+        return P((*batch, row_axis) if batch else row_axis, *[None] * (ndim - 2), col_axis)
+    if row_dim != -2:
+        raise ValueError(f"row_dim must be -2 (the M dim) or 0 (the batch dim), got {row_dim}")
     if ndim < 2 or (batch_axes is not None and ndim < 3):
         raise ValueError(f"activation needs >= {2 if batch_axes is None else 3} dims, got {ndim}")
     lead = [batch_axes] + [None] * (ndim - 3) if ndim >= 3 else []
@@ -157,10 +177,10 @@ def _bwd_local(i, w, do, *, axes, n, batch_axes):
 
 
 @functools.cache
-def _build(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int):
+def _build(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int, row_dim: int):
     n = _grid(mesh, row_axis, col_axis)
     axes = (row_axis, col_axis)
-    x_spec, w_spec = _x_spec(ndim, row_axis, col_axis, batch_axes), P(row_axis, col_axis)
+    x_spec, w_spec = _x_spec(ndim, row_axis, col_axis, batch_axes, row_dim), P(row_axis, col_axis)
     fwd_sm = jax.shard_map(functools.partial(_fwd_local, axes=axes, n=n), mesh=mesh,
                            in_specs=(x_spec, w_spec), out_specs=x_spec)
     bwd_sm = jax.shard_map(functools.partial(_bwd_local, axes=axes, n=n, batch_axes=batch_axes),
@@ -189,22 +209,24 @@ def _norm_batch(batch_axes: str | Sequence[str] | None) -> AxisNames:
 
 
 def st_matmul(i_skewed: jax.Array, w_skewed: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
-              batch_axes: str | Sequence[str] | None = None) -> jax.Array:
+              batch_axes: str | Sequence[str] | None = None, row_dim: int = -2) -> jax.Array:
     """O = I @ W on the (row_axis x col_axis) grid; I and W in skewed layout, O in plain layout.
 
     Differentiable: dI comes back in the skewed-I layout and dW in the skewed-W layout.
-    i_skewed: [..., M, N] (first dim split over batch_axes if given); w_skewed: [N, K].
+    i_skewed: [..., M, N] (first dim split over batch_axes if given; with row_dim=0 the row axis
+    splits the first dim too, see the module notes); w_skewed: [N, K].
     """
     if w_skewed.ndim != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {w_skewed.shape}")
-    f = _build(mesh, row_axis, col_axis, _norm_batch(batch_axes), i_skewed.ndim)
+    f = _build(mesh, row_axis, col_axis, _norm_batch(batch_axes), i_skewed.ndim, row_dim)
     return f(i_skewed, w_skewed)
 
 
 @functools.cache
-def _build_skew(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int, sign: int):
+def _build_skew(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int, sign: int,
+                row_dim: int):
     n = _grid(mesh, row_axis, col_axis)
-    spec = _x_spec(ndim, row_axis, col_axis, batch_axes)
+    spec = _x_spec(ndim, row_axis, col_axis, batch_axes, row_dim)
 
     def local(x):
         # skew: (r, c) needs block (r, r + c), held by device (r, r + c); unskew is the inverse.
@@ -215,13 +237,75 @@ def _build_skew(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames,
 
 
 def skew_sharded(x: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
-                 batch_axes: str | Sequence[str] | None = None) -> jax.Array:
+                 batch_axes: str | Sequence[str] | None = None, row_dim: int = -2) -> jax.Array:
     """skew_input(x, n) for a plain block-sharded activation, as one collective-permute
     (row r's blocks rotate by r within the row). Differentiable (its transpose is unskew)."""
-    return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, 1)(x)
+    return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, 1, row_dim)(x)
 
 
 def unskew_sharded(x: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
-                   batch_axes: str | Sequence[str] | None = None) -> jax.Array:
+                   batch_axes: str | Sequence[str] | None = None, row_dim: int = -2) -> jax.Array:
     """unskew_input(x, n) for a skewed block-sharded activation, as one collective-permute."""
-    return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, -1)(x)
+    return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, -1, row_dim)(x)
+
+
+# ---------------------------------------------------------------- weights from their stored layout
+
+def _weight_route(n: int, dims: tuple, row_axis: str, col_axis: str):
+    """For a weight whose dims (N, K) lie on `dims` (each row_axis, col_axis or None = whole),
+    the device (f, t) that sends skewed block (r, c) = W<r + c, c>, for every (r, c); f, t being
+    indices on (row_axis, col_axis). A pinned dim fixes f or t; a free one is chosen so that every
+    device sends exactly one block (a permutation)."""
+    def route(r, c, free_f, free_t):
+        src = {row_axis: free_f, col_axis: free_t}
+        for axis, block in zip(dims, ((r + c) % n, c)):
+            if axis is not None:
+                src[axis] = block
+        return src[row_axis], src[col_axis]
+
+    grid = [(r, c) for r in range(n) for c in range(n)]
+    for free_f, free_t in (("r", "c"), ("c", "r")):
+        pick = lambda r, c, name: r if name == "r" else c
+        table = {(r, c): route(r, c, pick(r, c, free_f), pick(r, c, free_t)) for r, c in grid}
+        if len(set(table.values())) == n * n:
+            return table
+    raise AssertionError(dims)  # unreachable: ("r", "c") or ("c", "r") always permutes
+
+
+@functools.cache
+def _build_weight_skew(mesh: Mesh, row_axis: str, col_axis: str, dims: tuple):
+    n = _grid(mesh, row_axis, col_axis)
+    table = _weight_route(n, dims, row_axis, col_axis)  # (r, c) -> sender (f, t)
+    # What each sender slices out of the dims it holds whole: the N- and K-block of its receiver.
+    send = {src: ((r + c) % n, c) for (r, c), src in table.items()}
+    blocks = np.asarray([send[(f, t)] for f in range(n) for t in range(n)], np.int32)  # [n*n, 2]
+    # Over the axis pair, device (f, t) has linear index f * n + t; devices keeping their block
+    # send it to themselves (a ppermute zeroes whoever receives nothing).
+    perm = [(f * n + t, r * n + c) for (r, c), (f, t) in table.items()]
+
+    def local(w):
+        me = jax.lax.axis_index(row_axis) * n + jax.lax.axis_index(col_axis)
+        for dim, axis in enumerate(dims):
+            if axis is None:  # held whole: keep the receiver's block
+                size = w.shape[dim] // n
+                w = jax.lax.dynamic_slice_in_dim(w, jnp.asarray(blocks)[me, dim] * size, size, axis=dim)
+        if any(s != d for s, d in perm):
+            w = jax.lax.ppermute(w, (row_axis, col_axis), perm)
+        return w
+
+    return jax.shard_map(local, mesh=mesh, in_specs=P(*dims), out_specs=P(row_axis, col_axis))
+
+
+def skew_weight_sharded(w: jax.Array, dims: Sequence[str | None], *, mesh: Mesh, row_axis: str,
+                        col_axis: str) -> jax.Array:
+    """skew_weight(w, n) for a weight [N, K] block-sharded as P(*dims), each dim on row_axis,
+    col_axis or None (whole on every grid device): at most one collective-permute, after local
+    slices of the whole dims. Differentiable: the transpose routes dW back to P(*dims)."""
+    dims = tuple(dims) + (None,) * (2 - len(dims))
+    if w.ndim != 2 or any(a not in (row_axis, col_axis, None) for a in dims) or (
+            dims[0] is not None and dims[0] == dims[1]):
+        raise ValueError(f"weight {w.shape} sharded {dims}: need 2 dims on distinct axes of {row_axis, col_axis}")
+    n = _grid(mesh, row_axis, col_axis)
+    if w.shape[0] % n or w.shape[1] % n:
+        raise ValueError(f"weight dims {w.shape} must be divisible by n={n}")
+    return _build_weight_skew(mesh, row_axis, col_axis, dims)(w)

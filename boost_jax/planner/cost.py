@@ -98,13 +98,14 @@ def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, f
     """(forward, backward) of P(n x n): each phase is n local GEMMs whose n-1 one-hop permutes run
     under the GEMMs (double-buffered), so a step costs max(GEMM, its two transfers)."""
     n = st.n
-    step = gemm_seconds(st.m / n, st.k / n, st.out / n, cluster)
-    colls = st.colls()
-    skew, unskew = coll_seconds(colls[0], cluster, act_bytes), coll_seconds(colls[-1], cluster, act_bytes)
-    pairs = [colls[1 + 6 * s: 7 + 6 * s] for s in range(n - 1)]  # per step: fwd 2, dI 2, dW 2
+    step = gemm_seconds(st.m, st.k / n, st.out / n, cluster)  # st.m: this device's tokens already
+    colls = st.colls()  # [skew I, skew W] + per step (fwd 2, dI 2, dW 2) + [unskew dI, dW back]
+    seconds = lambda cs: sum(coll_seconds(c, cluster, act_bytes) for c in cs if c.elements)  # noqa: E731
+    skew, unskew = seconds(colls[:2]), seconds(colls[-2:])
+    pairs = [colls[2 + 6 * s: 8 + 6 * s] for s in range(n - 1)]
 
     def phase(j: int) -> float:
-        return step + sum(max(step, sum(coll_seconds(c, cluster, act_bytes) for c in p[j:j + 2])) for p in pairs)
+        return step + sum(max(step, seconds(p[j:j + 2])) for p in pairs)
 
     return skew + phase(0), phase(2) + phase(4) + unskew
 

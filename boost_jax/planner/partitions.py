@@ -4,20 +4,23 @@ A transformer block is priced as a small graph. Between operators an activation 
 lives on the `tensor` group (t devices) in one of these layouts:
 
     R  replicated            H  features split t ways      S  tokens split t ways
-    G  tokens x features on an n x n grid (t = n^2, the PrimePar primitive's layout)
     P  partial sums still to be reduced (only ever an operator's output)
 
 Operators are the four projection groups (qkv, o, gate_up, down; each takes one partition choice:
 btp, vanilla, megatron or st), the attention and MLP-activation cores (run in whatever layout they
 are fed) and the RMSNorms. Edges between operators redistribute the activation when layouts differ.
 Everything is per device and per micro-batch; M is the micro-batch's tokens on one tensor group.
+
+The spatial-temporal choice (`st`, PrimePar's P(n x n)) runs on the grid the trainer uses
+(boost_jax/model/linear.py): the `fsdp` x `tensor` axes with fsdp == tensor = n. The grid's rows
+are the fsdp shards of the batch, so its tokens are the M of one tensor group and its activations
+enter and leave in H; its weights stay split over both axes (never gathered by FSDP).
 Element counts follow boost_jax.tools.comm_report: all-reduce / reduce-scatter / all-to-all /
 collective-permute count their operand, all-gather its result.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 CHOICES = ("btp", "vanilla", "megatron", "st")
@@ -70,7 +73,9 @@ class Coll:
     size: int  # devices in the group
     stride: int  # device-id distance between group members: decides intra- or inter-node link
     phase: str  # fwd | bwd
-    axis: str = "tensor"  # tensor, pipeline (activations, compute dtype) | data_fsdp (parameters/gradients, fp32)
+    # tensor, pipeline, grid (activations, compute dtype; grid: st's permutes over fsdp, weights cast
+    # before they move) | data_fsdp (parameters/gradients, fp32)
+    axis: str = "tensor"
     saved: bool = False  # its result is what low-rank checkpointing keeps: never recomputed
 
 
@@ -84,27 +89,36 @@ class Gemm:
 
 @dataclasses.dataclass(frozen=True)
 class StMatmul:
-    """P(n x n) on [m, k] @ [k, out]: n steps of local (m/n, k/n, out/n) GEMMs, one-hop permutes."""
+    """P(n x n) on [m, k] @ [k, out] on the (fsdp, tensor) grid, m = this device's tokens (its fsdp
+    shard of the batch): n steps of local (m, k/n, out/n) GEMMs and one-hop permutes, as
+    boost_jax.parallel.spatial_temporal.st_matmul runs them, plus the trainer's skews: the input's
+    (along the row) and the weight's one hop from its stored layout (dW hops back). `shared`: another
+    projection reads the same input, and XLA merges the input's identical moves (its skew, its
+    forward row hops and its dW-phase diagonal hops, none of which depend on the weight), so they
+    appear with zero elements here."""
     m: float
     k: float
     out: float
     n: int
     tag: str
+    shared: bool = False
 
     def colls(self) -> list[Coll]:
-        t, n = self.n * self.n, self.n
-        i, w, o = self.m * self.k / t, self.k * self.out / t, self.m * self.out / t
+        n = self.n
+        i, w, o = self.m * self.k / n, self.k * self.out / (n * n), self.m * self.out / n
+        dx, i = i, 0.0 if self.shared else i  # dI is still every projection's own
 
         def cp(elements, phase, ring):  # ring: (size, stride) of the devices it cycles through
-            return Coll("collective-permute", elements, *ring, phase)
+            # Row moves stay on the tensor axis; the rest crosses fsdp too ("grid").
+            return Coll("collective-permute", elements, *ring, phase, "tensor" if ring == row else "grid")
 
-        row, col, diag = (n, 1), (n, n), (t, 1)  # the grid's inner axis holds the features
-        out = [cp(i, "fwd", row)]  # skew the input once
+        row, col, grid = (n, 1), (n, n), (n * n, 1)  # row: tensor; column: fsdp (stride = tensor size)
+        out = [cp(i, "fwd", row), cp(w, "fwd", grid)]  # skew I (within its row) and W
         for _ in range(n - 1):
             out += [cp(i, "fwd", row), cp(w, "fwd", col),  # forward: I along rows, W along columns
-                    cp(o, "bwd", row), cp(w, "bwd", diag),  # dI phase: dO along rows, W diagonally
-                    cp(o, "bwd", col), cp(i, "bwd", diag)]  # dW phase: dO along columns, I diagonally
-        return out + [cp(i, "bwd", row)]  # unskew dI
+                    cp(o, "bwd", row), cp(w, "bwd", grid),  # dI phase: dO along rows, W diagonally
+                    cp(o, "bwd", col), cp(i, "bwd", grid)]  # dW phase: dO along columns, I diagonally
+        return out + [cp(dx, "bwd", row), cp(w, "bwd", grid)]  # unskew dI, dW back to its stored layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +140,7 @@ class Op:
     acts: float = 0.0  # activation elements produced in the forward (this device, micro-batch)
     saved_lowrank: float = 0.0  # of which the `lowrank` remat policy keeps
     weights: float = 0.0  # parameter elements on this device after the tensor split (before fsdp)
+    grid_weights: float = 0.0  # the same for st's weights, which stay fsdp-split (never gathered)
     recompute: bool = True  # False: its output is the layer's output, which no remat policy redoes
 
     def all_colls(self) -> list[Coll]:
@@ -138,16 +153,16 @@ class Ctx:
     t: int  # tensor-parallel size
     tokens: float  # M: tokens of a micro-batch on one tensor group
     seq: int
+    grid: bool = False  # fsdp == tensor: the (fsdp, tensor) axes form st's n x n grid (n = t)
 
     @property
     def n(self) -> int:
-        """Side of the st grid (0 when t is not a square > 1)."""
-        n = math.isqrt(self.t)
-        return n if n > 1 and n * n == self.t else 0
+        """Side of the st grid (0 when the mesh has none)."""
+        return self.t if self.grid and self.t > 1 else 0
 
     def splits(self, layout: str) -> tuple[int, int]:
         """(feature split, token split) of a layout."""
-        return {"R": (1, 1), "P": (1, 1), "H": (self.t, 1), "S": (1, self.t), "G": (self.n, self.n)}[layout]
+        return {"R": (1, 1), "P": (1, 1), "H": (self.t, 1), "S": (1, self.t)}[layout]
 
     def local(self, layout: str, width: float) -> float:
         fs, ts = self.splits(layout)
@@ -158,7 +173,7 @@ def layouts(ctx: Ctx) -> tuple[str, ...]:
     """The layouts an activation can take on this tensor size (token splits cut each sequence)."""
     if ctx.t == 1:
         return ("R",)
-    return ("R", "H") + (("S",) if ctx.seq % ctx.t == 0 else ()) + (("G",) if ctx.n and ctx.seq % ctx.n == 0 else ())
+    return ("R", "H") + (("S",) if ctx.seq % ctx.t == 0 else ())
 
 
 def _divides(t: int, *xs: int) -> bool:
@@ -224,8 +239,8 @@ def group_choices(ctx: Ctx, group: str) -> list[tuple[str, str, str]]:
     if heads_ok and group not in COLUMN and _divides(t, din):
         out.append(("megatron", "H", "R" if b.factored else "P"))
     n = ctx.n
-    if n and _divides(n, din, *douts, b.rank, b.heads, b.kv_heads, ctx.seq):
-        out.append(("st", "G", "G"))
+    if n and heads_ok and _divides(n, din, *douts, *((b.rank,) if b.factored else ())):
+        out.append(("st", "H", "H"))
     return out
 
 
@@ -280,15 +295,17 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
         else:  # output left partial: the edge after it reduces
             op.gemms = [Gemm(m, din / t, dsum, "W")]
             op.acts, op.weights = m * dsum, din * dsum / t
-    elif choice == "st":  # every GEMM is a P(n x n) on the token x feature grid
-        n = ctx.n
+    elif choice == "st":  # every projection's GEMMs are P(n x n)s on the (fsdp, tensor) grid, one each
+        n = ctx.n  # == t
+        # Kept for the backward: each GEMM's skewed input and its output (and σ's input).
         if b.factored:
-            op.st = [StMatmul(m, din, g * r, n, "A")] + [StMatmul(m, r, o, n, "B") for o in douts]
-            op.acts, op.saved_lowrank = m * (2 * g * r + dsum) / t, m * g * r / t
-            op.weights = (din * g * r + r * dsum) / t
+            op.st = ([StMatmul(m, din, r, n, "A", shared=j > 0) for j in range(g)]
+                     + [StMatmul(m, r, o, n, "B") for o in douts])
+            op.acts, op.saved_lowrank = m * (g * din + 3 * g * r + dsum) / n, m * g * r / n
+            op.grid_weights = (din * g * r + r * dsum) / n
         else:
-            op.st = [StMatmul(m, din, dsum, n, "W")]
-            op.acts, op.weights = m * dsum / t, din * dsum / t
+            op.st = [StMatmul(m, din, o, n, "W", shared=j > 0) for j, o in enumerate(douts)]
+            op.acts, op.grid_weights = m * (g * din + dsum) / n, din * dsum / n
     else:
         raise ValueError(f"unknown partition choice {choice!r} for {group}")
     return op
@@ -308,9 +325,7 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
     op.acts = ctx.local(layout, 2 * q + kv)  # rotated q, k and the output
     if ts > 1:
         gathered = ctx.tokens * 2 * kv / fs
-        stride = 1 if layout == "S" else ctx.n
-        op.colls = [Coll("all-gather", gathered, ts, stride, "fwd"),
-                    Coll("reduce-scatter", gathered, ts, stride, "bwd")]
+        op.colls = [Coll("all-gather", gathered, ts, 1, "fwd"), Coll("reduce-scatter", gathered, ts, 1, "bwd")]
         op.acts += gathered
     op.attn = Attn(queries=ctx.tokens / ts, keys=ctx.seq, heads=b.heads / fs, head_dim=b.head_dim,
                    imbalance=(2 * ts - 1) / ts)
@@ -332,10 +347,10 @@ def residual_add(ctx: Ctx, layout: str) -> Op:
 # ---------------------------------------------------------------- outside the layer stack
 
 def embedding(ctx: Ctx, residual: str) -> Op:
-    """Token embedding into the residual layout: a d-split table feeds H (and G) without traffic; a
+    """Token embedding into the residual layout: a d-split table feeds H without traffic; a
     vocab-split one leaves partial rows that are reduced (R) or reduce-scattered (S)."""
     b = ctx.block
-    src = "H" if residual in ("H", "G") else "P"
+    src = "H" if residual == "H" else "P"
     op = edge(ctx, src, residual, b.d) if ctx.t > 1 else Op("embed")
     op.name, op.weights = f"embed->{residual}", b.vocab * b.d / ctx.t
     return op

@@ -225,7 +225,8 @@ class LayerSummary:
     ops: list
     cost: C.Cost  # one layer, one micro-batch
     norm_w: float  # norm weights (not fsdp-sharded)
-    fsdp_w: float  # the rest of the layer's weights on one tensor shard
+    fsdp_w: float  # the rest of the layer's weights on one tensor shard but st's
+    grid_w: float  # st's weights on one tensor shard (fsdp-split, never gathered)
     tensor_colls: list  # tensor-axis collectives, forward + backward
     recomputed: list  # forward collectives the remat policy re-runs
     saved: float  # activation bytes kept for the backward (the remat policy's, plus its carry)
@@ -248,7 +249,8 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
                 c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
         pr._summaries[layer] = LayerSummary(
             ops=ops, cost=sum((pr.cost(k) for k in keys), C.Cost()), norm_w=norm_w,
-            fsdp_w=sum(op.weights for op in ops) - norm_w, tensor_colls=tensor_colls, recomputed=recomputed,
+            fsdp_w=sum(op.weights for op in ops) - norm_w, grid_w=sum(op.grid_weights for op in ops),
+            tensor_colls=tensor_colls, recomputed=recomputed,
             saved=sum(C.saved_bytes(op, policy, opts.attention, opts.act_bytes) for op in ops) + carry,
             working=0.0 if policy == "none" else C.WORKING_SET * sum(
                 C.saved_bytes(op, "none", opts.attention, opts.act_bytes) for op in ops),
@@ -269,7 +271,7 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost
 
 
 def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
-               pipelined: bool = False) -> tuple[list[P.Coll], list[P.Coll]]:
+               pipelined: bool = False, grid_weights: float = 0.0) -> tuple[list[P.Coll], list[P.Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use (again in the backward when remat
@@ -279,9 +281,13 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
     Pipelined (read from the compiled HLO of boost_jax/parallel/pipeline.py): XLA hoists the stage's
     gathers out of the tick loop (once), but reduces every tick's gradient, all-reduced at full size
     even over fsdp alone (GSPMD cannot carry a partial sum through the loop), and a remat backward
-    gathers again every tick."""
+    gathers again every tick.
+    st's weights (`grid_weights`) stay split over fsdp: their gradient, summed over the grid's rows
+    by the Cannon schedule, is only all-reduced over data."""
     t, f, d = mesh.tensor, mesh.fsdp, mesh.data
     once, per_pass = [], []
+    if grid_weights and d > 1:
+        per_pass.append(P.Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
     if f > 1:
         once.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
         if remat != "none":
@@ -294,17 +300,27 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
     return once, per_pass
 
 
+# The trainer's projection-group names (parallel.linear_partition) for the planner's groups.
+TRAINER_GROUPS = dict(zip(P.GROUPS, ("qkv", "o", "mlp_in", "mlp_out")))
+
+
+def linear_partition(layer: Layer) -> str:
+    """`parallel.linear_partition` for the layer's st groups ("" when none)."""
+    groups = [TRAINER_GROUPS[g] for g, c in zip(P.GROUPS, layer.choices) if c == "st"]
+    return "st" if len(groups) == len(P.GROUPS) else ",".join(f"{g}=st" for g in groups)
+
+
 def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
-    """("yes", strategy, sequence_parallel) if the trainer runs this layer as one of its strategies,
-    else ("no: why", "", False)."""
+    """("yes", strategy, sequence_parallel) if the trainer runs this layer as one of its strategies
+    with its st groups spatial-temporal (parallel.linear_partition), else ("no: why", "", False)."""
     if mesh.tensor == 1:
         return "yes", "btp" if block.factored else "megatron", False
-    if "st" in layer.choices or "G" in (layer.residual, layer.attention, layer.act):
-        return "no: st (P(n x n) is not in the trainer yet)", "", False
     for strategy, sp in (("btp", False), ("vanilla", False), ("megatron", False), ("megatron", True)):
-        if (layer.residual, layer.choices, layer.attention, layer.act) == P.uniform_plan(strategy, sp):
+        residual, choices, attention, act = P.uniform_plan(strategy, sp)
+        if (layer.residual, layer.attention, layer.act) == (residual, attention, act) and all(
+                c in (base, "st") for c, base in zip(layer.choices, choices)):
             return "yes", strategy, sp
-    if len(set(layer.choices)) > 1:
+    if len(set(layer.choices) - {"st"}) > 1:
         return "no: mixed per-group choices", "", False
     return "no: layouts the strategy tables do not express", "", False
 
@@ -329,7 +345,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     shift_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in shifts) + sum(
         C.coll_seconds(c, cl, opts.act_bytes) for c in ends)
 
-    dp_once, dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy, pipelined=stages > 1)
+    dp_once, dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy, pipelined=stages > 1, grid_weights=s.grid_w)
     dp_rest = sum(data_colls(mesh, rest_fsdp_w, b.d, "none"), [])  # embedding and head, once
     # Every collective of one accumulation micro-batch but the layers' tensor-axis ones, with how often
     # it runs.
@@ -343,7 +359,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     exposed = max(0.0, dp_s - path)
     micro_s = path + exposed
 
-    params = per_stage * (s.fsdp_w / mesh.fsdp + s.norm_w) + rest_fsdp_w / mesh.fsdp + b.d
+    params = per_stage * ((s.fsdp_w + s.grid_w) / mesh.fsdp + s.norm_w) + rest_fsdp_w / mesh.fsdp + b.d
     optimizer_s = params * C.OPTIMIZER_TRAFFIC / cl.hbm_bandwidth
     step_s = grad_accum * micro_s + optimizer_s
 
@@ -376,6 +392,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                  + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
                  f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
                  + ("--config.parallel.sequence_parallel=true " if sp else "")
+                 + (f"--config.parallel.linear_partition={linear_partition(layer)} " if "st" in layer.choices else "")
                  + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
                  f"--config.train.seq_len={opts.seq} --config.remat.policy={policy}")
     return Plan(mesh=mesh, grad_accum=grad_accum, remat=policy, layer=layer, step_s=step_s,
@@ -454,7 +471,7 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
     if micro * grad_accum * mesh.data * mesh.fsdp * m != opts.batch:
         raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
                          f"micro-batches over data x fsdp = {mesh.data * mesh.fsdp}")
-    pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq), cluster, remat, opts)
+    pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq, mesh.fsdp == mesh.tensor), cluster, remat, opts)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     return evaluate(pr, mesh, grad_accum, layer, fpt, m)
 
@@ -468,7 +485,8 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     plans, considered, rejected, smallest = [], 0, 0, None
     for mesh in meshes(devices, stage_counts(devices, block.layers, opts)):
         ways = mesh.data * mesh.fsdp
-        if any(not P.group_choices(P.Ctx(block, mesh.tensor, opts.seq, opts.seq), g) for g in P.GROUPS):
+        grid = mesh.fsdp == mesh.tensor
+        if any(not P.group_choices(P.Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g) for g in P.GROUPS):
             continue  # no choice splits some group over this tensor size
         accums = [opts.grad_accum] if opts.grad_accum else _divisors(opts.batch)
         for accum in accums:
@@ -478,9 +496,10 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
             for micro in microbatch_counts(mesh.pipeline, rows, opts):
                 tokens = rows // micro * opts.seq
                 for policy in policies(block, opts):
-                    key = (mesh.tensor, tokens, policy)
+                    key = (mesh.tensor, tokens, policy, grid)
                     if key not in pricers:
-                        pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq), cluster, policy, opts)
+                        pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid), cluster, policy,
+                                              opts)
                     for layer in best_layers(pricers[key], opts.keep):
                         plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro)
                         considered += 1

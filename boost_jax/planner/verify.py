@@ -1,9 +1,11 @@
 """--verify: the planner's per-layer collectives next to what comm_report reads from the compiled HLO.
 
-The plan is lowered as the trainer would run it (a uniform strategy) on emulated CPU devices, at
-shapes small enough to compile in seconds; prediction and measurement use the same shapes. Compared
-per layer and per device, in elements: tensor-axis forward, tensor-axis backward (recompute
-included, as comm_report's backward = forward_backward - forward), data/fsdp forward + backward.
+The plan is lowered as the trainer would run it (its strategy, with its st groups as
+parallel.linear_partition) on emulated CPU devices, at shapes small enough to compile in seconds;
+prediction and measurement use the same shapes. Compared per layer and per device, in elements:
+tensor-axis forward, tensor-axis backward (recompute included, as comm_report's backward =
+forward_backward - forward), data/fsdp forward + backward, and the st groups' permutes that cross
+fsdp (comm_report's `grid` class).
 Bytes follow comm_report: elements x the compute dtype (bf16) on the tensor axis, x 4 (fp32
 parameters and gradients) on data/fsdp.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from boost_jax.planner import partitions as P
 from boost_jax.planner.cost import STATE_BYTES
-from boost_jax.planner.search import Layer, Mesh, Options, plan_for
+from boost_jax.planner.search import Layer, Mesh, Options, linear_partition, plan_for
 
 TOLERANCE = 0.10
 ACT_BYTES = 2  # comm_report's dtype="bfloat16"
@@ -31,28 +33,31 @@ def shrink(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES) -> tuple[Mesh, 
     return Mesh(d, f, t), d * f, min(seq, 128)
 
 
-def predicted(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, batch: int,
-              seq: int) -> dict:
-    layer = Layer(*P.uniform_plan(strategy, sequence_parallel))
+def predicted(cfg, cluster, mesh: Mesh, layer: Layer, remat: str, batch: int, seq: int) -> dict:
     opts = Options(batch=batch, seq=seq, check_memory=False, act_bytes=ACT_BYTES)
     plan = plan_for(cfg, cluster, mesh, 1, remat, layer, opts, flops_per_token=0.0)
 
     def nbytes(colls):
-        return sum(c.elements * (ACT_BYTES if c.axis == "tensor" else STATE_BYTES) for c in colls)
+        return sum(c.elements * (STATE_BYTES if c.axis == "data_fsdp" else ACT_BYTES) for c in colls)
 
     tensor = [c for c in plan.layer_colls if c.axis == "tensor"]
-    return {"tensor fwd": nbytes(c for c in tensor if c.phase == "fwd"),
-            # the remat recompute runs inside the backward
-            "tensor bwd": nbytes([c for c in tensor if c.phase == "bwd"] + plan.redo_colls),
-            "data/fsdp fwd+bwd": nbytes(c for c in plan.layer_colls if c.axis == "data_fsdp"),
-            WHOLE: nbytes(plan.rest_colls + 2 * (plan.layer_colls + plan.redo_colls))}
+    redo = [c for c in plan.redo_colls if c.axis == "tensor"]
+    out = {"tensor fwd": nbytes(c for c in tensor if c.phase == "fwd"),
+           # the remat recompute runs inside the backward
+           "tensor bwd": nbytes([c for c in tensor if c.phase == "bwd"] + redo),
+           "data/fsdp fwd+bwd": nbytes(c for c in plan.layer_colls if c.axis == "data_fsdp")}
+    if "st" in layer.choices:  # the spatial-temporal groups' permutes over the fsdp x tensor grid
+        out["st grid fwd+bwd"] = nbytes([c for c in plan.layer_colls + plan.redo_colls if c.axis == "grid"])
+    out[WHOLE] = nbytes(plan.rest_colls + 2 * (plan.layer_colls + plan.redo_colls))
+    return out
 
 
-def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, batch: int, seq: int) -> dict:
+def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, batch: int, seq: int,
+             partition: str = "") -> dict:
     from boost_jax.tools.comm_report import report
 
     cfg = cfg.copy_and_resolve_references()
-    cfg.parallel.sequence_parallel = sequence_parallel
+    cfg.parallel.update(sequence_parallel=sequence_parallel, linear_partition=partition)
     label = f"{strategy}:{cfg.model.linear}"  # explicit linear: bare `megatron` would mean the dense twin
     rep = report(cfg, mesh=(mesh.data, mesh.fsdp, mesh.tensor), strategies=label, batch=batch, seq=seq,
                  dtype="bfloat16", memory=False, programs=("forward", "forward_backward"), remat=remat)
@@ -63,16 +68,22 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
 
     fb = col["programs"]["forward_backward"]
     whole = sum(v["bytes"] for v in fb["rest"].values()) + 2 * sum(v["bytes"] for v in fb["per_layer"].values())
-    return {"tensor fwd": nbytes("forward", "tensor"), "tensor bwd": nbytes("backward", "tensor"),
-            "data/fsdp fwd+bwd": nbytes("forward", "data_fsdp") + nbytes("backward", "data_fsdp"), WHOLE: whole}
+    out = {"tensor fwd": nbytes("forward", "tensor"), "tensor bwd": nbytes("backward", "tensor"),
+           "data/fsdp fwd+bwd": nbytes("forward", "data_fsdp") + nbytes("backward", "data_fsdp")}
+    if partition:
+        out["st grid fwd+bwd"] = nbytes("forward", "grid") + nbytes("backward", "grid")
+    out[WHOLE] = whole
+    return out
 
 
 def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False, remat: str = "none",
-            batch: int = 2, seq: int = 64) -> list[dict]:
+            batch: int = 2, seq: int = 64, layer: Layer | None = None) -> list[dict]:
     """One row per traffic class: predicted and measured bytes per layer per device, and whether they
-    agree within TOLERANCE."""
-    pred = predicted(cfg, cluster, mesh, strategy, sequence_parallel, remat, batch, seq)
-    meas = measured(cfg, mesh, strategy, sequence_parallel, remat, batch, seq)
+    agree within TOLERANCE. `layer`: the plan's layer (default: the strategy's uniform one); its st
+    groups run as parallel.linear_partition on the fsdp x tensor grid (fsdp == tensor)."""
+    layer = layer or Layer(*P.uniform_plan(strategy, sequence_parallel))
+    pred = predicted(cfg, cluster, mesh, layer, remat, batch, seq)
+    meas = measured(cfg, mesh, strategy, sequence_parallel, remat, batch, seq, linear_partition(layer))
     rows = []
     for key in pred:
         p, m = pred[key], meas[key]

@@ -60,13 +60,18 @@ def _combine(a: dict, b: dict, wa: int = 1, wb: int = 1) -> dict:
 
 
 def _axis_group(key: str) -> str:
-    """'tensor' (activations) or 'data_fsdp' (gradients, parameters; anything touching data/fsdp)."""
-    axes = key.split("@")[1].split("+")
-    return "data_fsdp" if {"data", "fsdp"} & set(axes) else "tensor"
+    """'tensor' (activations), 'grid' (the spatial-temporal groups' permutes on the fsdp x tensor
+    grid: activations and compute-dtype weight blocks) or 'data_fsdp' (gradients, parameters;
+    anything else touching data/fsdp)."""
+    kind, axes = key.split("@")
+    axes = set(axes.split("+"))
+    if kind == "collective-permute" and "fsdp" in axes and not {"data", "pipeline"} & axes:
+        return "grid"
+    return "data_fsdp" if {"data", "fsdp"} & axes else "tensor"
 
 
 def _with_bytes(tally: dict, act_bytes: int) -> dict:
-    return {k: {**v, "bytes": v["elements"] * (act_bytes if _axis_group(k) == "tensor" else 4)}
+    return {k: {**v, "bytes": v["elements"] * (4 if _axis_group(k) == "data_fsdp" else act_bytes)}
             for k, v in tally.items()}
 
 
@@ -335,6 +340,12 @@ def to_markdown(rep: dict) -> str:
         row("train step, tensor: GiB", lambda c: _gib(_get(c, "step_by_axis", "tensor", "bytes"))),
         row("train step, data+fsdp: GiB", lambda c: _gib(_get(c, "step_by_axis", "data_fsdp", "bytes"))),
         row("train step: collectives", lambda c: _fmt_kinds(_get(c, "step_by_kind", default={}))),
+    ]
+    if any(_get(c, "step_by_axis", "grid", "bytes") for c in rep["strategies"].values()):
+        lines += [  # parallel.linear_partition: the st groups' permutes across fsdp
+            row("fwd+bwd / layer, st grid: GiB", lambda c: _gib(both(c, "grid"))),
+            row("train step, st grid: GiB", lambda c: _gib(_get(c, "step_by_axis", "grid", "bytes")))]
+    lines += [
         row("TFLOP/device/step, analytic", lambda c: f"{c['flops']['analytic_per_device_step'] / 1e12:.3g}"),
         row("TFLOP/device/step, XLA cost_analysis", xla_flops),
     ]

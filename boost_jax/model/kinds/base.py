@@ -5,7 +5,7 @@ bottleneck: the first stage is a [d_in, width] matrix (`first_weight`), then σ 
 [width, d_out] matrix (`second_weight`). A dense kind has only the first stage (width = d_out).
 Each stored parameter names its logical axes; `first_weight`/`second_weight` take `use`, the function
 that turns a stored parameter into its compute layout (FSDP gathers it; the spatial-temporal
-partition takes it as stored), and build the matrix from what `use` returns. A kind may add a term
+partition takes it as stored and skews it), and build the matrix from what `use` returns. A kind may add a term
 computed from the normalised input rows (`extra`, e.g. a sparse matrix), which parallel plans handle
 generically (the input is gathered to whole rows).
 """
@@ -116,8 +116,3 @@ class LinearKind(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         from boost_jax.model.linear import project
         return project([self], x, grouped=False)[0]
-
-
-def stored(w: jax.Array, names) -> jax.Array:
-    """`use` for callers that take parameters in their stored layout."""
-    return w
