@@ -284,9 +284,10 @@ def poison_step(monkeypatch, cfg, step):
     bad = jnp.asarray(build_loaders(cfg)[0].batch((step - 1) * cfg.train.global_batch))
     real = step_lib.next_token_loss
 
-    def loss(graphdef, params, tokens):
-        hit = (tokens.shape == bad.shape) and jnp.all(tokens == bad)
-        return real(graphdef, params, tokens) * jnp.where(hit, jnp.nan, 1.0)
+    def loss(graphdef, params, tokens, **kw):
+        # Every row is one of that batch's rows (a data replica may see only its share of the rows).
+        hit = jnp.all(jnp.any(jnp.all(tokens[:, None, :] == bad[None, :, :], axis=-1), axis=-1))
+        return real(graphdef, params, tokens, **kw) * jnp.where(hit, jnp.nan, 1.0)
 
     monkeypatch.setattr(step_lib, "next_token_loss", loss)
 

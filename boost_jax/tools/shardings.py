@@ -24,7 +24,12 @@ def _path(keys) -> str:
 
 
 def param_table(cfg, devices):
-    """[(path, shape, local shape, axes, spec)], the mesh, and the parameters' shardings and dtypes by path."""
+    """[(path, shape, local shape, axes, spec)], the mesh and the parameters' shardings by path."""
+    return _param_table(cfg, devices)[:3]
+
+
+def _param_table(cfg, devices):
+    """param_table's three, and the parameters' dtypes by path."""
     import jax
 
     from boost_jax.optim import make_optimizer
@@ -119,7 +124,7 @@ def main(argv=None) -> None:
     cfg.data.source = "embedded"  # nothing is read; a zoo config's `tokens` source would need a path
     try:
         validate(cfg)
-        rows, mesh, shardings, dtypes = param_table(cfg, pick_devices(math.prod(mesh_sizes)))
+        rows, mesh, shardings, dtypes = _param_table(cfg, pick_devices(math.prod(mesh_sizes)))
     except ConfigError as e:
         raise SystemExit(f"{e} (set via --mesh/--strategy)") from e
     print(f"{cfg.name}: strategy {cfg.parallel.strategy}, linear {cfg.model.linear}, "
