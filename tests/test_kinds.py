@@ -161,7 +161,7 @@ def test_kind_resumes_bit_for_bit(make_config, tmp_path, linear):
     """A run stopped and resumed from its checkpoint continues exactly (the sltrain support is part of
     the saved state: its integer arrays are restored with the parameters)."""
     kw = {"model.linear": linear, "model.sparse_block": 4, "train.log_every": 1, "train.steps": 4,
-          "train.eval_every": 0, "checkpoint.every": 2}
+          "train.eval_every": 0, "checkpoint.every": 2, "parallel.num_devices": 1}
     straight = make_config(run_dir=str(tmp_path / "a"), **kw)
     train.run(straight)
     split = make_config(run_dir=str(tmp_path / "b"), **kw, **{"train.stop_at_step": 2})
