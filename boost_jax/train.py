@@ -19,6 +19,7 @@ from absl import logging as absl_logging
 from tqdm import tqdm
 
 from boost_jax import config as config_lib
+from boost_jax import xla_gpu_flags
 from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
 from boost_jax.data import build_loaders
 from boost_jax.distributed import DistributedError, maybe_initialize
@@ -65,7 +66,7 @@ class _StopFlag:
     def __init__(self):
         self.signal = None
         self.interrupts = 0
-        self.safe_step = None  # the newest committed checkpoint, which survives a forced exit
+        self.committed = lambda: None  # the newest committed checkpoint's step (read at the moment)
         self.done = False  # the run's checkpoints are all written
         self._old = {}
 
@@ -86,7 +87,8 @@ class _StopFlag:
             self.signal = name
             _say(f"{name}: stopping after this step with a checkpoint (further signals wait for it)")
         elif self.interrupts >= 3:
-            resume = ("from scratch" if self.safe_step is None else f"from step {self.safe_step}")
+            safe = self.committed()  # read from disk now: an async save may have committed since the last step
+            resume = ("from scratch" if safe is None else f"from step {safe}")
             _say(f"{name} a third time: exiting without finishing the checkpoint; a rerun resumes {resume} "
                  "and everything trained after it is lost")
             os._exit(130)
@@ -135,7 +137,8 @@ def _open_run_dir(cfg, main_process: bool):
 
 
 # Settings of one invocation, not of the run: changing them on resume is not worth a note.
-PER_INVOCATION = ("restore_from", "train.stop_at_step", "train.progress", "distributed.")
+PER_INVOCATION = ("restore_from", "train.stop_at_step", "train.progress", "distributed.", "compile_cache",
+                  "profile_steps", "xla_gpu_flags")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -173,16 +176,61 @@ def run(cfg, stop: _StopFlag | None = None) -> dict:
     SIGTERM/SIGINT are handled while it runs; the command line passes its own `stop`, installed for
     the whole process, so that signals arriving after the final save are absorbed too."""
     config_lib.validate(cfg)
+    gpu_flags, _ = xla_gpu_flags.apply() if cfg.xla_gpu_flags else ([], "")  # before JAX starts its backends
     maybe_initialize(cfg)  # before anything below asks JAX for devices (process_index does)
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
     main_process = jax.process_index() == 0
     say = print if main_process else (lambda *a, **k: None)
+    if gpu_flags:
+        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/xla_gpu_flags.py; xla_gpu_flags=false "
+            "leaves XLA_FLAGS alone)")
+    _use_compile_cache(cfg.compile_cache)
     with contextlib.nullcontext(stop) if stop is not None else _StopFlag() as stop:
         run_dir, lock = _open_run_dir(cfg, main_process)
         try:
             return _train(cfg, run_dir, stop, say)
         finally:
             lock.release()
+
+
+def _use_compile_cache(directory: str) -> None:
+    """Point JAX's persistent compilation cache at `directory` (created if missing); "" leaves it."""
+    if not directory:
+        return
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    path = Path(directory).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise config_lib.ConfigError(f"config field `compile_cache`: cannot create {path} ({e.strerror or e}); "
+                                     "choose a writable directory or \"\" for no cache") from e
+    if jax.config.jax_compilation_cache_dir != str(path):
+        cc.set_cache_dir(str(path))
+        cc.reset_cache()  # JAX decides once whether to use a cache: ask again with the new directory
+
+
+class _Profiler:
+    """A jax.profiler trace of train steps [first, last] (1-based) into `directory`."""
+
+    def __init__(self, steps: str, directory: str, say):
+        self.range, self.directory, self.say, self.active = config_lib.profile_range(steps), directory, say, False
+
+    def before(self, step: int) -> None:  # step: the number of the step about to run
+        if self.range and not self.active and self.range[0] <= step <= self.range[1]:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after(self, step: int, state) -> None:  # step: the number of the step that just ran
+        if self.active and step >= self.range[1]:
+            self.stop(state, step)
+
+    def stop(self, state, step: int) -> None:
+        if self.active:
+            jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
+            jax.profiler.stop_trace()
+            self.active = False
+            self.say(f"profile of steps {self.range[0]}..{step} written to {self.directory} "
+                     f"(tensorboard --logdir {self.directory}, profile tab)")
 
 
 def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
@@ -242,7 +290,7 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
         if main_process:
             (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
         step = int(jax.device_get(state["step"]))
-        stop.safe_step = ckpt.committed_step()
+        stop.committed = ckpt.committed_step
         evals: list[tuple[int, float]] = []
         if step < t.steps:
             evals.append((step, evaluate(state["params"])))
@@ -252,6 +300,7 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
         window_start, window_steps, last_saved, stopped = time.perf_counter(), 0, step, None
         first_step = step
         kernels_used()  # start the record afresh: the first train step below traces the model
+        profiler = _Profiler(cfg.profile_steps, str(run_dir / "tensorboard"), bar.write if main_process else say)
         unchecked = []  # (step, metrics) not yet read back: checked together at the next log or save
         in_a_row = 0  # non-finite steps in a row
         end = min(t.stop_at_step or t.steps, t.steps)
@@ -259,7 +308,10 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
             while step < end:
                 ckpt.check()  # a background save that failed stops the run here, not at the next save
                 local = train_data.batch(position).reshape(t.grad_accum, -1, t.seq_len + 1)
-                state, metrics = train_step(state, _to_global(local, batch_sharding))
+                profiler.before(step + 1)
+                with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+                    state, metrics = train_step(state, _to_global(local, batch_sharding))
+                profiler.after(step + 1, state)
                 if step == first_step:  # traced now: record what the kernels actually ran
                     writer.write(step + 1, {"kernels": kernels_used()})
                 position += t.global_batch
@@ -313,12 +365,12 @@ def _train(cfg, run_dir: Path, stop: _StopFlag, say) -> dict:
                     bar.write(f"step {step}: eval loss {evals[-1][1]:.4f}") if main_process else None
                 if due_save:
                     ckpt.save(step, state, meta_for(step), force=True)  # first waits for the previous save
-                    stop.safe_step = ckpt.committed_step()  # what a forced exit keeps: not this save yet
                     last_saved = step
                 if signalled:
                     stopped = signalled
                     break
         finally:
+            profiler.stop(state, step)  # a run that ends (or fails) inside the traced steps keeps its trace
             bar.close()
             writer.close()
             ckpt.close()  # waits for any async save in flight (signals wait too): a started save is finished
