@@ -5,19 +5,22 @@ best one.
 
     python -m boost_jax.plan --config configs/cola_7b.py --devices 32 \
         --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \
-        [--attention materialized|flash] [--remat none,lowrank,full] [--grad-accum N] \
+        [--attention auto|xla|chunked|cudnn|pallas] [--remat none,lowrank,full] [--grad-accum N] \
         [--pipeline 1,2,4] [--microbatches M] [--verify]
 
 --verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
-devices, one sequence per batch shard, seq <= 128) with boost_jax.tools.comm_report and prints the
-planner's per-layer collective elements next to the measured ones; a pipelined plan is compiled with
-2 stages of one layer each and compared over the whole step (pipeline, tensor and data/fsdp traffic).
+devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
+<= 128) with boost_jax.tools.comm_report and prints the planner's per-layer collectives (bytes and
+counts by class and kind) and peak memory next to the compiled step's; a pipelined plan is compiled
+with 2 stages of one layer each and compared over the whole step (pipeline, tensor and data/fsdp
+traffic).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from boost_jax.config import ATTENTION_IMPLS
 from boost_jax.tools.devices import emulate_cpu_devices, load_config
 
 GB = 1e9
@@ -57,18 +60,19 @@ def breakdown(p, layers: int) -> str:
         path = f"per micro-batch: {layers} layers x {layer}"
     return (f"{path} + embedding/head {1e3 * rc.total:.2f} ms + exposed data/fsdp {1e3 * p.exposed_dp_s:.2f} ms; "
             f"optimizer {1e3 * p.optimizer_s:.1f} ms per step\n"
-            f"memory per GPU: states {_gb(m['states'])} + fsdp gathers {_gb(m['gathered'])} + saved activations "
-            f"{_gb(m['activations'])} + one layer's working set {_gb(m['working'])} + logits {_gb(m['logits'])} "
-            + (f"+ pipeline buffers {_gb(m['pipeline'])} " if stages > 1 else "") + f"= {_gb(m['total'])} GB")
+            f"memory per GPU: states {_gb(m['states'])} + kept weights {_gb(m['weights'] + m['gathered'])} + kept "
+            f"activations {_gb(m['activations'])} + transient (loss, a layer's backward or the optimizer update) "
+            f"{_gb(m['transient'])} "
+            + (f"+ pipeline buffers {_gb(m['pipeline'])} " if stages > 1 else "")
+            + f"+ allocation overhead {_gb(m['allocator'])} = {_gb(m['total'])} GB")
 
 
 def run_verify(cfg, cluster, plan, seq: int) -> bool:
     from boost_jax.planner import verify
 
     st = "st" in plan.layer.choices
-    if st and (plan.strategy != "btp" or plan.mesh.tensor != 2 or plan.mesh.pipeline > 1):
-        raise SystemExit("--verify: spatial-temporal groups are compared around parallel.strategy=btp on a "
-                         f"2 x 2 grid without pipelining; this plan has {plan.strategy}, tensor {plan.mesh.tensor}, "
+    if st and plan.mesh.pipeline > 1:
+        raise SystemExit("--verify: spatial-temporal groups are compared without pipelining; this plan has "
                          f"pipeline {plan.mesh.pipeline} (compile it with the overrides above instead)")
     sp = plan.sequence_parallel
     if plan.mesh.pipeline > 1:
@@ -79,17 +83,26 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
               "devices (elements per device, whole step)")
         rows = verify.compare_pipeline(cfg, cluster, mesh, plan.strategy, sp, plan.remat, micro, vseq)
     else:
-        mesh, batch, vseq = verify.shrink(plan.mesh, seq)
+        try:
+            mesh, batch, vseq = verify.shrink(plan.mesh, seq, grid=st)
+        except ValueError as e:
+            raise SystemExit(f"--verify: {e}") from e
         groups = f" + {verify.linear_partition(plan.layer)} on the fsdp x tensor grid" if st else ""
         print(f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}{groups}, mesh {mesh}, batch {batch} x seq {vseq}, "
-              f"remat {plan.remat}, compiled on emulated CPU devices (bytes per layer per device)")
-        rows = verify.compare(cfg, cluster, mesh, plan.strategy, sp, plan.remat, batch, vseq, layer=plan.layer)
-    print("| traffic | planner | HLO (comm_report) | planner / HLO | within 10% |\n|---|---|---|---|---|")
+              f"remat {plan.remat}, compiled on emulated CPU devices (bytes per layer per device; memory: the "
+              f"full-depth step in {verify.COMPILE_DTYPE})")
+        rows = verify.compare(cfg, cluster, mesh, plan.strategy, sp, plan.remat, batch, vseq, layer=plan.layer,
+                              memory=True)
+    print("| traffic | planner | HLO (comm_report) | planner / HLO | count planner / HLO | agrees |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['traffic']} | {r['predicted']:,.0f} | {r['measured']:,.0f} | {r['ratio']:.3f} "
+        counts = r.get("counts")
+        count = "-" if counts is None else f"{counts[0]} / {counts[1]}" + (" (combined)" if r.get("combined") else "")
+        print(f"| {r['traffic']} | {r['predicted']:,.0f} | {r['measured']:,.0f} | {r['ratio']:.3f} | {count} "
               f"| {'yes' if r['ok'] else 'NO'} |")
     ok = all(r["ok"] for r in rows)
-    if not ok and rows[-1]["ok"] and plan.mesh.pipeline == 1:
+    whole = next((r for r in rows if r["traffic"] == verify.WHOLE), None)
+    if not ok and whole is not None and whole["ok"]:
         print("The whole program agrees but the per-layer split does not: XLA partitioned the 1-layer "
               "program differently from the 2-layer one (comm_report's per layer = 2-layer - 1-layer).")
     return ok
@@ -104,8 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, help="global batch in sequences (default: the config's train.global_batch)")
     ap.add_argument("--seq", type=int, help="sequence length (default: the config's train.seq_len)")
     ap.add_argument("--top", type=int, default=5)
-    ap.add_argument("--attention", default="materialized", choices=("materialized", "flash"),
-                    help="materialized: XLA's attention as the trainer runs it; flash: a fused kernel")
+    ap.add_argument("--attention", default="auto", choices=ATTENTION_IMPLS,
+                    help="model.attention the plan runs with (default auto: cudnn on a GPU in bf16 where cuDNN "
+                    "takes the shapes, as the trainer picks); xla: materialised scores; chunked: blockwise in "
+                    "plain JAX; cudnn/pallas: fused flash kernels")
     ap.add_argument("--remat", default="none,lowrank,full", help="comma list of remat policies to search")
     ap.add_argument("--grad-accum", type=int, default=0, help="fix train.grad_accum (default: search)")
     ap.add_argument("--pipeline", default="", help="comma list of pipeline stage counts (default: every one "
@@ -115,8 +130,10 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", action="store_true", help="compile the best runnable plan and compare collectives")
     args = ap.parse_args(argv)
     if args.verify:
-        emulate_cpu_devices(8)  # before anything imports jax
+        emulate_cpu_devices(16)  # before anything imports jax; 16: an st plan on a 4 x 4 grid
     from boost_jax.planner import Options, load_cluster, search
+    from boost_jax.planner.cost import attention_kind
+    from boost_jax.planner.partitions import Block
     from boost_jax.planner.search import model_flops_per_token
 
     cfg = load_config(args.config)
@@ -148,7 +165,8 @@ def main(argv=None) -> int:
 
     print(f"{cfg.name} ({cfg.model.linear}, d={cfg.model.d_model}, r={cfg.model.rank}, L={cfg.model.n_layers}) on "
           f"{args.devices} GPUs of {cluster.name} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB); "
-          f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention}")
+          f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention} (priced as "
+          f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py)")
     print(f"search: {res.considered} plans priced, {res.rejected_memory} over the usable "
           f"{cluster.usable_hbm / GB:.0f} GB/GPU, in {res.seconds:.2f} s")
     if not res.plans:

@@ -24,6 +24,9 @@ class Cluster:
     gemm_half_dim: float
     flash_efficiency: float
     elementwise_passes: float
+    # (field, the data it was fitted to) for every number chosen to reproduce a measurement; the
+    # other fields are datasheet values or stated assumptions (the cluster file says which).
+    fitted: tuple = ()
 
     @property
     def usable_hbm(self) -> float:
@@ -51,6 +54,11 @@ def from_dict(c) -> Cluster:
     for f in _FIELDS[1:]:
         if not float(c[f]) > 0:
             raise ValueError(f"--cluster: {f} must be positive, got {c[f]}")
+    fitted = dict(c["fitted"].items()) if "fitted" in c and c["fitted"] else {}
+    unknown = [f for f in fitted if f not in _FIELDS[1:]]
+    if unknown:
+        raise ValueError(f"--cluster: `fitted` names {unknown}, which are not cluster fields; use some of "
+                         f"{list(_FIELDS[1:])}")
     return Cluster(
         name=str(c["name"]), gpus_per_node=int(c["gpus_per_node"]), peak_flops=float(c["peak_flops"]),
         hbm_bytes=float(c["hbm_bytes"]), hbm_bandwidth=float(c["hbm_bandwidth"]),
@@ -58,7 +66,8 @@ def from_dict(c) -> Cluster:
         intra=Link(float(c["intra_bandwidth"]), float(c["intra_latency"])),
         inter=Link(float(c["inter_bandwidth"]), float(c["inter_latency"])),
         gemm_efficiency=float(c["gemm_efficiency"]), gemm_half_dim=float(c["gemm_half_dim"]),
-        flash_efficiency=float(c["flash_efficiency"]), elementwise_passes=float(c["elementwise_passes"]))
+        flash_efficiency=float(c["flash_efficiency"]), elementwise_passes=float(c["elementwise_passes"]),
+        fitted=tuple((str(k), str(v)) for k, v in fitted.items()))
 
 
 def load_cluster(path) -> Cluster:

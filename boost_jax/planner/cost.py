@@ -26,19 +26,39 @@ STATE_BYTES = 4  # parameters, gradients and their collectives are float32 in th
 ADAM_STATE_BYTES = 16  # fp32 param + fp32 grad + Adam m and v
 ACCUM_BYTES = 4  # the fp32 gradient accumulator of grad_accum > 1
 OPTIMIZER_TRAFFIC = 32  # HBM bytes per parameter per AdamW update (read/write p, m, v; read g, norm)
-# Attention as XLA runs it (scores materialised): HBM bytes per (head, query, key) score. Traffic:
-# forward writes fp32 scores, reads them for the softmax, writes bf16 probabilities, reads them for
-# P·V (12); the backward reads/writes dP, dS, P (16). Saved for the backward without remat: fp32
-# scores, fp32 masked scores, bf16 probabilities (10), which matches XLA's own memory analysis
-# (benchmarks/remat_memory.md: 299 GiB for cola_1b, seq 2048, batch 8, policy none).
+# Materialised attention (model.attention=xla): HBM bytes per (head, query, key) score. Traffic:
+# forward writes fp32 scores, reads them for the softmax, writes the probabilities, reads them for
+# P·V (12); the backward reads/writes dP, dS, P (16). What is kept for the backward is counted in
+# partitions.SAVED_SCORE.
 SCORE_TRAFFIC = (12, 16)
-SCORE_SAVED = 10
-# Under remat the backward of one layer holds its recomputed activations and their gradients: this
-# many times the layer's no-remat activations. 1.5 puts cola_1b (seq 2048, batch 8) within 12% of
-# XLA's memory analysis for `full` and `lowrank` (benchmarks/remat_memory.md), `none` within 6%.
-WORKING_SET = 1.5
 FLASH_BACKWARD = 2.5  # FlashAttention's backward: 5 GEMMs (scores recomputed) against the forward's 2
-ATTENTION_IMPLS = ("materialized", "flash")
+# model.attention=chunked (boost_jax/model/attention.py): blocks of CHUNK queries x CHUNK keys, the
+# ones above the diagonal skipped; each block's scores pass through HBM as in the materialised
+# attention, and the backward recomputes them twice (its dQ pass and its dK/dV pass: 7 block GEMMs
+# against the forward's 2).
+CHUNK = 512
+CHUNKED_BACKWARD = 3.5
+ATTENTION_KINDS = ("materialized", "chunked", "flash")
+# What each model.attention runs as: cudnn and pallas are fused (flash) kernels.
+ATTENTION_OF = {"xla": "materialized", "chunked": "chunked", "cudnn": "flash", "pallas": "flash"}
+# The compiled step's transient buffers, read from its memory report (tests/test_planner.py):
+LOGIT_BUFFERS = 3  # float32 [rows, chunk, V/t] arrays live in the loss (logits, exp, gradient)
+# XLA packs the step's temporaries into one allocation (memory_analysis().temp_size_in_bytes), which
+# exceeds the bytes live at its peak (its live-range report: 1.11-1.25x over the plans of
+# benchmarks/planner_memory.py). FITTED: 1.10 x the live temporaries this model counts puts that
+# benchmark's btp cola plan (d 256, 3 layers, mesh 1x2x2, CPU compiler, float32) on its
+# memory_analysis; assumed for GPU compilers. Parameters and optimizer state are arguments,
+# allocated as they are.
+BUFFER_OVERHEAD = 1.10
+# The optimizer update: the step checks that every updated weight is finite before it keeps any, so
+# the new parameters and moments live next to the gradient and the old state. FITTED: 9 bytes per
+# local parameter beyond the gradient puts the compiled cola_7b step (32 layers, batch 4 x seq 128,
+# mesh 2x2x2 or 1x2x2, where this phase is the peak) within 6% of its memory_analysis.
+OPTIMIZER_TEMP = 9
+# A layer's backward (without remat) holds gradients of its activations next to what is kept: FITTED:
+# 0.7 x the layer's kept set puts the compiled btp step at 7B widths (tests/test_planner.py's top
+# plan, 1x1x2x4) within 1%; its other plans are held out.
+BACKWARD_LIVE = 0.7
 REMAT_POLICIES = ("none", "lowrank", "full")
 
 
@@ -110,18 +130,38 @@ def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, f
     return skew + phase(0), phase(2) + phase(4) + unskew
 
 
-def attention_seconds(a: Attn, impl: str, cluster: Cluster) -> tuple[float, float]:
+def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
+    """How `model.attention = name` runs on a GPU of the cluster (one of ATTENTION_KINDS): `auto`
+    resolves as the trainer does (boost_jax.model.attention.auto_impl) for a GPU in the compute
+    dtype act_bytes stands for."""
+    from boost_jax.config import ATTENTION_IMPLS
+
+    if name not in ATTENTION_IMPLS:
+        raise ValueError(f"--attention: {name!r} is not one of {ATTENTION_IMPLS}")
+    if name == "auto":
+        from boost_jax.model.attention import auto_impl  # imports jax: once per search, not per plan
+
+        name = auto_impl(on_gpu=True, half=act_bytes == 2, head_dim=block.head_dim, queries=seq, keys=seq)
+    return ATTENTION_OF[name]
+
+
+def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) of causal attention on this device."""
     flops = 4 * a.queries * a.keys * a.head_dim * a.heads  # q·kᵀ and p·v over every key
-    if impl == "flash":  # skips masked blocks; the busiest token block sets the pace
+    if kind == "flash":  # skips masked blocks; the busiest token block sets the pace
         fwd = 0.5 * flops * a.imbalance / (cluster.peak_flops * cluster.flash_efficiency)
         return fwd, FLASH_BACKWARD * fwd
-    if impl != "materialized":
-        raise ValueError(f"--attention: {impl!r} is not one of {ATTENTION_IMPLS}")
-    gemm = flops / (cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, a.keys, cluster))
-    scores = a.queries * a.keys * a.heads
-    return (gemm + SCORE_TRAFFIC[0] * scores / cluster.hbm_bandwidth,
-            2 * gemm + SCORE_TRAFFIC[1] * scores / cluster.hbm_bandwidth)
+    if kind not in ("materialized", "chunked"):
+        raise ValueError(f"attention kind {kind!r} is not one of {ATTENTION_KINDS}")
+    gemm = flops / (cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, min(a.keys, CHUNK if kind ==
+                                                                                      "chunked" else a.keys), cluster))
+    traffic = a.queries * a.keys * a.heads / cluster.hbm_bandwidth
+    if kind == "materialized":
+        return gemm + SCORE_TRAFFIC[0] * traffic, 2 * gemm + SCORE_TRAFFIC[1] * traffic
+    blocks = -(-a.keys // CHUNK)
+    visible = (blocks + 1) / (2 * blocks) * a.imbalance  # the diagonal blocks are computed whole
+    return (visible * (gemm + SCORE_TRAFFIC[0] * traffic),
+            visible * (CHUNKED_BACKWARD * gemm + 2 * SCORE_TRAFFIC[1] * traffic))
 
 
 # ---------------------------------------------------------------- one operator
@@ -158,14 +198,27 @@ def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
     raise ValueError(f"--remat: {policy!r} is not one of {REMAT_POLICIES}")
 
 
+def st_recomputed(op: Op, policy: str) -> list:
+    """The st matmuls' permutes a remat policy re-runs in the backward, as the compiled step shows:
+    `full` re-runs their forward input moves (skews and row rings; the weights' moves do not change
+    and XLA keeps them from the forward); `lowrank` re-skews only the first stages' inputs (the
+    second stages' inputs come from the kept A outputs)."""
+    if policy == "none" or not op.recompute:
+        return []
+    if policy == "full":
+        return [c for s in op.st for c in s.colls() if c.phase == "fwd" and c.axis == "tensor"]
+    return [c for s in op.st if s.tag == "A" for c in s.colls()[:1] if c.elements]
+
+
 def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized",
           act_bytes: int = 2) -> Cost:
-    """Forward + backward (+ recompute) time of one operator on one device."""
+    """Forward + backward (+ recompute) time of one operator on one device. `attention`: one of
+    ATTENTION_KINDS (see attention_kind)."""
     gemm = [gemm_seconds(g.m, g.k, g.n, cluster) for g in op.gemms]
     st = [st_seconds(s, cluster, act_bytes) for s in op.st]
     attn = attention_seconds(op.attn, attention, cluster) if op.attn else (0.0, 0.0)
     elementwise = cluster.elementwise_passes * op.acts * act_bytes / cluster.hbm_bandwidth
-    cost = Cost(compute=3 * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
+    cost = Cost(compute=op.gemm_passes * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
                 comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls))
     if policy != "none":
         g_re, st_re, attn_re, c_re = recomputed(op, policy)
@@ -177,15 +230,34 @@ def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "mate
 
 # ---------------------------------------------------------------- memory
 
-def saved_bytes(op: Op, policy: str, attention: str, act_bytes: int = 2) -> float:
+def saved_bytes(op: Op, policy: str, act_bytes: int = 2) -> float:
     """Activation bytes this operator keeps for the backward under a remat policy (one micro-batch)."""
     if policy == "full":
         return 0.0
     if policy == "lowrank":
         return op.saved_lowrank * act_bytes
-    scores = op.attn.queries * op.attn.keys * op.attn.heads * SCORE_SAVED if (
-        op.attn and attention == "materialized") else 0.0
-    return op.acts * act_bytes + scores
+    return op.saved * act_bytes + op.saved32 * 4
+
+
+def backward_working(ops: list, policy: str, act_bytes: int) -> float:
+    """Bytes one layer's backward holds besides what is kept for it: the gradients of its
+    activations (BACKWARD_LIVE x its kept-without-remat set), or under remat its recomputed
+    activations (the whole set), plus st's received ring blocks."""
+    layer = sum(saved_bytes(op, "none", act_bytes) for op in ops)
+    return layer * (BACKWARD_LIVE if policy == "none" else 1.0) + sum(op.ring for op in ops) * act_bytes
+
+
+def table_bytes(fsdp: int, act_bytes: int) -> float:
+    """Bytes per element of the embedding table and LM head live around the loss: the float32
+    gradient at full (gathered) size, the FSDP-gathered float32 copy and the compute-dtype cast."""
+    return STATE_BYTES + (STATE_BYTES if fsdp > 1 else 0) + (act_bytes if act_bytes != STATE_BYTES else 0)
+
+
+def loss_bytes(rows: float, seq: int, chunk: int, vocab_local: float) -> float:
+    """The loss's float32 [rows, chunk, V/t] buffers (one chunk of positions at a time; chunk 0 or
+    >= seq: the whole sequence). rows: sequences of the micro-batch on this device."""
+    positions = seq if not 0 < chunk < seq else chunk
+    return LOGIT_BUFFERS * rows * positions * vocab_local * 4
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

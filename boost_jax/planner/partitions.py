@@ -23,6 +23,18 @@ from __future__ import annotations
 import dataclasses
 
 GROUPS = ("qkv", "o", "gate_up", "down")
+# Arrays each operator keeps for the backward without remat, as counted in the compiled train step's
+# buffer assignment (XLA's memory-usage report of the scanned layer's stacked residuals; float32 on
+# emulated CPU devices, btp / megatron / vanilla / st, dense / lowrank / cola; tests/test_planner.py
+# checks the totals against memory_analysis()):
+SAVED_NORM = (1, 2)  # RMSNorm: (compute dtype, float32) arrays of its width: output; input and x/rms in fp32
+SAVED_SIGMA = 4  # a nonlinear bottleneck σ(A·x): A's output, σ's internals and its output, per A output
+SAVED_LINEAR = 1  # an identity bottleneck (lowrank): A's output
+SAVED_ONLINE_NORM = 2  # more arrays of the A output when the norm statistics ride in its all-reduce
+SAVED_ATTENTION = {"materialized": 4, "chunked": 5, "flash": 5}  # q, k, v, the output (+ its [B, T, q] view)
+SAVED_SCORE = 2  # materialised attention: float32 arrays per score (exp and softmax), + probs in the
+# compute dtype when that is not float32
+SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
 CHOICES = ("btp", "vanilla", "megatron", "st")
 # Megatron's column-parallel groups (the others are row-parallel).
 COLUMN = ("qkv", "gate_up")
@@ -42,6 +54,8 @@ class Block:
     factored: bool  # a bottleneck kind (B·σ(A·x); tt's reconstructed halves) rather than dense
     only_lr_act: bool
     online_norm: bool
+    nonlinear: bool = False  # σ at the bottleneck is a nonlinearity (cola; tt with silu)
+    loss_chunk: int = 0  # model.loss_chunk: positions per chunk of the head + loss (0: one piece)
 
     @classmethod
     def from_config(cls, cfg) -> Block:
@@ -57,7 +71,8 @@ class Block:
                    head_dim=int(m.d_model) // int(m.n_heads), rank=int(m.rank), vocab=int(m.vocab_size),
                    layers=int(m.n_layers), factored=kind.factored,
                    only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
-                   online_norm=bool(cfg.parallel.online_norm))
+                   online_norm=bool(cfg.parallel.online_norm), nonlinear=kind.factored and kind.nonlinear(m),
+                   loss_chunk=int(m.loss_chunk))
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
         """(shared input width, output widths) of a projection group."""
@@ -120,6 +135,14 @@ class StMatmul:
                     cp(o, "bwd", col), cp(i, "bwd", grid)]  # dW phase: dO along columns, I diagonally
         return out + [cp(dx, "bwd", row), cp(w, "bwd", grid)]  # unskew dI, dW back to its stored layout
 
+    def ring(self) -> float:
+        """Elements of the received blocks its backward holds besides the saved ones: each of the n-1
+        steps receives two of the three operands (dI phase: dO and W; dW phase: dO and I), and the
+        unrolled schedule keeps the copies apart. FITTED: half of the n-1 copies of all three puts
+        the compiled all-st step under remat=full on its memory_analysis (benchmarks/planner_memory.py)."""
+        n = self.n
+        return (n - 1) * (self.m * self.k / n + self.m * self.out / n + self.k * self.out / (n * n)) / 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Attn:
@@ -138,10 +161,17 @@ class Op:
     colls: list = dataclasses.field(default_factory=list)
     attn: Attn | None = None
     acts: float = 0.0  # activation elements produced in the forward (this device, micro-batch)
-    saved_lowrank: float = 0.0  # of which the `lowrank` remat policy keeps
+    # Kept for the backward without remat (this device, micro-batch), in the compute dtype and in
+    # float32 (norm statistics and inputs, attention scores): the arrays the compiled step keeps,
+    # counted per operator from its memory report (see SAVED_* below and tests/test_planner.py).
+    saved: float = 0.0
+    saved32: float = 0.0
+    saved_lowrank: float = 0.0  # what the `lowrank` remat policy keeps (compute dtype)
     weights: float = 0.0  # parameter elements on this device after the tensor split (before fsdp)
     grid_weights: float = 0.0  # the same for st's weights, which stay fsdp-split (never gathered)
     recompute: bool = True  # False: its output is the layer's output, which no remat policy redoes
+    ring: float = 0.0  # compute-dtype elements its backward holds beyond the saved ones (st's ring copies)
+    gemm_passes: float = 3.0  # forward GEMM times the op costs: forward + backward (2x), + a recompute
 
     def all_colls(self) -> list[Coll]:
         return self.colls + [c for s in self.st for c in s.colls()]
@@ -154,6 +184,8 @@ class Ctx:
     tokens: float  # M: tokens of a micro-batch on one tensor group
     seq: int
     grid: bool = False  # fsdp == tensor: the (fsdp, tensor) axes form st's n x n grid (n = t)
+    attention: str = "materialized"  # how attention runs: cost.ATTENTION_KINDS (see cost.attention_kind)
+    act_bytes: int = 2  # bytes per compute-dtype element
 
     @property
     def n(self) -> int:
@@ -182,7 +214,8 @@ def _divides(t: int, *xs: int) -> bool:
 
 # ---------------------------------------------------------------- edges and norms
 
-def edge(ctx: Ctx, src: str, dst: str, width: int, partial_grad: bool = False, layer_output: bool = False) -> Op:
+def edge(ctx: Ctx, src: str, dst: str, width: int, partial_grad: bool = False, layer_output: bool = False,
+         saves: bool = False) -> Op:
     """Redistribute a [M, width] activation from layout src to dst. The backward moves its gradient
     the other way; a replicated producer needs the whole gradient, so R -> split costs a gather there.
     `partial_grad`: the consumer (a column-parallel input, dst R) hands back partial input gradients,
@@ -207,6 +240,8 @@ def edge(ctx: Ctx, src: str, dst: str, width: int, partial_grad: bool = False, l
     else:  # between two split layouts: each device keeps its overlap, swaps the rest
         op.colls += [Coll("all-to-all", full / t, t, 1, "fwd"), Coll("all-to-all", full / t, t, 1, "bwd")]
     op.acts = ctx.local(dst, width)
+    if saves:  # its output is a GEMM's input, kept for the weight gradient (a normalised row gathered)
+        op.saved = op.acts
     return op
 
 
@@ -214,9 +249,11 @@ def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
     """RMSNorm in `layout`. Split features need the sum of squares reduced over the feature group: a
     scalar per token, riding in the following A all-reduce when `fused` (BTP's online RMSNorm)."""
     fs, ts = ctx.splits(layout)
-    op = Op(f"norm@{layout}", acts=ctx.local(layout, ctx.block.d), weights=ctx.block.d / fs)
-    if fs > 1 and not fused:
-        op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p) for p in ("fwd", "bwd")]
+    width = ctx.local(layout, ctx.block.d)
+    op = Op(f"norm@{layout}", acts=width, weights=ctx.block.d / fs, saved=SAVED_NORM[0] * width,
+            saved32=SAVED_NORM[1] * width + ctx.tokens / ts)
+    if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed
+        op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p, saved=p == "fwd") for p in ("fwd", "bwd")]
     return op
 
 
@@ -265,7 +302,7 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
             op.acts, op.saved_lowrank, op.weights = m * (2 * g * r + dsum), m * g * r, din * g * r + r * dsum
         else:
             op.gemms, op.acts, op.weights = [Gemm(m, din, dsum, "W")], m * dsum, din * dsum
-        return op
+        return _with_saved(op, b, False)
     if choice == "btp":  # A row-parallel (partial r-wide product all-reduced), B column-parallel
         stats = m if fused_norm else 0
         op.gemms = [Gemm(m, din / t, g * r, "A")] + [Gemm(m, r, o / t, "B") for o in douts]
@@ -308,7 +345,66 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
             op.acts, op.grid_weights = m * (g * din + dsum) / n, din * dsum / n
     else:
         raise ValueError(f"unknown partition choice {choice!r} for {group}")
+    op.ring = sum(s.ring() for s in op.st)
+    return _with_saved(op, b, fused_norm and choice == "btp")
+
+
+def _with_saved(op: Op, b: Block, fused: bool) -> Op:
+    """Set what a projection group keeps for the backward: arrays of its first stages' outputs (the
+    B outputs are kept by their consumers: attention, the MLP core, the residual add keeps none)."""
+    if b.factored:
+        a_out = (sum(g.m * g.n for g in op.gemms if g.tag == "A")
+                 + sum(s.m * s.out / s.n for s in op.st if s.tag == "A"))
+        op.saved = a_out * ((SAVED_SIGMA if b.nonlinear else SAVED_LINEAR) + (SAVED_ONLINE_NORM if fused else 0))
     return op
+
+
+# The model's logical axis names of each group's projections (boost_jax/model/attention.py and
+# transformer.py): (input axis, output axes); a factored kind's stages add "rank" between them.
+PROJECTION_AXES = {"qkv": ("embed", ("heads", "kv_heads", "kv_heads")), "o": ("heads", ("embed",)),
+                   "gate_up": ("embed", ("mlp", "mlp")), "down": ("mlp", ("embed",))}
+_STORED: dict = {}
+
+
+def stored_grid_axes(strategy: str, names: tuple[str, str], shape: tuple[int, int], n: int) -> tuple:
+    """The mesh axes (fsdp / tensor / None) a strategy's rule table stores a weight's two dims over
+    on an n x n (fsdp, tensor) grid (boost_jax.parallel.rules.spec_for on that table)."""
+    key = (strategy, names, shape, n)
+    if key not in _STORED:
+        import types
+
+        from boost_jax.parallel import strategies
+        from boost_jax.parallel.rules import spec_for  # imports jax: memoised, off the DP's path
+
+        table = {"btp": strategies.BTP, "vanilla": strategies.VANILLA, "megatron": strategies.MEGATRON}[strategy]
+        mesh = types.SimpleNamespace(shape={"pipeline": 1, "data": 1, "fsdp": n, "tensor": n})
+        spec = tuple(spec_for(names, shape, mesh, table))
+        _STORED[key] = (spec + (None, None))[:2]
+    return _STORED[key]
+
+
+def st_stored(ctx: Ctx, group: str, strategy: str) -> tuple[list[Coll], float]:
+    """What an st group costs beyond P(n x n) under `strategy`'s stored layouts: a weight stored
+    whole along a grid axis (e.g. megatron's factored A of qkv/gate_up, B of o/down: (fsdp, None)) is
+    sliced locally for the skew, so its gradient comes back as a block of the replicated shard and
+    is all-reduced over that axis, in the compute dtype (the weight is cast before it is skewed).
+    Returns those all-reduces and the group's stored weight elements per device x n (the
+    `grid_weights` convention: per tensor shard, before the fsdp split)."""
+    b, n = ctx.block, ctx.n
+    din, douts = b.projections(group)
+    in_axis, out_axes = PROJECTION_AXES[group]
+    weights = ([((in_axis, "rank"), (din, b.rank))] * len(douts) + [(("rank", o), (b.rank, w))
+                                                                     for o, w in zip(out_axes, douts)]
+               if b.factored else [((in_axis, o), (din, w)) for o, w in zip(out_axes, douts)])
+    out, stored = [], 0.0
+    for names, shape in weights:
+        axes = stored_grid_axes(strategy, names, shape, n)
+        local = shape[0] * shape[1] / n ** sum(a in ("fsdp", "tensor") for a in axes)
+        stored += local * n
+        for axis, stride in (("tensor", 1), ("fsdp", n)):
+            if axis not in axes:
+                out.append(Coll("all-reduce", local, n, stride, "bwd", "tensor" if axis == "tensor" else "data_fsdp"))
+    return out, stored
 
 
 # ---------------------------------------------------------------- cores
@@ -329,6 +425,16 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
         op.acts += gathered
     op.attn = Attn(queries=ctx.tokens / ts, keys=ctx.seq, heads=b.heads / fs, head_dim=b.head_dim,
                    imbalance=(2 * ts - 1) / ts)
+    # Kept: q, k, v and the output (and K/V gathered over a token split); materialised scores in
+    # float32 (+ the probabilities in the compute dtype), else the log-sum-exp per row and head.
+    n = SAVED_ATTENTION[ctx.attention]
+    op.saved = ctx.local(layout, 2 * q + 2 * kv + (n - 4) * q) + (op.acts - ctx.local(layout, 2 * q + kv))
+    rows = op.attn.queries * op.attn.heads
+    if ctx.attention == "materialized":
+        op.saved32 = SAVED_SCORE * rows * ctx.seq
+        op.saved += rows * ctx.seq if ctx.act_bytes != 4 else 0.0
+    else:
+        op.saved32 = rows
     return op
 
 
@@ -337,7 +443,9 @@ def activation(ctx: Ctx, layout: str) -> Op | None:
     fs, _ = ctx.splits(layout)
     if layout == "P" or ctx.block.ff % fs:
         return None
-    return Op(f"act@{layout}", acts=ctx.local(layout, ctx.block.ff) * (1 if ctx.block.only_lr_act else 2))
+    width = ctx.local(layout, ctx.block.ff)
+    return Op(f"act@{layout}", acts=width * (1 if ctx.block.only_lr_act else 2),
+              saved=width * SAVED_SWIGLU[ctx.block.only_lr_act])
 
 
 def residual_add(ctx: Ctx, layout: str) -> Op:
@@ -364,6 +472,8 @@ def head(ctx: Ctx, residual: str) -> Op:
     op.name = f"{residual}->head"
     op.gemms = [Gemm(m, b.d, b.vocab / t, "head")]
     op.weights = b.d * b.vocab / t + b.d
+    if 0 < b.loss_chunk < ctx.seq:  # the chunked loss recomputes each chunk's logits in the backward
+        op.gemm_passes = 4.0
     if t > 1:
         op.colls = op.colls + [Coll("all-reduce", 3 * m, t, 1, "fwd"), Coll("all-reduce", m * b.d, t, 1, "bwd")]
     return op

@@ -61,7 +61,7 @@ class Layer:
 class Options:
     batch: int  # global batch, sequences per optimizer step
     seq: int
-    attention: str = "materialized"  # materialized (what XLA runs) | flash
+    attention: str = "auto"  # model.attention the plan runs with: auto | xla | chunked | cudnn | pallas
     remat: tuple = C.REMAT_POLICIES
     grad_accum: int = 0  # 0: search
     pipeline: tuple = ()  # pipeline stage counts to search; (): every one that divides devices and layers
@@ -134,7 +134,7 @@ class Pricer:
 
     def cost(self, key) -> C.Cost:
         if key not in self._costs:
-            self._costs[key] = C.price(self.op(key), self.cluster, self.policy, self.opts.attention,
+            self._costs[key] = C.price(self.op(key), self.cluster, self.policy, self.ctx.attention,
                                        self.opts.act_bytes)
         return self._costs[key]
 
@@ -155,9 +155,13 @@ class Stages:
         self.layer_output = seg == SEGMENTS[-1]  # the layer's last edge is never recomputed
 
     def first(self, g) -> list:
+        partial = P.partial_input_grad(self.block, self.seg[0], g[0])
+        if self.residual == "S" and g[1] != "S":  # sequence parallelism: normalise the token shard, then gather
+            return [("norm", "S", False), ("edge", "S", g[1], self.d, partial, False, True),
+                    ("group", self.seg[0], g[0], False)]
         fused = g[0] == "btp" and self.online_norm
-        return [("edge", self.residual, g[1], self.d, P.partial_input_grad(self.block, self.seg[0], g[0]), False),
-                ("norm", g[1], fused), ("group", self.seg[0], g[0], fused)]
+        return [("edge", self.residual, g[1], self.d, partial, False), ("norm", g[1], fused),
+                ("group", self.seg[0], g[0], fused)]
 
     def core(self, src: str, layout: str) -> list:
         return [("edge", src, layout, self.w1, False, False), (self.seg[1], layout)]
@@ -230,7 +234,7 @@ class LayerSummary:
     tensor_colls: list  # tensor-axis collectives, forward + backward
     recomputed: list  # forward collectives the remat policy re-runs
     saved: float  # activation bytes kept for the backward (the remat policy's, plus its carry)
-    working: float  # one layer's activations during its backward under remat
+    working: float  # one layer's recomputed activations during its backward under remat
     tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
 
 
@@ -239,21 +243,31 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         ctx, cl, opts, policy = pr.ctx, pr.cluster, pr.opts, pr.policy
         keys = layer_keys(pr, layer)
         ops = [pr.op(k) for k in keys]
+        _, strategy, _ = runnable(ctx.block, Mesh(1, 1, ctx.t), layer)
+        stored = [P.st_stored(ctx, g, strategy) for g, choice in zip(P.GROUPS, layer.choices)
+                  if choice == "st" and strategy]
+        extra = [c for colls, _ in stored for c in colls]
+        grid_w = sum(w for _, w in stored) if stored else sum(op.grid_weights for op in ops)
+        if extra:  # the strategy's stored layouts cost the st groups more than P(n x n) (see there)
+            ops.append(P.Op(f"st weights@{strategy}", colls=extra, recompute=False))
         norm_w = sum(op.weights for op in ops if op.name.startswith("norm"))
         tensor_colls = [c for op in ops for c in op.all_colls()]
-        recomputed = [c for op in ops for c in C.recomputed(op, policy)[3]]
+        # forward collectives the remat policy re-runs: the operators' own and the st matmuls'
+        # (st_seconds already counts their time; see st_recomputed)
+        recomputed = [c for op in ops for c in C.recomputed(op, policy)[3] + C.st_recomputed(op, policy)]
         carry = ctx.local(layer.residual, ctx.block.d) * opts.act_bytes if policy != "none" else 0.0
         links = {"intra": 0.0, "inter": 0.0}
         for c in tensor_colls + recomputed:
             links["inter" if cl.spans_nodes(c.stride, c.size) else "intra"] += C.link_bytes(
                 c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
         pr._summaries[layer] = LayerSummary(
-            ops=ops, cost=sum((pr.cost(k) for k in keys), C.Cost()), norm_w=norm_w,
-            fsdp_w=sum(op.weights for op in ops) - norm_w, grid_w=sum(op.grid_weights for op in ops),
+            ops=ops, cost=sum((pr.cost(k) for k in keys), C.Cost()) + sum(
+                (C.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys):]), C.Cost()),
+            norm_w=norm_w,
+            fsdp_w=sum(op.weights for op in ops) - norm_w, grid_w=grid_w,
             tensor_colls=tensor_colls, recomputed=recomputed,
-            saved=sum(C.saved_bytes(op, policy, opts.attention, opts.act_bytes) for op in ops) + carry,
-            working=0.0 if policy == "none" else C.WORKING_SET * sum(
-                C.saved_bytes(op, "none", opts.attention, opts.act_bytes) for op in ops),
+            saved=sum(C.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
+            working=C.backward_working(ops, policy, opts.act_bytes),
             tensor_links=links)
     return pr._summaries[layer]
 
@@ -265,7 +279,7 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost
     if key not in pr._rest:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
         rest = [P.embedding(ctx, residual), P.head(ctx, residual)]
-        pr._rest[key] = rest, sum((C.price(op, pr.cluster, "none", pr.opts.attention, pr.opts.act_bytes)
+        pr._rest[key] = rest, sum((C.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes)
                                    for op in rest), C.Cost())
     return pr._rest[key]
 
@@ -364,17 +378,29 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     step_s = grad_accum * micro_s + optimizer_s
 
     rest_tokens = ctx.tokens * m
+    weights = s.fsdp_w + s.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
+    loss = (C.loss_bytes(rest_tokens / opts.seq, opts.seq, b.loss_chunk, b.vocab / mesh.tensor)
+            + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
     memory = {"states": C.state_bytes(params, grad_accum),
-              # one layer's gathered weights and gradient, double-buffered; pipelined: the whole stage's,
-              # gathered once before the tick loop, and its gradient summed in that layout
-              "gathered": (2 * (per_stage if stages > 1 else 1) * s.fsdp_w * C.STATE_BYTES
-                           if mesh.fsdp > 1 else 0.0),
+              # without remat every layer's compute-layout weights (FSDP: gathered) are kept for its
+              # backward; with it, one layer's gathered weights and gradient, double-buffered
+              "weights": (0.0 if stages > 1 else per_stage * weights * opts.act_bytes if policy == "none" else
+                          2 * s.fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 else 0.0),
+              # pipelined: the whole stage's FSDP gathers happen once before the tick loop
+              "gathered": (2 * per_stage * s.fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 and stages > 1 else 0.0),
               # GPipe under autodiff keeps every tick's stage activations (the scan's residuals)
               "activations": runs * s.saved,
-              "working": s.working,
-              "logits": 3 * rest_tokens * b.vocab / mesh.tensor * 4,  # fp32 logits, softmax, gradient
+              # the peak's transient part: the loss's float32 logits chunk with the embedding table and
+              # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
+              # or one layer's backward (its recomputed activations under remat, st's ring copies), or
+              # the optimizer update's new state beyond what the backward kept (then freed)
+              "transient": 0.0,
               # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
               "pipeline": 2 * ctx.local(layer.residual, b.d) * m * opts.act_bytes if stages > 1 else 0.0}
+    kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
+    memory["transient"] = max(loss, s.working, params * C.OPTIMIZER_TEMP - kept)
+    arguments = params * (C.ADAM_STATE_BYTES - C.STATE_BYTES)  # parameters, Adam m and v
+    memory["allocator"] = (C.BUFFER_OVERHEAD - 1) * (sum(memory.values()) - arguments)
     memory["total"] = sum(memory.values())
 
     # Bytes on each GPU's links per step, recomputed collectives included.
@@ -393,6 +419,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                  f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
                  + ("--config.parallel.sequence_parallel=true " if sp else "")
                  + (f"--config.parallel.linear_partition={linear_partition(layer)} " if "st" in layer.choices else "")
+                 + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
                  + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
                  f"--config.train.seq_len={opts.seq} --config.remat.policy={policy}")
     return Plan(mesh=mesh, grad_accum=grad_accum, remat=policy, layer=layer, step_s=step_s,
@@ -471,7 +498,9 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
     if micro * grad_accum * mesh.data * mesh.fsdp * m != opts.batch:
         raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
                          f"micro-batches over data x fsdp = {mesh.data * mesh.fsdp}")
-    pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq, mesh.fsdp == mesh.tensor), cluster, remat, opts)
+    kind = C.attention_kind(opts.attention, block, opts.seq, opts.act_bytes)
+    pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq, mesh.fsdp == mesh.tensor, kind, opts.act_bytes),
+                cluster, remat, opts)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     return evaluate(pr, mesh, grad_accum, layer, fpt, m)
 
@@ -480,6 +509,7 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     """The top plans for `devices` GPUs of `cluster` training `cfg` at opts.batch x opts.seq."""
     block = P.Block.from_config(cfg)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
+    kind = C.attention_kind(opts.attention, block, opts.seq, opts.act_bytes)
     start = time.perf_counter()
     pricers: dict = {}
     plans, considered, rejected, smallest = [], 0, 0, None
@@ -498,8 +528,8 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
                 for policy in policies(block, opts):
                     key = (mesh.tensor, tokens, policy, grid)
                     if key not in pricers:
-                        pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid), cluster, policy,
-                                              opts)
+                        pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid, kind,
+                                                    opts.act_bytes), cluster, policy, opts)
                     for layer in best_layers(pricers[key], opts.keep):
                         plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro)
                         considered += 1

@@ -1,5 +1,11 @@
 """DGX/HGX H100 nodes: 8 x H100-SXM5-80GB per node, NVLink4 + NVSwitch inside, one InfiniBand NDR
-NIC per GPU between. Bandwidths are per GPU and *effective* (what a ring collective achieves)."""
+NIC per GPU between. Bandwidths are per GPU and *effective* (what a ring collective achieves).
+
+Provenance: nothing here is fitted to a measurement of ours or BOOST's (`c.fitted` is empty):
+peaks and bandwidths are datasheet values, link efficiencies and kernel efficiencies are published
+benchmark figures (nccl-tests, cuBLAS, FlashAttention papers) or assumptions, as each comment says.
+Plans on this cluster are model predictions only (benchmarks/planner.md keeps them apart from the
+fitted A100 comparison)."""
 import ml_collections
 
 
@@ -29,4 +35,5 @@ def get_config():
     # FlashAttention-2 on H100 reaches ~350 TFLOP/s fwd+bwd, FlashAttention-3 ~600: take 0.45 of peak.
     c.flash_efficiency = 0.45
     c.elementwise_passes = 6  # see a100_4x.py
+    c.fitted = {}
     return c
