@@ -27,6 +27,17 @@ def small_config(run_dir, **overrides):
     return c
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`--dist loadgroup`), tests sharing an expensive module- or session-scoped
+    fixture run on one worker, so the fixture is built once; the rest spread over the workers."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = sorted(name for name, defs in (info.name2fixturedefs.items() if info else ())
+                        if defs and defs[-1].scope in ("module", "session") and name != "tmp_path_factory")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))
+
+
 @pytest.fixture
 def make_config(tmp_path):
     def make(**kw):
