@@ -1,12 +1,28 @@
-"""GPU benchmark (never run in CI): RMSNorm kernel bandwidth and single-GPU train steps.
+"""GPU benchmark and kernel check in one command; prints the whole table and writes JSON.
 
-    python benchmarks/gpu_bench.py [--steps 10] [--json benchmarks/gpu_bench.json]
+    python benchmarks/gpu_bench.py [--steps 10] [--json benchmarks/gpu_bench.json] [--parts a,b,...]
+    python benchmarks/gpu_bench.py --smoke      # tiny shapes on any backend: checks the command runs
 
-1. RMSNorm forward+backward of the Pallas kernel vs XLA in GB/s, and as a fraction of the device's
-   measured copy bandwidth (target >= 80%).
-2. One-GPU train step of llama_1b vs cola_1b with each BOOST optimisation toggled (linear grouping,
-   the norm kernel, the remat policy): step time, tokens/s, MFU and peak memory, one table, one run.
-   Each variant runs in a fresh process so peak memory is its own.
+Parts (each isolated: a part or variant that fails prints its error in its row, the rest still run):
+
+- device: `device_kind`, platform, jax / jaxlib / triton / jax-triton versions, date.
+- rmsnorm: the fused RMSNorm(+Σx²) of `kernels.rmsnorm` = xla / pallas / triton on [16384, 4096]
+  bf16: forward and forward+backward in GB/s and as a fraction of the measured copy bandwidth
+  (target >= 80%). Bytes are the minimum traffic: forward reads x and writes y (2 x.nbytes); the
+  backward reads x and dy and writes dx (3 more). `ran` is what `kernels_used()` says ran, so a
+  kernel that fell back to XLA is reported as such, never timed under its own name.
+- attention: `model.attention` = xla / chunked / pallas / cudnn, forward+backward at a 7B head
+  shape (batch 1, seq 4096, 32 heads x 128, causal, bf16): ms, TFLOP/s (causal FLOPs: forward
+  2·B·H·T²·Dh, backward 2.5x forward), speed vs xla.
+- layer7b: a one-layer model of llama_7b vs cola_7b widths (d 4096, I 11008, r 1024, vocabulary
+  32000: embedding and head included), seq 4096, batch 2: train step ms, tokens/s, MFU, cola/llama.
+- train1b: llama_1b vs cola_1b at seq 4096, batch 4 (targets on one H100: cola_1b step <= 0.70x
+  llama_1b; llama_1b MFU >= 45%), and cola_1b with each BOOST option toggled (grouping, the norm
+  kernels, remat policies). Every train variant runs in a fresh process, so peak memory is its own.
+- tests: `tests/test_gpu_kernels.py` with JAX_PLATFORMS=cuda (the compiled kernels against the jnp
+  references, failing on any fallback); `--smoke` runs it on the current platform (it skips there).
+
+Model dtype is `auto` (bf16 on GPU) and attention `auto` (cuDNN on GPU), the trainer's defaults.
 """
 from __future__ import annotations
 
@@ -15,25 +31,52 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-
-import jax
-import jax.numpy as jnp
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = [  # (name, config, overrides)
-    ("llama_1b", "llama_1b", {}),
-    ("cola_1b", "cola_1b", {}),
-    ("cola_1b ungrouped", "cola_1b", {"model.group_linears": False}),
-    ("cola_1b pallas norm", "cola_1b", {"kernels.rmsnorm": "pallas"}),
-    ("cola_1b remat lowrank", "cola_1b", {"remat.policy": "lowrank"}),
-    ("cola_1b remat full", "cola_1b", {"remat.policy": "full"}),
-    ("llama_1b remat full", "llama_1b", {"remat.policy": "full"}),
-]
+ROOT = os.path.dirname(HERE)
+PARTS = ("device", "rmsnorm", "attention", "layer7b", "train1b", "tests")
+NORM_IMPLS = ("xla", "pallas", "triton")
+ATTENTION_IMPLS = ("xla", "chunked", "pallas", "cudnn")
+TARGETS = {"rmsnorm": 0.80, "cola_over_llama_1b": 0.70, "llama_1b_mfu": 0.45}
 
+
+def shapes(smoke: bool) -> dict:
+    """Every shape the parts use; --smoke shrinks them to run anywhere in seconds."""
+    if smoke:
+        return {"norm": (64, 256), "attention": (1, 64, 4, 16), "seq": 32, "batch1b": 2, "batch7b": 2,
+                "size": dict(d_model=64, d_ff=128, n_heads=4, n_kv_heads=4, rank=16, vocab_size=256, n_layers=2)}
+    return {"norm": (16384, 4096), "attention": (1, 4096, 32, 128), "seq": 4096, "batch1b": 4, "batch7b": 2,
+            "size": None}
+
+
+def train_variants(smoke: bool) -> list[dict]:
+    """(part, name, config, overrides): config names configs/NAME.py."""
+    one_layer = {"model.n_layers": 1}
+    rows = [
+        ("layer7b", "llama_7b, 1 layer", "llama_7b", one_layer),
+        ("layer7b", "cola_7b, 1 layer", "cola_7b", one_layer),
+        ("train1b", "llama_1b", "llama_1b", {}),
+        ("train1b", "cola_1b", "cola_1b", {}),
+        ("train1b", "cola_1b ungrouped", "cola_1b", {"model.group_linears": False}),
+        ("train1b", "cola_1b pallas norm", "cola_1b", {"kernels.rmsnorm": "pallas"}),
+        ("train1b", "cola_1b triton norm", "cola_1b", {"kernels.rmsnorm": "triton"}),
+        ("train1b", "cola_1b remat lowrank", "cola_1b", {"remat.policy": "lowrank"}),
+        ("train1b", "cola_1b remat full", "cola_1b", {"remat.policy": "full"}),
+        ("train1b", "llama_1b remat full", "llama_1b", {"remat.policy": "full"}),
+    ]
+    if smoke:  # one of each kind of row: a 1B baseline, a kernel toggle, a 7B layer
+        rows = [r for r in rows if r[1] in ("llama_1b", "cola_1b triton norm", "cola_7b, 1 layer")]
+    return [dict(part=p, name=n, config=c, overrides=o) for p, n, c, o in rows]
+
+
+# ------------------------------------------------------------------------------------------ timing
 
 def timed(fn, *args, steps: int) -> float:
-    jax.block_until_ready(fn(*args))
+    import jax
+    jax.block_until_ready(fn(*args))  # compile + warm up
     t0 = time.perf_counter()
     for _ in range(steps):
         out = fn(*args)
@@ -41,98 +84,304 @@ def timed(fn, *args, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def norm_bandwidth(steps: int) -> list[dict]:
-    from boost_jax.kernels.rmsnorm import rmsnorm
-    rows, d = 16384, 4096
-    x = jax.random.normal(jax.random.key(0), (rows, d), jnp.bfloat16)
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+
+
+# ------------------------------------------------------------------------------------------- parts
+
+def device_info() -> dict:
+    import importlib.metadata as md
+
+    import jax
+    versions = {}
+    for pkg in ("jax", "jaxlib", "triton", "jax-triton"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    dev = jax.devices()[0]
+    return {"device_kind": dev.device_kind, "platform": dev.platform, "device_count": jax.device_count(),
+            "date": time.strftime("%Y-%m-%d"), "versions": versions}
+
+
+def rmsnorm_rows(steps: int, smoke: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.kernels.rmsnorm import kernels_used, rmsnorm
+
+    rows, d = shapes(smoke)["norm"]
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    x = jax.random.normal(jax.random.key(0), (rows, d), dtype)
     w = jnp.ones((d,), jnp.float32)
-    gy = jax.random.normal(jax.random.key(1), (rows, d), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 1)  # one read + one write
-    copy_gbs = 2 * x.nbytes / timed(copy, x, steps=steps) / 1e9
-    out = []
-    for impl in ("xla", "pallas"):
+    gy = jax.random.normal(jax.random.key(1), (rows, d), dtype)
+    copy_s = timed(jax.jit(lambda a: a + jnp.asarray(1, a.dtype)), x, steps=steps)
+    copy_gbs = 2 * x.nbytes / copy_s / 1e9
+    out = [{"impl": "copy (x + 1)", "pass": "-", "ms": 1e3 * copy_s, "gb_per_s": copy_gbs, "fraction": 1.0,
+            "ran": "xla"}]
+    for impl in NORM_IMPLS:
+        fwd = jax.jit(lambda x, w, impl=impl: rmsnorm(x, w, 1e-6, impl=impl))
+
         def loss(x, w, impl=impl):
             y, s = rmsnorm(x, w, 1e-6, impl=impl)
-            return jnp.sum(y.astype(jnp.float32) * gy) + jnp.sum(s)
-        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        secs = timed(step, x, w, steps=steps)
-        # forward reads x, writes y (kept for nothing: fused) ; backward reads x, dy, writes dx:
-        # the minimum traffic of fwd+bwd is read x twice, read dy, write dx (+ y once if materialised).
-        moved = 4 * x.nbytes
-        out.append({"impl": impl, "seconds": secs, "gb_per_s": moved / secs / 1e9,
-                    "fraction_of_copy": moved / secs / 1e9 / copy_gbs, "copy_gb_per_s": copy_gbs})
+            return jnp.sum((y * gy).astype(jnp.float32)) + jnp.sum(s)
+        both = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        for name, fn, moved in (("fwd", fwd, 2 * x.nbytes), ("fwd+bwd", both, 5 * x.nbytes)):
+            try:
+                kernels_used()
+                secs = timed(fn, x, w, steps=steps)
+                ran = kernels_used()["rmsnorm"]
+                gbs = moved / secs / 1e9
+                out.append({"impl": impl, "pass": name, "ms": 1e3 * secs, "gb_per_s": gbs,
+                            "fraction": gbs / copy_gbs, "ran": ran})
+            except Exception as e:  # noqa: BLE001 - the row says what failed; the others run
+                out.append({"impl": impl, "pass": name, "error": _error(e)})
     return out
 
 
-def train_variant(config: str, overrides: dict, steps: int, seq: int, batch: int) -> dict:
-    from boost_jax.config import load_config_file
+def attention_rows(steps: int, smoke: bool, shape=None, impls=ATTENTION_IMPLS) -> list[dict]:
+    """fwd+bwd of each `model.attention` implementation on q = k = v: [B, T, H, Dh]."""
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.model.attention import attend
+
+    b, t, h, dh = shape or shapes(smoke)["attention"]
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (b, t, h, dh), dtype) for kk in ks)
+    flops = 3.5 * 2 * b * h * t * t * dh  # causal: half of 4·B·H·T²·Dh forward; backward 2.5x
+    out = []
+    for impl in impls:
+        loss = lambda q, k, v, impl=impl: jnp.sum(attend(q, k, v, impl=impl).astype(jnp.float32))  # noqa: E731
+        try:
+            secs = timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, steps=steps)
+            out.append({"impl": impl, "ms": 1e3 * secs, "tflops": flops / secs / 1e12})
+        except Exception as e:  # noqa: BLE001
+            out.append({"impl": impl, "error": _error(e)})
+    base = next((r for r in out if r["impl"] == "xla" and "ms" in r), None)
+    for r in out:
+        if "ms" in r and base:
+            r["speedup_vs_xla"] = base["ms"] / r["ms"]
+    return out
+
+
+def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
+    """One variant, in this process: compile, warm up, time `steps` steps."""
+    import jax
+
+    from boost_jax.config import load_config_file, validate
     from boost_jax.metrics import peak_flops
     from boost_jax.model import flops_per_token
+    sys.path.insert(0, HERE)
     from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
-    cfg = load_config_file(os.path.join(HERE, "..", "configs", f"{config}.py"))
-    cfg.train.update(seq_len=seq, global_batch=batch, grad_accum=1)
+    sh = shapes(smoke)
+    cfg = load_config_file(os.path.join(ROOT, "configs", f"{spec['config']}.py"))
+    if sh["size"]:
+        cfg.model.update(sh["size"])
+    batch = sh["batch7b"] if spec["part"] == "layer7b" else sh["batch1b"]
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, sh["seq"])
+    cfg.train.update(seq_len=sh["seq"], global_batch=batch, grad_accum=1)
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
-    for key, value in overrides.items():
+    cfg.data.source = "embedded"  # nothing is read: the step is fed random tokens
+    for key, value in spec["overrides"].items():
         section, name = key.split(".")
         cfg[section][name] = value
-    step, state, tokens, _, _ = build(cfg, None)
-    state, _ = step(state, tokens)
-    jax.block_until_ready(state)
+    validate(cfg)
+    step, state, tokens, _, _ = build(cfg, jax.devices()[:1])
+    for _ in range(2):  # the first call compiles
+        state, metrics = step(state, tokens)
+    jax.block_until_ready(metrics)
     t0 = time.perf_counter()
     for _ in range(steps):
         state, metrics = step(state, tokens)
     jax.block_until_ready(metrics)
     secs = (time.perf_counter() - t0) / steps
-    tok_s = batch * seq / secs
+    tok_s = batch * sh["seq"] / secs
+    fpt = flops_per_token(cfg.model, sh["seq"])
     peak = peak_flops(jax.devices()[0].device_kind)
-    mfu = flops_per_token(cfg.model, seq) * tok_s / peak if peak else None
     stats = jax.devices()[0].memory_stats() or {}
-    return {"step_s": secs, "tokens_per_s": tok_s, "mfu": mfu, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30}
+    from boost_jax.kernels.rmsnorm import kernels_used
+    return {"step_ms": 1e3 * secs, "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
+            "mfu": fpt * tok_s / peak if peak else None, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+            "norm_ran": kernels_used()["rmsnorm"], "seq": sh["seq"], "batch": batch}
 
+
+def run_variants(specs: list[dict], steps: int, smoke: bool) -> list[dict]:
+    """Each variant in a fresh process (its own peak memory); --smoke runs them all in one."""
+    groups = [specs] if smoke else [[s] for s in specs]
+    rows = []
+    for group in groups:
+        cmd = [sys.executable, os.path.abspath(__file__), "--variants", json.dumps(group), "--steps", str(steps)]
+        cmd += ["--smoke"] if smoke else []
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+            results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+            failed = r.returncode != 0 and not results
+            error = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1][:200] if failed else None
+        except subprocess.TimeoutExpired:
+            results, error = [], "timed out after 1800 s"
+        by_name = {res["name"]: res for res in results}
+        for spec in group:
+            res = by_name.get(spec["name"], {"error": error or "no result (see stderr)"})
+            rows.append({"part": spec["part"], "variant": spec["name"], **{k: v for k, v in res.items() if k != "name"}})
+    return rows
+
+
+def kernel_tests(smoke: bool) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    if not smoke:
+        env["JAX_PLATFORMS"] = "cuda"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_gpu_kernels.py")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+    failures = [ln for ln in r.stdout.splitlines() if ln.startswith("FAILED")]
+    return {"command": "JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py" if not smoke else
+            "pytest tests/test_gpu_kernels.py", "returncode": r.returncode, "summary": summary,
+            "failed": failures[:20]}
+
+
+# ---------------------------------------------------------------------------------------- printing
+
+def _pct(x):
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def print_tables(res: dict) -> None:
+    dev = res.get("device")
+    if dev and "error" in dev:
+        print(f"device: error: {dev['error']}\n")
+    elif dev:
+        v = dev["versions"]
+        print(f"device: {dev['device_kind']} ({dev['platform']} x{dev['device_count']}), jax {v['jax']}, jaxlib "
+              f"{v['jaxlib']}, triton {v['triton']}, jax-triton {v['jax-triton']}, {dev['date']}"
+              + ("  [--smoke: tiny shapes, not a measurement]" if res["smoke"] else "") + "\n")
+    if "rmsnorm" in res:
+        rows = res["rmsnorm"]
+        print(f"rmsnorm {res['shapes']['norm']} | pass | ms | GB/s | of copy (target >= "
+              f"{100 * TARGETS['rmsnorm']:.0f}%) | ran\n|---|---|---|---|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['impl']} | {r.get('pass', '')} | failed: {r['error']} ||||")
+            else:
+                print(f"| {r['impl']} | {r['pass']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | "
+                      f"{100 * r['fraction']:.0f}% | {r['ran']} |")
+        print()
+    if "attention" in res:
+        print(f"attention fwd+bwd {res['shapes']['attention']} (B, T, H, Dh) | ms | TFLOP/s | vs xla\n|---|---|---|---|")
+        for r in res["attention"]:
+            if "error" in r:
+                print(f"| {r['impl']} | failed: {r['error']} |||")
+            else:
+                speed = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else "n/a"
+                print(f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.1f} | {speed} |")
+        print()
+    for part, title in (("layer7b", "7B-shaped single layer"), ("train1b", "1B models")):
+        rows = [r for r in res.get("train", []) if r["part"] == part]
+        if not rows:
+            continue
+        base = next((r for r in rows if r["variant"].startswith("llama") and "step_ms" in r
+                     and "remat" not in r["variant"]), None)
+        print(f"{title}: train step | seq x batch | step ms | tokens/s | TFLOP/s | MFU | peak GiB | vs llama | norm ran")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['variant']} | failed: {r['error']} ||||||||")
+                continue
+            ratio = f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "n/a"
+            print(f"| {r['variant']} | {r['seq']} x {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['tflops']:.1f} | {_pct(r['mfu'])} | {r['peak_gib']:.1f} | {ratio} | {r['norm_ran']} |")
+        print()
+    if "targets" in res:
+        print("targets | value | target | met\n|---|---|---|---|")
+        for t in res["targets"]:
+            print(f"| {t['name']} | {t['value']} | {t['target']} | {t['met']} |")
+        print()
+    if "tests" in res:
+        t = res["tests"]
+        print(f"kernel tests ({t.get('command', '')}): " + (f"error: {t['error']}" if "error" in t else t["summary"]))
+        for line in t.get("failed", []):
+            print(f"  {line}")
+
+
+def targets(res: dict) -> list[dict]:
+    out = []
+    norms = [r for r in res.get("rmsnorm", []) if r.get("pass") == "fwd+bwd" and "fraction" in r
+             and r["ran"] == r["impl"]]
+    for r in norms:
+        if r["impl"] != "xla":
+            out.append({"name": f"rmsnorm {r['impl']} fwd+bwd of copy bandwidth", "value": _pct(r["fraction"]),
+                        "target": f">= {100 * TARGETS['rmsnorm']:.0f}%", "met": r["fraction"] >= TARGETS["rmsnorm"]})
+    train = {r["variant"]: r for r in res.get("train", []) if "step_ms" in r}
+    if "llama_1b" in train and "cola_1b" in train:
+        ratio = train["cola_1b"]["step_ms"] / train["llama_1b"]["step_ms"]
+        out.append({"name": "cola_1b step / llama_1b step", "value": f"{ratio:.2f}x",
+                    "target": f"<= {TARGETS['cola_over_llama_1b']:.2f}x", "met": ratio <= TARGETS["cola_over_llama_1b"]})
+    if "llama_1b" in train:
+        mfu = train["llama_1b"]["mfu"]
+        out.append({"name": "llama_1b MFU", "value": _pct(mfu), "target": f">= {100 * TARGETS['llama_1b_mfu']:.0f}%",
+                    "met": None if mfu is None else mfu >= TARGETS["llama_1b_mfu"]})
+    return out
+
+
+# -------------------------------------------------------------------------------------------- main
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--json", default=os.path.join(HERE, "gpu_bench.json"))
-    ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one train variant, print JSON
+    ap.add_argument("--steps", type=int, default=10, help="timed steps/calls after the warm-up")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any backend (checks the command)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--json", default=None, help="output file (default benchmarks/gpu_bench.json; "
+                                                 "--smoke: gpu_bench_smoke.json in the temp directory)")
+    ap.add_argument("--variants", help=argparse.SUPPRESS)  # internal: run these train variants, print JSON
     args = ap.parse_args(argv)
-    if args.variant is not None:
-        name, config, overrides = VARIANTS[int(args.variant)]
-        print(json.dumps(train_variant(config, overrides, args.steps, args.seq, args.batch)))
+    if args.variants is not None:
+        for spec in json.loads(args.variants):
+            try:
+                print(json.dumps({"name": spec["name"], **train_variant(spec, args.steps, args.smoke)}), flush=True)
+            except Exception as e:  # noqa: BLE001 - reported in the variant's row
+                traceback.print_exc()
+                print(json.dumps({"name": spec["name"], "error": _error(e)}), flush=True)
         return 0
-    if jax.default_backend() == "cpu":
-        print("gpu_bench needs a GPU (jax.default_backend() is 'cpu')", file=sys.stderr)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
+    import jax
+    if jax.default_backend() == "cpu" and not args.smoke:
+        print("gpu_bench measures a GPU, and jax.default_backend() is 'cpu': run it on a GPU, or pass --smoke "
+              "to check the command with tiny shapes here", file=sys.stderr)
         return 1
-    device = jax.devices()[0].device_kind
-    print(f"device: {device}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}\n")
-    norms = norm_bandwidth(args.steps)
-    print("| rmsnorm fwd+bwd | ms | GB/s | of copy bandwidth |\n|---|---|---|---|")
-    for r in norms:
-        print(f"| {r['impl']} | {1e3 * r['seconds']:.3f} | {r['gb_per_s']:.0f} | {100 * r['fraction_of_copy']:.0f}% |")
-    print(f"(copy bandwidth {norms[0]['copy_gb_per_s']:.0f} GB/s)\n")
-    rows = []
-    for i, (name, _, _) in enumerate(VARIANTS):
-        r = subprocess.run([sys.executable, __file__, "--variant", str(i), "--steps", str(args.steps),
-                            "--seq", str(args.seq), "--batch", str(args.batch)], capture_output=True, text=True)
-        result = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-500:]}
-        rows.append({"variant": name, **result})
-    base = next((r for r in rows if r["variant"] == "llama_1b" and "step_s" in r), None)
-    print(f"| variant (seq {args.seq}, batch {args.batch}) | step ms | tokens/s | MFU | peak GiB | speed-up vs llama_1b |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} |||||")
+    steps = 2 if args.smoke and args.steps == 10 else args.steps
+    res: dict = {"smoke": args.smoke, "steps": steps, "parts": parts, "shapes": shapes(args.smoke), "targets_set": TARGETS}
+    runners = {
+        "device": lambda: device_info(),
+        "rmsnorm": lambda: rmsnorm_rows(steps, args.smoke),
+        "attention": lambda: attention_rows(steps, args.smoke),
+        "tests": lambda: kernel_tests(args.smoke),
+    }
+    for part in parts:
+        if part in ("layer7b", "train1b"):
             continue
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        speed = f"{base['step_s'] / r['step_s']:.2f}x" if base else "n/a"
-        print(f"| {r['variant']} | {1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} | {speed} |")
-    with open(args.json, "w") as f:
-        json.dump({"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-                   "rmsnorm": norms, "train": rows}, f, indent=2)
-    print(f"\nwrote {args.json}")
+        try:
+            res[part] = runners[part]()
+        except Exception as e:  # noqa: BLE001 - the part's row says what failed; the others run
+            res[part] = {"error": _error(e)} if part in ("device", "tests") else [{"impl": part, "error": _error(e)}]
+    specs = [s for s in train_variants(args.smoke) if s["part"] in parts]
+    if specs:
+        res["train"] = run_variants(specs, steps, args.smoke)
+    res["targets"] = targets(res)
+    if args.smoke:  # tiny shapes on whatever backend: no target is met or missed
+        res["targets"] = [{**t, "met": "n/a (--smoke)"} for t in res["targets"]]
+    print_tables(res)
+    path = args.json or (os.path.join(tempfile.gettempdir(), "gpu_bench_smoke.json") if args.smoke
+                         else os.path.join(HERE, "gpu_bench.json"))
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    print(f"\nwrote {path}")
     return 0
 
 

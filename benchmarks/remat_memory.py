@@ -65,8 +65,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8, help="sequences per device")
     ap.add_argument("--dtype", default="bfloat16")
-    # The table is the materialised-attention, full-logits step the planner's memory model prices
-    # (tests/test_planner.py); --attention chunked --loss_chunk 512 measures today's long-sequence defaults.
+    # The table is the materialised-attention, full-logits step; --attention chunked --loss_chunk 512
+    # measures today's long-sequence defaults.
     ap.add_argument("--attention", default="xla", help="model.attention")
     ap.add_argument("--loss_chunk", type=int, default=0, help="model.loss_chunk")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "remat_memory.json"))

@@ -31,6 +31,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.run_dir = "runs/tiny"
     c.seed = 0
     c.restore_from = ""  # a run dir or one step dir to start from; empty: resume run_dir if it has one
+    # A directory for JAX's persistent compilation cache: a restarted run (or another run of the same
+    # shapes) loads its compiled programs instead of compiling them. "" (default): no cache. Programs
+    # compiling faster than JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's default 1 s) are not stored.
+    c.compile_cache = ""
+    # "A,B": a jax.profiler trace of train steps A to B (1-based, inclusive) into RUN_DIR/tensorboard,
+    # where TensorBoard's profile tab (pip install tensorboard-plugin-profile) shows it. "": none.
+    c.profile_steps = ""
+    # Add the XLA GPU flags of boost_jax/xla_gpu_flags.py to XLA_FLAGS when a CUDA jax is installed
+    # (flags already in XLA_FLAGS keep their values); false leaves XLA_FLAGS alone.
+    c.xla_gpu_flags = True
 
     m = c.model = ml_collections.ConfigDict()
     m.vocab_size = 256  # byte-level tokenizer for the embedded corpus
@@ -128,7 +138,10 @@ def base_config() -> ml_collections.ConfigDict:
     p.linear_partition = ""
 
     kn = c.kernels = ml_collections.ConfigDict()
-    kn.rmsnorm = "xla"  # xla | pallas
+    # xla | pallas | triton: the fused norm(+Σx²) kernel (boost_jax/kernels/); pallas and triton fall
+    # back to xla, loudly and recorded in metrics.jsonl, where they cannot run (triton: NVIDIA GPUs
+    # with jax-triton installed, the `gpu` extra)
+    kn.rmsnorm = "xla"
 
     # Multi-process runs (boost_jax/distributed.py). 0 / -1 / "": take it from BOOST_COORDINATOR,
     # BOOST_NUM_PROCESSES, BOOST_PROCESS_ID, else from SLURM, else run as a single process.
@@ -241,6 +254,20 @@ def sltrain_config(size: str) -> ml_collections.ConfigDict:
     return c
 
 
+def profile_range(text: str) -> tuple[int, int] | None:
+    """`profile_steps` ("A,B", or "A" for one step) as (first, last), None when empty; ConfigError if malformed."""
+    if not str(text).strip():
+        return None
+    parts = str(text).split(",")
+    try:
+        first, last = int(parts[0]), int(parts[-1])
+    except ValueError:
+        first = last = 0
+    _check(len(parts) <= 2 and 1 <= first <= last, "profile_steps",
+           f"{text!r} is not A,B with 1 <= A <= B (the first and last train step to trace, e.g. 10,12)")
+    return first, last
+
+
 def _check(cond: bool, field: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"config field `{field}`: {message}")
@@ -249,6 +276,9 @@ def _check(cond: bool, field: str, message: str) -> None:
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Reject configurations that cannot build, naming the field and what would work."""
     m, t, p = c.model, c.train, c.parallel
+    profile_range(c.profile_steps)
+    _check(not c.compile_cache or not Path(c.compile_cache).expanduser().is_file(), "compile_cache",
+           f"{c.compile_cache!r} is a file; name a directory (created if missing) or \"\" for no cache")
     from boost_jax.model.kinds import NAMES as LINEAR_KINDS, kind_class  # the registry: model/kinds/__init__.py
     _check(m.linear in LINEAR_KINDS, "model.linear", f"{m.linear!r} is not one of {LINEAR_KINDS}")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
@@ -333,7 +363,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _check(p.strategy in STRATEGIES, "parallel.strategy", f"{p.strategy!r} is not one of {STRATEGIES}")
     _check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
            f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
-    _check(c.kernels.rmsnorm in ("xla", "pallas"), "kernels.rmsnorm", "must be xla or pallas")
+    _check(c.kernels.rmsnorm in ("xla", "pallas", "triton"), "kernels.rmsnorm",
+           f"{c.kernels.rmsnorm!r} is not one of xla, pallas, triton")
     sizes = [p.pipeline, p.data, p.fsdp, p.tensor]
     _check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")
     _check(p.microbatches >= 0, "parallel.microbatches", "must be >= 0 (0: two per pipeline stage)")

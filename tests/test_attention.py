@@ -154,6 +154,20 @@ def test_pallas_attention_lowers_to_triton_for_cuda():
     assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2
 
 
+def test_pallas_runs_the_public_mha_when_the_private_backward_changed(monkeypatch):
+    """A jax whose private _mha_backward has another signature gets the module's public mha (its own
+    custom_vjp), with a warning; value and gradients still match xla."""
+    mod = A._pallas_mha_module()
+    assert A._private_backward_ok(mod)  # this jax: the fused path with the remat residuals
+    monkeypatch.setattr(mod, "_mha_backward", lambda sm_scale, causal, block_q, block_k, res, do: None)
+    q, k, v, w = _qkv(2, 13, 4, 2, 8, jnp.float32, seed=3)
+    with pytest.warns(UserWarning, match="public mha"):
+        got = _value_and_grads(lambda q, k, v: A.pallas_attention(q, k, v, 0), q, k, v, w)
+    ref = _value_and_grads(lambda q, k, v: A.xla_attention(q, k, v, 0), q, k, v, w)
+    for name, g, r in zip(("value", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert _rel(g, r) <= TOL[jnp.float32], f"{name}: {_rel(g, r):.2e}"
+
+
 def test_chunked_adds_no_collective_under_btp(make_config, monkeypatch):
     """The blockwise loops stay head-local: the compiled train step's collectives (kind, axes, count,
     elements) are those of the xla attention (data 2 x tensor 4, GQA, 4 chunks of 64)."""

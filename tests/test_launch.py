@@ -20,11 +20,41 @@ def test_local_launcher_rejects_a_bad_process_count():
     assert out.returncode == 2 and "usage:" in out.stderr
 
 
-def test_sbatch_xla_flags_are_known_to_xla():
+def test_xla_gpu_flags_are_known_to_xla():
     # XLA aborts on an unknown flag in XLA_FLAGS, whatever the backend: a renamed flag fails here.
-    flags = re.findall(r"^\s*(?:#\s*)?(--xla_\S+)", SBATCH.read_text(), flags=re.M)
+    from boost_jax import xla_gpu_flags as G
+    flags = [f for f, _ in G.FLAGS + G.MEASURE]
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags and len(flags) >= 8
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(jnp.ones(2).sum())"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "2.0" in out.stdout, out.stderr[-2000:]
+
+
+def test_sbatch_takes_its_xla_flags_from_the_one_module():
+    text = SBATCH.read_text()
+    assert 'XLA_FLAGS="$(python -m boost_jax.xla_gpu_flags)"' in text
+    assert not re.findall(r"^\s*(?:#\s*)?--xla_gpu\S+", text, flags=re.M)  # no second list to drift
+
+
+def test_xla_gpu_flags_keep_the_users_values_and_apply_only_for_a_gpu(monkeypatch):
+    from boost_jax import xla_gpu_flags as G
+    user = "--xla_dump_to=/tmp/d --xla_gpu_enable_latency_hiding_scheduler=false"
+    value, added = G.merged(user)
+    assert value.startswith(user) and "--xla_gpu_enable_latency_hiding_scheduler=true" not in value
+    assert len(added) == len(G.FLAGS) - 1 and all(f in value for f in added)
+    # The command line prints the same merge (what the SLURM template exports).
+    out = subprocess.run([sys.executable, "-m", "boost_jax.xla_gpu_flags"], env={**os.environ, "XLA_FLAGS": user},
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == value, out.stderr
+    # apply(): only when a CUDA jax is installed and JAX_PLATFORMS allows GPUs, never twice.
+    monkeypatch.setattr(G, "_backends_started", lambda: False)
+    env = {"XLA_FLAGS": user, "JAX_PLATFORMS": "cpu"}
+    assert G.apply(env)[0] == [] and env["XLA_FLAGS"] == user
+    monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: object() if name in G.CUDA_PLUGINS else None)
+    env = {"XLA_FLAGS": user}
+    assert G.apply(env)[0] == added and env["XLA_FLAGS"] == value
+    assert G.apply(env) == ([], "XLA_FLAGS already names every flag")
+    monkeypatch.setattr(G, "_backends_started", lambda: True)
+    env = {}
+    assert G.apply(env)[0] == [] and "XLA_FLAGS" not in env

@@ -172,3 +172,88 @@ def test_training_run_records_the_kernel_that_ran(make_config):
     cfg = make_config(**{"kernels.rmsnorm": "pallas", "train.steps": 2, "train.stop_at_step": 1, "train.eval_every": 0})
     train.run(cfg)
     assert metric_rows(cfg.run_dir, "kernels") == {1: {"rmsnorm": "pallas (interpreted)"}}
+
+
+# ------------------------------------------------------------------- kernels.rmsnorm=triton (jax-triton)
+
+def test_triton_impl_without_a_gpu_falls_back_loudly_and_is_recorded(monkeypatch):
+    # jax-triton kernels run on NVIDIA GPUs only: elsewhere one warning naming the field and the fix.
+    monkeypatch.setattr(K, "_WARNED", False)
+    monkeypatch.setattr(K, "_LOWERS", {})
+    K.kernels_used()
+    x, w, gy, gs = _inputs((7, 48), jnp.float32, seed=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, impl="triton"), x, w, gy, gs)
+    msgs = [str(c.message) for c in caught if "falling back" in str(c.message)]
+    assert len(msgs) == 1 and "kernels.rmsnorm=triton" in msgs[0] and "pip install -e '.[gpu]'" in msgs[0], msgs
+    assert K.kernels_used()["rmsnorm"].startswith("xla (triton unavailable: ")
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_config_names_the_kernel_choices(make_config):
+    from boost_jax.config import ConfigError, validate
+    validate(make_config(**{"kernels.rmsnorm": "triton"}))
+    with pytest.raises(ConfigError, match="kernels.rmsnorm"):
+        validate(make_config(**{"kernels.rmsnorm": "cuda"}))
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 3200), (jnp.float32, 100)])
+def test_triton_kernels_compile_for_h100_without_a_gpu(dtype, d):
+    """Triton compiles both kernels to PTX and a cubin for sm_90 on this CPU host (its bundled
+    ptxas); row starts are 16-byte aligned when d % 8 == 0, so the row loads are 128-bit."""
+    pytest.importorskip("triton", reason="needs triton (pip install triton; on GPUs the `gpu` extra)")
+    from boost_jax.kernels import rmsnorm_triton as T
+    kernels = T.compile_for_cuda(dtype, jnp.float32, n_rows=64, d=d)
+    for name, ck in kernels.items():
+        assert ".target sm_90" in ck.asm["ptx"] and len(ck.asm["cubin"]) > 1000, name
+    if d % 8 == 0:
+        assert "ld.global.v4.b32" in kernels["fwd"].asm["ptx"] and "ld.global.v4.b32" in kernels["bwd"].asm["ptx"]
+
+
+def test_triton_kernels_interpreted_match_reference(tmp_path):
+    """The Triton kernels run under Triton's CPU interpreter (a subprocess: TRITON_INTERPRET=1 must
+    precede the import of triton) against the jnp reference and its autodiff."""
+    pytest.importorskip("triton", reason="needs triton (pip install triton; on GPUs the `gpu` extra)")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    # (shape, dtype, rows, eps, backward programs): partial last blocks, widths that are not powers of
+    # two, eps = 0, bfloat16, and 13 rows in blocks of 2 = 7 blocks on 3 backward programs (3, 2, 2
+    # blocks each: the strided loop that spreads any row count over the <= 512 programs on a GPU).
+    cases = [((7, 100), jnp.float32, 2, EPS, 0), ((13, 130), jnp.float32, 4, 0.0, 0),
+             ((13, 20), jnp.float32, 2, EPS, 3), ((5, 48), jnp.bfloat16, 2, EPS, 0)]
+    arrays, inputs = {}, []
+    for i, (shape, dtype, rows, eps, programs) in enumerate(cases):
+        x, w, gy, gs = _inputs(shape, dtype, seed=20 + i)
+        inputs.append((x, w.astype(jnp.float32), gy, gs))
+        as_np = lambda a: np.asarray(a.view(jnp.uint16) if a.dtype == jnp.bfloat16 else a)  # noqa: E731
+        arrays.update({f"x{i}": as_np(x), f"w{i}": np.asarray(inputs[-1][1]), f"dy{i}": as_np(gy.astype(dtype)),
+                       f"ds{i}": np.asarray(gs), f"eps{i}": eps, f"rows{i}": rows, f"programs{i}": programs,
+                       f"x{i}_dtype": jnp.dtype(dtype).name})
+
+    def references(inputs):  # every case's (y, s, dx, dscale) in one compiled program
+        out = []
+        for (x, w, gy, gs), (_, _, _, eps, _) in zip(inputs, cases):
+            (y, s), vjp = jax.vjp(lambda x, w, eps=eps: K.rmsnorm_reference(x, w, eps), x, w)
+            out.append((y, s, *vjp((gy.astype(y.dtype), gs))))
+        return out
+    refs = jax.jit(references)(inputs)
+    np.savez(tmp_path / "cases.npz", **arrays)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, str(root / "tests" / "triton_interpreted.py"), str(tmp_path / "cases.npz"),
+                          str(tmp_path / "out.npz")], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    for i, (shape, dtype, *_) in enumerate(cases):
+        got = [out[f"{k}{i}"] for k in ("y", "s", "dx", "dw")]
+        if dtype == jnp.bfloat16:
+            got[0], got[2] = (jnp.asarray(a).view(jnp.bfloat16) for a in (got[0], got[2]))
+        rtol, atol = (2e-2, 1e-2) if dtype == jnp.bfloat16 else (1e-5, 1e-6)
+        for a, b in zip(got, refs[i]):  # y, s, dx, dscale
+            _close(a, b, rtol=rtol, atol_frac=atol)

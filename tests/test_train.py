@@ -138,3 +138,32 @@ def test_restore_from_another_run(make_config, tmp_path):
 def test_tied_embeddings_train(make_config):
     out = train.run(make_config(**{"model.tie_embeddings": True, "train.eval_every": 0}))
     assert out["step"] == 8
+
+
+def test_profile_steps_and_compile_cache(make_config, tmp_path):
+    """profile_steps=2,3 leaves a jax.profiler trace in RUN_DIR/tensorboard; compile_cache fills the
+    directory with the run's compiled programs (every program: the compile-time floor is lowered)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    cache = tmp_path / "xla_cache"
+    cfg = make_config(**{"train.steps": 3, "train.eval_every": 0, "profile_steps": "2,3",
+                         "compile_cache": str(cache)})
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        summary = train.run(cfg)
+    finally:  # the rest of the session runs without a persistent cache, as before
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        cc.set_cache_dir(before[0])
+        cc.reset_cache()
+    assert summary["step"] == 3
+    traces = list((Path(cfg.run_dir) / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0, traces
+    assert any(p.is_file() and p.stat().st_size > 0 for p in cache.rglob("*")), list(cache.rglob("*"))
+
+
+@pytest.mark.parametrize("value", ["3,2", "0,1", "a,b", "1,2,3"])
+def test_bad_profile_steps_name_the_field(make_config, value):
+    from boost_jax.config import ConfigError, validate
+    with pytest.raises(ConfigError, match="profile_steps.*A,B"):
+        validate(make_config(profile_steps=value))
+    validate(make_config(profile_steps="4"))  # one step

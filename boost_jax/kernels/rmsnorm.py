@@ -8,15 +8,25 @@ Under TP each device holds a slice of d: it needs its local s (to all-reduce) an
 normalised rows, so the kernel emits both from one pass over x.
 
 `impl="pallas"` runs Pallas kernels (forward and backward, via `jax.custom_vjp`) lowered through
-the Triton backend on GPU and the interpreter on CPU. Block strategy: rows are flattened to
+the Triton backend on GPU and the interpreter on CPU. `impl="triton"` runs the same fused kernels
+written in Triton and called through jax-triton (`boost_jax/kernels/rmsnorm_triton.py`), NVIDIA GPUs
+only. `impl="xla"` is the plain-jnp reference. Block strategy: rows are flattened to
 [R, d]; a forward program owns `block_rows` rows and the whole row width, read as power-of-two
 column pieces (Triton needs power-of-two block shapes; d = 3200 is 2048 + 1024 + 128 lanes, not
 4096). The backward runs a fixed grid of at most 128 programs, each looping over its row blocks
 and accumulating its partial dscale in registers, so the partials are [programs, d] float32
 whatever R is. Masked lanes read as 0 and are not stored; no padded copy of x is materialised.
 
-When the kernel does not lower on a GPU it falls back to XLA loudly: a warning, an absl log line,
-and `kernels_used()` (which the trainer writes to metrics.jsonl) names what ran and why.
+When a kernel cannot run (Pallas does not lower on this GPU; Triton without an NVIDIA GPU or
+without jax-triton) it falls back to XLA loudly: a warning (once per process), an absl log line, and
+`kernels_used()` (which the trainer writes to metrics.jsonl) names what ran and why.
+
+JAX versions: every `pallas_call` here passes the Triton backend's `CompilerParams` explicitly, which
+pins the Triton lowering (JAX >= 0.10 otherwise defaults Pallas on GPU to Mosaic GPU,
+`jax_pallas_use_mosaic_gpu`). JAX 0.11 deprecates that backend ("to keep using Triton, switch to the
+official Triton bindings and jax_triton", the Pallas changelog for 0.11.0): it still lowers there, and
+should `jax.experimental.pallas.triton` disappear, `impl="pallas"` falls back loudly as above while
+`impl="triton"` keeps running natively. The renamed `TritonCompilerParams` (before jax 0.7) is accepted.
 """
 from __future__ import annotations
 
@@ -30,18 +40,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental.pallas import triton as plgpu
+
+try:  # Pallas's Triton backend (deprecated in jax 0.11): without it, impl="pallas" falls back loudly
+    from jax.experimental.pallas import triton as plgpu
+    _CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+    _NO_PALLAS_TRITON = ""
+except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the installed jax
+    plgpu = _CompilerParams = None
+    _NO_PALLAS_TRITON = f"{type(e).__name__}: {e}"
 
 _F32 = jnp.float32
-_LOWERS: dict = {}  # (backend, dtypes, d, block_rows) -> failure reason ("" when it lowers), probed once
+IMPLS = ("xla", "pallas", "triton")
+_LOWERS: dict = {}  # (impl, backend, dtypes, d, block_rows) -> failure reason ("" when it runs), probed once
 _WARNED = False  # the fallback warning is emitted at most once per process
 _USED: dict = {}  # (backend, dtype, d) -> the implementation that ran, for `kernels_used()`
 
 
 def kernels_used() -> dict:
     """{"rmsnorm": what the norms traced since the last call ran}: "xla", "pallas", "pallas
-    (interpreted)" or "xla (pallas did not lower: ...)", distinct outcomes joined by "; ". The
-    trainer records it after tracing its steps."""
+    (interpreted)", "triton", "xla (pallas did not lower: ...)" or "xla (triton unavailable: ...)",
+    distinct outcomes joined by "; ". The trainer records it after tracing its steps."""
     used = "; ".join(sorted(set(_USED.values()))) or "none traced"
     _USED.clear()
     return {"rmsnorm": used}
@@ -154,7 +172,7 @@ def _bwd_kernel(x_ref, w_ref, dy_ref, ds_ref, dx_ref, dw_ref, *, n_rows, d, eps,
 
 def _params(br, d):
     # Block elements live in registers under Triton: more warps for wider blocks.
-    return plgpu.CompilerParams(num_warps=4 if br * d <= 8192 else 8, num_stages=1)
+    return _CompilerParams(num_warps=4 if br * d <= 8192 else 8, num_stages=1)
 
 
 def _fwd_call(x2, scale, eps, br, interpret):
@@ -207,45 +225,78 @@ def _default_block_rows(d):
     return min(max(1, 8192 // pl.next_power_of_2(d)), 16)
 
 
-def _pallas_lowers(x2, scale, br):
-    """Compile both kernels once per (backend, dtypes, d, block_rows) on a one-block input."""
+def _probe(impl, x2, scale, br, compile_probe, why) -> str:
+    """Run `compile_probe` once per (impl, backend, dtypes, d, block_rows): "" when the kernel
+    compiles, else the reason, logged and (once per process) warned with `why(reason)`."""
     global _WARNED
     backend = jax.default_backend()
-    key = (backend, jnp.dtype(x2.dtype), jnp.dtype(scale.dtype), x2.shape[1], br)
+    key = (impl, backend, jnp.dtype(x2.dtype), jnp.dtype(scale.dtype), x2.shape[1], br)
     if key not in _LOWERS:
-        xs = jax.ShapeDtypeStruct((br, x2.shape[1]), x2.dtype)
-        ws = jax.ShapeDtypeStruct(scale.shape, scale.dtype)
-        ss = jax.ShapeDtypeStruct((br,), _F32)
-
-        def probe(x, w, dy, ds):
-            return _fwd_call(x, w, 1e-6, br, False), _bwd_call(x, w, dy, ds, 1e-6, br, False)
-
         try:
-            jax.jit(probe).lower(xs, ws, xs, ss).compile()
+            compile_probe()
             _LOWERS[key] = ""
-        except Exception as e:  # noqa: BLE001 - any lowering/compile failure means "use XLA"
-            _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}"
-            message = (f"boost_jax rmsnorm: Pallas kernel does not lower on backend {backend!r} "
-                       f"({_LOWERS[key]}); falling back to the XLA implementation.")
+        except Exception as e:  # noqa: BLE001 - any import/lowering/compile failure means "use XLA"
+            _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
+            message = why(backend, _LOWERS[key])
             logging.warning(message)
             if not _WARNED:
                 _WARNED = True
-                warnings.warn(message, stacklevel=3)
+                warnings.warn(message, stacklevel=4)
     return _LOWERS[key]
+
+
+def _one_block(x2, scale, br):
+    return (jax.ShapeDtypeStruct((br, x2.shape[1]), x2.dtype), jax.ShapeDtypeStruct(scale.shape, scale.dtype),
+            jax.ShapeDtypeStruct((br, x2.shape[1]), x2.dtype), jax.ShapeDtypeStruct((br,), _F32))
+
+
+def _pallas_lowers(x2, scale, br):
+    """Compile both Pallas kernels once per (backend, dtypes, d, block_rows) on a one-block input."""
+    def compile_probe():
+        if _NO_PALLAS_TRITON:
+            raise ImportError(f"this jax has no Pallas Triton backend ({_NO_PALLAS_TRITON})")
+
+        def probe(x, w, dy, ds):
+            return _fwd_call(x, w, 1e-6, br, False), _bwd_call(x, w, dy, ds, 1e-6, br, False)
+        jax.jit(probe).lower(*_one_block(x2, scale, br)).compile()
+
+    return _probe("pallas", x2, scale, br, compile_probe, lambda backend, reason: (
+        f"boost_jax rmsnorm: Pallas kernel does not lower on backend {backend!r} ({reason}); falling back "
+        "to the XLA implementation (kernels.rmsnorm=triton runs the same kernel through jax-triton)."))
+
+
+def _triton_runs(x2, scale, block_rows):
+    """Compile both Triton kernels once per (backend, dtypes, d, block_rows); the reason when they cannot."""
+    def compile_probe():
+        client = jax.devices()[0].client
+        if jax.default_backend() != "gpu" or "cuda" not in getattr(client, "platform_version", "cuda").lower():
+            raise RuntimeError("needs an NVIDIA GPU")
+        from boost_jax.kernels import rmsnorm_triton as T  # imports triton; jax_triton at the first call
+        rows = block_rows or T.default_rows(x2.shape[1])
+
+        def probe(x, w, dy, ds):
+            return T._fwd_call(x, w, 1e-6, rows), T._bwd_call(x, w, dy, ds, 1e-6, rows)
+        jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()
+
+    return _probe("triton", x2, scale, block_rows, compile_probe, lambda backend, reason: (
+        f"boost_jax rmsnorm: kernels.rmsnorm=triton cannot run on backend {backend!r} ({reason}); falling back "
+        "to the XLA implementation. It needs an NVIDIA GPU with triton and jax-triton (pip install -e "
+        "'.[gpu]'); elsewhere set kernels.rmsnorm=pallas or xla."))
 
 
 def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     """RMSNorm over the last axis; returns (y [..., d] in x.dtype, s = Σx² [...] in float32).
 
-    eps, block_rows and interpret are static. block_rows must be a power of two (Triton).
-    interpret=None: Pallas interpreter on CPU, compiled (Triton) elsewhere.
+    impl: "pallas" | "triton" | "xla". eps, block_rows and interpret are static. block_rows must be
+    a power of two (Triton). interpret=None: the Pallas interpreter on CPU, compiled (Triton)
+    elsewhere; the "triton" impl has no interpreter and ignores it.
     """
-    used_key = (jax.default_backend(), jnp.dtype(x.dtype).name, x.shape[-1])
+    used_key = (impl, jax.default_backend(), jnp.dtype(x.dtype).name, x.shape[-1])
     if impl == "xla":
         _USED[used_key] = "xla"
         return rmsnorm_reference(x, scale, eps)
-    if impl != "pallas":
-        raise ValueError(f"unknown rmsnorm impl {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"unknown rmsnorm impl {impl!r}; kernels.rmsnorm is one of {IMPLS}")
     *lead, d = x.shape
     if scale.shape != (d,):
         raise ValueError(f"scale shape {scale.shape} != ({d},)")
@@ -253,14 +304,23 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     n_rows = x2.shape[0]
     if n_rows == 0:
         return rmsnorm_reference(x, scale, eps)
+    if block_rows is not None and block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    if impl == "triton":
+        failure = _triton_runs(x2, scale, block_rows)
+        _USED[used_key] = f"xla (triton unavailable: {failure})" if failure else "triton"
+        if failure:
+            return rmsnorm_reference(x, scale, eps)
+        from boost_jax.kernels import rmsnorm_triton as T
+        y, s = T.rmsnorm_rows(x2, scale, float(eps), block_rows or T.default_rows(d))
+        return y.reshape(x.shape), s.reshape(lead)
     br = block_rows or _default_block_rows(d)
-    if br & (br - 1):
-        raise ValueError(f"block_rows must be a power of two, got {br}")
     br = min(br, 1 << (n_rows.bit_length() - 1))  # a block never starts before row 0
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     interpret = bool(interpret)
-    failure = "" if interpret else _pallas_lowers(x2, scale, br)
+    # The interpreter needs no probe, unless this jax lacks the Pallas Triton primitives altogether.
+    failure = _pallas_lowers(x2, scale, br) if not interpret or _NO_PALLAS_TRITON else ""
     _USED[used_key] = (f"xla (pallas did not lower: {failure})" if failure
                        else "pallas (interpreted)" if interpret else "pallas")
     if failure:

@@ -28,7 +28,9 @@ implementation is one function `fn(q, k, v, offset) -> out` registered with
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -69,15 +71,21 @@ def _static_zero(offset) -> bool:
     return isinstance(offset, int) and offset == 0
 
 
+def auto_impl(on_gpu: bool, half: bool, head_dim: int, queries: int, keys: int) -> str:
+    """What `auto` runs: cudnn on a GPU in bf16/fp16 where cuDNN's fused kernel takes the shapes
+    (head dim a multiple of 8, at most 128, as many keys as queries), else xla up to
+    AUTO_XLA_MAX_KEYS keys, else chunked. (The planner prices plans with it.)"""
+    if on_gpu and half and head_dim % 8 == 0 and head_dim <= 128 and keys == queries:
+        return "cudnn"
+    return "xla" if keys <= AUTO_XLA_MAX_KEYS else "chunked"
+
+
 def resolve(impl: str, q, k, offset) -> str:
     """The implementation `impl` runs as for these shapes on this backend."""
     fused_ok = _static_zero(offset)
     if impl == "auto":
-        dh = q.shape[-1]
-        if (fused_ok and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-                and dh % 8 == 0 and dh <= 128 and k.shape[1] == q.shape[1]):  # what cuDNN's fused kernel takes
-            return "cudnn"
-        return "xla" if k.shape[1] <= AUTO_XLA_MAX_KEYS else "chunked"
+        return auto_impl(fused_ok and jax.default_backend() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
+                         q.shape[-1], q.shape[1], k.shape[1])
     if impl not in IMPLEMENTATIONS:
         raise ConfigError(f"config field `model.attention`: {impl!r} is not one of {('auto', *IMPLEMENTATIONS)}")
     if impl in ("pallas", "cudnn") and not fused_ok:
@@ -257,8 +265,28 @@ def chunked_attention(q, k, v, offset, block: int | None = None):
 # ------------------------------------------------------------------------------------------- pallas
 
 def _pallas_mha_module():
-    from jax.experimental.pallas.ops.gpu import attention as mod  # Triton-lowered flash attention
+    # Triton-lowered flash attention. JAX deprecates these ops after 0.11 (for tokamax) and the
+    # Pallas Triton backend in 0.11 itself: when the module is gone, say so and name the others.
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as mod
+    except ImportError as e:
+        raise ConfigError(f"config field `model.attention`: pallas needs jax.experimental.pallas.ops.gpu.attention, "
+                          f"which jax {jax.__version__} does not have ({e}); use cudnn, chunked or xla") from e
     return mod
+
+
+# The module's private backward, called with the residuals our forward tags for remat. Used only
+# when its signature is this one (jax 0.6 to 0.10 at least); otherwise the module's public `mha`
+# (its own custom_vjp) runs, with a warning: the same kernels, only `attn_lse` is not kept for remat.
+_MHA_BACKWARD_PARAMS = ("sm_scale", "causal", "block_sizes", "backward_pass_impl", "num_warps", "num_stages",
+                        "grid", "interpret", "debug", "return_residuals", "res", "do")
+
+
+def _private_backward_ok(mod) -> bool:
+    try:
+        return tuple(inspect.signature(mod._mha_backward).parameters) == _MHA_BACKWARD_PARAMS
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -305,6 +333,14 @@ def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool 
     g = h // k.shape[2]
     tp = -(-t // block) * block
     qp, kp, vp = (_pad_to(x, 1, tp) for x in (q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)))
+    mod = _pallas_mha_module()
+    if not _private_backward_ok(mod):
+        warnings.warn(f"pallas attention: jax {jax.__version__} changed the private _mha_backward of "
+                      "jax.experimental.pallas.ops.gpu.attention; running its public mha (same kernels; "
+                      "remat cannot keep attn_lse)", stacklevel=2)
+        out = mod.mha(qp, kp, vp, None, sm_scale=dh ** -0.5, causal=True, block_sizes=_pallas_blocks(block),
+                      interpret=bool(interpret))
+        return checkpoint_name(out, "attn_out")[:, :t]
     return _pallas(qp, kp, vp, block, bool(interpret))[:, :t]
 
 

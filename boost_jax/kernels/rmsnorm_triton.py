@@ -1,0 +1,175 @@
+"""The fused RMSNorm(+Σx²) forward and backward as Triton kernels, called from JAX through jax-triton.
+
+`kernels.rmsnorm=triton` runs these; `boost_jax/kernels/rmsnorm.py` is the interface (and the
+probe-then-fall-back logic shared with the Pallas kernels). Same math and outputs as the Pallas
+kernels: for x [R, d], scale [d]
+
+    s = Σ_d x² (float32),  y = x · rsqrt(s/d + eps) · scale,
+    dx = dy·w·r - x·(Σ dy·w·x)·r³/d + 2·x·ds,  dscale = Σ_rows dy·x·r.
+
+Why a second implementation: JAX 0.11 deprecates the Pallas Triton backend ("to keep using Triton,
+switch to the official Triton bindings and jax_triton", the Pallas changelog for 0.11.0), so when
+Pallas-on-Triton stops lowering on a GPU image these kernels still run natively.
+
+Layout: a forward program owns `ROWS` rows and the whole row, one power-of-two `BLOCK_D` >= d wide
+(masked lanes read 0 and are not stored; d is a compile-time constant, so row starts are provably
+16-byte aligned for d % 8 == 0 and the loads vectorise). The backward runs a fixed grid of at most
+`MAX_PROGRAMS` programs, each looping over every `MAX_PROGRAMS`-th row block and keeping its partial
+dscale in registers; the [programs, d] float32 partials are summed outside the kernel (no atomics).
+
+This module imports `triton` at import time and `jax_triton` only when a kernel is called, so
+`compile_for_cuda` (used by the tests) runs on a CPU-only host with just `triton` installed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+_F32 = jnp.float32
+MAX_PROGRAMS = 512  # the backward's grid cap: partials are [<=512, d] float32 (8 MiB at d=4096)
+
+
+@triton.jit
+def rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, s_ptr, n_rows: tl.constexpr, d: tl.constexpr, eps: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < n_rows
+    cmask = cols < d
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]  # int64: R·d may pass 2**31
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sum(x * x, axis=1)
+    r = tl.rsqrt(s / d + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (x * r[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows, s, mask=rmask)
+
+
+@triton.jit
+def rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, n_rows: tl.constexpr, d: tl.constexpr,
+                       eps: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PROGRAMS: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for block in range(pid, tl.cdiv(n_rows, ROWS), PROGRAMS):
+        rows = block * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        ds = tl.load(ds_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        # r = 0 on rows past the end keeps them out of dscale even when eps = 0 (rsqrt(0) = inf).
+        r = tl.where(rmask, tl.rsqrt(tl.sum(x * x, axis=1) / d + eps), 0.0)
+        dyw = dy * w[None, :]
+        c = tl.sum(dyw * x, axis=1) * (r * r * r) / d
+        dx = dyw * r[:, None] - x * c[:, None] + 2.0 * x * ds[:, None]
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(dy * x * r[:, None], axis=0)
+    tl.store(dw_ptr + pid * d + cols, acc, mask=cmask)
+
+
+# ------------------------------------------------------------------------------------- launch plan
+
+def block_d(d: int) -> int:
+    return triton.next_power_of_2(d)
+
+
+def default_rows(d: int) -> int:
+    """Rows per program: ~4K elements per block (the row itself when wider), at most 16."""
+    return max(1, min(16, 4096 // block_d(d)))
+
+
+def num_warps(rows: int, d: int) -> int:
+    elements = rows * block_d(d)  # held in registers: more warps for wider blocks
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+
+
+def programs(n_rows: int, rows: int) -> int:
+    return max(1, min(triton.cdiv(n_rows, rows), MAX_PROGRAMS))
+
+
+# ------------------------------------------------------------------------------------ jax-triton calls
+
+def _jt():
+    import jax_triton  # the `gpu` extra; needs a CUDA jaxlib (it is imported lazily for that reason)
+    return jax_triton
+
+
+def _fwd_call(x2, scale, eps, rows):
+    n_rows, d = x2.shape
+    return _jt().triton_call(
+        x2, scale, kernel=rmsnorm_fwd_kernel,
+        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((n_rows,), _F32)],
+        grid=(triton.cdiv(n_rows, rows),), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_fwd",
+        n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d))
+
+
+def _bwd_call(x2, scale, dy, ds, eps, rows):
+    n_rows, d = x2.shape
+    p = programs(n_rows, rows)
+    dx, dw_part = _jt().triton_call(
+        x2, scale, dy, ds, kernel=rmsnorm_bwd_kernel,
+        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((p, d), _F32)],
+        grid=(p,), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_bwd",
+        n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d), PROGRAMS=p)
+    return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rmsnorm_rows(x2, scale, eps, rows):
+    """x2 [R, d], scale [d] -> (y [R, d] in x2.dtype, s [R] float32). eps, rows static."""
+    return tuple(_fwd_call(x2, scale, eps, rows))
+
+
+def _vjp_fwd(x2, scale, eps, rows):
+    return tuple(_fwd_call(x2, scale, eps, rows)), (x2, scale)
+
+
+def _vjp_bwd(eps, rows, res, cts):
+    x2, scale = res
+    dy, ds = cts
+    return _bwd_call(x2, scale, dy.astype(x2.dtype), ds.astype(_F32), eps, rows)
+
+
+rmsnorm_rows.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+# ------------------------------------------------------------------- ahead-of-time compile (no GPU)
+
+_TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def compile_for_cuda(x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 1e-6, rows: int | None = None,
+                     capability: int = 90) -> dict:
+    """Compile both kernels for an NVIDIA GPU of compute `capability` (90: H100/H200) without one:
+    {"fwd"|"bwd": triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata)}. Pointers are
+    declared 16-byte aligned, the assumption jax-triton makes for every array it passes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rows = rows or default_rows(d)
+    xt, wt = _TRITON_TYPES[jnp.dtype(x_dtype).name], _TRITON_TYPES[jnp.dtype(scale_dtype).name]
+    target = GPUTarget("cuda", capability, 32)
+    consts = dict(n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d))
+    plans = {
+        "fwd": (rmsnorm_fwd_kernel, [f"*{xt}", f"*{wt}", f"*{xt}", "*fp32"], consts),
+        "bwd": (rmsnorm_bwd_kernel, [f"*{xt}", f"*{wt}", f"*{xt}", "*fp32", f"*{xt}", "*fp32"],
+                {**consts, "PROGRAMS": programs(n_rows, rows)}),
+    }
+    out = {}
+    for name, (kernel, pointers, constexprs) in plans.items():
+        signature = dict(zip(kernel.arg_names, pointers))
+        signature.update({k: "constexpr" for k in constexprs})
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        out[name] = triton.compile(source, target=target,
+                                   options={"num_warps": num_warps(rows, d), "num_stages": 1})
+    return out

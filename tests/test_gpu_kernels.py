@@ -1,0 +1,68 @@
+"""The compiled kernels on an NVIDIA GPU against the jnp references (skipped elsewhere).
+
+The suite's conftest pins JAX to the CPU, so these run only when asked for a GPU:
+
+    JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py     # benchmarks/gpu_bench.py runs it too
+
+On a GPU they also check that nothing fell back: `kernels_used()` must name the kernel itself.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from boost_jax.kernels import rmsnorm as K
+from boost_jax.model import attention as A
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="needs an NVIDIA GPU: JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py")
+EPS = 1e-6
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _norm_and_grads(fn, x, w, gy, gs):
+    def loss(x, w):
+        y, s = fn(x, w)
+        return jnp.sum(y.astype(jnp.float32) * gy) + jnp.sum(s * gs), (y, s)
+    (_, (y, s)), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    return y, s, dx, dw
+
+
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(7, 100), (129, 3200), (4, 33, 4096)])
+def test_rmsnorm_kernel_runs_natively_and_matches(impl, dtype, shape):
+    ks = jax.random.split(jax.random.key(shape[-1]), 4)
+    x = jax.random.normal(ks[0], shape).astype(dtype)
+    w = 1.0 + 0.1 * jax.random.normal(ks[1], shape[-1:])
+    gy, gs = jax.random.normal(ks[2], shape), jax.random.normal(ks[3], shape[:-1])
+    K.kernels_used()
+    got = _norm_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, impl=impl), x, w, gy, gs)
+    assert K.kernels_used()["rmsnorm"] == impl  # not "xla (... did not lower / unavailable ...)"
+    ref = _norm_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name, a, b in zip(("y", "s", "dx", "dscale"), got, ref):
+        assert _rel(a, b) <= tol, f"{name}: {_rel(a, b):.2e}"
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cudnn", "chunked"])
+def test_attention_runs_natively_and_matches_xla(impl):
+    b, t, h, kv, dh = 2, 256, 8, 2, 64
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (b, t, h, dh)).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, t, kv, dh)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, t, kv, dh)).astype(jnp.bfloat16)
+    w = jax.random.normal(ks[3], (b, t, h * dh))
+
+    def grads(fn, *args):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+
+    got = grads(lambda q, k, v: A.attend(q, k, v, impl=impl), q, k, v)
+    ref = grads(lambda q, k, v: A.attend(q, k, v, impl="xla"), *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, r in zip(("value", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert _rel(a, r) <= 3e-2, f"{name}: {_rel(a, r):.2e}"
