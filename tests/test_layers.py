@@ -112,3 +112,46 @@ def test_scanned_stack_equals_layer_by_layer(make_config):
         x, _ = block(x, pos)
     want = model.final_norm(x) @ model.lm_head[...]
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_online_norm_reduces_partials_in_the_compute_dtype():
+    """BTP's online RMSNorm (x split along d over 4 devices): value and gradients match the float64
+    formula (γ ⊙ x / rms(x))·A, and the reduction of the r-wide partials (the A all-reduce) is in bf16
+    under bf16 compute, not widened to float32 (which would double its bytes)."""
+    from jax.sharding import AxisType
+
+    from boost_jax.parallel import rules
+    from boost_jax.parallel.online_norm import online_norm_matmul
+    from boost_jax.parallel.strategies import BTP
+
+    mesh = jax.make_mesh((1, 1, 4), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    strategy = rules.Strategy("btp", BTP, online_norm=True)
+    rng = np.random.default_rng(7)
+    x, scale, a = (rng.standard_normal(s) for s in ((2, 5, 32), (32,), (3, 32, 8)))
+    eps = 1e-6
+
+    def f(x, scale, a):
+        with rules.use_rules(mesh, strategy):
+            return online_norm_matmul(x, scale, a, eps=eps, mesh=mesh)
+
+    def ref(x, scale, a):
+        xn = scale * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+        return np.einsum("btd,gdr->btgr", xn, a)
+
+    w = rng.standard_normal((2, 5, 3, 8))  # a random cotangent, so every output element counts
+    args32 = [jnp.asarray(v, jnp.float32) for v in (x, scale, a)]
+    np.testing.assert_allclose(np.asarray(f(*args32)), ref(x, scale, a), rtol=2e-4, atol=2e-4)
+    loss = lambda *v: jnp.sum(f(*v).astype(jnp.float32) * w)  # noqa: E731
+    gx, ga = jax.grad(loss, argnums=(0, 2))(*args32)
+    h = 1e-6  # central differences of the float64 formula along random directions
+    for got, i in ((gx, 0), (ga, 2)):
+        d = rng.standard_normal(got.shape)
+        plus, minus = [list((x, scale, a)) for _ in range(2)]
+        plus[i], minus[i] = plus[i] + h * d, minus[i] - h * d
+        want = (np.sum(ref(*plus) * w) - np.sum(ref(*minus) * w)) / (2 * h)
+        np.testing.assert_allclose(float(jnp.sum(got * d)), want, rtol=1e-3)
+    bf16 = [jnp.asarray(x, jnp.bfloat16), args32[1], args32[2]]
+    np.testing.assert_allclose(np.asarray(f(*bf16), np.float32), ref(x, scale, a), rtol=0.05, atol=0.1)
+    text = jax.jit(f).lower(*bf16).as_text()
+    partial_sums = [ln for ln in text.splitlines() if "stablehlo.reduce" in ln and "tensor<4x2x5x3x8x" in ln]
+    assert partial_sums and all("xbf16>" in ln.split("->")[-1] for ln in partial_sums), partial_sums

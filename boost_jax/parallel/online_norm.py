@@ -23,6 +23,18 @@ from boost_jax.kernels.rmsnorm import rmsnorm
 from boost_jax.parallel.rules import logical_spec
 
 
+@jax.custom_vjp
+def _sum_parts(parts: jax.Array) -> jax.Array:
+    """Σ over the leading (tensor-split) axis in the parts' own dtype: the all-reduce moves bf16 under
+    bf16 compute, as Megatron's activation all-reduces do (jnp.sum would accumulate, and so
+    all-reduce, in float32: twice the bytes). Its transpose broadcasts the cotangent back."""
+    return jax.lax.reduce(parts, jnp.zeros((), parts.dtype), jax.lax.add, (0,))
+
+
+_sum_parts.defvjp(lambda parts: (_sum_parts(parts), parts.shape[0]),
+                  lambda n, g: (jnp.broadcast_to(g[None], (n, *g.shape)),))
+
+
 def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla"):
     """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g."""
     d = x.shape[-1]
@@ -39,7 +51,7 @@ def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tens
     h_parts, s_parts = jax.shard_map(
         local, mesh=mesh, in_specs=(P(batch, None, axis), P(axis), P(None, axis, None)),
         out_specs=(P(axis, batch, None, None, None), P(axis, batch, None)),
-        check_vma=impl != "pallas")(x, scale, a_stack)  # a pallas_call carries no varying-axis types
-    h = checkpoint_name(h_parts.sum(axis=0), "lowrank")
+        check_vma=impl == "xla")(x, scale, a_stack)  # a Pallas/Triton call carries no varying-axis types
+    h = checkpoint_name(_sum_parts(h_parts), "lowrank")
     s = checkpoint_name(s_parts.sum(axis=0), "norm_stats")
     return (h.astype(jnp.float32) / jnp.sqrt(s / d + eps)[..., None, None]).astype(x.dtype)
