@@ -1,6 +1,14 @@
 """Gradient all-reduce over `data` executed per optimizer step, for grad_accum 1 and 4.
 
     python benchmarks/grad_reduce.py [--config configs/cola_1b.py] [--data 8] [--seq 256]
+    python benchmarks/grad_reduce.py --pipeline
+
+`--pipeline`: a tiny GPipe step instead (configs/tiny.py widths with d_ff 256, 4 layers in 2 stages,
+4 micro-batches, mesh pipeline 2 x data 2 x fsdp 2, seq 16, float32): data/fsdp reduction elements
+executed per step (every all-reduce / reduce-scatter over data or fsdp, times its loops' trip
+counts, loops as compiled) and the step's temp memory, for the placements of
+`boost_jax/parallel/pipeline.py`: once per pass over data x fsdp (the default), over data only
+(fsdp per tick), and GSPMD's own (every tick). Writes grad_reduce_pipeline.json.
 
 Compiles the real train step on `--data` emulated CPU devices (mesh data x 1 x 1, one sequence per
 device per micro-batch, abstract shapes) and reads the optimised HLO: every all-reduce over `data`
@@ -71,13 +79,69 @@ def _compile(cfg):
         return step.lower(spec.abstract, batch).compile()
 
 
+PIPELINE_PLACEMENTS = {
+    "once per pass, data x fsdp (pipeline.py)": None,
+    "once per pass over data, fsdp per tick": ("data",),
+    "every tick (GSPMD's own)": (),
+}
+
+
+def pipeline_executed(placement: str, stages: int = 2, data: int = 2, fsdp: int = 2, micro: int = 4,
+                      seq: int = 16) -> dict:
+    from boost_jax.parallel import pipeline
+
+    cfg = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    cfg.model.update(n_layers=4, d_ff=256, dtype="float32")
+    cfg.train.update(seq_len=seq, global_batch=data * fsdp * micro, grad_accum=1)
+    cfg.parallel.update(pipeline=stages, data=data, fsdp=fsdp, tensor=1, num_devices=stages * data * fsdp,
+                        microbatches=micro)
+    validate(cfg)
+    axes, default = PIPELINE_PLACEMENTS[placement], pipeline.once_per_pass_axes
+    if axes is not None:
+        pipeline.once_per_pass_axes = lambda mesh, strategy: tuple(a for a in axes if mesh.shape[a] > 1)
+    try:
+        compiled = _compile(cfg)
+    finally:
+        pipeline.once_per_pass_axes = default
+    ops = [c for c in parse_collectives(compiled.as_text(), _mesh(cfg))
+           if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)]
+    return {"placement": placement, "in_loop_elements": sum(c.elements for c in ops if c.in_loop),
+            "outside_elements": sum(c.elements for c in ops if not c.in_loop),
+            "executed_elements": sum(c.elements * c.trips for c in ops),
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def _mesh(cfg):
+    from boost_jax.parallel.mesh import make_mesh
+    return make_mesh(cfg)
+
+
+def pipeline_main(json_path: str) -> int:
+    rows = [pipeline_executed(p) for p in PIPELINE_PLACEMENTS]
+    print("tiny (d 128, r 32, d_ff 256, 4 layers), GPipe 2 stages x 4 micro-batches, mesh pipeline=2 data=2 "
+          "fsdp=2, seq 16, float32: data/fsdp reduction elements per step (XLA CPU, compiled, not run; "
+          "in-loop ops x trip counts)\n")
+    print("| placement | in loop (static) | outside | executed per step | temp memory |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['placement']} | {r['in_loop_elements']:,} | {r['outside_elements']:,} | "
+              f"{r['executed_elements']:,} | {r['temp_bytes'] / 1e6:.2f} MB |")
+    with open(json_path, "w") as f:
+        json.dump({"config": "tiny", "stages": 2, "data": 2, "fsdp": 2, "microbatches": 4, "seq": 16,
+                   "rows": rows}, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pipeline", action="store_true", help="the GPipe step's reductions (see above)")
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "cola_1b.py"))
     ap.add_argument("--data", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "grad_reduce.json"))
     args = ap.parse_args(argv)
+    if args.pipeline:
+        return pipeline_main(args.json.replace("grad_reduce.json", "grad_reduce_pipeline.json"))
     rows = [executed(args.config, args.data, args.seq, accum, once) for once in (True, False) for accum in (1, 4)]
     name = os.path.splitext(os.path.basename(args.config))[0]
     print(f"{name}, mesh data={args.data}, seq {args.seq}, one sequence per device per micro-batch; all-reduce "

@@ -130,6 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
     p.strategy = "btp"  # btp | vanilla | megatron (how the tensor axis splits the model)
     # The gradient all-reduce over `data`: once per optimizer step (whatever train.grad_accum is), in
     # this dtype (float32 | bfloat16); over `fsdp` gradients are reduce-scattered per micro-batch.
+    # Pipelined: the stages' gradients over data x fsdp once per pass (per micro-batch), same dtype.
     p.grad_reduce_dtype = "float32"
     p.online_norm = True  # btp: send RMSNorm statistics with the A partial products
     p.sequence_parallel = False  # megatron: shard norms/residual along sequence

@@ -103,6 +103,19 @@ def test_psum_in_fori_loop_and_nested_cond(mesh):
     assert all(not c.computation.startswith("main") for c in cs if c.in_loop)
 
 
+def test_trips_multiply_nested_loop_trip_counts(mesh):
+    def inner(c, _):
+        return jax.lax.psum(c, "tensor") * 0.5, None
+
+    def outer(c, _):
+        c = jax.lax.scan(inner, c, None, length=3)[0]
+        return jax.lax.psum(c, "data") * 0.5, None
+
+    f = smap(mesh, lambda a: jax.lax.psum(jax.lax.scan(outer, a, None, length=5)[0], "tensor"), P(), P())
+    trips = sorted((c.axes, c.in_loop, c.trips) for c in collectives(mesh, f, x()))
+    assert trips == [(("data",), True, 5), (("tensor",), False, 1), (("tensor",), True, 15)]
+
+
 def test_ids_are_mesh_positions_not_device_ids():
     # A permuted mesh compiles to the same replica_groups; only positions give the right axes.
     devices = np.asarray(jax.devices())[[0, 2, 4, 6, 1, 3, 5, 7]]

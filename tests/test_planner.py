@@ -216,8 +216,8 @@ def test_verify_agrees_with_comm_report():
 @pytest.mark.parametrize("mesh, remat, micro", [(Mesh(1, 2, 2, pipeline=2), "lowrank", 2),
                                                  (Mesh(2, 1, 2, pipeline=2), "none", 4)])
 def test_verify_pipeline_agrees_with_the_compiled_step(mesh, remat, micro):
-    """A pipelined plan's whole-step traffic (hand-overs, the pipeline's ends, per-tick gradient
-    reductions, once-gathered FSDP weights, remat re-gathers) against the compiled GPipe step."""
+    """A pipelined plan's whole-step traffic (hand-overs, the pipeline's ends, the once-per-pass
+    gradient reduction, once-gathered FSDP weights) against the compiled GPipe step."""
     c = base_config()
     c.model.update(d_model=256, n_heads=4, n_kv_heads=4, d_ff=688, rank=64, vocab_size=512, max_seq_len=64)
     rows = compare_pipeline(c, A100, mesh, "btp", remat=remat, microbatches=micro, seq=32)

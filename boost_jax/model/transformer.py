@@ -12,7 +12,7 @@ from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
 from boost_jax.model.linear import Projection, RMSNorm, project
 from boost_jax.parallel import rules
-from boost_jax.parallel.pipeline import gpipe, to_microbatches
+from boost_jax.parallel.pipeline import gpipe
 from boost_jax.parallel.rules import constrain, gathered
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -100,12 +100,13 @@ class Transformer(nnx.Module):
         ctx = rules.current()
         if ctx is not None and ctx[0].shape.get("pipeline", 1) > 1 and cache is None:
             stages, micro = ctx[0].shape["pipeline"], ctx[1].microbatches
-            # Training positions are the same for every row. A fresh iota of the micro-batch's shape is
-            # built on every device; slicing the batch-sharded one would move rows between devices.
-            micro_pos = (to_microbatches(positions, micro)[0] if given_positions
-                         else jnp.broadcast_to(jnp.arange(t)[None], (b // micro, t)))
+            # Training positions are the same for every row. A fresh iota of the micro-batch's shape
+            # (the rows gpipe hands the stage) is built on every device; slicing the batch-sharded
+            # positions would move rows between devices.
+            pos_row = positions[:1] if given_positions else jnp.arange(t)[None]
 
             def stage(stage_state, x_micro):
+                micro_pos = jnp.broadcast_to(pos_row, x_micro.shape[:2])
                 return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
                                     unroll=self.unroll)[0]
 

@@ -28,10 +28,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from boost_jax.parallel import rules
 
 
-def without_axis(strategy: rules.Strategy, axis: str) -> rules.Strategy:
-    """The strategy with `axis` removed from every rule (a rule left with no axes replicates)."""
+def without_axis(strategy: rules.Strategy, *axis: str) -> rules.Strategy:
+    """The strategy with the `axis` names removed from every rule (a rule left with no axes replicates)."""
     def drop(axes):
-        kept = tuple(a for a in rules._as_tuple(axes) if a != axis)
+        kept = tuple(a for a in rules._as_tuple(axes) if a not in axis)
         return kept[0] if len(kept) == 1 else (kept or None)
 
     return dataclasses.replace(strategy, rules=tuple((name, drop(axes)) for name, axes in strategy.rules))

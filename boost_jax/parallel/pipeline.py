@@ -6,13 +6,43 @@ over `pipeline`). The batch is cut into M micro-batches. At every tick all S sta
 stage down (a roll of the stage dim: one collective-permute) and the next micro-batch enters stage 0.
 After M + S - 1 ticks every micro-batch has crossed every stage; the bubble is (S-1)/(M+S-1) of the
 ticks. Autodiff of the loop gives the backward (all micro-batches' activations are kept, as in
-GPipe; combine with a remat policy). Tensor, FSDP and data parallelism act inside each stage
-unchanged, because the strategy's constraints are batched with `spmd_axis_name="pipeline"`.
+GPipe; combine with a remat policy). Tensor parallelism acts inside each stage unchanged, because
+the strategy's constraints are batched with `spmd_axis_name="pipeline"`.
+
+Gradients over the batch axes: once per pass, in float32. Left to GSPMD, the stage weights'
+gradient is all-reduced over data x fsdp inside the backward tick loop, once per tick and layer
+(bubble ticks included), at full size even over fsdp alone (no reduce-scatter inside the loop).
+Here the schedule runs per batch replica instead: the stage vmap is over (stage, replica) pairs,
+`spmd_axis_name=("pipeline", "data", "fsdp")`, under the strategy's rules with data and fsdp
+removed, and each replica gets its own float32 copy of its stage's weights (`_replicas`, split over
+the pipeline and replica axes). The backward scan then accumulates each replica's gradient in its
+copy's cotangent, on its own devices, without traffic; the copies' custom VJP sums the replicas once
+after the loop, in `parallel.grad_reduce_dtype`: one all-reduce over data x fsdp per pass
+(per accumulation micro-batch).
+
+fsdp is reduced once per pass too, not per tick, because per tick buys no memory here: the stage's
+weights are gathered whole before the loop either way (XLA hoists the gathers), and GSPMD's per-tick
+reduction over fsdp is a full-size all-reduce, not a reduce-scatter. Measured on the compiled train
+step (4 layers d 128, 2 stages of 2 layers, 4 micro-batches, mesh pipeline 2 x data 2 x fsdp 2, f32;
+benchmarks/grad_reduce.py --pipeline): reducing over data only, fsdp per tick, keeps the
+accumulator fsdp-split (temp memory 4.99 MB, as per tick) but executes 834,733 reduction elements
+per step; over both, 205,485 (per tick over both: 764,589) for 5.41 MB of temp memory: the extra is
+one float32 stage gradient per device, the size of the stage's gathered weights. With fsdp 1 the
+temp memory does not grow (3.38 -> 3.31 MB on pipeline 2 x data 2 x tensor 2).
+
+Spatial-temporal projections keep GSPMD's placement (their Cannon schedule runs on the (fsdp,
+tensor) grid itself; `once_per_pass_axes`).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from boost_jax.parallel import rules
+from boost_jax.parallel.grad_reduce import without_axis
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -40,13 +70,78 @@ def shift_stages(x: jax.Array) -> jax.Array:
 shift_stages.defvjp(lambda x: (shift_stages(x), None), lambda _, g: (jnp.roll(g, -1, axis=0),))
 
 
+def once_per_pass_axes(mesh, strategy) -> tuple[str, ...]:
+    """The batch axes over which the stages' weight gradients are reduced once per pass (see the
+    module docstring); () leaves the reduction where GSPMD places it, every tick. Spatial-temporal
+    projections keep GSPMD's placement: their Cannon schedule runs on the (fsdp, tensor) grid itself."""
+    if strategy.st_groups:
+        return ()
+    return tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+
+
+def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce_dtype) -> jax.Array:
+    """A layer-stacked weight [L, ...] as [S * n, L/S, ...]: stage s's layers copied once per batch
+    replica (row s * n + i: stage s, replica i; split over the pipeline and replica axes), in float32
+    when it is a float. Each replica accumulates its own gradient in its copy's cotangent over the
+    ticks; the backward sums the n of them once, in `reduce_dtype`."""
+    def forward(w):
+        staged = w.reshape(stages, 1, w.shape[0] // stages, *w.shape[1:])
+        out = jnp.broadcast_to(staged, (stages, n) + staged.shape[2:]).reshape(stages * n, *staged.shape[2:])
+        return jax.lax.with_sharding_constraint(out, sharding)
+
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        return forward(a)  # no gradient
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+
+    @jax.custom_vjp
+    def copies(w):
+        return forward(w.astype(acc))
+
+    def bwd(_, g):
+        g = g.reshape(stages, n, *g.shape[1:]).astype(reduce_dtype).sum(1)
+        return (g.reshape(a.shape).astype(a.dtype),)
+
+    copies.defvjp(lambda w: (copies(w), None), bwd)
+    return copies(a)
+
+
 def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, unroll: bool = False) -> jax.Array:
     """Run `stage_fn(stage_state, x_micro) -> x_micro` over the stages for every micro-batch.
 
-    layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]."""
-    staged = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), layer_state)
+    layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]. stage_fn must take
+    micro-batches of any row count (each batch replica runs the schedule on its own rows)."""
+    ctx = rules.current()
+    axes = once_per_pass_axes(*ctx) if ctx is not None else ()
+    if not axes:
+        staged = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), layer_state)
+        return _gpipe(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll)
+    mesh, strategy = ctx
+    n = math.prod(mesh.shape[a] for a in axes)
+    inner = without_axis(strategy, *axes)
+    spmd = ("pipeline",) + axes
+    dtype = jnp.dtype(strategy.grad_reduce_dtype)
+    staged = jax.tree.map(lambda a: _replicas(a, stages, n, NamedSharding(
+        mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype), layer_state)
+
+    def replica(stage_state, rows):
+        with rules.use_rules(mesh, inner):
+            return stage_fn(stage_state, rows)
+
+    # One vmap over (stage, replica) pairs: stage s's replica i runs on the i-th contiguous block of
+    # the micro-batch's rows, which is where the batch split already puts them. (Nesting a replica
+    # vmap in the stage vmap trips JAX's varying-axes checks in the shard_maps inside the layers.)
+    run = jax.vmap(replica, spmd_axis_name=spmd)
+
+    def run_stages(staged, inputs):
+        rows = inputs.reshape(stages * n, inputs.shape[1] // n, *inputs.shape[2:])
+        return run(staged, rows).reshape(inputs.shape)
+
+    return _gpipe(run_stages, staged, x, stages, microbatches, unroll)
+
+
+def _gpipe(run_stages, staged, x, stages, microbatches, unroll):
+    """The schedule: `run_stages(staged, inputs [S, b, ...]) -> [S, b, ...]` runs every stage once."""
     micro = to_microbatches(x, microbatches)  # [M, b, ...]
-    run_stages = jax.vmap(stage_fn, spmd_axis_name="pipeline")
     stage_ids = jnp.arange(stages).reshape((stages,) + (1,) * (micro.ndim - 1))
 
     def tick(carry, t):

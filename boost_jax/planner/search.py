@@ -292,14 +292,22 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
     recomputes the forward). The gradients are reduce-scattered over fsdp alone, else all-reduced over
     data (x fsdp), as the compiled HLO does; the trainer sums micro-batch gradients in the parameters'
     layout, so this happens once per micro-batch.
-    Pipelined (read from the compiled HLO of boost_jax/parallel/pipeline.py): XLA hoists the stage's
-    gathers out of the tick loop (once), but reduces every tick's gradient, all-reduced at full size
-    even over fsdp alone (GSPMD cannot carry a partial sum through the loop), and a remat backward
-    gathers again every tick.
+    Pipelined (boost_jax/parallel/pipeline.py, read from its compiled HLO): the stage's weights are
+    gathered once before the tick loop, every batch replica accumulates its own float32 gradient over
+    the ticks, and that is all-reduced over data x fsdp once per pass, at full size (the accumulator is
+    the whole stage's gradient), so both land in `once`; nothing over data/fsdp runs per tick, remat
+    included (the gathered copies are the loop's inputs). Pipelined st plans keep GSPMD's placement
+    (see pipeline.once_per_pass_axes), priced as below.
     st's weights (`grid_weights`) stay split over fsdp: their gradient, summed over the grid's rows
     by the Cannon schedule, is only all-reduced over data."""
     t, f, d = mesh.tensor, mesh.fsdp, mesh.data
     once, per_pass = [], []
+    if pipelined and not grid_weights:
+        if f > 1:
+            once.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+        if d * f > 1:
+            once.append(P.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+        return once, per_pass
     if grid_weights and d > 1:
         per_pass.append(P.Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
     if f > 1:

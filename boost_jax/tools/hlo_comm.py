@@ -16,6 +16,9 @@ look at ``in_loop`` and multiply by the trip count yourself):
 * ``in_loop``: the computation is reachable from a ``while``'s ``body=``/``condition=`` through
   any ``calls=``/``to_apply=``/``branch_computations=``... edge (scan and fori_loop lower to
   ``while``; ``lax.cond`` inside them to ``conditional`` with ``branch_computations``).
+* ``trips``: how many times the op runs per execution of the program: the product of the
+  ``known_trip_count`` XLA records on every enclosing ``while`` (1 outside loops; None when an
+  enclosing loop has no known trip count). ``elements * trips`` is the executed payload.
 * Replica-group ids (with ``use_global_device_ids=true``) are LOGICAL ids: positions in the
   compiled device assignment, i.e. in ``mesh.devices.flat`` order, not ``device.id``. (Checked:
   a mesh built from permuted devices yields the same replica_groups as the identity mesh.)
@@ -52,6 +55,7 @@ _CALLEES = re.compile(
     r"(\{[^}]*\}|%?[\w.\-]+)")
 _WHILE_BODY = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
 _INTS = re.compile(r"-?\d+")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Collective:
     axes: tuple[str, ...]
     computation: str
     in_loop: bool
+    trips: int | None = 1
 
 
 # ---------------------------------------------------------------- shapes and operands
@@ -256,12 +261,15 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
 
     calls: dict[str, set[str]] = defaultdict(set)
     loop_roots: set[str] = set()
+    loop_trips: dict[tuple[str, str], int | None] = {}  # (caller, while body/condition) -> trip count
+    entry = ""
     found: list[tuple[str, str, str, list[str], str, dict[str, str]]] = []  # per collective
     comp, symbols = "", {}
     for line in hlo_text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
             header_name = _HEADER.match(line)
             comp, symbols = (header_name.group(1) if header_name else line.split()[0]), {}
+            entry = comp if line.startswith("ENTRY") else entry
             continue
         m = _INSTR.match(line)
         if m is None:
@@ -272,6 +280,9 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
             calls[comp].update(c.lstrip("%") for c in re.findall(r"%?([\w.\-]+)", callee))
         if opcode == "while":
             loop_roots.update(_WHILE_BODY.findall(rest))
+            trip = _TRIP_COUNT.search(rest)
+            for callee in _WHILE_BODY.findall(rest):
+                loop_trips[(comp, callee)] = int(trip.group(1)) if trip else None
         if opcode in _OPCODES:
             operands, attrs = _split_top(rest)
             found.append((comp, _OPCODES[opcode], shape, operands, attrs, symbols))
@@ -283,6 +294,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
             in_loop.add(c)
             todo.extend(calls.get(c, ()))
 
+    trips = _trip_counts(entry, calls, loop_trips)
     out = []
     for comp, kind, shape, operands, attrs, symbols in found:
         op_shapes = [_operand_shape(o, symbols) for o in operands]
@@ -300,8 +312,27 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
         else:  # operand shape unknown: fall back on the result (only meaningful for sync ops)
             elements = _shape_elements(shape) * (group_size if kind == "reduce-scatter" else 1)
         dtype = _shape_dtype(op_shapes[0] if op_shapes and op_shapes[0] else shape)
-        out.append(Collective(kind, elements, dtype, group_size, _axes_of(groups, mesh), comp, comp in in_loop))
+        out.append(Collective(kind, elements, dtype, group_size, _axes_of(groups, mesh), comp, comp in in_loop,
+                              trips.get(comp, 1)))
     return out
+
+
+def _trip_counts(entry: str, calls: dict[str, set[str]], loop_trips: dict) -> dict[str, int | None]:
+    """Executions of every computation reachable from `entry` per run of the program: a while's
+    body/condition multiplies its caller's count by the loop's known trip count (None: unknown)."""
+    trips: dict[str, int | None] = {entry: 1}
+    todo = [entry]
+    while todo:
+        comp = todo.pop()
+        for callee in calls.get(comp, ()):
+            n = trips[comp]
+            if (comp, callee) in loop_trips:
+                k = loop_trips[(comp, callee)]
+                n = None if n is None or k is None else n * k
+            if callee not in trips:
+                trips[callee] = n
+                todo.append(callee)
+    return trips
 
 
 def summarize(collectives: Iterable[Collective], *, by: Sequence[str] = ("kind",)) -> dict:
