@@ -41,7 +41,8 @@ def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tens
     # nothing is lost): the sum of its gradient over the axes the map replicates it on is then in
     # that dtype too. The GEMM runs in x's dtype.
     ctx = rules.current()
-    a_stack = a_stack.astype(ctx[1].grad_reduce_dtype if ctx is not None else jnp.float32)
+    if ctx is not None:  # widen only: the values are unchanged
+        a_stack = a_stack.astype(jnp.promote_types(a_stack.dtype, ctx[1].grad_reduce_dtype))
     h_parts, s_parts = jax.shard_map(
         local, mesh=mesh, in_specs=(P(batch, None, axis), P(axis), P(None, axis, None)),
         out_specs=(P(axis, batch, None, None, None), P(axis, batch, None)),

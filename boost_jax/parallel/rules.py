@@ -198,8 +198,9 @@ _weight_einsum.defvjp(_weight_einsum_fwd, _weight_einsum_bwd)
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """table[ids] for a weight table (an embedding) in its compute dtype, whose gradient (a
     scatter-add of the rows' gradients, then reduced over the batch axes) is accumulated in the
-    strategy's `grad_reduce_dtype`. Outside a strategy: table[ids]."""
+    strategy's `grad_reduce_dtype` when that is wider. Outside a strategy: table[ids]."""
     ctx = _CURRENT.get()
     if ctx is None:
         return table[ids]
-    return table.astype(ctx[1].grad_reduce_dtype)[ids].astype(table.dtype)
+    wide = jnp.promote_types(table.dtype, ctx[1].grad_reduce_dtype)  # widen only: the rows are unchanged
+    return table.astype(wide)[ids].astype(table.dtype)
