@@ -41,6 +41,7 @@ def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0):
 
     chunk: positions per chunk (0 or >= T: one piece, the plain loss)."""
     b, t, _ = h.shape
+    w = w.astype(jnp.float32)  # used in h's dtype; its gradient sums over the chunks in float32
     if not chunk or chunk >= t:
         return _sums(h, w, labels, True, z_loss) / (b * t)
     n = -(-t // chunk)

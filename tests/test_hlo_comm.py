@@ -40,7 +40,7 @@ def x(shape=(ROWS, COLS), dtype=jnp.float32):
 
 def test_psum_over_tensor(mesh):
     (c,) = collectives(mesh, smap(mesh, lambda a: jax.lax.psum(a, "tensor"), P(), P()), x())
-    assert c == Collective("all-reduce", ROWS * COLS, "f32", T, ("tensor",), c.computation, False)
+    assert c == Collective("all-reduce", ROWS * COLS, "f32", T, ("tensor",), c.computation, False, op_name=c.op_name)
     assert c.elements == 512 and c.computation.startswith("main")
 
 

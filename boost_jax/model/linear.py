@@ -21,7 +21,7 @@ from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import LinearKind
 from boost_jax.parallel import rules
-from boost_jax.parallel.rules import constrain, gathered, logical_spec, spec_for
+from boost_jax.parallel.rules import constrain, gathered, logical_spec, spec_for, weight_einsum
 
 RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
 WHOLE_ROWS = ("act_batch", "act_seq", None)
@@ -80,6 +80,11 @@ def _bottleneck(projs, h, tag: bool = True):
     return projs[0].bottleneck(h)
 
 
+def _use(dtype):
+    """The `use` hook for stage weights feeding a GEMM in `dtype`: gathered (FSDP) in that dtype."""
+    return lambda w, names: gathered(w, names, dtype)
+
+
 def _first_stage(projs, x, grouped: bool, norm=None):
     """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given)."""
     ctx = rules.current()
@@ -87,7 +92,7 @@ def _first_stage(projs, x, grouped: bool, norm=None):
             and all(p.factored for p in projs)):
         # BTP: norm statistics travel in the same all-reduce as the A partial products.
         from boost_jax.parallel.online_norm import online_norm_matmul
-        a = jnp.stack([p.first_weight() for p in projs]).astype(x.dtype)
+        a = jnp.stack([p.first_weight(_use(x.dtype)) for p in projs])
         h = online_norm_matmul(x, norm.scale[...], a, eps=norm.eps, mesh=ctx[0], impl=norm.impl)
         return [(projs, _bottleneck(projs, h, tag=False))]  # tagged inside, before the division
     if norm is not None:
@@ -95,8 +100,8 @@ def _first_stage(projs, x, grouped: bool, norm=None):
     out = []
     runs = _runs(projs, lambda p: p.first_shape) if grouped else ((i, [p]) for i, p in enumerate(projs))
     for _, run in runs:
-        w = jnp.stack([p.first_weight() for p in run]).astype(x.dtype)  # [g, d_in, width]
-        h = jnp.einsum("btd,gdr->btgr", x, w)
+        w = jnp.stack([p.first_weight(_use(x.dtype)) for p in run])  # [g, d_in, width]
+        h = weight_einsum("btd,gdr->btgr", x, w)
         out.append((run, _bottleneck(run, h) if run[0].factored else h))
     return out
 
@@ -149,8 +154,8 @@ def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
             continue
         sub = _runs(run, lambda p: p.second_shape) if grouped else ((i, [p]) for i, p in enumerate(run))
         for i, group in sub:
-            b = jnp.stack([p.second_weight() for p in group]).astype(h.dtype)  # [g, r, d_out]
-            y = jnp.einsum("btgr,gro->btgo", h[:, :, i:i + len(group)], b)
+            b = jnp.stack([p.second_weight(_use(h.dtype)) for p in group])  # [g, r, d_out]
+            y = weight_einsum("btgr,gro->btgo", h[:, :, i:i + len(group)], b)
             outs.extend(y[:, :, j] for j in range(len(group)))
     return _with_extra(projs, outs, x, norm)
 

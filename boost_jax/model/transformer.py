@@ -13,7 +13,7 @@ from boost_jax.model.kinds.base import dense_init
 from boost_jax.model.linear import Projection, RMSNorm, project
 from boost_jax.parallel import rules
 from boost_jax.parallel.pipeline import gpipe
-from boost_jax.parallel.rules import constrain, gathered
+from boost_jax.parallel.rules import constrain, gathered, take_rows
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 
@@ -90,7 +90,7 @@ class Transformer(nnx.Module):
         given_positions = positions is not None
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-        x = constrain(gathered(self.embed[...], ("vocab_in", "embed")).astype(self.dtype)[tokens], RESIDUAL)
+        x = constrain(take_rows(gathered(self.embed[...], ("vocab_in", "embed"), self.dtype), tokens), RESIDUAL)
         graphdef, layer_state = nnx.split(self.layers)
 
         def layer(x, state, layer_cache, pos):
@@ -121,8 +121,8 @@ class Transformer(nnx.Module):
 
     def head_weight(self):
         if self.tie_embeddings:
-            return gathered(self.embed[...], ("vocab_in", "embed")).T
-        return gathered(self.lm_head[...], ("head_embed", "vocab"))
+            return gathered(self.embed[...], ("vocab_in", "embed"), self.dtype).T
+        return gathered(self.lm_head[...], ("head_embed", "vocab"), self.dtype)
 
     def __call__(self, tokens, positions=None, cache=None):
         """Logits [B, T, vocab] in float32, and the updated cache (None without one)."""

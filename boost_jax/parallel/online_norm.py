@@ -20,7 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.kernels.rmsnorm import rmsnorm
-from boost_jax.parallel.rules import logical_spec
+from boost_jax.parallel import rules
+from boost_jax.parallel.rules import logical_spec, weight_einsum
 
 
 @jax.custom_vjp
@@ -44,10 +45,16 @@ def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tens
     def local(x, scale, a):
         xhat, s = rmsnorm(x, scale, eps, impl=impl)  # locally normalised rows and the local Σx²
         rms_i = jnp.sqrt(s / x.shape[-1] + eps)
-        h = jnp.einsum("btd,gdr->btgr", xhat, a.astype(x.dtype), preferred_element_type=jnp.float32)
+        h = weight_einsum("btd,gdr->btgr", xhat, a, preferred_element_type=jnp.float32)
         h = (h * rms_i[..., None, None]).astype(x.dtype)
         return h[None], s[None]
 
+    # A enters widened to the gradient-reduction dtype (it was gathered in the compute dtype, so
+    # nothing is lost): the sum of its gradient over the axes the map replicates it on is then in
+    # that dtype too. The GEMM runs in x's dtype.
+    ctx = rules.current()
+    if ctx is not None:  # widen only: the values are unchanged
+        a_stack = a_stack.astype(jnp.promote_types(a_stack.dtype, ctx[1].grad_reduce_dtype))
     h_parts, s_parts = jax.shard_map(
         local, mesh=mesh, in_specs=(P(batch, None, axis), P(axis), P(None, axis, None)),
         out_specs=(P(axis, batch, None, None, None), P(axis, batch, None)),

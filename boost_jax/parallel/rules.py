@@ -9,11 +9,13 @@ code pays nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # (logical name, mesh axis | tuple of axes | None). A name may appear several times: first fit wins,
@@ -105,14 +107,100 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, x.shape, mesh, strategy.rules)))
 
 
-def gathered(w: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """A weight in its compute layout: FSDP's all-gather happens here, right before use, and the
-    gradient is reduce-scattered back by the transpose. Being explicit also keeps XLA from choosing
-    a weight-gradient layout it mis-partitions (seen with jax 0.10: a weight split (tensor, fsdp)
-    under a batch split over fsdp got its gradient all-reduced across different fsdp blocks)."""
+def gathered(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
+    """A weight in its compute layout and `dtype` (default: its own): FSDP's all-gather happens here,
+    right before use, on the local shard already cast to `dtype` (a bf16 gather moves half the bytes
+    of the float32 master weight). The backward casts the incoming gradient to the strategy's
+    `grad_reduce_dtype` first and lays it out as the parameter is stored, so the reduction over
+    `fsdp` that this layout change implies runs in that dtype; it is returned in `w`'s dtype.
+    Being explicit also keeps XLA from choosing a weight-gradient layout it mis-partitions (seen with
+    jax 0.10: a weight split (tensor, fsdp) under a batch split over fsdp got its gradient
+    all-reduced across different fsdp blocks). Outside a strategy: `w.astype(dtype)`."""
+    dtype = jnp.dtype(dtype or w.dtype)
     ctx = _CURRENT.get()
     if ctx is None:
-        return w
+        return w.astype(dtype)
     mesh, strategy = ctx
-    spec = spec_for(names, w.shape, mesh, strategy.compute_rules)
-    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+    stored = NamedSharding(mesh, spec_for(names, w.shape, mesh, strategy.rules))
+    compute = NamedSharding(mesh, spec_for(names, w.shape, mesh, strategy.compute_rules))
+    if not jnp.issubdtype(w.dtype, jnp.floating):  # integer indices: no gradient, no cast
+        return jax.lax.with_sharding_constraint(w, compute)
+    return _gather(w, stored, compute, dtype, jnp.dtype(strategy.grad_reduce_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather(w, stored, compute, dtype, reduce_dtype):
+    # Cast where the shard lives (pinned there), then change layout: the all-gather carries `dtype`.
+    local = jax.lax.with_sharding_constraint(w.astype(dtype), stored)
+    return jax.lax.with_sharding_constraint(local, compute)
+
+
+def _gather_fwd(w, stored, compute, dtype, reduce_dtype):
+    return _gather(w, stored, compute, dtype, reduce_dtype), jnp.zeros((0,), w.dtype)
+
+
+def _gather_bwd(stored, compute, dtype, reduce_dtype, like, g):
+    # Widen first, in the compute layout (where autodiff's transpose would put it: XLA partitions the
+    # gradient as before), then lay out as stored: whatever reduction is left runs in reduce_dtype.
+    g = jax.lax.with_sharding_constraint(g.astype(reduce_dtype), compute)
+    return (jax.lax.with_sharding_constraint(g, stored).astype(like.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def weight_einsum(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+    """einsum(spec, x, w) with w cast to x's dtype (the GEMM runs in x's dtype), for a weight w whose
+    gradient is computed with OUTPUT in the strategy's `grad_reduce_dtype`: the reduction over the
+    batch axes that GSPMD places right on that product (x's rows are split over data/fsdp) then runs
+    in that dtype instead of x's (left to autodiff it would be x's: bf16 under bf16 compute). The
+    input gradient is computed in x's dtype. `spec`: two operands, no ellipsis, every index in two of
+    x, w and the output. Outside a strategy: the plain einsum."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=preferred_element_type)
+    return _weight_einsum(spec, preferred_element_type, jnp.dtype(ctx[1].grad_reduce_dtype), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _weight_einsum(spec, out_dtype, reduce_dtype, x, w):
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
+
+
+def _weight_einsum_fwd(spec, out_dtype, reduce_dtype, x, w):
+    wc = w.astype(x.dtype)
+    return jnp.einsum(spec, x, wc, preferred_element_type=out_dtype), (x, wc, jnp.zeros((0,), w.dtype))
+
+
+def _weight_einsum_bwd(spec, out_dtype, reduce_dtype, res, g):
+    x, wc, like = res
+    (xs, ws), out = (part.split(",") for part in spec.replace(" ", "").split("->"))
+    g = g.astype(x.dtype)
+    dx = jnp.einsum(f"{out[0]},{ws}->{xs}", g, wc)
+    dw = jnp.einsum(f"{xs},{out[0]}->{ws}", x, g, preferred_element_type=reduce_dtype)
+    # Inside shard_map: sum over the manual axes x varies on and w does not (autodiff's own rule).
+    spread = tuple(sorted(_varying(dw) - _varying(wc)))
+    if spread:
+        dw = jax.lax.psum(dw, spread)
+    return dx, dw.astype(like.dtype)
+
+
+def _varying(x) -> set:
+    """The shard_map axes x varies over (empty outside shard_map)."""
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    return set(manual.varying) if manual is not None else set(getattr(t, "vma", ()))
+
+
+_weight_einsum.defvjp(_weight_einsum_fwd, _weight_einsum_bwd)
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] for a weight table (an embedding) in its compute dtype, whose gradient (a
+    scatter-add of the rows' gradients, then reduced over the batch axes) is accumulated in the
+    strategy's `grad_reduce_dtype` when that is wider. Outside a strategy: table[ids]."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        return table[ids]
+    wide = jnp.promote_types(table.dtype, ctx[1].grad_reduce_dtype)  # widen only: the rows are unchanged
+    return table.astype(wide)[ids].astype(table.dtype)

@@ -22,7 +22,7 @@ import dataclasses
 from boost_jax.planner.cluster import Cluster
 from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul
 
-STATE_BYTES = 4  # parameters, gradients and their collectives are float32 in the trainer
+STATE_BYTES = 4  # parameters, gradients and their reductions are float32 in the trainer
 ADAM_STATE_BYTES = 16  # fp32 param + fp32 grad + Adam m and v
 ACCUM_BYTES = 4  # the fp32 gradient accumulator of grad_accum > 1
 OPTIMIZER_TRAFFIC = 32  # HBM bytes per parameter per AdamW update (read/write p, m, v; read g, norm)
@@ -89,7 +89,12 @@ def collective_seconds(kind: str, nbytes: float, p: int, bandwidth: float, laten
 
 
 def coll_bytes(c: Coll, act_bytes: int) -> float:
-    return c.elements * (STATE_BYTES if c.axis == "data_fsdp" else act_bytes)
+    """Payload bytes: activations in the compute dtype; on data/fsdp, FSDP's weight gathers in the
+    compute dtype too (the trainer casts the shard, then gathers) and gradient reductions in float32
+    (parallel.grad_reduce_dtype's default)."""
+    if c.axis == "data_fsdp" and c.kind != "all-gather":
+        return c.elements * STATE_BYTES
+    return c.elements * act_bytes
 
 
 def coll_seconds(c: Coll, cluster: Cluster, act_bytes: int) -> float:

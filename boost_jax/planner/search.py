@@ -288,8 +288,8 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
                pipelined: bool = False, grid_weights: float = 0.0) -> tuple[list[P.Coll], list[P.Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
-    GPipe tick when pipelined). FSDP gathers the weights before use (again in the backward when remat
-    recomputes the forward). The gradients are reduce-scattered over fsdp alone, else all-reduced over
+    GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
+    backward when remat recomputes the forward). The gradients are reduce-scattered over fsdp alone, else all-reduced over
     data (x fsdp), as the compiled HLO does; the trainer sums micro-batch gradients in the parameters'
     layout, so this happens once per micro-batch.
     Pipelined (boost_jax/parallel/pipeline.py, read from its compiled HLO): the stage's weights are

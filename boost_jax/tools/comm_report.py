@@ -15,15 +15,19 @@ Strategies: `btp`, `vanilla`, `megatron`, optionally `NAME:LINEAR` (LINEAR = den
 `megatron` alone means the full-rank (dense) twin of the config, the baseline BOOST compares with
 (`megatron:cola` forces the low-rank model); the others use the config's own `model.linear`.
 
-Bytes are elements x the LOGICAL dtype: the compute dtype (--dtype) for tensor-axis collectives
-(activations) and float32 for data/fsdp ones (gradients, parameters). The HLO's own dtype is not
-used: XLA's CPU backend carries bf16 all-reduces as f32, which would double the tensor-axis bytes.
+Bytes are elements x each collective's own dtype as the program has it right after SPMD
+partitioning (`hlo_comm.partitioned_hlo`, from the same compile): there a bf16 weight gather or
+activation all-reduce is bf16 and a float32 gradient reduction float32. The optimized CPU program's
+dtypes are not used: XLA's CPU backend carries bf16 all-reduces and all-gathers as float32. Counts
+and elements are read from the optimized program; each kind@axes class is priced at its
+partitioned bytes per element.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import sys
 import time
 
@@ -32,6 +36,8 @@ from boost_jax.tools.devices import emulate_cpu_devices, load_config, parse_mesh
 PROGRAMS = ("forward", "forward_backward", "train_step")
 LINEARS = ("dense", "lowrank", "cola")
 GIB = 2 ** 30
+FIELDS = ("count", "elements", "bytes")  # of a tally entry
+SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A", "collective-permute": "CP"}
 
 
 # ---------------------------------------------------------------- tallies: {"kind@axes": {count, elements}}
@@ -40,12 +46,32 @@ def _key(c) -> str:
     return f"{c.kind}@{'+'.join(c.axes) or 'none'}"
 
 
-def _tally(collectives) -> dict:
+def itemsize(dtype: str) -> float:
+    """Bytes per element of an HLO dtype name (f32, bf16, pred, s8, f8e4m3fn, ...)."""
+    if dtype == "pred":
+        return 1
+    bits = re.search(r"\d+", dtype)
+    return int(bits.group(0)) / 8 if bits else 0
+
+
+def bytes_per_element(collectives) -> dict:
+    """{kind@axes: bytes per element} over these collectives, each at its own dtype."""
+    acc: dict = {}
+    for c in collectives:
+        e, b = acc.get(_key(c), (0, 0.0))
+        acc[_key(c)] = (e + c.elements, b + c.elements * itemsize(c.dtype))
+    return {k: b / e for k, (e, b) in acc.items() if e}
+
+
+def _tally(collectives, per_element: dict | None = None) -> dict:
+    """{kind@axes: count, elements, bytes}; bytes at `per_element[kind@axes]` (from the partitioned
+    program), else at the collective's own dtype."""
     out: dict = {}
     for c in collectives:
-        slot = out.setdefault(_key(c), {"count": 0, "elements": 0})
+        slot = out.setdefault(_key(c), {"count": 0, "elements": 0, "bytes": 0.0})
         slot["count"] += 1
         slot["elements"] += c.elements
+        slot["bytes"] += c.elements * (per_element or {}).get(_key(c), itemsize(c.dtype))
     return out
 
 
@@ -53,7 +79,7 @@ def _combine(a: dict, b: dict, wa: int = 1, wb: int = 1) -> dict:
     """wa*a + wb*b, entries that cancel dropped."""
     out = {}
     for k in sorted(set(a) | set(b)):
-        slot = {f: wa * a.get(k, {}).get(f, 0) + wb * b.get(k, {}).get(f, 0) for f in ("count", "elements")}
+        slot = {f: wa * a.get(k, {}).get(f, 0) + wb * b.get(k, {}).get(f, 0) for f in FIELDS}
         if slot["count"] or slot["elements"]:
             out[k] = slot
     return out
@@ -68,11 +94,6 @@ def _axis_group(key: str) -> str:
     if kind == "collective-permute" and "fsdp" in axes and not {"data", "pipeline"} & axes:
         return "grid"
     return "data_fsdp" if {"data", "fsdp"} & axes else "tensor"
-
-
-def _with_bytes(tally: dict, act_bytes: int) -> dict:
-    return {k: {**v, "bytes": v["elements"] * (4 if _axis_group(k) == "data_fsdp" else act_bytes)}
-            for k, v in tally.items()}
 
 
 def _sum_by(tally: dict, group) -> dict:
@@ -123,8 +144,9 @@ def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, se
     return validate(c)
 
 
-def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool):
-    """(compiled, mesh, seconds) for one program at one depth, from abstract shapes only."""
+def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool, partitioned: bool = False):
+    """(compiled, mesh, seconds) for one program at one depth, from abstract shapes only; with
+    `partitioned`, also its HLO right after SPMD partitioning (collectives in their logical dtypes)."""
     import jax
     import jax.numpy as jnp
 
@@ -158,6 +180,11 @@ def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool):
             fn = jax.jit(loss) if program == "forward" else jax.jit(
                 grads, out_shardings=trainable(spec.abstract["params"], spec.shardings["params"]))
             lowered = fn.lower(spec.abstract["params"], batch)
+        if partitioned:
+            from boost_jax.tools.hlo_comm import compile_partitioned
+
+            compiled, text = compile_partitioned(lowered)
+            return compiled, mesh, time.perf_counter() - start, text
         compiled = lowered.compile()
     return compiled, mesh, time.perf_counter() - start
 
@@ -201,25 +228,25 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
     for program in programs:
         tallies = []
         for layers in (1, 2):
-            compiled, mesh, seconds = compile_program(cfg, program, devices, layers, unroll=True)
+            compiled, mesh, seconds, text = compile_program(cfg, program, devices, layers, unroll=True,
+                                                            partitioned=True)
             cs = parse_collectives(compiled.as_text(), mesh)
             if any(c.in_loop for c in cs):  # a loop would hide per-layer copies behind one listing
                 raise RuntimeError(f"{program}: collectives inside a while loop despite scan_unroll")
-            tallies.append(_tally(cs))
+            tallies.append(_tally(cs, bytes_per_element(parse_collectives(text, mesh))))
             res["compile_s"][f"{program}@{layers}"] = round(seconds, 2)
             if program == "train_step":
                 xla_flops.append(_cost_flops(compiled))
         layer = _combine(tallies[1], tallies[0], 1, -1)
         rest = _combine(tallies[0], layer, 1, -1)
         total = _combine(rest, layer, 1, depth)
-        res["programs"][program] = {k: _with_bytes(v, act_bytes)
-                                    for k, v in (("per_layer", layer), ("rest", rest), ("total", total))}
+        res["programs"][program] = {"per_layer": layer, "rest": rest, "total": total}
 
     progs = res["programs"]
     fwd = progs["forward"]["per_layer"]
     bwd = _combine(progs["forward_backward"]["per_layer"], fwd, 1, -1) if "forward_backward" in progs else {}
     for name, tally in (("forward", fwd), ("backward", bwd)):
-        by_axis = _sum_by(_with_bytes(tally, act_bytes), _axis_group)
+        by_axis = _sum_by(tally, _axis_group)
         res[f"per_layer_{name}"] = {
             g: {**v, "elements_per_token": v["elements"] / tokens} for g, v in sorted(by_axis.items())}
     fwd_t = res["per_layer_forward"].get("tensor", {}).get("elements_per_token", 0.0)
@@ -267,17 +294,27 @@ def report(cfg_or_path, mesh=(1, 1, 4), strategies=("btp", "vanilla", "megatron"
 
 METHOD = ("Collectives read from the optimized HLO, per device per step; lowered at 1 and 2 layers "
           "(scan unrolled), scaled to L: per layer = 2-layer minus 1-layer, rest = 1-layer minus per layer. "
-          "Bytes = elements x logical dtype: the compute dtype for tensor-axis (activation) collectives, "
-          "float32 for data/fsdp (gradient/parameter) ones (XLA:CPU carries bf16 all-reduces as f32, so the "
-          "HLO's own dtype would double them). Elements per token: per device tokens = batch*seq/(data*fsdp).")
+          "Bytes = elements x each collective's dtype as partitioned (before XLA:CPU widens bf16 collectives "
+          "to f32): bf16 weight gathers and activations, f32 gradient reductions under bf16 compute. "
+          "Elements per token: per device tokens = batch*seq/(data*fsdp).")
 
 
 # ---------------------------------------------------------------- printing
 
 def _fmt_kinds(by_kind: dict) -> str:
-    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
-             "collective-permute": "CP"}
-    return ", ".join(f"{v['count']} {short.get(k, k)}" for k, v in sorted(by_kind.items()))
+    return ", ".join(f"{v['count']} {SHORT.get(k, k)}" for k, v in sorted(by_kind.items()))
+
+
+def _fmt_by_kind(c: dict, group: str) -> str:
+    """'AG 0.123 (2.0), AR 0.456 (4.0)': one traffic class's train-step bytes by collective kind."""
+    kinds: dict = {}
+    for key, v in _get(c, "programs", "train_step", "total", default={}).items():
+        if _axis_group(key) == group:
+            slot = kinds.setdefault(key.split("@")[0], [0, 0.0])
+            slot[0] += v["elements"]
+            slot[1] += v["bytes"]
+    parts = [f"{SHORT.get(k, k)} {_gib(b)} ({b / e:.1f})" for k, (e, b) in sorted(kinds.items()) if e]
+    return ", ".join(parts) or "-"
 
 
 def _get(x, *path, default=0.0):
@@ -339,6 +376,7 @@ def to_markdown(rep: dict) -> str:
         row("fwd+bwd / layer, data+fsdp: GiB", lambda c: _gib(both(c, "data_fsdp"))),
         row("train step, tensor: GiB", lambda c: _gib(_get(c, "step_by_axis", "tensor", "bytes"))),
         row("train step, data+fsdp: GiB", lambda c: _gib(_get(c, "step_by_axis", "data_fsdp", "bytes"))),
+        row("train step, data+fsdp by kind: GiB (bytes/element)", lambda c: _fmt_by_kind(c, "data_fsdp")),
         row("train step: collectives", lambda c: _fmt_kinds(_get(c, "step_by_kind", default={}))),
     ]
     if any(_get(c, "step_by_axis", "grid", "bytes") for c in rep["strategies"].values()):

@@ -68,6 +68,7 @@ class Collective:
     computation: str
     in_loop: bool
     trips: int | None = 1
+    op_name: str = ""  # the JAX operation it came from (HLO metadata), e.g. ".../transpose(jvp())/dot_general"
 
 
 # ---------------------------------------------------------------- shapes and operands
@@ -312,8 +313,9 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
         else:  # operand shape unknown: fall back on the result (only meaningful for sync ops)
             elements = _shape_elements(shape) * (group_size if kind == "reduce-scatter" else 1)
         dtype = _shape_dtype(op_shapes[0] if op_shapes and op_shapes[0] else shape)
+        op_name = re.search(r'op_name="([^"]*)"', attrs)
         out.append(Collective(kind, elements, dtype, group_size, _axes_of(groups, mesh), comp, comp in in_loop,
-                              trips.get(comp, 1)))
+                              trips.get(comp, 1), op_name.group(1) if op_name else ""))
     return out
 
 
@@ -345,6 +347,31 @@ def summarize(collectives: Iterable[Collective], *, by: Sequence[str] = ("kind",
         slot["count"] += 1
         slot["elements"] += c.elements
     return out
+
+
+def partitioned_hlo(lowered) -> str:
+    """The HLO of a lowered JAX program right after SPMD partitioning, where every collective carries
+    its logical dtype. (The optimized CPU program is no guide to dtypes: XLA:CPU runs bf16
+    all-reduces and all-gathers in float32, converting before and after, so a bf16 collective and a
+    float32 one print alike there.) Compiles once more; `compile_partitioned` also returns the program."""
+    return compile_partitioned(lowered)[1]
+
+
+def compile_partitioned(lowered):
+    """(the compiled program, its HLO right after SPMD partitioning): one compile that dumps that pass
+    to a temporary folder."""
+    import glob
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": folder, "xla_dump_hlo_as_text": True,
+                                                     "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        found = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
+        if not found:
+            raise RuntimeError("XLA wrote no HLO after the spmd-partitioning pass (is the program sharded?)")
+        with open(found[-1]) as f:
+            return compiled, f.read()
 
 
 def compiled_collectives(fn: Callable, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> list[Collective]:

@@ -4,8 +4,8 @@ A projection maps d_in -> d_out in two stages so that strategies and kernels can
 bottleneck: the first stage is a [d_in, width] matrix (`first_weight`), then σ (`bottleneck`), then a
 [width, d_out] matrix (`second_weight`). A dense kind has only the first stage (width = d_out).
 Each stored parameter names its logical axes; `first_weight`/`second_weight` take `use`, the function
-that turns a stored parameter into its compute layout (FSDP gathers it; the spatial-temporal
-partition takes it as stored and skews it), and build the matrix from what `use` returns. A kind may add a term
+that turns a stored parameter into its compute layout (FSDP gathers it, in the dtype of the GEMM
+it feeds; the spatial-temporal partition takes it as stored and skews it), and build the matrix from what `use` returns. A kind may add a term
 computed from the normalised input rows (`extra`, e.g. a sparse matrix), which parallel plans handle
 generically (the input is gathered to whole rows).
 """

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.model.kinds.lowrank import LowRank
-from boost_jax.parallel.rules import constrain, gathered
+from boost_jax.parallel.rules import constrain, gathered, weight_einsum
 
 
 class Support(nnx.Variable):
@@ -81,12 +81,12 @@ class SparseLowRank(LowRank):
 
     def extra(self, x):
         lead, b = x.shape[:-1], self.block
-        values = gathered(self.s[...], ("sparse_blocks", None, None)).astype(x.dtype)
+        values = gathered(self.s[...], ("sparse_blocks", None, None), x.dtype)
         rows = gathered(self.s_in[...], ("sparse_blocks",))
         cols = gathered(self.s_out[...], ("sparse_blocks",))
         whole = ("act_batch", "act_seq", None, None)  # every tensor device computes all of S·x
         blocks = x.reshape(*lead, self.d_in // b, b)
         picked = constrain(jnp.take(blocks, rows, axis=-2), whole)  # [B, T, nb, b]: each block's input
-        products = jnp.einsum("...nk,nko->...no", picked, values)
+        products = weight_einsum("btnk,nko->btno", picked, values)
         out = jnp.zeros((*lead, self.d_out // b, b), products.dtype).at[..., cols, :].add(products)
         return constrain(out, whole).reshape(*lead, self.d_out)
