@@ -9,9 +9,10 @@ code pays nothing.
 from __future__ import annotations
 
 import contextlib
-import functools
 import contextvars
 import dataclasses
+import functools
+import math
 from typing import Sequence
 
 import jax
@@ -157,9 +158,20 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=
     input gradient is computed in x's dtype. `spec`: two operands, no ellipsis, every index in two of
     x, w and the output. Outside a strategy: the plain einsum."""
     ctx = _CURRENT.get()
-    if ctx is None:
+    if ctx is None or not _batch_is_split(*ctx):
         return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=preferred_element_type)
     return _weight_einsum(spec, preferred_element_type, jnp.dtype(ctx[1].grad_reduce_dtype), x, w)
+
+
+def _batch_is_split(mesh: Mesh, strategy: Strategy) -> bool:
+    """Whether the current rules split the batch over devices, i.e. a weight gradient is summed
+    across them right at its GEMM. Not so on one device, under tensor parallelism alone, or inside
+    the data island (parallel/grad_reduce.py) and the pipeline without fsdp, which sum per-replica
+    float32 accumulators once instead. Only then does `weight_einsum` need its custom rule, which
+    costs something under `dots`/`lowrank` remat: the backward recomputes the rule's forward GEMM
+    for its residuals besides the output itself (an extra second-stage GEMM per projection)."""
+    axes = next((_as_tuple(a) for name, a in strategy.rules if name == "act_batch"), ())
+    return math.prod(mesh.shape.get(a, 1) for a in axes) > 1
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
