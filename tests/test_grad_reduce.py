@@ -16,19 +16,13 @@ from boost_jax.step import jit_train_step, next_token_loss
 from boost_jax.tools.hlo_comm import parse_collectives
 
 from test_parallel import assert_close_tree, par_config, reference
+from tests_support import compiled_step
 
 
 def data_all_reduce(cfg):
     """(elements all-reduced over `data` inside loops, outside loops) in the compiled train step."""
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
-        t = cfg.train
-        batch = jax.ShapeDtypeStruct((t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), np.int32,
-                                     sharding=batch_sharding)
-        text = step.lower(spec.abstract, batch).compile().as_text()
+    compiled, _, spec, mesh, _ = compiled_step(cfg)
+    text = compiled.as_text()
     n_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
     ops = [c for c in parse_collectives(text, mesh) if c.kind == "all-reduce" and "data" in c.axes]
     return (sum(c.elements for c in ops if c.in_loop), sum(c.elements for c in ops if not c.in_loop), n_params)
