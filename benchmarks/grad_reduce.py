@@ -27,7 +27,6 @@ import sys
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
 
 from boost_jax.config import load_config_file, validate  # noqa: E402
 from boost_jax.parallel import grad_reduce  # noqa: E402
@@ -59,24 +58,9 @@ def executed(cfg_path, data: int, seq: int, accum: int, once: bool) -> dict:
 
 
 def _compile(cfg):
-    import jax.numpy as jnp
+    from boost_jax.step import lower_train_step
 
-    from boost_jax.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import state_spec
-    from boost_jax.step import jit_train_step
-
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        step, sharding = jit_train_step(spec, tx, schedule, mesh)
-        t = cfg.train
-        batch = jax.ShapeDtypeStruct((t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), jnp.int32,
-                                     sharding=sharding)
-        return step.lower(spec.abstract, batch).compile()
+    return lower_train_step(cfg)[0].compile()
 
 
 PIPELINE_PLACEMENTS = {

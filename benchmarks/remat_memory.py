@@ -18,28 +18,15 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 from boost_jax.config import load_config_file
-from boost_jax.optim import make_optimizer
-from boost_jax.parallel.mesh import make_mesh
-from boost_jax.parallel.rules import use_rules
-from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import state_spec
-from boost_jax.step import jit_train_step
+from boost_jax.step import lower_train_step
 
 POLICIES = ("none", "full", "dots", "lowrank")
 
 
 def compiled_step(cfg):
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg, jax.devices()[:1]), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
-        batch = jax.ShapeDtypeStruct((1, cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
-                                     sharding=batch_sharding)
-        return step.lower(spec.abstract, batch).compile()
+    return lower_train_step(cfg, jax.devices()[:1])[0].compile()
 
 
 def measure(base, policy):

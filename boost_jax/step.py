@@ -68,3 +68,24 @@ def jit_train_step(spec, tx, schedule, mesh):
     step = jax.jit(make_train_step(spec.graphdef, tx, schedule), donate_argnums=0,
                    in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None))
     return step, batch_sharding
+
+
+
+def lower_train_step(cfg, devices=None):
+    """(the lowered train step, its batch sharding, the state spec, the mesh) for `cfg`, from abstract
+    shapes only (nothing is allocated): what benchmarks and tests compile to read the program."""
+    from boost_jax.optim import make_optimizer
+    from boost_jax.parallel.mesh import make_mesh
+    from boost_jax.parallel.rules import use_rules
+    from boost_jax.parallel.strategies import get_strategy
+    from boost_jax.state import state_spec
+
+    tx, schedule = make_optimizer(cfg.train)
+    mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
+    with use_rules(mesh, strategy):  # the model's sharding constraints read it while tracing
+        spec = state_spec(cfg, tx, mesh, strategy)
+        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
+        t = cfg.train
+        batch = jax.ShapeDtypeStruct((t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), jnp.int32,
+                                     sharding=batch_sharding)
+        return step.lower(spec.abstract, batch), batch_sharding, spec, mesh

@@ -14,6 +14,8 @@ import pytest
 from boost_jax.kernels import rmsnorm as K
 from boost_jax.model import attention as A
 
+from test_rmsnorm_kernel import _fwd_and_grads
+
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="needs an NVIDIA GPU: JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py")
 EPS = 1e-6
@@ -22,14 +24,6 @@ EPS = 1e-6
 def _rel(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
-
-def _norm_and_grads(fn, x, w, gy, gs):
-    def loss(x, w):
-        y, s = fn(x, w)
-        return jnp.sum(y.astype(jnp.float32) * gy) + jnp.sum(s * gs), (y, s)
-    (_, (y, s)), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
-    return y, s, dx, dw
 
 
 @pytest.mark.parametrize("impl", ["pallas", "triton"])
@@ -41,9 +35,9 @@ def test_rmsnorm_kernel_runs_natively_and_matches(impl, dtype, shape):
     w = 1.0 + 0.1 * jax.random.normal(ks[1], shape[-1:])
     gy, gs = jax.random.normal(ks[2], shape), jax.random.normal(ks[3], shape[:-1])
     K.kernels_used()
-    got = _norm_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, impl=impl), x, w, gy, gs)
+    got = _fwd_and_grads(lambda x, w: K.rmsnorm(x, w, EPS, impl=impl), x, w, gy, gs)
     assert K.kernels_used()["rmsnorm"] == impl  # not "xla (... did not lower / unavailable ...)"
-    ref = _norm_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
+    ref = _fwd_and_grads(lambda x, w: K.rmsnorm_reference(x, w, EPS), x, w, gy, gs)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for name, a, b in zip(("y", "s", "dx", "dscale"), got, ref):
         assert _rel(a, b) <= tol, f"{name}: {_rel(a, b):.2e}"
