@@ -130,3 +130,21 @@ def test_pipeline_report_shows_collective_permutes():
     permutes = [c for c in rep["collectives"] if c["kind"] == "collective-permute" and c["axes"] == ["pipeline"]]
     assert permutes and permutes[0]["count"] >= rep["ticks"] - 1  # stage outputs shift at least once a tick
     assert rep["bubble"] == (2 - 1) / (4 + 2 - 1)
+
+
+def test_collectives_in_loops_count_once_per_trip():
+    """The chunked loss scans over position chunks with vocab-parallel reductions inside (a while loop
+    that scan_unroll does not unroll): the report counts them per trip, so two chunks of 32 positions
+    execute the elements of the loss in one piece of 64."""
+    common = {"mesh": MESH, "batch": 2, "seq": 64, "dtype": "float32", "memory": False, "programs": ("forward",)}
+    rests = {}
+    for chunk in (0, 32):
+        c = model_config()
+        c.model.loss_chunk = chunk
+        col = comm_report.report(c, strategies="btp", **common)["strategies"]["btp"]
+        rests[chunk] = col["programs"]["forward"]["rest"]
+    assert rests[0]["all-reduce@tensor"]["count"] > 0  # the loss does reduce over the split vocabulary
+    for key, one in rests[0].items():
+        two = rests[32][key]
+        assert (two["elements"], two["bytes"]) == (one["elements"], one["bytes"]), key
+        assert two["count"] == (2 * one["count"] if key.startswith("all-reduce") else one["count"]), key
