@@ -172,7 +172,7 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     import jax
 
     from boost_jax.config import load_config_file, validate
-    from boost_jax.metrics import peak_flops
+    from boost_jax.runtime.metrics import peak_flops
     from boost_jax.model import flops_per_token
     sys.path.insert(0, HERE)
     from step_time import build  # the benchmarks' one way to build a real, allocated train step

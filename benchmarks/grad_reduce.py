@@ -58,7 +58,7 @@ def executed(cfg_path, data: int, seq: int, accum: int, once: bool) -> dict:
 
 
 def _compile(cfg):
-    from boost_jax.step import lower_train_step
+    from boost_jax.runtime.step import lower_train_step
 
     return lower_train_step(cfg)[0].compile()
 

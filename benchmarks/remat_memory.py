@@ -20,7 +20,7 @@ import time
 import jax
 
 from boost_jax.config import load_config_file
-from boost_jax.step import lower_train_step
+from boost_jax.runtime.step import lower_train_step
 
 POLICIES = ("none", "full", "dots", "lowrank")
 

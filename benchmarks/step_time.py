@@ -31,12 +31,12 @@ def build(cfg, devices):
     import jax
     import numpy as np
 
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.rules import use_rules
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import init_state, state_spec
-    from boost_jax.step import jit_train_step
+    from boost_jax.runtime.state import init_state, state_spec
+    from boost_jax.runtime.step import jit_train_step
 
     tx, schedule = make_optimizer(cfg.train)
     mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)

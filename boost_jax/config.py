@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import ml_collections
+from boost_jax.errors import ConfigError  # noqa: F401 - config.ConfigError stays importable
 
 
 REMAT_POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")
@@ -19,10 +20,6 @@ DATA_SOURCES = ("embedded", "text", "jsonl", "tokens")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "pallas", "cudnn")  # boost_jax/model/attention.py
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the field and the fix."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -38,7 +35,7 @@ def base_config() -> ml_collections.ConfigDict:
     # "A,B": a jax.profiler trace of train steps A to B (1-based, inclusive) into RUN_DIR/tensorboard,
     # where TensorBoard's profile tab (pip install tensorboard-plugin-profile) shows it. "": none.
     c.profile_steps = ""
-    # Add the XLA GPU flags of boost_jax/xla_gpu_flags.py to XLA_FLAGS when a CUDA jax is installed
+    # Add the XLA GPU flags of boost_jax/runtime/xla_gpu_flags.py to XLA_FLAGS when a CUDA jax is installed
     # (flags already in XLA_FLAGS keep their values); false leaves XLA_FLAGS alone.
     c.xla_gpu_flags = True
 
@@ -144,7 +141,7 @@ def base_config() -> ml_collections.ConfigDict:
     # with jax-triton installed, the `gpu` extra)
     kn.rmsnorm = "xla"
 
-    # Multi-process runs (boost_jax/distributed.py). 0 / -1 / "": take it from BOOST_COORDINATOR,
+    # Multi-process runs (boost_jax/runtime/distributed.py). 0 / -1 / "": take it from BOOST_COORDINATOR,
     # BOOST_NUM_PROCESSES, BOOST_PROCESS_ID, else from SLURM, else run as a single process.
     ds = c.distributed = ml_collections.ConfigDict()
     ds.coordinator_address = ""  # host:port of process 0

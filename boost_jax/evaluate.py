@@ -24,14 +24,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from boost_jax import config as config_lib
-from boost_jax.checkpoint import Checkpointer, CheckpointError, one_line, read_run, verify
+from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError, one_line, read_run, verify
 from boost_jax.data import build_loaders
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import state_spec
-from boost_jax.step import make_eval_step
+from boost_jax.runtime.state import state_spec
+from boost_jax.runtime.step import make_eval_step
 
 def make_eval_mesh(cfg, devices=None):
     """The run's mesh on these devices if they fit it, else one device (cfg.parallel is updated to match)."""

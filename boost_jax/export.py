@@ -51,6 +51,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from boost_jax.errors import ExportError
 
 LLAMA_FIELDS = {  # HF Llama config key -> our model.* field
     "vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "d_ff",
@@ -59,10 +60,6 @@ LLAMA_FIELDS = {  # HF Llama config key -> our model.* field
 }
 LR_ACT = {"cola": "silu", "lowrank": "linear"}  # model.linear -> the CoLA config's lr_act_type (bottleneck σ)
 GQA_KEY = "boost_num_key_value_heads"  # our KV heads, when the CoLA file repeats them to num_heads
-
-
-class ExportError(ValueError):
-    pass
 
 
 def _safetensors():
@@ -274,12 +271,12 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     """HF Llama or CoLA dir -> RUN_DIR/checkpoints/0 with fresh optimizer state; intermediate_size is
     zero-padded up to a multiple of `intermediate_multiple`. Returns (checkpoint dir, the run config
     to train or sample with)."""
-    from boost_jax.checkpoint import Checkpointer
+    from boost_jax.runtime.checkpoint import Checkpointer
     from boost_jax.config import base_config, validate
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import state_spec
+    from boost_jax.runtime.state import state_spec
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir).resolve()
     files = sorted(hf_dir.glob("*.safetensors"))
@@ -352,7 +349,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from absl import logging as absl_logging
 
-    from boost_jax.checkpoint import CheckpointError
+    from boost_jax.runtime.checkpoint import CheckpointError
     from boost_jax.config import ConfigError
 
     absl_logging.set_verbosity(absl_logging.WARNING)

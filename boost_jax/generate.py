@@ -14,12 +14,12 @@ import numpy as np
 from absl import logging as absl_logging
 from flax import nnx
 
-from boost_jax.checkpoint import Checkpointer, CheckpointError, read_run
+from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError, read_run
 from boost_jax.data import load_tokenizer
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel.mesh import ONE_DEVICE, make_mesh
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import state_spec
+from boost_jax.runtime.state import state_spec
 
 
 def load_params(checkpoint: str):

@@ -19,21 +19,22 @@ from absl import logging as absl_logging
 from tqdm import tqdm
 
 from boost_jax import config as config_lib
-from boost_jax import xla_gpu_flags
-from boost_jax.checkpoint import Checkpointer, CheckpointError, resolve
+from boost_jax.runtime import xla_gpu_flags
+from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError, resolve
 from boost_jax.data import build_loaders
-from boost_jax.distributed import DistributedError, maybe_initialize
+from boost_jax.runtime.distributed import DistributedError, maybe_initialize
 from boost_jax.kernels.rmsnorm import kernels_used
-from boost_jax.metrics import MetricsWriter, fmt_mfu, throughput
+from boost_jax.runtime.metrics import MetricsWriter, fmt_mfu, throughput
 from boost_jax.model import flops_per_token
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runlock import RunDirBusy, RunLock
-from boost_jax.state import init_state, state_spec
-from boost_jax.step import jit_train_step, make_eval_step
+from boost_jax.runtime.runlock import RunDirBusy, RunLock
+from boost_jax.runtime.state import init_state, state_spec
+from boost_jax.runtime.step import jit_train_step, make_eval_step
 from jax.sharding import NamedSharding, PartitionSpec as P
+from boost_jax.errors import TrainingDiverged
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
 
@@ -43,10 +44,6 @@ def _agree(signal_name):
     from jax.experimental import multihost_utils
     got = multihost_utils.process_allgather(np.int32(signal_name is not None))
     return (signal_name or "SIGTERM") if np.any(got) else None
-
-
-class TrainingDiverged(RuntimeError):
-    pass
 
 
 MAX_SKIPPED_IN_A_ROW = 20  # train.nonfinite=skip still stops when the run has clearly diverged
@@ -182,7 +179,7 @@ def run(cfg, stop: _StopFlag | None = None) -> dict:
     main_process = jax.process_index() == 0
     say = print if main_process else (lambda *a, **k: None)
     if gpu_flags:
-        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/xla_gpu_flags.py; xla_gpu_flags=false "
+        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/runtime/xla_gpu_flags.py; xla_gpu_flags=false "
             "leaves XLA_FLAGS alone)")
     _use_compile_cache(cfg.compile_cache)
     with contextlib.nullcontext(stop) if stop is not None else _StopFlag() as stop:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from boost_jax import remat
+from boost_jax.model import remat
 from boost_jax.config import ConfigError
 from boost_jax.generate import generate
 from boost_jax.model import attention as A

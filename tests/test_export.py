@@ -15,7 +15,7 @@ from safetensors.numpy import save_file  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from boost_jax import export, train  # noqa: E402
-from boost_jax.checkpoint import Checkpointer  # noqa: E402
+from boost_jax.runtime.checkpoint import Checkpointer  # noqa: E402
 from boost_jax.config import ConfigError  # noqa: E402
 from boost_jax.generate import load_params  # noqa: E402
 from boost_jax.model.transformer import build_model  # noqa: E402

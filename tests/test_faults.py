@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from boost_jax import step as step_lib
+from boost_jax.runtime import step as step_lib
 from boost_jax import train
-from boost_jax.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint, fingerprint
+from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint, fingerprint
 from boost_jax.config import base_config
-from boost_jax.runlock import RunDirBusy
+from boost_jax.runtime.runlock import RunDirBusy
 from tests_support import metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,10 +77,10 @@ def tmp_dirs(run_dir):
 
 def saved_state(run_dir, step, cfg):
     """The raw state arrays of a checkpoint (restored and verified on one device)."""
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import ONE_DEVICE, make_mesh
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import state_spec
+    from boost_jax.runtime.state import state_spec
     one = cfg.copy_and_resolve_references()
     one.parallel.update(ONE_DEVICE)
     mesh = make_mesh(one, jax.devices()[:1])

@@ -6,8 +6,8 @@ from flax import nnx
 
 from boost_jax.model import build_model, flops_per_token
 from boost_jax.model.transformer import weight_flops
-from boost_jax.state import trainable, with_frozen
-from boost_jax.step import next_token_loss
+from boost_jax.runtime.state import trainable, with_frozen
+from boost_jax.runtime.step import next_token_loss
 
 TOLERANCE = 0.05  # XLA also counts elementwise work (norms, softmax, σ, RoPE) that the model count omits
 # XLA's cost analysis counts a while-loop body once, not once per trip, so the layer scan is compared

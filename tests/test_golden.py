@@ -60,12 +60,12 @@ def run_case(name, tmp="/tmp/golden_unused"):
     cfg = small_config(tmp, **CASES[name])
     cfg.train.global_batch = 16
     from boost_jax.config import validate
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.rules import use_rules
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import init_state, state_spec
-    from boost_jax.step import jit_train_step
+    from boost_jax.runtime.state import init_state, state_spec
+    from boost_jax.runtime.step import jit_train_step
 
     validate(cfg)
     tx, schedule = make_optimizer(cfg.train)

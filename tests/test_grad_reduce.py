@@ -6,13 +6,13 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel import grad_reduce, pipeline
 from boost_jax.parallel.mesh import make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import state_spec, trainable
-from boost_jax.step import jit_train_step, next_token_loss
+from boost_jax.runtime.state import state_spec, trainable
+from boost_jax.runtime.step import jit_train_step, next_token_loss
 from boost_jax.tools.hlo_comm import parse_collectives
 
 from test_parallel import assert_close_tree, par_config, reference

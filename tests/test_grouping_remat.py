@@ -10,12 +10,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.model import model_from_config
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import state_spec
-from boost_jax.step import next_token_loss
+from boost_jax.runtime.state import state_spec
+from boost_jax.runtime.step import next_token_loss
 from boost_jax.tools.hlo_comm import parse_collectives
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 17)), jnp.int32)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from boost_jax.loss import head_loss
+from boost_jax.model.loss import head_loss
 from boost_jax.model import build_model
-from boost_jax.step import make_eval_step
+from boost_jax.runtime.step import make_eval_step
 
 from test_parallel import assert_close_tree, loss_and_grads, par_config, reference
 

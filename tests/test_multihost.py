@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from boost_jax import distributed
+from boost_jax.runtime import distributed
 from boost_jax.config import base_config
 
 ROOT = Path(__file__).resolve().parents[1]

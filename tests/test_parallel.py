@@ -12,12 +12,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax import train
 from boost_jax.data import build_loaders
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import init_state, state_spec, trainable, with_frozen
-from boost_jax.step import next_token_loss
+from boost_jax.runtime.state import init_state, state_spec, trainable, with_frozen
+from boost_jax.runtime.step import next_token_loss
 
 # (1, 2, 4) and (8, 1, 1) repeat what (2, 2, 2) and (2, 1, 4) cover (an fsdp split; data parallelism
 # alone): marked slow, so the default run keeps three meshes of the matrix for every kind and strategy.

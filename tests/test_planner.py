@@ -249,12 +249,12 @@ def test_runnable_top_plans_compile(linear):
     widths, 2 layers, abstract shapes); the planner's peak memory per device for each, priced for
     what the CPU compile runs (float32, chunked attention at seq 2048), is within 15% of the
     compiled step's memory_analysis (the btp plan 1x1x2x4 set BACKWARD_LIVE; the rest are held out)."""
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.rules import use_rules
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import state_spec
-    from boost_jax.step import jit_train_step
+    from boost_jax.runtime.state import state_spec
+    from boost_jax.runtime.step import jit_train_step
 
     cfg = sized_config("7b", linear)
     cfg.model.n_layers = 2

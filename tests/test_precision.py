@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from boost_jax.data import build_loaders
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel.mesh import make_mesh
 from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import init_state, state_spec
+from boost_jax.runtime.state import init_state, state_spec
 from boost_jax.tools.hlo_comm import parse_collectives
 
 from test_parallel import par_config

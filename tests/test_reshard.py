@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from boost_jax import train
-from boost_jax.checkpoint import Checkpointer
+from boost_jax.runtime.checkpoint import Checkpointer
 from boost_jax.evaluate import read_run, restore_params
-from boost_jax.optim import make_optimizer
+from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel.mesh import make_mesh
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.state import state_spec
+from boost_jax.runtime.state import state_spec
 
 # Heads 8 so tensor=8 divides them; saved on (data, fsdp, tensor) = (1, 1, 8) with btp.
 SAVED = {"model.n_heads": 8, "model.n_kv_heads": 8, "parallel.data": 1, "parallel.tensor": 8,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from boost_jax import train
-from boost_jax.checkpoint import CheckpointError, Checkpointer
+from boost_jax.runtime.checkpoint import CheckpointError, Checkpointer
 from boost_jax.config import base_config
 from tests_support import metric_rows
 

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from boost_jax.step import lower_train_step
+from boost_jax.runtime.step import lower_train_step
 from boost_jax.tools.hlo_comm import compile_partitioned
 
 

@@ -33,16 +33,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from boost_jax.errors import PrepareError
 
 INDEX, PLAN = "index.json", "plan.json"
 FORMAT = "boost_jax.tokens/1"
 TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"
 TEXT_CHUNK = 8 << 20  # a text file is tokenised in pieces of this many bytes, cut at line ends
 BATCH_BYTES = 1 << 20  # documents per tokenizer call, by size
-
-
-class PrepareError(ValueError):
-    """Bad input or output for the preparation; the message names the file and the fix."""
 
 
 def file_format(path: str) -> str:

@@ -21,7 +21,7 @@ offset of the first new token. q: [B, T, H, Dh], k/v: [B, S, KV, Dh] with H a mu
 
 A decode step (a traced offset) runs `chunked` under the fused kernels, which take offset 0 only.
 The attention output is tagged `attn_out` (and, where the implementation keeps one, its float32
-log-sum-exp `attn_lse`: chunked, pallas) for the remat policies (`boost_jax/remat.py`). Adding an
+log-sum-exp `attn_lse`: chunked, pallas) for the remat policies (`boost_jax/model/remat.py`). Adding an
 implementation is one function `fn(q, k, v, offset) -> out` registered with
 `@implementation("name")` (and the name added to `config.ATTENTION_IMPLS`).
 """

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from boost_jax import remat
-from boost_jax.loss import head_loss, logits_of
+from boost_jax.model import remat
+from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.model.attention import Attention
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init

@@ -154,12 +154,12 @@ def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool, par
     import jax
     import jax.numpy as jnp
 
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.rules import use_rules
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import state_spec, trainable, with_frozen
-    from boost_jax.step import jit_train_step, next_token_loss
+    from boost_jax.runtime.state import state_spec, trainable, with_frozen
+    from boost_jax.runtime.step import jit_train_step, next_token_loss
 
     cfg = cfg.copy_and_resolve_references()
     cfg.model.n_layers, cfg.model.scan_unroll = n_layers, unroll

@@ -32,10 +32,10 @@ def _param_table(cfg, devices):
     """param_table's three, and the parameters' dtypes by path."""
     import jax
 
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import _is_axes, state_spec
+    from boost_jax.runtime.state import _is_axes, state_spec
 
     tx, _ = make_optimizer(cfg.train)
     mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)

@@ -16,7 +16,7 @@ def get_config():
     c = ml_collections.ConfigDict()
     c.name = "a100_4x"
     c.gpus_per_node = 4
-    # Dense bf16 tensor-core peak, A100 datasheet (also the MFU denominator in boost_jax/metrics.py).
+    # Dense bf16 tensor-core peak, A100 datasheet (also the MFU denominator in boost_jax/runtime/metrics.py).
     c.peak_flops = 312e12
     # 40 GB: Perlmutter's standard GPU nodes carry A100-40GB (a set of 80 GB nodes exists; copy this
     # file with 80e9 / 2.0e12 for those). HBM2 bandwidth of the 40 GB part: 1555 GB/s.

@@ -13,10 +13,7 @@ import os
 import socket
 import time
 from pathlib import Path
-
-
-class RunDirBusy(RuntimeError):
-    pass
+from boost_jax.errors import RunDirBusy
 
 
 class RunLock:

@@ -14,12 +14,9 @@ from __future__ import annotations
 import os
 
 import jax
+from boost_jax.errors import DistributedError
 
 CPU_COLLECTIVES = ("gloo", "mpi")
-
-
-class DistributedError(RuntimeError):
-    pass
 
 
 def _env_int(name: str) -> int | None:
@@ -79,7 +76,7 @@ def maybe_initialize(cfg) -> bool:
         if "before any JAX calls" in str(e):
             raise DistributedError(
                 "jax.distributed.initialize() came after something asked JAX for devices; call "
-                "boost_jax.distributed.maybe_initialize(cfg) first thing (before jax.devices(), "
+                "boost_jax.runtime.distributed.maybe_initialize(cfg) first thing (before jax.devices(), "
                 "jax.process_index() or any computation)") from e
         raise
     except ValueError as e:

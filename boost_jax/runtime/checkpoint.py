@@ -22,16 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from boost_jax.errors import CheckpointError, CorruptCheckpoint
 
 RESTORE_HINT = "--config.restore_from=DIR/STEP"  # how the trainer picks a step; the tools pass theirs
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-class CorruptCheckpoint(CheckpointError):
-    """A step that cannot be read back as it was saved (unreadable, bad checksum, non-finite)."""
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:

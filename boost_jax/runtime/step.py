@@ -10,11 +10,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from boost_jax.parallel.grad_reduce import accumulate_grads
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.parallel.pipeline import to_microbatches
-from boost_jax.state import trainable, with_frozen
+from boost_jax.runtime.state import trainable, with_frozen
 
 
 def next_token_loss(graphdef, params, tokens, with_z_loss: bool = True):
-    """Mean next-token cross-entropy of tokens [B, T+1] (float32; boost_jax/loss.py)."""
+    """Mean next-token cross-entropy of tokens [B, T+1] (float32; boost_jax/model/loss.py)."""
     return nnx.merge(graphdef, params).next_token_loss(tokens, with_z_loss)
 
 
@@ -74,11 +74,11 @@ def jit_train_step(spec, tx, schedule, mesh):
 def lower_train_step(cfg, devices=None):
     """(the lowered train step, its batch sharding, the state spec, the mesh) for `cfg`, from abstract
     shapes only (nothing is allocated): what benchmarks and tests compile to read the program."""
-    from boost_jax.optim import make_optimizer
+    from boost_jax.runtime.optim import make_optimizer
     from boost_jax.parallel.mesh import make_mesh
     from boost_jax.parallel.rules import use_rules
     from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.state import state_spec
+    from boost_jax.runtime.state import state_spec
 
     tx, schedule = make_optimizer(cfg.train)
     mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)

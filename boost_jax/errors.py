@@ -1,0 +1,39 @@
+"""Every error the project raises on purpose: one line naming the field, file or flag and the fix.
+
+The entry points catch these (and only these, plus FileNotFoundError/ValueError from the standard
+library) and print `error: ...` with exit status 1 instead of a traceback. This module is the
+ground floor: it imports nothing of ours, and every layer may import it.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field and the fix."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used here (missing, not fitting the model, a failed save)."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A step that cannot be read back as it was saved (unreadable, bad checksum, non-finite)."""
+
+
+class RunDirBusy(RuntimeError):
+    """Another trainer holds the run directory's lock."""
+
+
+class DistributedError(RuntimeError):
+    """Multi-process start-up failed (coordinator, process counts, ids)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite step under train.nonfinite=stop (or too many skipped in a row)."""
+
+
+class PrepareError(ValueError):
+    """Bad input or output for the preparation; the message names the file and the fix."""
+
+
+class ExportError(ValueError):
+    """A model that cannot be exported or imported as asked."""

@@ -1,0 +1,84 @@
+"""The XLA flags for GPU training, in one place: the trainer applies them, the SLURM template exports them.
+
+    python -m boost_jax.xla_gpu_flags            # $XLA_FLAGS plus every flag below it does not set
+    python -m boost_jax.xla_gpu_flags --explain  # the flags with what each is for
+
+They overlap communication with compute (the latency-hiding scheduler; FSDP's gathers and gradient
+reduce-scatters pipelined across the layer scan; collectives combined up to 128 MiB) and turn CUDA
+graphs off. A flag already named in `XLA_FLAGS` is left as the user set it. `MEASURE` lists flags
+worth an A/B run that are not applied. XLA aborts at start-up on a flag it does not know, whatever
+the backend, so `tests/test_launch.py` checks every name against the installed jaxlib (checked with
+jaxlib 0.10.2; the GPU machines run jax 0.11: run that test there after an upgrade).
+
+`train.run` calls `apply()` before JAX initialises its backends, when `xla_gpu_flags` is true (the
+default), a CUDA plugin of jax is installed and JAX_PLATFORMS does not exclude GPUs: a GPU run gets
+these flags whether it was started by the SLURM template, by hand or from a notebook. Nothing here
+imports jax (XLA reads XLA_FLAGS once, when its backends start).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+FLAGS = (  # (flag, what it is for)
+    ("--xla_gpu_enable_latency_hiding_scheduler=true", "schedule async collectives to overlap compute"),
+    ("--xla_gpu_enable_highest_priority_async_stream=true", "collectives' stream runs first when ready"),
+    ("--xla_gpu_enable_pipelined_all_gather=true", "FSDP: the next layer's gather during this layer (scan)"),
+    ("--xla_gpu_enable_pipelined_reduce_scatter=true", "FSDP: the previous layer's grad reduce-scatter likewise"),
+    ("--xla_gpu_enable_pipelined_all_reduce=true", "the same for data-parallel gradient all-reduces"),
+    ("--xla_gpu_enable_while_loop_double_buffering=true", "unroll the layer scan x2: room to overlap"),
+    ("--xla_gpu_all_reduce_combine_threshold_bytes=134217728", "merge small all-reduces up to 128 MiB"),
+    ("--xla_gpu_all_gather_combine_threshold_bytes=134217728", "merge small all-gathers up to 128 MiB"),
+    ("--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728", "merge small reduce-scatters up to 128 MiB"),
+    ("--xla_gpu_enable_command_buffer=", "empty: no CUDA graphs (less memory, faster compiles); drop it "
+                                         "when small steps are launch-bound"),
+)
+MEASURE = (  # worth an A/B run; not applied
+    ("--xla_gpu_enable_triton_gemm=false", "cuBLAS for every GEMM: the low-rank GEMMs are skinny and "
+                                           "either may win"),
+)
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # what `pip install jax[cuda13|cuda12]` installs
+
+
+def _name(flag: str) -> str:
+    return flag.split("=", 1)[0]
+
+
+def merged(xla_flags: str = "") -> tuple[str, list[str]]:
+    """(xla_flags followed by every FLAGS entry it does not name, the entries added)."""
+    have = {_name(f) for f in xla_flags.split()}
+    added = [flag for flag, _ in FLAGS if _name(flag) not in have]
+    return " ".join([xla_flags.strip(), *added]).strip(), added
+
+
+def gpu_expected(environ=os.environ) -> bool:
+    """A CUDA plugin of jax is installed and JAX_PLATFORMS (if set) allows GPUs. Never starts a backend."""
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    return any(importlib.util.find_spec(name) is not None for name in CUDA_PLUGINS)
+
+
+def _backends_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge  # private: guarded, and only asked once jax is imported
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
+
+
+def apply(environ=os.environ) -> tuple[list[str], str]:
+    """Add the missing FLAGS to XLA_FLAGS when a GPU run is expected: (flags added, why none were)."""
+    if not gpu_expected(environ):
+        return [], "no CUDA jax plugin, or JAX_PLATFORMS excludes GPUs"
+    value, added = merged(environ.get("XLA_FLAGS", ""))
+    if not added:
+        return [], "XLA_FLAGS already names every flag"
+    if _backends_started():
+        return [], ("jax started its backends before the flags could be set (export them first: "
+                    "`export XLA_FLAGS=\"$(python -m boost_jax.xla_gpu_flags)\"`)")
+    environ["XLA_FLAGS"] = value
+    return added, ""
