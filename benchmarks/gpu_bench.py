@@ -171,7 +171,8 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     """One variant, in this process: compile, warm up, time `steps` steps."""
     import jax
 
-    from boost_jax.config import load_config_file, validate
+    from boost_jax.config import load_config_file
+    from boost_jax.validate import validate
     from boost_jax.runtime.metrics import peak_flops
     from boost_jax.model import flops_per_token
     sys.path.insert(0, HERE)

@@ -28,7 +28,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
-from boost_jax.config import load_config_file, validate  # noqa: E402
+from boost_jax.config import load_config_file  # noqa: E402
+from boost_jax.validate import validate  # noqa: E402
 from boost_jax.parallel import grad_reduce  # noqa: E402
 from boost_jax.tools.hlo_comm import parse_collectives  # noqa: E402
 
@@ -58,9 +59,9 @@ def executed(cfg_path, data: int, seq: int, accum: int, once: bool) -> dict:
 
 
 def _compile(cfg):
-    from boost_jax.runtime.step import lower_train_step
+    from boost_jax.runtime.build import build
 
-    return lower_train_step(cfg)[0].compile()
+    return build(cfg).lower_train().compile()
 
 
 PIPELINE_PLACEMENTS = {
@@ -97,7 +98,7 @@ def pipeline_executed(placement: str, stages: int = 2, data: int = 2, fsdp: int 
 
 def _mesh(cfg):
     from boost_jax.parallel.mesh import make_mesh
-    return make_mesh(cfg)
+    return make_mesh(cfg.parallel)
 
 
 def pipeline_main(json_path: str) -> int:

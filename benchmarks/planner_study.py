@@ -92,7 +92,7 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
     ctx = P.Ctx(block, plan.mesh.tensor, plan.tokens, seq, True, kind, opts.act_bytes)
     layer = plan.layer
     around = {"qkv": (layer.residual, layer.attention), "o": (layer.attention, layer.residual),
-              "gate_up": (layer.residual, layer.act), "down": (layer.act, layer.residual)}
+              "mlp_in": (layer.residual, layer.act), "mlp_out": (layer.act, layer.residual)}
     out = []
     for group, choice in zip(P.GROUPS, layer.choices):
         if choice != "st":
@@ -104,7 +104,7 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
             src, dst = around[group]
             ops = [P.group_op(ctx, group, c),
                    P.edge(ctx, src, lin, din, P.partial_input_grad(block, group, c)),
-                   P.edge(ctx, lout, dst, sum(douts) if group in ("qkv", "gate_up") else block.d)]
+                   P.edge(ctx, lout, dst, sum(douts) if group in ("qkv", "mlp_in") else block.d)]
             cost = sum((C.price(op, cluster, act_bytes=opts.act_bytes) for op in ops), C.Cost())
             gemm = (sum(3 * s.n * C.gemm_seconds(s.m, s.k / s.n, s.out / s.n, cluster) for s in ops[0].st)
                     + 3 * sum(C.gemm_seconds(g.m, g.k, g.n, cluster) for g in ops[0].gemms))
@@ -121,7 +121,7 @@ def markdown(s: dict) -> str:
     head = (f"**{s['config']} on {s['devices']} x {s['cluster']}** (batch {s['batch']} x seq {s['seq']}; "
             f"{s['considered']} plans priced, {s['over_memory']} over {s['usable_hbm_gb']:.0f} GB, "
             f"{s['st_plans_fitting']} distinct st partitionings fit)\n\n"
-            "| plan | mesh p x d x f x t | residual: qkv / o / gate_up / down | remat x accum | step s | MFU "
+            "| plan | mesh p x d x f x t | residual: qkv / o / mlp_in / mlp_out | remat x accum | step s | MFU "
             "| layer compute / TP comm ms | exposed data/fsdp ms | link GB intra / inter | GB/GPU (states / kept "
             "/ transient) | trainer |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]

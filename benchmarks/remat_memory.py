@@ -20,13 +20,13 @@ import time
 import jax
 
 from boost_jax.config import load_config_file
-from boost_jax.runtime.step import lower_train_step
+from boost_jax.runtime.build import build
 
 POLICIES = ("none", "full", "dots", "lowrank")
 
 
 def compiled_step(cfg):
-    return lower_train_step(cfg, jax.devices()[:1])[0].compile()
+    return build(cfg, jax.devices()[:1]).lower_train().compile()
 
 
 def measure(base, policy):

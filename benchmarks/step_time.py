@@ -4,7 +4,7 @@
         [--mesh auto|DATA,FSDP,TENSOR] [--strategy btp,vanilla,megatron] [--warmup 2] [--steps 10]
         [--dtype auto] [--json PATH]
 
-Each strategy gets really allocated state (init_state) and the jitted step of `jit_train_step`,
+Each strategy gets really allocated state and the jitted step of the runtime's builder,
 on the available devices: GPUs when present, else CPU devices emulated with XLA_FLAGS (`--mesh auto`:
 1,1,min(4, devices)). After the warm-up calls (the first compiles), the strategies' steps are timed
 round-robin, one step each per round, each ended by block_until_ready, so slow drift of a shared
@@ -27,32 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(cfg, devices):
-    """(step, state, batch, mesh, strategy) for one strategy, state allocated in its shardings."""
+    """(step, state, batch) for one strategy: the runtime's build, state allocated in its shardings."""
     import jax
     import numpy as np
 
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import init_state, state_spec
-    from boost_jax.runtime.step import jit_train_step
+    from boost_jax.runtime.build import build as build_run
 
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        state = init_state(cfg, tx, spec)
-        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
+    built = build_run(cfg, devices)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.model.vocab_size, (1, cfg.train.global_batch, cfg.train.seq_len + 1), np.int32)
-    return step, state, jax.device_put(tokens, batch_sharding), mesh, strategy
+    return built.train_step, built.init_state(), jax.device_put(tokens, built.batch_sharding)
 
 
 def run(args) -> dict:
     import jax
 
-    from boost_jax.parallel.rules import use_rules
     from boost_jax.tools.comm_report import parse_strategies, variant_config
     from boost_jax.tools.devices import load_config
 
@@ -67,23 +56,20 @@ def run(args) -> dict:
     for name, linear in parse_strategies(args.strategy):
         cfg = variant_config(base, name, linear, sizes, args.batch, args.seq, args.dtype)
         label = name if linear is None else f"{name}:{linear}"
-        step, state, batch, mesh, strategy = build(cfg, devices[:n])
-        cols[label] = {"cfg": cfg, "step": step, "state": state, "batch": batch, "ctx": (mesh, strategy),
-                       "warmup_s": [], "times_s": []}
-    for col in cols.values():  # warm-up (the first call compiles), under the rules the model traces with
-        with use_rules(*col["ctx"]):
-            for _ in range(args.warmup):
-                start = time.perf_counter()
-                col["state"], metrics = col["step"](col["state"], col["batch"])
-                jax.block_until_ready(metrics)
-                col["warmup_s"].append(time.perf_counter() - start)
+        step, state, batch = build(cfg, devices[:n])
+        cols[label] = {"cfg": cfg, "step": step, "state": state, "batch": batch, "warmup_s": [], "times_s": []}
+    for col in cols.values():  # warm-up (the first call compiles); the steps carry their own rules
+        for _ in range(args.warmup):
+            start = time.perf_counter()
+            col["state"], metrics = col["step"](col["state"], col["batch"])
+            jax.block_until_ready(metrics)
+            col["warmup_s"].append(time.perf_counter() - start)
     for _ in range(args.steps):
         for col in cols.values():
-            with use_rules(*col["ctx"]):  # a retrace (there should be none) must see the same rules
-                start = time.perf_counter()
-                col["state"], metrics = col["step"](col["state"], col["batch"])
-                jax.block_until_ready((col["state"], metrics))
-                col["times_s"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            col["state"], metrics = col["step"](col["state"], col["batch"])
+            jax.block_until_ready((col["state"], metrics))
+            col["times_s"].append(time.perf_counter() - start)
     tokens = args.batch * args.seq
     out = {"config": base.name, "layers": args.layers, "batch": args.batch, "seq": args.seq,
            "mesh": dict(zip(("data", "fsdp", "tensor"), sizes)), "platform": devices[0].platform,

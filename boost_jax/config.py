@@ -1,8 +1,11 @@
-"""Run configuration: defaults, named-size presets and validation.
+"""Run configuration: the schema (defaults), named-size presets and the checks of plain values.
 
 Every run is one `ml_collections.ConfigDict`. `base_config()` holds every key the code reads (so a
 typo in `--config.key=value` fails at parse time), `configs/*.py` only change values, and
-`validate()` rejects impossible shapes before anything is compiled, naming the field and the fix.
+`check_fields()` rejects impossible numbers and shapes, naming the field and the fix. This module is
+the ground floor (it imports nothing of ours but the errors): the names that registries own
+(linear kinds, attention implementations, strategies, data sources, kernels, remat policies) and
+what a mesh must divide are checked by `boost_jax/validate.py`, which asks each registry.
 """
 from __future__ import annotations
 
@@ -14,12 +17,11 @@ import ml_collections
 from boost_jax.errors import ConfigError  # noqa: F401 - config.ConfigError stays importable
 
 
-REMAT_POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")
-STRATEGIES = ("btp", "vanilla", "megatron")
-DATA_SOURCES = ("embedded", "text", "jsonl", "tokens")
+# The projection groups a parallel plan partitions as a unit: the model's (attention's q/k/v and o,
+# the MLP's gate/up and down), the names `parallel.linear_partition` takes and the planner prices.
+PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
-ATTENTION_IMPLS = ("auto", "xla", "chunked", "pallas", "cudnn")  # boost_jax/model/attention.py
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -261,113 +263,92 @@ def profile_range(text: str) -> tuple[int, int] | None:
         first, last = int(parts[0]), int(parts[-1])
     except ValueError:
         first = last = 0
-    _check(len(parts) <= 2 and 1 <= first <= last, "profile_steps",
-           f"{text!r} is not A,B with 1 <= A <= B (the first and last train step to trace, e.g. 10,12)")
+    check(len(parts) <= 2 and 1 <= first <= last, "profile_steps",
+          f"{text!r} is not A,B with 1 <= A <= B (the first and last train step to trace, e.g. 10,12)")
     return first, last
 
 
-def _check(cond: bool, field: str, message: str) -> None:
+def check(cond: bool, field: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"config field `{field}`: {message}")
 
 
-def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Reject configurations that cannot build, naming the field and what would work."""
+def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Reject plain values that cannot work, naming the field and what would work (the registries'
+    names and the mesh: boost_jax/validate.py)."""
     m, t, p = c.model, c.train, c.parallel
     profile_range(c.profile_steps)
-    _check(not c.compile_cache or not Path(c.compile_cache).expanduser().is_file(), "compile_cache",
-           f"{c.compile_cache!r} is a file; name a directory (created if missing) or \"\" for no cache")
-    from boost_jax.model.kinds import NAMES as LINEAR_KINDS, kind_class  # the registry: model/kinds/__init__.py
-    _check(m.linear in LINEAR_KINDS, "model.linear", f"{m.linear!r} is not one of {LINEAR_KINDS}")
+    check(not c.compile_cache or not Path(c.compile_cache).expanduser().is_file(), "compile_cache",
+          f"{c.compile_cache!r} is a file; name a directory (created if missing) or \"\" for no cache")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-        _check(int(m[name]) > 0, f"model.{name}", f"must be a positive integer, got {m[name]}")
-    _check(
+        check(int(m[name]) > 0, f"model.{name}", f"must be a positive integer, got {m[name]}")
+    check(
         m.d_model % m.n_heads == 0,
         "model.n_heads",
         f"{m.n_heads} heads do not divide d_model={m.d_model}; "
         f"choose a divisor of {m.d_model} (e.g. {_divisors_near(m.d_model, m.n_heads)})",
     )
-    _check(
+    check(
         m.n_heads % m.n_kv_heads == 0,
         "model.n_kv_heads",
         f"{m.n_kv_heads} KV heads do not divide n_heads={m.n_heads} (GQA groups must be whole); "
         f"choose one of {_divisors(m.n_heads)}",
     )
-    _check((m.d_model // m.n_heads) % 2 == 0, "model.n_heads", "head_dim = d_model/n_heads must be even for RoPE")
-    widths = {"model.d_model": m.d_model, "model.d_ff": m.d_ff,
-              "model.n_kv_heads*head_dim": m.n_kv_heads * (m.d_model // m.n_heads)}
-    problem = kind_class(m.linear).validate(m, widths)
-    if problem:
-        field, _, message = problem.partition(": ")
-        raise ConfigError(f"config field `{field}`: {message}")
-    _check(m.attention in ATTENTION_IMPLS, "model.attention", f"{m.attention!r} is not one of {ATTENTION_IMPLS}")
-    _check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
-    _check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
-    _check(t.seq_len > 0, "train.seq_len", "must be positive")
-    _check(
+    check((m.d_model // m.n_heads) % 2 == 0, "model.n_heads", "head_dim = d_model/n_heads must be even for RoPE")
+    check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
+    check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
+    check(t.seq_len > 0, "train.seq_len", "must be positive")
+    check(
         t.seq_len <= m.max_seq_len,
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten",
     )
-    _check(t.steps > 0, "train.steps", "must be positive")
-    _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
-    _check(
+    check(t.steps > 0, "train.steps", "must be positive")
+    check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    check(
         t.global_batch % t.grad_accum == 0,
         "train.global_batch",
         f"{t.global_batch} is not divisible by train.grad_accum={t.grad_accum}",
     )
-    _check(m.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0: the whole sequence in one piece)")
-    _check(m.z_loss >= 0, "model.z_loss", "must be >= 0 (0 disables the z-loss)")
-    _check(t.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0 (0: train.grad_accum)")
-    _check(
+    check(m.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0: the whole sequence in one piece)")
+    check(m.z_loss >= 0, "model.z_loss", "must be >= 0 (0 disables the z-loss)")
+    check(t.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0 (0: train.grad_accum)")
+    check(
         t.global_batch % (t.eval_microbatches or t.grad_accum) == 0,
         "train.eval_microbatches",
         f"{t.eval_microbatches or t.grad_accum} does not divide train.global_batch={t.global_batch}",
     )
-    _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
-    _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
-    _check(math.isfinite(t.lr) and t.lr > 0, "train.lr", f"must be a positive number, got {t.lr} (e.g. 3e-3)")
+    check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
+    check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+    check(math.isfinite(t.lr) and t.lr > 0, "train.lr", f"must be a positive number, got {t.lr} (e.g. 3e-3)")
     for name in ("b1", "b2"):
-        _check(0.0 <= t[name] < 1.0, f"train.{name}", f"must be in [0, 1), got {t[name]} (e.g. 0.9 / 0.95)")
-    _check(math.isfinite(t.eps) and t.eps > 0, "train.eps", f"must be a positive number, got {t.eps} (e.g. 1e-8)")
+        check(0.0 <= t[name] < 1.0, f"train.{name}", f"must be in [0, 1), got {t[name]} (e.g. 0.9 / 0.95)")
+    check(math.isfinite(t.eps) and t.eps > 0, "train.eps", f"must be a positive number, got {t.eps} (e.g. 1e-8)")
     for name in ("weight_decay", "grad_clip"):
-        _check(math.isfinite(t[name]) and t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
-    _check(t.nonfinite in NONFINITE, "train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE}")
-    _check(t.stop_at_step >= 0, "train.stop_at_step", f"must be >= 0 (0: train to train.steps), got {t.stop_at_step}")
-    _check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: no evaluation)")
-    _check(t.eval_batches >= 1, "train.eval_batches",
-           f"must be >= 1, got {t.eval_batches}; to skip evaluation set train.eval_every=0")
-    _check(t.log_every > 0, "train.log_every", "must be positive")
-    _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
-    _check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive (it never deletes all checkpoints)")
-    _check(c.remat.policy in REMAT_POLICIES, "remat.policy", f"{c.remat.policy!r} is not one of {REMAT_POLICIES}")
-    _check(c.data.source in DATA_SOURCES, "data.source", f"{c.data.source!r} is not one of {DATA_SOURCES}")
-    _check(
+        check(math.isfinite(t[name]) and t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
+    check(t.nonfinite in NONFINITE, "train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE}")
+    check(t.stop_at_step >= 0, "train.stop_at_step", f"must be >= 0 (0: train to train.steps), got {t.stop_at_step}")
+    check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: no evaluation)")
+    check(t.eval_batches >= 1, "train.eval_batches",
+          f"must be >= 1, got {t.eval_batches}; to skip evaluation set train.eval_every=0")
+    check(t.log_every > 0, "train.log_every", "must be positive")
+    check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
+    check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive (it never deletes all checkpoints)")
+    check(
         c.data.source == "embedded" or bool(c.data.path),
         "data.path",
         f"data.source={c.data.source!r} needs a path: pass --config.data.path=/path/to/data "
         "(or --config.data.source=embedded for the built-in corpus)",
     )
-    if c.data.source != "embedded":
-        from boost_jax.data.sources import parse_mixture
-
-        for field, spec in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path)):
-            try:
-                parse_mixture(spec, field) if spec else None
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-    _check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
-    _check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
-    _check(p.strategy in STRATEGIES, "parallel.strategy", f"{p.strategy!r} is not one of {STRATEGIES}")
-    _check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
-           f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
-    _check(c.kernels.rmsnorm in ("xla", "pallas", "triton"), "kernels.rmsnorm",
-           f"{c.kernels.rmsnorm!r} is not one of xla, pallas, triton")
+    check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
+    check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
+    check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
+          f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
     sizes = [p.pipeline, p.data, p.fsdp, p.tensor]
-    _check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")
-    _check(p.microbatches >= 0, "parallel.microbatches", "must be >= 0 (0: two per pipeline stage)")
+    check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")
+    check(p.microbatches >= 0, "parallel.microbatches", "must be >= 0 (0: two per pipeline stage)")
     for name in ("pipeline", "data", "fsdp", "tensor"):
-        _check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
+        check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
     return c
 
 

@@ -17,57 +17,32 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import flags
 from absl import logging as absl_logging
-from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
-from boost_jax import config as config_lib
-from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError, one_line, read_run, verify
 from boost_jax.data import build_loaders
-from boost_jax.runtime.optim import make_optimizer
-from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
-from boost_jax.parallel.rules import use_rules
-from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.state import state_spec
-from boost_jax.runtime.step import make_eval_step
+from boost_jax.errors import CheckpointError, ConfigError
+from boost_jax.parallel.mesh import ONE_DEVICE
+from boost_jax.runtime.build import Built, build
+from boost_jax.runtime.checkpoint import read_run, restore
+from boost_jax.validate import validate
 
-def make_eval_mesh(cfg, devices=None):
+
+def build_for_eval(cfg, devices=None) -> Built:
     """The run's mesh on these devices if they fit it, else one device (cfg.parallel is updated to match)."""
+    devices = list(jax.devices() if devices is None else devices)
     try:
-        return make_mesh(cfg, devices)
-    except config_lib.ConfigError as e:
+        return build(cfg, devices)
+    except ConfigError as e:
         print(f"note: evaluating on one device ({e})", file=sys.stderr)
         cfg.parallel.update(ONE_DEVICE)
-        return make_mesh(cfg, list(jax.devices() if devices is None else devices)[:1])
+        return build(cfg, devices[:1])
 
 
-def restore_params(root, step: int, abstract_params):
-    """Only the `params` subtree of a checkpoint's state, in the abstract tree's shardings."""
-    ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
-    try:  # same shape check as training, so a wrong model names the mismatching parameters
-        meta = ckpt.check_compatible(step, {"params": abstract_params})
-    finally:
-        ckpt.close()
-    target = {"params": abstract_params}
-    restore_args = jax.tree.map(
-        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target)
-    path = root / str(step) / "state"
-    try:
-        # partial_restore reads just these arrays; the optimizer moments stay on disk.
-        with ocp.PyTreeCheckpointer() as reader:
-            out = reader.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                                                     partial_restore=True))
-    except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-        raise CheckpointError(f"parameters in {path} could not be restored ({type(e).__name__}: {one_line(e)}); "
-                              "the checkpoint was left untouched; use another step with --checkpoint DIR/STEP") from e
-    verify(out, meta, f"checkpoint {root}/{step}", "--checkpoint DIR/STEP")  # damaged or NaN weights: refuse
-    return out["params"]
-
-
-def perplexity(cfg, params, spec, mesh, *, split: str = "eval", batches: int | None = None) -> dict:
+def perplexity(built: Built, params, *, split: str = "eval", batches: int | None = None) -> dict:
     """Mean next-token loss (and exp of it) over `batches` global batches of a split."""
+    cfg = built.cfg
     t = cfg.train
     batches = t.eval_batches if batches is None else batches
     train_data, eval_data, _ = build_loaders(cfg)  # one process: it feeds the whole batch
@@ -75,12 +50,9 @@ def perplexity(cfg, params, spec, mesh, *, split: str = "eval", batches: int | N
     if batches * t.global_batch > data.n:
         print(f"note: {batches} batches x {t.global_batch} sequences exceed the {data.n} windows of the "
               f"{split} split; windows repeat", file=sys.stderr)
-    sharding = NamedSharding(mesh, P(BATCH_AXES))
-    with use_rules(mesh, get_strategy(cfg.parallel)):
-        step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum),
-                       in_shardings=(spec.shardings["params"], sharding))
-        losses = [step(params, jax.make_array_from_process_local_data(sharding, data.batch(i * t.global_batch)))
-                  for i in range(batches)]
+    sharding = built.eval_sharding
+    losses = [built.eval_step(params, jax.make_array_from_process_local_data(sharding, data.batch(i * t.global_batch)))
+              for i in range(batches)]
     loss = float(np.mean(jax.device_get(losses)))
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "batches": batches,
             "tokens": batches * t.global_batch * t.seq_len, "split": split}
@@ -91,17 +63,16 @@ def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batch
     cfg, root, step = read_run(checkpoint)
     cfg.lock()  # a misspelt override fails instead of adding a key
     overrides(cfg)
-    config_lib.validate(cfg)
-    mesh = make_eval_mesh(cfg, devices)
-    tx, _ = make_optimizer(cfg.train)
-    with use_rules(mesh, get_strategy(cfg.parallel)):
-        spec = state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))
-    params = restore_params(root, step, spec.abstract["params"])
-    result = perplexity(cfg, params, spec, mesh, split=split, batches=batches)
+    validate(cfg)
+    built = build_for_eval(cfg, devices)
+    # Parameters only: the optimizer moments stay on disk (a third of the training memory).
+    params = restore(root, {"params": built.spec.abstract["params"]}, step=step, hint="--checkpoint DIR/STEP",
+                     field="--checkpoint").state["params"]
+    result = perplexity(built, params, split=split, batches=batches)
     d = cfg.data
     return {"checkpoint": str(root / str(step)), "step": step, **result,
             "data": {"source": d.source, "path": d.path, "eval_path": d.eval_path},
-            "mesh": dict(mesh.shape), "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len}
+            "mesh": dict(built.mesh.shape), "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len}
 
 
 def main(argv=None) -> int:
@@ -131,12 +102,12 @@ def main(argv=None) -> int:
             while isinstance(why, (AttributeError, KeyError)) and why.args:  # unwrap to ml_collections' text
                 why = why.args[0]
             why = str(why) if isinstance(e, flags.Error) else "unknown key " + str(why).replace("\n", "; ")
-            raise config_lib.ConfigError(f"overrides {rest}: {why} (the keys are those of "
+            raise ConfigError(f"overrides {rest}: {why} (the keys are those of "
                                          "boost_jax/config.py)") from e
 
     try:
         result = evaluate(args.checkpoint, overrides, split=args.split, batches=args.batches)
-    except (config_lib.ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{result['checkpoint']}: {result['split']} loss {result['loss']:.4f}, perplexity "

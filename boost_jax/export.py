@@ -246,13 +246,13 @@ def export(checkpoint: str, out: str) -> Path:
     """Write config.json, model.safetensors (and the tokenizer file, if any) for a run's checkpoint."""
     from flax import nnx
 
-    from boost_jax.generate import load_params
+    from boost_jax.runtime.build import load_model
 
     st = _safetensors()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out: {out} is a file; give a directory to write the model into")
-    model, cfg, tok = load_params(checkpoint)  # refuses damaged or non-finite weights
+    model, cfg, tok = load_model(checkpoint)  # refuses damaged or non-finite weights
     if cfg.model.linear not in ("dense", *LR_ACT):
         raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports dense, "
                           f"{', '.join(LR_ACT)}")
@@ -271,12 +271,10 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     """HF Llama or CoLA dir -> RUN_DIR/checkpoints/0 with fresh optimizer state; intermediate_size is
     zero-padded up to a multiple of `intermediate_multiple`. Returns (checkpoint dir, the run config
     to train or sample with)."""
+    from boost_jax.config import base_config
+    from boost_jax.runtime.build import build
     from boost_jax.runtime.checkpoint import Checkpointer
-    from boost_jax.config import base_config, validate
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import state_spec
+    from boost_jax.validate import validate
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir).resolve()
     files = sorted(hf_dir.glob("*.safetensors"))
@@ -309,9 +307,8 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     # Build the state on one device; a checkpoint restores onto any mesh later.
     one = cfg.copy_and_resolve_references()
     one.parallel.update(data=1, fsdp=1, tensor=1)
-    mesh = make_mesh(one, jax.devices()[:1])
-    tx, _ = make_optimizer(cfg.train)
-    spec = state_spec(one, tx, mesh, get_strategy(one.parallel))
+    built = build(one, jax.devices()[:1])
+    spec, tx = built.spec, built.tx
     params = jax.device_put(from_hf(tensors, spec.abstract["params"], cfg.model, file_d_ff),
                             spec.shardings["params"])
     state = {"params": params,
@@ -349,8 +346,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from absl import logging as absl_logging
 
-    from boost_jax.runtime.checkpoint import CheckpointError
-    from boost_jax.config import ConfigError
+    from boost_jax.errors import CheckpointError, ConfigError
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:

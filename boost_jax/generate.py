@@ -14,29 +14,8 @@ import numpy as np
 from absl import logging as absl_logging
 from flax import nnx
 
-from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError, read_run
-from boost_jax.data import load_tokenizer
-from boost_jax.runtime.optim import make_optimizer
-from boost_jax.parallel.mesh import ONE_DEVICE, make_mesh
-from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.state import state_spec
-
-
-def load_params(checkpoint: str):
-    """(model with restored params, config, tokenizer) from a run dir or a step dir; params only."""
-    cfg, root, step = read_run(checkpoint)
-    ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
-    # Restore onto one device whatever mesh saved it (the abstract target carries the sharding).
-    cfg.parallel.update(ONE_DEVICE)
-    mesh = make_mesh(cfg, jax.devices()[:1])
-    tx, _ = make_optimizer(cfg.train)
-    spec = state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))
-    try:
-        state, _ = ckpt.restore(step, spec.abstract)  # verified: damaged or non-finite weights raise
-    finally:
-        ckpt.close()
-    graphdef = spec.graphdef
-    return nnx.merge(graphdef, state["params"]), cfg, load_tokenizer(cfg.data.tokenizer)
+from boost_jax.errors import CheckpointError
+from boost_jax.runtime.build import load_model
 
 
 def sample_next(logits, rng, temperature: float, top_k: int):
@@ -96,7 +75,7 @@ def main(argv=None) -> int:
         ap.error("--prompt is empty: give at least one character to start from")
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
-        model, cfg, tok = load_params(args.checkpoint)
+        model, cfg, tok = load_model(args.checkpoint)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from boost_jax.config import ATTENTION_IMPLS
 from boost_jax.tools.devices import emulate_cpu_devices, load_config
 
 GB = 1e9
@@ -32,7 +31,7 @@ def _gb(x: float) -> str:
 
 def table(plans, batch: int) -> str:
     head = ("| # | mesh p x d x f x t | micro x accum | GPipe M (bubble) | remat | residual "
-            "| qkv / o / gate_up / down | attn / act "
+            "| qkv / o / mlp_in / mlp_out | attn / act "
             "| step s | tokens/s | MFU | GB/GPU | link GB/step intra / inter | trainer |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
@@ -117,10 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, help="global batch in sequences (default: the config's train.global_batch)")
     ap.add_argument("--seq", type=int, help="sequence length (default: the config's train.seq_len)")
     ap.add_argument("--top", type=int, default=5)
-    ap.add_argument("--attention", default="auto", choices=ATTENTION_IMPLS,
-                    help="model.attention the plan runs with (default auto: cudnn on a GPU in bf16 where cuDNN "
-                    "takes the shapes, as the trainer picks); xla: materialised scores; chunked: blockwise in "
-                    "plain JAX; cudnn/pallas: fused flash kernels")
+    ap.add_argument("--attention", default="auto",
+                    help="model.attention the plan runs with, any registered implementation (default auto: "
+                    "cudnn on a GPU in bf16 where cuDNN takes the shapes, as the trainer picks); xla: "
+                    "materialised scores; chunked: blockwise in plain JAX; cudnn/pallas: fused flash kernels")
     ap.add_argument("--remat", default="none,lowrank,full", help="comma list of remat policies to search")
     ap.add_argument("--grad-accum", type=int, default=0, help="fix train.grad_accum (default: search)")
     ap.add_argument("--pipeline", default="", help="comma list of pipeline stage counts (default: every one "
@@ -136,6 +135,9 @@ def main(argv=None) -> int:
     from boost_jax.planner.partitions import Block
     from boost_jax.planner.search import model_flops_per_token
 
+    from boost_jax.model.attention import names as attention_names
+    if args.attention not in attention_names():
+        raise SystemExit(f"--attention: {args.attention!r} is not one of {attention_names()}")
     cfg = load_config(args.config)
     try:
         cluster = load_cluster(args.cluster)

@@ -7,7 +7,7 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from boost_jax.model import remat
-from boost_jax.config import ConfigError
+from boost_jax.errors import ConfigError
 from boost_jax.generate import generate
 from boost_jax.model import attention as A
 from boost_jax.model import build_model

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from boost_jax import train
-from boost_jax.config import ConfigError, validate
+from boost_jax.errors import ConfigError
+from boost_jax.validate import validate
 from boost_jax.data import build_loaders
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from boost_jax.config import ConfigError, validate
+from boost_jax.errors import ConfigError
+from boost_jax.validate import validate
 from boost_jax.parallel.mesh import make_mesh
+from boost_jax.runtime.build import build
 
 CONFIGS = sorted(p for p in (Path(__file__).parents[1] / "configs").glob("*.py"))
 
@@ -79,13 +81,13 @@ def test_unknown_key_is_rejected(make_config):
 
 def test_mesh_that_does_not_fit_devices(make_config):
     with pytest.raises(ConfigError, match="parallel"):
-        make_mesh(make_config(**{"parallel.data": 3, "parallel.tensor": 1}))
+        make_mesh(make_config(**{"parallel.data": 3, "parallel.tensor": 1}).parallel)
 
 
 def test_tensor_axis_must_divide_heads(make_config):
     cfg = make_config(**{"parallel.data": 1, "parallel.tensor": 8})  # 4 heads, 2 KV heads
     with pytest.raises(ConfigError, match=r"parallel\.tensor.*model\.n_heads"):
-        make_mesh(cfg)
+        build(cfg)
 
 
 def test_cli_rejects_unknown_override(tmp_path):

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from boost_jax.config import validate
+from boost_jax.validate import validate
 from boost_jax.data import TokenLoader, build_loaders
 from boost_jax.data.tokenizer import ByteTokenizer
 

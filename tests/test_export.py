@@ -16,8 +16,8 @@ from flax import nnx  # noqa: E402
 
 from boost_jax import export, train  # noqa: E402
 from boost_jax.runtime.checkpoint import Checkpointer  # noqa: E402
-from boost_jax.config import ConfigError  # noqa: E402
-from boost_jax.generate import load_params  # noqa: E402
+from boost_jax.errors import ConfigError  # noqa: E402
+from boost_jax.runtime.build import load_model  # noqa: E402
 from boost_jax.model.transformer import build_model  # noqa: E402
 from conftest import small_config  # noqa: E402
 
@@ -55,8 +55,8 @@ def test_dense_export_import_is_bit_identical(dense_export, tmp_path):
     assert hf_cfg["architectures"] == ["LlamaForCausalLM"] and hf_cfg["num_key_value_heads"] == 2
 
     assert export.main(["--import-hf", str(hf), "--out", str(tmp_path / "imported")]) == 0
-    original = flat(pure(load_params(cfg.run_dir)[0]))
-    imported = flat(pure(load_params(str(tmp_path / "imported"))[0]))
+    original = flat(pure(load_model(cfg.run_dir)[0]))
+    imported = flat(pure(load_model(str(tmp_path / "imported"))[0]))
     assert original.keys() == imported.keys()
     for k in original:
         np.testing.assert_array_equal(original[k], imported[k], err_msg=k)
@@ -102,7 +102,7 @@ def cola_export(tmp_path_factory):
 def test_cola_export_official_layout(cola_export):
     cfg, hf = cola_export
     st = export.load_safetensors(hf / "model.safetensors")
-    layers = pure(load_params(cfg.run_dir)[0])["layers"]
+    layers = pure(load_model(cfg.run_dir)[0])["layers"]
     want = {"model.embed_tokens.weight": (256, 32), "model.norm.weight": (32,), "lm_head.weight": (256, 32)}
     for i in range(2):
         for suffix, (path, shape) in COLA_TABLE.items():
@@ -121,9 +121,9 @@ def test_cola_import_is_bit_identical(cola_export, tmp_path):
     cfg, hf = cola_export
     assert export.main(["--import-hf", str(hf), "--out", str(tmp_path / "imported")]) == 0
     assert Checkpointer(tmp_path / "imported" / "checkpoints", keep=1, create=False).latest_step() == 0
-    model, back_cfg, _ = load_params(str(tmp_path / "imported"))
+    model, back_cfg, _ = load_model(str(tmp_path / "imported"))
     assert (back_cfg.model.n_kv_heads, back_cfg.model.only_lr_act, back_cfg.train.b2) == (2, True, 0.999)
-    original, back = flat(pure(load_params(cfg.run_dir)[0])), flat(pure(model))
+    original, back = flat(pure(load_model(cfg.run_dir)[0])), flat(pure(model))
     assert original.keys() == back.keys()
     for k in original:
         np.testing.assert_array_equal(original[k], back[k], err_msg=k)
@@ -185,7 +185,7 @@ def test_intermediate_padding_is_inert(tmp_path):
     assert export.main(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "padded"),
                         "--intermediate-multiple", "8"]) == 0
     tokens = np.random.default_rng(1).integers(0, 256, (2, 16)).astype(np.int32)
-    np.testing.assert_allclose(np.asarray(load_params(str(tmp_path / "padded"))[0](tokens)[0]),
+    np.testing.assert_allclose(np.asarray(load_model(str(tmp_path / "padded"))[0](tokens)[0]),
                                np.asarray(model(tokens)[0]), rtol=1e-6, atol=1e-6)
 
     common = {"model.d_ff": 63, "train.steps": 2, "train.eval_every": 0, "model.n_kv_heads": 2}
@@ -193,8 +193,8 @@ def test_intermediate_padding_is_inert(tmp_path):
         train.run(small_config(tmp_path / "plain", **common, **{"parallel.tensor": 2}))
     train.run(small_config(tmp_path / "plain", **common))
     train.run(small_config(tmp_path / "padded", **{**common, "model.d_ff": 64, "parallel.tensor": 2}))
-    plain = pure(load_params(str(tmp_path / "plain"))[0])["layers"]["mlp"]
-    padded = pure(load_params(str(tmp_path / "padded"))[0])["layers"]["mlp"]
+    plain = pure(load_model(str(tmp_path / "plain"))[0])["layers"]["mlp"]
+    padded = pure(load_model(str(tmp_path / "padded"))[0])["layers"]["mlp"]
     for name, axis in (("gate", 2), ("up", 2), ("down", 1)):  # b [L, r, I] columns, a [L, I, r] rows
         f = "a" if name == "down" else "b"
         p, q = np.asarray(padded[name][f]), np.asarray(plain[name][f])
@@ -218,7 +218,7 @@ def _compare_with_transformers(run_dir, hf_dir):
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir)).eval()  # float32 per config.json
     tokens = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
-    ours = np.asarray(load_params(run_dir)[0](tokens)[0])
+    ours = np.asarray(load_model(run_dir)[0](tokens)[0])
     with torch.no_grad():
         theirs = hf_model(torch.from_numpy(tokens).long()).logits.numpy()
     # Matching over 16 positions also checks RoPE: both rotate halves of each head, no permutation.
@@ -338,5 +338,5 @@ def test_official_cola_layout_loads_strictly_and_matches_logits(cola_export, tmp
     tokens = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens).long()).numpy()
-    ours = np.asarray(load_params(cfg.run_dir)[0](tokens)[0])
+    ours = np.asarray(load_model(cfg.run_dir)[0](tokens)[0])
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=1e-4)

@@ -77,20 +77,13 @@ def tmp_dirs(run_dir):
 
 def saved_state(run_dir, step, cfg):
     """The raw state arrays of a checkpoint (restored and verified on one device)."""
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import ONE_DEVICE, make_mesh
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import state_spec
+    from boost_jax.parallel.mesh import ONE_DEVICE
+    from boost_jax.runtime.build import build
+    from boost_jax.runtime.checkpoint import restore
     one = cfg.copy_and_resolve_references()
     one.parallel.update(ONE_DEVICE)
-    mesh = make_mesh(one, jax.devices()[:1])
-    spec = state_spec(one, make_optimizer(one.train)[0], mesh, get_strategy(one.parallel))
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=10, create=False)
-    try:
-        state, meta = ckpt.restore(step, spec.abstract)
-    finally:
-        ckpt.close()
-    return jax.tree.map(np.asarray, state), meta
+    got = restore(str(Path(run_dir) / "checkpoints"), build(one, jax.devices()[:1]).spec.abstract, step=step)
+    return jax.tree.map(np.asarray, got.state), got.meta
 
 
 def assert_same_states(a, b):

@@ -42,7 +42,7 @@ def test_generate_from_a_pipelined_tensor_parallel_run(make_config):
     cfg = make_config(**{"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.data": 2, "model.n_layers": 2,
                          "train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2})
     train.run(cfg)
-    from boost_jax.generate import load_params
-    model, loaded, _ = load_params(cfg.run_dir)  # onto one device, whatever mesh saved it
+    from boost_jax.runtime.build import load_model
+    model, loaded, _ = load_model(cfg.run_dir)  # onto one device, whatever mesh saved it
     out = generate(model, np.zeros((1, 3), np.int32), 4)
     assert out.shape == (1, 7) and loaded.parallel.pipeline == 1

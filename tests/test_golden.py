@@ -57,32 +57,21 @@ def _environment():
 
 
 def run_case(name, tmp="/tmp/golden_unused"):
+    from boost_jax.runtime.build import build
+
     cfg = small_config(tmp, **CASES[name])
     cfg.train.global_batch = 16
-    from boost_jax.config import validate
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import init_state, state_spec
-    from boost_jax.runtime.step import jit_train_step
-
-    validate(cfg)
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        state = init_state(cfg, tx, spec)
-        step, sharding = jit_train_step(spec, tx, schedule, mesh)
-        rng = np.random.default_rng(0)
-        out = []
-        t = cfg.train
-        for _ in range(STEPS):
-            tokens = rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.global_batch // t.grad_accum,
-                                                            t.seq_len + 1), dtype=np.int32)
-            state, metrics = step(state, jax.device_put(tokens, sharding))
-            m = jax.device_get(metrics)
-            out.append((float(m["loss"]).hex(), float(m["grad_norm"]).hex()))
+    built = build(cfg)
+    state = built.init_state()
+    rng = np.random.default_rng(0)
+    out = []
+    t = cfg.train
+    for _ in range(STEPS):
+        tokens = rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1),
+                              dtype=np.int32)
+        state, metrics = built.train_step(state, jax.device_put(tokens, built.batch_sharding))
+        m = jax.device_get(metrics)
+        out.append((float(m["loss"]).hex(), float(m["grad_norm"]).hex()))
     return out
 
 

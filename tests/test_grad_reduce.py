@@ -6,13 +6,11 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from boost_jax.runtime.optim import make_optimizer
 from boost_jax.parallel import grad_reduce, pipeline
-from boost_jax.parallel.mesh import make_mesh
-from boost_jax.parallel.rules import use_rules
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.state import state_spec, trainable
-from boost_jax.runtime.step import jit_train_step, next_token_loss
+from boost_jax.runtime.build import build
+from boost_jax.runtime.state import trainable
+from boost_jax.runtime.step import next_token_loss
 from boost_jax.tools.hlo_comm import parse_collectives
 
 from test_parallel import assert_close_tree, par_config, reference
@@ -21,7 +19,8 @@ from tests_support import compiled_step
 
 def data_all_reduce(cfg):
     """(elements all-reduced over `data` inside loops, outside loops) in the compiled train step."""
-    compiled, _, spec, mesh, _ = compiled_step(cfg)
+    compiled, built, _ = compiled_step(cfg)
+    spec, mesh = built.spec, built.mesh
     text = compiled.as_text()
     n_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
     ops = [c for c in parse_collectives(text, mesh) if c.kind == "all-reduce" and "data" in c.axes]
@@ -57,14 +56,13 @@ def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dt
     cfg = par_config(make_config, "btp", "cola", mesh, **{"parallel.grad_reduce_dtype": reduce_dtype,
                                                          "model.dtype": compute})
     params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
-    tx, _ = make_optimizer(cfg.train)
-    m, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(m, strategy):
-        spec = state_spec(cfg, tx, m, strategy)
-        params = jax.device_put(params_host, spec.shardings["params"])
-        batch = jax.device_put(tokens.reshape(2, -1, tokens.shape[-1]), NamedSharding(m, P(None, ("data", "fsdp"))))
-        grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x))
-        loss, grads = jax.jit(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b))(params, batch)
+    built = build(cfg)
+    m, spec = built.mesh, built.spec
+    params = jax.device_put(params_host, spec.shardings["params"])
+    batch = jax.device_put(tokens.reshape(2, -1, tokens.shape[-1]), NamedSharding(m, P(None, ("data", "fsdp"))))
+    grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x))
+    loss, grads = jax.jit(built.bind(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b, m, built.strategy)))(
+        params, batch)
     tol = 1e-5 if reduce_dtype == compute == "float32" else 2e-2 if compute == "float32" else 5e-2
     assert abs(float(loss) - ref_loss) <= (1e-5 if compute == "float32" else 1e-2) * abs(ref_loss)
     assert_close_tree(jax.device_get(grads), ref_grads, tol)
@@ -79,14 +77,9 @@ PIPELINE_KW = {"parallel.pipeline": 2, "model.n_layers": 4, "train.global_batch"
 def pipeline_program(cfg):
     """(spec, compiled train step with plain SGD at lr 1 (new params = params - grads), batch
     sharding, executed data/fsdp reduction elements per step, mesh)."""
-    tx = optax.sgd(1.0)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        step, batch_sharding = jit_train_step(spec, tx, lambda s: 1.0, mesh)
-        t = cfg.train
-        batch = jax.ShapeDtypeStruct((1, t.global_batch, t.seq_len + 1), np.int32, sharding=batch_sharding)
-        compiled = step.lower(spec.abstract, batch).compile()
+    built = build(cfg, optimizer=(optax.sgd(1.0), lambda s: 1.0))
+    spec, mesh, batch_sharding = built.spec, built.mesh, built.batch_sharding
+    compiled = built.lower_train().compile()
     ops = [c for c in parse_collectives(compiled.as_text(), mesh)
            if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)]
     assert all(c.trips is not None for c in ops)  # every loop's trip count is known
@@ -115,12 +108,11 @@ def test_pipelined_train_step_matches_single_device(pipelined):
     against the one-device loss and gradient."""
     cfg, (spec, compiled, batch_sharding, _, mesh) = pipelined
     params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
-    with use_rules(mesh, get_strategy(cfg.parallel)):
-        state = {"params": jax.device_put(params_host, spec.shardings["params"]),
-                 "opt_state": jax.device_put(optax.sgd(1.0).init(trainable(params_host)), spec.shardings["opt_state"]),
-                 "step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
-                 "rng": jax.device_put(np.zeros((2,), np.uint32), spec.shardings["rng"])}
-        new_state, metrics = compiled(state, jax.device_put(tokens[None], batch_sharding))
+    state = {"params": jax.device_put(params_host, spec.shardings["params"]),
+             "opt_state": jax.device_put(optax.sgd(1.0).init(trainable(params_host)), spec.shardings["opt_state"]),
+             "step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
+             "rng": jax.device_put(np.zeros((2,), np.uint32), spec.shardings["rng"])}
+    new_state, metrics = compiled(state, jax.device_put(tokens[None], batch_sharding))
     assert bool(metrics["finite"])
     assert abs(float(metrics["loss"]) - ref_loss) <= 1e-5 * abs(ref_loss)
     new = trainable(jax.device_get(new_state["params"]))
@@ -144,3 +136,43 @@ def test_pipeline_per_tick_reduction_fails_the_count(make_config, monkeypatch):
     stage, rest = stage_and_rest_elements(spec, cfg.parallel.pipeline)
     ticks = get_strategy(cfg.parallel).microbatches + cfg.parallel.pipeline - 1
     assert executed >= ticks * stage > 1.01 * (stage + rest)
+
+
+# ------------------------------------------------------------------ one program, wherever it is traced
+
+def executed_collectives(compiled, mesh) -> dict:
+    """{(kind, axes): (count, executed elements)} of a compiled program."""
+    out = {}
+    for c in parse_collectives(compiled.as_text(), mesh):
+        count, elements = out.get((c.kind, c.axes), (0, 0))
+        out[(c.kind, c.axes)] = (count + 1, elements + c.elements * c.trips)
+    return out
+
+
+def test_the_built_step_compiles_alike_in_and_out_of_any_rules(make_config):
+    """The step carries its mesh and strategy: lowered with no rules current, under its own, or under
+    another strategy's, it is one program (each lowering from a fresh build, so nothing is cached)."""
+    from boost_jax.parallel.rules import use_rules
+    cfg = par_config(make_config, "btp", "cola", (8, 1, 1), **{"train.grad_accum": 4, "train.global_batch": 32})
+    bare_build = build(cfg)
+    bare = executed_collectives(bare_build.lower_train().compile(), bare_build.mesh)
+    own = build(cfg)
+    with use_rules(own.mesh, own.strategy):
+        inside = executed_collectives(own.lower_train().compile(), own.mesh)
+    other = build(cfg)
+    vanilla = get_strategy(par_config(make_config, "vanilla", "cola", (8, 1, 1)).parallel)
+    with use_rules(other.mesh, vanilla):
+        foreign = executed_collectives(other.lower_train().compile(), other.mesh)
+    assert bare == inside == foreign
+    assert bare[("all-reduce", ("data",))][1] > 0  # the once-per-step island ran in all three
+
+
+def test_a_placed_model_traced_outside_its_rules_is_refused(make_config):
+    """A model built for a mesh, traced without that mesh's rules, would compile another program
+    (its activation layouts unpinned): it raises, naming what to use, instead of falling back."""
+    cfg = par_config(make_config, "btp", "cola", (2, 1, 4))
+    built = build(cfg)
+    tokens = jax.ShapeDtypeStruct((8, 17), np.int32)
+    with pytest.raises(RuntimeError, match="traced outside its rules.*boost_jax.runtime.build"):
+        jax.jit(lambda p, t: next_token_loss(built.spec.graphdef, p, t)).lower(built.spec.abstract["params"], tokens)
+    jax.jit(built.loss_fn()).lower(built.spec.abstract["params"], tokens)  # the bound form lowers

@@ -10,11 +10,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.model import model_from_config
-from boost_jax.runtime.optim import make_optimizer
-from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
-from boost_jax.parallel.rules import use_rules
-from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.state import state_spec
+from boost_jax.parallel.mesh import BATCH_AXES
+from boost_jax.runtime.build import build
 from boost_jax.runtime.step import next_token_loss
 from boost_jax.tools.hlo_comm import parse_collectives
 
@@ -63,13 +60,11 @@ def btp_grad_collectives(make_config, policy):
     cfg = make_config(**{"parallel.strategy": "btp", "parallel.data": 2, "parallel.tensor": 4,
                          "remat.policy": policy, "model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8,
                          "model.d_ff": 128, "model.rank": 16})
-    tx, _ = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P(BATCH_AXES)))
-        fn = jax.jit(jax.grad(lambda p, t: next_token_loss(spec.graphdef, p, t)))
-        hlo = fn.lower(spec.abstract["params"], tokens).compile().as_text()
+    built = build(cfg)
+    spec, mesh = built.spec, built.mesh
+    tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P(BATCH_AXES)))
+    fn = jax.jit(jax.grad(built.loss_fn()))
+    hlo = fn.lower(spec.abstract["params"], tokens).compile().as_text()
     found = parse_collectives(hlo, mesh)
     return sorted((c.kind, c.elements) for c in found if c.axes == ("tensor",))
 

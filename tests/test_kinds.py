@@ -10,9 +10,11 @@ import pytest
 from flax import nnx
 
 from boost_jax import train
-from boost_jax.config import ConfigError, base_config, validate
+from boost_jax.config import base_config
+from boost_jax.errors import ConfigError
+from boost_jax.validate import validate
 from boost_jax.model.kinds.tt import balanced_factors, tt_shapes
-from boost_jax.model.linear import Projection
+from boost_jax.model.linear import Projection, project
 from tests_support import metric_rows
 
 
@@ -38,7 +40,7 @@ def check_layer(proj, reference, d_in, rtol=1e-5):
     cot = rng.standard_normal((2, 3, proj.d_out)).astype(np.float32)
 
     def ours(x, t):
-        return nnx.merge(graphdef, {**t, **fixed})(x)
+        return project([nnx.merge(graphdef, {**t, **fixed})], x, grouped=False)[0]
 
     def ref(x, t):
         return reference(x, {**{k: jnp.asarray(v) for k, v in fixed.items()}, **t})

@@ -7,7 +7,7 @@ from flax import nnx
 
 from boost_jax.config import base_config
 from boost_jax.model.attention import attend, rope
-from boost_jax.model.linear import Projection, RMSNorm
+from boost_jax.model.linear import Projection, RMSNorm, project
 from boost_jax.model.transformer import MLP
 
 
@@ -27,7 +27,7 @@ def test_projection_matches_formula(kind):
     proj = Projection(small_model(kind, rank=6), 24, 40, axes=("embed", "mlp"), group="mlp_in",
                       rngs=nnx.Rngs(params=1))
     x = rng.standard_normal((3, 5, 24)).astype(np.float32)
-    got = np.asarray(proj(jnp.asarray(x)))
+    got = np.asarray(project([proj], jnp.asarray(x), grouped=False)[0])
     if kind == "dense":
         want = x @ np.asarray(proj.w[...])
     else:

@@ -108,9 +108,9 @@ def test_two_processes_match_one_survive_a_kill_and_resume(tmp_path, spawn):
     assert 3 <= done < STEPS, done
 
     # The last finished checkpoint restores (params only, one device) despite the killed run.
-    from boost_jax.generate import load_params
+    from boost_jax.runtime.build import load_model
     from flax import nnx
-    model, cfg, _ = load_params(str(run / "checkpoints" / str(done)))
+    model, cfg, _ = load_model(str(run / "checkpoints" / str(done)))
     assert cfg.parallel.strategy == "btp" and cfg.model.n_layers == 2
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))
 

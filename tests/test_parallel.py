@@ -12,11 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax import train
 from boost_jax.data import build_loaders
-from boost_jax.runtime.optim import make_optimizer
-from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
-from boost_jax.parallel.rules import use_rules
-from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.state import init_state, state_spec, trainable, with_frozen
+from boost_jax.parallel.mesh import BATCH_AXES
+from boost_jax.runtime.build import build
+from boost_jax.runtime.state import trainable, with_frozen
 from boost_jax.runtime.step import next_token_loss
 
 # (1, 2, 4) and (8, 1, 1) repeat what (2, 2, 2) and (2, 1, 4) cover (an fsdp split; data parallelism
@@ -45,19 +43,17 @@ def par_config(make_config, strategy, linear, mesh, **kw):
 def loss_and_grads(cfg, params_host, tokens, collectives=False):
     """(loss, grads) of one micro-batch under cfg's mesh and strategy; with `collectives`, also the
     compiled program's collectives (hlo_comm.Collective list)."""
-    tx, _ = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):
-        spec = state_spec(cfg, tx, mesh, strategy)
-        params = jax.device_put(params_host, spec.shardings["params"])
-        batch = jax.device_put(tokens, NamedSharding(mesh, P(BATCH_AXES)))
-        fn = jax.jit(jax.value_and_grad(lambda t, p, x: next_token_loss(spec.graphdef, with_frozen(t, p), x)))
-        args = (trainable(params), params, batch)
-        loss, grads = fn(*args)
-        if collectives:
-            from boost_jax.tools.hlo_comm import parse_collectives
-            colls = parse_collectives(fn.lower(*args).compile().as_text(), mesh)
-            return float(loss), jax.device_get(grads), colls
+    built = build(cfg)
+    spec, mesh = built.spec, built.mesh
+    params = jax.device_put(params_host, spec.shardings["params"])
+    batch = jax.device_put(tokens, NamedSharding(mesh, P(BATCH_AXES)))
+    fn = jax.jit(built.bind(jax.value_and_grad(lambda t, p, x: next_token_loss(spec.graphdef, with_frozen(t, p), x))))
+    args = (trainable(params), params, batch)
+    loss, grads = fn(*args)
+    if collectives:
+        from boost_jax.tools.hlo_comm import parse_collectives
+        colls = parse_collectives(fn.lower(*args).compile().as_text(), mesh)
+        return float(loss), jax.device_get(grads), colls
     return float(loss), jax.device_get(grads)
 
 
@@ -76,11 +72,7 @@ def reference(cfg):
 def _reference(cfg):
     single = cfg.copy_and_resolve_references()
     single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, linear_partition="")
-    tx, _ = make_optimizer(single.train)
-    mesh, strategy = make_mesh(single), get_strategy(single.parallel)
-    with use_rules(mesh, strategy):
-        params = jax.device_get(init_state(single, tx, state_spec(single, tx, mesh, strategy))["params"])
-    params = perturb_zero_factors(params)
+    params = perturb_zero_factors(jax.device_get(build(single).init_state()["params"]))
     tokens = build_loaders(single)[0].batch(0)
     return params, tokens, loss_and_grads(single, params, tokens)
 
@@ -213,9 +205,7 @@ def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_
     """4 steps with every group spatial-temporal on (data, fsdp, tensor) = (2, 2, 2) follow the
     one-device curve, and the checkpoint they save holds the weights in the ordinary layout: it
     restores onto one device under plain BTP with the one-device run's values."""
-    from pathlib import Path
-
-    from boost_jax.evaluate import read_run, restore_params
+    from boost_jax.runtime.checkpoint import restore
     one = single_device_run(make_config, tmp_path_factory)
     single = par_config(make_config, "btp", "cola", (1, 1, 1), run_dir=str(one), **CURVE)
     grid = par_config(make_config, "btp", "cola", (2, 2, 2), run_dir=str(tmp_path / "st"),
@@ -224,13 +214,12 @@ def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_
     from tests_support import metric_rows
     a, b = metric_rows(one), metric_rows(tmp_path / "st")
     np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=2e-5)
-    tx, _ = make_optimizer(single.train)
-    abstract = state_spec(single, tx, make_mesh(single), get_strategy(single.parallel)).abstract["params"]
+    abstract = {"params": build(single).spec.abstract["params"]}
     restored = {}
     for name, run_dir in (("one", one), ("st", tmp_path / "st")):
-        _, root, step = read_run(str(run_dir))
-        assert step == 4
-        restored[name] = restore_params(Path(root), step, abstract)
+        got = restore(str(run_dir), abstract)
+        assert got.step == 4
+        restored[name] = got.state["params"]
     assert_close_tree(restored["st"], restored["one"], 1e-4)
 
 

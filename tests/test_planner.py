@@ -228,7 +228,7 @@ def test_verify_pipeline_agrees_with_the_compiled_step(mesh, remat, micro):
 
 def with_overrides(cfg, flags: str):
     """cfg with the planner's `--config.key=value` flags applied (as the trainer's command line would)."""
-    from boost_jax.config import validate
+    from boost_jax.validate import validate
     cfg = cfg.copy_and_resolve_references()
     for flag in flags.split():
         key, _, value = flag.removeprefix("--config.").partition("=")
@@ -249,12 +249,7 @@ def test_runnable_top_plans_compile(linear):
     widths, 2 layers, abstract shapes); the planner's peak memory per device for each, priced for
     what the CPU compile runs (float32, chunked attention at seq 2048), is within 15% of the
     compiled step's memory_analysis (the btp plan 1x1x2x4 set BACKWARD_LIVE; the rest are held out)."""
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import state_spec
-    from boost_jax.runtime.step import jit_train_step
+    from boost_jax.runtime.build import build
 
     cfg = sized_config("7b", linear)
     cfg.model.n_layers = 2
@@ -269,19 +264,13 @@ def test_runnable_top_plans_compile(linear):
     plans += [p for p in with_st.values() if p not in plans]
     for p in plans:
         run = with_overrides(cfg, p.overrides)
-        tx, schedule = make_optimizer(run.train)
-        mesh, strategy = make_mesh(run), get_strategy(run.parallel)
+        built = build(run)
+        mesh, strategy = built.mesh, built.strategy
         assert (mesh.shape["pipeline"], mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]) == (
             p.mesh.pipeline, p.mesh.data, p.mesh.fsdp, p.mesh.tensor)
-        trainer_groups = {"qkv": "qkv", "o": "o", "gate_up": "mlp_in", "down": "mlp_out"}
-        assert strategy.st_groups == {trainer_groups[g] for g, c in zip(P.GROUPS, p.layer.choices) if c == "st"}
-        with use_rules(mesh, strategy):
-            spec = state_spec(run, tx, mesh, strategy)
-            step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
-            micro = run.train.global_batch // run.train.grad_accum
-            batch = jax.ShapeDtypeStruct((run.train.grad_accum, micro, run.train.seq_len + 1), jnp.int32,
-                                         sharding=batch_sharding)
-            compiled = step.lower(spec.abstract, batch).compile()
+        # The planner speaks the trainer's group names (qkv, o, mlp_in, mlp_out).
+        assert strategy.st_groups == {g for g, c in zip(P.GROUPS, p.layer.choices) if c == "st"}
+        compiled = built.lower_train().compile()
         m = compiled.memory_analysis()
         xla = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
         cpu = Options(batch=16, seq=2048, attention="chunked", act_bytes=4, check_memory=False)

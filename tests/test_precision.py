@@ -6,11 +6,7 @@ import numpy as np
 import pytest
 
 from boost_jax.data import build_loaders
-from boost_jax.runtime.optim import make_optimizer
-from boost_jax.parallel.mesh import make_mesh
-from boost_jax.parallel.rules import use_rules
-from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.state import init_state, state_spec
+from boost_jax.runtime.build import build
 from boost_jax.tools.hlo_comm import parse_collectives
 
 from test_parallel import par_config
@@ -25,15 +21,13 @@ def initial_state(cfg):
     """A fresh random init on one device (host arrays), shared by every run of one config's shapes."""
     single = cfg.copy_and_resolve_references()
     single.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
-    tx, _ = make_optimizer(single.train)
-    mesh, strategy = make_mesh(single), get_strategy(single.parallel)
-    with use_rules(mesh, strategy):
-        return jax.device_get(init_state(single, tx, state_spec(single, tx, mesh, strategy)))
+    return jax.device_get(build(single).init_state())
 
 
 def run(compiled, cfg, state_host, steps):
     """(losses, final params) of `steps` train steps from state_host on the compiled step's mesh."""
-    step, batch_sharding, spec = compiled[:3]
+    step, built = compiled[:2]
+    batch_sharding, spec = built.batch_sharding, built.spec
     loader = build_loaders(cfg)[0]
     t = cfg.train
     state = jax.device_put(state_host, spec.shardings)
@@ -74,16 +68,16 @@ def check_precision_placement(colls):
 
 def test_fsdp_gathers_bf16_and_reduces_gradients_in_f32(make_config):
     cfg = bf16(make_config, (1, 8, 1))
-    *_, mesh, text = compiled_step(cfg, partitioned=True)
-    gathered, reduced = check_precision_placement(parse_collectives(text, mesh))
+    _, built, text = compiled_step(cfg, partitioned=True)
+    gathered, reduced = check_precision_placement(parse_collectives(text, built.mesh))
     # At least one layer's projections (the layer scan's body is listed once).
     n_weights = 7 * cfg.model.rank * 2 * cfg.model.d_model
     assert gathered >= n_weights and reduced >= n_weights, (gathered, reduced, n_weights)
 
 
 def test_2x2x2_gathers_bf16_and_reduces_gradients_in_f32(sharded_bf16):
-    cfg, (*_, mesh, text) = sharded_bf16
-    colls = parse_collectives(text, mesh)
+    cfg, (_, built, text) = sharded_bf16
+    colls = parse_collectives(text, built.mesh)
     check_precision_placement(colls)
     # The once-per-step reduction over `data` (parallel/grad_reduce.py) is still there, in float32.
     assert sum(c.elements for c in colls if c.axes == ("data",) and c.kind == "all-reduce" and c.dtype == "f32"

@@ -1,6 +1,5 @@
 """A checkpoint saved on one mesh and strategy restores bit for bit onto any other (Orbax reads each
 array into the target sharding), and its parameters alone restore without the optimizer state."""
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -8,11 +7,8 @@ import pytest
 
 from boost_jax import train
 from boost_jax.runtime.checkpoint import Checkpointer
-from boost_jax.evaluate import read_run, restore_params
-from boost_jax.runtime.optim import make_optimizer
-from boost_jax.parallel.mesh import make_mesh
-from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.state import state_spec
+from boost_jax.runtime.checkpoint import read_run, restore
+from boost_jax.runtime.build import build
 
 # Heads 8 so tensor=8 divides them; saved on (data, fsdp, tensor) = (1, 1, 8) with btp.
 SAVED = {"model.n_heads": 8, "model.n_kv_heads": 8, "parallel.data": 1, "parallel.tensor": 8,
@@ -37,9 +33,7 @@ def saved_run(tmp_path_factory):
 def _spec(cfg, parallel: dict, n_devices: int):
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.update(parallel)
-    mesh = make_mesh(cfg, jax.devices()[:n_devices])
-    tx, _ = make_optimizer(cfg.train)
-    return state_spec(cfg, tx, mesh, get_strategy(cfg.parallel))
+    return build(cfg, jax.devices()[:n_devices]).spec
 
 
 def _host(tree):
@@ -70,7 +64,7 @@ def test_params_only_restore(saved_run):
     saved, _ = ckpt.restore(step, _spec(cfg, {}, 8).abstract)
     ckpt.close()
     spec = _spec(cfg, TARGETS["(2,2,2) vanilla"][0], 8)
-    params = restore_params(Path(root), step, spec.abstract["params"])
+    params = restore(str(root), {"params": spec.abstract["params"]}, step=step).state["params"]
     assert jax.tree.structure(params) == jax.tree.structure(saved["params"])
     for a, b in zip(_host(saved["params"]), _host(params)):
         np.testing.assert_array_equal(a, b)

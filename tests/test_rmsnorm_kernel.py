@@ -194,7 +194,8 @@ def test_triton_impl_without_a_gpu_falls_back_loudly_and_is_recorded(monkeypatch
 
 
 def test_config_names_the_kernel_choices(make_config):
-    from boost_jax.config import ConfigError, validate
+    from boost_jax.errors import ConfigError
+    from boost_jax.validate import validate
     validate(make_config(**{"kernels.rmsnorm": "triton"}))
     with pytest.raises(ConfigError, match="kernels.rmsnorm"):
         validate(make_config(**{"kernels.rmsnorm": "cuda"}))

@@ -22,8 +22,8 @@ from tests_support import metric_rows
 def final_params(run_dir, step):
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=3, create=False)
     meta = ckpt.read_meta(step)
-    from boost_jax.generate import load_params
-    model, _, _ = load_params(str(Path(run_dir) / "checkpoints" / str(step)))
+    from boost_jax.runtime.build import load_model
+    model, _, _ = load_model(str(Path(run_dir) / "checkpoints" / str(step)))
     ckpt.close()
     from flax import nnx
     return meta, nnx.to_pure_dict(nnx.state(model))
@@ -163,7 +163,8 @@ def test_profile_steps_and_compile_cache(make_config, tmp_path):
 
 @pytest.mark.parametrize("value", ["3,2", "0,1", "a,b", "1,2,3"])
 def test_bad_profile_steps_name_the_field(make_config, value):
-    from boost_jax.config import ConfigError, validate
+    from boost_jax.errors import ConfigError
+    from boost_jax.validate import validate
     with pytest.raises(ConfigError, match="profile_steps.*A,B"):
         validate(make_config(profile_steps=value))
     validate(make_config(profile_steps="4"))  # one step

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from boost_jax.runtime.step import lower_train_step
+from boost_jax.runtime.build import build
 from boost_jax.tools.hlo_comm import compile_partitioned
 
 
@@ -13,9 +13,11 @@ def metric_rows(run_dir, key="loss"):
 
 
 def compiled_step(cfg, partitioned=False):
-    """(step, batch sharding, spec, mesh, partitioned HLO or None): the trainer's jitted train step,
-    compiled once (with `partitioned`, the same compile also yields the HLO after SPMD partitioning,
-    whose collectives carry their logical dtypes; XLA:CPU later widens bf16 collectives to float32)."""
-    lowered, batch_sharding, spec, mesh = lower_train_step(cfg)
+    """(compiled step, the build, partitioned HLO or None): the trainer's jitted train step (the
+    runtime's builder), compiled once (with `partitioned`, the same compile also yields the HLO after
+    SPMD partitioning, whose collectives carry their logical dtypes; XLA:CPU later widens bf16
+    collectives to float32)."""
+    built = build(cfg)
+    lowered = built.lower_train()
     compiled, text = compile_partitioned(lowered) if partitioned else (lowered.compile(), None)
-    return compiled, batch_sharding, spec, mesh, text
+    return compiled, built, text

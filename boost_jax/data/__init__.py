@@ -13,7 +13,10 @@ from boost_jax.data.sources import (check_vocab, embedded_corpus, expand_paths, 
                                     prepared_shards, token_files)
 from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["TokenLoader", "MixtureLoader", "build_loaders", "load_tokenizer", "ByteTokenizer"]
+__all__ = ["SOURCES", "TokenLoader", "MixtureLoader", "build_loaders", "load_tokenizer", "ByteTokenizer",
+           "parse_mixture"]
+
+SOURCES = ("embedded", "text", "jsonl", "tokens")  # data.source: where `_tokens` reads from
 
 
 def _tokens(source: str, path: str, cfg, tok, field: str) -> list[np.ndarray]:
@@ -40,7 +43,9 @@ def _token_cache(paths: list[str], cfg) -> Path:
     later starts and the other processes memory-map them."""
     import jax
 
-    from boost_jax.data.prepare import INDEX, prepare, tokenizer_id  # lazily: `python -m` runs that module
+    from boost_jax.data.prepare import prepare  # lazily: `python -m` runs that module
+    from boost_jax.data.sources import INDEX
+    from boost_jax.data.tokenizer import tokenizer_id
 
     d = cfg.data
     key = json.dumps([tokenizer_id(d.tokenizer), d.jsonl_field,

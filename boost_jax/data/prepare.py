@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import io
 import json
 import multiprocessing
@@ -33,10 +32,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from boost_jax.data.sources import FORMAT, INDEX
+from boost_jax.data.tokenizer import tokenizer_id
 from boost_jax.errors import PrepareError
 
-INDEX, PLAN = "index.json", "plan.json"
-FORMAT = "boost_jax.tokens/1"
+PLAN = "plan.json"
 TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"
 TEXT_CHUNK = 8 << 20  # a text file is tokenised in pieces of this many bytes, cut at line ends
 BATCH_BYTES = 1 << 20  # documents per tokenizer call, by size
@@ -52,14 +52,6 @@ def file_format(path: str) -> str:
 def _splittable(path: str) -> bool:
     """Only uncompressed JSONL is cut into ranges (at line starts): a text file is one document."""
     return file_format(path) == JSONL and not path.endswith((".gz", ".zst"))
-
-
-def tokenizer_id(spec: str) -> str:
-    """'byte', or the name and content hash of a tokenizer file (paths differ between machines)."""
-    if spec in ("", "byte"):
-        return "byte"
-    digest = hashlib.sha256(Path(spec).read_bytes()).hexdigest()[:16]
-    return f"{Path(spec).name}:sha256:{digest}"
 
 
 def token_dtype(vocab_size: int, requested: str = "auto") -> str:

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+INDEX = "index.json"  # what boost_jax.data.prepare writes beside its shards
+FORMAT = "boost_jax.tokens/1"
+
 
 def embedded_corpus(max_bytes: int) -> bytes:
     """Python's own standard-library sources: present on every machine that runs us, no download.
@@ -111,7 +114,7 @@ def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size:
                     token_dtype: str | None) -> list[np.ndarray]:
     """The memory-mapped shards of a prepared directory, after checking that the run reads them as
     they were written: dtype, vocabulary and tokenizer; every error names the field to change."""
-    from boost_jax.data.prepare import FORMAT, tokenizer_id
+    from boost_jax.data.tokenizer import tokenizer_id
 
     index = json.loads(index_path.read_text())
     where = index_path.parent

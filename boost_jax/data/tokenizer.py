@@ -1,7 +1,9 @@
 """Tokenizers: bytes (no files needed), or a local HF `tokenizers` JSON / SentencePiece model."""
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -72,3 +74,11 @@ def load_tokenizer(spec: str):
     if spec.endswith(".json"):
         return HFTokenizer(spec)
     return SentencePieceTokenizer(spec)
+
+
+def tokenizer_id(spec: str) -> str:
+    """'byte', or the name and content hash of a tokenizer file (paths differ between machines)."""
+    if spec in ("", "byte"):
+        return "byte"
+    digest = hashlib.sha256(Path(spec).read_bytes()).hexdigest()[:16]
+    return f"{Path(spec).name}:sha256:{digest}"

@@ -27,32 +27,62 @@ implementation is one function `fn(q, k, v, offset) -> out` registered with
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
 import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from boost_jax.config import ConfigError
+from boost_jax.errors import ConfigError
+from boost_jax.model.kinds import kind_class
 from boost_jax.model.linear import Projection, project
+from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain
 
-IMPLEMENTATIONS: dict = {}
+IMPLEMENTATIONS: dict = {}  # name -> Implementation
 AUTO_XLA_MAX_KEYS = 1024  # auto: below this many keys the one-einsum reference is cheaper
 CHUNK = 512  # chunked: query and key block length
 _NEG = -1e30  # masked score: finite, so a row's running max never becomes -inf
 
 
-def implementation(name: str):
+# How the planner prices an implementation (boost_jax/planner/cost.py `attention_seconds`): scores
+# materialised in HBM, blockwise in plain JAX (chunked), or a fused flash kernel.
+COST_CLASSES = ("materialized", "chunked", "flash")
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    fn: Callable  # fn(q, k, v, offset) -> out [B, T, H, Dh]
+    cost: str  # one of COST_CLASSES
+    fused: bool = False  # a fused kernel taking offset 0 only: decode steps (a traced offset) run `chunked`
+
+
+def implementation(name: str, *, cost: str, fused: bool = False):
+    """Register `fn(q, k, v, offset)` as `model.attention=name`, priced by the planner as `cost`."""
+    if cost not in COST_CLASSES:
+        raise ValueError(f"attention implementation {name!r}: cost {cost!r} is not one of {COST_CLASSES}")
+
     def register(fn):
-        IMPLEMENTATIONS[name] = fn
+        IMPLEMENTATIONS[name] = Implementation(fn, cost, fused)
         return fn
 
     return register
+
+
+def names() -> tuple[str, ...]:
+    """Every value `model.attention` takes."""
+    return ("auto", *IMPLEMENTATIONS)
+
+
+def cost_class(name: str) -> str:
+    """How the planner prices implementation `name` (not `auto`: resolve it first)."""
+    return IMPLEMENTATIONS[name].cost
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -87,8 +117,8 @@ def resolve(impl: str, q, k, offset) -> str:
         return auto_impl(fused_ok and jax.default_backend() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
                          q.shape[-1], q.shape[1], k.shape[1])
     if impl not in IMPLEMENTATIONS:
-        raise ConfigError(f"config field `model.attention`: {impl!r} is not one of {('auto', *IMPLEMENTATIONS)}")
-    if impl in ("pallas", "cudnn") and not fused_ok:
+        raise ConfigError(f"config field `model.attention`: {impl!r} is not one of {names()}")
+    if IMPLEMENTATIONS[impl].fused and not fused_ok:
         return "chunked"
     return impl
 
@@ -96,7 +126,7 @@ def resolve(impl: str, q, k, offset) -> str:
 def attend(q, k, v, *, offset=0, impl: str = "xla"):
     """Causal attention (see the module docstring) -> [B, T, H * Dh] in q's dtype."""
     b, t, h, dh = q.shape
-    return IMPLEMENTATIONS[resolve(impl, q, k, offset)](q, k, v, offset).reshape(b, t, h * dh)
+    return IMPLEMENTATIONS[resolve(impl, q, k, offset)].fn(q, k, v, offset).reshape(b, t, h * dh)
 
 
 def _grouped(q, kv):
@@ -108,7 +138,7 @@ def _visible(t, s, offset):
     return (offset + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]
 
 
-@implementation("xla")
+@implementation("xla", cost="materialized")
 def xla_attention(q, k, v, offset):
     """Float32 scores [B, KV, G, T, S], masked softmax, weighted sum; k/v are never repeated."""
     dh, t, s = q.shape[-1], q.shape[1], k.shape[1]
@@ -257,7 +287,7 @@ def _chunked_vjp_bwd(block, res, dout):
 _chunked.defvjp(_chunked_vjp_fwd, _chunked_vjp_bwd)
 
 
-@implementation("chunked")
+@implementation("chunked", cost="chunked")
 def chunked_attention(q, k, v, offset, block: int | None = None):
     return _chunked(q, k, v, jnp.asarray(offset, jnp.int32), block or CHUNK)
 
@@ -320,7 +350,7 @@ def _pallas_bwd(block, interpret, res, dout):
 _pallas.defvjp(lambda q, k, v, block, interpret: _pallas_fwd(q, k, v, block, interpret), _pallas_bwd)
 
 
-@implementation("pallas")
+@implementation("pallas", cost="flash", fused=True)
 def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool | None = None):
     """Training shapes only (offset 0, S == T); lengths are zero-padded to a power-of-two block
     (padded keys lie after every real query, so causality hides them)."""
@@ -346,7 +376,7 @@ def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool 
 
 # -------------------------------------------------------------------------------------------- cudnn
 
-@implementation("cudnn")
+@implementation("cudnn", cost="flash", fused=True)
 def cudnn_attention(q, k, v, offset):
     if jax.default_backend() != "gpu":
         raise ConfigError(f"config field `model.attention`: cudnn needs an NVIDIA GPU (this backend is "
@@ -362,7 +392,7 @@ def cudnn_attention(q, k, v, offset):
 # ------------------------------------------------------------------------------------------- module
 
 class Attention(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, placement=LOCAL):
         d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d // h
         self.rope_theta = cfg.rope_theta
@@ -373,12 +403,14 @@ class Attention(nnx.Module):
         self.k = Projection(cfg, d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
         self.v = Projection(cfg, d, kv * self.head_dim, axes=("embed", "kv_heads"), group="qkv", **proj)
         self.o = Projection(cfg, h * self.head_dim, d, axes=("heads", "embed"), group="o", **proj)
+        factored = kind_class(cfg.linear).factored
+        self.qkv_route, self.o_route = (placement.group(g, factored) for g in ("qkv", "o"))
 
     def __call__(self, x, norm, positions, cache=None):
         """x: the block's input residual; `norm` is applied first (fused with the A's under BTP).
         Without a cache the tokens sit at positions 0..T-1 (RoPE uses `positions`)."""
         b, t, _ = x.shape
-        q, k, v = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm)
+        q, k, v = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm, route=self.qkv_route)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
@@ -396,4 +428,4 @@ class Attention(nnx.Module):
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         out = attend(q, k, v, offset=offset, impl=self.impl)
         out = constrain(out, ("act_batch", "act_seq", "act_heads"))
-        return self.o(out), cache
+        return project([self.o], out, grouped=False, route=self.o_route)[0], cache

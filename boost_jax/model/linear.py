@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import LinearKind
-from boost_jax.parallel import rules
-from boost_jax.parallel.rules import constrain, gathered, logical_spec, spec_for, weight_einsum
+from boost_jax.parallel.placement import GROUPED, Norm
+from boost_jax.parallel.rules import constrain, gathered, weight_einsum
 
 RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
 WHOLE_ROWS = ("act_batch", "act_seq", None)
+RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 
 
 def Projection(m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs,
@@ -34,32 +34,23 @@ def Projection(m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, r
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm (statistics in float32). `impl="pallas"` runs the fused kernel, which also yields the
-    per-row sum of squares that online RMSNorm sends with the A partial products."""
+    """RMSNorm (statistics in float32). `impl="pallas"`/`"triton"` run the fused kernel, which also
+    yields the per-row sum of squares that online RMSNorm sends with the A partial products; `run`
+    (from the placement) says how the kernel runs on the mesh."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32, axis: str = "norm", impl: str = "xla"):
+    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32, axis: str = "norm", impl: str = "xla",
+                 run=Norm()):
         self.eps = eps
         self.impl = impl
+        self.run = run
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=(axis,))
 
-    def rows(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(normalised rows, Σx² per row) of an unsharded (or local) x."""
-        return rmsnorm_rows(x, self.scale[...], self.eps, impl=self.impl)
+    def rows(self, x: jax.Array, scale: jax.Array, impl: str | None = None) -> jax.Array:
+        """The normalised rows of an unsharded (or local) x."""
+        return rmsnorm_rows(x, scale, self.eps, impl=impl or self.impl)[0]
 
-    def __call__(self, x: jax.Array, names=("act_batch", "act_res_seq", "act_embed")) -> jax.Array:
-        if self.impl == "xla":
-            return self.rows(x)[0]
-        spec = logical_spec(names, x.shape)
-        if spec is None:
-            return self.rows(x)[0]
-        if len(spec) == x.ndim and spec[-1] is not None:
-            # Rows split along d (BTP without online norm): the kernel needs whole rows.
-            return rmsnorm_rows(x, self.scale[...], self.eps, impl="xla")[0]
-        # A pallas_call is not partitioned by GSPMD: run it per shard.
-        mesh = rules.current()[0]
-        return jax.shard_map(lambda v, w: rmsnorm_rows(v, w, self.eps, impl=self.impl)[0], mesh=mesh,
-                             in_specs=(spec, jax.sharding.PartitionSpec()), out_specs=spec,
-                             check_vma=False)(x, self.scale[...])  # a pallas_call has no vma types
+    def __call__(self, x: jax.Array, names=RESIDUAL) -> jax.Array:
+        return self.run(self.rows, x, self.scale[...], names)
 
 
 def _runs(projs, shape):
@@ -85,15 +76,12 @@ def _use(dtype):
     return lambda w, names: gathered(w, names, dtype)
 
 
-def _first_stage(projs, x, grouped: bool, norm=None):
+def _first_stage(projs, x, grouped: bool, norm, route):
     """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given)."""
-    ctx = rules.current()
-    if (norm is not None and ctx is not None and ctx[1].online_norm and ctx[0].shape["tensor"] > 1
-            and all(p.factored for p in projs)):
-        # BTP: norm statistics travel in the same all-reduce as the A partial products.
-        from boost_jax.parallel.online_norm import online_norm_matmul
+    if norm is not None and route.fuses_norm:
+        # The norm's statistics travel in the same all-reduce as the A partial products (BTP).
         a = jnp.stack([p.first_weight(_use(x.dtype)) for p in projs])
-        h = online_norm_matmul(x, norm.scale[...], a, eps=norm.eps, mesh=ctx[0], impl=norm.impl)
+        h = route.norm_first_stage(x, norm.scale[...], a, eps=norm.eps, impl=norm.impl)
         return [(projs, _bottleneck(projs, h, tag=False))]  # tagged inside, before the division
     if norm is not None:
         x = norm(x)
@@ -106,49 +94,16 @@ def _first_stage(projs, x, grouped: bool, norm=None):
     return out
 
 
-def _spatial_temporal(p: LinearKind, x, ctx) -> jax.Array:
-    """One projection as PrimePar P(n x n) GEMMs on the (fsdp, tensor) grid. The grid takes the
-    activations as the trainer holds them (batch over data x fsdp, features over tensor: the M-block
-    of grid row r is fsdp shard r's sequences), so only the skew enters: one collective-permute per
-    GEMM input, the Cannon rings inside, and one permute per weight from its stored layout (its
-    transpose returns dW), with no gather of any tensor."""
-    from boost_jax.parallel.spatial_temporal import skew_sharded, skew_weight_sharded, st_matmul
-    mesh, strategy = ctx
-    grid = dict(mesh=mesh, row_axis="fsdp", col_axis="tensor")
-    kw = dict(grid, batch_axes="data" if mesh.shape["data"] > 1 else None, row_dim=0)
-
-    def skewed(get, dtype):
-        held = []
-
-        def use(w, names):  # the parameter as stored; remember where its blocks are
-            held.append((w, tuple(spec_for(names, w.shape, mesh, strategy.rules)) + (None, None)))
-            return w
-
-        w = get(use)
-        dims = held[0][1][:2] if len(held) == 1 and held[0][0] is w else None
-        if dims is None or not set(dims) <= {"fsdp", "tensor", None}:
-            dims = ("fsdp", "tensor")  # built from several parameters: laid out plainly by GSPMD first
-        w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*dims)))
-        return skew_weight_sharded(w.astype(dtype), dims, **grid)
-
-    def matmul(v, get):
-        return st_matmul(skew_sharded(v, **kw), skewed(get, v.dtype), **kw)
-
-    if not p.factored:
-        return matmul(x, p.first_weight)
-    h = checkpoint_name(matmul(x, p.first_weight), "lowrank")
-    return matmul(p.bottleneck(h), p.second_weight)
-
-
-def project(projs, x, *, grouped: bool = True, norm=None) -> list[jax.Array]:
+def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED) -> list[jax.Array]:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
-    run of equal first-stage shapes, one batched dot_general per run of equal B shapes."""
-    ctx = rules.current()
-    if ctx is not None and projs[0].group in ctx[1].st_groups:
+    run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `route`
+    (the placement's choice for the group, boost_jax/parallel/placement.py) may fuse the norm with
+    the first stage or run each projection its own way."""
+    if route.replaces_projection:
         x = norm(x) if norm is not None else x
-        return _with_extra(projs, [_spatial_temporal(p, x, ctx) for p in projs], x, None)
+        return _with_extra(projs, [route.project(p, x) for p in projs], x, None)
     outs = []
-    for run, h in _first_stage(projs, x, grouped, norm):
+    for run, h in _first_stage(projs, x, grouped, norm, route):
         if not run[0].factored:
             outs.extend(h[:, :, i] for i in range(len(run)))
             continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 
+POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")  # remat.policy
 SAVED_NAMES = ("lowrank", "norm_stats")  # r-wide reduced A outputs; per-row norm statistics
 ATTENTION_NAMES = ("attn_out", "attn_lse")  # attention output and its float32 log-sum-exp
 

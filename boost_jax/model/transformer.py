@@ -6,16 +6,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.model import remat
-from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.model.attention import Attention
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
-from boost_jax.model.linear import Projection, RMSNorm, project
-from boost_jax.parallel import rules
-from boost_jax.parallel.pipeline import gpipe
+from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, project
+from boost_jax.model.loss import head_loss, logits_of
+from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain, gathered, take_rows
-
-RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 
 
 def compute_dtype(name: str):
@@ -25,7 +22,7 @@ def compute_dtype(name: str):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, placement=LOCAL):
         proj = dict(rngs=rngs, param_dtype=param_dtype)
         self.gate = Projection(cfg, cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
         self.up = Projection(cfg, cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), group="mlp_in", **proj)
@@ -33,19 +30,23 @@ class MLP(nnx.Module):
         # CoLA's larger models drop the SwiGLU σ: the bottleneck σ is the only nonlinearity.
         self.only_lr_act = bool(cfg.only_lr_act) and kind_class(cfg.linear).nonlinear(cfg)
         self.grouped = bool(cfg.group_linears)
+        factored = kind_class(cfg.linear).factored
+        self.in_route, self.out_route = (placement.group(g, factored) for g in ("mlp_in", "mlp_out"))
 
     def __call__(self, x, norm):
-        g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm)
+        g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route)
         h = g * u if self.only_lr_act else jax.nn.silu(g) * u
-        return self.down(constrain(h, ("act_batch", "act_seq", "act_mlp")))
+        return project([self.down], constrain(h, ("act_batch", "act_seq", "act_mlp")), grouped=False,
+                       route=self.out_route)[0]
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, norm_impl: str = "xla"):
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm_impl)
-        self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm_impl)
-        self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype)
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, norm_impl: str = "xla", placement=LOCAL):
+        norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm_impl, run=placement.norm(norm_impl))
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
 
     def __call__(self, x, positions, cache=None):
         h, cache = self.attn(x, self.attn_norm, positions, cache)
@@ -55,8 +56,15 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none", norm_impl: str = "xla"):
+    """`placement` (boost_jax/parallel/placement.py) is the strategy bound to a mesh, chosen when the
+    model is built: it decides how norms, projection groups and the layer stack run (LOCAL: one
+    device, nothing partitioned)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none", norm_impl: str = "xla",
+                 placement=LOCAL):
         param_dtype = jnp.dtype(cfg.param_dtype)
+        self.placement = placement
+        self.pipeline = placement.pipeline()  # None: the layers run as one scan
         self.dtype = compute_dtype(cfg.dtype)
         self.remat_policy = remat_policy
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
@@ -68,11 +76,11 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stacked(r):
-            return Block(cfg, rngs=r, param_dtype=param_dtype, norm_impl=norm_impl)
+            return Block(cfg, rngs=r, param_dtype=param_dtype, norm_impl=norm_impl, placement=placement)
 
         self.layers = stacked(rngs)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype, axis="head_norm",
-                                  impl=norm_impl)
+                                  impl=norm_impl, run=placement.norm(norm_impl))
         self.unroll = bool(cfg.scan_unroll)
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.loss_chunk, self.z_loss = int(cfg.loss_chunk), float(cfg.z_loss)
@@ -86,8 +94,9 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens, positions=None, cache=None):
         """Final-norm hidden states [B, T, d] (and the updated cache, or None)."""
+        self.placement.require_rules()
         b, t = tokens.shape
-        given_positions = positions is not None
+        given_positions = positions
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
         x = constrain(take_rows(gathered(self.embed[...], ("vocab_in", "embed"), self.dtype), tokens), RESIDUAL)
@@ -97,20 +106,8 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, state)(x, pos, layer_cache)
 
         layer = remat.wrap(layer, self.remat_policy)
-        ctx = rules.current()
-        if ctx is not None and ctx[0].shape.get("pipeline", 1) > 1 and cache is None:
-            stages, micro = ctx[0].shape["pipeline"], ctx[1].microbatches
-            # Training positions are the same for every row. A fresh iota of the micro-batch's shape
-            # (the rows gpipe hands the stage) is built on every device; slicing the batch-sharded
-            # positions would move rows between devices.
-            pos_row = positions[:1] if given_positions else jnp.arange(t)[None]
-
-            def stage(stage_state, x_micro):
-                micro_pos = jnp.broadcast_to(pos_row, x_micro.shape[:2])
-                return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
-                                    unroll=self.unroll)[0]
-
-            x = gpipe(stage, layer_state, x, stages=stages, microbatches=micro, unroll=self.unroll)
+        if self.pipeline is not None and cache is None:
+            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll)
         else:
             x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions), x, (layer_state, cache),
                                     unroll=self.n_layers if self.unroll else 1)
@@ -137,13 +134,36 @@ class Transformer(nnx.Module):
                          z_loss=self.z_loss if with_z_loss else 0.0)
 
 
-def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla") -> Transformer:
-    return Transformer(model_cfg, rngs=nnx.Rngs(params=seed), remat_policy=remat_policy, norm_impl=norm_impl)
+def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla",
+                placement=LOCAL) -> Transformer:
+    return Transformer(model_cfg, rngs=nnx.Rngs(params=seed), remat_policy=remat_policy, norm_impl=norm_impl,
+                       placement=placement)
 
 
-def model_from_config(cfg) -> Transformer:
-    """The model a run config describes (shapes, remat policy, norm kernel)."""
-    return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm)
+def model_from_config(cfg, placement=LOCAL) -> Transformer:
+    """The model a run config describes (shapes, remat policy, norm kernel), placed by `placement`."""
+    return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm, placement)
+
+
+# The projection groups (boost_jax/parallel/strategies.py PROJECTION_GROUPS): the logical axes of each
+# group's input and of its projections' outputs, as Attention and MLP declare them.
+PROJECTION_AXES = {"qkv": ("embed", ("heads", "kv_heads", "kv_heads")), "o": ("heads", ("embed",)),
+                   "mlp_in": ("embed", ("mlp", "mlp")), "mlp_out": ("mlp", ("embed",))}
+
+
+def axis_units(m) -> dict[str, tuple[str, int]]:
+    """{logical axis: (config field, whole units)}: what a mesh axis splitting that axis must divide
+    (whole heads, not head columns). In the order a misfit is reported."""
+    units = {"heads": ("model.n_heads", int(m.n_heads)), "kv_heads": ("model.n_kv_heads", int(m.n_kv_heads)),
+             "mlp": ("model.d_ff", int(m.d_ff)), "embed": ("model.d_model", int(m.d_model)),
+             "norm": ("model.d_model", int(m.d_model))}
+    return {**units, **kind_class(m.linear).axis_units(m)}
+
+
+def projection_widths(m) -> dict[str, int]:
+    """Every projection input/output width, by config field."""
+    return {"model.d_model": int(m.d_model), "model.d_ff": int(m.d_ff),
+            "model.n_kv_heads*head_dim": int(m.n_kv_heads) * (int(m.d_model) // int(m.n_heads))}
 
 
 def projection_shapes(cfg) -> list[tuple[int, int]]:

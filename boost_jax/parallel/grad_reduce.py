@@ -15,7 +15,9 @@ device) and its traffic is what FSDP must send anyway; deferring it would need a
 gradient buffer on every device.
 
 Used when the mesh has data > 1 and no pipeline or spatial-temporal projections (whose own
-schedules/islands place their reductions); otherwise the plain accumulation loop runs.
+schedules/islands place their reductions); otherwise the plain accumulation loop runs. The mesh and
+strategy are passed in by the step builder (boost_jax/runtime/step.py), never read from the ambient
+rules, so the step compiles to one program wherever it is traced.
 """
 from __future__ import annotations
 
@@ -54,13 +56,12 @@ def island_applies(mesh, strategy) -> bool:
     return mesh.shape.get("data", 1) > 1 and mesh.shape.get("pipeline", 1) == 1 and not strategy.st_groups
 
 
-def accumulate_grads(grad_fn, params, batch):
+def accumulate_grads(grad_fn, params, batch, mesh=None, strategy=None):
     """(mean loss, mean gradient) of `grad_fn(params, tokens) -> (loss, grads)` over batch
-    [grad_accum, micro_batch, T+1], reduced over `data` once (see the module docstring)."""
-    ctx = rules.current()
-    if ctx is None or not island_applies(*ctx):
+    [grad_accum, micro_batch, T+1] on `mesh` under `strategy` (None: one device), reduced over
+    `data` once (see the module docstring)."""
+    if mesh is None or not island_applies(mesh, strategy):
         return _plain(grad_fn, params, batch)
-    mesh, strategy = ctx
     d, fsdp = mesh.shape["data"], mesh.shape.get("fsdp", 1)
     a, b = batch.shape[:2]
     # Rows are split data-major (P(None, ("data", "fsdp"))): replica i owns rows [i*b/d, (i+1)*b/d).

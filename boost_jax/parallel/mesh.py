@@ -1,4 +1,10 @@
-"""The device mesh: named axes (data, fsdp, tensor) sized from `parallel.*`, one of them inferable."""
+"""The device mesh: named axes (pipeline, data, fsdp, tensor) sized from `parallel.*`, one inferable;
+and what a mesh must divide, derived from the strategy's rule table.
+
+Nothing here knows the model: the caller (boost_jax/validate.py) says how many whole units each
+logical axis holds (`units`: heads, not head columns; the MLP width; the rank of a factored kind)
+and which widths a projection has; the rule table says which logical axes the tensor axis splits.
+"""
 from __future__ import annotations
 
 import math
@@ -7,8 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from boost_jax.config import ConfigError
-from boost_jax.model.kinds import kind_class
+from boost_jax.errors import ConfigError
+from boost_jax.parallel.rules import _as_tuple
 
 AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first: pipeline stages may span nodes
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over both
@@ -30,41 +36,64 @@ def mesh_shape(p, n_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
-    """The tensor axis must split whole heads, KV heads and the MLP and hidden widths (and the rank
-    for strategies that split it); the batch axes must split the micro-batch."""
+def mesh_devices(p, devices=None) -> list:
+    """The devices a run uses: `parallel.num_devices` of them (0: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if p.num_devices:
+        if p.num_devices > len(devices):
+            raise ConfigError(f"config field `parallel.num_devices`: {p.num_devices} requested, "
+                              f"{len(devices)} available")
+        devices = devices[: p.num_devices]
+    return devices
+
+
+def make_mesh(p, devices=None) -> Mesh:
+    """The mesh of a `parallel` config section on `devices` (default: all). Whether the model fits
+    it is checked by boost_jax/validate.py `check_mesh` (the runtime's builder calls both)."""
+    devices = mesh_devices(p, devices)
+    shape = mesh_shape(p, len(devices))
+    # Auto axes: GSPMD propagates shardings from our parameter specs and activation constraints.
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def split_by_tensor(rules) -> set[str]:
+    """The logical axes a rule table splits over the tensor axis (their first rule naming it)."""
+    return {name for name, axes in rules if "tensor" in _as_tuple(axes)}
+
+
+def check_tensor_split(rules, tp: int, units: dict[str, tuple[str, int]]) -> None:
+    """Every logical axis the table splits over `tensor` must hold a multiple of `tp` whole units.
+    units: {logical axis: (config field, units)}, e.g. {"heads": ("model.n_heads", 32)}."""
+    if tp == 1:
+        return
+    split = split_by_tensor(rules)
+    for name, (field, value) in units.items():  # in the caller's order: the first misfit is named
+        if name not in split:
+            continue
+        if value % tp:
+            valid = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
+            pad = (" (an imported model: --import-hf again with --intermediate-multiple "
+                   f"{tp} zero-pads it, inertly)") if field == "model.d_ff" else ""
+            raise ConfigError(f"config field `parallel.tensor`: {tp} does not divide {field}={value}; "
+                              f"valid tensor sizes: {valid}{pad}")
+
+
+def check_grid(sizes: dict[str, int], widths: dict[str, int]) -> None:
+    """Spatial-temporal GEMMs run on the square (fsdp, tensor) grid, whose columns split every
+    projection width (its rows split the batch, checked with the batch)."""
+    n = sizes["tensor"]
+    if sizes["fsdp"] != n or n < 2:
+        raise ConfigError(f"config field `parallel.linear_partition`: spatial-temporal GEMMs need a square "
+                          f"grid, parallel.fsdp == parallel.tensor >= 2 (got fsdp={sizes['fsdp']}, tensor={n})")
+    for field, value in widths.items():
+        if value % n:
+            raise ConfigError(f"config field `parallel.linear_partition`: the {n}x{n} grid must divide "
+                              f"{field}={value}")
+
+
+def check_batch(cfg, sizes: dict[str, int]) -> None:
+    """The batch axes must split the micro-batch; the pipeline its layers and micro-batches."""
     m, t = cfg.model, cfg.train
-    sizes = dict(zip(AXES, shape))
-    tp = sizes["tensor"]
-    if tp > 1:
-        need = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.d_ff": m.d_ff,
-                "model.d_model": m.d_model}
-        if kind_class(m.linear).factored and cfg.parallel.strategy == "vanilla":
-            need["model.rank"] = m.rank
-        for field, value in need.items():
-            if value % tp:
-                valid = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
-                pad = (" (an imported model: --import-hf again with --intermediate-multiple "
-                       f"{tp} zero-pads it, inertly)") if field == "model.d_ff" else ""
-                raise ConfigError(f"config field `parallel.tensor`: {tp} does not divide {field}={value}; "
-                                  f"valid tensor sizes: {valid}{pad}")
-    if cfg.parallel.linear_partition.strip():
-        from boost_jax.parallel.strategies import st_groups
-        if st_groups(cfg.parallel.linear_partition):
-            n = sizes["tensor"]
-            if sizes["fsdp"] != n or n < 2:
-                raise ConfigError(f"config field `parallel.linear_partition`: spatial-temporal GEMMs need a square "
-                                  f"grid, parallel.fsdp == parallel.tensor >= 2 (got fsdp={sizes['fsdp']}, tensor={n})")
-            # The grid's rows split the batch (already checked against data*fsdp below), its
-            # columns every projection width.
-            widths = {"model.d_model": m.d_model, "model.d_ff": m.d_ff,
-                      "model.n_kv_heads*head_dim": m.n_kv_heads * (m.d_model // m.n_heads)}
-            if kind_class(m.linear).factored:
-                widths["model.rank"] = m.rank
-            for field, value in widths.items():
-                if value % n:
-                    raise ConfigError(f"config field `parallel.linear_partition`: the {n}x{n} grid must divide "
-                                      f"{field}={value}")
     batch_ways = sizes["data"] * sizes["fsdp"]
     micro = t.global_batch // t.grad_accum
     if micro % batch_ways:
@@ -79,16 +108,3 @@ def check_divisibility(cfg, shape: tuple[int, ...]) -> None:
         if micro % (chunks * batch_ways):
             raise ConfigError(f"config field `parallel.microbatches`: the micro-batch {micro} must split into "
                               f"{chunks} pipeline micro-batches of a multiple of data*fsdp = {batch_ways} rows")
-
-
-def make_mesh(cfg, devices=None) -> Mesh:
-    devices = list(jax.devices() if devices is None else devices)
-    if cfg.parallel.num_devices:
-        if cfg.parallel.num_devices > len(devices):
-            raise ConfigError(f"config field `parallel.num_devices`: {cfg.parallel.num_devices} requested, "
-                              f"{len(devices)} available")
-        devices = devices[: cfg.parallel.num_devices]
-    shape = mesh_shape(cfg.parallel, len(devices))
-    check_divisibility(cfg, shape)
-    # Auto axes: GSPMD propagates shardings from our parameter specs and activation constraints.
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))

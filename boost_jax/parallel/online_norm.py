@@ -20,7 +20,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.kernels.rmsnorm import rmsnorm
-from boost_jax.parallel import rules
 from boost_jax.parallel.rules import logical_spec, weight_einsum
 
 
@@ -36,8 +35,10 @@ _sum_parts.defvjp(lambda parts: (_sum_parts(parts), parts.shape[0]),
                   lambda n, g: (jnp.broadcast_to(g[None], (n, *g.shape)),))
 
 
-def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla"):
-    """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g."""
+def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla",
+                       reduce_dtype=None):
+    """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g.
+    `reduce_dtype`: the strategy's gradient-reduction dtype (parallel.grad_reduce_dtype)."""
     d = x.shape[-1]
     batch = logical_spec(("act_batch",), x.shape[:1])  # the current rules' batch split (no `data` per replica)
     batch = batch[0] if len(batch) else None
@@ -52,9 +53,8 @@ def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tens
     # A enters widened to the gradient-reduction dtype (it was gathered in the compute dtype, so
     # nothing is lost): the sum of its gradient over the axes the map replicates it on is then in
     # that dtype too. The GEMM runs in x's dtype.
-    ctx = rules.current()
-    if ctx is not None:  # widen only: the values are unchanged
-        a_stack = a_stack.astype(jnp.promote_types(a_stack.dtype, ctx[1].grad_reduce_dtype))
+    if reduce_dtype is not None:  # widen only: the values are unchanged
+        a_stack = a_stack.astype(jnp.promote_types(a_stack.dtype, reduce_dtype))
     h_parts, s_parts = jax.shard_map(
         local, mesh=mesh, in_specs=(P(batch, None, axis), P(axis), P(None, axis, None)),
         out_specs=(P(axis, batch, None, None, None), P(axis, batch, None)),

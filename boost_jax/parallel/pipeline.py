@@ -105,17 +105,17 @@ def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce
     return copies(a)
 
 
-def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, unroll: bool = False) -> jax.Array:
-    """Run `stage_fn(stage_state, x_micro) -> x_micro` over the stages for every micro-batch.
+def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
+          unroll: bool = False) -> jax.Array:
+    """Run `stage_fn(stage_state, x_micro) -> x_micro` over the stages for every micro-batch, on
+    `mesh` under `strategy` (bound when the model was built: boost_jax/parallel/placement.py).
 
     layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]. stage_fn must take
     micro-batches of any row count (each batch replica runs the schedule on its own rows)."""
-    ctx = rules.current()
-    axes = once_per_pass_axes(*ctx) if ctx is not None else ()
+    axes = once_per_pass_axes(mesh, strategy)
     if not axes:
         staged = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), layer_state)
         return _gpipe(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll)
-    mesh, strategy = ctx
     n = math.prod(mesh.shape[a] for a in axes)
     inner = without_axis(strategy, *axes)
     spmd = ("pipeline",) + axes

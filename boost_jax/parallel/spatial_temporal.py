@@ -309,3 +309,43 @@ def skew_weight_sharded(w: jax.Array, dims: Sequence[str | None], *, mesh: Mesh,
     if w.shape[0] % n or w.shape[1] % n:
         raise ValueError(f"weight dims {w.shape} must be divisible by n={n}")
     return _build_weight_skew(mesh, row_axis, col_axis, dims)(w)
+
+
+# ---------------------------------------------------------------- one projection, as the trainer holds it
+
+def project_sharded(proj, x: jax.Array, mesh: Mesh, strategy) -> jax.Array:
+    """One projection (a linear kind: `first_weight`/`second_weight` taking a `use(w, names)` hook,
+    `bottleneck`, `factored`) as P(n x n) GEMMs on the (fsdp, tensor) grid. The grid takes the
+    activations as the trainer holds them (batch over data x fsdp, features over tensor: the M-block
+    of grid row r is fsdp shard r's sequences), so only the skew enters: one collective-permute per
+    GEMM input, the Cannon rings inside, and one permute per weight from its stored layout (its
+    transpose returns dW), with no gather of any tensor."""
+    from jax.ad_checkpoint import checkpoint_name
+    from jax.sharding import NamedSharding
+
+    from boost_jax.parallel.rules import spec_for
+
+    grid = dict(mesh=mesh, row_axis="fsdp", col_axis="tensor")
+    kw = dict(grid, batch_axes="data" if mesh.shape["data"] > 1 else None, row_dim=0)
+
+    def skewed(get, dtype):
+        held = []
+
+        def use(w, names):  # the parameter as stored; remember where its blocks are
+            held.append((w, tuple(spec_for(names, w.shape, mesh, strategy.rules)) + (None, None)))
+            return w
+
+        w = get(use)
+        dims = held[0][1][:2] if len(held) == 1 and held[0][0] is w else None
+        if dims is None or not set(dims) <= {"fsdp", "tensor", None}:
+            dims = ("fsdp", "tensor")  # built from several parameters: laid out plainly by GSPMD first
+        w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*dims)))
+        return skew_weight_sharded(w.astype(dtype), dims, **grid)
+
+    def matmul(v, get):
+        return st_matmul(skew_sharded(v, **kw), skewed(get, v.dtype), **kw)
+
+    if not proj.factored:
+        return matmul(x, proj.first_weight)
+    h = checkpoint_name(matmul(x, proj.first_weight), "lowrank")
+    return matmul(proj.bottleneck(h), proj.second_weight)

@@ -1,4 +1,8 @@
-"""The three tensor-parallel strategies as logical-axis tables (see the BOOST reference notes).
+"""Tensor-parallel strategies: a registry of logical-axis tables (see the BOOST reference notes).
+
+A strategy is one `register(Registered(...))` entry: its name (`parallel.strategy`), its rule table,
+the layouts the planner prices it as, and whether online RMSNorm applies. Config validation, the
+trainer, the comm report and the planner all read this registry, so a new strategy is one entry.
 
 Parameter names: embed (hidden d), heads / kv_heads (attention widths), mlp (I), rank (r),
 vocab_in / embed of the embedding table, head_embed / vocab of the LM head, norm (a norm scale
@@ -8,6 +12,10 @@ so parameters and optimizer state are sharded and GSPMD gathers them layer by la
 """
 from __future__ import annotations
 
+import dataclasses
+
+from boost_jax.config import PROJECTION_GROUPS
+from boost_jax.errors import ConfigError
 from boost_jax.parallel.rules import Strategy
 
 BATCH = ("data", "fsdp")
@@ -52,7 +60,53 @@ MEGATRON = (
 MEGATRON_SP = (("act_res_seq", "tensor"),) + MEGATRON
 
 
-PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """One strategy. `planner`: (residual layout, the partition choice of every projection group,
+    attention layout, MLP-activation layout) in the planner's terms (boost_jax/planner/partitions.py:
+    layouts R/H/S, choices btp/vanilla/megatron); `sequence_parallel`: the table used with
+    `parallel.sequence_parallel` (its residual is split along the sequence, layout S), if it has one."""
+    name: str
+    rules: tuple
+    planner: tuple[str, str, str, str]
+    online_norm: bool = False  # parallel.online_norm applies: its norms send their statistics with the A's
+    sequence_parallel: tuple | None = None
+
+
+REGISTRY: dict[str, Registered] = {}
+
+
+def register(entry: Registered) -> Registered:
+    REGISTRY[entry.name] = entry
+    return entry
+
+
+register(Registered("btp", BTP, planner=("H", "btp", "H", "H"), online_norm=True))
+register(Registered("vanilla", VANILLA, planner=("R", "vanilla", "R", "R")))
+register(Registered("megatron", MEGATRON, planner=("R", "megatron", "H", "H"), sequence_parallel=MEGATRON_SP))
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def registered(name: str) -> Registered:
+    if name not in REGISTRY:
+        raise ConfigError(f"config field `parallel.strategy`: {name!r} is not one of {names()}")
+    return REGISTRY[name]
+
+
+def variants() -> list[tuple[Registered, bool]]:
+    """Every (strategy, sequence_parallel) the trainer runs, for the planner and the reports."""
+    return [(e, sp) for e in REGISTRY.values() for sp in ((False, True) if e.sequence_parallel else (False,))]
+
+
+def planner_layout(name: str, sequence_parallel: bool = False) -> tuple[str, tuple[str, ...], str, str]:
+    """(residual layout, group choices, attention layout, act layout) the planner prices `name` as."""
+    residual, choice, attention, act = registered(name).planner
+    return ("S" if sequence_parallel else residual), (choice,) * len(PROJECTION_GROUPS), attention, act
 
 
 def st_groups(spec: str) -> frozenset:
@@ -67,8 +121,8 @@ def st_groups(spec: str) -> frozenset:
     for item in spec.split(","):
         group, _, choice = item.partition("=")
         if group.strip() not in PROJECTION_GROUPS or choice.strip() not in ("st", "default"):
-            raise ValueError(f"config field `parallel.linear_partition`: {item!r} is not GROUP=st|default "
-                             f"with GROUP one of {PROJECTION_GROUPS} (or the single value 'st')")
+            raise ConfigError(f"config field `parallel.linear_partition`: {item!r} is not GROUP=st|default "
+                              f"with GROUP one of {PROJECTION_GROUPS} (or the single value 'st')")
         if choice.strip() == "st":
             groups.add(group.strip())
     return frozenset(groups)
@@ -76,13 +130,8 @@ def st_groups(spec: str) -> frozenset:
 
 def get_strategy(p) -> Strategy:
     """The Strategy for a `parallel` config section."""
-    extra = dict(st_groups=st_groups(p.linear_partition), microbatches=int(p.microbatches) or 2 * int(p.pipeline),
-                 grad_reduce_dtype=str(p.grad_reduce_dtype))
-    if p.strategy == "btp":
-        return Strategy("btp", BTP, online_norm=bool(p.online_norm), **extra)
-    if p.strategy == "vanilla":
-        return Strategy("vanilla", VANILLA, **extra)
-    if p.strategy == "megatron":
-        return Strategy("megatron_sp" if p.sequence_parallel else "megatron",
-                        MEGATRON_SP if p.sequence_parallel else MEGATRON, **extra)
-    raise ValueError(f"config field `parallel.strategy`: unknown {p.strategy!r}")
+    entry = registered(p.strategy)
+    sp = bool(p.sequence_parallel) and entry.sequence_parallel is not None
+    return Strategy(entry.name + ("_sp" if sp else ""), entry.sequence_parallel if sp else entry.rules,
+                    online_norm=entry.online_norm and bool(p.online_norm), st_groups=st_groups(p.linear_partition),
+                    microbatches=int(p.microbatches) or 2 * int(p.pipeline), grad_reduce_dtype=str(p.grad_reduce_dtype))

@@ -38,9 +38,6 @@ FLASH_BACKWARD = 2.5  # FlashAttention's backward: 5 GEMMs (scores recomputed) a
 # against the forward's 2).
 CHUNK = 512
 CHUNKED_BACKWARD = 3.5
-ATTENTION_KINDS = ("materialized", "chunked", "flash")
-# What each model.attention runs as: cudnn and pallas are fused (flash) kernels.
-ATTENTION_OF = {"xla": "materialized", "chunked": "chunked", "cudnn": "flash", "pallas": "flash"}
 # The compiled step's transient buffers, read from its memory report (tests/test_planner.py):
 LOGIT_BUFFERS = 3  # float32 [rows, chunk, V/t] arrays live in the loss (logits, exp, gradient)
 # XLA packs the step's temporaries into one allocation (memory_analysis().temp_size_in_bytes), which
@@ -136,18 +133,16 @@ def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, f
 
 
 def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
-    """How `model.attention = name` runs on a GPU of the cluster (one of ATTENTION_KINDS): `auto`
-    resolves as the trainer does (boost_jax.model.attention.auto_impl) for a GPU in the compute
-    dtype act_bytes stands for."""
-    from boost_jax.config import ATTENTION_IMPLS
+    """The cost class (boost_jax/model/attention.py COST_CLASSES: materialized | chunked | flash) that
+    `model.attention = name` registered, i.e. how it runs on a GPU of the cluster: `auto` resolves as
+    the trainer does (`auto_impl`) for a GPU in the compute dtype act_bytes stands for."""
+    from boost_jax.model import attention  # imports jax: once per search, not per plan
 
-    if name not in ATTENTION_IMPLS:
-        raise ValueError(f"--attention: {name!r} is not one of {ATTENTION_IMPLS}")
+    if name not in attention.names():
+        raise ValueError(f"--attention: {name!r} is not one of {attention.names()}")
     if name == "auto":
-        from boost_jax.model.attention import auto_impl  # imports jax: once per search, not per plan
-
-        name = auto_impl(on_gpu=True, half=act_bytes == 2, head_dim=block.head_dim, queries=seq, keys=seq)
-    return ATTENTION_OF[name]
+        name = attention.auto_impl(on_gpu=True, half=act_bytes == 2, head_dim=block.head_dim, queries=seq, keys=seq)
+    return attention.cost_class(name)
 
 
 def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, float]:
@@ -157,7 +152,7 @@ def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, floa
         fwd = 0.5 * flops * a.imbalance / (cluster.peak_flops * cluster.flash_efficiency)
         return fwd, FLASH_BACKWARD * fwd
     if kind not in ("materialized", "chunked"):
-        raise ValueError(f"attention kind {kind!r} is not one of {ATTENTION_KINDS}")
+        raise ValueError(f"attention cost class {kind!r} has no price here (materialized, chunked, flash)")
     gemm = flops / (cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, min(a.keys, CHUNK if kind ==
                                                                                       "chunked" else a.keys), cluster))
     traffic = a.queries * a.keys * a.heads / cluster.hbm_bandwidth
@@ -218,7 +213,7 @@ def st_recomputed(op: Op, policy: str) -> list:
 def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized",
           act_bytes: int = 2) -> Cost:
     """Forward + backward (+ recompute) time of one operator on one device. `attention`: one of
-    ATTENTION_KINDS (see attention_kind)."""
+    attention cost classes (see attention_kind)."""
     gemm = [gemm_seconds(g.m, g.k, g.n, cluster) for g in op.gemms]
     st = [st_seconds(s, cluster, act_bytes) for s in op.st]
     attn = attention_seconds(op.attn, attention, cluster) if op.attn else (0.0, 0.0)

@@ -6,7 +6,7 @@ lives on the `tensor` group (t devices) in one of these layouts:
     R  replicated            H  features split t ways      S  tokens split t ways
     P  partial sums still to be reduced (only ever an operator's output)
 
-Operators are the four projection groups (qkv, o, gate_up, down; each takes one partition choice:
+Operators are the four projection groups (qkv, o, mlp_in, mlp_out; each takes one partition choice:
 btp, vanilla, megatron or st), the attention and MLP-activation cores (run in whatever layout they
 are fed) and the RMSNorms. Edges between operators redistribute the activation when layouts differ.
 Everything is per device and per micro-batch; M is the micro-batch's tokens on one tensor group.
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-GROUPS = ("qkv", "o", "gate_up", "down")
+from boost_jax.config import PROJECTION_GROUPS as GROUPS  # noqa: F401 - the trainer's group names
+
 # Arrays each operator keeps for the backward without remat, as counted in the compiled train step's
 # buffer assignment (XLA's memory-usage report of the scanned layer's stacked residuals; float32 on
 # emulated CPU devices, btp / megatron / vanilla / st, dense / lowrank / cola; tests/test_planner.py
@@ -37,7 +38,7 @@ SAVED_SCORE = 2  # materialised attention: float32 arrays per score (exp and sof
 SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
 CHOICES = ("btp", "vanilla", "megatron", "st")
 # Megatron's column-parallel groups (the others are row-parallel).
-COLUMN = ("qkv", "gate_up")
+COLUMN = ("qkv", "mlp_in")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Block:
 
     @classmethod
     def from_config(cls, cfg) -> Block:
-        from boost_jax.config import ConfigError
+        from boost_jax.errors import ConfigError
         from boost_jax.model.kinds import kind_class
         m = cfg.model
         kind = kind_class(m.linear)
@@ -77,8 +78,8 @@ class Block:
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
         """(shared input width, output widths) of a projection group."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"qkv": (self.d, (q, kv, kv)), "o": (q, (self.d,)), "gate_up": (self.d, (self.ff, self.ff)),
-                "down": (self.ff, (self.d,))}[group]
+        return {"qkv": (self.d, (q, kv, kv)), "o": (q, (self.d,)), "mlp_in": (self.d, (self.ff, self.ff)),
+                "mlp_out": (self.ff, (self.d,))}[group]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +185,7 @@ class Ctx:
     tokens: float  # M: tokens of a micro-batch on one tensor group
     seq: int
     grid: bool = False  # fsdp == tensor: the (fsdp, tensor) axes form st's n x n grid (n = t)
-    attention: str = "materialized"  # how attention runs: cost.ATTENTION_KINDS (see cost.attention_kind)
+    attention: str = "materialized"  # how attention runs: its cost class (see cost.attention_kind)
     act_bytes: int = 2  # bytes per compute-dtype element
 
     @property
@@ -359,10 +360,6 @@ def _with_saved(op: Op, b: Block, fused: bool) -> Op:
     return op
 
 
-# The model's logical axis names of each group's projections (boost_jax/model/attention.py and
-# transformer.py): (input axis, output axes); a factored kind's stages add "rank" between them.
-PROJECTION_AXES = {"qkv": ("embed", ("heads", "kv_heads", "kv_heads")), "o": ("heads", ("embed",)),
-                   "gate_up": ("embed", ("mlp", "mlp")), "down": ("mlp", ("embed",))}
 _STORED: dict = {}
 
 
@@ -376,7 +373,7 @@ def stored_grid_axes(strategy: str, names: tuple[str, str], shape: tuple[int, in
         from boost_jax.parallel import strategies
         from boost_jax.parallel.rules import spec_for  # imports jax: memoised, off the DP's path
 
-        table = {"btp": strategies.BTP, "vanilla": strategies.VANILLA, "megatron": strategies.MEGATRON}[strategy]
+        table = strategies.registered(strategy).rules
         mesh = types.SimpleNamespace(shape={"pipeline": 1, "data": 1, "fsdp": n, "tensor": n})
         spec = tuple(spec_for(names, shape, mesh, table))
         _STORED[key] = (spec + (None, None))[:2]
@@ -385,13 +382,15 @@ def stored_grid_axes(strategy: str, names: tuple[str, str], shape: tuple[int, in
 
 def st_stored(ctx: Ctx, group: str, strategy: str) -> tuple[list[Coll], float]:
     """What an st group costs beyond P(n x n) under `strategy`'s stored layouts: a weight stored
-    whole along a grid axis (e.g. megatron's factored A of qkv/gate_up, B of o/down: (fsdp, None)) is
+    whole along a grid axis (e.g. megatron's factored A of qkv/mlp_in, B of o/mlp_out: (fsdp, None)) is
     sliced locally for the skew, so its gradient comes back as a block of the replicated shard and
     is all-reduced over that axis, in the compute dtype (the weight is cast before it is skewed).
     Returns those all-reduces and the group's stored weight elements per device x n (the
     `grid_weights` convention: per tensor shard, before the fsdp split)."""
     b, n = ctx.block, ctx.n
     din, douts = b.projections(group)
+    from boost_jax.model.transformer import PROJECTION_AXES  # the model's logical axes of each group
+
     in_axis, out_axes = PROJECTION_AXES[group]
     weights = ([((in_axis, "rank"), (din, b.rank))] * len(douts) + [(("rank", o), (b.rank, w))
                                                                      for o, w in zip(out_axes, douts)]
@@ -508,11 +507,7 @@ def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatche
 # ---------------------------------------------------------------- the trainer's strategies
 
 def uniform_plan(strategy: str, sequence_parallel: bool = False) -> tuple[str, tuple[str, ...], str, str]:
-    """(residual layout, group choices, attention layout, act layout) of a trainer strategy."""
-    if strategy == "btp":
-        return "H", ("btp",) * 4, "H", "H"
-    if strategy == "vanilla":
-        return "R", ("vanilla",) * 4, "R", "R"
-    if strategy == "megatron":
-        return ("S" if sequence_parallel else "R"), ("megatron",) * 4, "H", "H"
-    raise ValueError(f"unknown strategy {strategy!r}")
+    """(residual layout, group choices, attention layout, act layout) of a trainer strategy, as its
+    registry entry declares it (boost_jax/parallel/strategies.py)."""
+    from boost_jax.parallel.strategies import planner_layout
+    return planner_layout(strategy, sequence_parallel)

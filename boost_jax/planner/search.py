@@ -4,8 +4,8 @@ For every factorisation pipeline x data x fsdp x tensor of the device count (pip
 count that divides the layers; see `stage_counts`), every GPipe micro-batch count (S, 2S, 4S; see
 `microbatch_counts`), every gradient-accumulation count that splits the batch evenly and every remat
 policy, one transformer layer is solved by PrimePar's segmented dynamic programme: the residual
-edges cut the block into two segments (norm -> qkv -> attention -> o -> add, norm -> gate_up -> act
--> down -> add); inside a segment the DP state is the activation's layout between operators and an
+edges cut the block into two segments (norm -> qkv -> attention -> o -> add, norm -> mlp_in -> act
+-> mlp_out -> add); inside a segment the DP state is the activation's layout between operators and an
 edge between different layouts costs the redistribution. Each residual layout's segments are solved
 independently and summed; identical layers are combined by multiplying by L (by L/S per stage and
 the M+S-1 GPipe ticks under pipelining). The DP keeps the `keep` best paths per state (k-best), so
@@ -24,7 +24,7 @@ from boost_jax.planner.cluster import Cluster
 
 # GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
 MICROBATCHES_PER_STAGE = (1, 2, 4)
-SEGMENTS = (("qkv", "attention", "o"), ("gate_up", "act", "down"))
+SEGMENTS = (("qkv", "attention", "o"), ("mlp_in", "act", "mlp_out"))
 BUILDERS = {"edge": P.edge, "norm": P.norm, "group": P.group_op, "attention": P.attention, "act": P.activation,
             "add": P.residual_add}
 
@@ -47,7 +47,7 @@ class Mesh:
 @dataclasses.dataclass(frozen=True)
 class Layer:
     """One layer's partitioning: the residual stream's layout, the choice per projection group
-    (qkv, o, gate_up, down) and the layouts the attention and MLP activation run in."""
+    (qkv, o, mlp_in, mlp_out) and the layouts the attention and MLP activation run in."""
     residual: str
     choices: tuple[str, str, str, str]
     attention: str
@@ -322,13 +322,9 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
     return once, per_pass
 
 
-# The trainer's projection-group names (parallel.linear_partition) for the planner's groups.
-TRAINER_GROUPS = dict(zip(P.GROUPS, ("qkv", "o", "mlp_in", "mlp_out")))
-
-
 def linear_partition(layer: Layer) -> str:
     """`parallel.linear_partition` for the layer's st groups ("" when none)."""
-    groups = [TRAINER_GROUPS[g] for g, c in zip(P.GROUPS, layer.choices) if c == "st"]
+    groups = [g for g, c in zip(P.GROUPS, layer.choices) if c == "st"]
     return "st" if len(groups) == len(P.GROUPS) else ",".join(f"{g}=st" for g in groups)
 
 
@@ -337,11 +333,13 @@ def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
     with its st groups spatial-temporal (parallel.linear_partition), else ("no: why", "", False)."""
     if mesh.tensor == 1:
         return "yes", "btp" if block.factored else "megatron", False
-    for strategy, sp in (("btp", False), ("vanilla", False), ("megatron", False), ("megatron", True)):
-        residual, choices, attention, act = P.uniform_plan(strategy, sp)
+    from boost_jax.parallel.strategies import variants  # the registry: every strategy the trainer runs
+
+    for entry, sp in variants():
+        residual, choices, attention, act = P.uniform_plan(entry.name, sp)
         if (layer.residual, layer.attention, layer.act) == (residual, attention, act) and all(
                 c in (base, "st") for c, base in zip(layer.choices, choices)):
-            return "yes", strategy, sp
+            return "yes", entry.name, sp
     if len(set(layer.choices) - {"st"}) > 1:
         return "no: mixed per-group choices", "", False
     return "no: layouts the strategy tables do not express", "", False

@@ -1,10 +1,14 @@
-"""Orbax checkpoints: async saves, keep-last-K, resume, restore into the running mesh's shardings.
+"""Orbax checkpoints: async saves, keep-last-K, resume, and the one way to restore (`restore`).
 
 A checkpoint step holds two items: `state` (params, optimizer state, step, rng; restored into
 abstract target shardings, so any mesh can read any checkpoint) and `meta` (JSON: data position,
 the config, the parameter shapes, a checksum per array). Before restoring, the saved shapes are
 compared with the model being built, so an incompatible checkpoint fails with the names of the
 mismatched parameters and nothing on disk is touched.
+
+`restore(source, abstract_state, ...)` is what train, evaluate, generate and export call: the whole
+state or the parameters only, the newest good step or a given one, onto whatever mesh and strategy
+the abstract tree's shardings describe, checksums verified.
 
 Integrity: a state is saved only if every parameter and optimizer array is finite, and the
 checksum of every array (computed on device, independent of the sharding) is stored in `meta`
@@ -14,6 +18,7 @@ newest good step and renames the bad ones aside (`N.corrupt`), never deleting th
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -132,6 +137,42 @@ def move_aside(step_dir: Path, why: str) -> Path:
     return target
 
 
+@dataclasses.dataclass
+class Restored:
+    state: dict  # the restored tree (just {"params": ...} for a params-only restore)
+    meta: dict  # data position, config, shapes, checksums
+    step: int
+    directory: Path  # the checkpoint root it came from
+
+
+def restore(source, abstract_state, *, step: int | None = None, hint: str = RESTORE_HINT, log=print,
+            field: str = "config field `restore_from`") -> Restored:
+    """The one way to restore. `source`: a run dir, its `checkpoints/` dir, one step dir, or an open
+    Checkpointer (the run's own: it may rename damaged steps aside). `abstract_state`: ShapeDtypeStructs
+    carrying the TARGET shardings (any mesh, any strategy), the whole train state or {"params": ...}
+    for the parameters only. `step`: that step; None: the one a step dir names, else the newest step
+    that restores intact (damaged newer ones are reported and skipped). Checksums are verified;
+    nothing on disk is ever deleted. Errors are CheckpointError with one line naming `field`/`hint`."""
+    own = isinstance(source, Checkpointer)
+    if own:
+        ckpt = source
+    else:
+        root, named = resolve(source, field)
+        step = named if step is None else step
+        ckpt = Checkpointer(root, keep=1, create=False, hint=hint)
+    try:
+        if step is not None:
+            state, meta = ckpt.restore(step, abstract_state)
+        else:
+            if not ckpt.all_steps():
+                raise CheckpointError(f"{field}: no checkpoint in {ckpt.directory}")
+            state, meta, step = ckpt.restore_newest_good(abstract_state, log=log)
+    finally:
+        if not own:
+            ckpt.close()
+    return Restored(state, meta, step, ckpt.directory)
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, keep: int, async_save: bool = True, create=True,
                  owner: bool = False, hint: str = RESTORE_HINT):
@@ -198,18 +239,30 @@ class Checkpointer:
         return meta
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
-        """(state in the abstract tree's shardings, meta), verified against the saved checksums.
+        """(state in the abstract tree's shardings, meta), verified against the saved checksums. An
+        abstract tree holding only "params" reads just those arrays (the optimizer moments stay on disk).
         Raises CheckpointError (CorruptCheckpoint for damaged data), never deletes."""
         meta = self.check_compatible(step, abstract_state)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))
+            if set(abstract_state) == {"params"}:
+                state = self._read_partial(step, abstract_state)
+            else:
+                state = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state)))["state"]
         except Exception as e:  # noqa: BLE001
             raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} could not be restored "
                                     f"({type(e).__name__}: {one_line(e)}); it was left untouched; restore another step "
                                     f"with {self.hint}") from e
-        verify(restored["state"], meta, f"checkpoint {self.directory}/{step}", self.hint)
-        return restored["state"], meta
+        verify(state, meta, f"checkpoint {self.directory}/{step}", self.hint)
+        return state, meta
+
+    def _read_partial(self, step: int, target: dict) -> dict:
+        """Only the arrays of `target` (a subtree of the saved state), in its shardings."""
+        restore_args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target)
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(self.directory / str(step) / "state", args=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args, partial_restore=True))
 
     def restore_newest_good(self, abstract_state, log=print):
         """(state, meta, step) of the newest step that restores intact. Damaged newer steps are skipped

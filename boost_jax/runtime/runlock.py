@@ -1,4 +1,5 @@
-"""One trainer per run directory: an exclusive lock on RUN_DIR/.lock, holding the owner's host and pid.
+"""One trainer per run directory: an exclusive lock on RUN_DIR/.lock, holding the owner's host and pid;
+opening a run directory (created, locked by process 0) and noting config changes on resume.
 
 The lock is an `flock` on the file, which the kernel drops when its holder exits in any way (SIGKILL
 included), so a lock left by a dead run is stale by construction and is simply taken over; the file's
@@ -13,7 +14,11 @@ import os
 import socket
 import time
 from pathlib import Path
-from boost_jax.errors import RunDirBusy
+
+import jax
+import numpy as np
+
+from boost_jax.errors import ConfigError, RunDirBusy
 
 
 class RunLock:
@@ -51,3 +56,54 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def open_run_dir(cfg, main_process: bool):
+    """Create run_dir and take its lock (process 0 holds it for the whole run). One-line errors."""
+    run_dir = Path(cfg.run_dir).expanduser().resolve()
+    lock, busy = RunLock(run_dir), None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if main_process:
+            lock.acquire()
+    except RunDirBusy as e:
+        busy = e
+    except OSError as e:
+        raise ConfigError(f"config field `run_dir`: cannot write to {run_dir} "
+                          f"({e.strerror or e}); choose a writable directory") from e
+    if jax.process_count() > 1:  # every process learns whether process 0 got the lock
+        from jax.experimental import multihost_utils
+        if not np.all(multihost_utils.process_allgather(np.int32(busy is None))):
+            raise busy or RunDirBusy(f"config field `run_dir`: {run_dir} is in use (see process 0)")
+    elif busy:
+        raise busy
+    return run_dir, lock
+
+
+# Settings of one invocation, not of the run: changing them on resume is not worth a note.
+PER_INVOCATION = ("restore_from", "train.stop_at_step", "train.progress", "distributed.", "compile_cache",
+                  "profile_steps", "xla_gpu_flags")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def note_config_change(run_dir: Path, cfg, step: int) -> None:
+    """Resuming with changed settings is allowed, but said aloud; the previous config.json is kept."""
+    path = run_dir / "config.json"
+    try:
+        old = _flat(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return
+    new = _flat(json.loads(cfg.to_json_best_effort()))
+    changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items()
+               if old.get(k) != v and not k.startswith(PER_INVOCATION)]
+    if changed:
+        keep = path.with_name(f"config.before_step{step}.json")
+        path.rename(keep)
+        print(f"note: resuming with a changed config ({'; '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}); "
+              f"the previous config.json is kept as {keep.name}")

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.model import model_from_config
+from boost_jax.parallel.placement import Placement
 from boost_jax.parallel.rules import spec_for
 
 
@@ -73,7 +74,9 @@ def _is_axes(x) -> bool:
 
 
 def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
-    model = nnx.eval_shape(lambda: model_from_config(cfg))
+    """The abstract train state on `mesh` under `strategy`; its graph definition is the model placed
+    there (boost_jax/parallel/placement.py), so the steps built from it run that strategy."""
+    model = nnx.eval_shape(lambda: model_from_config(cfg, Placement(mesh, strategy)))
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     axes = logical_axes(model)

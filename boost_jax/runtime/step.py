@@ -1,15 +1,22 @@
-"""The jitted train and eval steps (one compiled program each, state donated)."""
+"""The train and eval steps: one compiled program each, bound to their mesh and strategy.
+
+`make_train_step` and `make_eval_step` close over the mesh and strategy and trace the model under
+that strategy's rules themselves (`bind`), so a step compiles to the same program wherever and
+whenever it is traced: in the trainer, in a tool, in a test, inside or outside any `use_rules`.
+`boost_jax/runtime/build.py` is the one place that builds them from a config.
+"""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.parallel.grad_reduce import accumulate_grads
-from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.parallel.pipeline import to_microbatches
+from boost_jax.parallel.rules import use_rules
 from boost_jax.runtime.state import trainable, with_frozen
 
 
@@ -18,7 +25,21 @@ def next_token_loss(graphdef, params, tokens, with_z_loss: bool = True):
     return nnx.merge(graphdef, params).next_token_loss(tokens, with_z_loss)
 
 
-def make_train_step(graphdef, tx, schedule):
+def bind(fn, mesh=None, strategy=None):
+    """`fn` traced under `strategy`'s rules on `mesh` whatever rules are current (None: as given)."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+        with use_rules(mesh, strategy):
+            return fn(*args, **kwargs)
+
+    return bound
+
+
+def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None):
+    """The train step of the model `graphdef` on `mesh` under `strategy` (None: one device)."""
     # Differentiate the trainable leaves only; fixed integer leaves ride along unchanged.
     grad_fn = jax.value_and_grad(lambda t, p, x: next_token_loss(graphdef, with_frozen(t, p), x))
 
@@ -29,7 +50,7 @@ def make_train_step(graphdef, tx, schedule):
         params = state["params"]
         trained = trainable(params)
         # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
-        loss, grads = accumulate_grads(lambda t, x: grad_fn(t, params, x), trained, batch)
+        loss, grads = accumulate_grads(lambda t, x: grad_fn(t, params, x), trained, batch, mesh, strategy)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], trained)
         new_trained = optax.apply_updates(trained, updates)
@@ -45,10 +66,10 @@ def make_train_step(graphdef, tx, schedule):
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite}
         return new_state, metrics
 
-    return train_step
+    return bind(train_step, mesh, strategy)
 
 
-def make_eval_step(graphdef, microbatches: int = 1):
+def make_eval_step(graphdef, microbatches: int = 1, mesh=None, strategy=None):
     """Mean cross-entropy (no z-loss) of tokens [B, T+1], run as `microbatches` sequential slices
     (as training runs its grad_accum micro-batches), so evaluation fits wherever training fits."""
     def eval_step(params, tokens):
@@ -57,35 +78,4 @@ def make_eval_step(graphdef, microbatches: int = 1):
         micro = to_microbatches(tokens, microbatches)  # each device keeps its rows
         return jax.lax.map(lambda x: next_token_loss(graphdef, params, x, with_z_loss=False), micro).mean()
 
-    return eval_step
-
-
-def jit_train_step(spec, tx, schedule, mesh):
-    """(the jitted train step, the sharding of its [grad_accum, micro_batch, T+1] batch).
-
-    The trainer runs it and the tools lower it, so what the tools report is what runs."""
-    batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
-    step = jax.jit(make_train_step(spec.graphdef, tx, schedule), donate_argnums=0,
-                   in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None))
-    return step, batch_sharding
-
-
-
-def lower_train_step(cfg, devices=None):
-    """(the lowered train step, its batch sharding, the state spec, the mesh) for `cfg`, from abstract
-    shapes only (nothing is allocated): what benchmarks and tests compile to read the program."""
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import state_spec
-
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
-    with use_rules(mesh, strategy):  # the model's sharding constraints read it while tracing
-        spec = state_spec(cfg, tx, mesh, strategy)
-        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
-        t = cfg.train
-        batch = jax.ShapeDtypeStruct((t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), jnp.int32,
-                                     sharding=batch_sharding)
-        return step.lower(spec.abstract, batch), batch_sharding, spec, mesh
+    return bind(eval_step, mesh, strategy)

@@ -11,7 +11,8 @@ layer scan unrolled at n_layers=1 and 2 so every layer's collectives are listed 
 per layer = (2 layers) - (1 layer), the rest (embedding, head, loss, optimizer) = (1 layer) - per
 layer, and the whole model = rest + L x per layer ("lowered at 1 and 2 layers, scaled to L").
 
-Strategies: `btp`, `vanilla`, `megatron`, optionally `NAME:LINEAR` (LINEAR = dense|lowrank|cola).
+Strategies: any registered (`btp`, `vanilla`, `megatron`, ...: boost_jax/parallel/strategies.py), optionally
+`NAME:LINEAR` (LINEAR: any linear kind, boost_jax/model/kinds/).
 `megatron` alone means the full-rank (dense) twin of the config, the baseline BOOST compares with
 (`megatron:cola` forces the low-rank model); the others use the config's own `model.linear`.
 
@@ -34,7 +35,6 @@ import time
 from boost_jax.tools.devices import emulate_cpu_devices, load_config, parse_mesh, pick_devices
 
 PROGRAMS = ("forward", "forward_backward", "train_step")
-LINEARS = ("dense", "lowrank", "cola")
 GIB = 2 ** 30
 FIELDS = ("count", "elements", "bytes")  # of a tally entry
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A", "collective-permute": "CP"}
@@ -112,17 +112,19 @@ def _sum_by(tally: dict, group) -> dict:
 # ---------------------------------------------------------------- configs and compiles
 
 def parse_strategies(text) -> list[tuple[str, str | None]]:
-    """'btp,megatron:cola' -> [('btp', None), ('megatron', 'cola')]; None: the default linear."""
-    from boost_jax.config import STRATEGIES
+    """'btp,megatron:cola' -> [('btp', None), ('megatron', 'cola')]; None: the default linear.
+    Names come from the strategy and linear-kind registries."""
+    from boost_jax.model import kinds
+    from boost_jax.parallel import strategies
 
     items = text.split(",") if isinstance(text, str) else list(text)
     out = []
     for item in items:
         name, _, linear = item.strip().partition(":")
-        if name not in STRATEGIES:
-            raise SystemExit(f"--strategy: {name!r} is not one of {STRATEGIES}")
-        if linear and linear not in LINEARS:
-            raise SystemExit(f"--strategy: {item!r}: the part after ':' must be one of {LINEARS}")
+        if name not in strategies.names():
+            raise SystemExit(f"--strategy: {name!r} is not one of {strategies.names()}")
+        if linear and linear not in kinds.names():
+            raise SystemExit(f"--strategy: {item!r}: the part after ':' must be one of {kinds.names()}")
         out.append((name, linear or None))
     return out
 
@@ -130,7 +132,7 @@ def parse_strategies(text) -> list[tuple[str, str | None]]:
 def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, seq: int, dtype: str,
                    remat: str | None = None):
     """The config one strategy column is measured on (depth and unrolling are set per compile)."""
-    from boost_jax.config import validate
+    from boost_jax.validate import validate
 
     c = base.copy_and_resolve_references()
     linear = linear or ("dense" if strategy == "megatron" else c.model.linear)
@@ -149,48 +151,37 @@ def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, se
 
 
 def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool, partitioned: bool = False):
-    """(compiled, mesh, seconds) for one program at one depth, from abstract shapes only; with
-    `partitioned`, also its HLO right after SPMD partitioning (collectives in their logical dtypes)."""
+    """(compiled, mesh, seconds) for one program at one depth, from abstract shapes only (the runtime's
+    builder: the trainer's own steps); with `partitioned`, also its HLO right after SPMD partitioning
+    (collectives in their logical dtypes)."""
     import jax
-    import jax.numpy as jnp
 
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.rules import use_rules
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import state_spec, trainable, with_frozen
-    from boost_jax.runtime.step import jit_train_step, next_token_loss
+    from boost_jax.runtime.build import build
+    from boost_jax.runtime.state import trainable, with_frozen
 
     cfg = cfg.copy_and_resolve_references()
     cfg.model.n_layers, cfg.model.scan_unroll = n_layers, unroll
-    tx, schedule = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
     start = time.perf_counter()
-    with use_rules(mesh, strategy):  # the model's sharding constraints read it while tracing
-        spec = state_spec(cfg, tx, mesh, strategy)
-        step, batch_sharding = jit_train_step(spec, tx, schedule, mesh)
-        batch = jax.ShapeDtypeStruct((1, cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
-                                     sharding=batch_sharding)
-        if program == "train_step":
-            lowered = step.lower(spec.abstract, batch)
-        else:
-            def loss(params, b):
-                return next_token_loss(spec.graphdef, params, b[0])
+    built = build(cfg, devices)
+    spec, batch = built.spec, built.abstract_batch()
+    if program == "train_step":
+        lowered = built.lower_train()
+    else:
+        loss = built.loss_fn()
 
-            # Gradients come out in the parameters' layout, as the optimizer receives them.
-            def grads(params, b):  # of the trainable leaves, as in the train step
-                return jax.grad(lambda t: loss(with_frozen(t, params), b))(trainable(params))
+        # Gradients come out in the parameters' layout, as the optimizer receives them.
+        def grads(params, b):  # of the trainable leaves, as in the train step
+            return jax.grad(lambda t: loss(with_frozen(t, params), b[0]))(trainable(params))
 
-            fn = jax.jit(loss) if program == "forward" else jax.jit(
-                grads, out_shardings=trainable(spec.abstract["params"], spec.shardings["params"]))
-            lowered = fn.lower(spec.abstract["params"], batch)
-        if partitioned:
-            from boost_jax.tools.hlo_comm import compile_partitioned
+        fn = jax.jit(lambda params, b: loss(params, b[0])) if program == "forward" else jax.jit(
+            grads, out_shardings=trainable(spec.abstract["params"], spec.shardings["params"]))
+        lowered = fn.lower(spec.abstract["params"], batch)
+    if partitioned:
+        from boost_jax.tools.hlo_comm import compile_partitioned
 
-            compiled, text = compile_partitioned(lowered)
-            return compiled, mesh, time.perf_counter() - start, text
-        compiled = lowered.compile()
-    return compiled, mesh, time.perf_counter() - start
+        compiled, text = compile_partitioned(lowered)
+        return compiled, built.mesh, time.perf_counter() - start, text
+    return lowered.compile(), built.mesh, time.perf_counter() - start
 
 
 def _cost_flops(compiled) -> float | None:
@@ -424,7 +415,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     mesh = parse_mesh(args.mesh)
     emulate_cpu_devices(math.prod(mesh))  # before report() imports jax
-    from boost_jax.config import ConfigError
+    from boost_jax.errors import ConfigError
 
     if len(mesh) == 4:
         try:

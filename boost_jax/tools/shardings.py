@@ -32,14 +32,11 @@ def _param_table(cfg, devices):
     """param_table's three, and the parameters' dtypes by path."""
     import jax
 
-    from boost_jax.runtime.optim import make_optimizer
-    from boost_jax.parallel.mesh import make_mesh
-    from boost_jax.parallel.strategies import get_strategy
-    from boost_jax.runtime.state import _is_axes, state_spec
+    from boost_jax.runtime.build import build
+    from boost_jax.runtime.state import _is_axes
 
-    tx, _ = make_optimizer(cfg.train)
-    mesh, strategy = make_mesh(cfg, devices), get_strategy(cfg.parallel)
-    spec = state_spec(cfg, tx, mesh, strategy)
+    built = build(cfg, devices)
+    spec, mesh = built.spec, built.mesh
     axes = {_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(spec.axes, is_leaf=_is_axes)[0]}
     rows, shardings, dtypes = [], {}, {}
     for p, leaf in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]:
@@ -105,17 +102,20 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_60m.py")
     ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor sizes (default 1,1,4)")
-    ap.add_argument("--strategy", help="btp | vanilla | megatron (default: the config's parallel.strategy)")
+    ap.add_argument("--strategy", help="a registered strategy, e.g. btp | vanilla | megatron (default: the "
+                                       "config's parallel.strategy)")
     ap.add_argument("--show", metavar="PARAM_PATH", help="draw one parameter's layout, e.g. layers/attn/q/a")
     args = ap.parse_args(argv)
     mesh_sizes = parse_mesh(args.mesh)
     emulate_cpu_devices(math.prod(mesh_sizes))  # before anything imports jax
-    from boost_jax.config import STRATEGIES, ConfigError, validate
+    from boost_jax.errors import ConfigError
+    from boost_jax.parallel.strategies import names
+    from boost_jax.validate import validate
 
     cfg = load_config(args.config)
     if args.strategy:
-        if args.strategy not in STRATEGIES:
-            raise SystemExit(f"--strategy: {args.strategy!r} is not one of {STRATEGIES}")
+        if args.strategy not in names():
+            raise SystemExit(f"--strategy: {args.strategy!r} is not one of {names()}")
         cfg.parallel.strategy = args.strategy
     data, fsdp, tensor = mesh_sizes
     cfg.parallel.update(data=data, fsdp=fsdp, tensor=tensor, num_devices=math.prod(mesh_sizes))

@@ -67,6 +67,12 @@ class LinearKind(nnx.Module):
         raise NotImplementedError
 
     @classmethod
+    def axis_units(cls, m) -> dict[str, tuple[str, int]]:
+        """{logical axis: (config field, whole units)} of the axes this kind adds to its projections'
+        (the rank of a factored kind): what a mesh axis splitting that axis must divide."""
+        return {"rank": ("model.rank", int(m.rank))} if cls.factored else {}
+
+    @classmethod
     def nonlinear(cls, m) -> bool:
         """True when σ at the bottleneck is a nonlinearity (so the MLP may drop SwiGLU's σ)."""
         return False
@@ -112,7 +118,3 @@ class LinearKind(nnx.Module):
     @property
     def second_shape(self) -> tuple[int, int]:
         return (self.width, self.d_out)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        from boost_jax.model.linear import project
-        return project([self], x, grouped=False)[0]

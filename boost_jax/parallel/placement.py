@@ -1,0 +1,151 @@
+"""What a strategy on a mesh hands the model when the model is built.
+
+The model never asks which strategy is running. `Placement(mesh, strategy)` (or `LOCAL`: one
+device, no mesh) chooses once, at construction, the objects the model's modules apply, and the
+modules keep them as fields, where a reader sees them:
+
+- `norm(impl)`: how an RMSNorm kernel runs: as XLA partitions it (`Norm`), or, for a Pallas/Triton
+  call that GSPMD cannot partition, once per shard inside `shard_map` (`PerShardNorm`);
+- `group(name, factored)`: how a projection group's GEMMs run: the model's own grouped GEMMs
+  (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
+  PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
+- `pipeline()`: None (the model scans its layers), or the GPipe schedule over the `pipeline` axis.
+
+They are frozen dataclasses: equal when built alike and hashable, as fields of an NNX graph
+definition must be. Activation layouts inside them are still looked up in the rules current while
+tracing (`rules.constrain`, `rules.logical_spec`): the step builder sets those, and the data and
+pipeline islands narrow them for their replicas.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from boost_jax.parallel import rules
+from boost_jax.parallel.rules import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """The norm as XLA partitions it (its XLA kernel), or on one device."""
+
+    def __call__(self, rows, x, scale, names):
+        return rows(x, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerShardNorm:
+    """A Pallas/Triton norm call (not partitioned by GSPMD) run on each shard's rows. Rows split
+    along d (BTP without online norm) need whole rows: those run the XLA kernel instead."""
+    mesh: Mesh
+
+    def __call__(self, rows, x, scale, names):
+        spec = rules.logical_spec(names, x.shape)
+        if spec is None:  # traced outside any rules: the rows as given
+            return rows(x, scale)
+        if len(spec) == x.ndim and spec[-1] is not None:
+            return rows(x, scale, "xla")
+        return jax.shard_map(lambda v, w: rows(v, w), mesh=self.mesh, in_specs=(spec, P()), out_specs=spec,
+                             check_vma=False)(x, scale)  # a pallas_call has no vma types
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """The model's own grouped GEMMs (boost_jax/model/linear.py `project`), nothing replaced."""
+    fuses_norm = False  # the group's norm is fused with its first stage (`norm_first_stage`)
+    replaces_projection = False  # `project` computes each projection's output
+
+
+GROUPED = Grouped()
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineNorm(Grouped):
+    """BTP's online RMSNorm: the norm's statistics travel in the A partial products' all-reduce."""
+    mesh: Mesh
+    reduce_dtype: str  # parallel.grad_reduce_dtype: A's gradient is summed over the batch in it
+    fuses_norm = True
+
+    def norm_first_stage(self, x, scale, a_stack, *, eps, impl):
+        from boost_jax.parallel.online_norm import online_norm_matmul
+        return online_norm_matmul(x, scale, a_stack, eps=eps, mesh=self.mesh, impl=impl,
+                                  reduce_dtype=self.reduce_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpatialTemporal(Grouped):
+    """PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid for every projection of the group."""
+    mesh: Mesh
+    strategy: Strategy
+    replaces_projection = True
+
+    def project(self, proj, x):
+        from boost_jax.parallel.spatial_temporal import project_sharded
+        return project_sharded(proj, x, self.mesh, self.strategy)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPipe:
+    """The layer stack as a GPipe schedule over the `pipeline` axis (boost_jax/parallel/pipeline.py)."""
+    mesh: Mesh
+    strategy: Strategy
+    stages: int
+    microbatches: int
+
+    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False):
+        """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...]."""
+        from boost_jax.parallel.pipeline import gpipe
+        # Training positions are the same for every row. A fresh iota of the micro-batch's shape (the
+        # rows gpipe hands the stage) is built on every device; slicing the batch-sharded positions
+        # would move rows between devices.
+        pos_row = positions[:1] if positions is not None else jnp.arange(x.shape[1])[None]
+
+        def stage(stage_state, x_micro):
+            micro_pos = jnp.broadcast_to(pos_row, x_micro.shape[:2])
+            return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
+                                unroll=unroll)[0]
+
+        return gpipe(stage, layer_state, x, stages=self.stages, microbatches=self.microbatches, unroll=unroll,
+                     mesh=self.mesh, strategy=self.strategy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A strategy bound to a mesh; `LOCAL` (no mesh) is one device with nothing partitioned."""
+    mesh: Mesh | None = None
+    strategy: Strategy | None = None
+
+    def norm(self, impl: str):
+        return Norm() if self.mesh is None or impl == "xla" else PerShardNorm(self.mesh)
+
+    def group(self, name: str, factored: bool):
+        if self.mesh is None:
+            return GROUPED
+        if name in self.strategy.st_groups:
+            return SpatialTemporal(self.mesh, self.strategy)
+        if self.strategy.online_norm and self.mesh.shape["tensor"] > 1 and factored:
+            return OnlineNorm(self.mesh, self.strategy.grad_reduce_dtype)
+        return GROUPED
+
+    def pipeline(self):
+        if self.mesh is None or self.mesh.shape.get("pipeline", 1) == 1:
+            return None
+        return GPipe(self.mesh, self.strategy, self.mesh.shape["pipeline"], self.strategy.microbatches)
+
+    def require_rules(self) -> None:
+        """A model built for a mesh traced without that mesh's rules would compile another program
+        (its activation layouts unpinned): refuse, naming what to do."""
+        if self.mesh is None:
+            return
+        ctx = rules.current()
+        if ctx is None or ctx[0] != self.mesh:
+            raise RuntimeError(
+                f"this model was built for a {dict(self.mesh.shape)} mesh under strategy {self.strategy.name!r} but "
+                "is traced outside its rules: call it through the steps boost_jax.runtime.build makes, or inside "
+                "`with boost_jax.parallel.rules.use_rules(mesh, strategy)`")
+
+
+LOCAL = Placement()

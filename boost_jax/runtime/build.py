@@ -1,0 +1,104 @@
+"""The one place a run config becomes programs: mesh, strategy, abstract state, the jitted steps.
+
+    built = build(cfg)                  # validated; nothing is allocated
+    state = built.init_state()          # or restored into built.spec.abstract (runtime/checkpoint.py)
+    state, metrics = built.train_step(state, batch)     # batch in built.batch_sharding
+    compiled = built.lower_train().compile()            # the same program, from abstract shapes
+
+The trainer, evaluate, generate, export, the tools (comm report, shardings, the planner's
+`--verify`), the benchmarks and the tests all build through here, so what a tool reports or a test
+checks is the program the trainer runs. The steps carry their mesh and strategy (runtime/step.py):
+they compile alike wherever they are traced.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
+from boost_jax.parallel.rules import Strategy
+from boost_jax.parallel.strategies import get_strategy
+from boost_jax.runtime.optim import make_optimizer
+from boost_jax.runtime.state import StateSpec, init_state, state_spec
+from boost_jax.runtime.step import bind, make_eval_step, make_train_step, next_token_loss
+from boost_jax.validate import check_mesh, validate
+
+
+@dataclasses.dataclass
+class Built:
+    cfg: object
+    mesh: Mesh
+    strategy: Strategy
+    tx: object  # the optax optimizer
+    schedule: object  # step -> learning rate
+    spec: StateSpec  # abstract state, its shardings, the model's graph definition
+    train_step: object  # jitted (state, batch [grad_accum, micro_batch, T+1]) -> (state, metrics); state donated
+    batch_sharding: NamedSharding
+    eval_step: object  # jitted (params, tokens [B, T+1]) -> mean loss
+    eval_sharding: NamedSharding
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        t = self.cfg.train
+        return jax.ShapeDtypeStruct((t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), jnp.int32,
+                                    sharding=self.batch_sharding)
+
+    def lower_train(self):
+        """The train step lowered from abstract shapes (`.compile()` it to read HLO and memory)."""
+        return self.train_step.lower(self.spec.abstract, self.abstract_batch())
+
+    def init_state(self) -> dict:
+        return init_state(self.cfg, self.tx, self.spec)
+
+    def bind(self, fn):
+        """`fn` traced under this build's rules wherever it is traced (as the steps are). Bind the
+        outermost function: a bound function sets the full strategy's rules, also inside an island."""
+        return bind(fn, self.mesh, self.strategy)
+
+    def loss_fn(self, with_z_loss: bool = True):
+        """(params, tokens [B, T+1]) -> mean loss, bound to this mesh and strategy like the steps."""
+        graphdef = self.spec.graphdef
+        return self.bind(lambda params, tokens: next_token_loss(graphdef, params, tokens, with_z_loss))
+
+
+def build(cfg, devices=None, optimizer=None) -> Built:
+    """Validate `cfg`, lay its mesh over `devices` (default: every device, or parallel.num_devices of
+    them) and build the abstract state and the jitted train and eval steps. `optimizer`: (optax
+    transformation, lr schedule) in place of the config's AdamW (tests use plain SGD)."""
+    validate(cfg)
+    mesh = make_mesh(cfg.parallel, devices)
+    check_mesh(cfg, mesh)
+    strategy = get_strategy(cfg.parallel)
+    tx, schedule = optimizer or make_optimizer(cfg.train)
+    spec = state_spec(cfg, tx, mesh, strategy)
+    t = cfg.train
+    batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+    train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule, mesh, strategy), donate_argnums=0,
+                         in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None))
+    eval_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    eval_step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum, mesh, strategy),
+                        in_shardings=(spec.shardings["params"], eval_sharding))
+    return Built(cfg, mesh, strategy, tx, schedule, spec, train_step, batch_sharding, eval_step, eval_sharding)
+
+
+def load_model(checkpoint: str):
+    """(model with a checkpoint's parameters on one device, the run's config, its tokenizer), from a
+    run dir, its checkpoints/ dir or one step dir: generate and export sample and write from it. Only
+    the parameters are read; damaged or non-finite weights are refused (CheckpointError). The model
+    is built unplaced (no mesh), so it runs outside any rules, e.g. step by step with a KV cache."""
+    from flax import nnx
+
+    from boost_jax.data import load_tokenizer
+    from boost_jax.model import model_from_config
+    from boost_jax.parallel.mesh import ONE_DEVICE
+    from boost_jax.runtime.checkpoint import read_run, restore
+
+    cfg, root, step = read_run(checkpoint)
+    cfg.parallel.update(ONE_DEVICE)  # whatever mesh saved it: the abstract target carries the sharding
+    built = build(cfg, jax.devices()[:1])
+    params = restore(root, {"params": built.spec.abstract["params"]}, step=step, hint="--checkpoint DIR/STEP",
+                     field="--checkpoint").state["params"]
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_from_config(cfg)))
+    return nnx.merge(graphdef, params), cfg, load_tokenizer(cfg.data.tokenizer)

@@ -1,0 +1,98 @@
+"""What a run reports while it trains: metrics.jsonl + TensorBoard, the progress bar, throughput and
+MFU over each logging window, evaluations, and an optional profiler trace."""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+from tqdm import tqdm
+
+from boost_jax import config as config_lib
+from boost_jax.runtime.metrics import MetricsWriter, fmt_mfu, throughput
+
+
+def _num(x) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+class Reporter:
+    """Metrics (process 0 writes), the progress bar and the throughput window of one run."""
+
+    def __init__(self, cfg, run_dir, *, main_process: bool, step: int, flops_per_token: float):
+        t = cfg.train
+        self.main = main_process
+        self.writer = MetricsWriter(str(run_dir), enabled=main_process)
+        self.tokens_per_step, self.flops_per_token = t.global_batch * t.seq_len, flops_per_token
+        self.device_kind, self.n_devices = jax.devices()[0].device_kind, jax.device_count()
+        self.evals: list[tuple[int, float]] = []
+        self.bar = None
+        self.name, self.total, self.progress = cfg.name, t.steps, t.progress
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.start = step
+
+    def start_bar(self, step: int) -> None:
+        self.bar = tqdm(total=self.total, initial=step, disable=not (self.main and self.progress),
+                        dynamic_ncols=True, desc=self.name, unit="step")
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def note(self, text: str) -> None:
+        if self.main:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def write(self, step: int, record: dict) -> None:
+        self.writer.write(step, record)
+
+    def step_done(self) -> None:
+        self.bar.update(1)
+        self.window_steps += 1
+
+    def log(self, step: int, m: dict, skipped: int, extra: dict) -> None:
+        """One logging window: loss, perplexity, grad norm, lr, step time, tokens/s, TFLOP/s, MFU."""
+        elapsed = time.perf_counter() - self.window_start
+        rate = throughput(self.tokens_per_step * self.window_steps, elapsed, self.flops_per_token,
+                          self.n_devices, self.device_kind)
+        loss = _num(m["loss"]) if m["finite"] else None
+        record = {"loss": loss, "perplexity": None if loss is None else math.exp(min(loss, 50.0)),
+                  "grad_norm": _num(m["grad_norm"]), "lr": float(m["lr"]), "skipped_steps": skipped,
+                  "step_time_s": elapsed / self.window_steps, **rate, **extra}
+        self.writer.write(step, record)
+        self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.3f}", tok_s=f"{rate['tokens_per_s']:.0f}",
+                             mfu=fmt_mfu(rate["mfu"]))
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def eval(self, step: int, loss: float, say: bool = True) -> None:
+        self.evals.append((step, loss))
+        self.writer.write(step, {"eval_loss": loss})
+        if say and self.main:
+            self.bar.write(f"step {step}: eval loss {loss:.4f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.writer.close()
+
+
+class Profiler:
+    """A jax.profiler trace of train steps [first, last] (1-based, `profile_steps`) into `directory`."""
+
+    def __init__(self, steps: str, directory: str, say):
+        self.range, self.directory, self.say, self.active = config_lib.profile_range(steps), directory, say, False
+
+    def before(self, step: int) -> None:  # step: the number of the step about to run
+        if self.range and not self.active and self.range[0] <= step <= self.range[1]:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after(self, step: int, state) -> None:  # step: the number of the step that just ran
+        if self.active and step >= self.range[1]:
+            self.stop(state, step)
+
+    def stop(self, state, step: int) -> None:
+        if self.active:
+            jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
+            jax.profiler.stop_trace()
+            self.active = False
+            self.say(f"profile of steps {self.range[0]}..{step} written to {self.directory} "
+                     f"(tensorboard --logdir {self.directory}, profile tab)")

@@ -1,0 +1,68 @@
+"""Validation that needs the registries: each is asked about its own part of a run config.
+
+`config.check_fields` checks plain values; here the linear kinds, attention implementations,
+strategies, data sources, norm kernels and remat policies check their names (each registry is the
+one source of them), a kind checks its own fields, and `check_mesh` derives what a mesh must divide
+from the strategy's rule table and the logical axes the model and its kinds declare. Errors are
+`ConfigError`s naming the field. This module sits above the model, parallel and data layers and
+below the runtime, whose builder calls both functions.
+"""
+from __future__ import annotations
+
+from boost_jax import config as config_lib
+from boost_jax.config import check
+from boost_jax.errors import ConfigError
+
+
+def _one_of(value, names, field: str) -> None:
+    check(value in names, field, f"{value!r} is not one of {tuple(names)}")
+
+
+def validate(c):
+    """Reject configurations that cannot build, naming the field and what would work; returns c."""
+    from boost_jax import data
+    from boost_jax.kernels import rmsnorm
+    from boost_jax.model import attention, kinds, remat
+    from boost_jax.model.transformer import projection_widths
+    from boost_jax.parallel import strategies
+
+    m, p = c.model, c.parallel
+    _one_of(m.linear, kinds.names(), "model.linear")
+    config_lib.check_fields(c)
+    problem = kinds.kind_class(m.linear).validate(m, projection_widths(m))
+    if problem:
+        field, _, message = problem.partition(": ")
+        raise ConfigError(f"config field `{field}`: {message}")
+    _one_of(m.attention, attention.names(), "model.attention")
+    _one_of(c.remat.policy, remat.POLICIES, "remat.policy")
+    _one_of(c.data.source, data.SOURCES, "data.source")
+    _one_of(p.strategy, strategies.names(), "parallel.strategy")
+    _one_of(c.kernels.rmsnorm, rmsnorm.IMPLS, "kernels.rmsnorm")
+    strategies.st_groups(p.linear_partition)
+    if c.data.source != "embedded":
+        for field, spec in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path)):
+            try:
+                data.parse_mixture(spec, field) if spec else None
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    return c
+
+
+def check_mesh(cfg, mesh) -> None:
+    """What `mesh` must divide for this model under cfg's strategy: every logical axis the strategy
+    splits over `tensor` (its rule table) in whole units (the model's and its kind's axes), the
+    spatial-temporal grid's widths, the batch and the pipeline."""
+    from boost_jax.model.kinds import kind_class
+    from boost_jax.model.transformer import axis_units, projection_widths
+    from boost_jax.parallel import mesh as mesh_lib
+    from boost_jax.parallel.strategies import get_strategy
+
+    m, sizes = cfg.model, dict(mesh.shape)
+    strategy = get_strategy(cfg.parallel)
+    mesh_lib.check_tensor_split(strategy.rules, sizes["tensor"], axis_units(m))
+    if strategy.st_groups:
+        widths = projection_widths(m)
+        if kind_class(m.linear).factored:
+            widths["model.rank"] = int(m.rank)
+        mesh_lib.check_grid(sizes, widths)
+    mesh_lib.check_batch(cfg, sizes)

@@ -1,0 +1,228 @@
+"""Every command the README shows runs here, at the shapes it shows (compile-only where a run would be
+large), so a README command cannot break unseen: `COMMANDS` says how each one is run, and a command
+added to the README without an entry here fails `test_every_readme_command_is_run`.
+
+How a command runs (the value in COMMANDS):
+- "tiny": in a scratch directory standing for the repository's working directory, one after the
+  other (the default job, then generate/evaluate/plot/export/import on its `runs/tiny`). The
+  default job stops at step 40 with `--config.train.stop_at_step` (the same shapes and schedule);
+- "compile": the train command's config, parsed as the command line parses it, built and its train
+  step compiled from abstract shapes (nothing is allocated): the zoo's shapes compile on emulated
+  CPU devices (the multi-process launcher and the SLURM template start this same program; their own
+  mechanics: tests/test_multihost.py, tests/test_launch.py);
+- "tool": the tool's `main` with the README's arguments (outputs that would land in the repository
+  go to the scratch directory instead);
+- "test_x.py::test_y": run by that test (its file must hold it), e.g. the export commands on runs the
+  README does not make.
+"""
+import gzip
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = {
+    "pip install -e . && python -m boost_jax.train": "tiny",
+    "pip install -e '.[test]' && pytest": "the suite itself (.ci/run)",
+    "python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_train.bin "
+    "--config.data.eval_path=/data/c4_val.bin --config.run_dir=runs/cola_60m": "compile",
+    "python -m boost_jax.train --config.train.steps=1000 --config.model.linear=dense": "compile",
+    'python -m boost_jax.generate --checkpoint runs/tiny --prompt "def main(" --max_new_tokens 200': "tiny",
+    "python -m boost_jax.data.prepare /data/c4/*.json.gz --out /data/c4_tok --tokenizer t5.model": "tool",
+    "python -m boost_jax.tools.shardings --config configs/tt_1b.py": "tool",
+    "python benchmarks/grad_reduce.py --pipeline": "tool",
+    "python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 "
+    "--strategy btp,vanilla,megatron": "tool",
+    "python -m boost_jax.tools.shardings --config configs/cola_1b.py --mesh 1,1,8 --strategy btp": "tool",
+    "launch/local_multiprocess.sh 2 --config.parallel.data=2 --config.parallel.tensor=4": "compile",
+    "sbatch --nodes=4 launch/slurm/train.sbatch configs/cola_1b.py --config.data.path=...": "compile",
+    "python -m boost_jax.evaluate --checkpoint runs/tiny": "tiny",
+    "python -m boost_jax.tools.plot runs/tiny": "tiny",
+    "python -m boost_jax.xla_gpu_flags --explain": "tool",
+    "pip install -e '.[hf]'": "the test extras install safetensors (tests/test_export.py)",
+    "python -m boost_jax.export --checkpoint runs/llama_tiny --out hf/llama_tiny":
+        "test_export.py::test_dense_export_import_is_bit_identical",
+    "python -m boost_jax.export --import-hf hf/llama_tiny --out runs/imported":
+        "test_export.py::test_dense_export_import_is_bit_identical",
+    "python -m boost_jax.export --checkpoint runs/tiny --out hf/cola_tiny": "tiny",
+    "python -m boost_jax.export --import-hf hf/cola_1b --out runs/cola_1b --intermediate-multiple 32":
+        "test_export.py::test_intermediate_padding_is_inert",
+    "python -m boost_jax.generate --checkpoint runs/imported": "tiny",
+    "python -m boost_jax.plan --config configs/cola_7b.py --devices 32 --cluster configs/clusters/a100_4x.py": "tool",
+}
+
+
+def readme_commands() -> list[str]:
+    """Each line of the README's bash blocks, and each inline `python -m MODULE ARGS...`,
+    `python benchmarks/...`, `launch/...` or `sbatch ...` span (a bare `python -m MODULE` names a
+    command in prose; the README's full lines show how to run it)."""
+    text = (ROOT / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = " ".join(re.sub(r"\s+#.*$", "", line).split())
+            if line:
+                out.append(line)
+    prose = re.sub(r"\s*\n\s*", " ", re.sub(r"```.*?```", "", text, flags=re.S))
+    for span in re.findall(r"`([^`]+)`", prose):
+        span = " ".join(span.split())
+        if re.match(r"python -m \S+ \S|python benchmarks/\S+|launch/\S+\.sh|sbatch ", span):
+            out.append(span)
+    return list(dict.fromkeys(out))
+
+
+def test_every_readme_command_is_run():
+    shown = readme_commands()
+    missing = [c for c in shown if c not in COMMANDS]
+    assert not missing, f"README commands no test runs (add them to tests/test_readme.py COMMANDS): {missing}"
+    stale = [c for c in COMMANDS if c not in shown]
+    assert not stale, f"COMMANDS entries the README no longer shows: {stale}"
+    for how in COMMANDS.values():  # a referenced test must exist where it is named
+        if "::" in how:
+            file, name = how.split("::")
+            assert f"def {name}(" in (ROOT / "tests" / file).read_text(), how
+
+
+def _argv(command: str) -> list[str]:
+    import shlex
+    return shlex.split(command.split(" && ")[-1])
+
+
+# ---------------------------------------------------------------- "tiny": the default job and its runs/tiny
+
+@pytest.fixture(scope="module")
+def tiny_cwd(tmp_path_factory):
+    """A working directory where the default job has run (stopped at step 40) into runs/tiny."""
+    from boost_jax import train
+    cwd = tmp_path_factory.mktemp("cwd")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        argv = _argv("pip install -e . && python -m boost_jax.train") + ["--config.train.stop_at_step=40",
+                                                                        "--config.train.progress=false"]
+        summary = train.run(train.parse_config(argv))
+    assert summary["step"] == 40 and summary["last_checkpoint_step"] == 40
+    return cwd
+
+
+def _in(cwd, monkeypatch, command: str, main) -> None:
+    monkeypatch.chdir(cwd)
+    assert main(_argv(command)[3:]) in (0, None), command
+
+
+def test_tiny_generate_evaluate_plot(tiny_cwd, monkeypatch, capsys):
+    from boost_jax import evaluate, generate
+    from boost_jax.tools import plot
+    _in(tiny_cwd, monkeypatch, 'python -m boost_jax.generate --checkpoint runs/tiny --prompt "def main(" '
+        '--max_new_tokens 200', generate.main)
+    assert capsys.readouterr().out.startswith("def main(")
+    _in(tiny_cwd, monkeypatch, "python -m boost_jax.evaluate --checkpoint runs/tiny", evaluate.main)
+    assert "perplexity" in capsys.readouterr().out
+    _in(tiny_cwd, monkeypatch, "python -m boost_jax.tools.plot runs/tiny", plot.main)
+    assert list((tiny_cwd / "runs" / "tiny").glob("*.png"))
+
+
+def test_tiny_export_import_generate(tiny_cwd, monkeypatch, capsys):
+    pytest.importorskip("safetensors")
+    from boost_jax import export, generate
+    _in(tiny_cwd, monkeypatch, "python -m boost_jax.export --checkpoint runs/tiny --out hf/cola_tiny", export.main)
+    assert (tiny_cwd / "hf" / "cola_tiny" / "model.safetensors").is_file()
+    # The import the README shows for its CoLA export, then its generate command on the import.
+    assert export.main(["--import-hf", "hf/cola_tiny", "--out", "runs/imported"]) == 0
+    capsys.readouterr()
+    _in(tiny_cwd, monkeypatch, "python -m boost_jax.generate --checkpoint runs/imported", generate.main)
+    assert capsys.readouterr().out.startswith("def ")
+
+
+# ---------------------------------------------------------------- "compile": train commands at their shapes
+
+COMPILE = [c for c, how in COMMANDS.items() if how == "compile"]
+
+
+def _train_argv(command: str) -> list[str]:
+    """The `python -m boost_jax.train` argv a command starts (the launchers pass theirs through)."""
+    args = _argv(command)
+    if args[0] == "sbatch":  # train.sbatch CONFIG FLAGS...
+        return ["train", "--config", args[3], *args[4:]]
+    if args[0].endswith("local_multiprocess.sh"):  # N FLAGS...: N processes, one mesh over all their devices
+        return ["train", *args[2:]]
+    return ["train", *args[3:]]
+
+
+@pytest.mark.parametrize("command", COMPILE, ids=lambda c: re.sub(r"\W+", "_", c)[:60])
+def test_train_commands_compile_at_their_shapes(command, tmp_path, monkeypatch):
+    from boost_jax import train
+    from boost_jax.runtime.build import build
+    monkeypatch.chdir(ROOT)  # the config paths are the repository's
+    cfg = train.parse_config(_train_argv(command))
+    compiled = build(cfg).lower_train().compile()
+    assert compiled.memory_analysis() is not None
+
+
+# ---------------------------------------------------------------- "tool"
+
+def test_comm_report_7b(capsys):
+    from boost_jax.tools import comm_report
+    rep = comm_report.main(_argv("python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 "
+                                 "--strategy btp,vanilla,megatron")[3:])
+    btp = rep["strategies"]["btp"]["per_layer_forward"]["tensor"]["elements_per_token"]
+    assert abs(btp - 7 * 1024) <= 0.01 * 7 * 1024  # 7r per token per layer forward (r = 1024)
+    assert "| fwd / layer, tensor: elements/token |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if "tools.shardings" in c])
+def test_shardings(command, capsys):
+    from boost_jax.tools import shardings
+    shardings.main(_argv(command)[3:])
+    assert "PartitionSpec" in capsys.readouterr().out
+
+
+def test_plan_and_xla_flags(capsys):
+    from boost_jax import plan, xla_gpu_flags
+    assert plan.main(_argv(next(c for c in COMMANDS if "boost_jax.plan" in c))[3:]) == 0
+    assert "run it with:" in capsys.readouterr().out
+    assert xla_gpu_flags.main(["--explain"]) == 0
+    assert "--xla_gpu_enable_latency_hiding_scheduler" in capsys.readouterr().out
+
+
+def test_grad_reduce_pipeline_matches_its_committed_json(tmp_path):
+    """`python benchmarks/grad_reduce.py --pipeline`, writing to the scratch directory: the numbers the
+    README and benchmarks/RESULTS.md quote (benchmarks/grad_reduce_pipeline.json) are today's."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("grad_reduce_bench", ROOT / "benchmarks" / "grad_reduce.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--pipeline", "--json", str(tmp_path / "grad_reduce.json")]) == 0
+    got = json.loads((tmp_path / "grad_reduce_pipeline.json").read_text())
+    committed = json.loads((ROOT / "benchmarks" / "grad_reduce_pipeline.json").read_text())
+    assert [r["executed_elements"] for r in got["rows"]] == [r["executed_elements"] for r in committed["rows"]]
+
+
+def test_prepare_c4_like_jsonl_with_a_sentencepiece_model(tmp_path, monkeypatch):
+    """The data.prepare command on a small C4-like corpus (gzipped JSONL) with a SentencePiece model,
+    its paths standing in for /data/c4 and t5.model."""
+    spm = pytest.importorskip("sentencepiece")
+    from boost_jax.data import prepare
+    data = tmp_path / "data"
+    (data / "c4").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    words = ["the", "model", "trains", "on", "documents", "low", "rank", "bottleneck", "tokens", "data"]
+    docs = [" ".join(rng.choice(words, 30)) for _ in range(200)]
+    for k in range(2):
+        with gzip.open(data / "c4" / f"c4-train.{k:05d}.json.gz", "wt") as f:
+            for d in docs[k::2]:
+                f.write(json.dumps({"text": d}) + "\n")
+    (tmp_path / "corpus.txt").write_text("\n".join(docs))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "t5"),
+                                   vocab_size=40, model_type="unigram")
+    command = "python -m boost_jax.data.prepare /data/c4/*.json.gz --out /data/c4_tok --tokenizer t5.model"
+    monkeypatch.chdir(tmp_path)
+    import glob
+    argv = [a.replace("/data/", str(data) + "/") for a in _argv(command)[3:]]
+    argv = [x for a in argv for x in (sorted(glob.glob(a)) if "*" in a else [a])]  # the shell's glob
+    assert prepare.main(argv) == 0
+    index = json.loads((data / "c4_tok" / "index.json").read_text())
+    assert index["documents"] == len(docs) and index["tokens"] > len(docs)
+
