@@ -1,8 +1,18 @@
-"""Emulate an 8-device cluster on the CPU. XLA_FLAGS must be set before jax is imported."""
+"""Emulate an 8-device cluster on the CPU (XLA_FLAGS must be set before jax is imported), and keep
+compiled programs in a persistent cache under the user's cache directory: the suite compiles many
+identical programs (the same small model in many tests, in several worker processes and the
+trainers they start), and a rerun compiles next to nothing. BOOST_TEST_COMPILE_CACHE=0 turns it off;
+=DIR puts it elsewhere. The variables reach the subprocesses the tests start."""
 import os
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_CACHE = os.environ.get("BOOST_TEST_COMPILE_CACHE", "")
+if _CACHE != "0":
+    _CACHE = _CACHE or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "boost_jax" / "jax_cache")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
@@ -27,6 +37,7 @@ def small_config(run_dir, **overrides):
     return c
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the markers into group suffixes
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`--dist loadgroup`), tests sharing an expensive module- or session-scoped
     fixture run on one worker, so the fixture is built once; the rest spread over the workers."""

@@ -100,8 +100,8 @@ def tiny_cwd(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cwd")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
-        argv = _argv("pip install -e . && python -m boost_jax.train") + ["--config.train.stop_at_step=40",
-                                                                        "--config.train.progress=false"]
+        argv = ["train", *_argv("pip install -e . && python -m boost_jax.train")[3:],
+                "--config.train.stop_at_step=40", "--config.train.progress=false"]
         summary = train.run(train.parse_config(argv))
     assert summary["step"] == 40 and summary["last_checkpoint_step"] == 40
     return cwd
@@ -208,7 +208,8 @@ def test_prepare_c4_like_jsonl_with_a_sentencepiece_model(tmp_path, monkeypatch)
     data = tmp_path / "data"
     (data / "c4").mkdir(parents=True)
     rng = np.random.default_rng(0)
-    words = ["the", "model", "trains", "on", "documents", "low", "rank", "bottleneck", "tokens", "data"]
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, rng.integers(2, 8))) for _ in range(300)]
     docs = [" ".join(rng.choice(words, 30)) for _ in range(200)]
     for k in range(2):
         with gzip.open(data / "c4" / f"c4-train.{k:05d}.json.gz", "wt") as f:
@@ -216,7 +217,7 @@ def test_prepare_c4_like_jsonl_with_a_sentencepiece_model(tmp_path, monkeypatch)
                 f.write(json.dumps({"text": d}) + "\n")
     (tmp_path / "corpus.txt").write_text("\n".join(docs))
     spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "t5"),
-                                   vocab_size=40, model_type="unigram")
+                                   vocab_size=64, hard_vocab_limit=False)
     command = "python -m boost_jax.data.prepare /data/c4/*.json.gz --out /data/c4_tok --tokenizer t5.model"
     monkeypatch.chdir(tmp_path)
     import glob
