@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -319,6 +320,9 @@ def main(argv=None) -> int:
         except ERRORS as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
+        finally:  # the interpreter's shutdown can drop the handlers: a late signal would end it with 143
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
 
     app.run(_main, argv=argv, flags_parser=parse)
     return 0

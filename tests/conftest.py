@@ -37,6 +37,12 @@ def small_config(run_dir, **overrides):
     return c
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than cores (at most 4): the fault, launcher and notebook tests spend
+    much of their time waiting on subprocesses, which another worker's compiles fill."""
+    return min((os.cpu_count() or 1) + 1, 4)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the markers into group suffixes
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`--dist loadgroup`), tests sharing an expensive module- or session-scoped

@@ -359,19 +359,30 @@ def partitioned_hlo(lowered) -> str:
 
 def compile_partitioned(lowered):
     """(the compiled program, its HLO right after SPMD partitioning): one compile that dumps that pass
-    to a temporary folder."""
+    to a temporary folder. It really compiles: JAX's persistent compilation cache (when one is set)
+    is bypassed, as a program served from it would dump nothing."""
     import glob
     import os
     import tempfile
 
-    with tempfile.TemporaryDirectory() as folder:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": folder, "xla_dump_hlo_as_text": True,
-                                                     "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        found = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
-        if not found:
-            raise RuntimeError("XLA wrote no HLO after the spmd-partitioning pass (is the program sharded?)")
-        with open(found[-1]) as f:
-            return compiled, f.read()
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()  # JAX decides once whether it uses the cache: ask again
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            compiled = lowered.compile(compiler_options={"xla_dump_to": folder, "xla_dump_hlo_as_text": True,
+                                                         "xla_dump_hlo_pass_re": "spmd-partitioning"})
+            found = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
+            if not found:
+                raise RuntimeError("XLA wrote no HLO after the spmd-partitioning pass (is the program sharded?)")
+            with open(found[-1]) as f:
+                return compiled, f.read()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+        cc.reset_cache()
 
 
 def compiled_collectives(fn: Callable, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> list[Collective]:
