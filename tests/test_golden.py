@@ -2,14 +2,18 @@
 recorded (RECORDED below) by the code as it was before the "one house" redesign, at the commit that
 introduced this test. Each case exercises a parallel path the redesign rebuilt: the data island
 with accumulation, the per-shard Pallas norm, online RMSNorm, the GPipe pipeline with remat,
-spatial-temporal GEMMs, and a kind with an extra term. Run `python tests/test_golden.py` to print
-the current values in RECORDED's format.
+spatial-temporal GEMMs, and a kind with an extra term. The cases run in a subprocess with XLA's
+default flags and no compilation cache (the suite compiles faster code than it ships, see conftest.py):
+`python tests/test_golden.py` prints the values in RECORDED's format, `--json` for the test.
 """
+import json
 import os
+import subprocess
 import sys
 
-if __name__ == "__main__":  # printing mode: the same emulated devices as the suite
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if __name__ == "__main__":  # the subprocess: the trainer's own XLA flags, 8 emulated devices
+    os.environ["BOOST_TEST_XLA_OPT"] = "default"
+    os.environ["BOOST_TEST_COMPILE_CACHE"] = "0"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(__file__))
 
@@ -17,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from conftest import small_config  # noqa: E402
+from conftest import FAST_COMPILE, small_config  # noqa: E402
 
 STEPS = 3
 CASES = {
@@ -75,9 +79,22 @@ def run_case(name, tmp="/tmp/golden_unused"):
     return out
 
 
+@pytest.fixture(scope="module")
+def current():
+    """{case: [(loss, grad_norm) hex per step]} from one subprocess with the default XLA flags."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != FAST_COMPILE
+                                and not f.startswith("--xla_force_host_platform_device_count"))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--json"], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=os.path.dirname(os.path.abspath(__file__)))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {k: [tuple(row) for row in v] for k, v in json.loads(lines[-1]).items()}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_losses_and_grad_norms_match_the_recorded_run(name):
-    got = run_case(name)
+def test_losses_and_grad_norms_match_the_recorded_run(current, name):
+    got = current[name]
     want = RECORDED[name]
     if _environment() == RECORDED_ON:
         assert got == want, name
@@ -87,5 +104,8 @@ def test_losses_and_grad_norms_match_the_recorded_run(name):
 
 
 if __name__ == "__main__":
-    for case in sorted(CASES):
-        print(f"    {case!r}: {run_case(case)},", flush=True)
+    if sys.argv[1:] == ["--json"]:
+        print(json.dumps({case: run_case(case) for case in sorted(CASES)}))
+    else:
+        for case in sorted(CASES):
+            print(f"    {case!r}: {run_case(case)},", flush=True)
