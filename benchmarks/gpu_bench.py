@@ -39,7 +39,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PARTS = ("device", "rmsnorm", "attention", "layer7b", "train1b", "tests")
 NORM_IMPLS = ("xla", "pallas", "triton")
-ATTENTION_IMPLS = ("xla", "chunked", "pallas", "cudnn")
 TARGETS = {"rmsnorm": 0.80, "cola_over_llama_1b": 0.70, "llama_1b_mfu": 0.45}
 
 
@@ -140,12 +139,14 @@ def rmsnorm_rows(steps: int, smoke: bool) -> list[dict]:
     return out
 
 
-def attention_rows(steps: int, smoke: bool, shape=None, impls=ATTENTION_IMPLS) -> list[dict]:
-    """fwd+bwd of each `model.attention` implementation on q = k = v: [B, T, H, Dh]."""
+def attention_rows(steps: int, smoke: bool, shape=None, impls=None) -> list[dict]:
+    """fwd+bwd of each registered `model.attention` implementation (or `impls`) on q = k = v: [B, T, H, Dh]."""
     import jax
     import jax.numpy as jnp
 
-    from boost_jax.model.attention import attend
+    from boost_jax.model.attention import IMPLEMENTATIONS, attend
+
+    impls = tuple(IMPLEMENTATIONS) if impls is None else impls
 
     b, t, h, dh = shape or shapes(smoke)["attention"]
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16

@@ -23,7 +23,8 @@ A decode step (a traced offset) runs `chunked` under the fused kernels, which ta
 The attention output is tagged `attn_out` (and, where the implementation keeps one, its float32
 log-sum-exp `attn_lse`: chunked, pallas) for the remat policies (`boost_jax/model/remat.py`). Adding an
 implementation is one function `fn(q, k, v, offset) -> out` registered with
-`@implementation("name")` (and the name added to `config.ATTENTION_IMPLS`).
+`@implementation("name", cost=..., fused=...)`, here or from any module: config validation, the
+trainer, the comm report and the planner (which prices it as its `cost` class) read the registry.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 
 For each strategy the model is lowered from abstract shapes (ShapeDtypeStructs carrying the state's
 shardings) and compiled three ways: the forward loss, forward+backward (jax.grad of the loss, grads
-in the parameters' layout) and the real train step of `jit_train_step`. Each is compiled with the
+in the parameters' layout) and the real train step (`boost_jax/runtime/build.py`, the trainer's). Each is compiled with the
 layer scan unrolled at n_layers=1 and 2 so every layer's collectives are listed separately:
 per layer = (2 layers) - (1 layer), the rest (embedding, head, loss, optimizer) = (1 layer) - per
 layer, and the whole model = rest + L x per layer ("lowered at 1 and 2 layers, scaled to L").
