@@ -70,7 +70,7 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     step = int(jax.device_get(state["step"]))
-    report = Reporter(cfg, run_dir, main_process=main_process, step=step,
+    report = Reporter(cfg, run_dir, main_process=main_process,
                       flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len))
     evaluate = _evaluator(built, eval_data)
     stop.committed = ckpt.committed_step

@@ -20,7 +20,7 @@ def _num(x) -> float | None:
 class Reporter:
     """Metrics (process 0 writes), the progress bar and the throughput window of one run."""
 
-    def __init__(self, cfg, run_dir, *, main_process: bool, step: int, flops_per_token: float):
+    def __init__(self, cfg, run_dir, *, main_process: bool, flops_per_token: float):
         t = cfg.train
         self.main = main_process
         self.writer = MetricsWriter(str(run_dir), enabled=main_process)
@@ -30,7 +30,6 @@ class Reporter:
         self.bar = None
         self.name, self.total, self.progress = cfg.name, t.steps, t.progress
         self.window_start, self.window_steps = time.perf_counter(), 0
-        self.start = step
 
     def start_bar(self, step: int) -> None:
         self.bar = tqdm(total=self.total, initial=step, disable=not (self.main and self.progress),
