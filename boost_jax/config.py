@@ -22,6 +22,8 @@ from boost_jax.errors import ConfigError  # noqa: F401 - config.ConfigError stay
 PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
+BATCHINGS = ("stream", "packed", "document")  # data.batching (boost_jax/data/loader.py)
+SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -85,6 +87,14 @@ def base_config() -> ml_collections.ConfigDict:
     d.token_dtype = "uint16"  # for source=tokens: uint16 | uint32
     d.jsonl_field = "text"
     d.embedded_max_bytes = 4_000_000  # how much of the embedded corpus to read
+    # How rows are cut (boost_jax/data/loader.py): stream: windows of seq_len+1 tokens over the
+    # concatenated documents; packed: whole documents packed into rows of seq_len, attention and
+    # RoPE positions restart at every document; document: one document per row, truncated and
+    # padded (CoLA's recipe). packed/document need document boundaries (data.prepare records them).
+    d.batching = "stream"
+    # The order of samples in an epoch: feistel (a stateless permutation evaluated per index, O(1)
+    # memory) or numpy (a materialised permutation: what checkpoints written before data.shuffle used).
+    d.shuffle = "feistel"
 
     t = c.train = ml_collections.ConfigDict()
     t.seq_len = 128
@@ -96,6 +106,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak
     t.warmup_steps = 40
     t.weight_decay = 0.01
+    t.decay_norms = False  # decay the RMSNorm scales too (CoLA's official AdamW decays every parameter)
     t.b1 = 0.9
     t.b2 = 0.95  # BOOST's AdamW (0.9, 0.95); the zoo configs (sized_config) use CoLA's (0.9, 0.999)
     t.eps = 1e-8
@@ -107,6 +118,9 @@ def base_config() -> ml_collections.ConfigDict:
     t.log_every = 20
     t.eval_every = 100
     t.eval_batches = 8
+    # Evaluate over the first N non-pad tokens of the eval split (whole batches until N are read; CoLA
+    # uses 10M) instead of train.eval_batches batches; 0: train.eval_batches.
+    t.eval_tokens = 0
     t.eval_microbatches = 0  # sequential slices of an eval batch (0: train.grad_accum)
     t.progress = True
 
@@ -165,17 +179,26 @@ SIZES = {
     "7b": dict(d_model=4096, d_ff=11008, n_heads=32, n_layers=32, rank=1024),
     "13b": dict(d_model=5120, d_ff=13824, n_heads=40, n_layers=40, rank=1280),
 }
-# CoLA recipe: (peak lr, steps); seq 256, global batch 512, 10% warmup, cosine to 0.1x. CoLA trains no
-# 3B or 13B (BOOST's shapes): their entries are interpolated / taken from the 7B.
-RECIPE = {
-    "60m": (6e-3, 10_000),
-    "130m": (3e-3, 20_000),
-    "350m": (3e-3, 60_000),
-    "1b": (2e-3, 100_000),
-    "3b": (1.5e-3, 120_000),
-    "7b": (1e-3, 150_000),
-    "13b": (1e-3, 150_000),
+# CoLA's official recipe, copied from its code (main.py defaults and scripts/cola_scripts/colaN.sh):
+# per size the peak lr, steps and warmup steps; for all sizes the rest of OFFICIAL. CoLA trains no 3B
+# or 13B (BOOST's shapes): their rows are interpolated / taken from the 7B (official=False).
+COLA_RECIPE = {
+    "60m": dict(lr=6e-3, steps=10_000, warmup_steps=2_000, official=True),
+    "130m": dict(lr=3e-3, steps=20_000, warmup_steps=2_000, official=True),
+    "350m": dict(lr=3e-3, steps=60_000, warmup_steps=6_000, official=True),
+    "1b": dict(lr=2e-3, steps=100_000, warmup_steps=10_000, official=True),
+    "3b": dict(lr=1.5e-3, steps=120_000, warmup_steps=12_000, official=False),
+    "7b": dict(lr=1e-3, steps=150_000, warmup_steps=15_000, official=True),
+    "13b": dict(lr=1e-3, steps=150_000, warmup_steps=15_000, official=False),
 }
+# torch.optim.AdamW(model.parameters(), lr, weight_decay=0.01): torch's betas and eps, every parameter
+# decayed (norm scales and embedding too); clip_grad_norm_ 0.5; cosine to 0.1x; T5 tokenizer, C4 en,
+# seq 256, global batch 512, one document per row (truncated, padded, pad labels -100); perplexity
+# over the first 10M non-pad tokens of the validation split.
+COLA_OFFICIAL = {"train.b1": 0.9, "train.b2": 0.999, "train.eps": 1e-8, "train.weight_decay": 0.01,
+                 "train.decay_norms": True, "train.grad_clip": 0.5, "train.min_lr_ratio": 0.1,
+                 "train.seq_len": 256, "train.global_batch": 512, "train.eval_tokens": 10_000_000,
+                 "data.batching": "document"}
 
 
 def sized_config(size: str, linear: str) -> ml_collections.ConfigDict:
@@ -192,15 +215,14 @@ def sized_config(size: str, linear: str) -> ml_collections.ConfigDict:
     c.model.vocab_size = 32000
     c.model.max_seq_len = 4096
     c.model.only_lr_act = linear == "cola" and size not in ("60m", "130m")
-    lr, steps = RECIPE[size]
-    c.train.seq_len = 256
-    c.train.global_batch = 512
-    c.train.lr = lr
-    c.train.steps = steps
-    c.train.warmup_steps = steps // 10
-    # CoLA's official AdamW betas (0.9, 0.999), not BOOST's (0.9, 0.95): a run continued here from an
-    # official CoLA checkpoint trains as it would there; the llama_* baselines share it, like for like.
-    c.train.b2 = 0.999
+    # CoLA's official recipe (COLA_RECIPE, COLA_OFFICIAL), AdamW betas (0.9, 0.999) and not BOOST's
+    # (0.9, 0.95): a run continued here from an official CoLA checkpoint trains as it would there; the
+    # llama_* baselines share it, like for like.
+    recipe = COLA_RECIPE[size]
+    c.train.update(lr=recipe["lr"], steps=recipe["steps"], warmup_steps=recipe["warmup_steps"])
+    for key, value in COLA_OFFICIAL.items():
+        section, field = key.split(".")
+        c[section][field] = value
     c.train.log_every = 50
     c.train.eval_every = 1000
     c.checkpoint.every = 1000
@@ -342,6 +364,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
     check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
     check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
+    check(c.data.batching in BATCHINGS, "data.batching", f"{c.data.batching!r} is not one of {BATCHINGS}")
+    check(c.data.shuffle in SHUFFLES, "data.shuffle", f"{c.data.shuffle!r} is not one of {SHUFFLES}")
+    check(t.seq_len >= 2 or c.data.batching == "stream", "train.seq_len",
+          f"{t.seq_len} leaves no target inside a document (data.batching={c.data.batching}); use at least 2")
+    check(t.eval_tokens >= 0, "train.eval_tokens", "must be >= 0 (0: train.eval_batches batches)")
     check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
           f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
     sizes = [p.pipeline, p.data, p.fsdp, p.tensor]

@@ -6,7 +6,8 @@
 Restores the parameters only (not the optimizer state, so it needs about a third of the training
 memory) onto a mesh of the current devices: the run's `parallel.*` (with any overrides) when the
 devices fit it, else one device. Reports the mean next-token loss over N global batches of the run's
-held-out split, or of any dataset given with `--config.data.*` overrides, and exp(loss).
+held-out split (or over its first `--eval-tokens` tokens, as CoLA reports perplexity), or of any
+dataset given with `--config.data.*` overrides, and exp(loss).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from boost_jax.errors import CheckpointError, ConfigError
 from boost_jax.parallel.mesh import ONE_DEVICE
 from boost_jax.runtime.build import Built, build
 from boost_jax.runtime.checkpoint import read_run, restore
+from boost_jax.runtime.evaluation import eval_loss
 from boost_jax.validate import validate
 
 
@@ -40,25 +42,26 @@ def build_for_eval(cfg, devices=None) -> Built:
         return build(cfg, devices[:1])
 
 
-def perplexity(built: Built, params, *, split: str = "eval", batches: int | None = None) -> dict:
-    """Mean next-token loss (and exp of it) over `batches` global batches of a split."""
+def perplexity(built: Built, params, *, split: str = "eval", batches: int | None = None,
+               tokens: int | None = None) -> dict:
+    """Mean next-token loss (and exp of it) over `batches` global batches of a split, or over the
+    first `tokens` input tokens that are not padding (whole batches; runtime/evaluation.py)."""
     cfg = built.cfg
     t = cfg.train
     batches = t.eval_batches if batches is None else batches
     train_data, eval_data, _ = build_loaders(cfg)  # one process: it feeds the whole batch
     data = eval_data if split == "eval" else train_data
-    if batches * t.global_batch > data.n:
-        print(f"note: {batches} batches x {t.global_batch} sequences exceed the {data.n} windows of the "
-              f"{split} split; windows repeat", file=sys.stderr)
-    sharding = built.eval_sharding
-    losses = [built.eval_step(params, jax.make_array_from_process_local_data(sharding, data.batch(i * t.global_batch)))
-              for i in range(batches)]
-    loss = float(np.mean(jax.device_get(losses)))
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "batches": batches,
-            "tokens": batches * t.global_batch * t.seq_len, "split": split}
+    if not (tokens if tokens is not None else t.eval_tokens) and batches * t.global_batch > data.n:
+        print(f"note: {batches} batches x {t.global_batch} sequences exceed the {data.n} rows of the "
+              f"{split} split; rows repeat", file=sys.stderr)
+    result = eval_loss(built, data, params, batches=batches, tokens=tokens,
+                       field="--eval-tokens" if tokens else "train.eval_tokens")
+    return {**result, "perplexity": math.exp(min(result["loss"], 50.0)), "split": split,
+            "batching": cfg.data.batching}
 
 
-def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batches=None, devices=None) -> dict:
+def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batches=None, tokens=None,
+             devices=None) -> dict:
     """Restore a checkpoint's params, apply `overrides(cfg)` (data, batch, mesh) and measure perplexity."""
     cfg, root, step = read_run(checkpoint)
     cfg.lock()  # a misspelt override fails instead of adding a key
@@ -68,7 +71,7 @@ def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batch
     # Parameters only: the optimizer moments stay on disk (a third of the training memory).
     params = restore(root, {"params": built.spec.abstract["params"]}, step=step, hint="--checkpoint DIR/STEP",
                      field="--checkpoint").state["params"]
-    result = perplexity(built, params, split=split, batches=batches)
+    result = perplexity(built, params, split=split, batches=batches, tokens=tokens)
     d = cfg.data
     return {"checkpoint": str(root / str(step)), "step": step, **result,
             "data": {"source": d.source, "path": d.path, "eval_path": d.eval_path},
@@ -82,10 +85,15 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or one step dir")
     ap.add_argument("--split", choices=("eval", "train"), default="eval")
     ap.add_argument("--batches", type=int, default=None, help="global batches to average (default train.eval_batches)")
+    ap.add_argument("--eval-tokens", type=int, default=None,
+                    help="evaluate over whole batches until this many input tokens that are not padding are read "
+                         "(CoLA: 10000000; default train.eval_tokens, 0: --batches)")
     ap.add_argument("--json", default="", help="also write the result to this JSON file")
     args, rest = ap.parse_known_args(argv)
     if args.batches is not None and args.batches < 1:
         ap.error(f"--batches must be >= 1, got {args.batches}")
+    if args.eval_tokens is not None and args.eval_tokens < 0:
+        ap.error(f"--eval-tokens must be >= 0, got {args.eval_tokens}")
     bad = [a for a in rest if not a.startswith("--config.")]
     if bad:
         ap.error(f"unrecognized arguments {bad}; overrides look like --config.data.path=/data/val.txt")
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
                                          "boost_jax/config.py)") from e
 
     try:
-        result = evaluate(args.checkpoint, overrides, split=args.split, batches=args.batches)
+        result = evaluate(args.checkpoint, overrides, split=args.split, batches=args.batches, tokens=args.eval_tokens)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -25,6 +24,7 @@ from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.build import build
 from boost_jax.runtime.checkpoint import Checkpointer, restore
+from boost_jax.runtime.evaluation import eval_loss
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.report import Profiler, Reporter
 from boost_jax.runtime.runlock import note_config_change, open_run_dir
@@ -62,11 +62,12 @@ def run(cfg, stop: StopFlag | None = None) -> dict:
 def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
     main_process = jax.process_index() == 0
     built = build(cfg)
-    train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch))
     # This process group holds run_dir's lock: the checkpointer may clean up unfinished saves.
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
                         owner=True)
-    state, position, skipped = _restore_or_init(cfg, built, ckpt, run_dir, say)
+    state, position, skipped, meta = _restore_or_init(cfg, built, ckpt, run_dir, say)
+    order = _data_order(cfg, meta, say)
+    train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch), order=order)
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     step = int(jax.device_get(state["step"]))
@@ -77,6 +78,7 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
     if step < cfg.train.steps:
         report.eval(step, evaluate(state["params"]), say=False)
     loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir)
+    loop.order, loop.tokens_seen = order, int(meta.get("tokens_seen", position * cfg.train.seq_len))
     try:
         state, step = loop.run(state, step)
     finally:
@@ -87,9 +89,9 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
     return _finish(run_dir, ckpt, report, loop, step, main_process)
 
 
-def _restore_or_init(cfg, built, ckpt: Checkpointer, run_dir: Path, say) -> tuple[dict, int, int]:
-    """(state, data position, skipped steps): restored from `restore_from`, else resumed from the run's
-    own newest good checkpoint, else freshly initialised."""
+def _restore_or_init(cfg, built, ckpt: Checkpointer, run_dir: Path, say) -> tuple[dict, int, int, dict]:
+    """(state, data position, skipped steps, the checkpoint's metadata or {}): restored from
+    `restore_from`, else resumed from the run's own newest good checkpoint, else freshly initialised."""
     restored = None
     if cfg.restore_from:
         restored = restore(cfg.restore_from, built.spec.abstract, log=say)
@@ -97,24 +99,31 @@ def _restore_or_init(cfg, built, ckpt: Checkpointer, run_dir: Path, say) -> tupl
     elif cfg.checkpoint.resume and ckpt.all_steps():
         restored = restore(ckpt, built.spec.abstract, log=say)
     if restored is None:
-        return built.init_state(), 0, 0
+        return built.init_state(), 0, 0, {}
     position = int(restored.meta["data_position"])
     say(f"restored step {restored.step} from {restored.directory} (data position {position})")
     if jax.process_index() == 0:
         note_config_change(run_dir, cfg, restored.step)
-    return restored.state, position, int(restored.meta.get("skipped_steps", 0))
+    return restored.state, position, int(restored.meta.get("skipped_steps", 0)), restored.meta
+
+
+def _data_order(cfg, meta: dict, say) -> str:
+    """The permutation that orders the train data: data.shuffle, or for a resumed run the one its
+    checkpoint's position refers to (checkpoints written before data.shuffle existed: numpy)."""
+    if not meta:
+        return cfg.data.shuffle
+    used = meta.get("data_shuffle", "numpy")
+    if used != cfg.data.shuffle:
+        say(f"note: the checkpoint's data position was reached with data.shuffle={used}; continuing with it "
+            f"(data.shuffle={cfg.data.shuffle} applies to new runs)")
+    return used
 
 
 def _evaluator(built, eval_data):
-    """params -> mean eval loss over train.eval_batches global batches of the held-out split."""
-    t = built.cfg.train
-
-    def evaluate(params) -> float:
-        losses = [built.eval_step(params, _to_global(eval_data.batch(i * t.global_batch), built.eval_sharding))
-                  for i in range(t.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
-
-    return evaluate
+    """params -> eval loss: the mean over train.eval_batches global batches of the held-out split,
+    or with train.eval_tokens over whole batches until that many input tokens are read. Batches of
+    documents are weighted by their counted targets (perplexity = exp of the mean over tokens)."""
+    return lambda params: eval_loss(built, eval_data, params)["loss"]
 
 
 class _Loop:
@@ -139,7 +148,7 @@ class _Loop:
         self.state = state
         while step < end:
             self.ckpt.check()  # a background save that failed stops the run here, not at the next save
-            local = self.data.batch(self.position).reshape(t.grad_accum, -1, t.seq_len + 1)
+            local = jax.tree.map(lambda x: x.reshape(t.grad_accum, -1, *x.shape[1:]), self.data.batch(self.position))
             self.profiler.before(step + 1)
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 self.state, metrics = self.built.train_step(self.state, _to_global(local, self.built.batch_sharding))
@@ -165,8 +174,10 @@ class _Loop:
         if due_log or due_save:
             seen, self.unchecked = jax.device_get(self.unchecked), []
             self._check_finite(seen)
+            self._count_tokens(seen)
             if due_log:
-                self.report.log(step, seen[-1][1], self.skipped, self.data.source_tokens(self.position))
+                self.report.log(step, seen[-1][1], self.skipped, {"tokens_seen": self.tokens_seen,
+                                                                   **self.data.source_tokens(self.position)})
         if t.eval_every and (step % t.eval_every == 0 or step == end):
             self.report.eval(step, self.evaluate(self.state["params"]))
         if due_save:
@@ -175,6 +186,15 @@ class _Loop:
         if signalled:
             self.stopped = signalled
         return bool(signalled)
+
+    def _count_tokens(self, seen) -> None:
+        """Input tokens that are not padding (all of them in stream batches), for tokens/s, MFU and
+        tokens_seen."""
+        t = self.cfg.train
+        for _, m in seen:
+            n = int(m["tokens"]) if "tokens" in m else t.global_batch * t.seq_len
+            self.tokens_seen += n
+            self.report.count_tokens(n)
 
     def _check_finite(self, seen) -> None:
         """train.nonfinite: skip non-finite steps (never applied) or stop, naming the last good checkpoint."""
@@ -201,8 +221,8 @@ class _Loop:
                 + (", or set train.nonfinite=skip to skip such steps" if t.nonfinite == "stop" else ""))
 
     def _meta(self, step: int) -> dict:
-        return {"data_position": self.position, "step": step, "skipped_steps": self.skipped,
-                "config": json.loads(self.cfg.to_json_best_effort())}
+        return {"data_position": self.position, "data_shuffle": self.order, "tokens_seen": self.tokens_seen,
+                "step": step, "skipped_steps": self.skipped, "config": json.loads(self.cfg.to_json_best_effort())}
 
 
 def _finish(run_dir: Path, ckpt, report: Reporter, loop: _Loop, step: int, main_process: bool) -> dict:
@@ -233,8 +253,9 @@ def _batch_slice(mesh, global_batch: int) -> tuple[int, int]:
     return lo // (hi - lo), global_batch // (hi - lo)
 
 
-def _to_global(batch: np.ndarray, sharding) -> jax.Array:
-    return jax.make_array_from_process_local_data(sharding, batch)
+def _to_global(batch, sharding):
+    """This process's rows (an array or a dict of them) as the global batch."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
 def _use_compile_cache(directory: str) -> None:

@@ -39,6 +39,7 @@ def validate(c):
     _one_of(p.strategy, strategies.names(), "parallel.strategy")
     _one_of(c.kernels.rmsnorm, rmsnorm.IMPLS, "kernels.rmsnorm")
     strategies.st_groups(p.linear_partition)
+    _check_documents(c, attention)
     if c.data.source != "embedded":
         for field, spec in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path)):
             try:
@@ -46,6 +47,19 @@ def validate(c):
             except ValueError as e:
                 raise ConfigError(str(e)) from None
     return c
+
+
+def _check_documents(c, attention) -> None:
+    """data.batching packed/document: the attention implementation must take document masks."""
+    batching = c.data.batching
+    if batching == "stream":
+        return
+    # Rows of one document carry lengths and segments both; packed rows segments only.
+    kinds = ("segments",) if batching == "packed" else ("segments", "lengths")
+    ok = lambda name: any(attention.takes_documents(name, kind) for kind in kinds)  # noqa: E731
+    check(ok(c.model.attention), "model.attention",
+          f"{c.model.attention} cannot keep attention inside documents (data.batching={batching}); use one of "
+          f"{tuple(n for n in attention.names() if ok(n))}")
 
 
 def check_mesh(cfg, mesh) -> None:

@@ -38,12 +38,12 @@ def test_shipped_configs_validate(path):
     assert cfg.model.linear == {"llama": "dense", "tt": "tt", "sltrain": "sltrain"}.get(family, "cola")
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem != "tiny"], ids=lambda p: p.stem)
-def test_zoo_configs_follow_the_recipe_they_state(path):
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem.startswith("sltrain")], ids=lambda p: p.stem)
+def test_sltrain_configs_follow_the_recipe_they_state(path):
+    """(The cola/llama/tt configs: test_zoo_configs_follow_the_official_cola_recipe.)"""
     doc = ast.get_docstring(ast.parse(path.read_text()))
     t = load(path).train
-    recipe = {"llama": "CoLA's official one", "cola": "CoLA's official one", "tt": "CoLA's official one",
-              "sltrain": "SLTrain's"}[path.stem.split("_")[0]]
+    recipe = "SLTrain's"
     found = re.search(r"Recipe: (.+?) \(AdamW betas \((\S+), (\S+)\), wd (\S+), clip (\S+), peak lr (\S+), (\d+)k steps,\s+"
                       r"(10%|\d+) warmup(?: steps)?, cosine to 0\.1x, seq (\d+), global batch (\d+)\)", doc)
     assert found, doc
@@ -96,3 +96,46 @@ def test_cli_rejects_unknown_override(tmp_path):
     r = subprocess.run([sys.executable, "-m", "boost_jax.train", "--config.model.hiden=3",
                         f"--config.run_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "hiden" in (r.stderr + r.stdout)
+
+
+def test_zoo_configs_follow_the_official_cola_recipe():
+    """Each cola_*/llama_*/tt_* config runs the numbers of config.COLA_RECIPE (copied from CoLA's
+    scripts) and COLA_OFFICIAL (its main.py / AdamW), and its docstring states them."""
+    import re
+
+    from boost_jax.config import COLA_OFFICIAL, COLA_RECIPE, load_config_file
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.glob("cola_*.py")) + sorted(root.glob("llama_*.py")) + sorted(root.glob("tt_*.py"))
+    assert len(files) == 18
+    for path in files:
+        size = re.search(r"_(\d+[mb])\.py$", path.name).group(1)
+        cfg, recipe = load_config_file(path), COLA_RECIPE[size]
+        for key in ("lr", "steps", "warmup_steps"):
+            assert cfg.train[key] == recipe[key], (path.name, key)
+        for key, value in COLA_OFFICIAL.items():
+            section, field = key.split(".")
+            assert cfg[section][field] == value, (path.name, key)
+        text = path.read_text()
+        assert f"peak lr {recipe['lr']:g}" in text and f"{recipe['warmup_steps']:,} warmup steps" in text, path.name
+    assert COLA_RECIPE["60m"]["warmup_steps"] == 2_000  # cola60m.sh: WU=2000 of 10,000
+    tiny = load_config_file(root / "tiny.py")
+    assert tiny.data.batching == "stream" and not tiny.train.decay_norms
+
+
+def test_decay_norms_decides_whether_norm_scales_decay():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from boost_jax.runtime.optim import decay_mask
+
+    params = {"layer": {"w": jnp.ones(3), "scale": jnp.ones(3)}}
+    assert decay_mask(True) is None  # optax: every leaf decays
+    assert decay_mask(False)(params) == {"layer": {"w": True, "scale": False}}
+    for decay_norms, want in ((True, 1 - 0.1 * 0.5), (False, 1.0)):
+        tx = optax.adamw(0.1, weight_decay=0.5, mask=decay_mask(decay_norms))
+        updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+        new = optax.apply_updates(params, updates)
+        assert float(new["layer"]["scale"][0]) == pytest.approx(want)
+        assert float(new["layer"]["w"][0]) == pytest.approx(1 - 0.1 * 0.5)

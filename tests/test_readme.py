@@ -27,8 +27,17 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
     "pip install -e . && python -m boost_jax.train": "tiny",
     "pip install -e '.[test]' && pytest": "the suite itself (.ci/run)",
-    "python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_train.bin "
-    "--config.data.eval_path=/data/c4_val.bin --config.run_dir=runs/cola_60m": "compile",
+    "python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_tok "
+    "--config.data.eval_path=/data/c4_val_tok --config.run_dir=runs/cola_60m": "compile",
+    "python -m boost_jax.data.prepare /data/c4/en/c4-train.*.json.gz --out /data/c4_tok --tokenizer t5.model": "tool",
+    "python -m boost_jax.data.prepare /data/c4/en/c4-validation.*.json.gz --out /data/c4_val_tok "
+    "--tokenizer t5.model": "tool",
+    "python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_tok "
+    "--config.data.eval_path=/data/c4_val_tok --config.data.tokenizer=t5.model": "compile",
+    "python -m boost_jax.train --config configs/llama_60m.py --config.data.path=/data/c4_tok "
+    "--config.data.eval_path=/data/c4_val_tok --config.data.tokenizer=t5.model": "compile",
+    "python -m boost_jax.evaluate --checkpoint runs/cola_60m --eval-tokens 10000000":
+        "test_evaluate.py::test_eval_tokens_reads_documents_the_paper_way",
     "python -m boost_jax.train --config.train.steps=1000 --config.model.linear=dense": "compile",
     'python -m boost_jax.generate --checkpoint runs/tiny --prompt "def main(" --max_new_tokens 200': "tiny",
     "python -m boost_jax.data.prepare /data/c4/*.json.gz --out /data/c4_tok --tokenizer t5.model": "tool",
@@ -200,30 +209,74 @@ def test_grad_reduce_pipeline_matches_its_committed_json(tmp_path):
     assert [r["executed_elements"] for r in got["rows"]] == [r["executed_elements"] for r in committed["rows"]]
 
 
-def test_prepare_c4_like_jsonl_with_a_sentencepiece_model(tmp_path, monkeypatch):
-    """The data.prepare command on a small C4-like corpus (gzipped JSONL) with a SentencePiece model,
-    its paths standing in for /data/c4 and t5.model."""
+@pytest.fixture(scope="module")
+def c4_like(tmp_path_factory):
+    """A small C4-like corpus (gzipped JSONL shards under data/c4 and data/c4/en, train and validation)
+    and a SentencePiece model `t5.model`, standing in for /data/c4 and T5's tokenizer."""
     spm = pytest.importorskip("sentencepiece")
-    from boost_jax.data import prepare
-    data = tmp_path / "data"
-    (data / "c4").mkdir(parents=True)
+    root = tmp_path_factory.mktemp("c4")
     rng = np.random.default_rng(0)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
     words = ["".join(rng.choice(letters, rng.integers(2, 8))) for _ in range(300)]
-    docs = [" ".join(rng.choice(words, 30)) for _ in range(200)]
-    for k in range(2):
-        with gzip.open(data / "c4" / f"c4-train.{k:05d}.json.gz", "wt") as f:
-            for d in docs[k::2]:
-                f.write(json.dumps({"text": d}) + "\n")
-    (tmp_path / "corpus.txt").write_text("\n".join(docs))
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "t5"),
+    docs = [" ".join(rng.choice(words, rng.integers(5, 120))) for _ in range(300)]
+    shards = {"data/c4/c4-train.{k:05d}.json.gz": docs[:200],
+              "data/c4/en/c4-train.{k:05d}-of-01024.json.gz": docs[:240],
+              "data/c4/en/c4-validation.{k:05d}-of-00008.json.gz": docs[240:]}
+    for pattern, part in shards.items():
+        for k in range(2):
+            path = root / pattern.format(k=k)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(path, "wt") as f:
+                for d in part[k::2]:
+                    f.write(json.dumps({"text": d}) + "\n")
+    (root / "corpus.txt").write_text("\n".join(docs))
+    spm.SentencePieceTrainer.train(input=str(root / "corpus.txt"), model_prefix=str(root / "t5"),
                                    vocab_size=64, hard_vocab_limit=False)
-    command = "python -m boost_jax.data.prepare /data/c4/*.json.gz --out /data/c4_tok --tokenizer t5.model"
-    monkeypatch.chdir(tmp_path)
-    import glob
-    argv = [a.replace("/data/", str(data) + "/") for a in _argv(command)[3:]]
-    argv = [x for a in argv for x in (sorted(glob.glob(a)) if "*" in a else [a])]  # the shell's glob
-    assert prepare.main(argv) == 0
-    index = json.loads((data / "c4_tok" / "index.json").read_text())
-    assert index["documents"] == len(docs) and index["tokens"] > len(docs)
+    return root, {pattern.split("/")[-1].split(".")[0] + ("_en" if "/en/" in pattern else ""): len(part)
+                  for pattern, part in shards.items()}
 
+
+def _local(command: str, root) -> list[str]:
+    """A command's arguments with /data/ under `root` and its globs expanded as the shell would."""
+    import glob
+    argv = [a.replace("/data/", str(root) + "/data/") for a in _argv(command)]
+    return [x for a in argv for x in (sorted(glob.glob(a)) if "*" in a else [a])]
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if "data.prepare" in c], ids=lambda c: c.split()[3])
+def test_prepare_c4_like_jsonl_with_a_sentencepiece_model(command, c4_like, monkeypatch):
+    """Each data.prepare command the README shows, on the C4-like corpus: every document, its
+    boundaries recorded."""
+    from boost_jax.data import prepare
+    root, counts = c4_like
+    monkeypatch.chdir(root)
+    argv = _local(command, root)[3:]
+    assert prepare.main(argv) == 0
+    index = json.loads((Path(argv[argv.index("--out") + 1]) / "index.json").read_text())
+    split = "c4-validation_en" if "validation" in command else "c4-train_en" if "/en/" in command else "c4-train"
+    assert index["documents"] == counts[split] and index["tokens"] > counts[split]
+    assert all(shard["ends"] for shard in index["shards"])
+
+
+def test_reproduce_cola_60m_batches_are_documents(c4_like, monkeypatch):
+    """The README's cola_60m command on the prepared corpus: one document per row, its first 256
+    tokens, padding after it; the eval split is the validation directory."""
+    from boost_jax import train
+    from boost_jax.data import build_loaders
+    from boost_jax.data.prepare import main as prepare_main
+    root, counts = c4_like
+    monkeypatch.chdir(root)
+    for command in [c for c in COMMANDS if "data.prepare /data/c4/en" in c]:
+        if not (root / "data" / command.split("--out /data/")[1].split()[0] / "index.json").exists():
+            assert prepare_main(_local(command, root)[3:]) == 0
+    command = next(c for c in COMMANDS if "cola_60m.py" in c and "t5.model" in c)
+    monkeypatch.chdir(ROOT)
+    cfg = train.parse_config(["train", *_local(command, root)[3:]])
+    cfg.data.tokenizer = str(root / "t5.model")
+    assert cfg.data.batching == "document" and cfg.train.eval_tokens == 10_000_000
+    tr, ev, _ = build_loaders(cfg)
+    assert (tr.n, ev.n) == (counts["c4-train_en"], counts["c4-validation_en"])
+    batch = tr.batch(0)
+    assert batch["tokens"].shape == (512, 257) and (batch["lengths"] <= 256).all()
+    for row, n in zip(batch["tokens"], batch["lengths"]):
+        assert (row[n:] == 0).all() and n > 0

@@ -46,10 +46,12 @@ def test_default_model_learns(tmp_path):
     assert Checkpointer(out["checkpoints"], keep=3, create=False).latest_step() == 60
 
 
-def test_resume_continues_bit_for_bit(make_config, tmp_path):
-    straight = make_config(**{"run_dir": str(tmp_path / "a"), "train.log_every": 1})
+@pytest.mark.parametrize("batching", ["stream", "packed", "document"])
+def test_resume_continues_bit_for_bit(make_config, tmp_path, batching):
+    straight = make_config(**{"run_dir": str(tmp_path / "a"), "train.log_every": 1, "data.batching": batching})
     train.run(straight)
-    split = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4})
+    split = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4,
+                           "data.batching": batching})
     out = train.run(split)
     assert out["step"] == 4
     split.train.stop_at_step = 0
@@ -60,8 +62,27 @@ def test_resume_continues_bit_for_bit(make_config, tmp_path):
     meta_a, pa = final_params(tmp_path / "a", 8)
     meta_b, pb = final_params(tmp_path / "b", 8)
     assert meta_a["data_position"] == meta_b["data_position"] == 8 * 8
+    assert meta_a["tokens_seen"] == meta_b["tokens_seen"] == metric_rows(tmp_path / "a", "tokens_seen")[8]
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resume_keeps_the_order_its_checkpoint_used(make_config, tmp_path, capsys):
+    """A checkpoint's data position refers to the permutation that reached it (data.shuffle, or numpy
+    for checkpoints written before it was recorded): a resume keeps it and says so."""
+    straight = make_config(**{"run_dir": str(tmp_path / "a"), "train.log_every": 1, "data.shuffle": "numpy"})
+    train.run(straight)
+    split = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4,
+                           "data.shuffle": "numpy"})
+    train.run(split)
+    resumed = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1})  # data.shuffle=feistel
+    train.run(resumed)
+    assert "data.shuffle=numpy; continuing with it" in capsys.readouterr().out
+    a, b = metric_rows(tmp_path / "a"), metric_rows(tmp_path / "b")
+    assert [a[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)]
+    fresh = make_config(**{"run_dir": str(tmp_path / "c"), "train.log_every": 1})
+    train.run(fresh)
+    assert metric_rows(tmp_path / "c")[1] != a[1]  # new runs take the stateless order
 
 
 def test_divergence_stops_and_keeps_last_good_checkpoint(make_config):

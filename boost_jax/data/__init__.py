@@ -8,21 +8,23 @@ from pathlib import Path
 
 import numpy as np
 
-from boost_jax.data.loader import MixtureLoader, TokenLoader
-from boost_jax.data.sources import (check_vocab, embedded_corpus, expand_paths, parse_mixture, prepared_index,
+from boost_jax.data.loader import DocumentLoader, MixtureLoader, PackedLoader, TokenLoader
+from boost_jax.data.sources import (check_vocab, embedded_documents, expand_paths, parse_mixture, prepared_index,
                                     prepared_shards, token_files)
 from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["SOURCES", "TokenLoader", "MixtureLoader", "build_loaders", "load_tokenizer", "ByteTokenizer",
-           "parse_mixture"]
+__all__ = ["SOURCES", "TokenLoader", "DocumentLoader", "PackedLoader", "MixtureLoader", "build_loaders",
+           "load_tokenizer", "ByteTokenizer", "parse_mixture"]
 
 SOURCES = ("embedded", "text", "jsonl", "tokens")  # data.source: where `_tokens` reads from
 
 
-def _tokens(source: str, path: str, cfg, tok, field: str) -> list[np.ndarray]:
+def _tokens(source: str, path: str, cfg, tok, field: str):
+    """(token arrays, each array's document end offsets or None where no boundaries are recorded)."""
     d = cfg.data
     if source == "embedded":
-        return [np.frombuffer(embedded_corpus(d.embedded_max_bytes), dtype=np.uint8)]
+        corpus, ends = embedded_documents(d.embedded_max_bytes)
+        return [np.frombuffer(corpus, dtype=np.uint8)], [ends]
     check = dict(tokenizer=d.tokenizer, vocab_size=cfg.model.vocab_size)
     if source == "tokens":
         index = prepared_index(path)
@@ -31,7 +33,7 @@ def _tokens(source: str, path: str, cfg, tok, field: str) -> list[np.ndarray]:
         paths = expand_paths(path, field, (".bin", ".npy"))
         arrays = token_files(paths, d.token_dtype)
         check_vocab(arrays, paths, cfg.model.vocab_size)
-        return arrays
+        return arrays, None
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
     cache = _token_cache(expand_paths(path, field, suffixes), cfg)
     return prepared_shards(cache / "index.json", field, token_dtype=None, **check)
@@ -66,22 +68,38 @@ def _token_cache(paths: list[str], cfg) -> Path:
     return out
 
 
-def _split_tail(segments: list[np.ndarray], fraction: float):
-    """Hold out the last `fraction` of the concatenated stream (contiguous, so no leakage)."""
+def _split_tail(source, fraction: float, whole_documents: bool):
+    """Hold out the last `fraction` of the concatenated stream (contiguous, so no leakage); with
+    `whole_documents` the cut moves back to the start of the document it falls in."""
+    segments, ends = source
     total = sum(len(s) for s in segments)
     cut = int(total * (1.0 - fraction))
-    train, held, seen = [], [], 0
-    for s in segments:
+    train, held, seen = ([], []), ([], []), 0
+    for k, s in enumerate(segments):
         lo, hi = seen, seen + len(s)
-        if hi <= cut:
-            train.append(s)
-        elif lo >= cut:
-            held.append(s)
+        e = None if ends is None else np.asarray(ends[k], np.int64)
+        at = cut - lo
+        if lo < cut < hi and whole_documents and e is not None:
+            k = int(np.searchsorted(e, at, side="right"))  # the document the cut falls in
+            at = int(e[k - 1]) if k else 0  # held out whole
+        if at >= len(s):
+            train[0].append(s)
+            train[1].append(e)
+        elif at <= 0:
+            held[0].append(s)
+            held[1].append(e)
         else:
-            train.append(s[: cut - lo])
-            held.append(s[cut - lo:])
+            train[0].append(s[:at])
+            held[0].append(s[at:])
+            if e is not None:
+                train[1].append(e[e <= at])
+                held[1].append(e[e > at] - at)
+            else:
+                train[1].append(None)
+                held[1].append(None)
         seen = hi
-    return train, held
+    keep = lambda part: (part[0], None if ends is None else part[1])  # noqa: E731
+    return keep(train), keep(held)
 
 
 def _check_mixture(cfg, mixture, field: str) -> None:
@@ -102,22 +120,38 @@ def _check_mixture(cfg, mixture, field: str) -> None:
                              "prepare them with one tokenizer")
 
 
-def _loader(cfg, mixture, segments, name: str, shuffle: bool, process_index: int, process_count: int):
+def _one(cfg, source, name: str, field: str, **common):
+    """The loader of one source for data.batching."""
+    segments, ends = source
+    batching = cfg.data.batching
+    if batching == "stream":
+        return TokenLoader(segments, name=name, **common)
+    if ends is None:
+        raise ValueError(f"config field `data.batching`: {batching} needs document boundaries, which {name} does "
+                         f"not record (raw token files, or a directory prepared before they were recorded); "
+                         f"prepare it with `python -m boost_jax.data.prepare` into a new --out (`{field}`), "
+                         "or use data.batching=stream")
+    return (PackedLoader if batching == "packed" else DocumentLoader)(segments, ends, name=name, **common)
+
+
+def _loader(cfg, mixture, sources, name: str, field: str, shuffle: bool, process_index: int, process_count: int,
+            order: str):
     t = cfg.train
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch, vocab_size=cfg.model.vocab_size,
-                  process_index=process_index, process_count=process_count, shuffle=shuffle)
+                  process_index=process_index, process_count=process_count, shuffle=shuffle, order=order)
     if len(mixture) == 1:
-        return TokenLoader(segments[0], seed=cfg.seed, name=f"{name} ({cfg.data.source})", **common)
-    loaders = [TokenLoader(seg, seed=(cfg.seed, k), name=f"{name} ({cfg.data.source} {path})", **common)
-               for k, ((_, path, _), seg) in enumerate(zip(mixture, segments))]
+        return _one(cfg, sources[0], f"{name} ({cfg.data.source})", field, seed=cfg.seed, **common)
+    loaders = [_one(cfg, source, f"{name} ({cfg.data.source} {path})", field, seed=(cfg.seed, k), **common)
+               for k, ((_, path, _), source) in enumerate(zip(mixture, sources))]
     return MixtureLoader(loaders, [w for _, _, w in mixture], [n for n, _, _ in mixture], seed=cfg.seed,
                          global_batch=t.global_batch, process_index=process_index, process_count=process_count)
 
 
-def build_loaders(cfg, process_index: int = 0, process_count: int = 1):
+def build_loaders(cfg, process_index: int = 0, process_count: int = 1, order: str | None = None):
     """(train loader, eval loader, tokenizer) for a run config. `data.path` (and `data.eval_path`) may
     name a weighted mixture of sources (see `parse_mixture`); without `data.eval_path` the last
-    `data.eval_fraction` of every source is held out and mixed with the same weights."""
+    `data.eval_fraction` of every source is held out and mixed with the same weights. `order`: the
+    train order's permutation (default data.shuffle; a resumed run passes the one its checkpoint used)."""
     d = cfg.data
     tok = load_tokenizer(d.tokenizer)
     if d.tokenizer not in ("", "byte") and tok.vocab_size > cfg.model.vocab_size:
@@ -132,6 +166,8 @@ def build_loaders(cfg, process_index: int = 0, process_count: int = 1):
         train, held = sources, [_tokens(d.source, path, cfg, tok, "data.eval_path") for _, path, _ in eval_mixture]
     else:
         eval_mixture = mixture
-        train, held = zip(*[_split_tail(s, d.eval_fraction) for s in sources])
-    return (_loader(cfg, mixture, train, "train data", True, process_index, process_count),
-            _loader(cfg, eval_mixture, held, "eval data", False, process_index, process_count), tok)
+        train, held = zip(*[_split_tail(s, d.eval_fraction, d.batching != "stream") for s in sources])
+    order = order or d.shuffle
+    return (_loader(cfg, mixture, train, "train data", "data.path", True, process_index, process_count, order),
+            _loader(cfg, eval_mixture, held, "eval data", "data.eval_path" if d.eval_path else "data.path", False,
+                    process_index, process_count, order), tok)

@@ -13,7 +13,8 @@ one unit. Each unit streams through the tokenizer in
 batches of documents (memory stays bounded by the batch, whatever the input size), every document
 ends with the tokenizer's EOS (the byte tokenizer has none: its 256 ids are all bytes), and the unit
 becomes one raw shard `shard_NNNNN.bin` of uint16 (vocabulary <= 65536) or uint32 tokens, written
-under a temporary name and renamed when complete, with `shard_NNNNN.json` holding its counts. A rerun
+under a temporary name and renamed when complete, with `shard_NNNNN.json` holding its counts and `shard_NNNNN.idx` the end offset (int64, in tokens) of
+every document in it, so `data.batching=packed|document` finds documents without scanning for EOS. A rerun
 with the same arguments keeps the finished shards and redoes only the rest (`plan.json` records the
 inputs and tokenizer, so a rerun with different ones is refused instead of mixing them). Last,
 `index.json` lists the shards in input order with the tokenizer, vocabulary size, dtype, document
@@ -184,18 +185,23 @@ def _decode(data: bytes, path: str, offset: int) -> str:
                            "re-encode the file as UTF-8") from None
 
 
-def _encode(tok, texts: list, ends: list[bool], dtype) -> np.ndarray:
-    """One array: each text's ids, then EOS where a document ends (if the tokenizer has one)."""
+def _encode(tok, texts: list, ends: list[bool], dtype) -> tuple[np.ndarray, list[int]]:
+    """(one array: each text's ids, then EOS where a document ends (if the tokenizer has one); the
+    offset in it where each of those documents ends)."""
     eos = tok.eos_id
     ids = tok.encode_batch([t for t in texts if t is not None])
-    parts, k = [], 0
+    parts, k, size, doc_ends = [], 0, 0, []
     for text, end in zip(texts, ends):
         if text is not None:
             parts.append(np.asarray(ids[k], dtype))
+            size += len(parts[-1])
             k += 1
         if end and eos is not None:
             parts.append(np.array([eos], dtype))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+            size += 1
+        if end:
+            doc_ends.append(size)
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype)), doc_ends
 
 
 _TOKENIZERS: dict = {}
@@ -224,6 +230,14 @@ def run_unit(index: int, pieces: list, out: str, tokenizer: str, field: str, dty
     name = f"shard_{index:05d}"
     report = progress or (_PROGRESS.put if _PROGRESS is not None else None)
     docs = tokens = 0
+    doc_ends: list[int] = []  # where each document ends, in tokens from the shard's start
+
+    def write(block, ends):
+        nonlocal docs, tokens
+        block.tofile(f)
+        doc_ends.extend(tokens + e for e in ends)
+        docs, tokens = docs + len(ends), tokens + len(block)
+
     with open(out / f"{name}.bin.tmp", "wb") as f:
         for path, start, end in pieces:
             texts, ends, size, reported = [], [], 0, 0
@@ -232,21 +246,24 @@ def run_unit(index: int, pieces: list, out: str, tokenizer: str, field: str, dty
                 ends.append(ended)
                 size += len(text) if text is not None else 0
                 if size >= BATCH_BYTES:
-                    block = _encode(tok, texts, ends, dtype)
-                    block.tofile(f)
-                    docs, tokens = docs + sum(ends), tokens + len(block)
+                    block, block_ends = _encode(tok, texts, ends, dtype)
+                    write(block, block_ends)
                     step = min(size, end - start - reported)  # characters ~ input bytes, for the bar
                     reported += step
                     if report:
                         report((step, len(block)))
                     texts, ends, size = [], [], 0
-            block = _encode(tok, texts, ends, dtype)
-            block.tofile(f)
-            docs, tokens = docs + sum(ends), tokens + len(block)
+            block, block_ends = _encode(tok, texts, ends, dtype)
+            write(block, block_ends)
             if report:
                 report((end - start - reported, len(block)))
+    # Document boundaries (Megatron's indexed datasets keep the same): int64 end offsets.
+    if doc_ends and doc_ends[-1] != tokens:
+        doc_ends.append(tokens)  # a last document with no end mark (cannot happen: every input ends one)
+    np.asarray(doc_ends, np.int64).tofile(out / f"{name}.idx.tmp")
+    os.replace(out / f"{name}.idx.tmp", out / f"{name}.idx")
     os.replace(out / f"{name}.bin.tmp", out / f"{name}.bin")
-    meta = {"file": f"{name}.bin", "documents": docs, "tokens": tokens,
+    meta = {"file": f"{name}.bin", "ends": f"{name}.idx", "documents": len(doc_ends), "tokens": tokens,
             "bytes": sum(e - s for _, s, e in pieces)}
     (out / f"{name}.json.tmp").write_text(json.dumps(meta))
     os.replace(out / f"{name}.json.tmp", out / f"{name}.json")  # the shard counts as finished from here

@@ -9,15 +9,24 @@ Training (and the pipeline) call it with offset 0 and as many keys as queries; a
 with the cache's keys (unwritten slots lie ahead of every query, so causality hides them) and the
 offset of the first new token. q: [B, T, H, Dh], k/v: [B, S, KV, Dh] with H a multiple of KV (GQA).
 
+Rows holding several documents (data.batching=packed) or one document then padding
+(data.batching=document) pass `docs` (a `Documents`; offset 0, S == T, no KV cache): key s is then
+visible to query t of row b iff s <= t and segments[b, s] == segments[b, t]. Every document is one
+contiguous run of its row; padding (segment 0) attends to padding only, so its rows stay finite
+(their values are implementation-defined and never used).
+
 - xla: scores as one float32 einsum [B, KV, G, T, S], softmax, einsum (the reference).
 - chunked: blockwise attention with an online softmax in plain JAX (FlashAttention-2's algorithm,
   forward and backward): no [T, S] matrix, key blocks wholly above the diagonal are never visited,
-  memory O(T). Runs on any backend.
+  memory O(T). Runs on any backend. With documents it also skips the key blocks that lie before
+  every query block's documents (in every row), and the query blocks after every key block's.
 - pallas: the Pallas flash-attention kernel of `jax.experimental.pallas.ops.gpu.attention`
   (Triton-lowered; the interpreter on CPU). GQA repeats k/v heads; lengths are padded to the block.
-- cudnn: `jax.nn.dot_product_attention(implementation="cudnn")`, bf16/fp16 on an NVIDIA GPU.
+  Documents go in as the kernel's segment ids.
+- cudnn: `jax.nn.dot_product_attention(implementation="cudnn")`, bf16/fp16 on an NVIDIA GPU. Takes
+  one document per row only (its query / key-value sequence lengths), not packed rows.
 - auto: cudnn on a GPU in bf16/fp16 (head dim a multiple of 8, at most 128), else xla up to
-  `AUTO_XLA_MAX_KEYS` keys, else chunked.
+  `AUTO_XLA_MAX_KEYS` keys, else chunked; packed rows never run cudnn.
 
 A decode step (a traced offset) runs `chunked` under the fused kernels, which take offset 0 only.
 The attention output is tagged `attn_out` (and, where the implementation keeps one, its float32
@@ -25,6 +34,10 @@ log-sum-exp `attn_lse`: chunked, pallas) for the remat policies (`boost_jax/mode
 implementation is one function `fn(q, k, v, offset) -> out` registered with
 `@implementation("name", cost=..., fused=...)`, here or from any module: config validation, the
 trainer, the comm report and the planner (which prices it as its `cost` class) read the registry.
+One that masks documents takes `docs` as a keyword, `fn(q, k, v, offset, *, docs)`, and says which
+parts it reads with `documents=("segments", "lengths")` (or either alone); it is called with `docs=`
+only when there are documents, and `model.attention` naming one that cannot take a run's documents
+is a config error.
 """
 from __future__ import annotations
 
@@ -55,6 +68,10 @@ _NEG = -1e30  # masked score: finite, so a row's running max never becomes -inf
 # How the planner prices an implementation (boost_jax/planner/cost.py `attention_seconds`): scores
 # materialised in HBM, blockwise in plain JAX (chunked), or a fused flash kernel.
 COST_CLASSES = ("materialized", "chunked", "flash")
+# What of a `Documents` an implementation reads: segment ids (any rows), or per-row lengths (one
+# document then padding per row only).
+DOCUMENT_KINDS = ("segments", "lengths")
+_WARNED: set = set()  # the notices `resolve` gave once already
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +79,20 @@ class Implementation:
     fn: Callable  # fn(q, k, v, offset) -> out [B, T, H, Dh]
     cost: str  # one of COST_CLASSES
     fused: bool = False  # a fused kernel taking offset 0 only: decode steps (a traced offset) run `chunked`
+    documents: tuple = ()  # the DOCUMENT_KINDS it masks by (then fn takes `docs=`)
 
 
-def implementation(name: str, *, cost: str, fused: bool = False):
-    """Register `fn(q, k, v, offset)` as `model.attention=name`, priced by the planner as `cost`."""
+def implementation(name: str, *, cost: str, fused: bool = False, documents: tuple = ()):
+    """Register `fn(q, k, v, offset)` as `model.attention=name`, priced by the planner as `cost`; with
+    `documents` (DOCUMENT_KINDS it reads) it also takes `fn(q, k, v, offset, docs=Documents)`."""
     if cost not in COST_CLASSES:
         raise ValueError(f"attention implementation {name!r}: cost {cost!r} is not one of {COST_CLASSES}")
+    documents = tuple(documents)
+    if not set(documents) <= set(DOCUMENT_KINDS):
+        raise ValueError(f"attention implementation {name!r}: documents {documents} are not among {DOCUMENT_KINDS}")
 
     def register(fn):
-        IMPLEMENTATIONS[name] = Implementation(fn, cost, fused)
+        IMPLEMENTATIONS[name] = Implementation(fn, cost, fused, documents)
         return fn
 
     return register
@@ -84,6 +106,66 @@ def names() -> tuple[str, ...]:
 def cost_class(name: str) -> str:
     """How the planner prices implementation `name` (not `auto`: resolve it first)."""
     return IMPLEMENTATIONS[name].cost
+
+
+def takes_documents(name: str, kind: str) -> bool:
+    """Whether `model.attention=name` masks documents given as `kind` ("segments": any rows;
+    "lengths": one document per row). `auto` always picks one that does."""
+    if kind not in DOCUMENT_KINDS:
+        raise ValueError(f"document kind {kind!r} is not one of {DOCUMENT_KINDS}")
+    return name == "auto" or (name in IMPLEMENTATIONS and kind in IMPLEMENTATIONS[name].documents)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """Where the documents of each row lie (see the module docstring); a pytree. Build it with
+    `Documents.packed` or `Documents.one_per_row`."""
+    segments: jax.Array  # int32 [B, T]: the document id of every position; 0 = padding
+    first_key: jax.Array  # int32 [T]: min over rows of the first position of t's document (block skipping)
+    last_query: jax.Array  # int32 [T]: max over rows of the last position of t's document
+    lengths: jax.Array | None = None  # int32 [B]: only when every row is one document, then padding
+
+    @classmethod
+    def packed(cls, segments) -> Documents:
+        """Any rows: segments [B, T], each document one contiguous run of its row."""
+        segments = jnp.asarray(segments, jnp.int32)
+        return cls(segments, *_document_spans(segments))
+
+    @classmethod
+    def one_per_row(cls, lengths, t: int) -> Documents:
+        """Row b: one document at positions < lengths[b], then padding (of T = t positions)."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        segments = (jnp.arange(t) < lengths[:, None]).astype(jnp.int32)
+        return cls(segments, *_document_spans(segments), lengths)
+
+    def rows(self) -> dict:
+        """The per-row parts, [B, ...] each: what a pipeline carries with a micro-batch's rows."""
+        rows = {"segments": self.segments}
+        return rows if self.lengths is None else {**rows, "lengths": self.lengths}
+
+    @classmethod
+    def from_rows(cls, rows: dict) -> Documents:
+        """`Documents` of the rows `rows()` gave (the row-invariant spans recomputed over them)."""
+        return cls(rows["segments"], *_document_spans(rows["segments"]), rows.get("lengths"))
+
+    @property
+    def kind(self) -> str:
+        """What these documents can be given as: "lengths" (one document per row; segments too) or
+        "segments" (packed rows)."""
+        return "segments" if self.lengths is None else "lengths"
+
+
+def _document_spans(segments):
+    """(first_key, last_query) [T] of `Documents`: each position's run start (cummax of the positions
+    where the id changes) and end (reverse cummin), min / max over rows."""
+    b, t = segments.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    change = segments[:, 1:] != segments[:, :-1]
+    edge = jnp.ones((b, 1), bool)
+    starts = jax.lax.cummax(jnp.where(jnp.concatenate([edge, change], 1), pos, 0), axis=1)
+    ends = jax.lax.cummin(jnp.where(jnp.concatenate([change, edge], 1), pos, t - 1), axis=1, reverse=True)
+    return starts.min(0), ends.max(0)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -102,32 +184,57 @@ def _static_zero(offset) -> bool:
     return isinstance(offset, int) and offset == 0
 
 
-def auto_impl(on_gpu: bool, half: bool, head_dim: int, queries: int, keys: int) -> str:
+def _masks(name: str, kind: str) -> bool:
+    """Whether `name` masks documents of `kind` (Documents.kind): lengths rows carry segments too."""
+    return any(takes_documents(name, k) for k in (DOCUMENT_KINDS if kind == "lengths" else ("segments",)))
+
+
+def auto_impl(on_gpu: bool, half: bool, head_dim: int, queries: int, keys: int, documents: str | None = None) -> str:
     """What `auto` runs: cudnn on a GPU in bf16/fp16 where cuDNN's fused kernel takes the shapes
     (head dim a multiple of 8, at most 128, as many keys as queries), else xla up to
-    AUTO_XLA_MAX_KEYS keys, else chunked. (The planner prices plans with it.)"""
-    if on_gpu and half and head_dim % 8 == 0 and head_dim <= 128 and keys == queries:
+    AUTO_XLA_MAX_KEYS keys, else chunked. `documents`: None (no documents), "lengths" (one document
+    per row) or "segments" (packed rows: cudnn is out). (The planner prices plans with it.)"""
+    cudnn_ok = documents is None or _masks("cudnn", documents)
+    if on_gpu and half and head_dim % 8 == 0 and head_dim <= 128 and keys == queries and cudnn_ok:
         return "cudnn"
     return "xla" if keys <= AUTO_XLA_MAX_KEYS else "chunked"
 
 
-def resolve(impl: str, q, k, offset) -> str:
-    """The implementation `impl` runs as for these shapes on this backend."""
+def resolve(impl: str, q, k, offset, docs: Documents | None = None) -> str:
+    """The implementation `impl` runs as for these shapes (and documents) on this backend."""
     fused_ok = _static_zero(offset)
+    kind = None if docs is None else docs.kind
     if impl == "auto":
-        return auto_impl(fused_ok and jax.default_backend() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
-                         q.shape[-1], q.shape[1], k.shape[1])
+        name = auto_impl(fused_ok and jax.default_backend() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
+                         q.shape[-1], q.shape[1], k.shape[1], documents=kind)
+        if kind == "segments" and name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(f"model.attention=auto: packed rows (data.batching=packed) run {name}; "
+                          "cudnn takes one document per row only", stacklevel=3)
+        return name
     if impl not in IMPLEMENTATIONS:
         raise ConfigError(f"config field `model.attention`: {impl!r} is not one of {names()}")
+    if kind is not None and not _masks(impl, kind):
+        able = ", ".join(n for n in names() if _masks(n, kind))
+        batching = "packed" if kind == "segments" else "document"
+        raise ConfigError(f"config field `model.attention`: {impl} cannot mask the documents of "
+                          f"data.batching={batching}; set model.attention to one of {able} (or data.batching=stream)")
     if IMPLEMENTATIONS[impl].fused and not fused_ok:
         return "chunked"
     return impl
 
 
-def attend(q, k, v, *, offset=0, impl: str = "xla"):
-    """Causal attention (see the module docstring) -> [B, T, H * Dh] in q's dtype."""
+def attend(q, k, v, *, offset=0, impl: str = "xla", docs: Documents | None = None):
+    """Causal attention (see the module docstring) -> [B, T, H * Dh] in q's dtype; with `docs`, each
+    query sees its own document only."""
     b, t, h, dh = q.shape
-    return IMPLEMENTATIONS[resolve(impl, q, k, offset)].fn(q, k, v, offset).reshape(b, t, h * dh)
+    fn = IMPLEMENTATIONS[resolve(impl, q, k, offset, docs)].fn
+    if docs is None:
+        return fn(q, k, v, offset).reshape(b, t, h * dh)
+    if not _static_zero(offset) or k.shape[1] != t or docs.segments.shape != (b, t):
+        raise ValueError(f"attention with documents needs offset 0 and segments [B, T] = {[b, t]} for as many "
+                         f"keys as queries, got offset {offset}, {k.shape[1]} keys, segments {docs.segments.shape}")
+    return fn(q, k, v, offset, docs=docs).reshape(b, t, h * dh)
 
 
 def _grouped(q, kv):
@@ -139,13 +246,17 @@ def _visible(t, s, offset):
     return (offset + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]
 
 
-@implementation("xla", cost="materialized")
-def xla_attention(q, k, v, offset):
+@implementation("xla", cost="materialized", documents=("segments", "lengths"))
+def xla_attention(q, k, v, offset, *, docs: Documents | None = None):
     """Float32 scores [B, KV, G, T, S], masked softmax, weighted sum; k/v are never repeated."""
     dh, t, s = q.shape[-1], q.shape[1], k.shape[1]
     qg = _grouped(q, k.shape[2])
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * dh ** -0.5
-    scores = jnp.where(_visible(t, s, offset), scores, jnp.finfo(jnp.float32).min)
+    mask = _visible(t, s, offset)
+    if docs is not None:  # [B, 1, 1, T, S]: causal and in the query's document
+        seg = docs.segments
+        mask = (mask & (seg[:, :, None] == seg[:, None, :]))[:, None, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return checkpoint_name(jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(q.shape), "attn_out")
 
@@ -164,12 +275,15 @@ def _pad_to(x, axis, length):
     return jnp.pad(x, pad)
 
 
-def _block_scores(qi, kj, i, j, bq, bk, offset, s_len, scale):
-    """Masked float32 scores [B, KV, G, bq, bk] of query block i against key block j."""
+def _block_scores(qi, kj, i, j, bq, bk, offset, s_len, scale, seg=None):
+    """Masked float32 scores [B, KV, G, bq, bk] of query block i against key block j; `seg`: the
+    blocks' segment ids ([B, bq], [B, bk]) with documents."""
     s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
     qpos = offset + i * bq + jnp.arange(bq)
     kpos = j * bk + jnp.arange(bk)
     mask = (qpos[:, None] >= kpos[None, :]) & (kpos < s_len)[None, :]
+    if seg is not None:
+        mask = mask & (seg[0][:, :, None] == seg[1][:, None, :])[:, None, None]
     return jnp.where(mask, s, _NEG)
 
 
@@ -181,6 +295,24 @@ def _first_visible_q_block(j, bq, bk, offset):
 def _n_visible_k_blocks(i, bq, bk, offset, nk):
     """Key blocks query block i sees: those starting at or before its last query's position."""
     return jnp.minimum((offset + (i + 1) * bq - 1) // bk + 1, nk)
+
+
+def _document_bounds(docs, bq, nq, bk, nk):
+    """(first key block of every query block [nq], end of the query blocks of every key block [nk]):
+    outside them every key lies in another document than every query, in every row. Causality bounds
+    the other side."""
+    t = docs.first_key.shape[0]
+    first = _pad_to(docs.first_key, 0, nq * bq).at[t:].set(t).reshape(nq, bq).min(1) // bk
+    last = _pad_to(docs.last_query, 0, nk * bk).at[t:].set(-1).reshape(nk, bk).max(1)
+    return first, jnp.minimum(last // bq + 1, nq)
+
+
+def _segment_blocks(docs, bq, nq, bk, nk):
+    """Segment ids by block: queries [nq, B, bq], keys [nk, B, bk] (padding: id 0, hidden by s_len)."""
+    seg = docs.segments
+    b = seg.shape[0]
+    return (_pad_to(seg, 1, nq * bq).reshape(b, nq, bq).transpose(1, 0, 2),
+            _pad_to(seg, 1, nk * bk).reshape(b, nk, bk).transpose(1, 0, 2))
 
 
 def _layout(q, k, v, block):
@@ -200,18 +332,22 @@ def _unlayout_q(x, q_shape):
     return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, kv * g, dh)[:, :q_shape[1]]
 
 
-def _chunked_fwd(q, k, v, offset, block):
+def _chunked_fwd(q, k, v, offset, docs, block):
     """(out [B,T,H,D] in q.dtype, lse [nq, B, KV, G, bq] float32)."""
     qb, kb, vb, (bq, nq, bk, nk) = _layout(q, k, v, block)
     scale = q.shape[-1] ** -0.5
     s_len = k.shape[1]
+    if docs is not None:
+        first_k, _ = _document_bounds(docs, bq, nq, bk, nk)
+        seg_q, seg_k = _segment_blocks(docs, bq, nq, bk, nk)
 
     def q_block(i):
         qi = qb[i]
 
         def k_block(j, carry):
             m, l, acc = carry
-            s = _block_scores(qi, kb[j], i, j, bq, bk, offset, s_len, scale)
+            seg = None if docs is None else (seg_q[i], seg_k[j])
+            s = _block_scores(qi, kb[j], i, j, bq, bk, offset, s_len, scale, seg)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             corr = jnp.exp(m - m_new)
@@ -221,23 +357,28 @@ def _chunked_fwd(q, k, v, offset, block):
 
         stats = jnp.full(qi.shape[:-1], _NEG, jnp.float32)
         init = (stats, jnp.zeros_like(stats), jnp.zeros(qi.shape, jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, _n_visible_k_blocks(i, bq, bk, offset, nk), k_block, init)
+        start = 0 if docs is None else first_k[i]
+        m, l, acc = jax.lax.fori_loop(start, _n_visible_k_blocks(i, bq, bk, offset, nk), k_block, init)
         return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
     out, lse = jax.lax.map(q_block, jnp.arange(nq))
     return _unlayout_q(out, q.shape), lse
 
 
-def _chunked_bwd(q, k, v, out, lse, dout, offset, block):
+def _chunked_bwd(q, k, v, out, lse, dout, offset, docs, block):
     qb, kb, vb, (bq, nq, bk, nk) = _layout(q, k, v, block)
     ob, dob = (_layout(x, k, v, block)[0] for x in (out, dout))
     scale = q.shape[-1] ** -0.5
     s_len = k.shape[1]
+    if docs is not None:
+        first_k, end_q = _document_bounds(docs, bq, nq, bk, nk)
+        seg_q, seg_k = _segment_blocks(docs, bq, nq, bk, nk)
     # delta_i = Σ_d dO·O (FlashAttention-2's row term); padded rows have dO = 0 and add nothing.
     delta = jnp.einsum("nbkgqd,nbkgqd->nbkgq", dob.astype(jnp.float32), ob.astype(jnp.float32))
 
     def probs(i, j):
-        s = _block_scores(qb[i], kb[j], i, j, bq, bk, offset, s_len, scale)
+        seg = None if docs is None else (seg_q[i], seg_k[j])
+        s = _block_scores(qb[i], kb[j], i, j, bq, bk, offset, s_len, scale, seg)
         p = jnp.exp(s - lse[i][..., None])
         dp = jnp.einsum("bkgqd,bksd->bkgqs", dob[i], vb[j], preferred_element_type=jnp.float32)
         return p, p * (dp - delta[i][..., None])
@@ -247,7 +388,8 @@ def _chunked_bwd(q, k, v, out, lse, dout, offset, block):
             _, ds = probs(i, j)
             return dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kb[j].astype(jnp.float32)) * scale
 
-        return jax.lax.fori_loop(0, _n_visible_k_blocks(i, bq, bk, offset, nk), k_block,
+        start = 0 if docs is None else first_k[i]
+        return jax.lax.fori_loop(start, _n_visible_k_blocks(i, bq, bk, offset, nk), k_block,
                                  jnp.zeros(qb.shape[1:], jnp.float32))
 
     def dkv_block(j):
@@ -259,7 +401,8 @@ def _chunked_bwd(q, k, v, out, lse, dout, offset, block):
             return dk, dv
 
         zeros = jnp.zeros(kb.shape[1:], jnp.float32)
-        return jax.lax.fori_loop(_first_visible_q_block(j, bq, bk, offset), nq, q_block, (zeros, zeros))
+        stop = nq if docs is None else end_q[j]
+        return jax.lax.fori_loop(_first_visible_q_block(j, bq, bk, offset), stop, q_block, (zeros, zeros))
 
     dq = _unlayout_q(jax.lax.map(dq_block, jnp.arange(nq)), q.shape).astype(q.dtype)
     dk, dv = jax.lax.map(dkv_block, jnp.arange(nk))
@@ -268,29 +411,29 @@ def _chunked_bwd(q, k, v, out, lse, dout, offset, block):
     return dq, unk(dk), unk(dv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked(q, k, v, offset, block):
-    return _chunked_fwd(q, k, v, offset, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _chunked(q, k, v, offset, docs, block):
+    return _chunked_fwd(q, k, v, offset, docs, block)[0]
 
 
-def _chunked_vjp_fwd(q, k, v, offset, block):
-    out, lse = _chunked_fwd(q, k, v, offset, block)
+def _chunked_vjp_fwd(q, k, v, offset, docs, block):
+    out, lse = _chunked_fwd(q, k, v, offset, docs, block)
     out, lse = checkpoint_name(out, "attn_out"), checkpoint_name(lse, "attn_lse")
-    return out, (q, k, v, offset, out, lse)
+    return out, (q, k, v, offset, docs, out, lse)
 
 
 def _chunked_vjp_bwd(block, res, dout):
-    q, k, v, offset, out, lse = res
-    dq, dk, dv = _chunked_bwd(q, k, v, out, lse, dout, offset, block)
-    return dq, dk, dv, None
+    q, k, v, offset, docs, out, lse = res
+    dq, dk, dv = _chunked_bwd(q, k, v, out, lse, dout, offset, docs, block)
+    return dq, dk, dv, None, None  # offset and the documents are integers
 
 
 _chunked.defvjp(_chunked_vjp_fwd, _chunked_vjp_bwd)
 
 
-@implementation("chunked", cost="chunked")
-def chunked_attention(q, k, v, offset, block: int | None = None):
-    return _chunked(q, k, v, jnp.asarray(offset, jnp.int32), block or CHUNK)
+@implementation("chunked", cost="chunked", documents=("segments", "lengths"))
+def chunked_attention(q, k, v, offset, block: int | None = None, *, docs: Documents | None = None):
+    return _chunked(q, k, v, jnp.asarray(offset, jnp.int32), docs, block or CHUNK)
 
 
 # ------------------------------------------------------------------------------------------- pallas
@@ -320,9 +463,9 @@ def _private_backward_ok(mod) -> bool:
         return False
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _pallas(q, k, v, block, interpret):
-    return _pallas_fwd(q, k, v, block, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _pallas(q, k, v, segment_ids, block, interpret):
+    return _pallas_fwd(q, k, v, segment_ids, block, interpret)[0]
 
 
 def _pallas_blocks(block):
@@ -331,30 +474,31 @@ def _pallas_blocks(block):
                           block_q_dq=block, block_kv_dq=block)
 
 
-def _pallas_fwd(q, k, v, block, interpret):
+def _pallas_fwd(q, k, v, segment_ids, block, interpret):
     mod = _pallas_mha_module()
-    out, lse = mod.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=_pallas_blocks(block),
-                       interpret=interpret, return_residuals=True)
+    out, lse = mod.mha(q, k, v, segment_ids, sm_scale=q.shape[-1] ** -0.5, causal=True,
+                       block_sizes=_pallas_blocks(block), interpret=interpret, return_residuals=True)
     out, lse = checkpoint_name(out, "attn_out"), checkpoint_name(lse, "attn_lse")
-    return out, (q, k, v, out, lse)
+    return out, (q, k, v, segment_ids, out, lse)
 
 
 def _pallas_bwd(block, interpret, res, dout):
     mod = _pallas_mha_module()
-    q, k, v, out, lse = res
     # The module's own backward kernels (dq and dk/dv), fed the residuals saved above.
-    dq, dk, dv, _ = mod._mha_backward(q.shape[-1] ** -0.5, True, _pallas_blocks(block), "triton", None, 2, None,
-                                      interpret, False, False, (q, k, v, None, out, lse), dout)
-    return dq, dk, dv
+    dq, dk, dv, _ = mod._mha_backward(res[0].shape[-1] ** -0.5, True, _pallas_blocks(block), "triton", None, 2, None,
+                                      interpret, False, False, res, dout)
+    return dq, dk, dv, None  # segment ids are integers
 
 
-_pallas.defvjp(lambda q, k, v, block, interpret: _pallas_fwd(q, k, v, block, interpret), _pallas_bwd)
+_pallas.defvjp(_pallas_fwd, _pallas_bwd)
 
 
-@implementation("pallas", cost="flash", fused=True)
-def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool | None = None):
+@implementation("pallas", cost="flash", fused=True, documents=("segments", "lengths"))
+def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool | None = None, *,
+                     docs: Documents | None = None):
     """Training shapes only (offset 0, S == T); lengths are zero-padded to a power-of-two block
-    (padded keys lie after every real query, so causality hides them)."""
+    (padded keys lie after every real query, so causality hides them), and so are the documents'
+    segment ids, the kernel's `segment_ids`."""
     b, t, h, dh = q.shape
     if k.shape[1] != t:
         raise ValueError(f"pallas attention needs as many keys as queries, got {t} and {k.shape[1]}")
@@ -364,21 +508,23 @@ def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool 
     g = h // k.shape[2]
     tp = -(-t // block) * block
     qp, kp, vp = (_pad_to(x, 1, tp) for x in (q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)))
+    segment_ids = None if docs is None else _pad_to(docs.segments, 1, tp)
     mod = _pallas_mha_module()
     if not _private_backward_ok(mod):
         warnings.warn(f"pallas attention: jax {jax.__version__} changed the private _mha_backward of "
                       "jax.experimental.pallas.ops.gpu.attention; running its public mha (same kernels; "
                       "remat cannot keep attn_lse)", stacklevel=2)
-        out = mod.mha(qp, kp, vp, None, sm_scale=dh ** -0.5, causal=True, block_sizes=_pallas_blocks(block),
+        out = mod.mha(qp, kp, vp, segment_ids, sm_scale=dh ** -0.5, causal=True, block_sizes=_pallas_blocks(block),
                       interpret=bool(interpret))
         return checkpoint_name(out, "attn_out")[:, :t]
-    return _pallas(qp, kp, vp, block, bool(interpret))[:, :t]
+    return _pallas(qp, kp, vp, segment_ids, block, bool(interpret))[:, :t]
 
 
 # -------------------------------------------------------------------------------------------- cudnn
 
-@implementation("cudnn", cost="flash", fused=True)
-def cudnn_attention(q, k, v, offset):
+@implementation("cudnn", cost="flash", fused=True, documents=("lengths",))
+def cudnn_attention(q, k, v, offset, *, docs: Documents | None = None):
+    """cuDNN's fused kernel; with documents (one per row only) its query / key-value lengths."""
     if jax.default_backend() != "gpu":
         raise ConfigError(f"config field `model.attention`: cudnn needs an NVIDIA GPU (this backend is "
                           f"{jax.default_backend()!r}); use chunked, xla or auto")
@@ -387,7 +533,15 @@ def cudnn_attention(q, k, v, offset):
                           f"{q.dtype}; set model.dtype=bfloat16 (or model.attention=chunked)")
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"cudnn attention needs as many keys as queries, got {q.shape[1]} and {k.shape[1]}")
-    return checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"), "attn_out")
+    if docs is None:
+        return checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+                               "attn_out")
+    if docs.lengths is None:
+        raise ConfigError("config field `model.attention`: cudnn takes one document per row only "
+                          "(data.batching=document), not packed rows; use chunked, xla or auto")
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                       query_seq_lengths=docs.lengths, key_value_seq_lengths=docs.lengths)
+    return checkpoint_name(out, "attn_out")
 
 
 # ------------------------------------------------------------------------------------------- module
@@ -407,9 +561,10 @@ class Attention(nnx.Module):
         factored = kind_class(cfg.linear).factored
         self.qkv_route, self.o_route = (placement.group(g, factored) for g in ("qkv", "o"))
 
-    def __call__(self, x, norm, positions, cache=None):
+    def __call__(self, x, norm, positions, cache=None, docs: Documents | None = None):
         """x: the block's input residual; `norm` is applied first (fused with the A's under BTP).
-        Without a cache the tokens sit at positions 0..T-1 (RoPE uses `positions`)."""
+        Without a cache the tokens sit at positions 0..T-1 (RoPE uses `positions`) and `docs`, if
+        given, keeps every query inside its document; decoding with a cache ignores it."""
         b, t, _ = x.shape
         q, k, v = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm, route=self.qkv_route)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
@@ -427,6 +582,6 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), offset, axis=1)
             cache = {"k": k, "v": v}
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        out = attend(q, k, v, offset=offset, impl=self.impl)
+        out = attend(q, k, v, offset=offset, impl=self.impl, docs=docs if cache is None else None)
         out = constrain(out, ("act_batch", "act_seq", "act_heads"))
         return project([self.o], out, grouped=False, route=self.o_route)[0], cache

@@ -36,12 +36,16 @@ def _sums(h, w, labels, valid, z_loss):
     return jnp.sum(jnp.where(valid, ce + z_loss * lse * lse, 0.0))
 
 
-def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0):
+def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None):
     """Mean over tokens of cross-entropy (+ z_loss · logsumexp²). h: [B, T, d]; w: [d, V]; labels: [B, T].
 
-    chunk: positions per chunk (0 or >= T: one piece, the plain loss)."""
+    chunk: positions per chunk (0 or >= T: one piece, the plain loss). mask: bool [B, T] of the
+    targets that count; with it the *sum* over them is returned (the caller divides by the batch's
+    count: boost_jax/runtime/step.py)."""
     b, t, _ = h.shape
     w = w.astype(jnp.float32)  # used in h's dtype; its gradient sums over the chunks in float32
+    if mask is not None:
+        return _masked_sum(h, w, labels, mask, chunk, z_loss)
     if not chunk or chunk >= t:
         return _sums(h, w, labels, True, z_loss) / (b * t)
     n = -(-t // chunk)
@@ -59,3 +63,21 @@ def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0):
 
     total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (hs, ls, vs))
     return total / (b * t)
+
+
+def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float):
+    """Sum of the loss over the targets in `mask` [B, T], chunked like `head_loss`."""
+    b, t, _ = h.shape
+    if not chunk or chunk >= t:
+        return _sums(h, w, labels, mask, z_loss)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    split = lambda x: jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
+        b, n, chunk, *x.shape[2:]), 1, 0)
+    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss))
+
+    def step(total, xs):
+        return total + body(*xs), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (split(h), split(labels), split(mask)))
+    return total

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from boost_jax.model import remat
-from boost_jax.model.attention import Attention
+from boost_jax.model import batch as batch_lib, remat
+from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
 from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, project
@@ -48,8 +48,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
 
-    def __call__(self, x, positions, cache=None):
-        h, cache = self.attn(x, self.attn_norm, positions, cache)
+    def __call__(self, x, positions, cache=None, docs=None):
+        h, cache = self.attn(x, self.attn_norm, positions, cache, docs)
         x = constrain(x + h, RESIDUAL)
         x = constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL)
         return x, cache
@@ -92,8 +92,9 @@ class Transformer(nnx.Module):
         shape = (self.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
         return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
 
-    def hidden(self, tokens, positions=None, cache=None):
-        """Final-norm hidden states [B, T, d] (and the updated cache, or None)."""
+    def hidden(self, tokens, positions=None, cache=None, docs=None):
+        """Final-norm hidden states [B, T, d] (and the updated cache, or None). `docs`
+        (attention.Documents): attention stays inside each row's documents."""
         self.placement.require_rules()
         b, t = tokens.shape
         given_positions = positions
@@ -102,14 +103,14 @@ class Transformer(nnx.Module):
         x = constrain(take_rows(gathered(self.embed[...], ("vocab_in", "embed"), self.dtype), tokens), RESIDUAL)
         graphdef, layer_state = nnx.split(self.layers)
 
-        def layer(x, state, layer_cache, pos):
-            return nnx.merge(graphdef, state)(x, pos, layer_cache)
+        def layer(x, state, layer_cache, pos, docs=None):
+            return nnx.merge(graphdef, state)(x, pos, layer_cache, docs)
 
         layer = remat.wrap(layer, self.remat_policy)
         if self.pipeline is not None and cache is None:
-            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll)
+            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs)
         else:
-            x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions), x, (layer_state, cache),
+            x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions, docs), x, (layer_state, cache),
                                     unroll=self.n_layers if self.unroll else 1)
         # One gather of the hidden state (BTP keeps it split along d; sequence parallelism along T),
         # then the final norm and a vocab-parallel head run without further collectives.
@@ -121,17 +122,27 @@ class Transformer(nnx.Module):
             return gathered(self.embed[...], ("vocab_in", "embed"), self.dtype).T
         return gathered(self.lm_head[...], ("head_embed", "vocab"), self.dtype)
 
-    def __call__(self, tokens, positions=None, cache=None):
+    def __call__(self, tokens, positions=None, cache=None, docs=None):
         """Logits [B, T, vocab] in float32, and the updated cache (None without one)."""
-        h, cache = self.hidden(tokens, positions, cache)
+        h, cache = self.hidden(tokens, positions, cache, docs)
         return logits_of(h, self.head_weight()), cache
 
-    def next_token_loss(self, tokens, with_z_loss: bool = True):
-        """Mean next-token cross-entropy of tokens [B, T+1] (float32), chunked over positions by
-        `model.loss_chunk` so no float32 [B, T, V] logits exist; plus `model.z_loss` when asked."""
-        h, _ = self.hidden(tokens[:, :-1])
+    def next_token_loss(self, batch, with_z_loss: bool = True):
+        """Next-token cross-entropy (float32), chunked over positions by `model.loss_chunk` so no
+        float32 [B, T, V] logits exist; plus `model.z_loss` when asked. A stream batch (tokens
+        [B, T+1]) gives the mean over its targets; a batch of documents (boost_jax/model/batch.py) the
+        *sum* over the targets that count (the step divides by the global count)."""
+        tokens = batch_lib.tokens_of(batch)
+        positions, docs = None, None
+        if batch_lib.is_documents(batch):
+            t = tokens.shape[1] - 1
+            if "segments" in batch:
+                positions, docs = batch["positions"][:, :-1], Documents.packed(batch["segments"][:, :-1])
+            else:
+                docs = Documents.one_per_row(batch["lengths"], t)
+        h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
         return head_loss(h, self.head_weight(), tokens[:, 1:], chunk=self.loss_chunk,
-                         z_loss=self.z_loss if with_z_loss else 0.0)
+                         z_loss=self.z_loss if with_z_loss else 0.0, mask=batch_lib.target_mask(batch))
 
 
 def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla",

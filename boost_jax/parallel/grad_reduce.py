@@ -39,34 +39,49 @@ def without_axis(strategy: rules.Strategy, *axis: str) -> rules.Strategy:
     return dataclasses.replace(strategy, rules=tuple((name, drop(axes)) for name, axes in strategy.rules))
 
 
+def _leading(batch) -> tuple[int, int]:
+    """(grad_accum, micro-batch rows) of a batch pytree [grad_accum, rows, ...]."""
+    return jax.tree.leaves(batch)[0].shape[:2]
+
+
 def _plain(grad_fn, params, batch):
     """GSPMD's own placement: the scan's gradients are reduced where XLA puts it (per micro-batch)."""
-    if batch.shape[0] == 1:
-        return grad_fn(params, batch[0])
+    a = _leading(batch)[0]
+    if a == 1:
+        return grad_fn(params, jax.tree.map(lambda x: x[0], batch))
 
     def micro(acc, tokens):
         l, g = grad_fn(params, tokens)
         return jax.tree.map(jnp.add, acc, g), l
 
     grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
-    return losses.mean(), jax.tree.map(lambda g: g / batch.shape[0], grads)
+    return losses.mean(), jax.tree.map(lambda g: g / a, grads)
 
 
 def island_applies(mesh, strategy) -> bool:
     return mesh.shape.get("data", 1) > 1 and mesh.shape.get("pipeline", 1) == 1 and not strategy.st_groups
 
 
+def accumulation_pieces(batch, mesh=None, strategy=None) -> int:
+    """How many losses `accumulate_grads` averages: one per micro-batch, per data replica where the
+    island runs. A loss that is a sum scaled by pieces / count comes out as the mean over `count`."""
+    a = _leading(batch)[0]
+    if mesh is None or not island_applies(mesh, strategy):
+        return a
+    return a * mesh.shape["data"]
+
+
 def accumulate_grads(grad_fn, params, batch, mesh=None, strategy=None):
-    """(mean loss, mean gradient) of `grad_fn(params, tokens) -> (loss, grads)` over batch
-    [grad_accum, micro_batch, T+1] on `mesh` under `strategy` (None: one device), reduced over
-    `data` once (see the module docstring)."""
+    """(mean loss, mean gradient) of `grad_fn(params, tokens) -> (loss, grads)` over a batch
+    [grad_accum, micro_batch, T+1] (or a pytree of such leading dims) on `mesh` under `strategy`
+    (None: one device), reduced over `data` once (see the module docstring)."""
     if mesh is None or not island_applies(mesh, strategy):
         return _plain(grad_fn, params, batch)
     d, fsdp = mesh.shape["data"], mesh.shape.get("fsdp", 1)
-    a, b = batch.shape[:2]
+    a, b = _leading(batch)
     # Rows are split data-major (P(None, ("data", "fsdp"))): replica i owns rows [i*b/d, (i+1)*b/d).
-    x = batch.reshape(a, d, b // d, *batch.shape[2:])
-    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "data", "fsdp" if fsdp > 1 else None)))
+    rows = NamedSharding(mesh, P(None, "data", "fsdp" if fsdp > 1 else None))
+    x = jax.tree.map(lambda t: jax.lax.with_sharding_constraint(t.reshape(a, d, b // d, *t.shape[2:]), rows), batch)
     inner = without_axis(strategy, "data")
 
     def local(p, tokens):

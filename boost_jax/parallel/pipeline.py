@@ -106,16 +106,18 @@ def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce
 
 
 def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
-          unroll: bool = False) -> jax.Array:
-    """Run `stage_fn(stage_state, x_micro) -> x_micro` over the stages for every micro-batch, on
-    `mesh` under `strategy` (bound when the model was built: boost_jax/parallel/placement.py).
+          unroll: bool = False, rows=None) -> jax.Array:
+    """Run `stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro` over the stages for every
+    micro-batch, on `mesh` under `strategy` (bound when the model was built: parallel/placement.py).
 
     layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]. stage_fn must take
-    micro-batches of any row count (each batch replica runs the schedule on its own rows)."""
+    micro-batches of any row count (each batch replica runs the schedule on its own rows). `rows`: an
+    optional pytree of per-row inputs [B, ...] (document segments, positions) that travels through
+    the stages with its micro-batch and is handed to stage_fn beside it."""
     axes = once_per_pass_axes(mesh, strategy)
     if not axes:
         staged = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), layer_state)
-        return _gpipe(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll)
+        return _gpipe(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll, rows)
     n = math.prod(mesh.shape[a] for a in axes)
     inner = without_axis(strategy, *axes)
     spmd = ("pipeline",) + axes
@@ -123,44 +125,57 @@ def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int
     staged = jax.tree.map(lambda a: _replicas(a, stages, n, NamedSharding(
         mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype), layer_state)
 
-    def replica(stage_state, rows):
+    def replica(stage_state, *inputs):
         with rules.use_rules(mesh, inner):
-            return stage_fn(stage_state, rows)
+            return stage_fn(stage_state, *inputs)
 
     # One vmap over (stage, replica) pairs: stage s's replica i runs on the i-th contiguous block of
     # the micro-batch's rows, which is where the batch split already puts them. (Nesting a replica
     # vmap in the stage vmap trips JAX's varying-axes checks in the shard_maps inside the layers.)
     run = jax.vmap(replica, spmd_axis_name=spmd)
 
-    def run_stages(staged, inputs):
-        rows = inputs.reshape(stages * n, inputs.shape[1] // n, *inputs.shape[2:])
-        return run(staged, rows).reshape(inputs.shape)
+    def run_stages(staged, inputs, *extra):
+        split = lambda a: a.reshape(stages * n, a.shape[1] // n, *a.shape[2:])  # noqa: E731
+        return run(staged, split(inputs), *jax.tree.map(split, extra)).reshape(inputs.shape)
 
-    return _gpipe(run_stages, staged, x, stages, microbatches, unroll)
+    return _gpipe(run_stages, staged, x, stages, microbatches, unroll, rows)
 
 
-def _gpipe(run_stages, staged, x, stages, microbatches, unroll):
-    """The schedule: `run_stages(staged, inputs [S, b, ...]) -> [S, b, ...]` runs every stage once."""
+def _enter(micro, inputs, t, microbatches):
+    """Micro-batch t enters stage 0 (after the bubble ticks the slot is never read again)."""
+    stage_ids = jnp.arange(inputs.shape[0]).reshape((inputs.shape[0],) + (1,) * (micro.ndim - 1))
+    entering = jax.lax.dynamic_index_in_dim(micro, jnp.minimum(t, microbatches - 1), keepdims=False)
+    return jnp.where(stage_ids == 0, entering[None], inputs)
+
+
+def _gpipe(run_stages, staged, x, stages, microbatches, unroll, rows=None):
+    """The schedule: `run_stages(staged, inputs [S, b, ...][, rows]) -> [S, b, ...]` runs every stage
+    once; `rows` (per-row inputs, see `gpipe`) move down the stages with their micro-batch."""
     micro = to_microbatches(x, microbatches)  # [M, b, ...]
-    stage_ids = jnp.arange(stages).reshape((stages,) + (1,) * (micro.ndim - 1))
+    micro_rows = None if rows is None else jax.tree.map(lambda a: to_microbatches(a, microbatches), rows)
 
     def tick(carry, t):
-        inputs, outputs = carry
-        # Micro-batch t enters stage 0 (after the bubble ticks the slot is never read again).
-        entering = jax.lax.dynamic_index_in_dim(micro, jnp.minimum(t, microbatches - 1), keepdims=False)
-        inputs = jnp.where(stage_ids == 0, entering[None], inputs)
-        out = run_stages(staged, inputs)
+        inputs, outputs, row_inputs = carry
+        inputs = _enter(micro, inputs, t, microbatches)
+        if rows is None:
+            out = run_stages(staged, inputs)
+        else:
+            row_inputs = jax.tree.map(lambda m, i: _enter(m, i, t, microbatches), micro_rows, row_inputs)
+            out = run_stages(staged, inputs, row_inputs)
+            row_inputs = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), row_inputs)  # integers: no gradient
         # Every stage files its output in its own row of `outputs` (stage-local, no traffic); the last
         # stage's row ends up holding micro-batch t-(S-1) at slot t-(S-1). Earlier ticks write slot 0,
         # overwritten later.
         done = jnp.maximum(t - (stages - 1), 0)
         outputs = jax.lax.dynamic_update_index_in_dim(outputs, out[:, None], done, 1)
-        return (shift_stages(out), outputs), None
+        return (shift_stages(out), outputs, row_inputs), None
 
     inputs = jnp.zeros((stages,) + micro.shape[1:], x.dtype)
     outputs = jnp.zeros((stages,) + micro.shape, x.dtype)  # [S, M, b, ...]
-    (_, outputs), _ = jax.lax.scan(tick, (inputs, outputs), jnp.arange(microbatches + stages - 1),
-                                   unroll=unroll)
+    row_inputs = None if rows is None else jax.tree.map(lambda m: jnp.zeros((stages,) + m.shape[1:], m.dtype),
+                                                        micro_rows)
+    (_, outputs, _), _ = jax.lax.scan(tick, (inputs, outputs, row_inputs), jnp.arange(microbatches + stages - 1),
+                                      unroll=unroll)
     # One hand-over of the finished micro-batches from the last stage, instead of one per tick.
     outputs = outputs[stages - 1]
     return from_microbatches(outputs)

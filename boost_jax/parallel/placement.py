@@ -95,9 +95,24 @@ class GPipe:
     stages: int
     microbatches: int
 
-    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False):
+    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None):
         """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...]."""
         from boost_jax.parallel.pipeline import gpipe
+        if docs is not None:
+            # Rows of documents: their segments (and positions) travel with each micro-batch's rows,
+            # and every stage rebuilds the micro-batch's document spans from them.
+            rows = {"docs": docs.rows(), **({} if positions is None else {"positions": positions})}
+
+            def stage_docs(stage_state, x_micro, rows_micro):
+                micro_pos = rows_micro.get("positions")
+                if micro_pos is None:
+                    micro_pos = jnp.broadcast_to(jnp.arange(x_micro.shape[1])[None], x_micro.shape[:2])
+                micro_docs = type(docs).from_rows(rows_micro["docs"])
+                return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos, micro_docs)[0], None), x_micro,
+                                    stage_state, unroll=unroll)[0]
+
+            return gpipe(stage_docs, layer_state, x, stages=self.stages, microbatches=self.microbatches,
+                         unroll=unroll, mesh=self.mesh, strategy=self.strategy, rows=rows)
         # Training positions are the same for every row. A fresh iota of the micro-batch's shape (the
         # rows gpipe hands the stage) is built on every device; slicing the batch-sharded positions
         # would move rows between devices.

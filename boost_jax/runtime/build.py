@@ -40,10 +40,19 @@ class Built:
     eval_step: object  # jitted (params, tokens [B, T+1]) -> mean loss
     eval_sharding: NamedSharding
 
-    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+    def abstract_batch(self):
+        """The train step's batch as shapes: tokens [grad_accum, micro_batch, T+1], or for
+        data.batching packed/document the dict boost_jax/model/batch.py describes."""
         t = self.cfg.train
-        return jax.ShapeDtypeStruct((t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), jnp.int32,
-                                    sharding=self.batch_sharding)
+        rows = (t.grad_accum, t.global_batch // t.grad_accum)
+        spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)  # noqa: E731
+        tokens = spec(rows + (t.seq_len + 1,))
+        batching = self.cfg.data.batching
+        if batching == "stream":
+            return tokens
+        if batching == "document":
+            return {"tokens": tokens, "lengths": spec(rows)}
+        return {"tokens": tokens, "segments": tokens, "positions": tokens}
 
     def lower_train(self):
         """The train step lowered from abstract shapes (`.compile()` it to read HLO and memory)."""

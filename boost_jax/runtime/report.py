@@ -29,12 +29,12 @@ class Reporter:
         self.evals: list[tuple[int, float]] = []
         self.bar = None
         self.name, self.total, self.progress = cfg.name, t.steps, t.progress
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def start_bar(self, step: int) -> None:
         self.bar = tqdm(total=self.total, initial=step, disable=not (self.main and self.progress),
                         dynamic_ncols=True, desc=self.name, unit="step")
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def note(self, text: str) -> None:
         if self.main:
@@ -47,11 +47,18 @@ class Reporter:
         self.bar.update(1)
         self.window_steps += 1
 
+    def count_tokens(self, n: int) -> None:
+        """Input tokens of a finished step that are not padding (what tokens/s and MFU count)."""
+        self.window_tokens += n
+
     def log(self, step: int, m: dict, skipped: int, extra: dict) -> None:
-        """One logging window: loss, perplexity, grad norm, lr, step time, tokens/s, TFLOP/s, MFU."""
+        """One logging window: loss, perplexity, grad norm, lr, step time, tokens/s, TFLOP/s, MFU, and
+        the fraction of row slots that were padding (data.batching packed/document)."""
         elapsed = time.perf_counter() - self.window_start
-        rate = throughput(self.tokens_per_step * self.window_steps, elapsed, self.flops_per_token,
-                          self.n_devices, self.device_kind)
+        rate = throughput(self.window_tokens, elapsed, self.flops_per_token, self.n_devices, self.device_kind)
+        slots = self.tokens_per_step * self.window_steps
+        if "tokens" in m:
+            extra = {"pad_fraction": 1.0 - self.window_tokens / max(slots, 1), **extra}
         loss = _num(m["loss"]) if m["finite"] else None
         record = {"loss": loss, "perplexity": None if loss is None else math.exp(min(loss, 50.0)),
                   "grad_norm": _num(m["grad_norm"]), "lr": float(m["lr"]), "skipped_steps": skipped,
@@ -59,7 +66,7 @@ class Reporter:
         self.writer.write(step, record)
         self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.3f}", tok_s=f"{rate['tokens_per_s']:.0f}",
                              mfu=fmt_mfu(rate["mfu"]))
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def eval(self, step: int, loss: float, say: bool = True) -> None:
         self.evals.append((step, loss))

@@ -14,15 +14,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from boost_jax.parallel.grad_reduce import accumulate_grads
+from boost_jax.model import batch as batch_lib
+from boost_jax.parallel.grad_reduce import accumulate_grads, accumulation_pieces
 from boost_jax.parallel.pipeline import to_microbatches
 from boost_jax.parallel.rules import use_rules
 from boost_jax.runtime.state import trainable, with_frozen
 
 
-def next_token_loss(graphdef, params, tokens, with_z_loss: bool = True):
-    """Mean next-token cross-entropy of tokens [B, T+1] (float32; boost_jax/model/loss.py)."""
-    return nnx.merge(graphdef, params).next_token_loss(tokens, with_z_loss)
+def next_token_loss(graphdef, params, batch, with_z_loss: bool = True):
+    """Next-token cross-entropy (float32; boost_jax/model/loss.py): the mean of a stream batch
+    (tokens [B, T+1]), the sum over the counted targets of a batch of documents (model/batch.py)."""
+    return nnx.merge(graphdef, params).next_token_loss(batch, with_z_loss)
 
 
 def bind(fn, mesh=None, strategy=None):
@@ -44,13 +46,23 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None):
     grad_fn = jax.value_and_grad(lambda t, p, x: next_token_loss(graphdef, with_frozen(t, p), x))
 
     def train_step(state, batch):
-        """batch: [grad_accum, micro_batch, T+1]. Micro-batch gradients are summed by a scan so only
-        one gradient buffer lives at a time; the update is skipped (params and optimizer state kept) if
-        the loss, the gradient norm or any updated parameter is not finite."""
+        """batch: [grad_accum, micro_batch, T+1] (or a batch of documents with those leading dims).
+        Micro-batch gradients are summed by a scan so only one gradient buffer lives at a time; the
+        update is skipped (params and optimizer state kept) if the loss, the gradient norm or any
+        updated parameter is not finite. A batch of documents is weighted by token: the loss is the
+        mean over every counted target of the global batch, however they fall into micro-batches."""
         params = state["params"]
         trained = trainable(params)
+        extra = {}
+        if batch_lib.is_documents(batch):
+            inputs, targets = batch_lib.counts(batch)
+            scale = accumulation_pieces(batch, mesh, strategy) / jnp.maximum(targets, 1).astype(jnp.float32)
+            fn = jax.value_and_grad(lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x) * scale)
+            extra = {"tokens": inputs, "targets": targets}
+        else:
+            fn = lambda t, x: grad_fn(t, params, x)  # noqa: E731
         # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
-        loss, grads = accumulate_grads(lambda t, x: grad_fn(t, params, x), trained, batch, mesh, strategy)
+        loss, grads = accumulate_grads(fn, trained, batch, mesh, strategy)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], trained)
         new_trained = optax.apply_updates(trained, updates)
@@ -63,19 +75,26 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None):
         # position stay one counter.
         new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
                      "step": state["step"] + 1, "rng": state["rng"]}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite, **extra}
         return new_state, metrics
 
     return bind(train_step, mesh, strategy)
 
 
 def make_eval_step(graphdef, microbatches: int = 1, mesh=None, strategy=None):
-    """Mean cross-entropy (no z-loss) of tokens [B, T+1], run as `microbatches` sequential slices
-    (as training runs its grad_accum micro-batches), so evaluation fits wherever training fits."""
-    def eval_step(params, tokens):
+    """Cross-entropy (no z-loss) of a batch, run as `microbatches` sequential slices (as training
+    runs its grad_accum micro-batches), so evaluation fits wherever training fits. A stream batch
+    (tokens [B, T+1]) gives its mean; a batch of documents (sum over the counted targets, counted
+    targets, input tokens that are not padding), which the evaluator sums over batches."""
+    def eval_step(params, batch):
+        loss = lambda x: next_token_loss(graphdef, params, x, with_z_loss=False)  # noqa: E731
+        if batch_lib.is_documents(batch):
+            micro = jax.tree.map(lambda x: to_microbatches(x, microbatches), batch)
+            total = jax.lax.map(loss, micro).sum() if microbatches > 1 else loss(batch)
+            return (total, *batch_lib.counts(batch)[::-1])
         if microbatches == 1:
-            return next_token_loss(graphdef, params, tokens, with_z_loss=False)
-        micro = to_microbatches(tokens, microbatches)  # each device keeps its rows
-        return jax.lax.map(lambda x: next_token_loss(graphdef, params, x, with_z_loss=False), micro).mean()
+            return loss(batch)
+        micro = to_microbatches(batch, microbatches)  # each device keeps its rows
+        return jax.lax.map(loss, micro).mean()
 
     return bind(eval_step, mesh, strategy)

@@ -1,0 +1,237 @@
+"""Training on documents (data.batching = packed | document): the loaders' rows against brute-force
+references, prepare's document index, and the model: a packed row gives the logits, loss and
+gradients of running each of its documents alone (one device, and btp / megatron on 8 devices)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from boost_jax.data import DocumentLoader, PackedLoader, TokenLoader, build_loaders
+from boost_jax.data.loader import count_packed_rows, pack_rows
+from boost_jax.data.prepare import prepare
+from boost_jax.errors import ConfigError
+from boost_jax.model.attention import Documents
+from boost_jax.runtime.build import build
+from boost_jax.validate import validate
+
+from test_parallel import assert_close_tree, loss_and_grads, par_config
+
+
+def _corpus(rng, n_docs, max_len, segments=2, vocab=50):
+    """Random documents split over `segments` token arrays, with their end offsets."""
+    lengths = rng.integers(1, max_len, n_docs)
+    docs = [rng.integers(0, vocab, n).astype(np.uint16) for n in lengths]
+    cut = np.array_split(np.arange(n_docs), segments)
+    arrays = [np.concatenate([docs[i] for i in part]) for part in cut]
+    ends = [np.cumsum([len(docs[i]) for i in part]).astype(np.int64) for part in cut]
+    return docs, arrays, ends
+
+
+LOADER = dict(global_batch=4, seed=3, vocab_size=64)
+
+
+@pytest.mark.parametrize("seq_len", [4, 16, 37])
+def test_packing_counts_match_the_greedy_packer(seq_len):
+    rng = np.random.default_rng(seq_len)
+    lengths = rng.integers(0, 3 * seq_len, (50, 9))
+    lengths[::7] = 0  # empty documents (and whole empty blocks)
+    got = count_packed_rows(lengths, seq_len)
+    want = [len(pack_rows(row, seq_len)) for row in lengths]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seq_len", [5, 16])
+def test_packed_rows_hold_every_document_once(seq_len):
+    rng = np.random.default_rng(seq_len)
+    docs, arrays, ends = _corpus(rng, 300, 3 * seq_len)
+    loader = PackedLoader(arrays, ends, seq_len=seq_len, name="t", block=16, **LOADER)
+    rows = loader.samples(range(loader.n))  # one epoch
+    tokens, seg, pos = rows["tokens"], rows["segments"], rows["positions"]
+    assert (seg[:, -1] == 0).all()  # the last column is padding: targets stay inside documents
+    pieces = []
+    for r in range(loader.n):
+        for k in range(1, seg[r].max() + 1):
+            at = np.flatnonzero(seg[r] == k)
+            assert (np.diff(at) == 1).all() and (pos[r, at] == np.arange(len(at))).all()
+            pieces.append(tuple(tokens[r, at]))
+        assert (seg[r, :np.count_nonzero(seg[r])] > 0).all()  # padding only at the end
+    # Every document is its pieces of seq_len tokens (and the rest), each exactly once per epoch.
+    want = sorted(tuple(d[i:i + seq_len]) for d in docs for i in range(0, len(d), seq_len))
+    assert sorted(pieces) == want
+    pad = 1 - (seg[:, :-1] > 0).mean()
+    assert pad < 0.25, pad
+
+
+def test_document_rows_are_prefixes_and_resume_exactly():
+    rng = np.random.default_rng(0)
+    docs, arrays, ends = _corpus(rng, 100, 40)
+    loader = DocumentLoader(arrays, ends, seq_len=16, name="t", **LOADER)
+    assert loader.n == 100
+    rows = loader.samples(range(100))
+    seen = set()
+    for tok, n in zip(rows["tokens"], rows["lengths"]):
+        assert (tok[n:] == 0).all()
+        match = [i for i, d in enumerate(docs) if len(d[:16]) == n and (d[:16] == tok[:n]).all()]
+        assert match
+        seen.add(match[0])
+    assert len(seen) > 90  # a permutation of the documents (a few random ones may coincide)
+    again = DocumentLoader(arrays, ends, seq_len=16, name="t", **LOADER)
+    for position in (0, 37, 100, 213):  # any position, epoch boundaries included
+        a, b = loader.batch(position), again.batch(position)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    assert not np.array_equal(loader.batch(0)["tokens"], loader.batch(100)["tokens"])  # a new epoch's order
+
+
+def test_stream_with_numpy_order_is_the_old_permutation():
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 60, 5000).astype(np.uint16)
+    loader = TokenLoader([tokens], seq_len=15, name="t", order="numpy", **LOADER)
+    n = 5000 // 16
+    for i in (0, 5, n - 1, n, 3 * n + 2):
+        epoch, j = divmod(i, n)
+        w = int(np.random.default_rng([3, epoch]).permutation(n)[j])
+        np.testing.assert_array_equal(loader.windows([i])[0], tokens[w * 16:(w + 1) * 16])
+
+
+def test_prepare_records_document_boundaries(tmp_path):
+    texts = [f"document {i} " + "x" * (i * 7 % 23) for i in range(40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    index = prepare([str(tmp_path / "d.jsonl")], tmp_path / "out", "byte", unit_bytes=300, progress=False)
+    assert index["documents"] == 40 and len(index["shards"]) > 1
+    c = _config(tmp_path, "document", source="tokens", path=str(tmp_path / "out"))
+    c.data.eval_fraction = 0.2
+    train, held, _ = build_loaders(c)
+    got = sorted(bytes(r[:n].astype(np.uint8)).decode()
+                 for loader in (train, held) for r, n in zip(*loader.samples(range(loader.n)).values()))
+    assert got == sorted(t[:c.train.seq_len] for t in texts)  # every document, whole, once; none split
+
+
+def _config(tmp_path, batching, **data):
+    from conftest import small_config
+    c = small_config(tmp_path / "run")
+    c.data.batching = batching
+    for k, v in data.items():
+        c.data[k] = v
+    return c
+
+
+def test_bad_input_names_the_field(tmp_path):
+    tokens = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).tofile(tokens)
+    c = _config(tmp_path, "packed", source="tokens", path=str(tokens))
+    c.model.vocab_size = 1024
+    with pytest.raises(ValueError, match="data.batching"):
+        build_loaders(c)
+    c = _config(tmp_path, "document")
+    c.train.seq_len = 1
+    with pytest.raises(ConfigError, match="train.seq_len"):
+        validate(c)
+    c = _config(tmp_path, "packed")
+    c.model.attention = "cudnn"  # takes one document per row (lengths) only
+    with pytest.raises(ConfigError, match="model.attention"):
+        validate(c)
+
+
+# ------------------------------------------------------------------------------------------ model
+
+def _packed(rng, layouts, t, vocab):
+    """A packed batch (rows of the given document lengths) and the documents."""
+    b = len(layouts)
+    tokens, seg, pos = (np.zeros((b, t + 1), np.int32) for _ in range(3))
+    docs = []
+    for r, lengths in enumerate(layouts):
+        at = 0
+        for k, n in enumerate(lengths):
+            doc = rng.integers(0, vocab, n).astype(np.int32)
+            tokens[r, at:at + n], seg[r, at:at + n], pos[r, at:at + n] = doc, k + 1, np.arange(n)
+            docs.append((r, at, doc))
+            at += n
+    return {"tokens": tokens, "segments": seg, "positions": pos}, docs
+
+
+LAYOUTS = [[5, 9, 2], [16], [3, 3, 3, 4], [7, 8]]  # each fits 16 inputs (the last column is padding)
+
+
+def _alone(cfg, params, docs):
+    """Loss sum and gradients of every document run alone (a stream batch of its own length)."""
+    single = cfg.copy_and_resolve_references()
+    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1)
+    total, grads = 0.0, None
+    for _, _, doc in docs:
+        if len(doc) < 2:
+            continue
+        single.train.seq_len = len(doc) - 1
+        single.data.batching = "stream"
+        loss, g = loss_and_grads(single, params, doc[None])
+        scale = len(doc) - 1  # the stream loss is a mean over its targets; the packed one a sum
+        total += loss * scale
+        g = jax.tree.map(lambda x: x * scale, g)
+        grads = g if grads is None else jax.tree.map(np.add, grads, g)
+    return total, grads
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+def test_packed_row_equals_documents_alone(make_config, impl):
+    cfg = make_config(**{"model.attention": impl, "data.batching": "packed", "model.vocab_size": 256,
+                         "parallel.num_devices": 1})
+    cfg.model.loss_chunk = 8  # the chunked loss with a mask
+    built = build(cfg.copy_and_resolve_references())
+    params = jax.device_get(built.init_state()["params"])
+    rng = np.random.default_rng(7)
+    batch, docs = _packed(rng, LAYOUTS, cfg.train.seq_len, 256)
+    loss, grads = loss_and_grads(cfg, params, batch)
+    want_loss, want_grads = _alone(cfg, params, docs)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert_close_tree(grads, want_grads, 1e-4)
+    # Logits of every document's positions as when it runs alone.
+    model = nnx.merge(built.spec.graphdef, params)
+    t = cfg.train.seq_len
+    logits, _ = built.bind(lambda: model(jnp.asarray(batch["tokens"][:, :t]), jnp.asarray(batch["positions"][:, :t]),
+                                         docs=Documents.packed(jnp.asarray(batch["segments"][:, :t]))))()
+    for r, at, doc in docs:
+        alone, _ = built.bind(lambda: model(jnp.asarray(doc[None])))()
+        n = min(len(doc), t - at)
+        np.testing.assert_allclose(logits[r, at:at + n], alone[0, :n], rtol=1e-4, atol=1e-5)
+
+
+PIPE = {"parallel.pipeline": 2, "model.n_layers": 4}
+
+
+@pytest.mark.parametrize("strategy,mesh,extra", [
+    ("btp", (1, 1, 8), {}), ("megatron", (2, 1, 4), {}), ("btp", (2, 2, 2), {}),
+    ("btp", (1, 2, 2), PIPE), ("megatron", (2, 1, 2), PIPE)],
+    ids=["btp_1x1x8", "megatron_2x1x4", "btp_2x2x2", "btp_pipeline2_1x2x2", "megatron_pipeline2_2x1x2"])
+def test_packed_rows_under_tensor_parallelism(make_config, strategy, mesh, extra):
+    cfg = par_config(make_config, strategy, "cola", mesh, **{"data.batching": "packed", "model.attention": "chunked",
+                                                              **extra})
+    single = cfg.copy_and_resolve_references()
+    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1)
+    params = jax.device_get(build(single).init_state()["params"])
+    layouts = LAYOUTS + [[16], [4, 4, 4, 4], [1, 15], [10]]  # 8 rows: every pipeline micro-batch holds some
+    batch, docs = _packed(np.random.default_rng(11), layouts, cfg.train.seq_len, cfg.model.vocab_size)
+    loss, grads = loss_and_grads(cfg, params, batch)
+    want_loss, want_grads = _alone(cfg, params, docs)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert_close_tree(grads, want_grads, 1e-4)
+
+
+def test_document_rows_equal_documents_alone(make_config):
+    cfg = make_config(**{"data.batching": "document", "model.attention": "xla", "parallel.num_devices": 1})
+    params = jax.device_get(build(cfg.copy_and_resolve_references()).init_state()["params"])
+    rng = np.random.default_rng(5)
+    t = cfg.train.seq_len
+    lengths = np.array([16, 3, 9, 1])
+    tokens = np.zeros((4, t + 1), np.int32)
+    docs = []
+    for r, n in enumerate(lengths):
+        tokens[r, :n] = rng.integers(0, cfg.model.vocab_size, n)
+        tokens[r, n:] = rng.integers(0, cfg.model.vocab_size, t + 1 - n)  # padding's value must not matter
+        docs.append((r, 0, tokens[r, :n].copy()))
+    loss, grads = loss_and_grads(cfg, params, {"tokens": tokens, "lengths": lengths.astype(np.int32)})
+    want_loss, want_grads = _alone(cfg, params, docs)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert_close_tree(grads, want_grads, 1e-4)
