@@ -188,6 +188,7 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     cfg.train.update(seq_len=sh["seq"], global_batch=batch, grad_accum=1)
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
     cfg.data.source = "embedded"  # nothing is read: the step is fed random tokens
+    cfg.data.batching = "stream"  # model costs as before documents (benchmarks/batching.py measures those)
     for key, value in spec["overrides"].items():
         section, name = key.split(".")
         cfg[section][name] = value

@@ -43,6 +43,7 @@ def executed(cfg_path, data: int, seq: int, accum: int, once: bool) -> dict:
     cfg.train.update(seq_len=seq, global_batch=data * accum, grad_accum=accum)
     cfg.parallel.update(data=data, fsdp=1, tensor=1, num_devices=data)
     cfg.data.source = "embedded"
+    cfg.data.batching = "stream"  # model costs as before documents (benchmarks/batching.py measures those)
     validate(cfg)
     applies = grad_reduce.island_applies
     if not once:

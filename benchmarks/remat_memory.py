@@ -64,6 +64,7 @@ def main(argv=None):
                      loss_chunk=args.loss_chunk)
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
     cfg.data.source = "embedded"  # nothing is read: the step is compiled from abstract shapes
+    cfg.data.batching = "stream"  # model costs as before documents (benchmarks/batching.py measures those)
     rows = [measure(cfg, p) for p in POLICIES]
     none = rows[0]
     print(f"{cfg.name}, seq {args.seq}, batch {args.batch}/device, {args.dtype}, one device "

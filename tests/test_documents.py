@@ -235,3 +235,28 @@ def test_document_rows_equal_documents_alone(make_config):
     want_loss, want_grads = _alone(cfg, params, docs)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
     assert_close_tree(grads, want_grads, 1e-4)
+
+
+@pytest.mark.parametrize("batching", ["packed", "document"])
+def test_mixtures_and_text_sources_carry_documents(tmp_path, batching):
+    """A weighted mixture of two prepared sources and a text source (tokenised into the run's cache):
+    rows come from both sources, each row's tokens are whole pieces of one source's documents."""
+    docs = {}
+    for name, letter in (("a", "x"), ("b", "y")):
+        texts = [letter * (3 + (7 * i) % 40) for i in range(60)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        prepare([str(tmp_path / f"{name}.jsonl")], tmp_path / name, "byte", progress=False)
+        docs[name] = texts
+    c = _config(tmp_path, batching, source="tokens", path=f"{tmp_path / 'a'}:0.5,{tmp_path / 'b'}:0.5")
+    train_data, _, _ = build_loaders(c)
+    batch = train_data.batch(0)
+    letters = set()
+    for row in batch["tokens"]:
+        text = bytes(row[row > 0].astype(np.uint8)).decode()
+        assert set(text) in ({"x"}, {"y"}), text
+        letters |= set(text)
+    assert letters == {"x", "y"}
+    (tmp_path / "t.txt").write_text("one document per text file\n" * 20)
+    c = _config(tmp_path, batching, source="text", path=str(tmp_path / "t.txt"))
+    rows = build_loaders(c)[0].batch(0)
+    assert (rows["tokens"][:, 0] > 0).all()  # every row starts with a token

@@ -248,9 +248,11 @@ def test_prepare_c4_like_jsonl_with_a_sentencepiece_model(command, c4_like, monk
     """Each data.prepare command the README shows, on the C4-like corpus: every document, its
     boundaries recorded."""
     from boost_jax.data import prepare
+    import shutil
     root, counts = c4_like
     monkeypatch.chdir(root)
     argv = _local(command, root)[3:]
+    shutil.rmtree(argv[argv.index("--out") + 1], ignore_errors=True)  # two commands share /data/c4_tok
     assert prepare.main(argv) == 0
     index = json.loads((Path(argv[argv.index("--out") + 1]) / "index.json").read_text())
     split = "c4-validation_en" if "validation" in command else "c4-train_en" if "/en/" in command else "c4-train"
@@ -266,9 +268,11 @@ def test_reproduce_cola_60m_batches_are_documents(c4_like, monkeypatch):
     from boost_jax.data.prepare import main as prepare_main
     root, counts = c4_like
     monkeypatch.chdir(root)
+    import shutil
     for command in [c for c in COMMANDS if "data.prepare /data/c4/en" in c]:
-        if not (root / "data" / command.split("--out /data/")[1].split()[0] / "index.json").exists():
-            assert prepare_main(_local(command, root)[3:]) == 0
+        argv = _local(command, root)[3:]
+        shutil.rmtree(argv[argv.index("--out") + 1], ignore_errors=True)
+        assert prepare_main(argv) == 0
     command = next(c for c in COMMANDS if "cola_60m.py" in c and "t5.model" in c)
     monkeypatch.chdir(ROOT)
     cfg = train.parse_config(["train", *_local(command, root)[3:]])

@@ -17,6 +17,7 @@ __all__ = ["SOURCES", "TokenLoader", "DocumentLoader", "PackedLoader", "MixtureL
            "load_tokenizer", "ByteTokenizer", "parse_mixture"]
 
 SOURCES = ("embedded", "text", "jsonl", "tokens")  # data.source: where `_tokens` reads from
+CACHE_VERSION = 2  # token caches of text/jsonl inputs; 2: with document boundaries
 
 
 def _tokens(source: str, path: str, cfg, tok, field: str):
@@ -41,7 +42,8 @@ def _tokens(source: str, path: str, cfg, tok, field: str):
 
 def _token_cache(paths: list[str], cfg) -> Path:
     """Text and JSONL inputs are tokenised once, into shards under RUN_DIR/token_cache/KEY (KEY: the
-    tokenizer, the JSONL field and every input's path, size and mtime), by the first process only;
+    cache version, the tokenizer, the JSONL field and every input's path, size and mtime), by the first
+    process only;
     later starts and the other processes memory-map them."""
     import jax
 
@@ -50,7 +52,7 @@ def _token_cache(paths: list[str], cfg) -> Path:
     from boost_jax.data.tokenizer import tokenizer_id
 
     d = cfg.data
-    key = json.dumps([tokenizer_id(d.tokenizer), d.jsonl_field,
+    key = json.dumps([CACHE_VERSION, tokenizer_id(d.tokenizer), d.jsonl_field,
                       [[str(Path(p).resolve()), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]])
     out = Path(cfg.run_dir).expanduser().resolve() / "token_cache" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if jax.process_index() == 0 and not (out / INDEX).exists():
@@ -70,7 +72,8 @@ def _token_cache(paths: list[str], cfg) -> Path:
 
 def _split_tail(source, fraction: float, whole_documents: bool):
     """Hold out the last `fraction` of the concatenated stream (contiguous, so no leakage); with
-    `whole_documents` the cut moves back to the start of the document it falls in."""
+    `whole_documents` the cut moves back to the start of the document it falls in (a corpus of one
+    document is cut inside it)."""
     segments, ends = source
     total = sum(len(s) for s in segments)
     cut = int(total * (1.0 - fraction))
@@ -81,7 +84,9 @@ def _split_tail(source, fraction: float, whole_documents: bool):
         at = cut - lo
         if lo < cut < hi and whole_documents and e is not None:
             k = int(np.searchsorted(e, at, side="right"))  # the document the cut falls in
-            at = int(e[k - 1]) if k else 0  # held out whole
+            start = int(e[k - 1]) if k else 0
+            if start or lo:  # held out whole (unless that leaves nothing to train on: then it is cut)
+                at = start
         if at >= len(s):
             train[0].append(s)
             train[1].append(e)
@@ -92,7 +97,8 @@ def _split_tail(source, fraction: float, whole_documents: bool):
             train[0].append(s[:at])
             held[0].append(s[at:])
             if e is not None:
-                train[1].append(e[e <= at])
+                kept = e[e <= at]
+                train[1].append(kept if len(kept) and kept[-1] == at else np.append(kept, at))
                 held[1].append(e[e > at] - at)
             else:
                 train[1].append(None)

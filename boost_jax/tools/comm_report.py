@@ -171,9 +171,10 @@ def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool, par
 
         # Gradients come out in the parameters' layout, as the optimizer receives them.
         def grads(params, b):  # of the trainable leaves, as in the train step
-            return jax.grad(lambda t: loss(with_frozen(t, params), b[0]))(trainable(params))
+            return jax.grad(lambda t: loss(with_frozen(t, params), first(b)))(trainable(params))
 
-        fn = jax.jit(lambda params, b: loss(params, b[0])) if program == "forward" else jax.jit(
+        first = lambda b: jax.tree.map(lambda x: x[0], b)  # noqa: E731 - one micro-batch
+        fn = jax.jit(lambda params, b: loss(params, first(b))) if program == "forward" else jax.jit(
             grads, out_shardings=trainable(spec.abstract["params"], spec.shardings["params"]))
         lowered = fn.lower(spec.abstract["params"], batch)
     if partitioned:
