@@ -379,13 +379,23 @@ def test_resolve_with_documents(monkeypatch):
     packed = A.Documents.packed(_segments([[3, 5], [8]], 8))
     one = A.Documents.one_per_row(jnp.array([5, 8]), 8)
     monkeypatch.setattr(A, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as rec:  # on CPU auto runs xla anyway: nothing to say
+        warnings.simplefilter("always")
+        assert A.resolve("auto", q, q, 0, packed) == "xla"
+    assert not rec
+    monkeypatch.setattr(A.jax, "default_backend", lambda: "gpu")  # where auto would pick cudnn
+    half = q.astype(jnp.bfloat16)
+    assert A.resolve("auto", half, half, 0) == "cudnn"
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        assert [A.resolve("auto", q, q, 0, packed) for _ in range(3)] == ["xla"] * 3
+        assert [A.resolve("auto", half, half, 0, packed) for _ in range(3)] == ["xla"] * 3
     notice = "model.attention=auto: packed rows (data.batching=packed) run xla; cudnn takes one document per row only"
     assert [str(w.message) for w in rec] == [notice]
     with pytest.warns(UserWarning, match="run chunked"):
-        assert A.resolve("auto", q, long_k, 0, packed) == "chunked"
+        long = long_k.astype(jnp.bfloat16)
+        assert A.resolve("auto", long, long, 0, packed) == "chunked"
+    assert A.resolve("auto", half, half, 0, one) == "cudnn"  # one document per row keeps cudnn
+    monkeypatch.undo()
     assert A.resolve("auto", q, q, 0, one) == "xla"  # CPU
     # The GPU choice, as the planner asks it: document rows keep cudnn, packed rows never get it.
     assert A.auto_impl(True, True, 64, 2048, 2048) == "cudnn"

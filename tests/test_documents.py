@@ -62,7 +62,7 @@ def test_packed_rows_hold_every_document_once(seq_len):
     want = sorted(tuple(d[i:i + seq_len]) for d in docs for i in range(0, len(d), seq_len))
     assert sorted(pieces) == want
     pad = 1 - (seg[:, :-1] > 0).mean()
-    assert pad < 0.25, pad
+    assert pad < 0.08, pad  # first fit over 16 open rows (next fit alone: ~0.2)
 
 
 def test_document_rows_are_prefixes_and_resume_exactly():

@@ -13,8 +13,9 @@ computes its own rows of the same global batch. What a unit is depends on `data.
   {"tokens": [rows, seq_len+1], "lengths": [rows]}; position t holds a token iff t < length.
 - packed: a row of seq_len tokens holding whole documents. Documents are packed greedily in corpus
   order within blocks of PACK_BLOCK documents (a document longer than a row is cut into row-sized
-  pieces, each its own segment), once, when the loader starts; the rows are what is shuffled (as
-  Levanter packs). A batch is {"tokens", "segments", "positions"}, each [rows, seq_len+1]: segment
+  pieces, each its own segment; a last piece goes into the first of the OPEN_ROWS latest rows with
+  room), counted once when the loader starts (vectorised over the blocks) and laid out per block when
+  a row is read; the rows are what is shuffled (as Levanter packs). A batch is {"tokens", "segments", "positions"}, each [rows, seq_len+1]: segment
   ids 1, 2, ... per piece (0: padding) and positions restarting at 0 in every piece.
   Row seq_len (the last column) is always padding: a row's targets stay inside its documents.
 
@@ -171,46 +172,61 @@ class DocumentLoader(Loader):
         return int(sum(np.minimum(self.docs.lengths(s), self.seq_len).sum() for s in range(len(self.docs.ends))))
 
 
-def _pieces(length: int, seq_len: int) -> list[int]:
-    """A document's pieces: whole rows, then the rest."""
-    full, rest = divmod(length, seq_len)
-    return [seq_len] * full + ([rest] if rest else [])
+OPEN_ROWS = 16  # packed: rows of a block that are still open to a document's last piece
 
 
-def pack_rows(lengths, seq_len: int) -> list[list[tuple[int, int]]]:
-    """Greedy packing of documents (in order) into rows of seq_len tokens: a piece goes into the
-    current row if it fits, else it starts a new row. Each row: [(document, offset in it, length)]."""
-    rows, row, fill = [], [], 0
-    for doc, length in enumerate(lengths):
-        offset = 0
-        for piece in _pieces(int(length), seq_len):
-            if fill + piece > seq_len:
-                rows.append(row)
-                row, fill = [], 0
-            row.append((doc, offset, piece))
-            fill += piece
-            offset += piece
-    if row:
-        rows.append(row)
+def pack_rows(lengths, seq_len: int, open_rows: int = OPEN_ROWS) -> list[list[tuple[int, int, int]]]:
+    """Greedy packing of documents (in order) into rows of seq_len tokens. A document's whole pieces
+    of seq_len tokens are rows of their own; its last piece goes into the first of the `open_rows`
+    most recently opened rows with room for it (first fit), else starts a row, which replaces the
+    fullest open row (an empty slot first). Each row: [(document, offset in it, length)]."""
+    rows: list[list[tuple[int, int, int]]] = []
+    slots: list[int] = []  # the open rows, by index into rows (at most open_rows)
+    fill: list[int] = []
+    for doc, length in enumerate(lengths.tolist() if hasattr(lengths, "tolist") else lengths):
+        full, rest = divmod(int(length), seq_len)
+        for k in range(full):
+            rows.append([(doc, k * seq_len, seq_len)])
+        if not rest:
+            continue
+        piece = (doc, full * seq_len, rest)
+        for k, f in enumerate(fill):
+            if f + rest <= seq_len:
+                rows[slots[k]].append(piece)
+                fill[k] = f + rest
+                break
+        else:
+            rows.append([piece])
+            if len(slots) < open_rows:  # an empty slot first
+                slots.append(len(rows) - 1)
+                fill.append(rest)
+            else:  # else the fullest open row (the first of equals) is closed
+                k = fill.index(max(fill))
+                slots[k], fill[k] = len(rows) - 1, rest
     return rows
 
 
-def count_packed_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+def count_packed_rows(lengths: np.ndarray, seq_len: int, open_rows: int = OPEN_ROWS) -> np.ndarray:
     """What `pack_rows` gives for each block of documents: lengths [blocks, K] -> rows [blocks],
     vectorised over the blocks (K steps of numpy, whatever the number of blocks)."""
-    closed = np.zeros(len(lengths), np.int64)
-    fill = np.zeros(len(lengths), np.int64)
-    for col in lengths.T:
+    blocks = len(lengths)
+    rows = np.zeros(blocks, np.int64)
+    fill = np.full((blocks, open_rows), -1, np.int64)  # -1: an empty slot
+    at = np.arange(blocks)
+    for col in np.asarray(lengths, np.int64).T:
         full, rest = np.divmod(col, seq_len)
-        # Whole pieces: each fills a row of its own (closing the current one if it holds anything).
-        has_full = full > 0
-        closed += np.where(has_full, (fill > 0) + full - 1, 0)
-        fill = np.where(has_full, seq_len, fill)
-        # The rest: into the current row if it fits, else a new one.
-        spill = (rest > 0) & (fill + rest > seq_len)
-        closed += spill
-        fill = np.where(spill, rest, fill + rest)
-    return closed + (fill > 0)
+        rows += full
+        fits = (fill >= 0) & (fill + rest[:, None] <= seq_len)
+        has = fits.any(1) & (rest > 0)
+        first = fits.argmax(1)
+        fill[at[has], first[has]] += rest[has]
+        new = ~fits.any(1) & (rest > 0)
+        # An empty slot first (its fill -1 is the smallest), else the fullest (lowest index on ties).
+        empty = fill < 0
+        slot = np.where(empty.any(1), empty.argmax(1), fill.argmax(1))
+        fill[at[new], slot[new]] = rest[new]
+        rows += new
+    return rows
 
 
 class PackedLoader(Loader):

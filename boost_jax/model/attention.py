@@ -205,9 +205,10 @@ def resolve(impl: str, q, k, offset, docs: Documents | None = None) -> str:
     fused_ok = _static_zero(offset)
     kind = None if docs is None else docs.kind
     if impl == "auto":
-        name = auto_impl(fused_ok and jax.default_backend() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
-                         q.shape[-1], q.shape[1], k.shape[1], documents=kind)
-        if kind == "segments" and name not in _WARNED:
+        shape = (fused_ok and jax.default_backend() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
+                 q.shape[-1], q.shape[1], k.shape[1])
+        name = auto_impl(*shape, documents=kind)
+        if kind == "segments" and name != auto_impl(*shape) and name not in _WARNED:  # said only when it differs
             _WARNED.add(name)
             warnings.warn(f"model.attention=auto: packed rows (data.batching=packed) run {name}; "
                           "cudnn takes one document per row only", stacklevel=3)
