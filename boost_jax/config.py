@@ -95,6 +95,10 @@ def base_config() -> ml_collections.ConfigDict:
     # The order of samples in an epoch: feistel (a stateless permutation evaluated per index, O(1)
     # memory) or numpy (a materialised permutation: what checkpoints written before data.shuffle used).
     d.shuffle = "feistel"
+    # A resumed run whose data differs from what its checkpoint's position refers to (the prepared
+    # index, the text/jsonl inputs' contents, data.batching, train.seq_len) stops with an error naming
+    # it; true continues on the new data at the same position, saying so in the log and metrics.
+    d.allow_changed = False
 
     t = c.train = ml_collections.ConfigDict()
     t.seq_len = 128
@@ -129,6 +133,9 @@ def base_config() -> ml_collections.ConfigDict:
     k.keep = 3
     k.async_save = True
     k.resume = True
+    # resume=false on a run_dir that holds checkpoints is refused (a new run would mix its steps with
+    # theirs); supersede=true moves them aside as N.superseded (never deleted) and starts afresh.
+    k.supersede = False
 
     r = c.remat = ml_collections.ConfigDict()
     r.policy = "none"  # none | full | dots | lowrank | offload_lowrank
@@ -326,6 +333,13 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise model.max_seq_len or shorten",
     )
     check(t.steps > 0, "train.steps", "must be positive")
+    check(t.global_batch >= 1, "train.global_batch", f"must be a positive number of sequences, got {t.global_batch}")
+    check(math.isfinite(m.rope_theta) and m.rope_theta > 0, "model.rope_theta",
+          f"must be a positive RoPE base, got {m.rope_theta} (LLaMA: 10000)")
+    check(math.isfinite(m.norm_eps) and m.norm_eps > 0, "model.norm_eps",
+          f"must be a small positive number, got {m.norm_eps} (e.g. 1e-6)")
+    check(math.isfinite(m.init_std) and m.init_std > 0, "model.init_std",
+          f"must be a positive standard deviation, got {m.init_std} (e.g. 0.02)")
     check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     check(
         t.global_batch % t.grad_accum == 0,
@@ -387,14 +401,32 @@ def _divisors_near(n: int, k: int) -> list[int]:
     return sorted(_divisors(n), key=lambda x: abs(x - k))[:3]
 
 
-def load_config_file(path, flag: str = "--config"):
-    """The `get_config()` of a Python config file (configs/*.py, configs/clusters/*.py); errors name `flag`."""
+def load_config_file(path, flag: str = "--config", *, run_config: bool = False):
+    """The `get_config()` of a Python config file (configs/*.py, configs/clusters/*.py). Every way the
+    file can fail (missing, a syntax error, an exception while it runs, no get_config, a run config
+    that is not a ConfigDict) is a ConfigError naming `flag`, the file and its line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{flag}: no such file {str(path)!r}")
     spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"{flag}: {path} has no get_config()")
-    return module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"{flag}: {path} has no get_config(); a config file defines `def get_config():` "
+                              "returning a ConfigDict (see configs/tiny.py)")
+        cfg = module.get_config()
+    except ConfigError:
+        raise
+    except SyntaxError as e:
+        raise ConfigError(f"{flag}: {e.filename or path}:{e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the file's own code raises, reported as one line
+        import traceback
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path.resolve()
+                  or f.filename == str(path)]
+        where = f"{path}:{frames[-1].lineno}" if frames else str(path)
+        raise ConfigError(f"{flag}: {where}: {type(e).__name__}: {e}") from None
+    if run_config and not isinstance(cfg, ml_collections.ConfigDict):
+        raise ConfigError(f"{flag}: {path}: get_config() returned a {type(cfg).__name__}, not an "
+                          "ml_collections.ConfigDict; start from boost_jax.config.base_config() (see configs/tiny.py)")
+    return cfg

@@ -28,7 +28,7 @@ from boost_jax.runtime.evaluation import eval_loss
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.report import Profiler, Reporter
 from boost_jax.runtime.runlock import note_config_change, open_run_dir
-from boost_jax.runtime.signals import StopFlag, agree
+from boost_jax.runtime.signals import STOP_SIGNALS, StopFlag, agree
 from boost_jax.validate import validate
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
@@ -39,7 +39,7 @@ ERRORS = (ConfigError, CheckpointError, TrainingDiverged, DistributedError, RunD
 def run(cfg, stop: StopFlag | None = None) -> dict:
     """Train per `cfg`; returns a summary (first/last eval loss, where things were written).
 
-    SIGTERM/SIGINT are handled while it runs; the command line passes its own `stop`, installed for
+    SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 stop it with a checkpoint while it runs; the command line passes its own `stop`, installed for
     the whole process, so that signals arriving after the final save are absorbed too."""
     validate(cfg)
     gpu_flags, _ = xla_gpu_flags.apply() if cfg.xla_gpu_flags else ([], "")  # before JAX starts its backends
@@ -68,6 +68,7 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
     state, position, skipped, meta = _restore_or_init(cfg, built, ckpt, run_dir, say)
     order = _data_order(cfg, meta, say)
     train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch), order=order)
+    changed = _check_data(cfg, meta, train_data, say)
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     step = int(jax.device_get(state["step"]))
@@ -75,18 +76,32 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
                       flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len))
     evaluate = _evaluator(built, eval_data)
     stop.committed = ckpt.committed_step
-    if step < cfg.train.steps:
+    if step < cfg.train.steps and cfg.train.eval_every:  # eval_every=0: no evaluation at all
         report.eval(step, evaluate(state["params"]), say=False)
     loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir)
     loop.order, loop.tokens_seen = order, int(meta.get("tokens_seen", position * cfg.train.seq_len))
+    loop.identity = train_data.identity
+    if changed:
+        report.write(step, {"data_changed": 1, "data_changed_sources": ", ".join(changed)})
     try:
         state, step = loop.run(state, step)
     finally:
-        loop.profiler.stop(state, step)  # a run that ends (or fails) inside the traced steps keeps its trace
-        report.close()
-        ckpt.close()  # waits for any async save in flight (signals wait too): a started save is finished
+        _close(loop, report, ckpt, say)
         stop.done = True
     return _finish(run_dir, ckpt, report, loop, step, main_process)
+
+
+def _close(loop, report: Reporter, ckpt: Checkpointer, say) -> None:
+    """The exit path, each part guarded on its own: the profiler trace, the metrics writer (a full
+    disk can fail its flush) and the checkpointer, which waits for the save in flight and, if that
+    save failed, removes its partial files and raises its one-line error (which wins)."""
+    for what, close in (("the profiler trace", lambda: loop.profiler.stop(loop.state, loop.step)),
+                        ("the metrics writer", report.close)):
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - reported, never allowed to skip the checkpoint's own close
+            say(f"note: closing {what} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    ckpt.close()  # waits for any async save in flight (signals wait too): a started save is finished
 
 
 def _restore_or_init(cfg, built, ckpt: Checkpointer, run_dir: Path, say) -> tuple[dict, int, int, dict]:
@@ -98,6 +113,12 @@ def _restore_or_init(cfg, built, ckpt: Checkpointer, run_dir: Path, say) -> tupl
         ckpt.move_newer_aside(restored.step, log=say)  # their labels would collide with the new ones
     elif cfg.checkpoint.resume and ckpt.all_steps():
         restored = restore(ckpt, built.spec.abstract, log=say)
+    elif ckpt.all_steps():  # resume=false on a run_dir with checkpoints: never mix two runs' steps
+        if not cfg.checkpoint.supersede:
+            raise ConfigError(f"config field `checkpoint.resume`: false, but {ckpt.directory} holds checkpoints "
+                              f"(steps {ckpt.all_steps()}) that a new run would mix with; choose a new run_dir, "
+                              "or set checkpoint.supersede=true to move them aside as N.superseded")
+        ckpt.move_newer_aside(None, log=say)
     if restored is None:
         return built.init_state(), 0, 0, {}
     position = int(restored.meta["data_position"])
@@ -119,6 +140,25 @@ def _data_order(cfg, meta: dict, say) -> str:
     return used
 
 
+def _check_data(cfg, meta: dict, data, say) -> list[str]:
+    """A resumed run's data must be what its checkpoint's position refers to (data.allow_changed=true
+    continues on changed data, saying so); returns what changed."""
+    from boost_jax.data import changed_sources
+    recorded = meta.get("data_identity")
+    if not recorded:  # a fresh run, or a checkpoint written before data identities were recorded
+        return []
+    changed = changed_sources(recorded, data.identity)
+    if changed and not cfg.data.allow_changed:
+        raise ConfigError(f"config field `data.allow_changed`: the data changed since the checkpoint was written "
+                          f"({', '.join(changed)}), so its data position (sample {meta['data_position']:,}) would "
+                          "read other batches; restore the data it trained on, or set data.allow_changed=true to "
+                          "continue on the new data from that position")
+    if changed:
+        say(f"note: the data changed since the checkpoint ({', '.join(changed)}); continuing on the new data "
+            "from the same position (data.allow_changed=true)")
+    return changed
+
+
 def _evaluator(built, eval_data):
     """params -> eval loss: the mean over train.eval_batches global batches of the held-out split,
     or with train.eval_tokens over whole batches until that many input tokens are read. Batches of
@@ -138,6 +178,7 @@ class _Loop:
         self.in_a_row = 0  # non-finite steps in a row
         self.last_saved, self.stopped = None, None
         self.profiler = Profiler(cfg.profile_steps, str(run_dir / "tensorboard"), report.note)
+        self.state, self.step = None, 0  # the newest state and its step (the exit path reads them)
 
     def run(self, state, step: int) -> tuple[dict, int]:
         t = self.cfg.train
@@ -145,7 +186,7 @@ class _Loop:
         self.last_saved = step
         self.report.start_bar(step)
         kernels_used()  # start the record afresh: the first train step below traces the model
-        self.state = state
+        self.state, self.step = state, step
         while step < end:
             self.ckpt.check()  # a background save that failed stops the run here, not at the next save
             local = jax.tree.map(lambda x: x.reshape(t.grad_accum, -1, *x.shape[1:]), self.data.batch(self.position))
@@ -157,6 +198,7 @@ class _Loop:
                 self.report.write(step + 1, {"kernels": kernels_used()})
             self.position += t.global_batch
             step += 1
+            self.step = step
             self.unchecked.append((step, metrics))
             self.report.step_done()
             if self._after_step(step, end):
@@ -212,16 +254,22 @@ class _Loop:
             if self.in_a_row > 1:
                 what += f" ({self.in_a_row} steps in a row)"
             self.ckpt.wait()
+            # The state saved after step `source` computed the first non-finite step of this run of them:
+            # that checkpoint (and any later one) is set aside as N.diverged, never deleted.
+            source = bad - self.in_a_row
+            self.ckpt.move_newer_aside(source - 1, log=self.report.note, suffix="diverged",
+                                       why=f"its state gave the non-finite step {source + 1}")
             last = self.ckpt.committed_step()
             raise TrainingDiverged(
                 f"step {bad}: {what}; stopping (train.nonfinite={t.nonfinite}). "
-                + (f"The last good checkpoint is step {last} in {self.ckpt.directory}"
-                   if last is not None else "No checkpoint was saved yet")
+                + (f"The last good checkpoint (its state's next step was finite) is step {last} in "
+                   f"{self.ckpt.directory}" if last is not None else "No good checkpoint is left")
                 + "; lower train.lr or raise train.warmup_steps"
                 + (", or set train.nonfinite=skip to skip such steps" if t.nonfinite == "stop" else ""))
 
     def _meta(self, step: int) -> dict:
-        return {"data_position": self.position, "data_shuffle": self.order, "tokens_seen": self.tokens_seen,
+        return {"data_position": self.position, "data_shuffle": self.order, "data_identity": self.identity,
+                "tokens_seen": self.tokens_seen,
                 "step": step, "skipped_steps": self.skipped, "config": json.loads(self.cfg.to_json_best_effort())}
 
 
@@ -291,8 +339,29 @@ def _flag_error(e: Exception, argv) -> None:
     sys.exit(1)
 
 
+def _config_path(argv) -> str | None:
+    """The file `--config FILE` / `--config=FILE` names in argv, if any."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def _define_config(argv, flag_values=None):
     from ml_collections import config_flags
+
+    from boost_jax.config import load_config_file
+    path = _config_path(argv)
+    if path:  # a broken file as one line naming it (ml_collections would raise from inside its parser)
+        try:
+            load_config_file(path, "--config", run_config=True)
+        except FileNotFoundError:
+            pass  # reported by _flag_error below, as before
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
     kw = {} if flag_values is None else {"flag_values": flag_values}
     try:  # the config file is loaded and the overrides resolved already here and in parsing
         config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Run config file (configs/*.py)",
@@ -342,7 +411,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
         finally:  # the interpreter's shutdown can drop the handlers: a late signal would end it with 143
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
 
     app.run(_main, argv=argv, flags_parser=parse)

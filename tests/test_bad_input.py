@@ -30,6 +30,23 @@ def test_train_cli_misspelt_key_and_missing_config_file(tmp_path):
     assert rc == 1 and err.count("\n") == 1 and "No such file or directory" in err and "nope.py" in err, err
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("def get_config(:\n    pass\n", r"cfg\.py:1: syntax error"),
+    ("x = 1\n", r"cfg\.py has no get_config\(\)"),
+    ("def get_config():\n    return {'train': {}}\n", r"returned a dict, not an ml_collections\.ConfigDict"),
+    ("def get_config():\n    return 1 / 0\n", r"cfg\.py:2: ZeroDivisionError"),
+], ids=["syntax", "no_get_config", "dict", "raises"])
+def test_broken_config_files_are_one_line(tmp_path, capsys, text, needle):
+    """A config file that cannot load names the file and line (the command line parses it so)."""
+    import re
+    (tmp_path / "cfg.py").write_text(text)
+    with pytest.raises(SystemExit) as e:
+        train.parse_config(["train", f"--config={tmp_path / 'cfg.py'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and re.search(needle, err), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("train.lr", float("nan"), "train.lr"),
     ("train.lr", -1e-3, "train.lr"),

@@ -66,6 +66,14 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
     ("remat.policy", "some", "remat.policy"),
     ("parallel.strategy", "zero", "parallel.strategy"),
     ("data.source", "text", "data.path"),
+    ("train.global_batch", 0, "train.global_batch"),
+    ("train.global_batch", -4, "train.global_batch"),
+    ("model.rope_theta", 0.0, "model.rope_theta"),
+    ("model.norm_eps", -1.0, "model.norm_eps"),
+    ("model.init_std", -5.0, "model.init_std"),
+    ("data.batching", "rows", "data.batching"),
+    ("data.shuffle", "random", "data.shuffle"),
+    ("train.eval_tokens", -1, "train.eval_tokens"),
 ])
 def test_invalid_values_name_the_field(make_config, field, value, needle):
     cfg = make_config(**{field: value})

@@ -88,12 +88,15 @@ def test_resume_keeps_the_order_its_checkpoint_used(make_config, tmp_path, capsy
 def test_divergence_stops_and_keeps_last_good_checkpoint(make_config):
     cfg = make_config(**{"train.lr": 1e30, "train.warmup_steps": 0, "train.steps": 12, "checkpoint.every": 1,
                          "train.grad_clip": 0.0, "train.eval_every": 0})
-    with pytest.raises(train.TrainingDiverged, match="last good checkpoint is step"):
+    with pytest.raises(train.TrainingDiverged, match=r"step (\d+): .*The last good checkpoint \(its state's "
+                                                     r"next step was finite\) is step (\d+)") as e:
         train.run(cfg)
+    import re
+    bad, good = map(int, re.search(r"step (\d+):.* is step (\d+) in", str(e.value)).groups())
     ckpt = Checkpointer(Path(cfg.run_dir) / "checkpoints", keep=3, create=False)
-    step = ckpt.latest_step()
-    assert step is not None and step < 12
-    _, params = final_params(cfg.run_dir, step)
+    assert ckpt.latest_step() == good == bad - 2  # bad-1's state computed the non-finite step: set aside
+    assert (Path(cfg.run_dir) / "checkpoints" / f"{bad - 1}.diverged").is_dir()
+    _, params = final_params(cfg.run_dir, good)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
@@ -125,7 +128,9 @@ def test_all_checkpoints_corrupt_is_a_clear_error_and_all_are_kept(make_config):
     assert _checkpoint_files(cfg.run_dir) == before
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1], ids=lambda s: s.name)
+def test_stop_signals_save_and_exit_zero(tmp_path, sig):
+    """SIGTERM (preemption), SIGHUP (the ssh session closed), SIGUSR1 (sbatch --signal, the template's)."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "boost_jax.train", f"--config.run_dir={run_dir}", "--config.train.steps=100000",
             "--config.train.log_every=1", "--config.train.eval_every=0", "--config.checkpoint.every=100000",
@@ -137,11 +142,11 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
                                           and len(metric_rows(run_dir)) >= 3):
         time.sleep(0.5)
     assert proc.poll() is None, proc.stdout.read()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     import re
-    stopped_at = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    stopped_at = int(re.search(rf"stopped by {sig.name} at step (\d+)", out).group(1))
     assert stopped_at >= 3
     assert Checkpointer(run_dir / "checkpoints", keep=3, create=False).latest_step() == stopped_at
 
@@ -159,6 +164,7 @@ def test_restore_from_another_run(make_config, tmp_path):
 def test_tied_embeddings_train(make_config):
     out = train.run(make_config(**{"model.tie_embeddings": True, "train.eval_every": 0}))
     assert out["step"] == 8
+    assert out["evals"] == [] and not metric_rows(out["run_dir"], "eval_loss")  # eval_every=0: none, not even step 0
 
 
 def test_profile_steps_and_compile_cache(make_config, tmp_path):

@@ -20,31 +20,54 @@ SOURCES = ("embedded", "text", "jsonl", "tokens")  # data.source: where `_tokens
 CACHE_VERSION = 2  # token caches of text/jsonl inputs; 2: with document boundaries
 
 
+def _sha256(paths, chunk: int = 1 << 22) -> str:
+    """The SHA-256 of the files' contents, in order."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+    return h.hexdigest()
+
+
 def _tokens(source: str, path: str, cfg, tok, field: str):
-    """(token arrays, each array's document end offsets or None where no boundaries are recorded)."""
+    """(token arrays, each array's document end offsets or None where no boundaries are recorded,
+    the source's identity: what a checkpoint's data position refers to)."""
+    from boost_jax.data.tokenizer import tokenizer_id
     d = cfg.data
     if source == "embedded":
         corpus, ends = embedded_documents(d.embedded_max_bytes)
-        return [np.frombuffer(corpus, dtype=np.uint8)], [ends]
+        ident = {"embedded_sha256": hashlib.sha256(corpus).hexdigest()}
+        return [np.frombuffer(corpus, dtype=np.uint8)], [ends], ident
     check = dict(tokenizer=d.tokenizer, vocab_size=cfg.model.vocab_size)
     if source == "tokens":
         index = prepared_index(path)
         if index is not None:
-            return prepared_shards(index, field, token_dtype=d.token_dtype, **check)
+            return (*prepared_shards(index, field, token_dtype=d.token_dtype, **check),
+                    {"index_sha256": _sha256([index])})
         paths = expand_paths(path, field, (".bin", ".npy"))
+        other = [p for p in paths if not p.endswith((".bin", ".npy"))]
+        if other:
+            raise ValueError(f"config field `{field}`: {other[0]} is not a token file (.bin or .npy) nor a directory "
+                             "made by `python -m boost_jax.data.prepare`; for text set data.source=text (or jsonl)")
         arrays = token_files(paths, d.token_dtype)
         check_vocab(arrays, paths, cfg.model.vocab_size)
-        return arrays, None
+        return arrays, None, {"files": [[str(Path(p).resolve()), os.path.getsize(p)] for p in paths]}
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
-    cache = _token_cache(expand_paths(path, field, suffixes), cfg)
-    return prepared_shards(cache / "index.json", field, token_dtype=None, **check)
+    paths = expand_paths(path, field, suffixes)
+    cache = _token_cache(paths, cfg)
+    ident = {"inputs_sha256": _sha256(paths), "tokenizer": tokenizer_id(d.tokenizer), "field": d.jsonl_field}
+    return (*prepared_shards(cache / "index.json", field, token_dtype=None, **check), ident)
 
 
 def _token_cache(paths: list[str], cfg) -> Path:
     """Text and JSONL inputs are tokenised once, into shards under RUN_DIR/token_cache/KEY (KEY: the
     cache version, the tokenizer, the JSONL field and every input's path, size and mtime), by the first
-    process only;
-    later starts and the other processes memory-map them."""
+    process only; later starts and the other processes memory-map them. The cache's files carry
+    SHA-256 checksums (`checksums.json`), verified when it is opened: a damaged or truncated cache is
+    rebuilt, with a note."""
+    import shutil
+
     import jax
 
     from boost_jax.data.prepare import prepare  # lazily: `python -m` runs that module
@@ -55,19 +78,33 @@ def _token_cache(paths: list[str], cfg) -> Path:
     key = json.dumps([CACHE_VERSION, tokenizer_id(d.tokenizer), d.jsonl_field,
                       [[str(Path(p).resolve()), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]])
     out = Path(cfg.run_dir).expanduser().resolve() / "token_cache" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if jax.process_index() == 0 and not (out / INDEX).exists():
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"config field `run_dir`: cannot write the token cache {out} ({e.strerror}); "
-                             "set --config.run_dir to a writable directory") from None
-        big = sum(os.path.getsize(p) for p in paths) > 256 << 20
-        prepare(paths, out, d.tokenizer, field=d.jsonl_field, workers=min(os.cpu_count() or 1, 8) if big else 0,
-                progress=big)
+    if jax.process_index() == 0:
+        if (out / INDEX).exists() and not _cache_intact(out):
+            print(f"note: the token cache {out} is damaged (a file does not match its checksum); rebuilding it")
+            shutil.rmtree(out, ignore_errors=True)
+        if not (out / INDEX).exists():
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"config field `run_dir`: cannot write the token cache {out} ({e.strerror}); "
+                                 "set --config.run_dir to a writable directory") from None
+            big = sum(os.path.getsize(p) for p in paths) > 256 << 20
+            prepare(paths, out, d.tokenizer, field=d.jsonl_field, workers=min(os.cpu_count() or 1, 8) if big else 0,
+                    progress=big)
+            files = sorted(p.name for p in out.iterdir() if p.name.startswith("shard_") or p.name == INDEX)
+            (out / "checksums.json").write_text(json.dumps({f: _sha256([out / f]) for f in files}))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("token_cache")
     return out
+
+
+def _cache_intact(out: Path) -> bool:
+    try:
+        sums = json.loads((out / "checksums.json").read_text())
+        return all(_sha256([out / f]) == h for f, h in sums.items())
+    except (OSError, ValueError):
+        return False
 
 
 def _split_tail(source, fraction: float, whole_documents: bool):
@@ -165,15 +202,29 @@ def build_loaders(cfg, process_index: int = 0, process_count: int = 1, order: st
                          f"tokenizer's {tok.vocab_size}; set --config.model.vocab_size={tok.vocab_size}")
     mixture = [("embedded", "", 1.0)] if d.source == "embedded" else parse_mixture(d.path, "data.path")
     _check_mixture(cfg, mixture, "data.path")
-    sources = [_tokens(d.source, path, cfg, tok, "data.path") for _, path, _ in mixture]
+    read = [_tokens(d.source, path, cfg, tok, "data.path") for _, path, _ in mixture]
+    sources = [r[:2] for r in read]
+    identity = {"batching": d.batching, "seq_len": cfg.train.seq_len,
+                "sources": {path or "embedded": r[2] for (_, path, _), r in zip(mixture, read)}}
     if d.eval_path:
         eval_mixture = parse_mixture(d.eval_path, "data.eval_path")
         _check_mixture(cfg, eval_mixture, "data.eval_path")
-        train, held = sources, [_tokens(d.source, path, cfg, tok, "data.eval_path") for _, path, _ in eval_mixture]
+        train, held = sources, [_tokens(d.source, path, cfg, tok, "data.eval_path")[:2] for _, path, _ in eval_mixture]
     else:
         eval_mixture = mixture
         train, held = zip(*[_split_tail(s, d.eval_fraction, d.batching != "stream") for s in sources])
     order = order or d.shuffle
-    return (_loader(cfg, mixture, train, "train data", "data.path", True, process_index, process_count, order),
+    train_loader = _loader(cfg, mixture, train, "train data", "data.path", True, process_index, process_count, order)
+    train_loader.identity = identity  # what the run's data position refers to (checkpoints record it)
+    return (train_loader,
             _loader(cfg, eval_mixture, held, "eval data", "data.eval_path" if d.eval_path else "data.path", False,
                     process_index, process_count, order), tok)
+
+
+def changed_sources(recorded: dict, now: dict) -> list[str]:
+    """What differs between two `identity` records: the sources (by their data.path entry) and the
+    fields (data.batching, train.seq_len) whose data position means something else now."""
+    diff = [f"data.{k}" if k == "batching" else f"train.{k}" for k in ("batching", "seq_len")
+            if recorded.get(k) != now.get(k)]
+    old, new = recorded.get("sources", {}), now.get("sources", {})
+    return diff + [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]

@@ -19,6 +19,7 @@ newest good step and renames the bad ones aside (`N.corrupt`), never deleting th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -128,6 +129,24 @@ def read_run(checkpoint: str):
     return cfg, root, step
 
 
+class _OrbaxErrors(logging.Filter):
+    """Drops Orbax's own ERROR records (a failed save logs hundreds of lines of tracebacks from its
+    background threads); the Checkpointer reports the failure as one line (`_failed`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname.replace("\\", "/"))
+
+
+def quiet_orbax_errors() -> None:
+    """Install `_OrbaxErrors` where Orbax's records pass: absl's logger and the handlers of the root
+    logger and of absl (records of child loggers skip their parents' logger filters), once each."""
+    from absl import logging as absl_logging
+    targets = [logging.getLogger("absl"), *logging.getLogger().handlers, absl_logging.get_absl_handler()]
+    for target in targets:
+        if not any(isinstance(f, _OrbaxErrors) for f in target.filters):
+            target.addFilter(_OrbaxErrors())
+
+
 def move_aside(step_dir: Path, why: str) -> Path:
     """Rename a step directory to `N.<why>` (never delete it); returns the new path."""
     target, n = step_dir.with_name(f"{step_dir.name}.{why}"), 1
@@ -181,6 +200,8 @@ class Checkpointer:
         self.directory = Path(directory).resolve()
         self.hint, self.pending = hint, None
         self._renames = owner and jax.process_index() == 0  # one process renames and removes
+        if owner:
+            quiet_orbax_errors()  # a failed save is reported once, as one line (`_failed`)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=create, cleanup_tmp_directories=owner)
         self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "meta"), options=options)
@@ -289,12 +310,14 @@ class Checkpointer:
                                   f"left untouched. Start a new run_dir, or restore another run with {self.hint}")
         raise CheckpointError(f"no checkpoint in {self.directory}")
 
-    def move_newer_aside(self, step: int, log=print) -> None:
-        """Rename steps newer than `step` to `N.superseded` so that training from `step` can save again."""
-        newer = [s for s in self.all_steps() if s > step]
+    def move_newer_aside(self, step: int | None, log=print, *, suffix: str = "superseded", why: str = "") -> None:
+        """Rename steps newer than `step` (None: every step) to `N.<suffix>` (never deleted), so that
+        training from `step` (or from scratch) can save again without mixing with them."""
+        newer = [s for s in self.all_steps() if step is None or s > step]
+        why = why or ("a new run (checkpoint.supersede)" if step is None else f"newer than the restored step {step}")
         for s in newer if self._renames else ():
-            log(f"moved checkpoint {self.directory / str(s)} (newer than the restored step {step}) aside to "
-                f"{move_aside(self.directory / str(s), 'superseded')}")
+            log(f"moved checkpoint {self.directory / str(s)} ({why}) aside to "
+                f"{move_aside(self.directory / str(s), suffix)}")
         if newer:
             self._reload()
 

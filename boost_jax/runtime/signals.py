@@ -1,4 +1,6 @@
-"""Signals a run survives: SIGTERM/SIGINT stop it after the step in progress, with a checkpoint.
+"""Signals a run survives: SIGTERM, SIGINT, SIGHUP (the terminal or ssh session closed) and
+SIGUSR1/SIGUSR2 (what `sbatch --signal` sends before a time limit) stop it after the step in
+progress, with a checkpoint.
 
 `StopFlag` is installed for the whole process by the command line (train.main), so a signal that
 arrives after the final save is absorbed too; `agree` makes every process of a multi-process run stop
@@ -10,6 +12,10 @@ import os
 import signal
 
 import numpy as np
+
+# Every signal that stops a run with a checkpoint (those this platform has).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                     if hasattr(signal, name))
 
 
 def agree(signal_name):
@@ -24,7 +30,7 @@ def _say(text: str) -> None:
 
 
 class StopFlag:
-    """SIGTERM/SIGINT set a flag; the loop saves, waits for the save, and exits cleanly.
+    """A stop signal (STOP_SIGNALS) sets a flag; the loop saves, waits for the save, and exits cleanly.
 
     The handlers stay installed until that save has committed: repeated signals (schedulers resend
     SIGTERM) are logged and absorbed. Only a third SIGINT (Ctrl-C) abandons the save, after saying
@@ -38,7 +44,7 @@ class StopFlag:
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. called from a test runner thread)
