@@ -15,9 +15,9 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 import jax
-import numpy as np
 from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
@@ -56,7 +56,9 @@ def perplexity(built: Built, params, *, split: str = "eval", batches: int | None
               f"{split} split; rows repeat", file=sys.stderr)
     result = eval_loss(built, data, params, batches=batches, tokens=tokens,
                        field="--eval-tokens" if tokens else "train.eval_tokens")
-    return {**result, "perplexity": math.exp(min(result["loss"], 50.0)), "split": split,
+    loss = result["loss"]  # exp() of a non-finite loss would be a number (inf caps at exp(50)): keep it
+    ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
+    return {**result, "perplexity": ppl, "split": split,
             "batching": cfg.data.batching}
 
 
@@ -76,6 +78,27 @@ def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batch
     return {"checkpoint": str(root / str(step)), "step": step, **result,
             "data": {"source": d.source, "path": d.path, "eval_path": d.eval_path},
             "mesh": dict(built.mesh.shape), "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len}
+
+
+def check_json_target(path: str) -> None:
+    """Fail before any work when --json cannot be written (a directory, or its folder missing)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--json {path} is a directory; give a file path such as {p / 'eval.json'}")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--json {path}: the folder {parent} does not exist; create it or give another path")
+
+
+def _finite_or_none(x):
+    """The result with NaN/inf as null (they are not JSON)."""
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_none(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def main(argv=None) -> int:
@@ -114,6 +137,8 @@ def main(argv=None) -> int:
                                          "boost_jax/config.py)") from e
 
     try:
+        if args.json:
+            check_json_target(args.json)
         result = evaluate(args.checkpoint, overrides, split=args.split, batches=args.batches, tokens=args.eval_tokens)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -121,8 +146,18 @@ def main(argv=None) -> int:
     print(f"{result['checkpoint']}: {result['split']} loss {result['loss']:.4f}, perplexity "
           f"{result['perplexity']:.2f} ({result['batches']} batches, {result['tokens']} tokens, mesh {result['mesh']})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(_finite_or_none(result), f, indent=2, allow_nan=False)
+        except OSError as e:
+            print(f"error: --json {args.json}: cannot write the result ({e.strerror or e}); "
+                  "give a writable file path", file=sys.stderr)
+            return 1
+    if not math.isfinite(result["loss"]):
+        steps = Path(result["checkpoint"]).parent
+        print(f"error: eval loss is {result['loss']} at step {result['step']}: the checkpoint's weights do not "
+              f"compute a finite loss; evaluate an earlier step (--checkpoint {steps}/STEP)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -190,9 +190,21 @@ def hf_config(m, eos_id=None) -> dict:
     return c
 
 
-def model_fields(hf: dict) -> dict:
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def model_fields(hf: dict, source: str = "config.json") -> dict:
     """HF config.json -> our model.* fields; rejects variants this model cannot represent. A CoLA
-    config is read as the official code reads it, missing fields taking its defaults."""
+    config is read as the official code reads it, missing fields taking its defaults; the sizes in
+    REQUIRED_FIELDS have no default (`source` names the file in the error)."""
+    if not isinstance(hf, dict):
+        raise ExportError(f"{source}: holds {type(hf).__name__}, not a JSON object of config fields")
+    for key in REQUIRED_FIELDS:
+        if key not in hf:
+            raise ExportError(f"{source}: required field `{key}` is missing; add it (the model's "
+                              "config.json from where it was trained has it)")
+        if isinstance(hf[key], bool) or not isinstance(hf[key], int) or hf[key] < 1:
+            raise ExportError(f"{source}: field `{key}` must be a positive integer, got {hf[key]!r}")
     cola = hf.get("model_type") == "cola"
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}
@@ -227,19 +239,33 @@ def model_fields(hf: dict) -> dict:
 # ---------------------------------------------------------------- files
 
 def load_safetensors(path) -> dict[str, np.ndarray]:
-    """One .safetensors file as numpy; bfloat16 (which safetensors.numpy cannot read) via ml_dtypes."""
+    """One .safetensors file as numpy; bfloat16 (which safetensors.numpy cannot read) via ml_dtypes.
+    A truncated or damaged file is an ExportError naming it."""
+    st = _safetensors()
+    from safetensors import SafetensorError
     try:
-        return _safetensors().load_file(str(path))
-    except TypeError:  # "data type 'bfloat16' not understood"
-        import ml_dtypes
-        raw = Path(path).read_bytes()
-        n = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + n])
-        header.pop("__metadata__", None)
-        dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
-        return {k: np.frombuffer(raw, dtypes[v["dtype"]], count=int(np.prod(v["shape"])),
-                                 offset=8 + n + v["data_offsets"][0]).reshape(v["shape"])
-                for k, v in header.items()}
+        try:
+            return st.load_file(str(path))
+        except TypeError:  # "data type 'bfloat16' not understood"
+            return _load_via_ml_dtypes(path)
+    except (SafetensorError, ValueError, KeyError, TypeError, OSError) as e:
+        why = str(e).replace("\n", "; ") or type(e).__name__
+        raise ExportError(f"{path}: not a readable safetensors file ({why}); it may be truncated "
+                          "(an interrupted download or copy): fetch or export it again") from e
+
+
+def _load_via_ml_dtypes(path) -> dict[str, np.ndarray]:
+    """The safetensors layout read by hand: 8-byte header length, JSON header, then the raw tensors."""
+    import ml_dtypes
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+    # np.frombuffer raises ValueError when the file ends before a tensor does.
+    return {k: np.frombuffer(raw, dtypes[v["dtype"]], count=int(np.prod(v["shape"])),
+                             offset=8 + n + v["data_offsets"][0]).reshape(v["shape"])
+            for k, v in header.items()}
 
 
 def export(checkpoint: str, out: str) -> Path:
@@ -282,13 +308,22 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
         raise ExportError(f"no *.safetensors in {hf_dir}")
     if intermediate_multiple < 1:
         raise ExportError(f"--intermediate-multiple must be >= 1, got {intermediate_multiple}")
+    # The small config.json first: a bad one fails before gigabytes of tensors are read.
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{config_path} does not exist: --import-hf needs the model's config.json "
+                          "beside its *.safetensors")
+    try:
+        hf = json.loads(config_path.read_text())
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ExportError(f"{config_path}: not readable JSON ({e}); fetch or export it again") from e
+    fields = model_fields(hf, str(config_path))
     tensors = {}
     for f in files:
         tensors.update(load_safetensors(f))
     cfg = base_config()
     cfg.run_dir = str(run_dir)
-    hf = json.loads((hf_dir / "config.json").read_text())
-    cfg.model.update(model_fields(hf))
+    cfg.model.update(fields)
     if hf.get("model_type") == "cola":
         cfg.train.b2 = 0.999  # the official CoLA training's AdamW betas, as in configs/cola_*.py
     if not kv_heads_repeated(tensors, cfg.model):  # trained on without GQA: keep every head's k/v

@@ -76,3 +76,59 @@ def test_eval_tokens_reads_documents_the_paper_way(tmp_path, capsys):
     assert result["batching"] == "document"
     assert evaluate.main(["--checkpoint", cfg.run_dir, "--eval-tokens", str(10 ** 9)]) == 1
     assert "--eval-tokens" in capsys.readouterr().err
+
+
+def _fake_result(**kw):
+    return {"checkpoint": "/runs/x/checkpoints/4", "step": 4, "split": "eval", "loss": 3.0, "perplexity": 20.1,
+            "batches": 1, "tokens": 8, "mesh": {"data": 1}, **kw}
+
+
+def test_json_target_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: calls.append(a) or _fake_result())
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "no" / "eval.json", "does not exist")):
+        assert evaluate.main(["--checkpoint", "RUN", "--json", str(bad)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --json") and why in err and err.count("\n") == 1, err
+    assert calls == []  # refused before restoring or evaluating anything
+
+    # The target turns unwritable during the evaluation (here: a directory appears there).
+    out = tmp_path / "eval.json"
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: out.mkdir() or _fake_result())
+    assert evaluate.main(["--checkpoint", "RUN", "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --json {out}: cannot write") and err.count("\n") == 1, err
+
+
+def test_non_finite_loss_exits_1(run, tmp_path, capsys, monkeypatch):
+    run_dir, (step, _) = run
+    monkeypatch.setattr(evaluate, "eval_loss", lambda *a, **k: {"loss": float("nan"), "batches": 2, "tokens": 64})
+    out = tmp_path / "eval.json"
+    assert evaluate.main(["--checkpoint", run_dir, "--json", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: eval loss is nan at step {step}:") and "--checkpoint" in err, err
+    result = json.loads(out.read_text())  # strict JSON: NaN is written as null
+    assert result["loss"] is None and result["perplexity"] is None and result["step"] == step
+
+
+def test_weights_that_overflow_exit_1(run, tmp_path, capsys):
+    """A real non-finite loss: finite weights (the checkpoint accepts them) too large for float32 math."""
+    import jax
+
+    from boost_jax.runtime.checkpoint import Checkpointer, read_run, restore
+
+    run_dir, (step, _) = run
+    cfg, root, step = read_run(run_dir)
+    built = evaluate.build_for_eval(cfg)
+    restored = restore(root, built.spec.abstract, step=step)
+    params = restored.state["params"]
+    huge = {**params, "final_norm": jax.tree.map(lambda x: x * 1e37, params["final_norm"]),
+            "lm_head": params["lm_head"] * 1e10}
+    state = dict(restored.state, params=huge)  # logits past float32's 3.4e38: inf - inf is nan
+    meta = {k: v for k, v in restored.meta.items() if k not in ("checksums", "param_shapes")}
+    ckpt = Checkpointer(tmp_path / "huge" / "checkpoints", keep=1, async_save=False)
+    ckpt.save(step, state, meta, force=True)
+    ckpt.close()
+    assert evaluate.main(["--checkpoint", str(tmp_path / "huge"), "--batches", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "error: eval loss is" in err and f"at step {step}" in err, err

@@ -340,3 +340,39 @@ def test_official_cola_layout_loads_strictly_and_matches_logits(cola_export, tmp
         theirs = model(torch.from_numpy(tokens).long()).numpy()
     ours = np.asarray(load_model(cfg.run_dir)[0](tokens)[0])
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def _damaged(hf, tmp_path, damage):
+    bad = tmp_path / "damaged"
+    bad.mkdir()
+    for f in ("model.safetensors", "config.json"):
+        (bad / f).write_bytes((hf / f).read_bytes())
+    damage(bad)
+    return bad
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def _drop_field(path, key):
+    cfg = json.loads(path.read_text())
+    del cfg[key]
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("damage, names", [
+    (lambda d: _truncate(d / "model.safetensors"), ("model.safetensors", "truncated")),
+    (lambda d: _drop_field(d / "config.json", "hidden_size"), ("config.json", "`hidden_size`")),
+    (lambda d: _drop_field(d / "config.json", "num_hidden_layers"), ("config.json", "`num_hidden_layers`")),
+    (lambda d: (d / "config.json").write_text('{"hidden_size": 3'), ("config.json", "not readable JSON")),
+    (lambda d: (d / "config.json").unlink(), ("config.json", "does not exist")),
+], ids=["truncated-safetensors", "no-hidden_size", "no-num_hidden_layers", "config-not-json", "no-config"])
+def test_import_names_a_damaged_file(dense_export, tmp_path, capsys, damage, names):
+    """A truncated download or a config.json lacking a field: one line naming the file, no traceback."""
+    _, hf = dense_export
+    bad = _damaged(hf, tmp_path, damage)
+    assert export.main(["--import-hf", str(bad), "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}") and err.count("\n") == 1, err
+    assert all(n in err for n in names), err

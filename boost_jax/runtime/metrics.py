@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 # Dense bf16 peak FLOP/s per device, matched against `device.device_kind` by substring.
 PEAK_BF16_FLOPS = [
@@ -32,8 +33,40 @@ def fmt_mfu(mfu) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 
 
+def set_aside_torn_tail(path: str, block: int = 1 << 16) -> int:
+    """A file a killed run left ending mid-line: append the bytes after its last newline to PATH.torn
+    (one line per tear) and truncate PATH there, so the next row starts on a line of its own.
+    Returns the number of bytes set aside (0 when the file is missing, empty or whole)."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return 0
+    with open(path, "r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return 0
+        cut = 0  # just past the last newline; 0 when there is none
+        pos = end
+        while pos > 0:  # read backwards a block at a time: the file may be large
+            start = max(0, pos - block)
+            f.seek(start)
+            found = f.read(pos - start).rfind(b"\n")
+            if found >= 0:
+                cut = start + found + 1
+                break
+            pos = start
+        f.seek(cut)
+        tail = f.read()
+        with open(path + ".torn", "ab") as side:
+            side.write(tail + b"\n")
+        f.truncate(cut)
+    print(f"note: {path} ended in a partial line ({len(tail)} bytes, a run stopped mid-write); "
+          f"moved it to {path}.torn", file=sys.stderr)
+    return len(tail)
+
+
 class MetricsWriter:
-    """Appends one JSON object per record to metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per record to metrics.jsonl and mirrors scalars to TensorBoard. A torn
+    last line left by a killed run is set aside (set_aside_torn_tail) before the first new row."""
 
     def __init__(self, run_dir: str, enabled: bool = True):
         self.enabled = enabled
@@ -46,6 +79,7 @@ class MetricsWriter:
                 self._tb = SummaryWriter(self.tb_dir)
             except ImportError:
                 self.tb_dir = None
+            set_aside_torn_tail(self.path)
 
     def write(self, step: int, record: dict) -> None:
         if not self.enabled:

@@ -8,28 +8,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 
 def read_metrics(run_dir) -> dict[str, dict[int, float]]:
     """{metric: {step: value}}. A resumed run appends rows for steps it redoes: the last row wins, as
-    it is the one the surviving checkpoints continue from. A line cut short by a crash is skipped."""
+    it is the one the surviving checkpoints continue from. A line that is not a JSON object with a
+    numeric step (cut short by a crash, damaged) is skipped and counted in one note on stderr."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: pass the run_dir a training run wrote "
                                 "(it holds metrics.jsonl)")
     series: dict[str, dict[int, float]] = {}
-    for line in path.read_text().splitlines():
+    damaged = 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
+            row = None
+        step = row.pop("step", None) if isinstance(row, dict) else None
+        if not _is_number(step):
+            damaged += 1
             continue
-        step = row.pop("step", None)
         for key, value in row.items():
-            if step is not None and isinstance(value, (int, float)):
+            if _is_number(value):
                 series.setdefault(key, {})[int(step)] = float(value)
+    if damaged:
+        print(f"note: skipped {damaged} damaged line(s) in {path}", file=sys.stderr)
     return series
+
+
+def _is_number(x) -> bool:
+    """A finite int or float (json.loads reads NaN/Infinity; bools are ints)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _line(ax, series: dict[int, float], **kw) -> None:
