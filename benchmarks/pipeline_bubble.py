@@ -1,6 +1,13 @@
-"""Pipeline bubble of the GPipe schedule: the analytic fraction and a measured step-time ratio.
+"""Pipeline bubble of the GPipe schedule: the analytic fraction and a measured step-time ratio; with
+--memory, the compiled train step's temp memory per micro-batch count, with and without stage remat.
 
     python benchmarks/pipeline_bubble.py [--stages 2] [--microbatches 2,4,8]
+    python benchmarks/pipeline_bubble.py --memory [--microbatches 4,16] [--json benchmarks/pipeline_memory.json]
+
+--memory: cola_1b shapes with 2 layers per stage (4 layers), seq 2048, pipeline 2 x tensor 2 (btp) on
+emulated CPU devices, one row per micro-batch (global batch = M), bf16, remat.policy none and lowrank,
+remat.pipeline none (GPipe's autodiff keeps every micro-batch's activations) and stage (one stage
+input per micro-batch; the stage is recomputed in the backward). Compile-only (memory_analysis).
 
 The bubble is (S-1)/(M+S-1) of the ticks (every stage idles while the pipeline fills and drains).
 The measured column times the pipelined train step against the same model with pipeline=1 on the
@@ -33,13 +40,53 @@ def step_seconds(cfg, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def memory(microbatches: list[int], path: str) -> int:
+    import jax
+
+    from boost_jax.config import sized_config
+    from boost_jax.runtime.build import build
+    rows = []
+    for policy in ("none", "lowrank"):
+        for remat_pipeline in ("none", "stage"):
+            for m in microbatches:
+                cfg = sized_config("1b", "cola")
+                cfg.data.update(source="embedded", batching="stream")
+                cfg.model.update(n_layers=4, dtype="bfloat16")
+                cfg.train.update(seq_len=2048, global_batch=m, grad_accum=1)
+                cfg.parallel.update(num_devices=4, pipeline=2, tensor=2, data=1, microbatches=m, strategy="btp")
+                cfg.remat.update(policy=policy, pipeline=remat_pipeline)
+                mem = build(cfg, jax.devices()[:4]).lower_train().compile().memory_analysis()
+                rows.append({"remat.policy": policy, "remat.pipeline": remat_pipeline, "microbatches": m,
+                             "temp_bytes": int(mem.temp_size_in_bytes)})
+                print(f"  {policy} {remat_pipeline} M={m}: {mem.temp_size_in_bytes / 2**30:.2f} GiB", file=sys.stderr)
+    print("| remat.policy | remat.pipeline | " + " | ".join(f"temp GiB, M={m}" for m in microbatches)
+          + f" | M={microbatches[-1]} / M={microbatches[0]} |")
+    print("|---|---|" + "---|" * (len(microbatches) + 1))
+    for policy in ("none", "lowrank"):
+        for remat_pipeline in ("none", "stage"):
+            got = [r["temp_bytes"] for r in rows if (r["remat.policy"], r["remat.pipeline"]) == (policy, remat_pipeline)]
+            print(f"| {policy} | {remat_pipeline} | " + " | ".join(f"{b / 2**30:.2f}" for b in got)
+                  + f" | {got[-1] / got[0]:.2f}x |")
+    with open(path, "w") as f:
+        json.dump({"shape": "cola_1b, 4 layers (2 per stage), seq 2048, pipeline 2 x tensor 2, 1 row per "
+                   "micro-batch, bf16", "rows": rows}, f, indent=2)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--microbatches", default="2,4,8")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "pipeline_bubble.json"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--memory", action="store_true", help="compiled temp memory per M, with and without stage remat")
     args = ap.parse_args(argv)
+    here = os.path.dirname(__file__)
+    if args.memory:
+        emulate_cpu_devices(4)
+        return memory([int(x) for x in args.microbatches.split(",")],
+                      args.json or os.path.join(here, "pipeline_memory.json"))
+    args.json = args.json or os.path.join(here, "pipeline_bubble.json")
     emulate_cpu_devices(args.stages)
     from boost_jax.config import base_config
     from boost_jax.parallel.pipeline import bubble_fraction

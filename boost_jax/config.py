@@ -139,6 +139,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     r = c.remat = ml_collections.ConfigDict()
     r.policy = "none"  # none | full | dots | lowrank | offload_lowrank
+    # none | stage: with parallel.pipeline > 1, each pipeline stage is recomputed in the backward, so the
+    # tick loop keeps one stage input per micro-batch instead of every layer's activations.
+    r.pipeline = "none"
 
     p = c.parallel = ml_collections.ConfigDict()
     p.num_devices = 0  # use the first N devices (0: all)
@@ -378,6 +381,9 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
     check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
     check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
+    check(c.remat.pipeline in ("none", "stage"), "remat.pipeline", f"{c.remat.pipeline!r} is not none or stage")
+    check(c.remat.pipeline == "none" or p.pipeline != 1, "remat.pipeline",
+          "stage recomputes pipeline stages, but parallel.pipeline=1; set parallel.pipeline > 1 or remat.pipeline=none")
     check(c.data.batching in BATCHINGS, "data.batching", f"{c.data.batching!r} is not one of {BATCHINGS}")
     check(c.data.shuffle in SHUFFLES, "data.shuffle", f"{c.data.shuffle!r} is not one of {SHUFFLES}")
     check(t.seq_len >= 2 or c.data.batching == "stream", "train.seq_len",

@@ -61,12 +61,13 @@ class Transformer(nnx.Module):
     device, nothing partitioned)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none", norm_impl: str = "xla",
-                 placement=LOCAL):
+                 placement=LOCAL, remat_pipeline: str = "none"):
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
         self.pipeline = placement.pipeline()  # None: the layers run as one scan
         self.dtype = compute_dtype(cfg.dtype)
         self.remat_policy = remat_policy
+        self.remat_stage = remat_pipeline == "stage"  # remat.pipeline: recompute whole pipeline stages
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
         self.embed = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
                                                                 param_dtype), axes=("vocab_in", "embed"))
@@ -108,7 +109,8 @@ class Transformer(nnx.Module):
 
         layer = remat.wrap(layer, self.remat_policy)
         if self.pipeline is not None and cache is None:
-            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs)
+            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs,
+                              remat_stage=self.remat_stage)
         else:
             x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions, docs), x, (layer_state, cache),
                                     unroll=self.n_layers if self.unroll else 1)
@@ -146,14 +148,14 @@ class Transformer(nnx.Module):
 
 
 def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla",
-                placement=LOCAL) -> Transformer:
+                placement=LOCAL, remat_pipeline: str = "none") -> Transformer:
     return Transformer(model_cfg, rngs=nnx.Rngs(params=seed), remat_policy=remat_policy, norm_impl=norm_impl,
-                       placement=placement)
+                       placement=placement, remat_pipeline=remat_pipeline)
 
 
 def model_from_config(cfg, placement=LOCAL) -> Transformer:
-    """The model a run config describes (shapes, remat policy, norm kernel), placed by `placement`."""
-    return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm, placement)
+    """The model a run config describes (shapes, remat policies, norm kernel), placed by `placement`."""
+    return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm, placement, cfg.remat.pipeline)
 
 
 # The projection groups (boost_jax/parallel/strategies.py PROJECTION_GROUPS): the logical axes of each

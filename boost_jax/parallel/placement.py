@@ -95,9 +95,14 @@ class GPipe:
     stages: int
     microbatches: int
 
-    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None):
-        """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...]."""
+    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None,
+                 remat_stage: bool = False):
+        """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...].
+        remat_stage (`remat.pipeline=stage`): each stage is one jax.checkpoint, so the tick loop keeps
+        only the stage's input per micro-batch and recomputes the stage in the backward (the layer remat
+        policy, applied inside `layer`, decides what that recompute keeps)."""
         from boost_jax.parallel.pipeline import gpipe
+        wrap = (lambda fn: jax.checkpoint(fn, prevent_cse=False)) if remat_stage else (lambda fn: fn)
         if docs is not None:
             # Rows of documents: their segments (and positions) travel with each micro-batch's rows,
             # and every stage rebuilds the micro-batch's document spans from them.
@@ -111,7 +116,7 @@ class GPipe:
                 return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos, micro_docs)[0], None), x_micro,
                                     stage_state, unroll=unroll)[0]
 
-            return gpipe(stage_docs, layer_state, x, stages=self.stages, microbatches=self.microbatches,
+            return gpipe(wrap(stage_docs), layer_state, x, stages=self.stages, microbatches=self.microbatches,
                          unroll=unroll, mesh=self.mesh, strategy=self.strategy, rows=rows)
         # Training positions are the same for every row. A fresh iota of the micro-batch's shape (the
         # rows gpipe hands the stage) is built on every device; slicing the batch-sharded positions
@@ -123,7 +128,7 @@ class GPipe:
             return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
                                 unroll=unroll)[0]
 
-        return gpipe(stage, layer_state, x, stages=self.stages, microbatches=self.microbatches, unroll=unroll,
+        return gpipe(wrap(stage), layer_state, x, stages=self.stages, microbatches=self.microbatches, unroll=unroll,
                      mesh=self.mesh, strategy=self.strategy)
 
 
