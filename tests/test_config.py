@@ -74,6 +74,8 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
     ("data.batching", "rows", "data.batching"),
     ("data.shuffle", "random", "data.shuffle"),
     ("train.eval_tokens", -1, "train.eval_tokens"),
+    ("remat.pipeline", "stage", "remat.pipeline"),  # without a pipeline
+    ("remat.pipeline", "layers", "remat.pipeline"),
 ])
 def test_invalid_values_name_the_field(make_config, field, value, needle):
     cfg = make_config(**{field: value})
