@@ -1,9 +1,16 @@
 """`python -m boost_jax.data.prepare`: shards equal in-process tokenisation (EOS per document, input
 order, units cut inside files), an interrupted run resumes keeping its finished shards, and the
 `tokens` source refuses shards that do not match the run (dtype, vocabulary, tokenizer)."""
+import errno
 import gzip
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,3 +203,151 @@ def test_text_sources_tokenise_once_into_a_cache(corpus, bpe, tmp_path):
     os.utime(root / "a.jsonl")  # a changed input gets a new cache entry
     build_loaders(cfg)
     assert len(list((tmp_path / "run" / "token_cache").glob("*/index.json"))) == 2
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--unit-mb", "0"], "error: --unit-mb 0: give the input MB per work unit, a number > 0 (e.g. 64)"),
+    (["--unit-mb", "-2"], "error: --unit-mb -2: "),
+    (["--unit-mb", "nan"], "error: --unit-mb nan: "),
+    (["--unit-mb", "inf"], "error: --unit-mb inf: "),
+    (["--workers", "-1"], "error: --workers -1: give 0 (tokenise in this process) or a number of worker processes"),
+])
+def test_bad_flags_are_one_line(tmp_path, capsys, flags, says):
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n')
+    assert prep.main([str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "o"), "--no-progress", *flags]) == 1
+    assert _one_line(capsys).startswith(says)
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_out_in_the_way_and_unreadable_inputs_are_one_line(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n')
+    (tmp_path / "file").write_text("x")
+    args = [str(tmp_path / "a.jsonl"), "--no-progress", "--workers", "0", "--out"]
+    assert prep.main([*args, str(tmp_path / "file")]) == 1
+    assert _one_line(capsys) == (f"error: --out {tmp_path / 'file'} is a file, not a directory; "
+                                 "choose a directory (created if missing)")
+    assert prep.main([*args, str(tmp_path / "file" / "sub" / "o")]) == 1
+    assert _one_line(capsys) == (f"error: --out {tmp_path / 'file' / 'sub' / 'o'} is under the file "
+                                 f"{tmp_path / 'file'}, not a directory; choose a directory (created if missing)")
+    (tmp_path / "b.jsonl.gz").write_bytes(b"not gzip")
+    for workers in ("0", "1"):
+        assert prep.main([str(tmp_path / "b.jsonl.gz"), "--no-progress", "--workers", workers,
+                          "--out", str(tmp_path / f"o{workers}")]) == 1
+        assert _one_line(capsys).startswith(f"error: {tmp_path / 'b.jsonl.gz'}: cannot read it (Not a gzipped file")
+
+
+def test_disk_full_keeps_the_finished_shards_and_resumes(corpus, tmp_path, monkeypatch, capsys):
+    root, texts = corpus
+    out = tmp_path / "out"
+    command = [*inputs(root), "--out", str(out), "--workers", "0", "--no-progress", "--unit-mb", str(3000 / (1 << 20))]
+    real = os.replace
+
+    def replace(src, dst):  # the disk fills up while shard 2 is finished, then while the index is
+        if Path(dst).name in full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    full = {"shard_00002.bin"}
+    assert prep.main(command) == 1
+    n = len(json.loads((out / "plan.json").read_text())["units"])
+    assert _one_line(capsys) == (f"error: cannot write {out / 'shard_00002.bin'}: No space left on device [ENOSPC]; "
+                                 f"2 of {n} shards are done and kept in {out}: free some space and rerun the same "
+                                 "command to resume")
+    assert sorted(p.name for p in out.glob("shard_*.json")) == ["shard_00000.json", "shard_00001.json"]
+    assert not list(out.glob("*.tmp")) and not (out / "index.json").exists()
+
+    full = {"index.json"}
+    assert prep.main(command) == 1  # the lock was released: the same process takes it again
+    assert _one_line(capsys).startswith(f"error: cannot write {out / 'index.json'}: No space left on device "
+                                        f"[ENOSPC]; {n} of {n} shards are done and kept")
+    assert not list(out.glob("*.tmp")) and not (out / "index.json").exists()
+
+    full = set()
+    assert prep.main(command) == 0
+    np.testing.assert_array_equal(stream(out), reference(texts, "byte"))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_disk_full_in_the_writer_here_or_in_a_worker(corpus, tmp_path, capsys, workers):
+    """A real ENOSPC from writing a shard: its .tmp name is a link to /dev/full."""
+    root, texts = corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard_00003.bin.tmp").symlink_to("/dev/full")
+    command = [*inputs(root), "--out", str(out), "--workers", workers, "--no-progress",
+               "--unit-mb", str(3000 / (1 << 20))]
+    assert prep.main(command) == 1
+    n = len(json.loads((out / "plan.json").read_text())["units"])
+    err = _one_line(capsys)
+    assert re.fullmatch(rf"error: cannot write {re.escape(str(out / 'shard_00003.bin'))}: No space left on device "
+                        rf"\[ENOSPC\]; (\d+) of {n} shards are done and kept in {re.escape(str(out))}: free some "
+                        "space and rerun the same command to resume", err), err
+    assert not list(out.glob("*.tmp")) and not (out / "index.json").exists()
+    assert prep.main(command) == 0
+    np.testing.assert_array_equal(stream(out), reference(texts, "byte"))
+
+
+def test_a_second_run_on_the_same_out_is_refused(corpus, tmp_path, capsys):
+    root, texts = corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [*inputs(root), "--out", str(out), "--workers", "0", "--no-progress"]
+    with prep._OutLock(out):  # another run holds it
+        holder = json.loads((out / ".lock").read_text())
+        assert prep.main(command) == 1
+        assert _one_line(capsys) == (f"error: another data.prepare is writing {out} (pid {os.getpid()}, since "
+                                     f"{holder['since']}); wait for it or choose another --out")
+        assert not (out / "plan.json").exists()
+    assert prep.main(command) == 0
+    np.testing.assert_array_equal(stream(out), reference(texts, "byte"))
+
+
+def _wait_for_shards(out, proc, more_than):
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("shard_*.json"))) <= more_than:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+
+
+def test_sigterm_and_ctrl_c_stop_cleanly_and_the_rerun_resumes(tmp_path):
+    """SIGTERM to the main process, then SIGINT to the whole process group (Ctrl-C), each while two
+    workers are tokenising: one line, exit 143/130, finished shards kept, no .tmp; the rerun equals an
+    uninterrupted run."""
+    with open(tmp_path / "big.jsonl", "w") as f:  # ~32 MB of short documents: ~25 units, a few seconds
+        f.writelines(f'{{"text": "document {i} of many"}}\n' for i in range(1_100_000))
+    command = [sys.executable, "-m", "boost_jax.data.prepare", str(tmp_path / "big.jsonl"), "--workers", "2",
+               "--unit-mb", "1", "--no-progress", "--out"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    whole = subprocess.run([*command, str(tmp_path / "whole")], capture_output=True, text=True, env=env)
+    assert whole.returncode == 0, whole.stderr
+
+    out, done = tmp_path / "out", 0
+    for sig, status in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        proc = subprocess.Popen([*command, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, start_new_session=True)
+        _wait_for_shards(out, proc, done)
+        (os.kill if sig == signal.SIGTERM else os.killpg)(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == status, err
+        m = re.fullmatch(rf"error: interrupted \({sig.name}\); (\d+) of (\d+) shards are done and kept: rerun the "
+                         r"same command to resume", err.strip())
+        assert m and "Traceback" not in err, err
+        done, total = int(m[1]), int(m[2])
+        assert done == len(list(out.glob("shard_*.json"))) and 0 < done < total
+        assert not list(out.glob("*.tmp")) and not (out / "index.json").exists()
+
+    again = subprocess.run([*command, str(out)], capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr
+    index = json.loads((out / "index.json").read_text())
+    assert index == json.loads((tmp_path / "whole" / "index.json").read_text()) and len(index["shards"]) == total
+    for shard in index["shards"]:
+        for name in (shard["file"], shard["ends"]):
+            assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
