@@ -113,7 +113,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "batching.json"))
     ap.add_argument("--no-memory", action="store_true")
     args = ap.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", "")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         data = corpus(tmp)

@@ -22,7 +22,7 @@ from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.model import flops_per_token
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
-from boost_jax.runtime.build import build
+from boost_jax.runtime.build import build, to_global
 from boost_jax.runtime.checkpoint import Checkpointer, restore
 from boost_jax.runtime.evaluation import eval_loss
 from boost_jax.runtime.distributed import maybe_initialize
@@ -39,8 +39,9 @@ ERRORS = (ConfigError, CheckpointError, TrainingDiverged, DistributedError, RunD
 def run(cfg, stop: StopFlag | None = None) -> dict:
     """Train per `cfg`; returns a summary (first/last eval loss, where things were written).
 
-    SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 stop it with a checkpoint while it runs; the command line passes its own `stop`, installed for
-    the whole process, so that signals arriving after the final save are absorbed too."""
+    SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 stop it with a checkpoint while it runs; the command
+    line passes its own `stop`, installed for the whole process, so that signals arriving after the
+    final save are absorbed too."""
     validate(cfg)
     gpu_flags, _ = xla_gpu_flags.apply() if cfg.xla_gpu_flags else ([], "")  # before JAX starts its backends
     maybe_initialize(cfg)  # before anything below asks JAX for devices (process_index does)
@@ -78,9 +79,8 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
     stop.committed = ckpt.committed_step
     if step < cfg.train.steps and cfg.train.eval_every:  # eval_every=0: no evaluation at all
         report.eval(step, evaluate(state["params"]), say=False)
-    loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir)
-    loop.order, loop.tokens_seen = order, int(meta.get("tokens_seen", position * cfg.train.seq_len))
-    loop.identity = train_data.identity
+    loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir, order=order,
+                 tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)))
     if changed:
         report.write(step, {"data_changed": 1, "data_changed_sources": ", ".join(changed)})
     try:
@@ -171,9 +171,10 @@ class _Loop:
     steps, signals), the report, evaluation and the checkpoint."""
 
     def __init__(self, cfg, built, ckpt, report, stop, train_data, evaluate, position: int, skipped: int,
-                 run_dir: Path):
+                 run_dir: Path, *, order: str, tokens_seen: int):
         self.cfg, self.built, self.ckpt, self.report, self.stop = cfg, built, ckpt, report, stop
         self.data, self.evaluate, self.position, self.skipped = train_data, evaluate, position, skipped
+        self.order, self.tokens_seen = order, tokens_seen  # the data order; input tokens that were not padding
         self.unchecked = []  # (step, metrics) not yet read back: checked together at the next log or save
         self.in_a_row = 0  # non-finite steps in a row
         self.last_saved, self.stopped = None, None
@@ -192,7 +193,7 @@ class _Loop:
             local = jax.tree.map(lambda x: x.reshape(t.grad_accum, -1, *x.shape[1:]), self.data.batch(self.position))
             self.profiler.before(step + 1)
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
-                self.state, metrics = self.built.train_step(self.state, _to_global(local, self.built.batch_sharding))
+                self.state, metrics = self.built.train_step(self.state, to_global(local, self.built.batch_sharding))
             self.profiler.after(step + 1, self.state)
             if step == first:  # traced now: record what the kernels actually ran
                 self.report.write(step + 1, {"kernels": kernels_used()})
@@ -268,7 +269,7 @@ class _Loop:
                 + (", or set train.nonfinite=skip to skip such steps" if t.nonfinite == "stop" else ""))
 
     def _meta(self, step: int) -> dict:
-        return {"data_position": self.position, "data_shuffle": self.order, "data_identity": self.identity,
+        return {"data_position": self.position, "data_shuffle": self.order, "data_identity": self.data.identity,
                 "tokens_seen": self.tokens_seen,
                 "step": step, "skipped_steps": self.skipped, "config": json.loads(self.cfg.to_json_best_effort())}
 
@@ -300,10 +301,6 @@ def _batch_slice(mesh, global_batch: int) -> tuple[int, int]:
     hi = max(global_batch if idx[0].stop is None else idx[0].stop for idx in shards.values())
     return lo // (hi - lo), global_batch // (hi - lo)
 
-
-def _to_global(batch, sharding):
-    """This process's rows (an array or a dict of them) as the global batch."""
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
 def _use_compile_cache(directory: str) -> None:

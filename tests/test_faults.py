@@ -235,17 +235,22 @@ def test_sigkill_mid_save_second_trainer_and_triple_sigint(make_config, tmp_path
 
 # ---------------------------------------------------------------- failed saves
 
-def test_failed_async_save_stops_at_once_and_cleans_up(reference, tmp_path, monkeypatch):
-    ref_dir, make = reference
+def disk_full_at(monkeypatch, step: int) -> None:
+    """Orbax's final rename of checkpoint `step` fails as on a full disk (the async save's last act)."""
     from orbax.checkpoint._src.path import async_path
     rename = async_path.rename
 
-    async def disk_full_at_8(src, dst):
-        if Path(dst).name == "8":
+    async def disk_full(src, dst):
+        if Path(dst).name == str(step):
             raise OSError(errno.ENOSPC, "No space left on device")
         return await rename(src, dst)
 
-    monkeypatch.setattr(async_path, "rename", disk_full_at_8)
+    monkeypatch.setattr(async_path, "rename", disk_full)
+
+
+def test_failed_async_save_stops_at_once_and_cleans_up(reference, tmp_path, monkeypatch):
+    ref_dir, make = reference
+    disk_full_at(monkeypatch, 8)
     cfg = make(tmp_path / "run", **{"checkpoint.async_save": True})
     with pytest.raises(CheckpointError, match=r"saving step 8 failed \(OSError: \[Errno 28\] No space left on "
                                               r"device\); its partial files were removed; the last good "
@@ -384,20 +389,12 @@ def test_disk_full_at_the_final_save_is_one_error_and_nothing_half_written(refer
     tracebacks are not printed."""
     import logging
     ref_dir, make = reference
-    from orbax.checkpoint._src.path import async_path
-
     from boost_jax.runtime.metrics import MetricsWriter
-    rename = async_path.rename
-
-    async def disk_full_at_12(src, dst):
-        if Path(dst).name == "12":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return await rename(src, dst)
 
     def full_flush(self):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(async_path, "rename", disk_full_at_12)
+    disk_full_at(monkeypatch, 12)
     monkeypatch.setattr(MetricsWriter, "close", full_flush)
     cfg = make(tmp_path / "run", **{"checkpoint.async_save": True})
     with pytest.raises(CheckpointError, match=r"saving step 12 failed .* the last good checkpoint is step 8"):

@@ -54,9 +54,10 @@ def _tokens(source: str, path: str, cfg, tok, field: str):
         check_vocab(arrays, paths, cfg.model.vocab_size)
         return arrays, None, {"files": [[str(Path(p).resolve()), os.path.getsize(p)] for p in paths]}
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
-    paths = expand_paths(path, field, suffixes)
-    cache = _token_cache(paths, cfg)
-    ident = {"inputs_sha256": _sha256(paths), "tokenizer": tokenizer_id(d.tokenizer), "field": d.jsonl_field}
+    cache = _token_cache(expand_paths(path, field, suffixes), cfg)
+    # The cache was verified against its checksums (the tokens' SHA-256) just now: they name the data.
+    ident = {"tokens_sha256": _sha256([cache / "checksums.json"]), "tokenizer": tokenizer_id(d.tokenizer),
+             "field": d.jsonl_field}
     return (*prepared_shards(cache / "index.json", field, token_dtype=None, **check), ident)
 
 
@@ -120,8 +121,8 @@ def _split_tail(source, fraction: float, whole_documents: bool):
         e = None if ends is None else np.asarray(ends[k], np.int64)
         at = cut - lo
         if lo < cut < hi and whole_documents and e is not None:
-            k = int(np.searchsorted(e, at, side="right"))  # the document the cut falls in
-            start = int(e[k - 1]) if k else 0
+            doc = int(np.searchsorted(e, at, side="right"))  # the document the cut falls in
+            start = int(e[doc - 1]) if doc else 0
             if start or lo:  # held out whole (unless that leaves nothing to train on: then it is cut)
                 at = start
         if at >= len(s):

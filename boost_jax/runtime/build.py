@@ -72,6 +72,11 @@ class Built:
         return self.bind(lambda params, tokens: next_token_loss(graphdef, params, tokens, with_z_loss))
 
 
+def to_global(batch, sharding):
+    """This process's rows of a batch (an array or a dict of them) as the global arrays of `sharding`."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+
+
 def build(cfg, devices=None, optimizer=None) -> Built:
     """Validate `cfg`, lay its mesh over `devices` (default: every device, or parallel.num_devices of
     them) and build the abstract state and the jitted train and eval steps. `optimizer`: (optax

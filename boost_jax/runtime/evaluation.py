@@ -6,10 +6,7 @@ import jax
 import numpy as np
 
 from boost_jax.errors import ConfigError
-
-
-def _to_global(batch, sharding):
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+from boost_jax.runtime.build import to_global
 
 
 def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | None = None,
@@ -31,16 +28,17 @@ def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | 
     documents = data.batching != "stream"
     results, seen, i = [], 0, 0
     while (seen < tokens) if tokens else (i < batches):
-        out = built.eval_step(params, _to_global(data.batch(i * t.global_batch), built.eval_sharding))
-        if documents:
-            out = tuple(float(x) for x in jax.device_get(out))
-            seen += int(out[2])
-        else:
+        out = built.eval_step(params, to_global(data.batch(i * t.global_batch), built.eval_sharding))
+        if documents and tokens:  # the count decides when to stop: read it now
+            seen += int(jax.device_get(out[2]))
+        elif not documents:
             seen += t.global_batch * t.seq_len
         results.append(out)
         i += 1
+    results = jax.device_get(results)
     if documents:
-        loss = sum(r[0] for r in results) / max(sum(r[1] for r in results), 1)
+        seen = seen if tokens else int(sum(r[2] for r in results))
+        loss = float(sum(r[0] for r in results)) / max(int(sum(r[1] for r in results)), 1)
     else:
-        loss = float(np.mean(jax.device_get(results)))
+        loss = float(np.mean(results))
     return {"loss": float(loss), "batches": i, "tokens": seen}
