@@ -54,9 +54,8 @@ def _check_documents(c, attention) -> None:
     batching = c.data.batching
     if batching == "stream":
         return
-    # Rows of one document carry lengths and segments both; packed rows segments only.
-    kinds = ("segments",) if batching == "packed" else ("segments", "lengths")
-    ok = lambda name: any(attention.takes_documents(name, kind) for kind in kinds)  # noqa: E731
+    kind = "segments" if batching == "packed" else "lengths"  # (Documents.kind of such rows)
+    ok = lambda name: attention.masks(name, kind)  # noqa: E731
     check(ok(c.model.attention), "model.attention",
           f"{c.model.attention} cannot keep attention inside documents (data.batching={batching}); use one of "
           f"{tuple(n for n in attention.names() if ok(n))}")

@@ -184,7 +184,7 @@ def _static_zero(offset) -> bool:
     return isinstance(offset, int) and offset == 0
 
 
-def _masks(name: str, kind: str) -> bool:
+def masks(name: str, kind: str) -> bool:
     """Whether `name` masks documents of `kind` (Documents.kind): lengths rows carry segments too."""
     return any(takes_documents(name, k) for k in (DOCUMENT_KINDS if kind == "lengths" else ("segments",)))
 
@@ -194,7 +194,7 @@ def auto_impl(on_gpu: bool, half: bool, head_dim: int, queries: int, keys: int, 
     (head dim a multiple of 8, at most 128, as many keys as queries), else xla up to
     AUTO_XLA_MAX_KEYS keys, else chunked. `documents`: None (no documents), "lengths" (one document
     per row) or "segments" (packed rows: cudnn is out). (The planner prices plans with it.)"""
-    cudnn_ok = documents is None or _masks("cudnn", documents)
+    cudnn_ok = documents is None or masks("cudnn", documents)
     if on_gpu and half and head_dim % 8 == 0 and head_dim <= 128 and keys == queries and cudnn_ok:
         return "cudnn"
     return "xla" if keys <= AUTO_XLA_MAX_KEYS else "chunked"
@@ -215,8 +215,8 @@ def resolve(impl: str, q, k, offset, docs: Documents | None = None) -> str:
         return name
     if impl not in IMPLEMENTATIONS:
         raise ConfigError(f"config field `model.attention`: {impl!r} is not one of {names()}")
-    if kind is not None and not _masks(impl, kind):
-        able = ", ".join(n for n in names() if _masks(n, kind))
+    if kind is not None and not masks(impl, kind):
+        able = ", ".join(n for n in names() if masks(n, kind))
         batching = "packed" if kind == "segments" else "document"
         raise ConfigError(f"config field `model.attention`: {impl} cannot mask the documents of "
                           f"data.batching={batching}; set model.attention to one of {able} (or data.batching=stream)")
