@@ -22,6 +22,7 @@ from boost_jax.errors import ConfigError  # noqa: F401 - config.ConfigError stay
 PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
+PIPELINE_SCHEDULES = ("gpipe", "circular")
 BATCHINGS = ("stream", "packed", "document")  # data.batching (boost_jax/data/loader.py)
 SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
 
@@ -145,8 +146,13 @@ def base_config() -> ml_collections.ConfigDict:
 
     p = c.parallel = ml_collections.ConfigDict()
     p.num_devices = 0  # use the first N devices (0: all)
-    p.pipeline = 1  # pipeline stages (GPipe); the layers are split evenly
-    p.microbatches = 0  # pipeline micro-batches per step (0: 2 per stage)
+    p.pipeline = 1  # pipeline stages; the layers are split evenly
+    p.microbatches = 0  # pipeline micro-batches per pass (0: 2 per stage)
+    # gpipe | circular. gpipe: stage s holds layers [s L/S, (s+1) L/S), bubble (S-1)/(M+S-1).
+    # circular (interleaved): stage s holds the V chunks s, S+s, 2S+s, ... of L/(S V) layers and the
+    # micro-batches go round the ring V times, bubble (S-1)/(V M + S-1); needs microbatches >= pipeline.
+    p.pipeline_schedule = "gpipe"
+    p.pipeline_repeats = 1  # V, circular only: the layer chunks per stage
     p.data = -1  # mesh axis sizes; one may be -1 (all remaining devices)
     p.fsdp = 1
     p.tensor = 1
@@ -394,6 +400,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     sizes = [p.pipeline, p.data, p.fsdp, p.tensor]
     check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")
     check(p.microbatches >= 0, "parallel.microbatches", "must be >= 0 (0: two per pipeline stage)")
+    check(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
+          f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    check(p.pipeline_repeats >= 1, "parallel.pipeline_repeats", f"must be >= 1, got {p.pipeline_repeats}")
+    check(p.pipeline_repeats == 1 or p.pipeline_schedule == "circular", "parallel.pipeline_repeats",
+          f"{p.pipeline_repeats} chunks per stage need parallel.pipeline_schedule=circular (gpipe holds one)")
     for name in ("pipeline", "data", "fsdp", "tensor"):
         check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
     return c

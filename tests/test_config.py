@@ -76,6 +76,9 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
     ("train.eval_tokens", -1, "train.eval_tokens"),
     ("remat.pipeline", "stage", "remat.pipeline"),  # without a pipeline
     ("remat.pipeline", "layers", "remat.pipeline"),
+    ("parallel.pipeline_schedule", "1f1b", "parallel.pipeline_schedule"),
+    ("parallel.pipeline_repeats", 0, "parallel.pipeline_repeats"),
+    ("parallel.pipeline_repeats", 2, "parallel.pipeline_repeats"),  # under gpipe
 ])
 def test_invalid_values_name_the_field(make_config, field, value, needle):
     cfg = make_config(**{field: value})
@@ -97,6 +100,17 @@ def test_mesh_that_does_not_fit_devices(make_config):
 def test_tensor_axis_must_divide_heads(make_config):
     cfg = make_config(**{"parallel.data": 1, "parallel.tensor": 8})  # 4 heads, 2 KV heads
     with pytest.raises(ConfigError, match=r"parallel\.tensor.*model\.n_heads"):
+        build(cfg)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"parallel.pipeline_repeats": 3}, "parallel.pipeline_repeats"),  # 3 does not divide 4 layers / 2 stages
+    ({"parallel.microbatches": 1, "train.global_batch": 8}, "parallel.microbatches"),  # M = 1 < S = 2
+])
+def test_circular_schedule_shapes_name_the_field(make_config, overrides, needle):
+    cfg = make_config(**{"parallel.pipeline": 2, "parallel.data": 4, "model.n_layers": 4,
+                         "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2, **overrides})
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         build(cfg)
 
 

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax import train
 from boost_jax.data import build_loaders
+from boost_jax.parallel import pipeline
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime.build import build
 from boost_jax.runtime.state import trainable, with_frozen
@@ -279,3 +280,31 @@ def test_stage_remat_keeps_one_stage_input_per_microbatch(make_config):
     stage4, stage16 = temp("stage", 4), temp("stage", 16)
     assert stage16 < 0.6 * none16, (stage16, none16)
     assert stage16 / stage4 < none16 / none4, (stage4, stage16, none4, none16)
+
+
+# Each schedule x strategy, pipeline 2 on the 8-device mesh (the batch axes vary with the strategy so
+# both replica kinds run): circular with V = 2 chunks of one layer per stage, at M = 4 (the ring's
+# loop buffer holds an output two ticks) and M = S = 2 (stage S-1 hands straight to stage 0).
+SCHEDULES = {"gpipe": {},
+             "circular_v2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2},
+             "circular_v2_m2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
+                                "parallel.microbatches": 2}}
+SCHEDULE_MESHES = {"btp": (1, 2, 2), "megatron": (2, 1, 2), "vanilla": (2, 1, 2)}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("strategy", list(SCHEDULE_MESHES))
+def test_pipeline_schedules_match_single_device(make_config, strategy, schedule):
+    cfg = par_config(make_config, strategy, "cola", SCHEDULE_MESHES[strategy],
+                     **{"parallel.pipeline": 2, "model.n_layers": 4, **SCHEDULES[schedule]})
+    params, tokens, (ref_loss, ref_grads) = reference(cfg)
+    loss, grads, colls = loss_and_grads(cfg, params, tokens, collectives=True)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(grads, ref_grads, 1e-5)
+    # The tick loop runs V M + S - 1 times: its stage hand-overs (one permute each way) say how often.
+    p = cfg.parallel
+    m, v = p.microbatches or 2 * p.pipeline, p.pipeline_repeats if p.pipeline_schedule == "circular" else 1
+    trips = [c.trips for c in colls if c.kind == "collective-permute" and c.axes == ("pipeline",) and c.in_loop]
+    assert len(trips) == 2 and set(trips) == {pipeline.ticks(p.pipeline, m, v)} == {v * m + p.pipeline - 1}, trips
+    # Of the S x ticks stage-ticks, V M S do work (every micro-batch crosses every stage V times).
+    assert pipeline.bubble_fraction(p.pipeline, m, v) == pytest.approx(1 - v * m / trips[0])

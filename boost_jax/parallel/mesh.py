@@ -105,6 +105,16 @@ def check_batch(cfg, sizes: dict[str, int]) -> None:
             raise ConfigError(f"config field `parallel.pipeline`: {stages} stages do not divide "
                               f"model.n_layers={m.n_layers}")
         chunks = int(cfg.parallel.microbatches) or 2 * stages
+        if cfg.parallel.pipeline_schedule == "circular":
+            repeats = int(cfg.parallel.pipeline_repeats)
+            if m.n_layers % (stages * repeats):
+                raise ConfigError(f"config field `parallel.pipeline_repeats`: {repeats} chunks per stage on {stages} "
+                                  f"stages do not divide model.n_layers={m.n_layers} (V must divide n_layers/pipeline "
+                                  f"= {m.n_layers // stages})")
+            if chunks < stages:
+                raise ConfigError(f"config field `parallel.microbatches`: the circular schedule needs at least one "
+                                  f"micro-batch per stage ({chunks} < pipeline={stages}): the first micro-batch's "
+                                  f"second round would reach stage 0 before it is free")
         if micro % (chunks * batch_ways):
             raise ConfigError(f"config field `parallel.microbatches`: the micro-batch {micro} must split into "
                               f"{chunks} pipeline micro-batches of a multiple of data*fsdp = {batch_ways} rows")

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: a GPipe schedule over the `pipeline` mesh axis, written for GSPMD.
+"""Pipeline parallelism over the `pipeline` mesh axis, written for GSPMD: GPipe, or the circular
+(interleaved) schedule (`parallel.pipeline_schedule`).
 
 The layer stack [L, ...] is cut into S stages of L/S consecutive layers (the `layers` dim is split
 over `pipeline`). The batch is cut into M micro-batches. At every tick all S stages run at once
@@ -8,6 +9,17 @@ After M + S - 1 ticks every micro-batch has crossed every stage; the bubble is (
 ticks. Autodiff of the loop gives the backward (all micro-batches' activations are kept, as in
 GPipe; combine with a remat policy). Tensor parallelism acts inside each stage unchanged, because
 the strategy's constraints are batched with `spmd_axis_name="pipeline"`.
+
+Circular (`_circular`, `parallel.pipeline_repeats` = V): stage s holds the V chunks s, S+s, 2S+s, ...
+of L/(S V) layers; each micro-batch goes round the ring V times (stage S-1 hands to stage 0: the same
+roll, which wraps), so a tick runs L/(S V) layers and the pass takes V M + S - 1 ticks: the bubble
+is (S-1)/(V M + S-1). It needs M >= S: micro-batch m's round v leaves stage S-1 at tick
+v M + m + S - 1 and its round v+1 starts at stage 0 at tick (v+1) M + m, which must be later; the
+output waits in between in a stage-local buffer [M, b, ...] (the size of GPipe's output buffer). The stored
+[L, ...] stacks are split over `pipeline` in contiguous blocks (so checkpoints are the same for
+every schedule), which the chunks are not: the circular layout moves the stage weights once per
+pass, before the tick loop (one all-to-all over `pipeline` per weight, of (S-1)/S of the stage's
+weights), and their gradient once after it.
 
 Gradients over the batch axes: once per pass, in float32. Left to GSPMD, the stage weights'
 gradient is all-reduced over data x fsdp inside the backward tick loop, once per tick and layer
@@ -35,6 +47,7 @@ tensor) grid itself; `once_per_pass_axes`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,8 +58,15 @@ from boost_jax.parallel import rules
 from boost_jax.parallel.grad_reduce import without_axis
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    return (stages - 1) / (microbatches + stages - 1)
+def ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Ticks of one pass: every micro-batch crosses every stage `repeats` times (V M items), the last
+    one entering stage 0 at tick V M - 1 and leaving stage S-1 S-1 ticks later."""
+    return repeats * microbatches + stages - 1
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle share of the stage-ticks: (S-1)/(V M + S-1) (gpipe: V = 1)."""
+    return (stages - 1) / ticks(stages, microbatches, repeats)
 
 
 def to_microbatches(x: jax.Array, m: int) -> jax.Array:
@@ -79,13 +99,36 @@ def once_per_pass_axes(mesh, strategy) -> tuple[str, ...]:
     return tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
 
 
-def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce_dtype) -> jax.Array:
-    """A layer-stacked weight [L, ...] as [S * n, L/S, ...]: stage s's layers copied once per batch
-    replica (row s * n + i: stage s, replica i; split over the pipeline and replica axes), in float32
-    when it is a float. Each replica accumulates its own gradient in its copy's cotangent over the
-    ticks; the backward sums the n of them once, in `reduce_dtype`."""
+def stage_layout(a: jax.Array, stages: int, repeats: int | None = None) -> jax.Array:
+    """A layer-stacked [L, ...] as the stages hold it: gpipe (repeats None) [S, L/S, ...], stage s the
+    layers [s L/S, (s+1) L/S); circular [S, V, L/(S V), ...], stage s the chunks s, S+s, 2S+s, ...
+    (chunk c = layers [c L/(S V), (c+1) L/(S V))). The stored [L] dim is split over `pipeline` in
+    contiguous blocks, so the circular layout moves each stage's weights between stages (once per
+    pass, before the tick loop; their gradient once after it)."""
+    if repeats is None:
+        return a.reshape(stages, a.shape[0] // stages, *a.shape[1:])
+    chunks = a.reshape(repeats, stages, a.shape[0] // (stages * repeats), *a.shape[1:])
+    return jnp.swapaxes(chunks, 0, 1)
+
+
+def layer_layout(a: jax.Array, repeats: int | None = None) -> jax.Array:
+    """The inverse of `stage_layout`: [S, ...] -> [L, ...]."""
+    if repeats is not None:
+        a = jnp.swapaxes(a, 0, 1)
+        return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce_dtype, repeats: int | None = None) -> jax.Array:
+    """A layer-stacked weight [L, ...] as [S * n, ...stage layout]: stage s's layers copied once per
+    batch replica (row s * n + i: stage s, replica i; split over the pipeline and replica axes), in
+    float32 when it is a float. Each replica accumulates its own gradient in its copy's cotangent over
+    the ticks; the backward sums the n of them once, in `reduce_dtype`."""
     def forward(w):
-        staged = w.reshape(stages, 1, w.shape[0] // stages, *w.shape[1:])
+        if repeats is None:  # gpipe
+            staged = w.reshape(stages, 1, w.shape[0] // stages, *w.shape[1:])
+        else:
+            staged = stage_layout(w, stages, repeats)[:, None]
         out = jnp.broadcast_to(staged, (stages, n) + staged.shape[2:]).reshape(stages * n, *staged.shape[2:])
         return jax.lax.with_sharding_constraint(out, sharding)
 
@@ -99,31 +142,43 @@ def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce
 
     def bwd(_, g):
         g = g.reshape(stages, n, *g.shape[1:]).astype(reduce_dtype).sum(1)
-        return (g.reshape(a.shape).astype(a.dtype),)
+        return (layer_layout(g, repeats).reshape(a.shape).astype(a.dtype),)
 
     copies.defvjp(lambda w: (copies(w), None), bwd)
     return copies(a)
 
 
-def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
-          unroll: bool = False, rows=None) -> jax.Array:
+def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
+        schedule: str = "gpipe", repeats: int = 1, unroll: bool = False, rows=None) -> jax.Array:
     """Run `stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro` over the stages for every
-    micro-batch, on `mesh` under `strategy` (bound when the model was built: parallel/placement.py).
+    micro-batch, on `mesh` under `strategy` (bound when the model was built: parallel/placement.py),
+    as the `schedule` (gpipe | circular with `repeats` chunks per stage) orders it.
 
-    layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]. stage_fn must take
-    micro-batches of any row count (each batch replica runs the schedule on its own rows). `rows`: an
-    optional pytree of per-row inputs [B, ...] (document segments, positions) that travels through
-    the stages with its micro-batch and is handed to stage_fn beside it."""
+    layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]. stage_fn gets one
+    stage's (circular: one chunk's) layers and must take micro-batches of any row count (each batch
+    replica runs the schedule on its own rows). `rows`: an optional pytree of per-row inputs [B, ...]
+    (document segments, positions) handed to stage_fn beside its micro-batch."""
+    if schedule not in ("gpipe", "circular"):
+        raise ValueError(f"parallel.pipeline_schedule: {schedule!r} is not gpipe or circular")
+    repeats = repeats if schedule == "circular" else None  # None: gpipe's layout and schedule
+    if repeats is not None:
+        inner_fn = stage_fn
+
+        def stage_fn(stage_state, x_micro, v, *extra):  # noqa: F811 - the chunk v of the stage's V
+            chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), stage_state)
+            return inner_fn(chunk, x_micro, *extra)
+    schedule_fn = _gpipe if repeats is None else functools.partial(_circular, repeats=repeats)
     axes = once_per_pass_axes(mesh, strategy)
     if not axes:
-        staged = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), layer_state)
-        return _gpipe(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll, rows)
+        staged = jax.tree.map(lambda a: stage_layout(a, stages, repeats), layer_state)
+        return schedule_fn(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll,
+                           rows)
     n = math.prod(mesh.shape[a] for a in axes)
     inner = without_axis(strategy, *axes)
     spmd = ("pipeline",) + axes
     dtype = jnp.dtype(strategy.grad_reduce_dtype)
     staged = jax.tree.map(lambda a: _replicas(a, stages, n, NamedSharding(
-        mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype), layer_state)
+        mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype, repeats), layer_state)
 
     def replica(stage_state, *inputs):
         with rules.use_rules(mesh, inner):
@@ -132,13 +187,17 @@ def gpipe(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int
     # One vmap over (stage, replica) pairs: stage s's replica i runs on the i-th contiguous block of
     # the micro-batch's rows, which is where the batch split already puts them. (Nesting a replica
     # vmap in the stage vmap trips JAX's varying-axes checks in the shard_maps inside the layers.)
-    run = jax.vmap(replica, spmd_axis_name=spmd)
+    vmapped = jax.vmap(replica, spmd_axis_name=spmd)
 
     def run_stages(staged, inputs, *extra):
         split = lambda a: a.reshape(stages * n, a.shape[1] // n, *a.shape[2:])  # noqa: E731
-        return run(staged, split(inputs), *jax.tree.map(split, extra)).reshape(inputs.shape)
+        if repeats is not None:  # extra[0]: the chunk index per stage, the same for the stage's replicas
+            extra = (jnp.repeat(extra[0], n),) + tuple(jax.tree.map(split, e) for e in extra[1:])
+        else:
+            extra = jax.tree.map(split, extra)
+        return vmapped(staged, split(inputs), *extra).reshape(inputs.shape)
 
-    return _gpipe(run_stages, staged, x, stages, microbatches, unroll, rows)
+    return schedule_fn(run_stages, staged, x, stages, microbatches, unroll, rows)
 
 
 def _enter(micro, inputs, t, microbatches):
@@ -179,3 +238,41 @@ def _gpipe(run_stages, staged, x, stages, microbatches, unroll, rows=None):
     # One hand-over of the finished micro-batches from the last stage, instead of one per tick.
     outputs = outputs[stages - 1]
     return from_microbatches(outputs)
+
+
+def _circular(run_stages, staged, x, stages, microbatches, unroll, rows=None, *, repeats):
+    """The circular (interleaved) schedule: `run_stages(staged, inputs [S, b, ...], chunk [S][, rows])`
+    runs every stage once, stage s on its chunk `chunk[s]`. Item k = v M + m is micro-batch m's round
+    v; stage s works on item t - s at tick t, so stage s-1's output of the last tick is its input and
+    the ring wraps: stage 0 takes micro-batch t fresh for t < M, else micro-batch t mod M's output of
+    round v-1 from stage S-1, which the shift hands to stage 0 at tick t - M + S - 1 <= t - 1 (M >= S)
+    and stage 0 files in `loop` until it is read. After V M + S - 1 ticks `loop`'s stage-0 row holds
+    every micro-batch's last round. Ticks outside 0 <= t - s < V M compute on stale inputs whose
+    outputs are overwritten before they are read (zero cotangent)."""
+    micro = to_microbatches(x, microbatches)  # [M, b, ...]
+    micro_rows = None if rows is None else jax.tree.map(lambda a: to_microbatches(a, microbatches), rows)
+    stage_ids = jnp.arange(stages)
+    first = (stage_ids == 0).reshape((stages,) + (1,) * (micro.ndim - 1))
+
+    def tick(carry, t):
+        inputs, loop = carry
+        item = t - stage_ids
+        chunk = jnp.clip(item // microbatches, 0, repeats - 1)
+        fresh = jax.lax.dynamic_index_in_dim(micro, jnp.minimum(t, microbatches - 1), keepdims=False)
+        own = jax.lax.dynamic_index_in_dim(loop, t % microbatches, axis=1, keepdims=False)  # stage-local
+        inputs = jnp.where(first, jnp.where(t < microbatches, fresh[None], own), inputs)
+        if rows is None:
+            out = run_stages(staged, inputs, chunk)
+        else:  # every stage reads its micro-batch's rows where they are (the rows are not pipeline-split)
+            out = run_stages(staged, inputs, chunk, jax.tree.map(lambda a: a[item % microbatches], micro_rows))
+        out = shift_stages(out)
+        # Stage 0 files what stage S-1 finished, item t - (S-1), under its micro-batch (every stage
+        # writes its own row, no traffic; only row 0 is read).
+        loop = jax.lax.dynamic_update_index_in_dim(loop, out[:, None], (t - (stages - 1)) % microbatches, 1)
+        return (out, loop), None
+
+    inputs = jnp.zeros((stages,) + micro.shape[1:], x.dtype)
+    loop = jnp.zeros((stages,) + micro.shape, x.dtype)  # [S, M, b, ...]
+    (_, loop), _ = jax.lax.scan(tick, (inputs, loop), jnp.arange(ticks(stages, microbatches, repeats)),
+                                unroll=unroll)
+    return from_microbatches(loop[0])

@@ -9,7 +9,8 @@ modules keep them as fields, where a reader sees them:
 - `group(name, factored)`: how a projection group's GEMMs run: the model's own grouped GEMMs
   (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
   PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
-- `pipeline()`: None (the model scans its layers), or the GPipe schedule over the `pipeline` axis.
+- `pipeline()`: None (the model scans its layers), or the pipeline schedule (gpipe | circular) over
+  the `pipeline` axis.
 
 They are frozen dataclasses: equal when built alike and hashable, as fields of an NNX graph
 definition must be. Activation layouts inside them are still looked up in the rules current while
@@ -19,6 +20,7 @@ pipeline islands narrow them for their replicas.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,12 +90,15 @@ class SpatialTemporal(Grouped):
 
 
 @dataclasses.dataclass(frozen=True)
-class GPipe:
-    """The layer stack as a GPipe schedule over the `pipeline` axis (boost_jax/parallel/pipeline.py)."""
+class Pipeline:
+    """The layer stack as a pipeline schedule over the `pipeline` axis (boost_jax/parallel/pipeline.py):
+    gpipe, or circular with `repeats` layer chunks per stage."""
     mesh: Mesh
     strategy: Strategy
     stages: int
     microbatches: int
+    schedule: str = "gpipe"
+    repeats: int = 1
 
     def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None,
                  remat_stage: bool = False):
@@ -101,7 +106,9 @@ class GPipe:
         remat_stage (`remat.pipeline=stage`): each stage is one jax.checkpoint, so the tick loop keeps
         only the stage's input per micro-batch and recomputes the stage in the backward (the layer remat
         policy, applied inside `layer`, decides what that recompute keeps)."""
-        from boost_jax.parallel.pipeline import gpipe
+        from boost_jax.parallel import pipeline
+        run = functools.partial(pipeline.run, stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
+                                strategy=self.strategy, schedule=self.schedule, repeats=self.repeats, unroll=unroll)
         wrap = (lambda fn: jax.checkpoint(fn, prevent_cse=False)) if remat_stage else (lambda fn: fn)
         if docs is not None:
             # Rows of documents: their segments (and positions) travel with each micro-batch's rows,
@@ -116,8 +123,7 @@ class GPipe:
                 return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos, micro_docs)[0], None), x_micro,
                                     stage_state, unroll=unroll)[0]
 
-            return gpipe(wrap(stage_docs), layer_state, x, stages=self.stages, microbatches=self.microbatches,
-                         unroll=unroll, mesh=self.mesh, strategy=self.strategy, rows=rows)
+            return run(wrap(stage_docs), layer_state, x, rows=rows)
         # Training positions are the same for every row. A fresh iota of the micro-batch's shape (the
         # rows gpipe hands the stage) is built on every device; slicing the batch-sharded positions
         # would move rows between devices.
@@ -128,8 +134,7 @@ class GPipe:
             return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
                                 unroll=unroll)[0]
 
-        return gpipe(wrap(stage), layer_state, x, stages=self.stages, microbatches=self.microbatches, unroll=unroll,
-                     mesh=self.mesh, strategy=self.strategy)
+        return run(wrap(stage), layer_state, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +158,9 @@ class Placement:
     def pipeline(self):
         if self.mesh is None or self.mesh.shape.get("pipeline", 1) == 1:
             return None
-        return GPipe(self.mesh, self.strategy, self.mesh.shape["pipeline"], self.strategy.microbatches)
+        s = self.strategy
+        return Pipeline(self.mesh, s, self.mesh.shape["pipeline"], s.microbatches, s.pipeline_schedule,
+                        s.pipeline_repeats)
 
     def require_rules(self) -> None:
         """A model built for a mesh traced without that mesh's rules would compile another program

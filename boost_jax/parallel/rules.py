@@ -32,6 +32,8 @@ class Strategy:
     online_norm: bool = False  # BTP: a norm in front of row-parallel A's sends its statistics with them
     st_groups: frozenset = frozenset()  # projection groups run as PrimePar P(n x n) on (fsdp, tensor)
     microbatches: int = 1  # pipeline micro-batches per pass (used when the mesh has pipeline > 1)
+    pipeline_schedule: str = "gpipe"  # gpipe | circular (boost_jax/parallel/pipeline.py)
+    pipeline_repeats: int = 1  # circular: layer chunks per stage (V)
     grad_reduce_dtype: str = "float32"  # dtype of the once-per-step gradient all-reduce over `data`
 
     @property

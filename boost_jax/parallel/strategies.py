@@ -134,4 +134,6 @@ def get_strategy(p) -> Strategy:
     sp = bool(p.sequence_parallel) and entry.sequence_parallel is not None
     return Strategy(entry.name + ("_sp" if sp else ""), entry.sequence_parallel if sp else entry.rules,
                     online_norm=entry.online_norm and bool(p.online_norm), st_groups=st_groups(p.linear_partition),
-                    microbatches=int(p.microbatches) or 2 * int(p.pipeline), grad_reduce_dtype=str(p.grad_reduce_dtype))
+                    microbatches=int(p.microbatches) or 2 * int(p.pipeline), grad_reduce_dtype=str(p.grad_reduce_dtype),
+                    pipeline_schedule=str(p.pipeline_schedule),
+                    pipeline_repeats=int(p.pipeline_repeats))
