@@ -95,11 +95,18 @@ def stage_and_rest_elements(spec, stages):
     return layers // stages, rest
 
 
-@pytest.fixture(scope="module")
-def pipelined(tmp_path_factory):
+# gpipe in one pass, and circular (V = 2) under grad_accum 2: the stage weights' gradient is reduced
+# once per optimizer step either way (parallel/pipeline.py `accumulate`).
+PIPELINE_CASES = {"gpipe": {},
+                  "circular_accum2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
+                                      "train.grad_accum": 2, "train.global_batch": 32}}
+
+
+@pytest.fixture(scope="module", params=list(PIPELINE_CASES))
+def pipelined(tmp_path_factory, request):
     from conftest import small_config
     make = lambda **kw: small_config(tmp_path_factory.mktemp("pipe") / "run", **kw)  # noqa: E731
-    cfg = par_config(make, "btp", "cola", (2, 2, 1), **PIPELINE_KW)
+    cfg = par_config(make, "btp", "cola", (2, 2, 1), **{**PIPELINE_KW, **PIPELINE_CASES[request.param]})
     return cfg, pipeline_program(cfg)
 
 
@@ -112,7 +119,8 @@ def test_pipelined_train_step_matches_single_device(pipelined):
              "opt_state": jax.device_put(optax.sgd(1.0).init(trainable(params_host)), spec.shardings["opt_state"]),
              "step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
              "rng": jax.device_put(np.zeros((2,), np.uint32), spec.shardings["rng"])}
-    new_state, metrics = compiled(state, jax.device_put(tokens[None], batch_sharding))
+    a = cfg.train.grad_accum  # the same rows as [grad_accum, micro-batch, T+1]: the mean is the same
+    new_state, metrics = compiled(state, jax.device_put(tokens.reshape(a, -1, tokens.shape[-1]), batch_sharding))
     assert bool(metrics["finite"])
     assert abs(float(metrics["loss"]) - ref_loss) <= 1e-5 * abs(ref_loss)
     new = trainable(jax.device_get(new_state["params"]))
@@ -122,10 +130,12 @@ def test_pipelined_train_step_matches_single_device(pipelined):
 
 def test_pipeline_reduces_stage_gradients_once_per_pass(pipelined):
     """Executed data/fsdp reduction elements (in-loop ops x trip counts) are about one stage's
-    gradient plus the rest, not one stage's gradient per tick."""
+    gradient once per optimizer step plus the rest once per accumulation micro-batch, not one stage's
+    gradient per tick, nor per accumulation micro-batch."""
     cfg, (spec, *_, executed, _) = pipelined
     stage, rest = stage_and_rest_elements(spec, cfg.parallel.pipeline)
-    assert stage + rest <= executed <= 1.01 * (stage + rest)
+    a = cfg.train.grad_accum
+    assert stage + a * rest <= executed <= 1.01 * (stage + a * rest)
 
 
 def test_pipeline_per_tick_reduction_fails_the_count(make_config, monkeypatch):

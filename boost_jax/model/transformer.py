@@ -55,6 +55,9 @@ class Block(nnx.Module):
         return x, cache
 
 
+LAYER_STACK = "layers"  # the parameters' key of the stacked layers (what a pipeline runs)
+
+
 class Transformer(nnx.Module):
     """`placement` (boost_jax/parallel/placement.py) is the strategy bound to a mesh, chosen when the
     model is built: it decides how norms, projection groups and the layer stack run (LOCAL: one

@@ -47,6 +47,7 @@ tensor) grid itself; `once_per_pass_axes`).
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 
@@ -148,6 +149,85 @@ def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce
     return copies(a)
 
 
+# The train step's per-replica copies of the layer stack while it traces its loss (`accumulate`).
+_GIVEN: contextvars.ContextVar = contextvars.ContextVar("stage_copies", default=None)
+
+
+def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: int, schedule: str = "gpipe",
+               repeats: int = 1):
+    """(mean loss, mean gradient) of `loss_fn(trained, micro_batch)` over a batch [grad_accum, rows,
+    ...], with the pipelined layer stack's gradient reduced over data x fsdp once per optimizer step,
+    whatever grad_accum is.
+
+    The stack (`trained[stack]`, leaves [L, ...]) is laid out as per-replica copies once, before the
+    accumulation loop (`_replicas`' forward), and handed to the schedule in place of the stack (`run`
+    reads them from `_GIVEN`). The loss is differentiated with respect to the copies: each replica's
+    gradient stays on its own devices, accumulated in float32 across the micro-batches, and is
+    summed over the replicas once, after the loop, in `parallel.grad_reduce_dtype`. The other
+    parameters (embedding, head, final norm) are reduced where GSPMD places it (per micro-batch).
+    Without batch axes to defer (`once_per_pass_axes` empty) this is the plain accumulation loop."""
+    axes = once_per_pass_axes(mesh, strategy)
+    a = jax.tree.leaves(batch)[0].shape[0]
+    repeats = repeats if schedule == "circular" else None
+    if not axes:
+        copies_f = None
+    else:
+        n = math.prod(mesh.shape[x] for x in axes)
+        spmd = ("pipeline",) + axes
+        dtype = jnp.dtype(strategy.grad_reduce_dtype)
+        layer_state = trained[stack]
+
+        def lay_out(w):
+            staged = stage_layout(w, stages, repeats)[:, None]
+            out = jnp.broadcast_to(staged, (stages, n) + staged.shape[2:]).reshape(stages * n, *staged.shape[2:])
+            sharding = NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * (out.ndim - 1))))
+            return jax.lax.with_sharding_constraint(out, sharding)
+
+        def as_float(w):
+            return w if w is None else w.astype(jnp.promote_types(w.dtype, jnp.float32))
+
+        copies_f = jax.tree.map(lambda w: None if w is None else lay_out(as_float(w)), layer_state,
+                                is_leaf=lambda x: x is None)
+
+    def grad_fn(t, c, x):
+        if c is None:
+            return jax.value_and_grad(loss_fn)(t, x) + (None,)
+
+        def loss(t, c):
+            token = _GIVEN.set(c)
+            try:
+                return loss_fn(t, x)
+            finally:
+                _GIVEN.reset(token)
+
+        value, (g, gc) = jax.value_and_grad(loss, argnums=(0, 1))(t, c)
+        return value, g, gc
+
+    if a == 1:
+        loss, grads, gc = grad_fn(trained, copies_f, jax.tree.map(lambda x: x[0], batch))
+    else:
+        def micro(acc, x):
+            l, g, gc = grad_fn(trained, copies_f, x)
+            acc_g, acc_c = acc
+            acc_g = jax.tree.map(jnp.add, acc_g, g)
+            acc_c = None if gc is None else jax.tree.map(lambda s, v: s + v.astype(jnp.float32), acc_c, gc)
+            return (acc_g, acc_c), l
+
+        zeros_c = None if copies_f is None else jax.tree.map(jnp.zeros_like, copies_f)
+        (grads, gc), losses = jax.lax.scan(micro, (jax.tree.map(jnp.zeros_like, trained), zeros_c), batch)
+        loss = losses.mean()
+        grads = jax.tree.map(lambda g: g / a, grads)
+        gc = None if gc is None else jax.tree.map(lambda g: g / a, gc)
+    if gc is not None:
+        def reduce(g, w):
+            g = g.reshape(stages, n, *g.shape[1:]).astype(dtype).sum(1)
+            return layer_layout(g, repeats).reshape(w.shape).astype(w.dtype)
+
+        grads = {**grads, stack: jax.tree.map(lambda g, w: None if w is None else reduce(g, w), gc,
+                                              trained[stack], is_leaf=lambda x: x is None)}
+    return loss, grads
+
+
 def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
         schedule: str = "gpipe", repeats: int = 1, unroll: bool = False, rows=None) -> jax.Array:
     """Run `stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro` over the stages for every
@@ -169,6 +249,7 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
             return inner_fn(chunk, x_micro, *extra)
     schedule_fn = _gpipe if repeats is None else functools.partial(_circular, repeats=repeats)
     axes = once_per_pass_axes(mesh, strategy)
+    given = _GIVEN.get()
     if not axes:
         staged = jax.tree.map(lambda a: stage_layout(a, stages, repeats), layer_state)
         return schedule_fn(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll,
@@ -177,8 +258,18 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
     inner = without_axis(strategy, *axes)
     spmd = ("pipeline",) + axes
     dtype = jnp.dtype(strategy.grad_reduce_dtype)
-    staged = jax.tree.map(lambda a: _replicas(a, stages, n, NamedSharding(
-        mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype, repeats), layer_state)
+    if given is not None:  # the train step's copies (`accumulate`): it reduces their gradient itself
+        leaves, treedef = jax.tree.flatten(layer_state)
+        copies = jax.tree.leaves(given, is_leaf=lambda x: x is None)
+        assert len(copies) == len(leaves) and all(
+            c is None or c.shape[0] == stages * n and c.size == n * a.size for c, a in zip(copies, leaves)), \
+            "the train step's stage copies do not match the layer stack"
+        staged = treedef.unflatten([  # integer leaves (no gradient) are laid out here
+            _replicas(a, stages, n, NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype, repeats)
+            if c is None else c for c, a in zip(copies, leaves)])
+    else:
+        staged = jax.tree.map(lambda a: _replicas(a, stages, n, NamedSharding(
+            mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype, repeats), layer_state)
 
     def replica(stage_state, *inputs):
         with rules.use_rules(mesh, inner):

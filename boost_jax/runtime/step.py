@@ -16,6 +16,8 @@ from flax import nnx
 
 from boost_jax.model import batch as batch_lib
 from boost_jax.parallel.grad_reduce import accumulate_grads, accumulation_pieces
+from boost_jax.model.transformer import LAYER_STACK
+from boost_jax.parallel import pipeline
 from boost_jax.parallel.pipeline import to_microbatches
 from boost_jax.parallel.rules import use_rules
 from boost_jax.runtime.state import trainable, with_frozen
@@ -43,7 +45,7 @@ def bind(fn, mesh=None, strategy=None):
 def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None):
     """The train step of the model `graphdef` on `mesh` under `strategy` (None: one device)."""
     # Differentiate the trainable leaves only; fixed integer leaves ride along unchanged.
-    grad_fn = jax.value_and_grad(lambda t, p, x: next_token_loss(graphdef, with_frozen(t, p), x))
+    pipelined = mesh is not None and mesh.shape.get("pipeline", 1) > 1
 
     def train_step(state, batch):
         """batch: [grad_accum, micro_batch, T+1] (or a batch of documents with those leading dims).
@@ -57,12 +59,18 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None):
         if batch_lib.is_documents(batch):
             inputs, targets = batch_lib.counts(batch)
             scale = accumulation_pieces(batch, mesh, strategy) / jnp.maximum(targets, 1).astype(jnp.float32)
-            fn = jax.value_and_grad(lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x) * scale)
+            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x) * scale  # noqa: E731
             extra = {"tokens": inputs, "targets": targets}
         else:
-            fn = lambda t, x: grad_fn(t, params, x)  # noqa: E731
-        # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
-        loss, grads = accumulate_grads(fn, trained, batch, mesh, strategy)
+            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x)  # noqa: E731
+        if pipelined:
+            # The stage weights' gradient over data x fsdp once per step (parallel/pipeline.py).
+            loss, grads = pipeline.accumulate(loss_fn, trained, batch, stack=LAYER_STACK, mesh=mesh,
+                                              strategy=strategy, stages=mesh.shape["pipeline"],
+                                              schedule=strategy.pipeline_schedule, repeats=strategy.pipeline_repeats)
+        else:
+            # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
+            loss, grads = accumulate_grads(jax.value_and_grad(loss_fn), trained, batch, mesh, strategy)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], trained)
         new_trained = optax.apply_updates(trained, updates)
