@@ -56,6 +56,12 @@ OPTIMIZER_TEMP = 9
 # 0.7 x the layer's kept set puts the compiled btp step at 7B widths (tests/test_planner.py's top
 # plan, 1x1x2x4) within 1%; its other plans are held out.
 BACKWARD_LIVE = 0.7
+# remat.pipeline=stage under remat.policy=none: a tick's backward holds the recomputed chunk's kept
+# activations, one layer's backward and, when the chunk has more than one layer (its layers run as a
+# scan), one more layer's kept set. FITTED: 1 layer puts the compiled
+# 2-stage steps of tests/test_planner_pipeline.py (btp, pipeline 2 x data 2 x tensor 2 and pipeline 2 x
+# fsdp 2 x tensor 2, 2 layers per stage) within 6% of memory_analysis; their other policies are held out.
+STAGE_COPY = 1.0
 REMAT_POLICIES = ("none", "lowrank", "full")
 
 
@@ -260,10 +266,20 @@ def loss_bytes(rows: float, seq: int, chunk: int, vocab_local: float) -> float:
     return LOGIT_BUFFERS * rows * positions * vocab_local * 4
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe's idle share of the ticks, (S-1)/(M+S-1) (= boost_jax.parallel.pipeline.bubble_fraction,
-    which imports jax)."""
-    return (stages - 1) / (microbatches + stages - 1)
+PIPELINE_SCHEDULES = ("gpipe", "circular")  # parallel.pipeline_schedule
+STAGE_REMAT = ("none", "stage")  # remat.pipeline
+
+
+def pipeline_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Ticks of one pass: GPipe M + S - 1; circular (V chunks per stage, V rounds of the ring)
+    V M + S - 1. Every tick every stage runs one chunk of L/(S V) layers."""
+    return repeats * microbatches + stages - 1 if stages > 1 else 1
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle share of the ticks, (S-1)/(V M + S-1) (V = 1: GPipe's (S-1)/(M+S-1);
+    = boost_jax.parallel.pipeline.bubble_fraction, which imports jax)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 def state_bytes(params: float, grad_accum: int) -> float:

@@ -479,29 +479,29 @@ def head(ctx: Ctx, residual: str) -> Op:
 
 
 def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int) -> list[Coll]:
-    """One GPipe tick's hand-over between pipeline stages (boost_jax/parallel/pipeline.py): every
-    stage's output, the residual stream of one pipeline micro-batch in its layout, moves one stage on
-    (a roll over the `pipeline` axis: one collective-permute); the backward sends its gradient back.
-    `stride`: devices per stage (the pipeline axis is outermost)."""
+    """One tick's pipeline traffic (boost_jax/parallel/pipeline.py): every stage's output, the residual
+    stream of one pipeline micro-batch in its layout, moves one stage on (a roll over the `pipeline`
+    axis: one collective-permute); the backward sends its gradient back, and sums the gradient of the
+    micro-batch entering stage 0 over the pipeline axis (the micro-batch buffer it is read from is
+    replicated over it: one all-reduce per tick, as the compiled scan runs it). `stride`: devices per
+    stage (the pipeline axis is outermost)."""
     if stages <= 1:
         return []
     elements = ctx.local(residual, ctx.block.d)
-    return [Coll("collective-permute", elements, stages, stride, phase, "pipeline") for phase in ("fwd", "bwd")]
+    return [Coll("collective-permute", elements, stages, stride, phase, "pipeline") for phase in ("fwd", "bwd")] + [
+        Coll("all-reduce", elements, stages, stride, "bwd", "pipeline")]
 
 
 def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int) -> list[Coll]:
     """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline.py: the
     last stage hands the M finished micro-batches to every stage for the head (a permute and an
-    all-reduce; a permute back in the backward), and the stage-0 input's gradient, one micro-batch
-    per tick, is summed over the pipeline axis (the input buffer is replicated over it)."""
+    all-reduce; a permute back in the backward)."""
     if stages <= 1:
         return []
-    one = ctx.local(residual, ctx.block.d)
-    done, ticks = microbatches * one, (microbatches + stages - 1) * one
+    done = microbatches * ctx.local(residual, ctx.block.d)
     return [Coll("collective-permute", done, stages, stride, "fwd", "pipeline"),
             Coll("all-reduce", done, stages, stride, "fwd", "pipeline"),
-            Coll("collective-permute", done, stages, stride, "bwd", "pipeline"),
-            Coll("all-reduce", ticks, stages, stride, "bwd", "pipeline")]
+            Coll("collective-permute", done, stages, stride, "bwd", "pipeline")]
 
 
 # ---------------------------------------------------------------- the trainer's strategies

@@ -65,7 +65,10 @@ class Options:
     remat: tuple = C.REMAT_POLICIES
     grad_accum: int = 0  # 0: search
     pipeline: tuple = ()  # pipeline stage counts to search; (): every one that divides devices and layers
-    microbatches: int = 0  # GPipe micro-batches per pass when pipelined; 0: search S, 2S, 4S
+    microbatches: int = 0  # pipeline micro-batches per pass when pipelined; 0: search S, 2S, 4S
+    schedules: tuple = C.PIPELINE_SCHEDULES  # parallel.pipeline_schedule values searched
+    repeats: int = 0  # circular: chunks per stage V; 0: search every divisor > 1 of L/S
+    stage_remat: tuple = C.STAGE_REMAT  # remat.pipeline values searched
     top: int = 5
     keep: int = 8  # DP paths kept per state
     act_bytes: int = 2  # bf16 activations
@@ -95,9 +98,12 @@ class Plan:
     strategy: str  # the trainer's parallel.strategy (runnable plans)
     sequence_parallel: bool
     overrides: str  # --config.* flags (runnable plans)
-    microbatches: int = 1  # GPipe micro-batches per pass (1 without pipelining)
-    bubble: float = 0.0  # (S-1)/(M+S-1): the share of ticks that run on no micro-batch
+    microbatches: int = 1  # pipeline micro-batches per pass (1 without pipelining)
+    bubble: float = 0.0  # (S-1)/(V M+S-1): the share of ticks that run on no micro-batch
     shift_s: float = 0.0  # stage hand-overs per accumulation micro-batch (all ticks, fwd + bwd) + the ends'
+    schedule: str = "gpipe"  # parallel.pipeline_schedule (pipelined plans)
+    repeats: int = 1  # parallel.pipeline_repeats: V layer chunks per stage (circular)
+    stage_remat: str = "none"  # remat.pipeline: "stage" recomputes each stage in the backward
     pipeline_colls: list = dataclasses.field(default_factory=list)  # one tick's stage hand-overs
     # every collective of one accumulation micro-batch as (Coll, times it runs)
     step_colls: list = dataclasses.field(default_factory=list)
@@ -236,6 +242,9 @@ class LayerSummary:
     saved: float  # activation bytes kept for the backward (the remat policy's, plus its carry)
     working: float  # one layer's recomputed activations during its backward under remat
     tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
+    forward: float  # seconds of the layer's forward alone (what remat.pipeline=stage re-runs)
+    forward_colls: list  # the collectives that forward runs (tensor axis; st's permutes)
+    kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
@@ -260,6 +269,11 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         for c in tensor_colls + recomputed:
             links["inter" if cl.spans_nodes(c.stride, c.size) else "intra"] += C.link_bytes(
                 c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
+        # remat.pipeline=stage re-runs the whole forward of the stage (every operator, the layer's
+        # output edge included) before its backward, whatever the layer policy keeps inside.
+        whole = [dataclasses.replace(op, recompute=True) for op in ops]
+        forward = sum(C.price(op, cl, "full", ctx.attention, opts.act_bytes).recompute for op in whole)
+        forward_colls = [c for op in whole for c in C.recomputed(op, "full")[3] + C.st_recomputed(op, "full")]
         pr._summaries[layer] = LayerSummary(
             ops=ops, cost=sum((pr.cost(k) for k in keys), C.Cost()) + sum(
                 (C.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys):]), C.Cost()),
@@ -268,7 +282,8 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             tensor_colls=tensor_colls, recomputed=recomputed,
             saved=sum(C.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
             working=C.backward_working(ops, policy, opts.act_bytes),
-            tensor_links=links)
+            tensor_links=links, forward=forward, forward_colls=forward_colls,
+            kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops))
     return pr._summaries[layer]
 
 
@@ -346,36 +361,46 @@ def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
 
 
 def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_token: float,
-             microbatches: int = 1) -> Plan:
-    """Price a whole plan: L identical layers (L/S per stage over M+S-1 GPipe ticks when pipelined),
+             microbatches: int = 1, schedule: str = "gpipe", repeats: int = 1, stage_remat: str = "none") -> Plan:
+    """Price a whole plan: L identical layers (pipelined: V M + S - 1 ticks of L/(S V) layers per
+    stage, V = 1 for GPipe; `stage_remat` "stage" re-runs each stage's forward in the backward),
     embedding and head, data/fsdp traffic, stage hand-overs, optimizer."""
     ctx, cl, opts, policy = pr.ctx, pr.cluster, pr.opts, pr.policy
     b = ctx.block
     s = layer_summary(pr, layer)
     stages = mesh.pipeline
     m = microbatches if stages > 1 else 1
-    ticks, per_stage = m + stages - 1, b.layers // stages
-    runs = ticks * per_stage  # layer passes per device per accumulation micro-batch (bubble ticks included)
+    if stages == 1:
+        schedule, repeats, stage_remat = "gpipe", 1, "none"
+    elif schedule == "gpipe":
+        repeats = 1
+    staged = stage_remat == "stage"
+    ticks, per_stage = C.pipeline_ticks(stages, m, repeats), b.layers // stages
+    per_tick = per_stage // repeats  # layers one stage runs per tick (one chunk)
+    runs = ticks * per_tick  # layer passes per device per accumulation micro-batch (bubble ticks included)
     rest, rest_cost = rest_ops(pr, layer.residual, m)
     rest_fsdp_w = sum(op.weights for op in rest) - b.d  # the final norm is not fsdp-sharded
     shift = P.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor)
     ends = P.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, m)
-    # The last tick's forward hand-over feeds nothing (XLA drops it); the backward runs all of them.
-    shifts = [(c, ticks - 1 if c.phase == "fwd" else ticks) for c in shift]
+    # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
+    # but the scanned step runs it).
+    shifts = [(c, ticks) for c in shift]
     shift_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in shifts) + sum(
         C.coll_seconds(c, cl, opts.act_bytes) for c in ends)
 
     dp_once, dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy, pipelined=stages > 1, grid_weights=s.grid_w)
-    dp_rest = sum(data_colls(mesh, rest_fsdp_w, b.d, "none"), [])  # embedding and head, once
+    # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
+    dp_rest = sum(data_colls(mesh, rest_fsdp_w, b.d, "none", pipelined=stages > 1), [])
     # Every collective of one accumulation micro-batch but the layers' tensor-axis ones, with how often
     # it runs.
-    counted = ([(c, runs) for c in dp] + [(c, per_stage) for c in dp_once] + shifts
+    redo = s.forward_colls if staged else []  # remat.pipeline=stage: the stage's forward, again
+    counted = ([(c, runs) for c in dp + redo] + [(c, per_stage) for c in dp_once] + shifts
                + [(c, 1) for c in [c for op in rest for c in op.colls] + dp_rest + ends])
     dp_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in counted if c.axis == "data_fsdp")
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
     # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
     # Every tick runs every stage (bubble ticks compute on nothing), then hands over: ticks x stage.
-    path = runs * s.cost.total + shift_s + rest_cost.total
+    path = runs * (s.cost.total + (s.forward if staged else 0.0)) + shift_s + rest_cost.total
     exposed = max(0.0, dp_s - path)
     micro_s = path + exposed
 
@@ -384,6 +409,9 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     step_s = grad_accum * micro_s + optimizer_s
 
     rest_tokens = ctx.tokens * m
+    replica = (per_stage * (s.fsdp_w + s.norm_w) * C.STATE_BYTES
+               if mesh.data * mesh.fsdp > 1 and stages > 1 and not s.grid_w else 0.0)
+    accumulator = replica * (1 + (staged and mesh.fsdp > 1))
     weights = s.fsdp_w + s.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
     loss = (C.loss_bytes(rest_tokens / opts.seq, opts.seq, b.loss_chunk, b.vocab / mesh.tensor)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
@@ -392,10 +420,12 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
               # backward; with it, one layer's gathered weights and gradient, double-buffered
               "weights": (0.0 if stages > 1 else per_stage * weights * opts.act_bytes if policy == "none" else
                           2 * s.fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 else 0.0),
-              # pipelined: the whole stage's FSDP gathers happen once before the tick loop
-              "gathered": (2 * per_stage * s.fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 and stages > 1 else 0.0),
-              # GPipe under autodiff keeps every tick's stage activations (the scan's residuals)
-              "activations": runs * s.saved,
+              # pipelined over data x fsdp: each batch replica's float32 copy of its stage's weights
+              # (FSDP: gathered once before the tick loop); its gradient accumulator: see `working`
+              "gathered": replica,
+              # under autodiff the tick loop keeps every tick's stage activations (the scan's residuals);
+              # remat.pipeline=stage keeps only each tick's stage input
+              "activations": ticks * ctx.local(layer.residual, b.d) * opts.act_bytes if staged else runs * s.saved,
               # the peak's transient part: the loss's float32 logits chunk with the embedding table and
               # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
               # or one layer's backward (its recomputed activations under remat, st's ring copies), or
@@ -404,7 +434,13 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
               # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
               "pipeline": 2 * ctx.local(layer.residual, b.d) * m * opts.act_bytes if stages > 1 else 0.0}
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
-    memory["transient"] = max(loss, s.working, params * C.OPTIMIZER_TEMP - kept)
+    # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
+    # the layer policy keeps, then runs their backward one layer at a time.
+    # The tick loop's backward also holds each replica's float32 stage-gradient accumulator (under stage
+    # remat with FSDP, and one tick's stage weight gradient before it is added).
+    working = accumulator + (per_tick * s.saved + s.working + (C.STAGE_COPY * s.kept_none if policy == "none" and per_tick > 1 else 0.0)
+               if staged else s.working)
+    memory["transient"] = max(loss, working, params * C.OPTIMIZER_TEMP - kept)
     arguments = params * (C.ADAM_STATE_BYTES - C.STATE_BYTES)  # parameters, Adam m and v
     memory["allocator"] = (C.BUFFER_OVERHEAD - 1) * (sum(memory.values()) - arguments)
     memory["total"] = sum(memory.values())
@@ -421,13 +457,16 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     flags = ""
     if status == "yes":
         flags = ((f"--config.parallel.pipeline={stages} --config.parallel.microbatches={m} " if stages > 1 else "")
+                 + (f"--config.parallel.pipeline_schedule=circular --config.parallel.pipeline_repeats={repeats} "
+                    if schedule == "circular" else "")
                  + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
                  f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
                  + ("--config.parallel.sequence_parallel=true " if sp else "")
                  + (f"--config.parallel.linear_partition={linear_partition(layer)} " if "st" in layer.choices else "")
                  + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
                  + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
-                 f"--config.train.seq_len={opts.seq} --config.remat.policy={policy}")
+                 f"--config.train.seq_len={opts.seq} --config.remat.policy={policy}"
+                 + (" --config.remat.pipeline=stage" if staged else ""))
     return Plan(mesh=mesh, grad_accum=grad_accum, remat=policy, layer=layer, step_s=step_s,
                 tokens_per_s=tokens / step_s,
                 mfu=flops_per_token * tokens / (step_s * mesh.devices * cl.peak_flops),
@@ -436,8 +475,9 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                 redo_colls=s.recomputed,
                 rest_colls=[c for op in rest for c in op.colls] + dp_rest, tokens=ctx.tokens,
                 runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags,
-                microbatches=m, bubble=C.bubble_fraction(stages, m), shift_s=shift_s, pipeline_colls=shift,
-                step_colls=[(c, runs) for c in s.tensor_colls + s.recomputed] + counted)
+                microbatches=m, bubble=C.bubble_fraction(stages, m, repeats), shift_s=shift_s, pipeline_colls=shift,
+                step_colls=[(c, runs) for c in s.tensor_colls + s.recomputed] + counted,
+                schedule=schedule, repeats=repeats, stage_remat=stage_remat)
 
 
 # ---------------------------------------------------------------- enumeration
@@ -473,6 +513,30 @@ def microbatch_counts(stages: int, rows: int, opts: Options) -> list[int]:
     return [m for m in wanted if rows % m == 0]
 
 
+def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options) -> list[tuple[str, int, str]]:
+    """(schedule, repeats V, remat.pipeline) to search on `stages` stages: gpipe, and circular with
+    every V > 1 dividing the L/S layers per stage (or opts.repeats) where M >= S, each with and without
+    stage remat (as opts allow). Unpipelined: [("gpipe", 1, "none")]."""
+    if stages == 1:
+        return [("gpipe", 1, "none")]
+    bad = [x for x in opts.schedules if x not in C.PIPELINE_SCHEDULES] + [
+        x for x in opts.stage_remat if x not in C.STAGE_REMAT]
+    if bad:
+        raise ValueError(f"--schedule / --stage-remat: {bad} not in {C.PIPELINE_SCHEDULES} / {C.STAGE_REMAT}")
+    out = []
+    for schedule in opts.schedules:
+        if schedule == "gpipe":
+            reps = [1]
+        elif microbatches < stages:
+            reps = []
+        else:
+            per_stage = layers // stages
+            reps = [opts.repeats] if opts.repeats else [v for v in _divisors(per_stage) if v > 1]
+            reps = [v for v in reps if v > 1 and per_stage % v == 0]
+        out += [(schedule, v, staged) for v in reps for staged in opts.stage_remat]
+    return out
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -492,14 +556,17 @@ def model_flops_per_token(cfg, seq: int) -> float:
 
 
 def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, layer: Layer, opts: Options,
-             flops_per_token: float | None = None, microbatches: int = 0) -> Plan:
+             flops_per_token: float | None = None, microbatches: int = 0, schedule: str = "gpipe", repeats: int = 1,
+             stage_remat: str = "none") -> Plan:
     """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan.
-    `microbatches`: GPipe micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S)."""
+    `microbatches`: micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S); `schedule`,
+    `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline."""
     block = P.Block.from_config(cfg)
     stages = mesh.pipeline
     m = (microbatches or 2 * stages) if stages > 1 else 1
     if block.layers % stages:
         raise ValueError(f"{stages} pipeline stages do not divide the model's {block.layers} layers")
+    check_pipeline(block.layers, stages, m, schedule, repeats, stage_remat)
     micro = opts.batch // grad_accum // (mesh.data * mesh.fsdp * m)
     if micro * grad_accum * mesh.data * mesh.fsdp * m != opts.batch:
         raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
@@ -508,7 +575,27 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
     pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq, mesh.fsdp == mesh.tensor, kind, opts.act_bytes),
                 cluster, remat, opts)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
-    return evaluate(pr, mesh, grad_accum, layer, fpt, m)
+    return evaluate(pr, mesh, grad_accum, layer, fpt, m, schedule, repeats, stage_remat)
+
+
+def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, repeats: int, stage_remat: str):
+    """The trainer's rules for a pipeline schedule (boost_jax/config.py, parallel/mesh.py), as ValueError."""
+    if schedule not in C.PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {C.PIPELINE_SCHEDULES}")
+    if stage_remat not in C.STAGE_REMAT:
+        raise ValueError(f"remat.pipeline {stage_remat!r} is not one of {C.STAGE_REMAT}")
+    if stages == 1:
+        if stage_remat != "none" or repeats != 1 or schedule != "gpipe":
+            raise ValueError("pipeline_schedule, pipeline_repeats and remat.pipeline=stage need pipeline > 1")
+        return
+    if repeats < 1 or (schedule == "gpipe" and repeats != 1):
+        raise ValueError(f"{repeats} chunks per stage need the circular schedule (gpipe holds one)")
+    if schedule == "circular":
+        if layers % (stages * repeats):
+            raise ValueError(f"pipeline_repeats {repeats} does not divide the {layers // stages} layers per stage")
+        if microbatches < stages:
+            raise ValueError(f"the circular schedule needs at least one micro-batch per stage ({microbatches} < "
+                             f"{stages})")
 
 
 def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: float | None = None) -> Result:
@@ -537,14 +624,15 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
                         pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid, kind,
                                                     opts.act_bytes), cluster, policy, opts)
                     for layer in best_layers(pricers[key], opts.keep):
-                        plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro)
-                        considered += 1
-                        if smallest is None or plan.memory["total"] < smallest.memory["total"]:
-                            smallest = plan
-                        if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
-                            rejected += 1
-                            continue
-                        plans.append(plan)
+                        for schedule, repeats, staged in pipeline_variants(block.layers, mesh.pipeline, micro, opts):
+                            plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro, schedule, repeats, staged)
+                            considered += 1
+                            if smallest is None or plan.memory["total"] < smallest.memory["total"]:
+                                smallest = plan
+                            if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
+                                rejected += 1
+                                continue
+                            plans.append(plan)
     # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path.
     plans.sort(key=lambda p: (p.step_s, p.runnable != "yes", p.layer_cost.total))
     top, seen = [], set()

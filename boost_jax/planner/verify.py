@@ -163,46 +163,116 @@ def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = F
 
 # ---------------------------------------------------------------- pipelined plans
 
-def shrink_pipeline(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES) -> tuple[Mesh, int]:
-    """(mesh, seq) to verify a pipelined plan on: 2 stages, then as `shrink` within what is left."""
-    inner, _, seq = shrink(Mesh(mesh.data, mesh.fsdp, mesh.tensor), seq, max_devices // 2)
+SCALAR = 32  # collectives of at most this many elements (the loss's and the gradient norm's scalars)
+PIPELINE_CLASSES = ("pipeline", "tensor", "grid", "data/fsdp")
+
+
+def shrink_pipeline(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES, grid: bool = False) -> tuple[Mesh, int]:
+    """(mesh, seq) to verify a pipelined plan on: 2 stages, then as `shrink` within what is left
+    (`grid`: st groups, the fsdp x tensor grid kept whole, up to MAX_GRID_DEVICES in all)."""
+    inner, _, seq = shrink(Mesh(mesh.data, mesh.fsdp, mesh.tensor), seq,
+                           (MAX_GRID_DEVICES if grid else max_devices) // 2, grid=grid)
+    if grid and 2 * inner.devices > MAX_GRID_DEVICES:
+        raise ValueError(f"a pipelined st plan on a {inner.tensor} x {inner.tensor} grid needs "
+                         f"{2 * inner.devices} devices with 2 stages; --verify emulates at most {MAX_GRID_DEVICES}")
     return Mesh(inner.data, inner.fsdp, inner.tensor, pipeline=2), seq
 
 
-def _axis_class(axes) -> str:
-    return "pipeline" if "pipeline" in axes else "data/fsdp" if {"data", "fsdp"} & set(axes) else "tensor"
+def _pipeline_class(axes) -> str:
+    axes = set(axes)
+    if "pipeline" in axes:
+        return "pipeline"
+    if {"data", "fsdp"} & axes:
+        return "grid" if axes == {"fsdp", "tensor"} else "data/fsdp"
+    return "tensor"
+
+
+def pipeline_config(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, microbatches: int,
+                    seq: int, layer: Layer, schedule: str, repeats: int, stage_remat: str, layers_per_chunk: int):
+    """(config, batch) the pipelined plan is compiled at: S x V x layers_per_chunk layers, one row per
+    micro-batch per data x fsdp shard, the plan's schedule, remat and st groups."""
+    from boost_jax.tools.comm_report import variant_config
+
+    batch = mesh.data * mesh.fsdp * microbatches
+    c = variant_config(cfg, strategy, cfg.model.linear, (mesh.data, mesh.fsdp, mesh.tensor), batch, seq,
+                       COMPILE_DTYPE, remat)
+    c.model.n_layers = mesh.pipeline * repeats * layers_per_chunk
+    c.parallel.update(pipeline=mesh.pipeline, num_devices=mesh.devices, microbatches=microbatches,
+                      sequence_parallel=sequence_parallel, linear_partition=linear_partition(layer))
+    if schedule != "gpipe" or repeats != 1:
+        c.parallel.update(pipeline_schedule=schedule, pipeline_repeats=repeats)
+    c.remat.pipeline = stage_remat
+    return c, batch
+
+
+def measured_pipeline(c) -> tuple[dict, dict]:
+    """({class: {kind: [executions, elements]}} of the compiled train step (the trainer's program: the
+    tick loop scanned, each collective counted once per trip), its memory_analysis)."""
+    from boost_jax.tools.comm_report import _memory, compile_program, pick_devices
+    from boost_jax.tools.hlo_comm import parse_collectives
+
+    compiled, mesh, _ = compile_program(c, "train_step", pick_devices(int(c.parallel.num_devices)),
+                                        int(c.model.n_layers), unroll=False)
+    out: dict = {}
+    for col in parse_collectives(compiled.as_text(), mesh):
+        if col.elements <= SCALAR:
+            continue
+        if col.trips is None:
+            raise ValueError(f"a {col.kind} runs in a loop without a known trip count")
+        slot = out.setdefault(_pipeline_class(col.axes), {}).setdefault(col.kind, [0, 0])
+        slot[0] += col.trips
+        slot[1] += col.elements * col.trips
+    return out, _memory(compiled)
+
+
+def predicted_pipeline(plan) -> dict:
+    """{class: {kind: [executions, elements]}} of one accumulation micro-batch of a pipelined plan."""
+    out: dict = {}
+    for c, times in plan.step_colls:
+        if c.elements <= SCALAR or not times:
+            continue
+        cls = {"data_fsdp": "data/fsdp"}.get(c.axis, c.axis)
+        slot = out.setdefault(cls, {}).setdefault(c.kind, [0, 0.0])
+        slot[0] += times
+        slot[1] += times * c.elements
+    return out
 
 
 def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False,
-                     remat: str = "none", microbatches: int = 0, seq: int = 64) -> list[dict]:
-    """A pipelined plan's whole-step collectives (one accumulation micro-batch, every GPipe tick) next
-    to comm_report.pipeline_report's count in the compiled, unrolled train step, in elements per device
-    by traffic class (pipeline / tensor / data-fsdp). The model is cut to one layer per stage."""
-    from boost_jax.tools.comm_report import pipeline_report
-
+                     remat: str = "none", microbatches: int = 0, seq: int = 64, layer: Layer | None = None,
+                     schedule: str = "gpipe", repeats: int = 1, stage_remat: str = "none",
+                     layers_per_chunk: int = 1, memory: bool = True) -> list[dict]:
+    """A pipelined plan's whole-step collectives by traffic class (pipeline / tensor / st grid) and kind
+    (executions and bytes within TOLERANCE; data/fsdp bytes only, XLA gathers per parameter) and its
+    peak memory per device (MEMORY_TOLERANCE), against the compiled train step: the trainer's program
+    with its tick loop scanned, each collective counted once per loop trip, memory from
+    memory_analysis() in float32. Collectives of at most SCALAR elements (the loss's and the gradient
+    norm's scalars) are left out on both sides."""
     m = microbatches or 2 * mesh.pipeline
-    batch = mesh.data * mesh.fsdp * m
-    cfg = cfg.copy_and_resolve_references()
-    cfg.model.n_layers = mesh.pipeline
-    cfg.parallel.update(sequence_parallel=sequence_parallel, microbatches=m)
-    layer = Layer(*P.uniform_plan(strategy, sequence_parallel))
-    opts = Options(batch=batch, seq=seq, check_memory=False, act_bytes=ACT_BYTES)
-    plan = plan_for(cfg, cluster, mesh, 1, remat, layer, opts, flops_per_token=0.0, microbatches=m)
-    pred: dict = {}
-    for c, times in plan.step_colls:
-        key = {"data_fsdp": "data/fsdp"}.get(c.axis, c.axis)
-        pred[key] = pred.get(key, 0.0) + times * c.elements
-    rep = pipeline_report(cfg, (mesh.pipeline, mesh.data, mesh.fsdp, mesh.tensor), strategy, batch=batch, seq=seq,
-                          dtype="bfloat16", remat=remat)
-    meas: dict = {}
-    for c in rep["collectives"]:
-        key = _axis_class(c["axes"])
-        meas[key] = meas.get(key, 0.0) + c["elements"]
+    if layer is None:
+        layer = (Layer(*P.uniform_plan(strategy, sequence_parallel)) if mesh.tensor > 1 else
+                 Layer("R", ("none",) * len(P.GROUPS), "R", "R"))
+    c, batch = pipeline_config(cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats,
+                               stage_remat, layers_per_chunk)
+    kw = dict(flops_per_token=0.0, microbatches=m, schedule=schedule, repeats=repeats, stage_remat=stage_remat)
+    plan = plan_for(c, cluster, mesh, 1, remat, layer, Options(batch=batch, seq=seq, check_memory=False,
+                                                               act_bytes=ACT_BYTES), **kw)
+    pred = predicted_pipeline(plan)
+    meas, mem = measured_pipeline(c)
     rows = []
-    for key in ("pipeline", "tensor", "data/fsdp"):
-        p, q = pred.get(key, 0.0), meas.get(key, 0.0)
-        if p == q == 0:
+    for cls in PIPELINE_CLASSES:
+        p, q = pred.get(cls, {}), meas.get(cls, {})
+        if cls == "data/fsdp":
+            pe, qe = (sum(v[1] for v in d.values()) for d in (p, q))
+            if pe or qe:
+                rows.append(_row("data/fsdp (whole step)", _bytes("data_fsdp", pe), _bytes("data_fsdp", qe),
+                                 TOLERANCE))
             continue
-        rows.append({"traffic": f"{key} (whole step)", "predicted": p, "measured": q,
-                     "ratio": p / q if q else float(p == 0), "ok": abs(p - q) <= TOLERANCE * max(p, q)})
+        for kind in sorted(set(p) | set(q)):
+            (pc, pe), (qc, qe) = p.get(kind, (0, 0.0)), q.get(kind, (0, 0.0))
+            rows.append(_row(f"{cls} (whole step): {kind}", pe * ACT_BYTES, qe * ACT_BYTES, TOLERANCE, (pc, qc)))
+    if memory:
+        f32 = Options(batch=batch, seq=seq, check_memory=False, act_bytes=4, attention=cpu_attention(c, seq))
+        predicted_memory = plan_for(c, cluster, mesh, 1, remat, layer, f32, **kw).memory["total"]
+        rows.append(_row(MEMORY, predicted_memory, mem["total_bytes"], MEMORY_TOLERANCE))
     return rows
