@@ -6,14 +6,17 @@ best one.
     python -m boost_jax.plan --config configs/cola_7b.py --devices 32 \
         --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \
         [--attention auto|xla|chunked|cudnn|pallas] [--remat none,lowrank,full] [--grad-accum N] \
-        [--pipeline 1,2,4] [--microbatches M] [--verify]
+        [--pipeline 1,2,4] [--microbatches M] [--schedule gpipe,circular] [--repeats V]
+        [--stage-remat none,stage] [--verify]
 
 --verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
 devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
 <= 128) with boost_jax.tools.comm_report and prints the planner's per-layer collectives (bytes and
-counts by class and kind) and peak memory next to the compiled step's; a pipelined plan is compiled
-with 2 stages of one layer each and compared over the whole step (pipeline, tensor and data/fsdp
-traffic).
+counts by class and kind) and peak memory next to the compiled step's; a GPipe plan (remat.pipeline
+none or stage) is compiled with 2 stages of 2 layers and compared over the whole scanned step
+(pipeline, tensor and data/fsdp traffic by kind, peak memory); circular, pipelined st and
+replicated-residual (megatron, vanilla) pipelined plans are refused with the reason
+(planner/verify.py pipeline_refusal).
 """
 from __future__ import annotations
 
@@ -30,12 +33,13 @@ def _gb(x: float) -> str:
 
 
 def table(plans, batch: int) -> str:
-    head = ("| # | mesh p x d x f x t | micro x accum | GPipe M (bubble) | remat | residual "
+    head = ("| # | mesh p x d x f x t | micro x accum | pipeline schedule, M (bubble) | remat | residual "
             "| qkv / o / mlp_in / mlp_out | attn / act "
             "| step s | tokens/s | MFU | GB/GPU | link GB/step intra / inter | trainer |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
-        pipe = f"{p.microbatches} ({100 * p.bubble:.0f}%)" if p.mesh.pipeline > 1 else "-"
+        pipe = (f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''}{' +stage' if p.stage_remat == 'stage' else ''}"
+                f" M{p.microbatches} ({100 * p.bubble:.0f}%)" if p.mesh.pipeline > 1 else "-")
         lines.append(
             f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {pipe} | {p.remat} | {p.layer.residual} "
             f"| {' / '.join(p.layer.choices)} | {p.layer.attention} / {p.layer.act} | {p.step_s:.3g} "
@@ -51,10 +55,11 @@ def breakdown(p, layers: int) -> str:
              f"recompute {1e3 * lc.recompute:.2f})")
     stages = p.mesh.pipeline
     if stages > 1:
-        ticks = p.microbatches + stages - 1
-        path = (f"per accumulation micro-batch: {ticks} GPipe ticks ({p.microbatches} micro-batches + {stages - 1} "
-                f"bubble, {100 * p.bubble:.0f}%) x {layers // stages} layers x {layer} + stage hand-overs "
-                f"{1e3 * p.shift_s:.2f} ms")
+        ticks = p.repeats * p.microbatches + stages - 1
+        path = (f"per accumulation micro-batch: {ticks} {p.schedule} ticks ({p.repeats * p.microbatches} chunk passes + "
+                f"{stages - 1} bubble, {100 * p.bubble:.0f}%) x {layers // (stages * p.repeats)} layers x {layer}"
+                + (" + the stage's forward again (remat.pipeline=stage)" if p.stage_remat == "stage" else "")
+                + f" + stage hand-overs {1e3 * p.shift_s:.2f} ms")
     else:
         path = f"per micro-batch: {layers} layers x {layer}"
     return (f"{path} + embedding/head {1e3 * rc.total:.2f} ms + exposed data/fsdp {1e3 * p.exposed_dp_s:.2f} ms; "
@@ -70,17 +75,18 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
     from boost_jax.planner import verify
 
     st = "st" in plan.layer.choices
-    if st and plan.mesh.pipeline > 1:
-        raise SystemExit("--verify: spatial-temporal groups are compared without pipelining; this plan has "
-                         f"pipeline {plan.mesh.pipeline} (compile it with the overrides above instead)")
     sp = plan.sequence_parallel
     if plan.mesh.pipeline > 1:
+        why = verify.pipeline_refusal(plan)
+        if why:
+            raise SystemExit(f"--verify: {why} (compile it with the overrides above instead)")
         mesh, vseq = verify.shrink_pipeline(plan.mesh, seq)
-        micro = min(plan.microbatches, 4)  # every tick is unrolled in the compiled step: keep it quick
-        print(f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}, mesh {mesh}, {micro} GPipe "
-              f"micro-batches, one layer per stage, seq {vseq}, remat {plan.remat}, compiled on emulated CPU "
-              "devices (elements per device, whole step)")
-        rows = verify.compare_pipeline(cfg, cluster, mesh, plan.strategy, sp, plan.remat, micro, vseq)
+        micro = max(2, min(plan.microbatches, 4))
+        print(f"\n--verify: {plan.strategy}, mesh {mesh}, {plan.schedule}, {micro} micro-batches, 2 layers per stage, "
+              f"seq {vseq}, remat {plan.remat}, remat.pipeline {plan.stage_remat}, compiled on emulated CPU devices "
+              f"(the scanned train step, whole step per device; memory in {verify.COMPILE_DTYPE})")
+        rows = verify.compare_pipeline(cfg, cluster, mesh, plan.strategy, sp, plan.remat, micro, vseq, plan.layer,
+                                       stage_remat=plan.stage_remat, layers_per_chunk=2)
     else:
         try:
             mesh, batch, vseq = verify.shrink(plan.mesh, seq, grid=st)
@@ -125,7 +131,13 @@ def main(argv=None) -> int:
     ap.add_argument("--pipeline", default="", help="comma list of pipeline stage counts (default: every one "
                     "that divides --devices and the layers)")
     ap.add_argument("--microbatches", type=int, default=0,
-                    help="fix the GPipe micro-batches per pass of pipelined plans (default: search S, 2S, 4S)")
+                    help="fix the micro-batches per pass of pipelined plans (default: search S, 2S, 4S)")
+    ap.add_argument("--schedule", default="gpipe,circular",
+                    help="comma list of parallel.pipeline_schedule values to search (default gpipe,circular)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="fix the circular schedule's chunks per stage V (default: search every divisor > 1 of L/S)")
+    ap.add_argument("--stage-remat", default="none,stage",
+                    help="comma list of remat.pipeline values to search (default none,stage)")
     ap.add_argument("--verify", action="store_true", help="compile the best runnable plan and compare collectives")
     args = ap.parse_args(argv)
     if args.verify:
@@ -154,11 +166,13 @@ def main(argv=None) -> int:
         pipeline = tuple(int(x) for x in args.pipeline.split(",") if x.strip())
     except ValueError as e:
         raise SystemExit(f"--pipeline: expected a comma list of integers, got {args.pipeline!r}") from e
-    if args.microbatches < 0 or any(s < 1 for s in pipeline):
-        raise SystemExit("--pipeline and --microbatches must be positive")
+    if args.microbatches < 0 or args.repeats < 0 or any(s < 1 for s in pipeline):
+        raise SystemExit("--pipeline, --microbatches and --repeats must be positive")
     opts = Options(batch=batch, seq=seq, attention=args.attention, grad_accum=args.grad_accum, top=args.top,
                    remat=tuple(x.strip() for x in args.remat.split(",")), pipeline=pipeline,
-                   microbatches=args.microbatches)
+                   microbatches=args.microbatches, repeats=args.repeats,
+                   schedules=tuple(x.strip() for x in args.schedule.split(",") if x.strip()),
+                   stage_remat=tuple(x.strip() for x in args.stage_remat.split(",") if x.strip()))
     fpt = model_flops_per_token(cfg, seq)
     try:
         res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)

@@ -492,16 +492,33 @@ def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int) -> list[Coll]
         Coll("all-reduce", elements, stages, stride, "bwd", "pipeline")]
 
 
-def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int) -> list[Coll]:
+def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int,
+                  schedule: str = "gpipe") -> list[Coll]:
     """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline.py: the
-    last stage hands the M finished micro-batches to every stage for the head (a permute and an
-    all-reduce; a permute back in the backward)."""
+    last stage hands the M finished micro-batches to every stage for the head (GPipe: a permute and
+    an all-reduce, a permute back in the backward; circular: the all-reduce alone, its outputs are
+    filed where they are reduced)."""
     if stages <= 1:
         return []
     done = microbatches * ctx.local(residual, ctx.block.d)
-    return [Coll("collective-permute", done, stages, stride, "fwd", "pipeline"),
-            Coll("all-reduce", done, stages, stride, "fwd", "pipeline"),
-            Coll("collective-permute", done, stages, stride, "bwd", "pipeline")]
+    reduce = [Coll("all-reduce", done, stages, stride, "fwd", "pipeline")]
+    if schedule == "circular":
+        return reduce
+    return ([Coll("collective-permute", done, stages, stride, "fwd", "pipeline")] + reduce
+            + [Coll("collective-permute", done, stages, stride, "bwd", "pipeline")])
+
+
+def circular_reorder(stage_weights: float, fsdp_weights: float, stages: int, stride: int, fsdp: int) -> list[Coll]:
+    """The circular schedule's once-per-pass weight moves (boost_jax/parallel/pipeline.py): the
+    stored contiguous blocks of layers become the stage's V chunks through one all-to-all over
+    `pipeline` per weight before the tick loop, and their float32 gradient goes back the same way
+    after it; under FSDP the gradient's fsdp shard also crosses pipeline x fsdp in one permute.
+    stage_weights: the stage's stored weight elements on one device (fsdp-split); fsdp_weights: the
+    fsdp-split part of them. Axis `pipeline_weights`: float32 payloads."""
+    out = [Coll("all-to-all", stage_weights, stages, stride, phase, "pipeline_weights") for phase in ("fwd", "bwd")]
+    if fsdp > 1:
+        out.append(Coll("collective-permute", fsdp_weights, stages, stride, "bwd", "pipeline_weights"))
+    return out
 
 
 # ---------------------------------------------------------------- the trainer's strategies

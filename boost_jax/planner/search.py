@@ -381,7 +381,11 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     rest, rest_cost = rest_ops(pr, layer.residual, m)
     rest_fsdp_w = sum(op.weights for op in rest) - b.d  # the final norm is not fsdp-sharded
     shift = P.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor)
-    ends = P.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, m)
+    ends = P.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, m, schedule)
+    if schedule == "circular":
+        ends += P.circular_reorder(per_stage * ((s.fsdp_w + s.grid_w) / mesh.fsdp + s.norm_w),
+                                   per_stage * s.fsdp_w / mesh.fsdp, stages, mesh.data * mesh.fsdp * mesh.tensor,
+                                   mesh.fsdp)
     # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
     # but the scanned step runs it).
     shifts = [(c, ticks) for c in shift]
@@ -394,7 +398,10 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     # Every collective of one accumulation micro-batch but the layers' tensor-axis ones, with how often
     # it runs.
     redo = s.forward_colls if staged else []  # remat.pipeline=stage: the stage's forward, again
-    counted = ([(c, runs) for c in dp + redo] + [(c, per_stage) for c in dp_once] + shifts
+    # Pipelined (but st), the stage's gather and gradient reduction run once per optimizer step, not
+    # per accumulation micro-batch (boost_jax/parallel/pipeline.py): 1/grad_accum of them per micro-batch.
+    once = per_stage / grad_accum if stages > 1 and not s.grid_w else per_stage
+    counted = ([(c, runs) for c in dp + redo] + [(c, once) for c in dp_once] + shifts
                + [(c, 1) for c in [c for op in rest for c in op.colls] + dp_rest + ends])
     dp_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in counted if c.axis == "data_fsdp")
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
@@ -412,6 +419,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     replica = (per_stage * (s.fsdp_w + s.norm_w) * C.STATE_BYTES
                if mesh.data * mesh.fsdp > 1 and stages > 1 and not s.grid_w else 0.0)
     accumulator = replica * (1 + (staged and mesh.fsdp > 1))
+    if schedule == "circular":  # the reordered stage weights and their gradient (see C.CIRCULAR_COPIES)
+        accumulator += C.CIRCULAR_COPIES * per_stage * (s.fsdp_w + s.norm_w) * C.STATE_BYTES
     weights = s.fsdp_w + s.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
     loss = (C.loss_bytes(rest_tokens / opts.seq, opts.seq, b.loss_chunk, b.vocab / mesh.tensor)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
