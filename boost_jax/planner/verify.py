@@ -179,7 +179,7 @@ def pipeline_refusal(plan) -> str:
     if "st" in plan.layer.choices:
         return ("pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
                 "the tick loop, which the planner prices per tick")
-    if plan.layer.residual != "H":
+    if plan.layer.residual != "H" and plan.mesh.tensor > 1:
         return (f"pipelined plans with a {plan.layer.residual} residual ({plan.strategy or 'mixed'}) are not "
                 "compared: the compiled step moves the embedding's rows over pipeline x data, which the planner "
                 "does not price")
