@@ -21,22 +21,41 @@ def plain_loss(h, w, labels, z_loss):
     return jnp.mean(ce + z_loss * lse ** 2)
 
 
+@pytest.mark.parametrize("groups", [1, 3], ids=["rows", "row_groups3"])  # 3: a pipeline's micro-batches
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("chunk,z_loss", [(4, 0.0), (5, 1e-2), (0, 1e-2), (64, 0.0)])
-def test_chunked_loss_matches_full_logits(chunk, z_loss, dtype):
-    b, t, d, v = 3, 13, 16, 50
-    ks = jax.random.split(jax.random.key(chunk), 3)
+def test_chunked_loss_matches_full_logits(chunk, z_loss, dtype, groups):
+    b, t, d, v = 6, 13, 16, 50
+    ks = jax.random.split(jax.random.key(chunk + groups), 3)
     h = jax.random.normal(ks[0], (b, t, d)).astype(dtype)
     w = 0.3 * jax.random.normal(ks[1], (d, v))
     labels = jax.random.randint(ks[2], (b, t), 0, v)
-    got = jax.jit(jax.value_and_grad(lambda h, w: head_loss(h, w, labels, chunk=chunk, z_loss=z_loss),
-                                     argnums=(0, 1)))(h, w)
+    got = jax.jit(jax.value_and_grad(lambda h, w: head_loss(h, w, labels, chunk=chunk, z_loss=z_loss,
+                                                            row_groups=groups), argnums=(0, 1)))(h, w)
     want = jax.value_and_grad(lambda h, w: plain_loss(h, w, labels, z_loss), argnums=(0, 1))(h, w)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == r.dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol,
                                    atol=tol * float(np.abs(np.asarray(r, np.float32)).max()))
+
+
+@pytest.mark.parametrize("chunk,groups", [(4, 2), (0, 3), (64, 6)])
+def test_masked_loss_in_row_groups_is_the_sum_over_counted_targets(chunk, groups):
+    b, t, d, v = 6, 11, 8, 40
+    ks = jax.random.split(jax.random.key(7 * groups + chunk), 4)
+    h, w = jax.random.normal(ks[0], (b, t, d)), 0.3 * jax.random.normal(ks[1], (d, v))
+    labels, mask = jax.random.randint(ks[2], (b, t), 0, v), jax.random.bernoulli(ks[3], 0.6, (b, t))
+    got = jax.jit(jax.value_and_grad(lambda h: head_loss(h, w, labels, chunk=chunk, mask=mask, row_groups=groups)))(h)
+
+    def want(h):  # the plain full-logits loss per token, summed where counted
+        logits = jnp.einsum("btd,dv->btv", h, w)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1)[..., 0]
+        return jnp.sum(jnp.where(mask, ce, 0.0))
+
+    ref = jax.value_and_grad(want)(h)
+    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ref[1]), rtol=1e-5, atol=1e-6)
 
 
 def _f32_logit_buffers(chunk):

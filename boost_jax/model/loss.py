@@ -36,26 +36,39 @@ def _sums(h, w, labels, valid, z_loss):
     return jnp.sum(jnp.where(valid, ce + z_loss * lse * lse, 0.0))
 
 
-def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None):
+def _split(x, n: int, chunk: int, groups: int):
+    """[B, T, ...] -> [groups * n, B/groups, chunk, ...]: the T positions padded to n chunks, and, with
+    groups > 1, the rows cut into `groups` interleaved row groups (group j: rows j, groups+j, ...; every
+    device keeps a share of each group, as the pipeline's micro-batches do)."""
+    b, t = x.shape[:2]
+    x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+    if groups == 1:
+        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+    x = x.reshape(b // groups, groups, n, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, (1, 2), (0, 1)).reshape(groups * n, b // groups, chunk, *x.shape[4:])
+
+
+def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None, row_groups: int = 1):
     """Mean over tokens of cross-entropy (+ z_loss · logsumexp²). h: [B, T, d]; w: [d, V]; labels: [B, T].
 
-    chunk: positions per chunk (0 or >= T: one piece, the plain loss). mask: bool [B, T] of the
-    targets that count; with it the *sum* over them is returned (the caller divides by the batch's
-    count: boost_jax/runtime/step.py)."""
+    chunk: positions per chunk (0 or >= T: one piece, the plain loss). row_groups: the rows are
+    cut into that many groups as well (a pipeline's micro-batches: the live logits block is then
+    [B/groups, c, V] however many micro-batches the pass has). mask: bool [B, T] of the targets that
+    count; with it the *sum* over them is returned (the caller divides by the batch's count:
+    boost_jax/runtime/step.py)."""
     b, t, _ = h.shape
     w = w.astype(jnp.float32)  # used in h's dtype; its gradient sums over the chunks in float32
     if mask is not None:
-        return _masked_sum(h, w, labels, mask, chunk, z_loss)
-    if not chunk or chunk >= t:
+        return _masked_sum(h, w, labels, mask, chunk, z_loss, row_groups)
+    if (not chunk or chunk >= t) and row_groups == 1:
         return _sums(h, w, labels, True, z_loss) / (b * t)
+    chunk = chunk if chunk and chunk < t else t
     n = -(-t // chunk)
-    pad = n * chunk - t
     valid = jnp.arange(n * chunk) < t
-    # [n, B, c, ...]: one scan step per chunk of positions (the batch split is untouched).
-    split = lambda x: jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
-        b, n, chunk, *x.shape[2:]), 1, 0)
-    hs, ls = split(h), split(labels)
+    # [groups * n, B/groups, c, ...]: one scan step per chunk of positions (and row group).
+    hs, ls = _split(h, n, chunk, row_groups), _split(labels, n, chunk, row_groups)
     vs = valid.reshape(n, 1, chunk)
+    vs = jnp.tile(vs, (row_groups, 1, 1)) if row_groups > 1 else vs
     body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss))  # recompute logits in bwd
 
     def step(total, xs):
@@ -65,15 +78,14 @@ def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None):
     return total / (b * t)
 
 
-def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float):
+def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float, row_groups: int = 1):
     """Sum of the loss over the targets in `mask` [B, T], chunked like `head_loss`."""
     b, t, _ = h.shape
-    if not chunk or chunk >= t:
+    if (not chunk or chunk >= t) and row_groups == 1:
         return _sums(h, w, labels, mask, z_loss)
+    chunk = chunk if chunk and chunk < t else t
     n = -(-t // chunk)
-    pad = n * chunk - t
-    split = lambda x: jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
-        b, n, chunk, *x.shape[2:]), 1, 0)
+    split = lambda x: _split(x, n, chunk, row_groups)  # noqa: E731
     body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss))
 
     def step(total, xs):

@@ -1,6 +1,8 @@
 """The LLaMA-style decoder: embedding, a scanned stack of pre-norm blocks, final norm, LM head."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -146,8 +148,12 @@ class Transformer(nnx.Module):
             else:
                 docs = Documents.one_per_row(batch["lengths"], t)
         h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
-        return head_loss(h, self.head_weight(), tokens[:, 1:], chunk=self.loss_chunk,
-                         z_loss=self.z_loss if with_z_loss else 0.0, mask=batch_lib.target_mask(batch))
+        # Pipelined, the head and loss run one pipeline micro-batch (and chunk of positions) at a time,
+        # so their live logits block does not grow with the micro-batch count.
+        loss = functools.partial(head_loss, chunk=self.loss_chunk, z_loss=self.z_loss if with_z_loss else 0.0)
+        if self.pipeline is not None:  # ... and once per batch replica (the head gradient reduced once)
+            loss = self.pipeline.loss(functools.partial(loss, row_groups=self.pipeline.microbatches))
+        return loss(h, self.head_weight(), tokens[:, 1:], mask=batch_lib.target_mask(batch))
 
 
 def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla",

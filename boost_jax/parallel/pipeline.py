@@ -228,6 +228,39 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
     return loss, grads
 
 
+def per_replica_loss(loss_fn, *, mesh, strategy):
+    """`loss_fn(h [B, ...], w, labels [B, ...], mask) -> loss` (the head and loss after the pipeline)
+    run once per batch replica, like the stages: the rows split over data x fsdp, vmapped with
+    `spmd_axis_name` under the rules without those axes, and the head weight `w` copied per replica
+    (`_replicas`' trick), so the loss's chunk loop accumulates each replica's head gradient on its own
+    devices and the replicas are summed once after it, instead of an all-reduce per chunk. The
+    replicas' losses are averaged (a mean, mask None) or summed (a masked sum)."""
+    axes = once_per_pass_axes(mesh, strategy)
+    if not axes:
+        return loss_fn
+    n = math.prod(mesh.shape[a] for a in axes)
+    inner = without_axis(strategy, *axes)
+    dtype = jnp.dtype(strategy.grad_reduce_dtype)
+
+    def split(x):
+        x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))))
+
+    def run(h, w, labels, mask=None):
+        copies = _replicas(w[None], 1, n, NamedSharding(mesh, P(axes, *([P.UNCONSTRAINED] * (w.ndim + 1)))),
+                           dtype)[:, 0]  # [n, ...]: one copy per replica
+
+        def one(h, w, labels, mask):
+            with rules.use_rules(mesh, inner):
+                return loss_fn(h, w, labels, mask=mask)
+
+        got = jax.vmap(one, spmd_axis_name=axes)(split(h), copies.astype(w.dtype), split(labels),
+                                                None if mask is None else split(mask))
+        return got.mean() if mask is None else got.sum()
+
+    return run
+
+
 def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
         schedule: str = "gpipe", repeats: int = 1, unroll: bool = False, rows=None) -> jax.Array:
     """Run `stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro` over the stages for every

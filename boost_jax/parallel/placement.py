@@ -100,6 +100,12 @@ class Pipeline:
     schedule: str = "gpipe"
     repeats: int = 1
 
+    def loss(self, loss_fn):
+        """`loss_fn(h, w, labels, mask)` (the head and loss on the pipeline's output) run per batch
+        replica, its head gradient reduced once per pass (parallel/pipeline.py `per_replica_loss`)."""
+        from boost_jax.parallel import pipeline
+        return pipeline.per_replica_loss(loss_fn, mesh=self.mesh, strategy=self.strategy)
+
     def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None,
                  remat_stage: bool = False):
         """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...].

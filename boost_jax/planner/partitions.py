@@ -463,10 +463,14 @@ def embedding(ctx: Ctx, residual: str) -> Op:
     return op
 
 
-def head(ctx: Ctx, residual: str) -> Op:
+def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
     """Gather the hidden rows, final norm, vocab-parallel LM head and loss: 3 scalars per token for the
-    loss's reductions, and the head's input gradient all-reduced in the backward."""
+    loss's reductions, and the head's input gradient all-reduced in the backward. The loss runs in
+    pieces (model/loss.py): chunks of model.loss_chunk positions, times `row_groups` (pipelined: one
+    per pipeline micro-batch); each piece reduces its own scalars, and a loss in several pieces
+    recomputes each one's logits, reductions included, in the backward."""
     b, t, m = ctx.block, ctx.t, ctx.tokens
+    pieces = (-(-ctx.seq // b.loss_chunk) if 0 < b.loss_chunk < ctx.seq else 1) * row_groups
     op = edge(ctx, residual, "R", b.d)
     op.name = f"{residual}->head"
     op.gemms = [Gemm(m, b.d, b.vocab / t, "head")]
@@ -474,7 +478,9 @@ def head(ctx: Ctx, residual: str) -> Op:
     if 0 < b.loss_chunk < ctx.seq:  # the chunked loss recomputes each chunk's logits in the backward
         op.gemm_passes = 4.0
     if t > 1:
-        op.colls = op.colls + [Coll("all-reduce", 3 * m, t, 1, "fwd"), Coll("all-reduce", m * b.d, t, 1, "bwd")]
+        scalars = [Coll("all-reduce", 3 * m / pieces, t, 1, phase) for phase in ("fwd",) + ("bwd",) * (pieces > 1)
+                   for _ in range(pieces)]
+        op.colls = op.colls + scalars + [Coll("all-reduce", m * b.d, t, 1, "bwd")]
     return op
 
 

@@ -293,7 +293,7 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost
     key = (residual, microbatches)
     if key not in pr._rest:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
-        rest = [P.embedding(ctx, residual), P.head(ctx, residual)]
+        rest = [P.embedding(ctx, residual), P.head(ctx, residual, microbatches)]
         pr._rest[key] = rest, sum((C.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes)
                                    for op in rest), C.Cost())
     return pr._rest[key]
@@ -422,7 +422,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     if schedule == "circular":  # the reordered stage weights and their gradient (see C.CIRCULAR_COPIES)
         accumulator += C.CIRCULAR_COPIES * per_stage * (s.fsdp_w + s.norm_w) * C.STATE_BYTES
     weights = s.fsdp_w + s.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
-    loss = (C.loss_bytes(rest_tokens / opts.seq, opts.seq, b.loss_chunk, b.vocab / mesh.tensor)
+    # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups)
+    loss = (C.loss_bytes(rest_tokens / opts.seq / m, opts.seq, b.loss_chunk, b.vocab / mesh.tensor)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
     memory = {"states": C.state_bytes(params, grad_accum),
               # without remat every layer's compute-layout weights (FSDP: gathered) are kept for its
