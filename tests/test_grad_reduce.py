@@ -138,6 +138,20 @@ def test_pipeline_reduces_stage_gradients_once_per_pass(pipelined):
     assert stage + a * rest <= executed <= 1.01 * (stage + a * rest)
 
 
+def test_circular_reorders_the_stage_weights_once_each_way(pipelined):
+    """Circular: the stored [L] stacks reach the stages' chunk layout through all-to-alls over
+    `pipeline` outside the tick loop (each stage's weights forward, their gradient back, both in their
+    stored fsdp split), and nothing else over `pipeline` moves weights (no gather)."""
+    cfg, (spec, compiled, _, _, mesh) = pipelined
+    if cfg.parallel.pipeline_schedule != "circular":
+        pytest.skip("gpipe keeps the stored layout")
+    stage, _ = stage_and_rest_elements(spec, cfg.parallel.pipeline)
+    ops = [c for c in parse_collectives(compiled.as_text(), mesh) if c.axes == ("pipeline",) and not c.in_loop]
+    moved, split = sum(c.elements for c in ops if c.kind == "all-to-all"), mesh.shape["fsdp"]
+    assert 2 * stage / split <= moved <= 1.02 * 2 * stage / split, (moved, stage)
+    assert not [c for c in ops if c.kind == "all-gather"]
+
+
 def test_pipeline_per_tick_reduction_fails_the_count(make_config, monkeypatch):
     """The count above can fail: with GSPMD's own placement the stage gradient is reduced every tick."""
     monkeypatch.setattr(pipeline, "once_per_pass_axes", lambda mesh, strategy: ())

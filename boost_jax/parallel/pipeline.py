@@ -18,8 +18,12 @@ v M + m + S - 1 and its round v+1 starts at stage 0 at tick (v+1) M + m, which m
 output waits in between in a stage-local buffer [M, b, ...] (the size of GPipe's output buffer). The stored
 [L, ...] stacks are split over `pipeline` in contiguous blocks (so checkpoints are the same for
 every schedule), which the chunks are not: the circular layout moves the stage weights once per
-pass, before the tick loop (one all-to-all over `pipeline` per weight, of (S-1)/S of the stage's
-weights), and their gradient once after it.
+pass, before the tick loop (one all-to-all over `pipeline` per weight, in its stored fsdp/tensor
+split, of which (S-1)/S leaves the device), and their summed gradient once after it (pinned by
+`_on_stages`; left to GSPMD the gradient's reorder fell back to replicating it). With tensor > 1
+GSPMD also gathers the stage copies over `tensor` once per pass (the per-tick chunk selection;
+selecting the chunk outside the stage vmap gives the same), so they hold the stage's weights whole
+over tensor: a cost gpipe does not have.
 
 Gradients over the batch axes: once per pass, in float32. Left to GSPMD, the stage weights'
 gradient is all-reduced over data x fsdp inside the backward tick loop, once per tick and layer
@@ -120,18 +124,42 @@ def layer_layout(a: jax.Array, repeats: int | None = None) -> jax.Array:
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
+def _on_stages(x: jax.Array, mesh, lead: int = 1, rest=None) -> jax.Array:
+    """x split over `pipeline` on its leading dim, `lead - 1` whole dims after it, then `rest` (the
+    stored weight's spec past its layer dim; None: as XLA likes). Pins where the circular layout's
+    reorder happens: one all-to-all over `pipeline` of the stored weights and one of the summed
+    gradient, each keeping its other splits."""
+    tail = [P.UNCONSTRAINED] * (x.ndim - lead) if rest is None else list(rest) + [None] * (x.ndim - lead - len(rest))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("pipeline", *([None] * (lead - 1)), *tail)))
+
+
+def _copies(w: jax.Array, stages: int, n: int, sharding: NamedSharding, repeats: int | None, rest=None) -> jax.Array:
+    """[L, ...] -> [S * n, ...stage layout]: every replica's copy of its stage's layers. `rest`: see
+    `_on_stages`."""
+    if repeats is None:  # gpipe
+        staged = w.reshape(stages, 1, w.shape[0] // stages, *w.shape[1:])
+    else:
+        staged = stage_layout(w if rest is None else _on_stages(w, sharding.mesh, 1, rest), stages, repeats)
+        staged = (staged if rest is None else _on_stages(staged, sharding.mesh, 3, rest))[:, None]
+    out = jnp.broadcast_to(staged, (stages, n) + staged.shape[2:]).reshape(stages * n, *staged.shape[2:])
+    return jax.lax.with_sharding_constraint(out, sharding)
+
+
+def _sum_copies(g: jax.Array, stages: int, n: int, reduce_dtype, repeats: int | None, mesh, rest=None) -> jax.Array:
+    """The copies' gradient [S * n, ...] summed over the replicas (once, in `reduce_dtype`) -> [L, ...]."""
+    g = g.reshape(stages, n, *g.shape[1:]).astype(reduce_dtype).sum(1)
+    if repeats is None:
+        return layer_layout(g)
+    return _on_stages(layer_layout(_on_stages(g, mesh, 3, rest), repeats), mesh, 1, rest)
+
+
 def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce_dtype, repeats: int | None = None) -> jax.Array:
     """A layer-stacked weight [L, ...] as [S * n, ...stage layout]: stage s's layers copied once per
     batch replica (row s * n + i: stage s, replica i; split over the pipeline and replica axes), in
     float32 when it is a float. Each replica accumulates its own gradient in its copy's cotangent over
     the ticks; the backward sums the n of them once, in `reduce_dtype`."""
     def forward(w):
-        if repeats is None:  # gpipe
-            staged = w.reshape(stages, 1, w.shape[0] // stages, *w.shape[1:])
-        else:
-            staged = stage_layout(w, stages, repeats)[:, None]
-        out = jnp.broadcast_to(staged, (stages, n) + staged.shape[2:]).reshape(stages * n, *staged.shape[2:])
-        return jax.lax.with_sharding_constraint(out, sharding)
+        return _copies(w, stages, n, sharding, repeats)
 
     if not jnp.issubdtype(a.dtype, jnp.floating):
         return forward(a)  # no gradient
@@ -142,8 +170,7 @@ def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce
         return forward(w.astype(acc))
 
     def bwd(_, g):
-        g = g.reshape(stages, n, *g.shape[1:]).astype(reduce_dtype).sum(1)
-        return (layer_layout(g, repeats).reshape(a.shape).astype(a.dtype),)
+        return (_sum_copies(g, stages, n, reduce_dtype, repeats, sharding.mesh).reshape(a.shape).astype(a.dtype),)
 
     copies.defvjp(lambda w: (copies(w), None), bwd)
     return copies(a)
@@ -154,7 +181,7 @@ _GIVEN: contextvars.ContextVar = contextvars.ContextVar("stage_copies", default=
 
 
 def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: int, schedule: str = "gpipe",
-               repeats: int = 1):
+               repeats: int = 1, specs=None):
     """(mean loss, mean gradient) of `loss_fn(trained, micro_batch)` over a batch [grad_accum, rows,
     ...], with the pipelined layer stack's gradient reduced over data x fsdp once per optimizer step,
     whatever grad_accum is.
@@ -163,7 +190,8 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
     accumulation loop (`_replicas`' forward), and handed to the schedule in place of the stack (`run`
     reads them from `_GIVEN`). The loss is differentiated with respect to the copies: each replica's
     gradient stays on its own devices, accumulated in float32 across the micro-batches, and is
-    summed over the replicas once, after the loop, in `parallel.grad_reduce_dtype`. The other
+    summed over the replicas once, after the loop, in `parallel.grad_reduce_dtype`. `specs`: the
+    stack's stored PartitionSpecs (the circular layout keeps their splits through its reorder). The other
     parameters (embedding, head, final norm) are reduced where GSPMD places it (per micro-batch).
     Without batch axes to defer (`once_per_pass_axes` empty) this is the plain accumulation loop."""
     axes = once_per_pass_axes(mesh, strategy)
@@ -177,17 +205,19 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
         dtype = jnp.dtype(strategy.grad_reduce_dtype)
         layer_state = trained[stack]
 
-        def lay_out(w):
-            staged = stage_layout(w, stages, repeats)[:, None]
-            out = jnp.broadcast_to(staged, (stages, n) + staged.shape[2:]).reshape(stages * n, *staged.shape[2:])
-            sharding = NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * (out.ndim - 1))))
-            return jax.lax.with_sharding_constraint(out, sharding)
+        def lay_out(w, spec):
+            if repeats is None or spec is None:
+                return _copies(w, stages, n, NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * w.ndim))), repeats)
+            copy = NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * w.ndim)))  # as the stages use them
+            return _copies(w, stages, n, copy, repeats, tuple(spec)[1:])  # reordered in the stored split
 
         def as_float(w):
             return w if w is None else w.astype(jnp.promote_types(w.dtype, jnp.float32))
 
-        copies_f = jax.tree.map(lambda w: None if w is None else lay_out(as_float(w)), layer_state,
-                                is_leaf=lambda x: x is None)
+        specs = [None] * len(jax.tree.leaves(layer_state, is_leaf=lambda x: x is None)) if specs is None else \
+            jax.tree.leaves(specs, is_leaf=lambda x: x is None or isinstance(x, P))
+        leaves, treedef = jax.tree.flatten(layer_state, is_leaf=lambda x: x is None)
+        copies_f = treedef.unflatten([None if w is None else lay_out(as_float(w), sp) for w, sp in zip(leaves, specs)])
 
     def grad_fn(t, c, x):
         if c is None:
@@ -219,12 +249,14 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
         grads = jax.tree.map(lambda g: g / a, grads)
         gc = None if gc is None else jax.tree.map(lambda g: g / a, gc)
     if gc is not None:
-        def reduce(g, w):
-            g = g.reshape(stages, n, *g.shape[1:]).astype(dtype).sum(1)
-            return layer_layout(g, repeats).reshape(w.shape).astype(w.dtype)
+        def reduce(g, w, sp):
+            rest = None if repeats is None or sp is None else tuple(sp)[1:]
+            return _sum_copies(g, stages, n, dtype, repeats, mesh, rest).reshape(w.shape).astype(w.dtype)
 
-        grads = {**grads, stack: jax.tree.map(lambda g, w: None if w is None else reduce(g, w), gc,
-                                              trained[stack], is_leaf=lambda x: x is None)}
+        gl = jax.tree.leaves(gc, is_leaf=lambda x: x is None)
+        stack_grads = treedef.unflatten([None if w is None else reduce(g, w, sp)
+                                         for g, w, sp in zip(gl, leaves, specs)])
+        grads = {**grads, stack: stack_grads}
     return loss, grads
 
 

@@ -89,7 +89,8 @@ def build(cfg, devices=None, optimizer=None) -> Built:
     spec = state_spec(cfg, tx, mesh, strategy)
     t = cfg.train
     batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
-    train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule, mesh, strategy), donate_argnums=0,
+    train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule, mesh, strategy,
+                                         jax.tree.map(lambda s: s.spec, spec.shardings["params"])), donate_argnums=0,
                          in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None))
     eval_sharding = NamedSharding(mesh, P(BATCH_AXES))
     eval_step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum, mesh, strategy),

@@ -42,8 +42,9 @@ def bind(fn, mesh=None, strategy=None):
     return bound
 
 
-def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None):
-    """The train step of the model `graphdef` on `mesh` under `strategy` (None: one device)."""
+def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_specs=None):
+    """The train step of the model `graphdef` on `mesh` under `strategy` (None: one device);
+    `param_specs`: the parameters' PartitionSpecs (a pipeline's reordered stage weights keep them)."""
     # Differentiate the trainable leaves only; fixed integer leaves ride along unchanged.
     pipelined = mesh is not None and mesh.shape.get("pipeline", 1) > 1
 
@@ -67,7 +68,8 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None):
             # The stage weights' gradient over data x fsdp once per step (parallel/pipeline.py).
             loss, grads = pipeline.accumulate(loss_fn, trained, batch, stack=LAYER_STACK, mesh=mesh,
                                               strategy=strategy, stages=mesh.shape["pipeline"],
-                                              schedule=strategy.pipeline_schedule, repeats=strategy.pipeline_repeats)
+                                              schedule=strategy.pipeline_schedule, repeats=strategy.pipeline_repeats,
+                                              specs=None if param_specs is None else param_specs[LAYER_STACK])
         else:
             # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
             loss, grads = accumulate_grads(jax.value_and_grad(loss_fn), trained, batch, mesh, strategy)
