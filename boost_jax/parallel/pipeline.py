@@ -294,7 +294,7 @@ def per_replica_loss(loss_fn, *, mesh, strategy):
 
 
 def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
-        schedule: str = "gpipe", repeats: int = 1, unroll: bool = False, rows=None) -> jax.Array:
+        schedule: str = "gpipe", repeats: int = 1, unroll: bool = False, rows=None, remat: bool = False) -> jax.Array:
     """Run `stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro` over the stages for every
     micro-batch, on `mesh` under `strategy` (bound when the model was built: parallel/placement.py),
     as the `schedule` (gpipe | circular with `repeats` chunks per stage) orders it.
@@ -302,7 +302,9 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
     layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]. stage_fn gets one
     stage's (circular: one chunk's) layers and must take micro-batches of any row count (each batch
     replica runs the schedule on its own rows). `rows`: an optional pytree of per-row inputs [B, ...]
-    (document segments, positions) handed to stage_fn beside its micro-batch."""
+    (document segments, positions) handed to stage_fn beside its micro-batch. `remat`
+    (remat.pipeline=stage): each stage (with its chunk selection) is one jax.checkpoint, so the tick
+    loop keeps only the stage's input per tick."""
     if schedule not in ("gpipe", "circular"):
         raise ValueError(f"parallel.pipeline_schedule: {schedule!r} is not gpipe or circular")
     repeats = repeats if schedule == "circular" else None  # None: gpipe's layout and schedule
@@ -312,6 +314,9 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
         def stage_fn(stage_state, x_micro, v, *extra):  # noqa: F811 - the chunk v of the stage's V
             chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), stage_state)
             return inner_fn(chunk, x_micro, *extra)
+    if remat:  # remat.pipeline=stage: the tick loop keeps the stage's input; the stage (with its chunk
+        # selection, so no chunk of weights is kept per tick) is recomputed in the backward
+        stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
     schedule_fn = _gpipe if repeats is None else functools.partial(_circular, repeats=repeats)
     axes = once_per_pass_axes(mesh, strategy)
     given = _GIVEN.get()

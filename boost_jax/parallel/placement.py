@@ -114,8 +114,8 @@ class Pipeline:
         policy, applied inside `layer`, decides what that recompute keeps)."""
         from boost_jax.parallel import pipeline
         run = functools.partial(pipeline.run, stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
-                                strategy=self.strategy, schedule=self.schedule, repeats=self.repeats, unroll=unroll)
-        wrap = (lambda fn: jax.checkpoint(fn, prevent_cse=False)) if remat_stage else (lambda fn: fn)
+                                strategy=self.strategy, schedule=self.schedule, repeats=self.repeats, unroll=unroll,
+                                remat=remat_stage)
         if docs is not None:
             # Rows of documents: their segments (and positions) travel with each micro-batch's rows,
             # and every stage rebuilds the micro-batch's document spans from them.
@@ -129,7 +129,7 @@ class Pipeline:
                 return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos, micro_docs)[0], None), x_micro,
                                     stage_state, unroll=unroll)[0]
 
-            return run(wrap(stage_docs), layer_state, x, rows=rows)
+            return run(stage_docs, layer_state, x, rows=rows)
         # Training positions are the same for every row. A fresh iota of the micro-batch's shape (the
         # rows gpipe hands the stage) is built on every device; slicing the batch-sharded positions
         # would move rows between devices.
@@ -140,7 +140,7 @@ class Pipeline:
             return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
                                 unroll=unroll)[0]
 
-        return run(wrap(stage), layer_state, x)
+        return run(stage, layer_state, x)
 
 
 @dataclasses.dataclass(frozen=True)
