@@ -8,7 +8,11 @@
 executed per step (every all-reduce / reduce-scatter over data or fsdp, times its loops' trip
 counts, loops as compiled) and the step's temp memory, for the placements of
 `boost_jax/parallel/pipeline.py`: once per pass over data x fsdp (the default), over data only
-(fsdp per tick), and GSPMD's own (every tick). Writes grad_reduce_pipeline.json.
+(fsdp per tick), and GSPMD's own (every tick). A second table: gpipe and circular (V = 2) at
+grad_accum 1 and 4 (global batch 16 per accumulation micro-batch), the stage weights' gradient
+reduced once per optimizer step (`pipeline.accumulate`, the default) against once per accumulation
+micro-batch (the plain accumulation loop around `_replicas`' once-per-pass reduction: how the step
+ran before). Writes grad_reduce_pipeline.json.
 
 Compiles the real train step on `--data` emulated CPU devices (mesh data x 1 x 1, one sequence per
 device per micro-batch, abstract shapes) and reads the optimised HLO: every all-reduce over `data`
@@ -97,6 +101,32 @@ def pipeline_executed(placement: str, stages: int = 2, data: int = 2, fsdp: int 
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
+def pipeline_accumulation(schedule: str, repeats: int, accum: int, per_step: bool) -> dict:
+    """Executed data/fsdp reduction elements of the tiny pipelined step under grad_accum `accum`;
+    per_step False: the stage gradient reduced once per accumulation micro-batch instead."""
+    from boost_jax.parallel import pipeline
+
+    cfg = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    cfg.model.update(n_layers=4, d_ff=256, dtype="float32")
+    cfg.train.update(seq_len=16, global_batch=16 * accum, grad_accum=accum)
+    cfg.parallel.update(pipeline=2, data=2, fsdp=2, tensor=1, num_devices=8, microbatches=4,
+                        pipeline_schedule=schedule, pipeline_repeats=repeats)
+    validate(cfg)
+    default = pipeline.accumulate
+    if not per_step:
+        import jax
+        pipeline.accumulate = lambda loss_fn, trained, batch, **_: grad_reduce.accumulate_grads(
+            jax.value_and_grad(loss_fn), trained, batch)  # the plain loop: _replicas reduces per pass
+    try:
+        compiled = _compile(cfg)
+    finally:
+        pipeline.accumulate = default
+    ops = [c for c in parse_collectives(compiled.as_text(), _mesh(cfg))
+           if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)]
+    return {"schedule": schedule, "repeats": repeats, "grad_accum": accum, "once_per_optimizer_step": per_step,
+            "executed_elements": sum(c.elements * c.trips for c in ops)}
+
+
 def _mesh(cfg):
     from boost_jax.parallel.mesh import make_mesh
     return make_mesh(cfg.parallel)
@@ -112,9 +142,19 @@ def pipeline_main(json_path: str) -> int:
     for r in rows:
         print(f"| {r['placement']} | {r['in_loop_elements']:,} | {r['outside_elements']:,} | "
               f"{r['executed_elements']:,} | {r['temp_bytes'] / 1e6:.2f} MB |")
+    accumulation = [pipeline_accumulation(schedule, repeats, accum, per_step)
+                    for schedule, repeats in (("gpipe", 1), ("circular", 2)) for accum in (1, 4)
+                    for per_step in (True, False)]
+    print("\nunder grad_accum (16 rows per accumulation micro-batch): data/fsdp reduction elements per step\n")
+    print("| schedule | grad_accum | stage gradient once per optimizer step | once per accumulation micro-batch |")
+    print("|---|---|---|---|")
+    for i in range(0, len(accumulation), 2):
+        a, b = accumulation[i], accumulation[i + 1]
+        name = a["schedule"] + (f" V={a['repeats']}" if a["schedule"] == "circular" else "")
+        print(f"| {name} | {a['grad_accum']} | {a['executed_elements']:,} | {b['executed_elements']:,} |")
     with open(json_path, "w") as f:
         json.dump({"config": "tiny", "stages": 2, "data": 2, "fsdp": 2, "microbatches": 4, "seq": 16,
-                   "rows": rows}, f, indent=2)
+                   "rows": rows, "accumulation": accumulation}, f, indent=2)
     return 0
 
 

@@ -1,18 +1,20 @@
-"""Pipeline bubble of the GPipe schedule: the analytic fraction and a measured step-time ratio; with
---memory, the compiled train step's temp memory per micro-batch count, with and without stage remat.
+"""Pipeline schedules (gpipe, circular): analytic bubble, compiled temp memory per micro-batch count,
+and executed collective elements per step; with --time, a measured step-time sanity check.
 
-    python benchmarks/pipeline_bubble.py [--stages 2] [--microbatches 2,4,8]
-    python benchmarks/pipeline_bubble.py --memory [--microbatches 4,16] [--json benchmarks/pipeline_memory.json]
+    python benchmarks/pipeline_bubble.py [--microbatches 4,16] [--json benchmarks/pipeline_schedules.json]
+    python benchmarks/pipeline_bubble.py --time [--stages 2] [--microbatches 2,4,8]
 
---memory: cola_1b shapes with 2 layers per stage (4 layers), seq 2048, pipeline 2 x tensor 2 (btp) on
-emulated CPU devices, one row per micro-batch (global batch = M), bf16, remat.policy none and lowrank,
-remat.pipeline none (GPipe's autodiff keeps every micro-batch's activations) and stage (one stage
-input per micro-batch; the stage is recomputed in the backward). Compile-only (memory_analysis).
+Default: cola_1b widths with 8 layers, seq 2048, bf16, mesh pipeline 2 x data 2 x tensor 2 (btp) on
+emulated CPU devices, one row per micro-batch and data replica (global batch 2 M); for each schedule
+(gpipe; circular with V = 2 and 4 chunks of 2 and 1 layers per stage) x remat.pipeline (none, stage)
+x M: ticks V M + S - 1, bubble (S-1)/(V M + S-1), the compiled train step's temp memory, and the
+elements its collectives execute per step (in-loop ones x trip count), by axis: `pipeline` (the
+stage hand-overs, the stage-0 input gradient, circular's weight reorder), `data` (gradients),
+`tensor`. Compile-only (memory_analysis, HLO): nothing is allocated.
 
-The bubble is (S-1)/(M+S-1) of the ticks (every stage idles while the pipeline fills and drains).
-The measured column times the pipelined train step against the same model with pipeline=1 on the
-same devices; on emulated CPU devices that ratio mixes in the CPU's own scheduling and is only a
-sanity check: run it on GPUs for real numbers. Prints a table and writes JSON.
+--time: the pipelined train step against the same model with pipeline=1 on the same devices; on
+emulated CPU devices the ratio mixes in the CPU's own scheduling: a sanity check, run it on GPUs.
+Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -40,59 +42,85 @@ def step_seconds(cfg, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def memory(microbatches: list[int], path: str) -> int:
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("circular", 4))
+
+
+def executed(compiled, mesh) -> dict:
+    """Elements the program's collectives execute per step, by the axes they run over."""
+    from boost_jax.tools.hlo_comm import parse_collectives
+    out: dict = {}
+    for c in parse_collectives(compiled.as_text(), mesh):
+        key = "+".join(c.axes)
+        out[key] = out.get(key, 0) + c.elements * (c.trips or 1)
+    return out
+
+
+def schedules(microbatches: list[int], path: str) -> int:
     import jax
 
     from boost_jax.config import sized_config
+    from boost_jax.parallel.pipeline import bubble_fraction, ticks
     from boost_jax.runtime.build import build
     rows = []
-    for policy in ("none", "lowrank"):
+    for schedule, repeats in SCHEDULES:
         for remat_pipeline in ("none", "stage"):
             for m in microbatches:
                 cfg = sized_config("1b", "cola")
                 cfg.data.update(source="embedded", batching="stream")
-                cfg.model.update(n_layers=4, dtype="bfloat16")
-                cfg.train.update(seq_len=2048, global_batch=m, grad_accum=1)
-                cfg.parallel.update(num_devices=4, pipeline=2, tensor=2, data=1, microbatches=m, strategy="btp")
-                cfg.remat.update(policy=policy, pipeline=remat_pipeline)
-                mem = build(cfg, jax.devices()[:4]).lower_train().compile().memory_analysis()
-                rows.append({"remat.policy": policy, "remat.pipeline": remat_pipeline, "microbatches": m,
-                             "temp_bytes": int(mem.temp_size_in_bytes)})
-                print(f"  {policy} {remat_pipeline} M={m}: {mem.temp_size_in_bytes / 2**30:.2f} GiB", file=sys.stderr)
-    print("| remat.policy | remat.pipeline | " + " | ".join(f"temp GiB, M={m}" for m in microbatches)
-          + f" | M={microbatches[-1]} / M={microbatches[0]} |")
-    print("|---|---|" + "---|" * (len(microbatches) + 1))
-    for policy in ("none", "lowrank"):
+                cfg.model.update(n_layers=8, dtype="bfloat16")
+                cfg.train.update(seq_len=2048, global_batch=2 * m, grad_accum=1)
+                cfg.parallel.update(num_devices=8, pipeline=2, data=2, tensor=2, microbatches=m, strategy="btp",
+                                    pipeline_schedule=schedule, pipeline_repeats=repeats)
+                cfg.remat.update(pipeline=remat_pipeline)
+                built = build(cfg, jax.devices()[:8])
+                compiled = built.lower_train().compile()
+                rows.append({"schedule": schedule, "repeats": repeats, "remat.pipeline": remat_pipeline,
+                             "microbatches": m, "ticks": ticks(2, m, repeats), "bubble": bubble_fraction(2, m, repeats),
+                             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                             "executed_elements": executed(compiled, built.mesh)})
+                print(f"  {schedule} V={repeats} {remat_pipeline} M={m}: "
+                      f"{rows[-1]['temp_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+    axes = ("pipeline", "data", "tensor")
+    print("| schedule | V | remat.pipeline | M | ticks | bubble | temp GiB | "
+          + " | ".join(f"{a} elements/step" for a in axes) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(axes))
+    for r in rows:
+        e = r["executed_elements"]
+        print(f"| {r['schedule']} | {r['repeats']} | {r['remat.pipeline']} | {r['microbatches']} | {r['ticks']} | "
+              f"{100 * r['bubble']:.1f}% | {r['temp_bytes'] / 2**30:.2f} | "
+              + " | ".join(f"{e.get(a, 0) / 1e6:.1f}M" for a in axes) + " |")
+    print("\ntemp memory M = {1} / M = {0}:".format(microbatches[0], microbatches[-1]))
+    for schedule, repeats in SCHEDULES:
         for remat_pipeline in ("none", "stage"):
-            got = [r["temp_bytes"] for r in rows if (r["remat.policy"], r["remat.pipeline"]) == (policy, remat_pipeline)]
-            print(f"| {policy} | {remat_pipeline} | " + " | ".join(f"{b / 2**30:.2f}" for b in got)
-                  + f" | {got[-1] / got[0]:.2f}x |")
+            got = [r["temp_bytes"] for r in rows
+                   if (r["schedule"], r["repeats"], r["remat.pipeline"]) == (schedule, repeats, remat_pipeline)]
+            print(f"  {schedule} V={repeats} remat.pipeline={remat_pipeline}: {got[-1] / got[0]:.2f}x")
     with open(path, "w") as f:
-        json.dump({"shape": "cola_1b, 4 layers (2 per stage), seq 2048, pipeline 2 x tensor 2, 1 row per "
-                   "micro-batch, bf16", "rows": rows}, f, indent=2)
+        json.dump({"shape": "cola_1b widths, 8 layers, seq 2048, bf16, pipeline 2 x data 2 x tensor 2 (btp), "
+                   "1 row per micro-batch and data replica", "rows": rows}, f, indent=2)
     return 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--microbatches", default="2,4,8")
+    ap.add_argument("--microbatches", default=None, help="default 4,16 (--time: 2,4,8)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--memory", action="store_true", help="compiled temp memory per M, with and without stage remat")
+    ap.add_argument("--time", action="store_true", help="measured step time against data parallelism (see above)")
     args = ap.parse_args(argv)
     here = os.path.dirname(__file__)
-    if args.memory:
-        emulate_cpu_devices(4)
-        return memory([int(x) for x in args.microbatches.split(",")],
-                      args.json or os.path.join(here, "pipeline_memory.json"))
+    if not args.time:
+        emulate_cpu_devices(8)
+        return schedules([int(x) for x in (args.microbatches or "4,16").split(",")],
+                         args.json or os.path.join(here, "pipeline_schedules.json"))
     args.json = args.json or os.path.join(here, "pipeline_bubble.json")
     emulate_cpu_devices(args.stages)
     from boost_jax.config import base_config
     from boost_jax.parallel.pipeline import bubble_fraction
 
     rows = []
-    for m in (int(x) for x in args.microbatches.split(",")):
+    for m in (int(x) for x in (args.microbatches or "2,4,8").split(",")):
         cfg = base_config()
         cfg.model.update(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, d_ff=688, rank=64)
         cfg.train.update(seq_len=128, global_batch=8 * m)
@@ -109,6 +137,7 @@ def main(argv=None):
               f"{r['data_parallel_s']:.3f} |")
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":

@@ -207,6 +207,7 @@ def test_grad_reduce_pipeline_matches_its_committed_json(tmp_path):
     got = json.loads((tmp_path / "grad_reduce_pipeline.json").read_text())
     committed = json.loads((ROOT / "benchmarks" / "grad_reduce_pipeline.json").read_text())
     assert [r["executed_elements"] for r in got["rows"]] == [r["executed_elements"] for r in committed["rows"]]
+    assert got["accumulation"] == committed["accumulation"]
 
 
 @pytest.fixture(scope="module")

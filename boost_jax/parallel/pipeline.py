@@ -33,16 +33,18 @@ Here the schedule runs per batch replica instead: the stage vmap is over (stage,
 removed, and each replica gets its own float32 copy of its stage's weights (`_replicas`, split over
 the pipeline and replica axes). The backward scan then accumulates each replica's gradient in its
 copy's cotangent, on its own devices, without traffic; the copies' custom VJP sums the replicas once
-after the loop, in `parallel.grad_reduce_dtype`: one all-reduce over data x fsdp per pass
-(per accumulation micro-batch).
+after the loop, in `parallel.grad_reduce_dtype`: one all-reduce over data x fsdp per pass. The
+train step lays the copies out itself, once per optimizer step (`accumulate`), so under
+`train.grad_accum` the replicas' gradients also accumulate across micro-batches and are summed once
+per step. The head and loss after the pipeline run per batch replica likewise (`per_replica_loss`).
 
 fsdp is reduced once per pass too, not per tick, because per tick buys no memory here: the stage's
 weights are gathered whole before the loop either way (XLA hoists the gathers), and GSPMD's per-tick
 reduction over fsdp is a full-size all-reduce, not a reduce-scatter. Measured on the compiled train
 step (4 layers d 128, 2 stages of 2 layers, 4 micro-batches, mesh pipeline 2 x data 2 x fsdp 2, f32;
 benchmarks/grad_reduce.py --pipeline): reducing over data only, fsdp per tick, keeps the
-accumulator fsdp-split (temp memory 4.99 MB, as per tick) but executes 834,737 reduction elements
-per step; over both, 205,489 (per tick over both: 764,593) for 5.41 MB of temp memory: the extra is
+accumulator fsdp-split (temp memory 4.99 MB, as per tick) but executes 965,813 reduction elements
+per step; over both, 205,489 (per tick over both: 862,900) for 5.41 MB of temp memory: the extra is
 one float32 stage gradient per device, the size of the stage's gathered weights. With fsdp 1 the
 temp memory does not grow (3.38 -> 3.31 MB on pipeline 2 x data 2 x tensor 2).
 
