@@ -199,12 +199,14 @@ def test_packed_row_equals_documents_alone(make_config, impl):
 
 
 PIPE = {"parallel.pipeline": 2, "model.n_layers": 4}
+CIRCULAR = {**PIPE, "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2}
 
 
 @pytest.mark.parametrize("strategy,mesh,extra", [
     ("btp", (1, 1, 8), {}), ("megatron", (2, 1, 4), {}), ("btp", (2, 2, 2), {}),
-    ("btp", (1, 2, 2), PIPE), ("megatron", (2, 1, 2), PIPE)],
-    ids=["btp_1x1x8", "megatron_2x1x4", "btp_2x2x2", "btp_pipeline2_1x2x2", "megatron_pipeline2_2x1x2"])
+    ("btp", (1, 2, 2), PIPE), ("megatron", (2, 1, 2), PIPE), ("btp", (1, 2, 2), CIRCULAR)],
+    ids=["btp_1x1x8", "megatron_2x1x4", "btp_2x2x2", "btp_pipeline2_1x2x2", "megatron_pipeline2_2x1x2",
+         "btp_circular2_1x2x2"])
 def test_packed_rows_under_tensor_parallelism(make_config, strategy, mesh, extra):
     cfg = par_config(make_config, strategy, "cola", mesh, **{"data.batching": "packed", "model.attention": "chunked",
                                                               **extra})
