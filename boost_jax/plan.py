@@ -13,10 +13,11 @@ best one.
 devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
 <= 128) with boost_jax.tools.comm_report and prints the planner's per-layer collectives (bytes and
 counts by class and kind) and peak memory next to the compiled step's; a GPipe plan (remat.pipeline
-none or stage) is compiled with 2 stages of 2 layers and compared over the whole scanned step
-(pipeline, tensor and data/fsdp traffic by kind, peak memory); circular, pipelined st and
-replicated-residual (megatron, vanilla) pipelined plans are refused with the reason
-(planner/verify.py pipeline_refusal).
+none or stage) is compiled with 2 stages of 2 layers, a circular one with 2 stages of V = 2 or 3
+chunks of 1 layer (V 2 where the plan's weight reorder is an all-to-all, else 3), and compared over
+the whole scanned step (pipeline, pipeline-weight, tensor and data/fsdp traffic by kind, peak
+memory); pipelined st and replicated-residual (megatron, vanilla) pipelined plans are refused with
+the reason (planner/verify.py pipeline_refusal).
 """
 from __future__ import annotations
 
@@ -82,11 +83,15 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
             raise SystemExit(f"--verify: {why} (compile it with the overrides above instead)")
         mesh, vseq = verify.shrink_pipeline(plan.mesh, seq)
         micro = max(2, min(plan.microbatches, 4))
-        print(f"\n--verify: {plan.strategy}, mesh {mesh}, {plan.schedule}, {micro} micro-batches, 2 layers per stage, "
+        circular = plan.schedule == "circular"
+        reps, per_chunk = (verify.verify_repeats(plan), 1) if circular else (1, 2)
+        shape = f"V {reps} chunks of 1 layer per stage" if circular else "2 layers per stage"
+        print(f"\n--verify: {plan.strategy}, mesh {mesh}, {plan.schedule}, {micro} micro-batches, {shape}, "
               f"seq {vseq}, remat {plan.remat}, remat.pipeline {plan.stage_remat}, compiled on emulated CPU devices "
               f"(the scanned train step, whole step per device; memory in {verify.COMPILE_DTYPE})")
         rows = verify.compare_pipeline(cfg, cluster, mesh, plan.strategy, sp, plan.remat, micro, vseq, plan.layer,
-                                       stage_remat=plan.stage_remat, layers_per_chunk=2)
+                                       schedule=plan.schedule, repeats=reps, stage_remat=plan.stage_remat,
+                                       layers_per_chunk=per_chunk)
     else:
         try:
             mesh, batch, vseq = verify.shrink(plan.mesh, seq, grid=st)

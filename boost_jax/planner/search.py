@@ -245,6 +245,7 @@ class LayerSummary:
     forward: float  # seconds of the layer's forward alone (what remat.pipeline=stage re-runs)
     forward_colls: list  # the collectives that forward runs (tensor axis; st's permutes)
     kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
+    tensor_last: tuple  # its weight arrays split over tensor along their last dim (see P.circular_reorder)
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
@@ -283,7 +284,8 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             saved=sum(C.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
             working=C.backward_working(ops, policy, opts.act_bytes),
             tensor_links=links, forward=forward, forward_colls=forward_colls,
-            kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops))
+            kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops),
+            tensor_last=tuple(w for op in ops for w in op.tensor_last))
     return pr._summaries[layer]
 
 
@@ -383,9 +385,9 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     shift = P.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor)
     ends = P.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, m, schedule)
     if schedule == "circular":
-        ends += P.circular_reorder(per_stage * ((s.fsdp_w + s.grid_w) / mesh.fsdp + s.norm_w),
-                                   per_stage * s.fsdp_w / mesh.fsdp, stages, mesh.data * mesh.fsdp * mesh.tensor,
-                                   mesh.fsdp)
+        ends += P.circular_reorder(per_stage * ((s.fsdp_w + s.grid_w) / mesh.fsdp + s.norm_w), stages, repeats,
+                                   mesh.data * mesh.fsdp * mesh.tensor, [per_stage * w for w in s.tensor_last],
+                                   mesh.tensor)
     # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
     # but the scanned step runs it).
     shifts = [(c, ticks) for c in shift]
@@ -418,8 +420,10 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     rest_tokens = ctx.tokens * m
     replica = (per_stage * (s.fsdp_w + s.norm_w) * C.STATE_BYTES
                if mesh.data * mesh.fsdp > 1 and stages > 1 and not s.grid_w else 0.0)
-    accumulator = replica * (1 + (staged and mesh.fsdp > 1))
-    if schedule == "circular":  # the reordered stage weights and their gradient (see C.CIRCULAR_COPIES)
+    # under stage remat with FSDP, one tick's gradient of the weights it ran (a chunk: 1/V of the stage)
+    # waits before it is added
+    accumulator = replica * (1 + (staged and mesh.fsdp > 1) / repeats)
+    if schedule == "circular" and not staged:  # the reordered stage copies (see C.CIRCULAR_COPIES)
         accumulator += C.CIRCULAR_COPIES * per_stage * (s.fsdp_w + s.norm_w) * C.STATE_BYTES
     weights = s.fsdp_w + s.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups)

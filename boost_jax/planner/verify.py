@@ -170,12 +170,8 @@ BYTES_ONLY = ("pipeline weights", "data/fsdp")  # XLA issues one collective per 
 
 def pipeline_refusal(plan) -> str:
     """Why --verify does not compare this pipelined plan ("" when it does): what the compiled step
-    does there that the planner does not price (seen at the test shapes)."""
-    if plan.schedule == "circular":
-        return ("circular plans are not compared: XLA reorders the stage weights with all-to-alls (V 2), "
-                "all-gathers (V 3) or a full rematerialisation (tensor 1) and adds data/fsdp traffic, where the "
-                "planner prices one all-to-all per pass each way; their per-tick traffic and memory are checked in "
-                "tests/test_planner_pipeline.py")
+    does there that the planner does not price (seen at the test shapes). GPipe and circular plans
+    (stage remat included) are compared."""
     if "st" in plan.layer.choices:
         return ("pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
                 "the tick loop, which the planner prices per tick")
@@ -184,6 +180,13 @@ def pipeline_refusal(plan) -> str:
                 "compared: the compiled step moves the embedding's rows over pipeline x data, which the planner "
                 "does not price")
     return ""
+
+
+def verify_repeats(plan) -> int:
+    """V to compile a circular plan at on 2 stages: 2 where the plan's reorder is an all-to-all (its
+    V and S divide one another), else 3 (XLA gathers the stack; see partitions.circular_reorder)."""
+    s, v = plan.mesh.pipeline, plan.repeats
+    return 2 if v % s == 0 or s % v == 0 else 3
 
 
 def shrink_pipeline(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES, grid: bool = False) -> tuple[Mesh, int]:
@@ -199,8 +202,8 @@ def shrink_pipeline(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES, grid: 
 
 def _pipeline_class(axes, kind: str) -> str:
     axes = set(axes)
-    if "pipeline" in axes:  # the circular schedule's weight moves: all-to-alls, permutes over pipeline x fsdp
-        return "pipeline weights" if kind == "all-to-all" or axes & {"data", "fsdp"} else "pipeline"
+    if "pipeline" in axes:  # the circular schedule's weight moves: all-to-alls (V 3 on 2 stages: all-gathers)
+        return "pipeline weights" if kind in ("all-to-all", "all-gather") or axes & {"data", "fsdp"} else "pipeline"
     if {"data", "fsdp"} & axes:
         return "grid" if axes == {"fsdp", "tensor"} else "data/fsdp"
     return "tensor"
@@ -250,7 +253,8 @@ def predicted_pipeline(plan) -> dict:
     for c, times in plan.step_colls:
         if c.elements <= SCALAR or not times:
             continue
-        cls = {"data_fsdp": "data/fsdp", "pipeline_weights": "pipeline weights"}.get(c.axis, c.axis)
+        cls = {"data_fsdp": "data/fsdp", "pipeline_weights": "pipeline weights", "tensor_weights": "tensor"}.get(
+            c.axis, c.axis)
         slot = out.setdefault(cls, {}).setdefault(c.kind, [0, 0.0])
         slot[0] += times
         slot[1] += times * c.elements
