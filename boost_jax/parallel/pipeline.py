@@ -189,7 +189,7 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
     whatever grad_accum is.
 
     The stack (`trained[stack]`, leaves [L, ...]) is laid out as per-replica copies once, before the
-    accumulation loop (`_replicas`' forward), and handed to the schedule in place of the stack (`run`
+    accumulation loop (`_copies`), and handed to the schedule in place of the stack (`run`
     reads them from `_GIVEN`). The loss is differentiated with respect to the copies: each replica's
     gradient stays on its own devices, accumulated in float32 across the micro-batches, and is
     summed over the replicas once, after the loop, in `parallel.grad_reduce_dtype`. `specs`: the
@@ -208,10 +208,9 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
         layer_state = trained[stack]
 
         def lay_out(w, spec):
-            if repeats is None or spec is None:
-                return _copies(w, stages, n, NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * w.ndim))), repeats)
             copy = NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * w.ndim)))  # as the stages use them
-            return _copies(w, stages, n, copy, repeats, tuple(spec)[1:])  # reordered in the stored split
+            rest = None if repeats is None or spec is None else tuple(spec)[1:]  # circular: reordered in it
+            return _copies(w, stages, n, copy, repeats, rest)
 
         def as_float(w):
             return w if w is None else w.astype(jnp.promote_types(w.dtype, jnp.float32))
