@@ -135,6 +135,13 @@ def _on_stages(x: jax.Array, mesh, lead: int = 1, rest=None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("pipeline", *([None] * (lead - 1)), *tail)))
 
 
+def _copy_spec(spmd, ndim: int, repeats: int | None) -> P:
+    """The spec of the copies of an [L, ...] weight of `ndim` dims: split over the pipeline and replica axes, every other dim as the stages use
+    it. It must name every dim: a dim a PartitionSpec leaves out is replicated (the circular layout's
+    extra chunk dim once left the last dim out, and XLA gathered each weight split along it)."""
+    return P(spmd, *([P.UNCONSTRAINED] * (ndim + (repeats is not None))))  # [S n, (V,) L/(S V), ...]
+
+
 def _copies(w: jax.Array, stages: int, n: int, sharding: NamedSharding, repeats: int | None, rest=None) -> jax.Array:
     """[L, ...] -> [S * n, ...stage layout]: every replica's copy of its stage's layers. `rest`: see
     `_on_stages`."""
@@ -208,7 +215,7 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
         layer_state = trained[stack]
 
         def lay_out(w, spec):
-            copy = NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * w.ndim)))  # as the stages use them
+            copy = NamedSharding(mesh, _copy_spec(spmd, w.ndim, repeats))  # as the stages use them
             rest = None if repeats is None or spec is None else tuple(spec)[1:]  # circular: reordered in it
             return _copies(w, stages, n, copy, repeats, rest)
 
@@ -336,11 +343,11 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
             c is None or c.shape[0] == stages * n and c.size == n * a.size for c, a in zip(copies, leaves)), \
             "the train step's stage copies do not match the layer stack"
         staged = treedef.unflatten([  # integer leaves (no gradient) are laid out here
-            _replicas(a, stages, n, NamedSharding(mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype, repeats)
+            _replicas(a, stages, n, NamedSharding(mesh, _copy_spec(spmd, a.ndim, repeats)), dtype, repeats)
             if c is None else c for c, a in zip(copies, leaves)])
     else:
         staged = jax.tree.map(lambda a: _replicas(a, stages, n, NamedSharding(
-            mesh, P(spmd, *([P.UNCONSTRAINED] * a.ndim))), dtype, repeats), layer_state)
+            mesh, _copy_spec(spmd, a.ndim, repeats)), dtype, repeats), layer_state)
 
     def replica(stage_state, *inputs):
         with rules.use_rules(mesh, inner):

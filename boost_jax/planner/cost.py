@@ -103,9 +103,9 @@ def collective_seconds(kind: str, nbytes: float, p: int, bandwidth: float, laten
 def coll_bytes(c: Coll, act_bytes: int) -> float:
     """Payload bytes: activations in the compute dtype; on data/fsdp, FSDP's weight gathers in the
     compute dtype too (the trainer casts the shard, then gathers) and gradient reductions in float32
-    (parallel.grad_reduce_dtype's default); the circular schedule's weight moves (`pipeline_weights`,
-    `tensor_weights`) move the float32 stage copies."""
-    if (c.axis == "data_fsdp" and c.kind != "all-gather") or c.axis in ("pipeline_weights", "tensor_weights"):
+    (parallel.grad_reduce_dtype's default); the circular schedule's weight moves (`pipeline_weights`)
+    move the float32 stage copies."""
+    if (c.axis == "data_fsdp" and c.kind != "all-gather") or c.axis == "pipeline_weights":
         return c.elements * STATE_BYTES
     return c.elements * act_bytes
 

@@ -173,9 +173,6 @@ class Op:
     recompute: bool = True  # False: its output is the layer's output, which no remat policy redoes
     ring: float = 0.0  # compute-dtype elements its backward holds beyond the saved ones (st's ring copies)
     gemm_passes: float = 3.0  # forward GEMM times the op costs: forward + backward (2x), + a recompute
-    # its weight arrays stored split over `tensor` along their last dim (elements on this device, one
-    # entry per array): the circular schedule gathers these stage copies over tensor (circular_reorder)
-    tensor_last: tuple = ()
 
     def all_colls(self) -> list[Coll]:
         return self.colls + [c for s in self.st for c in s.colls()]
@@ -255,7 +252,7 @@ def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
     fs, ts = ctx.splits(layout)
     width = ctx.local(layout, ctx.block.d)
     op = Op(f"norm@{layout}", acts=width, weights=ctx.block.d / fs, saved=SAVED_NORM[0] * width,
-            saved32=SAVED_NORM[1] * width + ctx.tokens / ts, tensor_last=(ctx.block.d / fs,) if fs > 1 else ())
+            saved32=SAVED_NORM[1] * width + ctx.tokens / ts)
     if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed
         op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p, saved=p == "fwd") for p in ("fwd", "bwd")]
     return op
@@ -314,23 +311,19 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
                     Coll("all-reduce", m * g * r, t, 1, "bwd")]  # the B's input gradient
         op.acts, op.saved_lowrank = m * (2 * g * r + dsum / t), m * g * r + stats
         op.weights = (din * g * r + r * dsum) / t
-        op.tensor_last = tuple(r * o / t for o in douts)  # B [r, out/t]; A [in/t, r] is split on its first
     elif choice == "vanilla":  # A column-parallel (r split), B row-parallel: output left partial
         op.gemms = [Gemm(m, din, g * r / t, "A")] + [Gemm(m, r / t, o, "B") for o in douts]
         op.acts, op.saved_lowrank = m * (2 * g * r / t + dsum), m * g * r / t
         op.weights = (din * g * r + r * dsum) / t
-        op.tensor_last = (din * r / t,) * g  # A [in, r/t]; B [r/t, out] is split on its first
     elif choice == "megatron" and group in COLUMN:  # output columns split; the input is replicated
         if b.factored:  # A replicated (redundant compute), B column-parallel
             op.gemms = [Gemm(m, din, g * r, "A")] + [Gemm(m, r, o / t, "B") for o in douts]
             op.colls = [Coll("all-reduce", m * g * r, t, 1, "bwd")]
             op.acts, op.saved_lowrank = m * (2 * g * r + dsum / t), m * g * r
             op.weights = din * g * r + r * dsum / t
-            op.tensor_last = tuple(r * o / t for o in douts)
         else:
             op.gemms = [Gemm(m, din, dsum / t, "W")]
             op.acts, op.weights = m * dsum / t, din * dsum / t
-            op.tensor_last = tuple(din * o / t for o in douts)
     elif choice == "megatron":  # row-parallel: input features split, partial output reduced
         if b.factored:  # A row-parallel, r-wide all-reduce, B replicated
             op.gemms = [Gemm(m, din / t, r, "A"), Gemm(m, r, dsum, "B")]
@@ -521,30 +514,22 @@ def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatche
             + [Coll("collective-permute", done, stages, stride, "bwd", "pipeline")])
 
 
-def circular_reorder(stage_weights: float, stages: int, repeats: int, stride: int, tensor_last=(),
-                     tensor: int = 1) -> list[Coll]:
+def circular_reorder(stage_weights: float, stages: int, repeats: int, stride: int) -> list[Coll]:
     """The circular schedule's once-per-pass weight moves, as GSPMD compiles boost_jax/parallel/pipeline.py
     (its `_copies` / `_sum_copies`, read from the compiled step): the stored contiguous blocks of layers
     become the stage's V chunks in their stored (fsdp, tensor) split, before the tick loop, and their
     summed float32 gradient goes back the same way after it. When the [L] split over S devices reshapes
     to [V, S, L/(S V)] evenly (V % S == 0 or S % V == 0) that is one all-to-all per weight each way
     (operand: the stage's stored weights on this device); otherwise (e.g. V 3 on 2 stages) XLA gathers
-    the whole stack over `pipeline` each way (result: S x that). With tensor > 1 GSPMD also gathers the
-    copies of the weights split over `tensor` along their last dim over `tensor`, once per pass (the
-    per-tick chunk selection): one all-gather per array, its result the stage's array whole over tensor.
-    stage_weights: the stage's stored weight elements on one device (fsdp-split); tensor_last: per
-    array, the stage's elements on one device of those split along their last dim (fsdp-gathered, as
-    the copies hold them). Axes `pipeline_weights` / `tensor_weights`: float32 payloads."""
+    the whole stack over `pipeline` each way (result: S x that). The copies keep the tensor split, as
+    gpipe's do. stage_weights: the stage's stored weight elements on one device (fsdp-split). Axis
+    `pipeline_weights`: float32 payloads."""
     if stages <= 1:
         return []
     if repeats % stages == 0 or stages % repeats == 0:
-        out = [Coll("all-to-all", stage_weights, stages, stride, phase, "pipeline_weights") for phase in ("fwd", "bwd")]
-    else:
-        out = [Coll("all-gather", stages * stage_weights, stages, stride, phase, "pipeline_weights")
-               for phase in ("fwd", "bwd")]
-    if tensor > 1:
-        out += [Coll("all-gather", w * tensor, tensor, 1, "fwd", "tensor_weights") for w in tensor_last if w]
-    return out
+        return [Coll("all-to-all", stage_weights, stages, stride, phase, "pipeline_weights") for phase in ("fwd", "bwd")]
+    return [Coll("all-gather", stages * stage_weights, stages, stride, phase, "pipeline_weights")
+            for phase in ("fwd", "bwd")]
 
 
 # ---------------------------------------------------------------- the trainer's strategies

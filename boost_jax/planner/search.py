@@ -245,7 +245,6 @@ class LayerSummary:
     forward: float  # seconds of the layer's forward alone (what remat.pipeline=stage re-runs)
     forward_colls: list  # the collectives that forward runs (tensor axis; st's permutes)
     kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
-    tensor_last: tuple  # its weight arrays split over tensor along their last dim (see P.circular_reorder)
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
@@ -284,8 +283,7 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             saved=sum(C.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
             working=C.backward_working(ops, policy, opts.act_bytes),
             tensor_links=links, forward=forward, forward_colls=forward_colls,
-            kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops),
-            tensor_last=tuple(w for op in ops for w in op.tensor_last))
+            kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops))
     return pr._summaries[layer]
 
 
@@ -386,8 +384,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     ends = P.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, m, schedule)
     if schedule == "circular":
         ends += P.circular_reorder(per_stage * ((s.fsdp_w + s.grid_w) / mesh.fsdp + s.norm_w), stages, repeats,
-                                   mesh.data * mesh.fsdp * mesh.tensor, [per_stage * w for w in s.tensor_last],
-                                   mesh.tensor)
+                                   mesh.data * mesh.fsdp * mesh.tensor)
     # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
     # but the scanned step runs it).
     shifts = [(c, ticks) for c in shift]

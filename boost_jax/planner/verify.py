@@ -253,7 +253,7 @@ def predicted_pipeline(plan) -> dict:
     for c, times in plan.step_colls:
         if c.elements <= SCALAR or not times:
             continue
-        cls = {"data_fsdp": "data/fsdp", "pipeline_weights": "pipeline weights", "tensor_weights": "tensor"}.get(
+        cls = {"data_fsdp": "data/fsdp", "pipeline_weights": "pipeline weights"}.get(
             c.axis, c.axis)
         slot = out.setdefault(cls, {}).setdefault(c.kind, [0, 0.0])
         slot[0] += times
