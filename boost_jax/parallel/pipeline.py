@@ -20,10 +20,7 @@ output waits in between in a stage-local buffer [M, b, ...] (the size of GPipe's
 every schedule), which the chunks are not: the circular layout moves the stage weights once per
 pass, before the tick loop (one all-to-all over `pipeline` per weight, in its stored fsdp/tensor
 split, of which (S-1)/S leaves the device), and their summed gradient once after it (pinned by
-`_on_stages`; left to GSPMD the gradient's reorder fell back to replicating it). With tensor > 1
-GSPMD also gathers the stage copies over `tensor` once per pass (the per-tick chunk selection;
-selecting the chunk outside the stage vmap gives the same), so they hold the stage's weights whole
-over tensor: a cost gpipe does not have.
+`_on_stages`; left to GSPMD the gradient's reorder fell back to replicating it).
 
 Gradients over the batch axes: once per pass, in float32. Left to GSPMD, the stage weights'
 gradient is all-reduced over data x fsdp inside the backward tick loop, once per tick and layer
