@@ -10,8 +10,8 @@ bf16), and four plans per search:
             for the dense LLaMA) in every group;
   st        the fastest plan with at least one st group;
   base@st   the baseline strategy's partition (the st plan's strategy, sequence parallelism and
-            residual layout, every group the strategy's own) on the st plan's mesh, accumulation, GPipe
-            micro-batches and remat, so that
+            residual layout, every group the strategy's own) on the st plan's mesh, accumulation,
+            remat and pipeline schedule (GPipe or circular, V, M, stage remat), so that
             st's own effect is isolated: compute (GEMMs, attention, elementwise; st's permutes hide
             under its GEMMs), exposed tensor-axis traffic, and memory (st keeps no gathered weights).
 Prints a Markdown table per search and writes every number to JSON. Predictions of the cost model
@@ -30,9 +30,20 @@ CLUSTERS = ("a100_4x", "h100_8x")
 DEVICES = (16, 64)
 
 
+def schedule_name(p) -> str:
+    """The pipeline schedule as the tables show it: "-" unpipelined, "gpipe M8", "circular V2 M4",
+    "+stage" appended under remat.pipeline=stage."""
+    if p.mesh.pipeline == 1:
+        return "-"
+    name = f"circular V{p.repeats}" if p.schedule == "circular" else p.schedule
+    return f"{name} M{p.microbatches}" + (" +stage" if p.stage_remat == "stage" else "")
+
+
 def describe(p, layers: int) -> dict:
     m, lc = p.memory, p.layer_cost
-    return {"mesh": str(p.mesh), "layer": str(p.layer), "remat": p.remat, "grad_accum": p.grad_accum,
+    return {"mesh": str(p.mesh), "schedule": schedule_name(p), "pipeline_schedule": p.schedule,
+            "repeats": p.repeats, "microbatches": p.microbatches, "stage_remat": p.stage_remat,
+            "layer": str(p.layer), "remat": p.remat, "grad_accum": p.grad_accum,
             "runnable": p.runnable, "step_s": p.step_s, "mfu": p.mfu,
             "layer_compute_ms": 1e3 * lc.compute, "layer_tp_comm_ms": 1e3 * lc.comm,
             "layer_recompute_ms": 1e3 * lc.recompute, "layers_ms": 1e3 * layers * lc.total * p.grad_accum,
@@ -69,8 +80,10 @@ def study(config: str, cluster_name: str, devices: int, batch: int | None, seq: 
     groups = []
     if st is not None:
         uniform = Layer(*P.uniform_plan(st.strategy, st.sequence_parallel))  # same strategy and residual
+        pipelined = st.mesh.pipeline > 1
         picks["base@st"] = plan_for(cfg, cluster, st.mesh, st.grad_accum, st.remat, uniform, opts, fpt,
-                                    st.microbatches if st.mesh.pipeline > 1 else 0)
+                                    st.microbatches if pipelined else 0, schedule=st.schedule,
+                                    repeats=st.repeats, stage_remat=st.stage_remat)
         groups = group_breakdown(block, cluster, st, base, seq, opts)
     out = {"config": config, "cluster": cluster_name, "devices": devices, "batch": batch, "seq": seq,
            "considered": res.considered, "over_memory": res.rejected_memory,
@@ -121,18 +134,18 @@ def markdown(s: dict) -> str:
     head = (f"**{s['config']} on {s['devices']} x {s['cluster']}** (batch {s['batch']} x seq {s['seq']}; "
             f"{s['considered']} plans priced, {s['over_memory']} over {s['usable_hbm_gb']:.0f} GB, "
             f"{s['st_plans_fitting']} distinct st partitionings fit)\n\n"
-            "| plan | mesh p x d x f x t | residual: qkv / o / mlp_in / mlp_out | remat x accum | step s | MFU "
-            "| layer compute / TP comm ms | exposed data/fsdp ms | link GB intra / inter | GB/GPU (states / kept "
-            "/ transient) | trainer |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "| plan | mesh p x d x f x t | schedule | residual: qkv / o / mlp_in / mlp_out | remat x accum | step s "
+            "| MFU | layer compute / TP comm ms | exposed data/fsdp ms | link GB intra / inter | GB/GPU (states / "
+            "kept / transient) | trainer |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for name, p in s["plans"].items():
         if p is None:
-            lines.append(f"| {name} | - | none fits | | | | | | | | |")
+            lines.append(f"| {name} | - | - | none fits | | | | | | | | |")
             continue
         parts = p["layer"].split("|")
         choices = parts[0].replace("res", "").strip() + ": " + parts[1].strip().replace("/", " / ")
         lines.append(
-            f"| {name} | {p['mesh']} | {choices} | {p['remat']} x {p['grad_accum']} | {p['step_s']:.3f} "
+            f"| {name} | {p['mesh']} | {p['schedule']} | {choices} | {p['remat']} x {p['grad_accum']} | {p['step_s']:.3f} "
             f"| {100 * p['mfu']:.1f}% | {p['layer_compute_ms']:.2f} / {p['layer_tp_comm_ms']:.2f} "
             f"| {p['exposed_dp_ms']:.1f} | {p['link_gb']['intra']:.1f} / {p['link_gb']['inter']:.1f} "
             f"| {p['memory_gb']:.1f} ({p['states_gb']:.1f} / {p['kept_gb']:.1f} / {p['transient_gb']:.1f}) "
