@@ -86,15 +86,10 @@ def pipeline_executed(placement: str, stages: int = 2, data: int = 2, fsdp: int 
     cfg.parallel.update(pipeline=stages, data=data, fsdp=fsdp, tensor=1, num_devices=stages * data * fsdp,
                         microbatches=micro)
     validate(cfg)
-    axes, default = PIPELINE_PLACEMENTS[placement], pipeline.once_per_pass_axes
-    if axes is not None:
-        pipeline.once_per_pass_axes = lambda mesh, strategy: tuple(a for a in axes if mesh.shape[a] > 1)
-    try:
-        compiled = _compile(cfg)
-    finally:
-        pipeline.once_per_pass_axes = default
-    ops = [c for c in parse_collectives(compiled.as_text(), _mesh(cfg))
-           if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)]
+    axes = PIPELINE_PLACEMENTS[placement]
+    patch = None if axes is None else (
+        pipeline, "once_per_pass_axes", lambda mesh, strategy: tuple(a for a in axes if mesh.shape[a] > 1))
+    compiled, ops = _data_fsdp_reductions(cfg, patch)
     return {"placement": placement, "in_loop_elements": sum(c.elements for c in ops if c.in_loop),
             "outside_elements": sum(c.elements for c in ops if not c.in_loop),
             "executed_elements": sum(c.elements * c.trips for c in ops),
@@ -112,19 +107,28 @@ def pipeline_accumulation(schedule: str, repeats: int, accum: int, per_step: boo
     cfg.parallel.update(pipeline=2, data=2, fsdp=2, tensor=1, num_devices=8, microbatches=4,
                         pipeline_schedule=schedule, pipeline_repeats=repeats)
     validate(cfg)
-    default = pipeline.accumulate
-    if not per_step:
-        import jax
-        pipeline.accumulate = lambda loss_fn, trained, batch, **_: grad_reduce.accumulate_grads(
-            jax.value_and_grad(loss_fn), trained, batch)  # the plain loop: _replicas reduces per pass
+    import jax
+    plain = (pipeline, "accumulate", lambda loss_fn, trained, batch, **_: grad_reduce.accumulate_grads(
+        jax.value_and_grad(loss_fn), trained, batch))  # the plain loop: _replicas reduces per pass
+    _, ops = _data_fsdp_reductions(cfg, None if per_step else plain)
+    return {"schedule": schedule, "repeats": repeats, "grad_accum": accum, "once_per_optimizer_step": per_step,
+            "executed_elements": sum(c.elements * c.trips for c in ops)}
+
+
+def _data_fsdp_reductions(cfg, patch=None):
+    """(compiled train step, its all-reduces and reduce-scatters over data or fsdp); `patch`: (module,
+    attribute, value) swapped in while the step compiles."""
+    if patch is not None:
+        module, name, value = patch
+        default = getattr(module, name)
+        setattr(module, name, value)
     try:
         compiled = _compile(cfg)
     finally:
-        pipeline.accumulate = default
-    ops = [c for c in parse_collectives(compiled.as_text(), _mesh(cfg))
-           if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)]
-    return {"schedule": schedule, "repeats": repeats, "grad_accum": accum, "once_per_optimizer_step": per_step,
-            "executed_elements": sum(c.elements * c.trips for c in ops)}
+        if patch is not None:
+            setattr(module, name, default)
+    return compiled, [c for c in parse_collectives(compiled.as_text(), _mesh(cfg))
+                      if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)]
 
 
 def _mesh(cfg):

@@ -133,9 +133,10 @@ def _on_stages(x: jax.Array, mesh, lead: int = 1, rest=None) -> jax.Array:
 
 
 def _copy_spec(spmd, ndim: int, repeats: int | None) -> P:
-    """The spec of the copies of an [L, ...] weight of `ndim` dims: split over the pipeline and replica axes, every other dim as the stages use
-    it. It must name every dim: a dim a PartitionSpec leaves out is replicated (the circular layout's
-    extra chunk dim once left the last dim out, and XLA gathered each weight split along it)."""
+    """The spec of the copies of an [L, ...] weight of `ndim` dims: split over the pipeline and replica
+    axes, every other dim as the stages use it. It must name every dim: a dim a PartitionSpec leaves
+    out is replicated (the circular layout's extra chunk dim once left the last dim out, and XLA
+    gathered each weight split along it over tensor)."""
     return P(spmd, *([P.UNCONSTRAINED] * (ndim + (repeats is not None))))  # [S n, (V,) L/(S V), ...]
 
 
@@ -211,18 +212,15 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
         dtype = jnp.dtype(strategy.grad_reduce_dtype)
         layer_state = trained[stack]
 
-        def lay_out(w, spec):
-            copy = NamedSharding(mesh, _copy_spec(spmd, w.ndim, repeats))  # as the stages use them
+        def lay_out(w, spec):  # a float32 copy per replica, laid out as the stages use them
+            copy = NamedSharding(mesh, _copy_spec(spmd, w.ndim, repeats))
             rest = None if repeats is None or spec is None else tuple(spec)[1:]  # circular: reordered in it
-            return _copies(w, stages, n, copy, repeats, rest)
-
-        def as_float(w):
-            return w if w is None else w.astype(jnp.promote_types(w.dtype, jnp.float32))
+            return _copies(w.astype(jnp.promote_types(w.dtype, jnp.float32)), stages, n, copy, repeats, rest)
 
         specs = [None] * len(jax.tree.leaves(layer_state, is_leaf=lambda x: x is None)) if specs is None else \
             jax.tree.leaves(specs, is_leaf=lambda x: x is None or isinstance(x, P))
         leaves, treedef = jax.tree.flatten(layer_state, is_leaf=lambda x: x is None)
-        copies_f = treedef.unflatten([None if w is None else lay_out(as_float(w), sp) for w, sp in zip(leaves, specs)])
+        copies_f = treedef.unflatten([None if w is None else lay_out(w, sp) for w, sp in zip(leaves, specs)])
 
     def grad_fn(t, c, x):
         if c is None:
@@ -284,7 +282,7 @@ def per_replica_loss(loss_fn, *, mesh, strategy):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))))
 
     def run(h, w, labels, mask=None):
-        copies = _replicas(w[None], 1, n, NamedSharding(mesh, P(axes, *([P.UNCONSTRAINED] * (w.ndim + 1)))),
+        copies = _replicas(w[None], 1, n, NamedSharding(mesh, _copy_spec(axes, w.ndim + 1, None)),
                            dtype)[:, 0]  # [n, ...]: one copy per replica
 
         def one(h, w, labels, mask):
@@ -333,18 +331,19 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
     inner = without_axis(strategy, *axes)
     spmd = ("pipeline",) + axes
     dtype = jnp.dtype(strategy.grad_reduce_dtype)
+    def replicas(a):
+        return _replicas(a, stages, n, NamedSharding(mesh, _copy_spec(spmd, a.ndim, repeats)), dtype, repeats)
+
     if given is not None:  # the train step's copies (`accumulate`): it reduces their gradient itself
         leaves, treedef = jax.tree.flatten(layer_state)
         copies = jax.tree.leaves(given, is_leaf=lambda x: x is None)
         assert len(copies) == len(leaves) and all(
             c is None or c.shape[0] == stages * n and c.size == n * a.size for c, a in zip(copies, leaves)), \
             "the train step's stage copies do not match the layer stack"
-        staged = treedef.unflatten([  # integer leaves (no gradient) are laid out here
-            _replicas(a, stages, n, NamedSharding(mesh, _copy_spec(spmd, a.ndim, repeats)), dtype, repeats)
-            if c is None else c for c, a in zip(copies, leaves)])
+        # integer leaves (no gradient) are laid out here
+        staged = treedef.unflatten([replicas(a) if c is None else c for c, a in zip(copies, leaves)])
     else:
-        staged = jax.tree.map(lambda a: _replicas(a, stages, n, NamedSharding(
-            mesh, _copy_spec(spmd, a.ndim, repeats)), dtype, repeats), layer_state)
+        staged = jax.tree.map(replicas, layer_state)
 
     def replica(stage_state, *inputs):
         with rules.use_rules(mesh, inner):

@@ -45,7 +45,6 @@ def bind(fn, mesh=None, strategy=None):
 def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_specs=None):
     """The train step of the model `graphdef` on `mesh` under `strategy` (None: one device);
     `param_specs`: the parameters' PartitionSpecs (a pipeline's reordered stage weights keep them)."""
-    # Differentiate the trainable leaves only; fixed integer leaves ride along unchanged.
     pipelined = mesh is not None and mesh.shape.get("pipeline", 1) > 1
 
     def train_step(state, batch):
@@ -55,7 +54,7 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         updated parameter is not finite. A batch of documents is weighted by token: the loss is the
         mean over every counted target of the global batch, however they fall into micro-batches."""
         params = state["params"]
-        trained = trainable(params)
+        trained = trainable(params)  # differentiated; fixed integer leaves ride along unchanged
         extra = {}
         if batch_lib.is_documents(batch):
             inputs, targets = batch_lib.counts(batch)
