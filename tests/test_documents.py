@@ -86,6 +86,67 @@ def test_document_rows_are_prefixes_and_resume_exactly():
     assert not np.array_equal(loader.batch(0)["tokens"], loader.batch(100)["tokens"])  # a new epoch's order
 
 
+def _cola_row(doc, seq_len, eos):
+    """CoLA's row of one tokenised document (its ids then EOS, as prepare stores it): the T5 call
+    `tokenizer(text, max_length=seq_len, truncation=True)` keeps all of a document that fits and
+    otherwise its first seq_len-1 ids, then `</s>`."""
+    ids = list(doc[:-1]) if eos is not None else list(doc)
+    if len(ids) + (eos is not None) > seq_len:
+        ids = ids[:seq_len - (eos is not None)]
+    return np.array(ids + ([eos] if eos is not None else []), np.int64)
+
+
+@pytest.mark.parametrize("eos", [1, None])
+def test_document_rows_are_colas_truncation(eos):
+    """Fresh random documents ending with EOS (as prepare writes them), rows against CoLA's rule
+    re-implemented on the ids: truncated ones keep seq_len-1 ids and their EOS, the rest are whole."""
+    rng_seed = int(np.random.SeedSequence().entropy % 2 ** 32)  # fresh inputs each run, named on failure
+    rng = np.random.default_rng(rng_seed)
+    seq_len = 16
+    lengths = rng.integers(1, 3 * seq_len, 60)
+    docs = [np.append(rng.integers(2, 60, n), [eos] if eos is not None else []).astype(np.uint16) for n in lengths]
+    cut = np.array_split(np.arange(len(docs)), 2)
+    arrays = [np.concatenate([docs[i] for i in part]) for part in cut]
+    ends = [np.cumsum([len(docs[i]) for i in part]).astype(np.int64) for part in cut]
+    loader = DocumentLoader(arrays, ends, seq_len=seq_len, name="t", eos_id=eos, shuffle=False, **LOADER)
+    rows = loader.samples(range(len(docs)))
+    truncated = 0
+    for j, (tok, n) in enumerate(zip(rows["tokens"], rows["lengths"])):
+        want = _cola_row(docs[j], seq_len, eos)
+        np.testing.assert_array_equal(tok[:n], want, err_msg=f"document {j} (seed {rng_seed})")
+        assert (tok[n:] == 0).all()
+        truncated += len(docs[j]) > seq_len
+    assert truncated > 10  # the rule was exercised
+    if eos is not None:  # a document that does not end with EOS keeps its first seq_len ids
+        plain = DocumentLoader([arrays[0][:-1]], [np.append(ends[0][:-1], len(arrays[0]) - 1)], seq_len=seq_len,
+                               name="t", eos_id=eos, shuffle=False, **LOADER)
+        last = plain.samples([plain.n - 1])
+        doc = docs[cut[0][-1]][:-1]
+        np.testing.assert_array_equal(last["tokens"][0, :last["lengths"][0]], doc[:seq_len])
+
+
+def test_prepared_documents_keep_their_eos_when_truncated(tmp_path):
+    """Through prepare and build_loaders with a tokenizer that has `</s>`: a long document's row ends
+    with it, as CoLA's rows do."""
+    tokenizers = pytest.importorskip("tokenizers")
+    texts = [" ".join(f"word{(i * 7 + k) % 50}" for k in range(3 + 9 * i)) for i in range(30)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({**{f"word{k}": k + 2 for k in range(50)},
+                                                            "<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepare([str(tmp_path / "d.jsonl")], tmp_path / "out", str(tmp_path / "tok.json"), progress=False)
+    c = _config(tmp_path, "document", source="tokens", path=str(tmp_path / "out"), tokenizer=str(tmp_path / "tok.json"))
+    c.data.eval_fraction = 0.2
+    c.model.vocab_size = 64
+    train, held, _ = build_loaders(c)
+    t = c.train.seq_len
+    got = sorted(tuple(r[:n].tolist()) for loader in (train, held)
+                 for r, n in zip(*loader.samples(range(loader.n)).values()))
+    want = sorted(tuple(_cola_row(np.array(tok.encode(x).ids + [1]), t, 1).tolist()) for x in texts)
+    assert got == want and sum(len(r) == t and r[-1] == 1 for r in got) > 5
+
+
 def test_stream_with_numpy_order_is_the_old_permutation():
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 60, 5000).astype(np.uint16)

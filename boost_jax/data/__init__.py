@@ -164,7 +164,7 @@ def _check_mixture(cfg, mixture, field: str) -> None:
                              "prepare them with one tokenizer")
 
 
-def _one(cfg, source, name: str, field: str, **common):
+def _one(cfg, source, name: str, field: str, eos_id=None, **common):
     """The loader of one source for data.batching."""
     segments, ends = source
     batching = cfg.data.batching
@@ -175,14 +175,17 @@ def _one(cfg, source, name: str, field: str, **common):
                          f"not record (raw token files, or a directory prepared before they were recorded); "
                          f"prepare it with `python -m boost_jax.data.prepare` into a new --out (`{field}`), "
                          "or use data.batching=stream")
-    return (PackedLoader if batching == "packed" else DocumentLoader)(segments, ends, name=name, **common)
+    if batching == "document":  # a truncated document keeps its EOS, as CoLA's tokenizer call does
+        return DocumentLoader(segments, ends, name=name, eos_id=eos_id, **common)
+    return PackedLoader(segments, ends, name=name, **common)
 
 
 def _loader(cfg, mixture, sources, name: str, field: str, shuffle: bool, process_index: int, process_count: int,
-            order: str):
+            order: str, eos_id=None):
     t = cfg.train
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch, vocab_size=cfg.model.vocab_size,
-                  process_index=process_index, process_count=process_count, shuffle=shuffle, order=order)
+                  process_index=process_index, process_count=process_count, shuffle=shuffle, order=order,
+                  eos_id=eos_id)
     if len(mixture) == 1:
         return _one(cfg, sources[0], f"{name} ({cfg.data.source})", field, seed=cfg.seed, **common)
     loaders = [_one(cfg, source, f"{name} ({cfg.data.source} {path})", field, seed=(cfg.seed, k), **common)
@@ -215,11 +218,13 @@ def build_loaders(cfg, process_index: int = 0, process_count: int = 1, order: st
         eval_mixture = mixture
         train, held = zip(*[_split_tail(s, d.eval_fraction, d.batching != "stream") for s in sources])
     order = order or d.shuffle
-    train_loader = _loader(cfg, mixture, train, "train data", "data.path", True, process_index, process_count, order)
+    eos = tok.eos_id  # the run's tokenizer is the one the data was prepared with (prepared_shards checks)
+    train_loader = _loader(cfg, mixture, train, "train data", "data.path", True, process_index, process_count, order,
+                           eos)
     train_loader.identity = identity  # what the run's data position refers to (checkpoints record it)
     return (train_loader,
             _loader(cfg, eval_mixture, held, "eval data", "data.eval_path" if d.eval_path else "data.path", False,
-                    process_index, process_count, order), tok)
+                    process_index, process_count, order, eos), tok)
 
 
 def changed_sources(recorded: dict, now: dict) -> list[str]:

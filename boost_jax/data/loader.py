@@ -9,7 +9,10 @@ computes its own rows of the same global batch. What a unit is depends on `data.
 
 - stream: a window of seq_len+1 tokens of the concatenated stream (windows do not overlap; they
   cross document boundaries). A batch is an int32 array [rows, seq_len+1].
-- document: one document (CoLA's recipe): its first seq_len tokens, then padding. A batch is
+- document: one document (CoLA's recipe): the whole document if it fits in seq_len tokens, else its
+  first seq_len-1 tokens and then its EOS (as CoLA's T5 tokenizer call with truncation=True,
+  max_length=seq_len makes the row; a document that does not end with the tokenizer's EOS, or a
+  tokenizer without one, keeps its first seq_len tokens), then padding. A batch is
   {"tokens": [rows, seq_len+1], "lengths": [rows]}; position t holds a token iff t < length.
 - packed: a row of seq_len tokens holding whole documents. Documents are packed greedily in corpus
   order within blocks of PACK_BLOCK documents (a document longer than a row is cut into row-sized
@@ -149,12 +152,14 @@ class _Documents:
 
 
 class DocumentLoader(Loader):
-    """data.batching=document: one document per row, truncated to seq_len tokens and padded."""
+    """data.batching=document: one document per row, truncated to seq_len tokens (the last of them
+    the document's EOS, `eos_id`, when it ends with one) and padded."""
 
     batching = "document"
 
-    def __init__(self, segments, ends, *, seq_len: int, name: str, **kw):
+    def __init__(self, segments, ends, *, seq_len: int, name: str, eos_id: int | None = None, **kw):
         self.docs = _Documents(segments, ends, name)
+        self.eos_id = eos_id
         super().__init__(self.docs.count, seq_len=seq_len, name=name, **kw)
 
     def samples(self, ids) -> dict:
@@ -163,7 +168,11 @@ class DocumentLoader(Loader):
         lengths = np.zeros(len(units), np.int32)
         for row, j in enumerate(units.tolist()):
             s, lo, hi = self.docs.span(j)
-            piece = np.asarray(self.docs.segments[s][lo:min(hi, lo + self.seq_len)])
+            data = self.docs.segments[s]
+            piece = np.asarray(data[lo:min(hi, lo + self.seq_len)])
+            if hi - lo > self.seq_len and self.eos_id is not None and int(data[hi - 1]) == self.eos_id:
+                piece = piece.copy()
+                piece[-1] = self.eos_id  # CoLA's truncation: the first seq_len-1 ids, then </s>
             tokens[row, :len(piece)] = piece
             lengths[row] = len(piece)
         return {"tokens": self.check_ids(tokens), "lengths": lengths}
