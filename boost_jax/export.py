@@ -5,6 +5,13 @@
 
 Needs `safetensors` (`pip install -e '.[hf]'`); torch is needed only to load the result in PyTorch.
 
+Neither direction overwrites what is there: an import's RUN_DIR must be new or empty (a run there
+is refused; `--supersede` renames its steps to N.superseded), and an export's HF_DIR new, empty or
+an earlier export (files it does not write, e.g. another model's tokenizer, are refused;
+`--supersede` renames them to NAME.superseded). An export writes every file as NAME.tmp and renames
+them only when all are written, so a full disk or a read-only mount leaves HF_DIR as it was; an
+import takes RUN_DIR's trainer lock and loads a tokenizer file once before copying it.
+
 Full-rank models (model.linear=dense) export as a plain `LlamaForCausalLM` that
 `transformers.LlamaForCausalLM.from_pretrained(HF_DIR)` loads: our RoPE is the same rotate-half over
 the head dim (no q/k permutation), our RMSNorm is HF's, and every weight is transposed to HF's
@@ -268,8 +275,49 @@ def _load_via_ml_dtypes(path) -> dict[str, np.ndarray]:
             for k, v in header.items()}
 
 
-def export(checkpoint: str, out: str) -> Path:
-    """Write config.json, model.safetensors (and the tokenizer file, if any) for a run's checkpoint."""
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer.model")  # what an export writes
+
+
+def _supersede(path: Path) -> Path:
+    """Rename `path` to `NAME.superseded` (`.superseded.N` if taken); never deleted."""
+    target, n = path.with_name(path.name + ".superseded"), 1
+    while target.exists():
+        target, n = path.with_name(f"{path.name}.superseded.{n}"), n + 1
+    path.rename(target)
+    return target
+
+
+def _why(e: OSError) -> str:
+    import errno
+    return f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]" if e.strerror else (str(e) or type(e).__name__)
+
+
+def _write_all(out: Path, files: dict) -> None:
+    """Write {name: callable(path)} into `out` whole or not at all: each into NAME.tmp, renamed only
+    once every one is written, so a failure (a full disk, a read-only mount) leaves `out` as it was."""
+    tmps = {name: out / f"{name}.tmp" for name in files}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, write in files.items():
+            write(tmps[name])
+        for name, tmp in tmps.items():
+            tmp.replace(out / name)
+    except OSError as e:
+        for tmp in tmps.values():
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+        where = e.filename or out
+        raise ExportError(f"--out: cannot write {where} ({_why(e)}); nothing in {out} was changed: free some "
+                          "space or choose a writable --out") from None
+
+
+def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
+    """Write config.json, model.safetensors (and the tokenizer file, if any) for a run's checkpoint.
+    `out` may be new, empty or an earlier export (its files are replaced); files a loader would read
+    beside the new model that this export does not write (another model's tokenizer or weights) are
+    refused, or with `supersede` renamed to NAME.superseded."""
     from flax import nnx
 
     from boost_jax.runtime.build import load_model
@@ -282,27 +330,69 @@ def export(checkpoint: str, out: str) -> Path:
     if cfg.model.linear not in ("dense", *LR_ACT):
         raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports dense, "
                           f"{', '.join(LR_ACT)}")
-    out.mkdir(parents=True, exist_ok=True)
-    # {"format": "pt"}: transformers refuses safetensors files without it.
-    st.save_file(to_hf(nnx.to_pure_dict(nnx.state(model)), cfg.model), str(out / "model.safetensors"),
-                 metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tok.eos_id), indent=2) + "\n")
     spec = cfg.data.tokenizer
-    if spec not in ("", "byte"):  # the byte tokenizer needs no file: token id = UTF-8 byte
-        shutil.copy(spec, out / ("tokenizer.json" if spec.endswith(".json") else "tokenizer.model"))
+    tok_name = None if spec in ("", "byte") else ("tokenizer.json" if spec.endswith(".json") else "tokenizer.model")
+    ours = {"config.json", "model.safetensors", *([tok_name] if tok_name else [])}
+    stale = sorted(p.name for p in out.iterdir() if p.name not in ours and ".superseded" not in p.name
+                   and not p.name.endswith(".tmp")) if out.is_dir() else []
+    if stale and not supersede:
+        raise ExportError(f"--out: {out} holds files this export does not write ({', '.join(stale[:6])}"
+                          f"{' ...' if len(stale) > 6 else ''}), which a loader would read beside the new model; "
+                          "choose a new or empty --out, or pass --supersede to rename them to NAME.superseded")
+    tensors = to_hf(nnx.to_pure_dict(nnx.state(model)), cfg.model)
+    hf = json.dumps(hf_config(cfg.model, tok.eos_id), indent=2) + "\n"
+    files = {"model.safetensors": lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}),
+             "config.json": lambda p: p.write_text(hf)}
+    if tok_name:  # the byte tokenizer needs no file: token id = UTF-8 byte
+        files[tok_name] = lambda p: shutil.copyfile(spec, p)
+    # {"format": "pt"}: transformers refuses safetensors files without it.
+    _write_all(out, files)
+    for name in stale:
+        print(f"moved {out / name} (not part of this export) aside to {_supersede(out / name)}")
     return out
 
 
-def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: int = 1) -> tuple[Path, object]:
+def _check_import_out(run_dir: Path, supersede: bool) -> None:
+    """An import writes a new run: into a new or empty --out, or with `supersede` over an old run
+    (whose checkpoints are then renamed aside, never deleted)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ExportError(f"--out: {run_dir} is a file; give a directory for the imported run")
+    ckpts = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
+    # The lock and a checkpoints/ dir without steps (one left by a failed import) are no run.
+    names = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    held = [n for n in names if n not in (".lock", "checkpoints")] + (["checkpoints"] if steps else [])
+    if not held or supersede:
+        return
+    what = (f"a run with checkpoints (steps {steps}) that the imported step 0 would mix with" if steps
+            else f"files ({', '.join(held[:6])}{' ...' if len(held) > 6 else ''})")
+    raise ExportError(f"--out: {run_dir} already holds {what}; choose a new or empty --out, or pass --supersede "
+                      "to move its checkpoints aside as N.superseded")
+
+
+def _tokenizer_file(path: Path) -> None:
+    """Load a tokenizer file once (a truncated download or a corrupt model fails here, naming it)."""
+    from boost_jax.data.tokenizer import load_tokenizer
+    try:
+        load_tokenizer(str(path), field="--import-hf")
+    except (ValueError, ImportError) as e:
+        raise ExportError(str(e)) from None
+
+
+def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: int = 1,
+              supersede: bool = False) -> tuple[Path, object]:
     """HF Llama or CoLA dir -> RUN_DIR/checkpoints/0 with fresh optimizer state; intermediate_size is
-    zero-padded up to a multiple of `intermediate_multiple`. Returns (checkpoint dir, the run config
-    to train or sample with)."""
+    zero-padded up to a multiple of `intermediate_multiple`. RUN_DIR must be new or empty, unless
+    `supersede`: then its checkpoints (and a tokenizer file the import replaces) are renamed aside.
+    Returns (checkpoint dir, the run config to train or sample with)."""
     from boost_jax.config import base_config
     from boost_jax.runtime.build import build
     from boost_jax.runtime.checkpoint import Checkpointer
+    from boost_jax.runtime.runlock import RunLock
     from boost_jax.validate import validate
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir).resolve()
+    _check_import_out(run_dir, supersede)
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ExportError(f"no *.safetensors in {hf_dir}")
@@ -331,12 +421,10 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     file_d_ff = cfg.model.d_ff
     cfg.model.d_ff = -(-file_d_ff // intermediate_multiple) * intermediate_multiple
     cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer.model"):  # else the byte tokenizer (ids 0..255)
-        if (hf_dir / name).is_file():
-            shutil.copy(hf_dir / name, run_dir / name)
-            cfg.data.tokenizer = str(run_dir / name)
-            break
+    tok_name = next((n for n in ("tokenizer.json", "tokenizer.model") if (hf_dir / n).is_file()), None)
+    if tok_name:  # else the byte tokenizer (ids 0..255)
+        _tokenizer_file(hf_dir / tok_name)
+        cfg.data.tokenizer = str(run_dir / tok_name)
     validate(cfg)
 
     # Build the state on one device; a checkpoint restores onto any mesh later.
@@ -350,10 +438,32 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
              "opt_state": jax.jit(tx.init, out_shardings=spec.shardings["opt_state"])(params),
              "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32)}
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=False)
-    ckpt.save(0, state, {"data_position": 0, "step": 0, "config": json.loads(cfg.to_json_best_effort())},
-              force=True)
-    ckpt.close()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir).acquire()  # a trainer running in --out refuses the import
+    except OSError as e:
+        raise ExportError(f"--out: cannot write {run_dir} ({_why(e)}); choose a writable --out") from None
+    try:
+        _check_import_out(run_dir, supersede)  # again, under the lock
+        # owner: a failed save's partial files are removed, and Orbax's own tracebacks are not printed.
+        ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=False, owner=True,
+                            hint="--import-hf again")
+        try:
+            ckpt.move_newer_aside(None, why="superseded by --import-hf")
+            if tok_name and (run_dir / tok_name).exists():
+                print(f"moved {run_dir / tok_name} aside to {_supersede(run_dir / tok_name)}")
+            if tok_name:
+                try:
+                    shutil.copyfile(hf_dir / tok_name, run_dir / tok_name)
+                except OSError as e:
+                    raise ExportError(f"--out: cannot write {run_dir / tok_name} ({_why(e)}); free some space "
+                                      "or choose a writable --out") from None
+            ckpt.save(0, state, {"data_position": 0, "step": 0, "config": json.loads(cfg.to_json_best_effort())},
+                      force=True)
+        finally:
+            ckpt.close()
+    finally:
+        lock.release()
     return run_dir / "checkpoints" / "0", cfg
 
 
@@ -375,28 +485,32 @@ def main(argv=None) -> int:
     src.add_argument("--import-hf", metavar="HF_DIR", help="import: a HF Llama or CoLA (model_type cola) dir")
     ap.add_argument("--out", required=True, help="export: the HF dir to write; import: the run dir to write")
     ap.add_argument("--format", default="hf", choices=("hf",), help="export format (only hf)")
+    ap.add_argument("--supersede", action="store_true",
+                    help="import: --out may hold a run, whose checkpoints move aside as N.superseded; export: "
+                         "files in --out this export does not write move aside as NAME.superseded")
     ap.add_argument("--intermediate-multiple", type=int, default=1, metavar="M",
                     help="import: zero-pad intermediate_size up to a multiple of M (inert) so that "
                          "parallel.tensor sizes dividing M can split the MLP")
     args = ap.parse_args(argv)
     from absl import logging as absl_logging
 
-    from boost_jax.errors import CheckpointError, ConfigError
+    from boost_jax.errors import CheckpointError, ConfigError, RunDirBusy
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
         if args.checkpoint:
-            out = export(args.checkpoint, args.out)
+            out = export(args.checkpoint, args.out, supersede=args.supersede)
             print(f"wrote {out}/config.json and {out}/model.safetensors")
         else:
-            step_dir, cfg = import_hf(args.import_hf, args.out, intermediate_multiple=args.intermediate_multiple)
+            step_dir, cfg = import_hf(args.import_hf, args.out, intermediate_multiple=args.intermediate_multiple,
+                                      supersede=args.supersede)
             if cfg.model.d_ff % 2:
                 print(f"note: model.d_ff={cfg.model.d_ff} is odd, so parallel.tensor > 1 cannot split the MLP; "
                       "--intermediate-multiple M zero-pads it (inert) to a multiple of M")
             print(f"wrote {step_dir} (step 0, fresh optimizer state)\n"
                   f"sample: python -m boost_jax.generate --checkpoint {args.out}\n"
                   f"train:  python -m boost_jax.train --config.run_dir={args.out} {train_flags(cfg)}")
-    except (ExportError, ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ExportError, ConfigError, CheckpointError, RunDirBusy, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -14,7 +14,7 @@ import numpy as np
 from absl import logging as absl_logging
 from flax import nnx
 
-from boost_jax.errors import CheckpointError
+from boost_jax.errors import CheckpointError, ConfigError
 from boost_jax.runtime.build import load_model
 
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
         model, cfg, tok = load_model(args.checkpoint)
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     ids = np.asarray([tok.encode(args.prompt)], dtype=np.int32)

@@ -439,7 +439,7 @@ def prepare(paths: list[str], out, tokenizer: str = "byte", *, field: str = "tex
         raise PrepareError(f"--unit-mb: {unit_bytes} bytes per work unit; give a number of MB > 0 (e.g. 64)")
     if workers < 0:
         raise PrepareError(f"--workers {workers}: give 0 (tokenise in this process) or a number of processes")
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, field="--tokenizer")
     dtype = token_dtype(tok.vocab_size, dtype)
     out = Path(out)
     _make_out(out)

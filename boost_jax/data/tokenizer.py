@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from boost_jax.errors import ConfigError
 
 
 class ByteTokenizer:
@@ -65,15 +66,27 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
-def load_tokenizer(spec: str):
+def load_tokenizer(spec: str, field: str = "config field `data.tokenizer`"):
+    """'byte' (or ""), a HF tokenizers .json or a SentencePiece model, loaded and checked once: a file
+    that does not load (a truncated download, a corrupt model) is a ConfigError naming `field` and it."""
     if spec in ("", "byte"):
         return ByteTokenizer()
     if not os.path.isfile(spec):
-        raise FileNotFoundError(f"config field `data.tokenizer`: no file at {spec!r}; "
+        raise FileNotFoundError(f"{field}: no file at {spec!r}; "
                                 "give a tokenizers .json, a SentencePiece .model, or 'byte'")
-    if spec.endswith(".json"):
-        return HFTokenizer(spec)
-    return SentencePieceTokenizer(spec)
+    kind = "tokenizers JSON" if spec.endswith(".json") else "SentencePiece model"
+    try:
+        tok = HFTokenizer(spec) if spec.endswith(".json") else SentencePieceTokenizer(spec)
+        if tok.vocab_size < 1:
+            raise ValueError("an empty vocabulary")
+        tok.decode(tok.encode("a"))
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the Rust and C++ libraries raise plain Exception/RuntimeError
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ConfigError(f"{field}: {spec} is not a readable {kind} ({why}); it may be truncated or damaged: "
+                          "copy or download it again") from None
+    return tok
 
 
 def tokenizer_id(spec: str) -> str:
