@@ -6,8 +6,10 @@
 Restores the parameters only (not the optimizer state, so it needs about a third of the training
 memory) onto a mesh of the current devices: the run's `parallel.*` (with any overrides) when the
 devices fit it, else one device. Reports the mean next-token loss over N global batches of the run's
-held-out split (or over its first `--eval-tokens` tokens, as CoLA reports perplexity), or of any
-dataset given with `--config.data.*` overrides, and exp(loss).
+held-out split (or over its first `--eval-tokens` tokens, read as CoLA's evaluation loop reads them),
+or of any dataset given with `--config.data.*` overrides, and exp(loss), in two forms side by side:
+per target token (the default), and CoLA's reported form (the sum of the per-batch mean losses over
+n+1 after n batches, as its code computes it: compare this one with the paper's tables).
 """
 from __future__ import annotations
 
@@ -56,10 +58,13 @@ def perplexity(built: Built, params, *, split: str = "eval", batches: int | None
               f"{split} split; rows repeat", file=sys.stderr)
     result = eval_loss(built, data, params, batches=batches, tokens=tokens,
                        field="--eval-tokens" if tokens else "train.eval_tokens")
-    loss = result["loss"]  # exp() of a non-finite loss would be a number (inf caps at exp(50)): keep it
-    ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
-    return {**result, "perplexity": ppl, "split": split,
-            "batching": cfg.data.batching}
+    return {**result, "perplexity": _exp(result["loss"]), "cola_perplexity": _exp(result["cola_loss"]),
+            "split": split, "batching": cfg.data.batching}
+
+
+def _exp(loss: float) -> float:
+    """exp(loss); a non-finite loss stays itself (exp() would make a number of it: inf caps at exp(50))."""
+    return math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
 
 
 def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batches=None, tokens=None,
@@ -144,7 +149,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{result['checkpoint']}: {result['split']} loss {result['loss']:.4f}, perplexity "
-          f"{result['perplexity']:.2f} ({result['batches']} batches, {result['tokens']} tokens, mesh {result['mesh']})")
+          f"{result['perplexity']:.2f} per target token ({result['batches']} batches, {result['tokens']} tokens, "
+          f"mesh {result['mesh']}); CoLA's reported form: loss {result['cola_loss']:.4f}, perplexity "
+          f"{result['cola_perplexity']:.2f} (the sum of {result['batches']} per-batch means of "
+          f"{result['cola_batch_rows']} rows over {result['cola_denominator']}, its code's n+1)")
     if args.json:
         try:
             with open(args.json, "w") as f:

@@ -160,10 +160,10 @@ def _check_data(cfg, meta: dict, data, say) -> list[str]:
 
 
 def _evaluator(built, eval_data):
-    """params -> eval loss: the mean over train.eval_batches global batches of the held-out split,
-    or with train.eval_tokens over whole batches until that many input tokens are read. Batches of
-    documents are weighted by their counted targets (perplexity = exp of the mean over tokens)."""
-    return lambda params: eval_loss(built, eval_data, params)["loss"]
+    """params -> eval result (runtime/evaluation.py): the loss per target token over train.eval_batches
+    global batches of the held-out split, or with train.eval_tokens over whole batches as CoLA reads
+    them; and CoLA's reported form beside it (`cola_loss`)."""
+    return lambda params: eval_loss(built, eval_data, params)
 
 
 class _Loop:

@@ -2,6 +2,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 
 from boost_jax import evaluate, train
@@ -41,46 +42,129 @@ def test_another_dataset_and_bad_overrides(run, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def colas_evaluation(rows, global_batch: int, slices: int, budget: int) -> dict:
+    """CoLA's `evaluate_model` in plain numpy, over rows [(loss summed over the row's targets, targets,
+    non-pad tokens)] in eval order: `slices` GPUs each read a batch of global_batch/slices rows per
+    iteration (GPU j the rows j, slices+j, ... of the iteration's global batch); before an iteration
+    the loop breaks if the tokens counted so far exceed `budget`; each GPU sums its batches' mean
+    losses and divides by its batch counter, which starts at 1; the GPUs' results are averaged. Also
+    the loss per target token over the same rows."""
+    cola, total, targets, seen, n = np.zeros(slices), 0.0, 0, 0, 0
+    while True:
+        if seen > budget:
+            break
+        batch = rows[n * global_batch:(n + 1) * global_batch]
+        assert len(batch) == global_batch, "CoLA's loop would need rows past the split's end"
+        for j in range(slices):
+            mine = batch[j::slices]
+            cola[j] += sum(r[0] for r in mine) / max(sum(r[1] for r in mine), 1)
+        total += sum(r[0] for r in batch)
+        targets += sum(r[1] for r in batch)
+        seen += sum(r[2] for r in batch)
+        n += 1
+    return {"cola_loss": float(np.mean(cola / (n + 1))), "loss": total / targets, "tokens": seen, "batches": n}
+
+
+def test_eval_rule_is_colas_on_fresh_random_rows():
+    """runtime/evaluation.py's rule against `colas_evaluation`, on random documents and random per-row
+    losses (an eval step that looks each row's loss up): budgets inside a batch, exactly at a batch
+    boundary (CoLA's `>` reads one batch more) and one short of the split's whole batches; more than
+    that is a one-line error naming how many tokens the whole batches hold."""
+    import types
+
+    import jax
+
+    from boost_jax.data import DocumentLoader
+    from boost_jax.errors import ConfigError
+    from boost_jax.runtime.evaluation import eval_loss
+
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    rng = np.random.default_rng(seed)
+    seq_len, g, slices = 16, 8, 4
+    lengths = rng.integers(1, 40, 203)
+    docs = [np.append([j], rng.integers(0, 1000, n - 1)).astype(np.uint16) for j, n in enumerate(lengths)]
+    data = DocumentLoader([np.concatenate(docs)], [np.cumsum(lengths)], seq_len=seq_len, name="t", global_batch=g,
+                          seed=0, vocab_size=1024, shuffle=False)
+    per_target = rng.uniform(0.5, 5.0, len(docs))  # the "model": a loss per target of each document
+    kept = np.minimum(lengths, seq_len)
+    rows = [(per_target[j] * max(kept[j] - 1, 0), max(kept[j] - 1, 0), kept[j]) for j in range(len(docs))]
+
+    def eval_step(params, batch):  # per slice: (loss summed over its targets, its targets, its tokens)
+        ids = np.asarray(batch["tokens"])[:, 0].tolist()  # each document's first token is its number
+        assert (np.asarray(batch["lengths"]) == kept[ids]).all()
+        got = [[rows[j] for j in ids[s::slices]] for s in range(slices)]
+        return tuple(np.array([sum(r[k] for r in part) for part in got]) for k in range(3))
+
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(global_batch=g, seq_len=seq_len, eval_batches=2,
+                                                            eval_tokens=0, eval_microbatches=slices, grad_accum=1))
+    built = types.SimpleNamespace(cfg=cfg, eval_step=eval_step,
+                                  eval_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    whole = len(docs) // g
+    have = int(sum(r[2] for r in rows[:whole * g]))
+    assert data.whole_batches(g) == (whole, have)
+    boundary = int(sum(r[2] for r in rows[:3 * g]))
+    for budget in (1, int(rng.integers(2, have - 1)), boundary, boundary - 1, have - 1):
+        got = eval_loss(built, data, None, tokens=budget)
+        want = colas_evaluation(rows, g, slices, budget)
+        assert (got["tokens"], got["batches"]) == (want["tokens"], want["batches"]), (seed, budget)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-9), (seed, budget)
+        assert got["cola_loss"] == pytest.approx(want["cola_loss"], rel=1e-9), (seed, budget)
+        assert got["cola_denominator"] == want["batches"] + 1 and got["cola_batch_rows"] == g // slices
+    assert eval_loss(built, data, None, tokens=boundary)["batches"] == 4  # `>`: exactly 3 batches' tokens read 4
+    with pytest.raises(ConfigError, match=f"hold {have:,}") as e:
+        eval_loss(built, data, None, tokens=have, field="--eval-tokens")
+    assert str(e.value).startswith("config field `--eval-tokens`") and "\n" not in str(e.value)
+
+
 def test_eval_tokens_reads_documents_the_paper_way(tmp_path, capsys):
-    """`evaluate --eval-tokens N` on a run trained with one document per row: whole batches until N
-    input tokens were read, the loss the mean over their non-pad targets, against each document run
-    alone (its own length, no padding, no mask) on one device."""
+    """`evaluate --eval-tokens N` on a run trained with one document per row (in 2 eval slices): both
+    forms of the loss against `colas_evaluation` over each document run alone (its own length, no
+    padding, no mask) on one device."""
     import jax
 
     from boost_jax.data import build_loaders
     from boost_jax.runtime.build import load_model
     from conftest import small_config
 
+    rng = np.random.default_rng()
+    words = ["def", "return", "value", "x", "lambda", "class", "import", "self"]
+    texts = [" ".join(rng.choice(words, rng.integers(1, 12))) for _ in range(300)]  # many short documents
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     cfg = small_config(tmp_path / "run", **{"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2,
                                             "data.batching": "document", "data.eval_fraction": 0.2,
-                                            "parallel.num_devices": 1})
+                                            "data.source": "jsonl", "data.path": str(tmp_path / "docs.jsonl"),
+                                            "parallel.num_devices": 1, "train.eval_microbatches": 2})
     train.run(cfg)
     _, held, _ = build_loaders(cfg)
     budget = min(held.input_tokens(), 2 * cfg.train.global_batch * cfg.train.seq_len + 3)  # over 2 batches
     out = tmp_path / "eval.json"
     assert evaluate.main(["--checkpoint", cfg.run_dir, "--eval-tokens", str(budget), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     model, _, _ = load_model(cfg.run_dir)
-    rows, seen, total, targets = 0, 0, 0.0, 0
-    while seen < budget:  # whole batches of the unshuffled eval split, as CoLA's loop reads them
-        batch = held.samples(range(rows, rows + cfg.train.global_batch))
+    g = cfg.train.global_batch
+    rows = []
+    for k in range(result["batches"] + 1):
+        batch = held.samples(range(k * g, (k + 1) * g))
         for tokens, n in zip(batch["tokens"], batch["lengths"]):
-            seen += int(n)
-            if n >= 2:
-                doc = jax.numpy.asarray(tokens[None, :n])
-                total += float(model.next_token_loss(doc, with_z_loss=False)) * (n - 1)
-                targets += int(n) - 1
-        rows += cfg.train.global_batch
-    assert result["tokens"] == seen and result["batches"] == rows // cfg.train.global_batch
-    assert result["loss"] == pytest.approx(total / targets, rel=1e-5)
-    assert result["batching"] == "document"
+            doc = jax.numpy.asarray(tokens[None, :n])
+            loss = float(model.next_token_loss(doc, with_z_loss=False)) * (n - 1) if n >= 2 else 0.0
+            rows.append((loss, max(int(n) - 1, 0), int(n)))
+    want = colas_evaluation(rows, g, 2, budget)
+    assert (result["tokens"], result["batches"]) == (want["tokens"], want["batches"])
+    assert result["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert result["cola_loss"] == pytest.approx(want["cola_loss"], rel=1e-5)
+    assert result["cola_perplexity"] == pytest.approx(math.exp(want["cola_loss"]), rel=1e-4)
+    assert result["batching"] == "document" and "CoLA's reported form" in printed and "n+1" in printed
     assert evaluate.main(["--checkpoint", cfg.run_dir, "--eval-tokens", str(10 ** 9)]) == 1
-    assert "--eval-tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: config field `--eval-tokens`") and err.count("\n") == 1 and "hold" in err
 
 
 def _fake_result(**kw):
     return {"checkpoint": "/runs/x/checkpoints/4", "step": 4, "split": "eval", "loss": 3.0, "perplexity": 20.1,
-            "batches": 1, "tokens": 8, "mesh": {"data": 1}, **kw}
+            "batches": 1, "tokens": 8, "mesh": {"data": 1}, "cola_loss": 1.5, "cola_perplexity": 4.5,
+            "cola_denominator": 2, "cola_batch_rows": 4, **kw}
 
 
 def test_json_target_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
@@ -102,7 +186,9 @@ def test_json_target_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
 
 def test_non_finite_loss_exits_1(run, tmp_path, capsys, monkeypatch):
     run_dir, (step, _) = run
-    monkeypatch.setattr(evaluate, "eval_loss", lambda *a, **k: {"loss": float("nan"), "batches": 2, "tokens": 64})
+    monkeypatch.setattr(evaluate, "eval_loss", lambda *a, **k: {"loss": float("nan"), "batches": 2, "tokens": 64,
+                                                                "cola_loss": float("nan"), "cola_denominator": 3,
+                                                                "cola_batch_rows": 4})
     out = tmp_path / "eval.json"
     assert evaluate.main(["--checkpoint", run_dir, "--json", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -100,6 +100,16 @@ class Loader:
         """Tokens trained on per source by `position` (only mixtures have several sources)."""
         return {}
 
+    def unit_tokens(self, units) -> int:
+        """Input tokens that are not padding in `units` (what train.eval_tokens counts)."""
+        raise NotImplementedError
+
+    def whole_batches(self, global_batch: int) -> tuple[int, int]:
+        """(the global batches from sample 0 before any unit is read twice, the input tokens that are
+        not padding in them): what an evaluation may read without wrapping round."""
+        k = self.n // global_batch
+        return k, int(self.unit_tokens(self.units(np.arange(k * global_batch))))
+
 
 class TokenLoader(Loader):
     """data.batching=stream: non-overlapping windows of seq_len+1 tokens of the concatenated segments."""
@@ -126,6 +136,9 @@ class TokenLoader(Loader):
     def input_tokens(self) -> int:
         """Tokens the model reads in one pass over the units (what train.eval_tokens counts)."""
         return self.n * self.seq_len
+
+    def unit_tokens(self, units) -> int:
+        return len(units) * self.seq_len
 
 
 class _Documents:
@@ -179,6 +192,10 @@ class DocumentLoader(Loader):
 
     def input_tokens(self) -> int:
         return int(sum(np.minimum(self.docs.lengths(s), self.seq_len).sum() for s in range(len(self.docs.ends))))
+
+    def unit_tokens(self, units) -> int:
+        lengths = np.concatenate([self.docs.lengths(s) for s in range(len(self.docs.ends))])
+        return int(np.minimum(lengths[np.asarray(units, np.int64)], self.seq_len).sum())
 
 
 OPEN_ROWS = 16  # packed: rows of a block that are still open to a document's last piece
@@ -286,6 +303,11 @@ class PackedLoader(Loader):
     def input_tokens(self) -> int:
         return self.tokens_total
 
+    def unit_tokens(self, units) -> int:
+        blocks = np.searchsorted(self.block_rows, units, side="right") - 1
+        return sum(n for r, b in zip(np.asarray(units).tolist(), blocks.tolist())
+                   for _, n in self._packed(b)[r - int(self.block_rows[b])])
+
 
 MIX_BLOCK = 1 << 16  # a mixture's schedule repeats its per-source quotas every MIX_BLOCK samples
 _MIX_SALT = 0x6D6978  # keeps the mixture's random stream apart from the sources' permutations
@@ -347,6 +369,22 @@ class MixtureLoader:
 
     def input_tokens(self) -> int:
         return sum(loader.input_tokens() for loader in self.loaders)
+
+    def _consumed(self, position: int) -> np.ndarray:
+        """Samples of each source that the run's first `position` samples read (its samples
+        0..count-1: a source's slots of a block come in rank order)."""
+        b, r = divmod(position, MIX_BLOCK)
+        return b * self.quota + np.bincount(self._block(b)[0][:r], minlength=len(self.quota))
+
+    def whole_batches(self, global_batch: int) -> tuple[int, int]:
+        """As Loader.whole_batches: the most global batches before any source reads a unit twice."""
+        n = np.array([loader.n for loader in self.loaders])
+        lo, hi = 0, int(n.sum()) // global_batch + 1  # hi batches would read more samples than there are
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if (self._consumed(mid * global_batch) <= n).all() else (lo, mid)
+        used = self._consumed(lo * global_batch)
+        return lo, sum(int(loader.unit_tokens(loader.units(np.arange(c)))) for loader, c in zip(self.loaders, used))
 
     def source_tokens(self, position: int) -> dict:
         """{"tokens/NAME": row slots (seq_len each) trained on from that source in the run's first

@@ -11,34 +11,52 @@ from boost_jax.runtime.build import to_global
 
 def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | None = None,
               field: str = "train.eval_tokens") -> dict:
-    """{"loss", "batches", "tokens"}: the mean next-token loss over `batches` global batches of
-    `data` (default train.eval_batches) or, when `tokens` (default train.eval_tokens) is set, over
-    whole batches until that many input tokens that are not padding were read (as CoLA counts its
-    10M). Batches of documents are weighted by their counted targets, so exp(loss) is the perplexity
-    per target token; stream batches all hold the same number and are averaged as they come."""
+    """The eval loss of `params` over `batches` global batches of `data` (default train.eval_batches)
+    or, when `tokens` (default train.eval_tokens) is set, over whole batches read as CoLA's evaluation
+    loop reads them: before each batch it stops if more than `tokens` input tokens that are not
+    padding were read (`>`: a count that lands exactly on `tokens` reads one batch more); a batch
+    never wraps round to the split's start (asking for more is a ConfigError naming how many the
+    split's whole batches hold). Returns
+
+    - "loss": the mean over every counted target (batches of documents weighted by their targets; stream
+      batches all hold the same number), so exp(loss) is the perplexity per target token;
+    - "cola_loss": CoLA's reported form (its `evaluate_model`): the sum of each batch's mean loss divided
+      by n+1 after n batches (its batch counter starts at 1), a batch being one eval slice of
+      `cola_batch_rows` = train.global_batch / (train.eval_microbatches or train.grad_accum) rows, as
+      each GPU's `--batch_size` batch is there (the slices of a global batch are averaged first, as
+      DDP averages the GPUs); "cola_denominator" is that n+1;
+    - "batches", "tokens": the global batches and the input tokens that are not padding read."""
     t = built.cfg.train
     batches = t.eval_batches if batches is None else batches
     tokens = t.eval_tokens if tokens is None else tokens
     if tokens:
-        have = data.input_tokens()
-        if tokens > have:
-            raise ConfigError(f"config field `{field}`: {tokens:,} tokens, but the eval split holds {have:,} "
-                              f"(data.batching={data.batching}, seq_len {t.seq_len}); lower it or give a larger "
-                              "data.eval_path / data.eval_fraction")
+        whole, have = data.whole_batches(t.global_batch)
+        if tokens >= have:
+            raise ConfigError(f"config field `{field}`: {tokens:,} tokens, but the eval split's {whole} whole batches "
+                              f"of {t.global_batch} rows hold {have:,} (data.batching={data.batching}, seq_len "
+                              f"{t.seq_len}) and CoLA's rule reads until more than {tokens:,} were read; give at most "
+                              f"{have - 1:,}, or a larger data.eval_path / data.eval_fraction")
     documents = data.batching != "stream"
     results, seen, i = [], 0, 0
-    while (seen < tokens) if tokens else (i < batches):
+    while (seen <= tokens) if tokens else (i < batches):
         out = built.eval_step(params, to_global(data.batch(i * t.global_batch), built.eval_sharding))
         if documents and tokens:  # the count decides when to stop: read it now
-            seen += int(jax.device_get(out[2]))
+            seen += int(np.sum(jax.device_get(out[2])))
         elif not documents:
             seen += t.global_batch * t.seq_len
         results.append(out)
         i += 1
     results = jax.device_get(results)
+    slices = t.eval_microbatches or t.grad_accum
     if documents:
-        seen = seen if tokens else int(sum(r[2] for r in results))
-        loss = float(sum(r[0] for r in results)) / max(int(sum(r[1] for r in results)), 1)
+        sums = np.array([r[0] for r in results], np.float64)  # [batches, slices]
+        targets = np.array([r[1] for r in results], np.int64)
+        seen = seen if tokens else int(sum(np.sum(r[2]) for r in results))
+        loss = float(sums.sum()) / max(int(targets.sum()), 1)
+        batch_means = (sums / np.maximum(targets, 1)).mean(axis=1)
     else:
-        loss = float(np.mean(results))
-    return {"loss": float(loss), "batches": i, "tokens": seen}
+        batch_means = np.array(results, np.float64)
+        loss = float(batch_means.mean())
+    return {"loss": float(loss), "batches": i, "tokens": seen,
+            "cola_loss": float(batch_means.sum()) / (i + 1), "cola_denominator": i + 1,
+            "cola_batch_rows": t.global_batch // slices}

@@ -68,11 +68,16 @@ class Reporter:
                              mfu=fmt_mfu(rate["mfu"]))
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
-    def eval(self, step: int, loss: float, say: bool = True) -> None:
+    def eval(self, step: int, result, say: bool = True) -> None:
+        """result: the eval loss, or runtime/evaluation.py's dict (then CoLA's reported form is logged
+        beside it as `eval_loss_cola`)."""
+        loss = result["loss"] if isinstance(result, dict) else result
+        cola = result.get("cola_loss") if isinstance(result, dict) else None
         self.evals.append((step, loss))
-        self.writer.write(step, {"eval_loss": loss})
+        self.writer.write(step, {"eval_loss": loss, **({} if cola is None else {"eval_loss_cola": cola})})
         if say and self.main:
-            self.bar.write(f"step {step}: eval loss {loss:.4f}")
+            self.bar.write(f"step {step}: eval loss {loss:.4f}"
+                           + ("" if cola is None else f" (CoLA's reported form {cola:.4f})"))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -94,13 +94,15 @@ def make_eval_step(graphdef, microbatches: int = 1, mesh=None, strategy=None):
     """Cross-entropy (no z-loss) of a batch, run as `microbatches` sequential slices (as training
     runs its grad_accum micro-batches), so evaluation fits wherever training fits. A stream batch
     (tokens [B, T+1]) gives its mean; a batch of documents (sum over the counted targets, counted
-    targets, input tokens that are not padding), which the evaluator sums over batches."""
+    targets, input tokens that are not padding), each a [microbatches] vector, one entry per slice:
+    the evaluator sums them over batches, or averages the slices' means as CoLA reports its loss."""
     def eval_step(params, batch):
         loss = lambda x: next_token_loss(graphdef, params, x, with_z_loss=False)  # noqa: E731
         if batch_lib.is_documents(batch):
             micro = jax.tree.map(lambda x: to_microbatches(x, microbatches), batch)
-            total = jax.lax.map(loss, micro).sum() if microbatches > 1 else loss(batch)
-            return (total, *batch_lib.counts(batch)[::-1])
+            sums = jax.lax.map(loss, micro) if microbatches > 1 else loss(batch)[None]
+            per_slice = lambda mask: mask.sum(axis=(1, 2), dtype=jnp.int32)  # noqa: E731
+            return sums, per_slice(batch_lib.target_mask(micro)), per_slice(batch_lib.input_mask(micro))
         if microbatches == 1:
             return loss(batch)
         micro = to_microbatches(batch, microbatches)  # each device keeps its rows
