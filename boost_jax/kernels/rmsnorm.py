@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.kernels import platform
+
 try:  # Pallas's Triton backend (deprecated in jax 0.11): without it, impl="pallas" falls back loudly
     from jax.experimental.pallas import triton as plgpu
     _CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
@@ -229,8 +231,8 @@ def _probe(impl, x2, scale, br, compile_probe, why) -> str:
     """Run `compile_probe` once per (impl, backend, dtypes, d, block_rows): "" when the kernel
     compiles, else the reason, logged and (once per process) warned with `why(reason)`."""
     global _WARNED
-    backend = jax.default_backend()
-    key = (impl, backend, jnp.dtype(x2.dtype), jnp.dtype(scale.dtype), x2.shape[1], br)
+    backend = platform.name()
+    key = (impl, backend, str(getattr(platform.device(), "device_kind", "")), jnp.dtype(x2.dtype), jnp.dtype(scale.dtype), x2.shape[1], br)
     if key not in _LOWERS:
         try:
             compile_probe()
@@ -246,8 +248,9 @@ def _probe(impl, x2, scale, br, compile_probe, why) -> str:
 
 
 def _one_block(x2, scale, br):
-    return (jax.ShapeDtypeStruct((br, x2.shape[1]), x2.dtype), jax.ShapeDtypeStruct(scale.shape, scale.dtype),
-            jax.ShapeDtypeStruct((br, x2.shape[1]), x2.dtype), jax.ShapeDtypeStruct((br,), _F32))
+    """A one-block input on the target device (kernels/platform.py), so the probe compiles for it."""
+    return (platform.abstract((br, x2.shape[1]), x2.dtype), platform.abstract(scale.shape, scale.dtype),
+            platform.abstract((br, x2.shape[1]), x2.dtype), platform.abstract((br,), _F32))
 
 
 def _pallas_lowers(x2, scale, br):
@@ -258,7 +261,7 @@ def _pallas_lowers(x2, scale, br):
 
         def probe(x, w, dy, ds):
             return _fwd_call(x, w, 1e-6, br, False), _bwd_call(x, w, dy, ds, 1e-6, br, False)
-        jax.jit(probe).lower(*_one_block(x2, scale, br)).compile()
+        jax.jit(probe).lower(*_one_block(x2, scale, br)).compile()  # on the target devices (_one_block)
 
     return _probe("pallas", x2, scale, br, compile_probe, lambda backend, reason: (
         f"boost_jax rmsnorm: Pallas kernel does not lower on backend {backend!r} ({reason}); falling back "
@@ -268,15 +271,14 @@ def _pallas_lowers(x2, scale, br):
 def _triton_runs(x2, scale, block_rows):
     """Compile both Triton kernels once per (backend, dtypes, d, block_rows); the reason when they cannot."""
     def compile_probe():
-        client = jax.devices()[0].client
-        if jax.default_backend() != "gpu" or "cuda" not in getattr(client, "platform_version", "cuda").lower():
+        if not platform.is_nvidia():
             raise RuntimeError("needs an NVIDIA GPU")
         from boost_jax.kernels import rmsnorm_triton as T  # imports triton; jax_triton at the first call
         rows = block_rows or T.default_rows(x2.shape[1])
 
         def probe(x, w, dy, ds):
             return T._fwd_call(x, w, 1e-6, rows), T._bwd_call(x, w, dy, ds, 1e-6, rows)
-        jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()
+        jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()  # on the target devices (_one_block)
 
     return _probe("triton", x2, scale, block_rows, compile_probe, lambda backend, reason: (
         f"boost_jax rmsnorm: kernels.rmsnorm=triton cannot run on backend {backend!r} ({reason}); falling back "
@@ -291,7 +293,7 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     a power of two (Triton). interpret=None: the Pallas interpreter on CPU, compiled (Triton)
     elsewhere; the "triton" impl has no interpreter and ignores it.
     """
-    used_key = (impl, jax.default_backend(), jnp.dtype(x.dtype).name, x.shape[-1])
+    used_key = (impl, platform.name(), jnp.dtype(x.dtype).name, x.shape[-1])
     if impl == "xla":
         _USED[used_key] = "xla"
         return rmsnorm_reference(x, scale, eps)
@@ -317,7 +319,7 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     br = block_rows or _default_block_rows(d)
     br = min(br, 1 << (n_rows.bit_length() - 1))  # a block never starts before row 0
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = platform.name() == "cpu"
     interpret = bool(interpret)
     # The interpreter needs no probe, unless this jax lacks the Pallas Triton primitives altogether.
     failure = _pallas_lowers(x2, scale, br) if not interpret or _NO_PALLAS_TRITON else ""

@@ -58,8 +58,10 @@ def rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, n_rows: tl.
     cmask = cols < d
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for block in range(pid, tl.cdiv(n_rows, ROWS), PROGRAMS):
-        rows = block * ROWS + tl.arange(0, ROWS)
+    # Static trip count (every program the same; a block past the end is fully masked): the loop
+    # bounds stay compile-time constants, which Triton's interpreter also needs.
+    for step in range(0, tl.cdiv(tl.cdiv(n_rows, ROWS), PROGRAMS)):
+        rows = (pid + step * PROGRAMS) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_rows
         mask = rmask[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
@@ -103,12 +105,20 @@ def _jt():
     return jax_triton
 
 
+def _target():
+    """jax-triton asks the driver for the compute capability; a target without a device (a deviceless
+    compile, kernels/platform.py) names it instead."""
+    from boost_jax.kernels import platform
+    cc = platform.compute_capability() if platform.device() is not None else None
+    return {} if cc is None else {"compute_capability": cc}
+
+
 def _fwd_call(x2, scale, eps, rows):
     n_rows, d = x2.shape
     return _jt().triton_call(
         x2, scale, kernel=rmsnorm_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((n_rows,), _F32)],
-        grid=(triton.cdiv(n_rows, rows),), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_fwd",
+        grid=(triton.cdiv(n_rows, rows),), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_fwd", **_target(),
         n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d))
 
 
@@ -118,7 +128,7 @@ def _bwd_call(x2, scale, dy, ds, eps, rows):
     dx, dw_part = _jt().triton_call(
         x2, scale, dy, ds, kernel=rmsnorm_bwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((p, d), _F32)],
-        grid=(p,), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_bwd",
+        grid=(p,), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_bwd", **_target(),
         n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d), PROGRAMS=p)
     return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
 

@@ -54,6 +54,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.errors import ConfigError
+from boost_jax.kernels import platform
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.linear import Projection, project
 from boost_jax.parallel.placement import LOCAL
@@ -205,7 +206,7 @@ def resolve(impl: str, q, k, offset, docs: Documents | None = None) -> str:
     fused_ok = _static_zero(offset)
     kind = None if docs is None else docs.kind
     if impl == "auto":
-        shape = (fused_ok and jax.default_backend() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
+        shape = (fused_ok and platform.name() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
                  q.shape[-1], q.shape[1], k.shape[1])
         name = auto_impl(*shape, documents=kind)
         if kind == "segments" and name != auto_impl(*shape) and name not in _WARNED:  # said only when it differs
@@ -505,7 +506,7 @@ def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool 
         raise ValueError(f"pallas attention needs as many keys as queries, got {t} and {k.shape[1]}")
     block = block or min(64, 1 << max(4, math.ceil(math.log2(t))))
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = platform.name() == "cpu"
     g = h // k.shape[2]
     tp = -(-t // block) * block
     qp, kp, vp = (_pad_to(x, 1, tp) for x in (q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)))
@@ -526,9 +527,9 @@ def pallas_attention(q, k, v, offset, block: int | None = None, interpret: bool 
 @implementation("cudnn", cost="flash", fused=True, documents=("lengths",))
 def cudnn_attention(q, k, v, offset, *, docs: Documents | None = None):
     """cuDNN's fused kernel; with documents (one per row only) its query / key-value lengths."""
-    if jax.default_backend() != "gpu":
-        raise ConfigError(f"config field `model.attention`: cudnn needs an NVIDIA GPU (this backend is "
-                          f"{jax.default_backend()!r}); use chunked, xla or auto")
+    if not platform.is_nvidia():
+        raise ConfigError(f"config field `model.attention`: cudnn needs an NVIDIA GPU (the step is built for "
+                          f"{platform.name()!r} devices); use chunked, xla or auto")
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ConfigError(f"config field `model.attention`: cudnn runs bfloat16/float16, the model computes in "
                           f"{q.dtype}; set model.dtype=bfloat16 (or model.attention=chunked)")

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from boost_jax.kernels import platform
 from boost_jax.model import batch as batch_lib, remat
 from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
@@ -18,8 +19,9 @@ from boost_jax.parallel.rules import constrain, gathered, take_rows
 
 
 def compute_dtype(name: str):
+    """`model.dtype`; auto: float32 when building for CPUs, bfloat16 for accelerators (kernels/platform.py)."""
     if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if platform.name() == "cpu" else jnp.bfloat16
     return jnp.dtype(name)
 
 

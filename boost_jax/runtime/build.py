@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from boost_jax.kernels import platform
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
+from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.optim import make_optimizer
 from boost_jax.runtime.state import StateSpec, init_state, state_spec
 from boost_jax.runtime.step import bind, make_eval_step, make_train_step, next_token_loss
@@ -40,13 +42,9 @@ class Built:
     eval_step: object  # jitted (params, tokens [B, T+1]) -> mean loss
     eval_sharding: NamedSharding
 
-    def abstract_batch(self):
-        """The train step's batch as shapes: tokens [grad_accum, micro_batch, T+1], or for
-        data.batching packed/document the dict boost_jax/model/batch.py describes."""
-        t = self.cfg.train
-        rows = (t.grad_accum, t.global_batch // t.grad_accum)
-        spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)  # noqa: E731
-        tokens = spec(rows + (t.seq_len + 1,))
+    def _abstract(self, rows: tuple, sharding):
+        spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
+        tokens = spec(rows + (self.cfg.train.seq_len + 1,))
         batching = self.cfg.data.batching
         if batching == "stream":
             return tokens
@@ -54,9 +52,23 @@ class Built:
             return {"tokens": tokens, "lengths": spec(rows)}
         return {"tokens": tokens, "segments": tokens, "positions": tokens}
 
+    def abstract_batch(self):
+        """The train step's batch as shapes: tokens [grad_accum, micro_batch, T+1], or for
+        data.batching packed/document the dict boost_jax/model/batch.py describes."""
+        t = self.cfg.train
+        return self._abstract((t.grad_accum, t.global_batch // t.grad_accum), self.batch_sharding)
+
+    def abstract_eval_batch(self):
+        """The eval step's batch as shapes: tokens [global_batch, T+1] (or its dict of documents)."""
+        return self._abstract((self.cfg.train.global_batch,), self.eval_sharding)
+
     def lower_train(self):
         """The train step lowered from abstract shapes (`.compile()` it to read HLO and memory)."""
         return self.train_step.lower(self.spec.abstract, self.abstract_batch())
+
+    def lower_eval(self):
+        """The eval step lowered from abstract shapes."""
+        return self.eval_step.lower(self.spec.abstract["params"], self.abstract_eval_batch())
 
     def init_state(self) -> dict:
         return init_state(self.cfg, self.tx, self.spec)
@@ -86,15 +98,20 @@ def build(cfg, devices=None, optimizer=None) -> Built:
     check_mesh(cfg, mesh)
     strategy = get_strategy(cfg.parallel)
     tx, schedule = optimizer or make_optimizer(cfg.train)
-    spec = state_spec(cfg, tx, mesh, strategy)
+    with platform.target(mesh):  # the model's dtype and kernels follow the mesh's devices
+        spec = state_spec(cfg, tx, mesh, strategy)
     t = cfg.train
+    # A GPU step carries the GPU XLA flags itself, wherever it is compiled (deviceless included).
+    options = xla_gpu_flags.compiler_options() if platform.of(mesh.devices.flat[0]) == "gpu" and cfg.xla_gpu_flags \
+        else None
     batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
     train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule, mesh, strategy,
                                          jax.tree.map(lambda s: s.spec, spec.shardings["params"])), donate_argnums=0,
-                         in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None))
+                         in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None),
+                         compiler_options=options)
     eval_sharding = NamedSharding(mesh, P(BATCH_AXES))
     eval_step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum, mesh, strategy),
-                        in_shardings=(spec.shardings["params"], eval_sharding))
+                        in_shardings=(spec.shardings["params"], eval_sharding), compiler_options=options)
     return Built(cfg, mesh, strategy, tx, schedule, spec, train_step, batch_sharding, eval_step, eval_sharding)
 
 

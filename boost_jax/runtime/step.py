@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from boost_jax.kernels import platform
 from boost_jax.model import batch as batch_lib
 from boost_jax.parallel.grad_reduce import accumulate_grads, accumulation_pieces
 from boost_jax.model.transformer import LAYER_STACK
@@ -36,7 +37,7 @@ def bind(fn, mesh=None, strategy=None):
 
     @functools.wraps(fn)
     def bound(*args, **kwargs):
-        with use_rules(mesh, strategy):
+        with use_rules(mesh, strategy), platform.target(mesh):
             return fn(*args, **kwargs)
 
     return bound

@@ -10,7 +10,9 @@ worth an A/B run that are not applied. XLA aborts at start-up on a flag it does 
 the backend, so `tests/test_launch.py` checks every name against the installed jaxlib (checked with
 jaxlib 0.10.2; the GPU machines run jax 0.11: run that test there after an upgrade).
 
-`train.run` calls `apply()` before JAX initialises its backends, when `xla_gpu_flags` is true (the
+A step built for GPU devices (runtime/build.py) carries them as compiler options (`compiler_options()`),
+so a program compiled for GPUs on a host without one (`python -m boost_jax.tools.aot`) is compiled as
+the GPU run compiles it. `train.run` also calls `apply()` before JAX initialises its backends, when `xla_gpu_flags` is true (the
 default), a CUDA plugin of jax is installed and JAX_PLATFORMS does not exclude GPUs: a GPU run gets
 these flags whether it was started by the SLURM template, by hand or from a notebook. Nothing here
 imports jax (XLA reads XLA_FLAGS once, when its backends start).
@@ -50,6 +52,21 @@ def merged(xla_flags: str = "") -> tuple[str, list[str]]:
     have = {_name(f) for f in xla_flags.split()}
     added = [flag for flag, _ in FLAGS if _name(flag) not in have]
     return " ".join([xla_flags.strip(), *added]).strip(), added
+
+
+def _option_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    return int(text) if text.isdigit() else text
+
+
+def compiler_options(environ=os.environ) -> dict:
+    """FLAGS as per-program XLA compiler options (`jax.jit(..., compiler_options=...)`), less the
+    flags XLA_FLAGS names (the user's values win): how a step built for GPU devices carries them,
+    also when it is compiled on a host whose backends started without them (runtime/build.py)."""
+    _, added = merged(environ.get("XLA_FLAGS", ""))
+    return {_name(flag).lstrip("-"): _option_value(flag.split("=", 1)[1]) for flag in added}
 
 
 def gpu_expected(environ=os.environ) -> bool:
