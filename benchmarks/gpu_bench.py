@@ -193,7 +193,7 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
         section, name = key.split(".")
         cfg[section][name] = value
     validate(cfg)
-    step, state, tokens, _, _ = build(cfg, jax.devices()[:1])
+    step, state, tokens = build(cfg, jax.devices()[:1])
     for _ in range(2):  # the first call compiles
         state, metrics = step(state, tokens)
     jax.block_until_ready(metrics)

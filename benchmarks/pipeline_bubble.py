@@ -32,7 +32,7 @@ def step_seconds(cfg, steps: int) -> float:
 
     from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
-    step, state, batch, _, _ = build(cfg, None)
+    step, state, batch = build(cfg, None)
     state, m = step(state, batch)
     jax.block_until_ready(m)
     t0 = time.perf_counter()
