@@ -192,3 +192,61 @@ def test_import_checks_the_tokenizer_before_copying_it(tokenizer_files, tmp_path
     err = one_error_line(capsys.readouterr().err)
     assert f"{hf}/tokenizer.json is not a readable tokenizers JSON" in err, err
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- prepared indexes are verified when opened
+
+@pytest.fixture
+def prepared(tmp_path):
+    """A prepared dir (byte tokenizer, documents of random lengths, two shards) and a config reading it
+    with document batching."""
+    from boost_jax.data.prepare import prepare
+    rng = np.random.default_rng(3)
+    for k in range(2):
+        with open(tmp_path / f"{k}.jsonl", "w") as f:
+            for _ in range(60):
+                f.write(json.dumps({"text": "x" * int(rng.integers(5, 40))}) + "\n")
+    prepare([str(tmp_path / "0.jsonl"), str(tmp_path / "1.jsonl")], tmp_path / "p", unit_bytes=1500,
+            progress=False)
+    cfg = small_config(tmp_path / "run", **{"data.source": "tokens", "data.path": str(tmp_path / "p"),
+                                            "data.batching": "document", "data.token_dtype": "uint16"})
+    return tmp_path / "p", cfg
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda e: e.__setitem__([7, 8], e[[8, 7]]), r"entry 8 \(the end of document 8\) is \d+, below the previous end"),
+    (lambda e: e.__setitem__(3, e[-1] + 10), r"entry 3 \(the end of document 3\) is \d+, beyond the shard's \d+ tokens"),
+    (lambda e: e.__setitem__(0, -5), r"entry 0 \(the end of document 0\) is -5, negative"),
+], ids=["swapped", "beyond", "negative"])
+def test_damaged_document_index_names_file_and_entry(prepared, damage, needle):
+    from boost_jax.data import build_loaders
+    out, cfg = prepared
+    build_loaders(cfg)  # intact: loads
+    idx = out / "shard_00001.idx"
+    ends = np.fromfile(idx, np.int64)
+    assert len(ends) > 10 and np.all(np.diff(ends) > 0)
+    damage(ends)
+    ends.tofile(idx)
+    with pytest.raises(ValueError, match=rf"{idx}: " + needle) as e:
+        build_loaders(cfg)
+    assert f"prepare {out} again" in str(e.value)
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda t: t[: len(t) // 2], r"index\.json is not readable JSON \(.*\); it may be truncated"),
+    (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "shards"}),
+     r"index\.json lacks the field\(s\) \['shards'\]"),
+    (lambda t: json.dumps({**json.loads(t), "shards": [{"file": "shard_00000.bin"}]}),
+     r"index\.json: shards\[0\] has no valid 'tokens'"),
+], ids=["truncated", "no-shards", "shard-without-tokens"])
+def test_damaged_index_json_names_the_file(prepared, damage, needle):
+    from boost_jax.data import build_loaders
+    import shutil
+    out, cfg = prepared
+    shutil.copytree(out, out.with_name("intact"))
+    (out / "index.json").write_text(damage((out / "index.json").read_text()))
+    with pytest.raises(ValueError, match=rf"config field `data\.path`: {out}/" + needle):
+        build_loaders(cfg)
+    cfg.data.path = f"{out.with_name('intact')}:1,{out}:1"  # the mixture check reads it first: same message
+    with pytest.raises(ValueError, match=rf"{out}/" + needle):
+        build_loaders(cfg)

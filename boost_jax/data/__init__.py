@@ -10,7 +10,7 @@ import numpy as np
 
 from boost_jax.data.loader import DocumentLoader, MixtureLoader, PackedLoader, TokenLoader
 from boost_jax.data.sources import (check_vocab, embedded_documents, expand_paths, parse_mixture, prepared_index,
-                                    prepared_shards, token_files)
+                                    prepared_shards, read_index, token_files)
 from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = ["SOURCES", "TokenLoader", "DocumentLoader", "PackedLoader", "MixtureLoader", "build_loaders",
@@ -154,7 +154,7 @@ def _check_mixture(cfg, mixture, field: str) -> None:
     for _, path, _ in mixture:
         index = prepared_index(path)
         if index is not None:
-            meta = json.loads(index.read_text())
+            meta = read_index(index, field)
             seen[path] = (meta.get("tokenizer_id"), meta.get("vocab_size"), meta.get("dtype"))
     items = list(seen.items())
     for path, got in items[1:]:

@@ -126,10 +126,8 @@ def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size:
     they were written: dtype, vocabulary and tokenizer; every error names the field to change."""
     from boost_jax.data.tokenizer import tokenizer_id
 
-    index = json.loads(index_path.read_text())
+    index = read_index(index_path, field)
     where = index_path.parent
-    if index.get("format") != FORMAT:
-        raise ValueError(f"config field `{field}`: {index_path} is not a {FORMAT} index")
     if token_dtype is not None and index["dtype"] != token_dtype:
         raise ValueError(f"config field `data.token_dtype`: {token_dtype}, but {where} holds {index['dtype']} "
                          f"tokens; set --config.data.token_dtype={index['dtype']}")
@@ -155,18 +153,69 @@ def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size:
     return arrays, (ends if documented else None)
 
 
+INDEX_FIELDS = ("dtype", "vocab_size", "tokenizer", "tokenizer_id", "shards")
+SHARD_FIELDS = {"file": str, "tokens": int}
+
+
+def read_index(index_path: Path, field: str) -> dict:
+    """A prepared directory's index.json, checked for the fields the loader reads: unreadable JSON (a
+    truncated copy) or a missing field is a ValueError naming the file, not a KeyError later."""
+    redo = f"prepare {index_path.parent} again (or copy it whole)"
+    try:
+        index = json.loads(Path(index_path).read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise ValueError(f"config field `{field}`: {index_path} is not readable JSON ({why}); "
+                         f"it may be truncated: {redo}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ValueError(f"config field `{field}`: {index_path} is not a {FORMAT} index")
+    missing = [k for k in INDEX_FIELDS if k not in index]
+    if missing or not isinstance(index["shards"], list):
+        raise ValueError(f"config field `{field}`: {index_path} lacks the field(s) "
+                         f"{missing or ['shards (a list)']}; {redo}")
+    for k, shard in enumerate(index["shards"]):
+        wrong = [f for f, kind in SHARD_FIELDS.items() if not isinstance(shard, dict) or not isinstance(
+            shard.get(f), kind) or isinstance(shard.get(f), bool)]
+        if wrong or shard["tokens"] < 0:
+            raise ValueError(f"config field `{field}`: {index_path}: shards[{k}] has no valid "
+                             f"{(wrong or ['tokens'])[0]!r}; {redo}")
+    return index
+
+
+def check_ends(ends: np.ndarray, tokens: int, path: Path, where: Path) -> None:
+    """Document end offsets rise (never fall) from >= 0 to the shard's token count: checked in one
+    vectorised pass, the first bad entry named (a bad index would read rows outside the shard)."""
+    e = np.asarray(ends, np.int64)
+    if not len(e):
+        return
+    bad = (e < 0) | (e > tokens)
+    bad[1:] |= e[1:] < e[:-1]
+    if bad.any():
+        i = int(np.argmax(bad))
+        v = int(e[i])
+        why = ("negative" if v < 0 else f"beyond the shard's {tokens} tokens" if v > tokens
+               else f"below the previous end {int(e[i - 1])}")
+        raise ValueError(f"{path}: entry {i} (the end of document {i}) is {v}, {why}; document ends must rise "
+                         f"from 0 to {tokens}: the file is damaged; prepare {where} again")
+    if int(e[-1]) != tokens:
+        raise ValueError(f"{path}: its last document ends at token {int(e[-1])}, the shard holds "
+                         f"{tokens}; prepare {where} again")
+
+
 def _document_ends(where: Path, shard: dict) -> np.ndarray:
     """A shard's document end offsets (int64, one per document, the last = the shard's tokens),
     memory-mapped from the `.idx` file data.prepare writes beside it."""
+    docs = shard.get("documents")
+    if not isinstance(shard["ends"], str) or not isinstance(docs, int) or isinstance(docs, bool) or docs < 0:
+        raise ValueError(f"{where / INDEX}: shard {shard['file']} has no valid 'ends' and 'documents'; "
+                         f"prepare {where} again")
     path = where / shard["ends"]
     size = path.stat().st_size if path.exists() else -1
     if size != 8 * shard["documents"]:
         raise ValueError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
                          f"{shard['documents']} documents; prepare {where} again")
     ends = np.memmap(path, dtype=np.int64, mode="r") if size else np.zeros(0, np.int64)
-    if len(ends) and int(ends[-1]) != shard["tokens"]:
-        raise ValueError(f"{path}: its last document ends at token {int(ends[-1])}, the shard holds "
-                         f"{shard['tokens']}; prepare {where} again")
+    check_ends(ends, shard["tokens"], path, where)
     return ends
 
 
