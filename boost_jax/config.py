@@ -29,9 +29,9 @@ SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.name = "tiny"
-    c.run_dir = "runs/tiny"
-    c.seed = 0
+    c.name = "tiny"  # the run's name (the zoo configs: cola_60m, llama_1b, ...)
+    c.run_dir = "runs/tiny"  # checkpoints, metrics.jsonl, tensorboard/ and the token cache go here
+    c.seed = 0  # parameter init and data order
     c.restore_from = ""  # a run dir or one step dir to start from; empty: resume run_dir if it has one
     # A directory for JAX's persistent compilation cache: a restarted run (or another run of the same
     # shapes) loads its compiled programs instead of compiling them. "" (default): no cache. Programs
@@ -46,11 +46,11 @@ def base_config() -> ml_collections.ConfigDict:
 
     m = c.model = ml_collections.ConfigDict()
     m.vocab_size = 256  # byte-level tokenizer for the embedded corpus
-    m.d_model = 128
-    m.n_layers = 4
-    m.n_heads = 4
+    m.d_model = 128  # hidden width d
+    m.n_layers = 4  # transformer blocks L
+    m.n_heads = 4  # attention heads H (head dim d / H)
     m.n_kv_heads = 4  # < n_heads gives grouped-query attention
-    m.d_ff = 352
+    m.d_ff = 352  # MLP width I
     m.rank = 32  # bottleneck width r of lowrank / cola / sltrain projections; tt: the middle rank r_mid
     m.linear = "cola"  # dense | lowrank | cola | tt | sltrain, for every projection (model/kinds/)
     # tt: tensor-train cores per projection (even; half on each side of the r_mid bottleneck), the
@@ -58,18 +58,18 @@ def base_config() -> ml_collections.ConfigDict:
     # and the bottleneck activation.
     m.tt_cores = 4
     m.tt_inner_rank = 0
-    m.tt_activation = "none"  # none | silu
+    m.tt_activation = "none"  # tt: the bottleneck activation, none | silu
     # sltrain: W = (alpha/r)·B·A + S, S on a fixed random support of b x b blocks.
     m.sparse_density = 0.03  # fraction of S's entries that are nonzero
     m.sparse_block = 16  # b; 1 is SLTrain's element-wise support (see kinds/sltrain.py)
-    m.sltrain_alpha = 32.0
+    m.sltrain_alpha = 32.0  # sltrain: the alpha of (alpha/r)·B·A
     m.only_lr_act = False  # MLP form: True -> down(gate*up), False -> down(silu(gate)*up)
-    m.max_seq_len = 128
-    m.rope_theta = 10000.0
-    m.norm_eps = 1e-6
-    m.tie_embeddings = False
+    m.max_seq_len = 128  # the longest sequence the model is built for (RoPE tables, generation)
+    m.rope_theta = 10000.0  # RoPE base
+    m.norm_eps = 1e-6  # RMSNorm epsilon
+    m.tie_embeddings = False  # the LM head reuses the embedding matrix
     m.dtype = "auto"  # compute dtype: bfloat16 on GPU/TPU, float32 on CPU
-    m.param_dtype = "float32"
+    m.param_dtype = "float32"  # parameter (and optimizer state) dtype
     m.init_std = 0.02  # embedding init
     m.group_linears = True  # q/k/v and gate/up first stages as one GEMM, B's as one batched dot
     m.scan_unroll = False  # unroll the layer scan (tools use it to measure per-layer collectives)
@@ -83,10 +83,10 @@ def base_config() -> ml_collections.ConfigDict:
     d.source = "embedded"  # embedded | text | jsonl | tokens
     d.path = ""  # file, directory or glob for text/jsonl/tokens; a mixture: PATH:WEIGHT,PATH:WEIGHT
     d.eval_path = ""  # optional separate eval set; otherwise eval_fraction of the data is held out
-    d.eval_fraction = 0.05
+    d.eval_fraction = 0.05  # held out from the end of data.path when data.eval_path is empty
     d.tokenizer = "byte"  # byte | path to a HF tokenizers .json | path to a SentencePiece .model
     d.token_dtype = "uint16"  # for source=tokens: uint16 | uint32
-    d.jsonl_field = "text"
+    d.jsonl_field = "text"  # the field of each JSONL record that holds the document
     d.embedded_max_bytes = 4_000_000  # how much of the embedded corpus to read
     # How rows are cut (boost_jax/data/loader.py): stream: windows of seq_len+1 tokens over the
     # concatenated documents; packed: whole documents packed into rows of seq_len, attention and
@@ -102,38 +102,40 @@ def base_config() -> ml_collections.ConfigDict:
     d.allow_changed = False
 
     t = c.train = ml_collections.ConfigDict()
-    t.seq_len = 128
+    t.seq_len = 128  # tokens per row (the model reads seq_len, predicts the next of each)
     t.global_batch = 16  # sequences per optimizer step, all devices and micro-batches together
     t.grad_accum = 1  # micro-batches per optimizer step
     t.steps = 400  # the schedule's length
     t.stop_at_step = 0  # stop this invocation (with a checkpoint) at this step; 0: train.steps
-    t.lr = 3e-3
+    t.lr = 3e-3  # peak learning rate (AdamW), after the linear warmup
     t.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak
-    t.warmup_steps = 40
-    t.weight_decay = 0.01
+    t.warmup_steps = 40  # linear warmup from 0 to train.lr, then cosine
+    t.weight_decay = 0.01  # AdamW decoupled weight decay
     t.decay_norms = False  # decay the RMSNorm scales too (CoLA's official AdamW decays every parameter)
-    t.b1 = 0.9
+    t.b1 = 0.9  # AdamW beta1
     t.b2 = 0.95  # BOOST's AdamW (0.9, 0.95); the zoo configs (sized_config) use CoLA's (0.9, 0.999)
-    t.eps = 1e-8
-    t.grad_clip = 0.5
+    t.eps = 1e-8  # AdamW epsilon
+    t.grad_clip = 0.5  # clip the gradient to this global norm (0: no clipping)
     # A step whose loss, gradient norm or updated weights are NaN/inf is never applied; then
     # stop: end the run (the checkpoints on disk are the last good ones); skip: go on with the next
     # batch (the skipped step still counts) and report skipped_steps in the metrics.
     t.nonfinite = "stop"
-    t.log_every = 20
-    t.eval_every = 100
-    t.eval_batches = 8
-    # Evaluate over the first N non-pad tokens of the eval split (whole batches until N are read; CoLA
-    # uses 10M) instead of train.eval_batches batches; 0: train.eval_batches.
+    t.log_every = 20  # write metrics (loss, tokens/s, MFU, ...) every N steps
+    t.eval_every = 100  # evaluate on the held-out split every N steps (and at step 0 and the end); 0: never
+    t.eval_batches = 8  # global batches per evaluation (unless train.eval_tokens)
+    # Evaluate over the first N non-pad tokens of the eval split (whole batches until more than N are
+    # read, as CoLA's loop; CoLA uses 10M) instead of train.eval_batches batches; 0: train.eval_batches.
     t.eval_tokens = 0
-    t.eval_microbatches = 0  # sequential slices of an eval batch (0: train.grad_accum)
-    t.progress = True
+    # Sequential slices of an eval batch (0: train.grad_accum); CoLA's reported loss (eval_loss_cola)
+    # averages each slice's mean, a slice standing for one GPU's eval batch.
+    t.eval_microbatches = 0
+    t.progress = True  # show a progress bar
 
     k = c.checkpoint = ml_collections.ConfigDict()
-    k.every = 100
-    k.keep = 3
-    k.async_save = True
-    k.resume = True
+    k.every = 100  # save a checkpoint every N steps (and at the end, and on a stop signal)
+    k.keep = 3  # keep the newest N checkpoints
+    k.async_save = True  # write checkpoints in the background while training goes on
+    k.resume = True  # resume from run_dir's newest checkpoint when it has one
     # resume=false on a run_dir that holds checkpoints is refused (a new run would mix its steps with
     # theirs); supersede=true moves them aside as N.superseded (never deleted) and starts afresh.
     k.supersede = False
@@ -153,9 +155,9 @@ def base_config() -> ml_collections.ConfigDict:
     # micro-batches go round the ring V times, bubble (S-1)/(V M + S-1); needs microbatches >= pipeline.
     p.pipeline_schedule = "gpipe"
     p.pipeline_repeats = 1  # V, circular only: the layer chunks per stage
-    p.data = -1  # mesh axis sizes; one may be -1 (all remaining devices)
-    p.fsdp = 1
-    p.tensor = 1
+    p.data = -1  # data-parallel replicas; one mesh axis may be -1 (all remaining devices)
+    p.fsdp = 1  # parameters, gradients and optimizer state sharded over this axis (ZeRO-3)
+    p.tensor = 1  # tensor parallelism: each projection split over this axis by parallel.strategy
     p.strategy = "btp"  # btp | vanilla | megatron (how the tensor axis splits the model)
     # The gradient all-reduce over `data`: once per optimizer step (whatever train.grad_accum is), in
     # this dtype (float32 | bfloat16); over `fsdp` gradients are reduce-scattered per micro-batch.
@@ -177,8 +179,8 @@ def base_config() -> ml_collections.ConfigDict:
     # BOOST_NUM_PROCESSES, BOOST_PROCESS_ID, else from SLURM, else run as a single process.
     ds = c.distributed = ml_collections.ConfigDict()
     ds.coordinator_address = ""  # host:port of process 0
-    ds.num_processes = 0
-    ds.process_id = -1
+    ds.num_processes = 0  # processes in the job
+    ds.process_id = -1  # this process's index
     ds.cpu_collectives = "gloo"  # cross-process collectives of the CPU backend: gloo | mpi
 
     c.lock()
@@ -418,13 +420,38 @@ def _divisors_near(n: int, k: int) -> list[int]:
     return sorted(_divisors(n), key=lambda x: abs(x - k))[:3]
 
 
+# The configs shipped in the package (boost_jax/configs; in a checkout a link to configs/).
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def packaged_configs() -> list[str]:
+    """The names `--config NAME` finds among the packaged configs (clusters as clusters/NAME)."""
+    return sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.glob("**/*.py")
+                  if p.name != "__init__.py")
+
+
+def config_path(spec) -> str:
+    """The file a `--config` value names: the path itself when it is a file, else the packaged config
+    of that name (`cola_60m`, `cola_60m.py`, `clusters/a100_4x`, or `configs/cola_60m.py` outside a
+    checkout); the value unchanged when neither exists (the caller's error names it)."""
+    spec = str(spec)
+    if not spec or Path(spec).is_file():
+        return spec
+    name = spec.removeprefix("./").removeprefix("configs/")
+    name = name if name.endswith(".py") else name + ".py"
+    packaged = CONFIG_DIR / name
+    return str(packaged) if "/.." not in f"/{name}" and packaged.is_file() else spec
+
+
 def load_config_file(path, flag: str = "--config", *, run_config: bool = False):
-    """The `get_config()` of a Python config file (configs/*.py, configs/clusters/*.py). Every way the
-    file can fail (missing, a syntax error, an exception while it runs, no get_config, a run config
-    that is not a ConfigDict) is a ConfigError naming `flag`, the file and its line."""
-    path = Path(path)
+    """The `get_config()` of a Python config file (configs/*.py, configs/clusters/*.py) or of a
+    packaged config named as `config_path` takes it. Every way the file can fail (missing, a syntax
+    error, an exception while it runs, no get_config, a run config that is not a ConfigDict) is a
+    ConfigError naming `flag`, the file and its line."""
+    path = Path(config_path(path))
     if not path.is_file():
-        raise FileNotFoundError(f"{flag}: no such file {str(path)!r}")
+        raise FileNotFoundError(f"{flag}: no such file {str(path)!r}; give a config file or a packaged "
+                                f"config's name ({', '.join(packaged_configs())})")
     spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -447,3 +474,53 @@ def load_config_file(path, flag: str = "--config", *, run_config: bool = False):
         raise ConfigError(f"{flag}: {path}: get_config() returned a {type(cfg).__name__}, not an "
                           "ml_collections.ConfigDict; start from boost_jax.config.base_config() (see configs/tiny.py)")
     return cfg
+
+
+def config_docs() -> dict[str, str]:
+    """{"section.key": one line of meaning} for every key of `base_config()`, read from its comments
+    (the one source of truth, beside the defaults): a key's own trailing comment, else the comment
+    block above it (a block covers the keys that follow it up to a blank line or the first key with
+    its own comment)."""
+    import inspect
+    import re
+
+    prefix, docs, block, fresh = {"c": ""}, {}, [], True
+    for line in inspect.getsource(base_config).splitlines():
+        s = line.strip()
+        if not s:
+            block, fresh = [], True
+            continue
+        if s.startswith("#"):  # a comment after keys starts a new block
+            block, fresh = (block if fresh else []) + [s[1:].strip()], True
+            continue
+        section = re.match(r"(\w+) = c\.(\w+) = ml_collections\.ConfigDict\(\)", s)
+        if section:  # a block above a section covers its keys
+            prefix[section.group(1)] = section.group(2) + "."
+            continue
+        fresh = False
+        key = re.match(r"(\w+)\.(\w+) = (.*?)(?:\s+#\s*(.*))?$", s)
+        if key and key.group(1) in prefix:
+            own = key.group(4)
+            docs[prefix[key.group(1)] + key.group(2)] = own or " ".join(b for b in block if b)
+            if own:
+                block = []
+    return docs
+
+
+def describe_config(cfg=None) -> str:
+    """Every key of the config (default: base_config()) with its value and meaning, one per line."""
+    cfg = base_config() if cfg is None else cfg
+    docs = config_docs()
+    lines = []
+
+    def walk(node, path):
+        for k in node.keys():
+            v = node[k]
+            name = f"{path}{k}"
+            if isinstance(v, ml_collections.ConfigDict):
+                walk(v, name + ".")
+            else:
+                lines.append(f"  --config.{name}={v!r}  {docs.get(name, '')}".rstrip())
+
+    walk(cfg, "")
+    return "\n".join(lines)

@@ -31,17 +31,17 @@ from boost_jax.runtime.runlock import note_config_change, open_run_dir
 from boost_jax.runtime.signals import STOP_SIGNALS, StopFlag, agree
 from boost_jax.validate import validate
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.py"  # packaged (a checkout: configs/)
 MAX_SKIPPED_IN_A_ROW = 20  # train.nonfinite=skip still stops when the run has clearly diverged
 ERRORS = (ConfigError, CheckpointError, TrainingDiverged, DistributedError, RunDirBusy, FileNotFoundError, ValueError)
 
 
-def run(cfg, stop: StopFlag | None = None) -> dict:
+def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
     """Train per `cfg`; returns a summary (first/last eval loss, where things were written).
 
     SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 stop it with a checkpoint while it runs; the command
     line passes its own `stop`, installed for the whole process, so that signals arriving after the
-    final save are absorbed too."""
+    final save are absorbed too. `config_file`: where cfg came from, for the start-up line."""
     validate(cfg)
     gpu_flags, _ = xla_gpu_flags.apply() if cfg.xla_gpu_flags else ([], "")  # before JAX starts its backends
     maybe_initialize(cfg)  # before anything below asks JAX for devices (process_index does)
@@ -55,14 +55,15 @@ def run(cfg, stop: StopFlag | None = None) -> dict:
     with contextlib.nullcontext(stop) if stop is not None else StopFlag() as stop:
         run_dir, lock = open_run_dir(cfg, main_process)
         try:
-            return _train(cfg, run_dir, stop, say)
+            return _train(cfg, run_dir, stop, say, config_file)
         finally:
             lock.release()
 
 
-def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
+def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> dict:
     main_process = jax.process_index() == 0
     built = build(cfg)
+    say(_startup_line(cfg, built, config_file))
     # This process group holds run_dir's lock: the checkpointer may clean up unfinished saves.
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
                         owner=True)
@@ -77,6 +78,9 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
                       flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len))
     evaluate = _evaluator(built, eval_data)
     stop.committed = ckpt.committed_step
+    if step < cfg.train.steps:
+        say("compiling the train and eval steps (the first step waits for it; --config.compile_cache=DIR "
+            "keeps them for the next start)")
     if step < cfg.train.steps and cfg.train.eval_every:  # eval_every=0: no evaluation at all
         report.eval(step, evaluate(state["params"]), say=False)
     loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir, order=order,
@@ -89,6 +93,21 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say) -> dict:
         _close(loop, report, ckpt, say)
         stop.done = True
     return _finish(run_dir, ckpt, report, loop, step, main_process)
+
+
+def _startup_line(cfg, built, config_file: str) -> str:
+    """One line: the model, its parameters, the devices and mesh, the strategy, the batching, the config."""
+    import math
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(built.spec.abstract["params"])
+                 if jax.numpy.issubdtype(x.dtype, jax.numpy.floating))
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    mesh = "x".join(f"{k} {v}" for k, v in built.mesh.shape.items() if v > 1) or "one device"
+    devices = built.mesh.devices.size
+    return (f"{cfg.name}: {m.linear} model, {params / 1e6:.2f}M parameters (d {m.d_model}, {m.n_layers} layers"
+            f"{f', rank {m.rank}' if m.linear != 'dense' else ''}); {devices} {jax.default_backend()} device"
+            f"{'s' if devices > 1 else ''}, mesh {mesh}, strategy {p.strategy}; batch {t.global_batch} x "
+            f"{t.seq_len} ({cfg.data.batching}, grad_accum {t.grad_accum}), {t.steps} steps; config "
+            f"{config_file or 'given as a ConfigDict'}")
 
 
 def _close(loop, report: Reporter, ckpt: Checkpointer, say) -> None:
@@ -329,7 +348,9 @@ def _flag_error(e: Exception, argv) -> None:
     why = str(why).replace("\n", "; ")
     if isinstance(e, OSError):
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("[Errno")]
-        print(f"error: --config: {lines[0] if lines else why}", file=sys.stderr)
+        from boost_jax.config import packaged_configs
+        print(f"error: --config: {lines[0] if lines else why}; give a config file or a packaged config's name "
+              f"({', '.join(n for n in packaged_configs() if '/' not in n)})", file=sys.stderr)
     else:
         print(f"error: {' '.join(argv[1:])}: unknown key {why} (the keys are those of boost_jax/config.py)",
               file=sys.stderr)
@@ -344,6 +365,19 @@ def _config_path(argv) -> str | None:
         if arg == "--config" and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+def _packaged_config(argv) -> list:
+    """argv with a `--config NAME` of a packaged config (`cola_60m`, or `configs/cola_60m.py` where
+    no such file is: an installed wheel) replaced by its file (boost_jax/config.py config_path)."""
+    from boost_jax.config import config_path
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith("--config="):
+            out[i] = "--config=" + config_path(arg.split("=", 1)[1])
+        elif arg == "--config" and i + 1 < len(out):
+            out[i + 1] = config_path(out[i + 1])
+    return out
 
 
 def _define_config(argv, flag_values=None):
@@ -372,6 +406,7 @@ def parse_config(argv):
     exactly as the command line does it, on private flags (so it may be called many times)."""
     from absl import flags
     fv = flags.FlagValues()
+    argv = _packaged_config(argv)
     _define_config(argv, fv)
     try:
         fv(argv)
@@ -382,10 +417,38 @@ def parse_config(argv):
     return cfg
 
 
+USAGE = """Pre-train a model: python -m boost_jax.train [--config FILE|NAME] [--config.KEY=VALUE ...]
+(also: boost-train). Without flags it trains the tiny CoLA model on the embedded corpus.
+
+  --config FILE|NAME   a config file (configs/cola_60m.py) or a packaged config's name (cola_60m);
+                       default: tiny
+  --config.KEY=VALUE   override one key (below; a misspelt key is an error)
+  --print_config       print the resolved config (file + overrides) and exit
+  --help               this text
+
+Config keys, their defaults (boost_jax/config.py; a config file changes some) and meaning:"""
+
+
+def _help(argv) -> bool:
+    """--help / --print_config: print and return True (the command exits 0)."""
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        from boost_jax.config import describe_config
+        print(USAGE)
+        print(describe_config())
+        return True
+    if "--print_config" in argv[1:]:
+        cfg = parse_config([a for a in argv if a != "--print_config"])
+        print(cfg)
+        return True
+    return False
+
+
 def main(argv=None) -> int:
     from absl import app, flags
 
-    argv = sys.argv if argv is None else argv
+    argv = _packaged_config(sys.argv if argv is None else argv)
+    if _help(argv):
+        return 0
     _define_config(argv)
 
     def parse(args):
@@ -403,7 +466,7 @@ def main(argv=None) -> int:
         except OSError as e:
             _flag_error(e, argv)
         try:
-            run(cfg, stop.__enter__())  # never uninstalled: a signal after the final save is absorbed too
+            run(cfg, stop.__enter__(), _config_path(argv) or str(DEFAULT_CONFIG))  # stop: never uninstalled: a signal after the final save is absorbed too
         except ERRORS as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
