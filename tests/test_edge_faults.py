@@ -250,3 +250,148 @@ def test_damaged_index_json_names_the_file(prepared, damage, needle):
     cfg.data.path = f"{out.with_name('intact')}:1,{out}:1"  # the mixture check reads it first: same message
     with pytest.raises(ValueError, match=rf"{out}/" + needle):
         build_loaders(cfg)
+
+
+# ---------------------------------------------------------------- nothing to learn from
+
+@pytest.mark.parametrize("batching", ["document", "packed"])
+def test_data_without_targets_is_refused_at_start(tmp_path, batching):
+    """Every document one token long (the byte tokenizer adds no EOS): no row holds a target."""
+    from boost_jax.data import build_loaders
+    from boost_jax.data.prepare import prepare
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": "abcdefgh"[i % 8]}) + "\n")
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "p", progress=False)
+    cfg = small_config(tmp_path / "run", **{"data.source": "tokens", "data.path": str(tmp_path / "p"),
+                                            "data.batching": batching, "data.token_dtype": "uint16"})
+    with pytest.raises(ValueError, match=r"config field `data\.path`: every document of the train data .* is at "
+                                         r"most 1 token\(s\) long, so no row holds a target"):
+        build_loaders(cfg)
+    with pytest.raises(ValueError, match="no row holds a target"):
+        train.run(cfg)
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+    cfg.data.batching = "stream"  # the same tokens as one stream: every next token is a target
+    assert build_loaders(cfg)[0].batch(0).shape == (8, 17)
+
+
+def test_a_batch_without_targets_reports_no_loss(make_config, tmp_path):
+    """A batch of documents whose rows hold no target sums its loss over nothing: the row written for
+    it has no loss (nor perplexity 1); a batch with targets logs its loss."""
+    from boost_jax.runtime.report import Reporter
+    rep = Reporter(make_config(), tmp_path, main_process=True, flops_per_token=1.0)
+    rep.start_bar(0)
+    for step, targets in ((1, 0), (2, 5)):
+        rep.step_done()
+        rep.count_tokens(8)
+        rep.log(step, {"loss": np.float32(0.0 if targets == 0 else 2.5), "finite": True, "targets": targets,
+                       "tokens": 8, "grad_norm": 0.0, "lr": 1e-3}, 0, {})
+    rep.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert "loss" not in rows[0] and "perplexity" not in rows[0]
+    assert rows[1]["loss"] == 2.5 and rows[1]["perplexity"] == pytest.approx(np.exp(2.5))
+
+
+# ---------------------------------------------------------------- full disks under a running trainer
+
+def test_a_failed_save_is_reported_once_and_leaves_no_partial_step(tmp_path):
+    """Orbax raises a failed save again at every later wait, and its other writer threads may still
+    create files after the error: the one line names the step (never "step None") and no
+    N.orbax-checkpoint-tmp is left."""
+    from boost_jax.runtime.checkpoint import CheckpointError, Checkpointer
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, async_save=True, owner=True)
+    (tmp_path / "checkpoints" / "3").mkdir()  # a finished step
+    ckpt.pending = 4
+    straggler = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp" / "state"
+
+    def fail():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    calls = []
+
+    def straggling():  # the first wait ends a writer thread that created files after the error
+        if not calls:
+            straggler.mkdir(parents=True)
+        calls.append(1)
+
+    ckpt.manager.check_for_errors = fail
+    ckpt.manager.wait_until_finished = straggling
+    with pytest.raises(CheckpointError, match=r"saving step 4 failed \(OSError: \[Errno 28\] No space left on device\); "
+                                              r"its partial files were removed; the last good checkpoint is step 3"):
+        ckpt.check()
+    ckpt.close()  # the same failure again from Orbax: not a second error ("saving step None")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+
+
+def test_a_write_failing_under_the_run_dir_is_one_line(tmp_path, monkeypatch):
+    """metrics.jsonl cannot be written (a full disk): one line naming the last good checkpoint, which
+    stays complete and restores."""
+    from boost_jax.runtime.metrics import MetricsWriter
+    write = MetricsWriter.write
+
+    def full(self, step, record):
+        if step >= 6 and "loss" in record:
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+        return write(self, step, record)
+
+    monkeypatch.setattr(MetricsWriter, "write", full)
+    cfg = small_config(tmp_path / "run", **{"train.steps": 8, "train.eval_every": 0, "checkpoint.every": 4,
+                                            "train.log_every": 1})
+    with pytest.raises(train.ERRORS, match=rf"cannot write {tmp_path}/run/metrics\.jsonl \(No space left on device "
+                                           rf"\[ENOSPC\]\); the last good checkpoint is step 4 in "):
+        train.run(cfg)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4"]
+    monkeypatch.undo()
+    assert train.run(cfg)["step"] == 8  # resumes from step 4
+
+
+TB_EXIT = """
+import errno, sys
+from boost_jax.runtime.metrics import MetricsWriter
+w = MetricsWriter(sys.argv[1])
+w.write(1, {"loss": 1.0})
+def full(*a):
+    raise OSError(errno.ENOSPC, "No space left on device")
+for writer in w._tb.all_writers.values():
+    writer.event_writer._ev_writer.flush = full
+if sys.argv[2] == "close":
+    try:
+        w.close()
+    except OSError as e:
+        print("close failed:", e.strerror)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_tensorboard_on_a_full_disk_leaves_no_traceback_at_exit(tmp_path, how):
+    r = subprocess.run([sys.executable, "-c", TB_EXIT, str(tmp_path), how], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
+    assert ("close failed: No space left on device" in r.stdout) == (how == "close")
+
+
+# ---------------------------------------------------------------- the TensorBoard dir removed under a run
+
+def test_tensorboard_dir_removed_under_a_run_is_recreated(tmp_path):
+    import shutil
+
+    from boost_jax.runtime.metrics import MetricsWriter
+    notes = []
+    w = MetricsWriter(str(tmp_path), note=notes.append)
+    w.write(1, {"loss": 1.0})
+    shutil.rmtree(tmp_path / "tensorboard")
+    for step in (2, 3):
+        w.write(step, {"loss": 2.0})
+    assert len(notes) == 1 and "was removed while training; recreated it from step 2" in notes[0], notes
+    w.close()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and sum(p.stat().st_size for p in events) > 0
+    # It cannot be recreated (a file is in the way): said once, and metrics.jsonl goes on.
+    w = MetricsWriter(str(tmp_path / "b"), note=notes.append)
+    shutil.rmtree(tmp_path / "b" / "tensorboard")
+    (tmp_path / "b" / "tensorboard").write_text("in the way")
+    for step in (1, 2, 3):
+        w.write(step, {"loss": 3.0})
+    w.close()
+    assert len(notes) == 2 and "TensorBoard logging stopped at step 1" in notes[1], notes
+    assert [json.loads(line)["step"] for line in open(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3]

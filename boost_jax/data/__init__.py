@@ -175,9 +175,20 @@ def _one(cfg, source, name: str, field: str, eos_id=None, **common):
                          f"not record (raw token files, or a directory prepared before they were recorded); "
                          f"prepare it with `python -m boost_jax.data.prepare` into a new --out (`{field}`), "
                          "or use data.batching=stream")
+    _check_targets(ends, name, field, batching)
     if batching == "document":  # a truncated document keeps its EOS, as CoLA's tokenizer call does
         return DocumentLoader(segments, ends, name=name, eos_id=eos_id, **common)
     return PackedLoader(segments, ends, name=name, **common)
+
+
+def _check_targets(ends, name: str, field: str, batching: str) -> None:
+    """Under packed/document batching a target counts only inside its document: data whose every
+    document is at most one token long has nothing to learn from (its loss would read 0)."""
+    longest = max((int(np.diff(np.asarray(e, np.int64), prepend=0).max()) for e in ends if len(e)), default=0)
+    if longest < 2:
+        raise ValueError(f"config field `{field}`: every document of the {name} is at most {longest} token(s) long, "
+                         f"so no row holds a target (data.batching={batching} predicts only within a document); "
+                         "use longer documents, or data.batching=stream to predict across them")
 
 
 def _loader(cfg, mixture, sources, name: str, field: str, shuffle: bool, process_index: int, process_count: int,

@@ -23,7 +23,7 @@ class Reporter:
     def __init__(self, cfg, run_dir, *, main_process: bool, flops_per_token: float):
         t = cfg.train
         self.main = main_process
-        self.writer = MetricsWriter(str(run_dir), enabled=main_process)
+        self.writer = MetricsWriter(str(run_dir), enabled=main_process, note=lambda text: self.note(text))
         self.tokens_per_step, self.flops_per_token = t.global_batch * t.seq_len, flops_per_token
         self.device_kind, self.n_devices = jax.devices()[0].device_kind, jax.device_count()
         self.evals: list[tuple[int, float]] = []
@@ -59,7 +59,8 @@ class Reporter:
         slots = self.tokens_per_step * self.window_steps
         if "tokens" in m:
             extra = {"pad_fraction": 1.0 - self.window_tokens / max(slots, 1), **extra}
-        loss = _num(m["loss"]) if m["finite"] else None
+        # A batch of documents without a single target has no loss (its sum over no targets reads 0).
+        loss = _num(m["loss"]) if m["finite"] and int(m.get("targets", 1)) > 0 else None
         record = {"loss": loss, "perplexity": None if loss is None else math.exp(min(loss, 50.0)),
                   "grad_norm": _num(m["grad_norm"]), "lr": float(m["lr"]), "skipped_steps": skipped,
                   "step_time_s": elapsed / self.window_steps, **rate, **extra}
