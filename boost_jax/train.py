@@ -23,7 +23,7 @@ from boost_jax.model import flops_per_token
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
-from boost_jax.runtime.checkpoint import Checkpointer, restore
+from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
 from boost_jax.runtime.evaluation import eval_loss
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.report import Profiler, Reporter
@@ -56,6 +56,8 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
         run_dir, lock = open_run_dir(cfg, main_process)
         try:
             return _train(cfg, run_dir, stop, say, config_file)
+        except OSError as e:  # a full disk or a read-only mount under run_dir: one line, not a traceback
+            raise cannot_write(e, run_dir / "checkpoints") or e from e
         finally:
             lock.release()
 

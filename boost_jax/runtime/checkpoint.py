@@ -19,6 +19,7 @@ newest good step and renames the bad ones aside (`N.corrupt`), never deleting th
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -131,10 +132,13 @@ def read_run(checkpoint: str):
 
 class _OrbaxErrors(logging.Filter):
     """Drops Orbax's own ERROR records (a failed save logs hundreds of lines of tracebacks from its
-    background threads); the Checkpointer reports the failure as one line (`_failed`)."""
+    background threads), and those of the asyncio and thread-pool machinery its writers run on (a
+    save failing mid-way leaves futures whose loop has closed); the Checkpointer reports the failure
+    as one line (`_failed`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname.replace("\\", "/"))
+        return not (record.levelno >= logging.ERROR and ("orbax" in record.pathname.replace("\\", "/")
+                                                         or record.name in ("asyncio", "concurrent.futures")))
 
 
 def quiet_orbax_errors() -> None:
@@ -199,6 +203,7 @@ class Checkpointer:
         saves (`*.orbax-checkpoint-tmp*`) and rename bad steps aside."""
         self.directory = Path(directory).resolve()
         self.hint, self.pending = hint, None
+        self.failure = None  # the failed save already reported (its error is raised once)
         self._renames = owner and jax.process_index() == 0  # one process renames and removes
         if owner:
             quiet_orbax_errors()  # a failed save is reported once, as one line (`_failed`)
@@ -338,28 +343,58 @@ class Checkpointer:
 
     def _failed(self, e: Exception):
         step, self.pending = self.pending, None
-        removed = []
-        if step is not None and self._renames:
-            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(tmp, ignore_errors=True)
-                removed.append(tmp.name)
+        try:  # the save's other writer threads may still be creating files: let them end first
+            self.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001 - the same failure, reported below
+            pass
+        removed = self._remove_partial()
         latest = self.committed_step()
         last = f"step {latest} in {self.directory}" if latest is not None else f"none (nothing in {self.directory})"
-        raise CheckpointError(f"saving step {step} failed ({type(e).__name__}: {one_line(e)}); "
-                              f"{'its partial files were removed; ' if removed else ''}"
-                              f"the last good checkpoint is {last}. Fix the cause (disk space, permissions) "
-                              "and rerun to resume from it") from e
+        self.failure = CheckpointError(f"saving step {step} failed ({type(e).__name__}: {one_line(e)}); "
+                                       f"{'its partial files were removed; ' if removed else ''}"
+                                       f"the last good checkpoint is {last}. Fix the cause (disk space, "
+                                       "permissions) and rerun to resume from it")
+        raise self.failure from e
+
+    def _remove_partial(self) -> list[str]:
+        """Remove the files of unfinished saves (none is in flight: the caller waited), if ours to."""
+        removed = []
+        for tmp in self.directory.glob("*.orbax-checkpoint-tmp*") if self._renames else ():
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp.name)
+        return removed
 
     def wait(self) -> None:
         try:
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
-            self._failed(e)
+            if self.failure is None:
+                self._failed(e)
+            self._remove_partial()  # Orbax raises a reported failure again: its late files go too
         self.pending = None
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
-            self.manager.close()
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - Orbax re-raising the failed save that was reported
+                if self.failure is None:
+                    raise
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def cannot_write(e: OSError, checkpoints: Path) -> CheckpointError | None:
+    """A write under the run dir that failed (a full disk, a read-only mount) as one line naming the
+    file and the last good checkpoint; None for other OSErrors."""
+    if e.errno not in WRITE_ERRNOS:
+        return None
+    steps = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.is_dir() else []
+    last = f"step {max(steps)} in {checkpoints}" if steps else f"none (nothing in {checkpoints})"
+    why = f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]" if e.strerror else str(e)
+    return CheckpointError(f"cannot write {e.filename or checkpoints.parent} ({why}); the last good checkpoint is "
+                           f"{last}: free some space (or make it writable) and rerun to resume from it")

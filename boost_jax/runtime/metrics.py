@@ -1,6 +1,7 @@
 """Throughput, MFU and the metric writers (JSONL always, TensorBoard when available)."""
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -66,20 +67,35 @@ def set_aside_torn_tail(path: str, block: int = 1 << 16) -> int:
 
 class MetricsWriter:
     """Appends one JSON object per record to metrics.jsonl and mirrors scalars to TensorBoard. A torn
-    last line left by a killed run is set aside (set_aside_torn_tail) before the first new row."""
+    last line left by a killed run is set aside (set_aside_torn_tail) before the first new row.
 
-    def __init__(self, run_dir: str, enabled: bool = True):
+    TensorBoard is a mirror: its directory removed under a running trainer is recreated (with a
+    note), and a TensorBoard write that fails (a full disk) stops the mirroring with one note, never
+    the run; metrics.jsonl stays the record. A failed flush at close leaves no exit-time retries."""
+
+    def __init__(self, run_dir: str, enabled: bool = True, note=None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tb_dir = os.path.join(run_dir, "tensorboard")
         self._tb = None
+        self._note = note or (lambda text: print(text, file=sys.stderr))
         if enabled:
             try:
                 from tensorboardX import SummaryWriter
                 self._tb = SummaryWriter(self.tb_dir)
+                atexit.register(self._at_exit)  # runs before tensorboardX's own exit hook (LIFO)
             except ImportError:
                 self.tb_dir = None
             set_aside_torn_tail(self.path)
+
+    def _at_exit(self) -> None:
+        """A writer not closed (a run ended by an error): closed quietly, or given up on a full disk."""
+        if self._tb is not None:
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except Exception:  # noqa: BLE001 - at exit there is no one left to tell
+                _abandon(tb)
 
     def write(self, step: int, record: dict) -> None:
         if not self.enabled:
@@ -90,10 +106,48 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
+            self._mirror(step, row)
+
+    def _mirror(self, step: int, row: dict) -> None:
+        try:
+            if not os.path.isdir(self.tb_dir):  # removed under the run: its event file is gone with it
+                from tensorboardX import SummaryWriter
+                _abandon(self._tb)
+                self._tb = SummaryWriter(self.tb_dir)
+                self._note(f"note: {self.tb_dir} was removed while training; recreated it from step {step} "
+                           f"(the earlier scalars are in {self.path})")
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
+        except OSError as e:
+            _abandon(self._tb)
+            self._tb = None
+            self._note(f"note: TensorBoard logging stopped at step {step} (cannot write {self.tb_dir}: "
+                       f"{e.strerror or e}); {self.path} goes on")
 
     def close(self) -> None:
+        atexit.unregister(self._at_exit)
         if self._tb is not None:
-            self._tb.close()
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except Exception:
+                _abandon(tb)  # no second flush (and traceback) from tensorboardX's exit hook
+                raise
+
+
+def _abandon(tb) -> None:
+    """Give up a tensorboardX writer without flushing it: its logger threads stopped and its event
+    writers marked closed, so neither they nor tensorboardX's exit hook write (and fail) again."""
+    for writer in list((getattr(tb, "all_writers", None) or {}).values()):
+        events = getattr(writer, "event_writer", None)
+        if events is None or getattr(events, "_closed", True):
+            continue
+        events._closed = True
+        worker = getattr(events, "_worker", None)
+        try:
+            if worker is not None and worker.is_alive():
+                worker.stop()
+            events._ev_writer.close()
+        except Exception:  # noqa: BLE001 - the file may be gone or unwritable; nothing is left to save
+            pass
