@@ -1,5 +1,5 @@
-"""Plan the parallel layout of a training run: search mesh (pipeline x data x fsdp x tensor) x GPipe
-micro-batches x per-group partition choices x remat x micro-batching with an α-β / GEMM-efficiency /
+"""Plan the parallel layout of a training run: search mesh (pipeline x data x fsdp x tensor) x pipeline
+schedule (gpipe, circular) and micro-batches x per-group partition choices x remat x micro-batching with an α-β / GEMM-efficiency /
 memory cost model (boost_jax/planner), print the top plans and the --config overrides that run the
 best one.
 
@@ -27,6 +27,9 @@ import sys
 from boost_jax.tools.devices import emulate_cpu_devices, load_config
 
 GB = 1e9
+# The activation layouts in the plans' layout column (boost_jax/planner/partitions.py).
+LEGEND = ("layouts: R replicated over tensor, P partial sums (before their all-reduce), H split along the "
+          "features over tensor, S split along the sequence over tensor")
 
 
 def _gb(x: float) -> str:
@@ -198,6 +201,7 @@ def main(argv=None) -> int:
                          f"{_gb(s.memory['states'])} GB): {hint}")
     print()
     print(table(res.plans, batch))
+    print(LEGEND)
     best = res.plans[0]
     print(f"\nbest: {breakdown(best, int(cfg.model.n_layers))}")
     runnable = res.best_runnable

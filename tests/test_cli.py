@@ -54,3 +54,32 @@ def test_packaged_config_names(tmp_path, monkeypatch, capsys):
         train.parse_config(["train", "--config", "cola_6m"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cola_6m" in err and "cola_60m" in err, err
+
+
+def test_a_vocabulary_much_larger_than_the_tokenizers_is_warned(tmp_path, capsys):
+    """A 52-piece tokenizer under model.vocab_size=32000 trains, but says which rows no id reaches."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from boost_jax.data import build_loaders
+    from conftest import small_config
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({**{f"w{k}": k + 2 for k in range(50)},
+                                                            "<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "t.txt").write_text(" ".join(f"w{k % 50}" for k in range(3000)))
+    for vocab, warned in ((32000, True), (64, False)):
+        cfg = small_config(tmp_path / f"run{vocab}", **{"data.source": "text", "data.path": str(tmp_path / "t.txt"),
+                                                        "data.tokenizer": str(tmp_path / "tok.json"),
+                                                        "model.vocab_size": vocab})
+        build_loaders(cfg)
+        err = capsys.readouterr().err
+        assert ("model.vocab_size=32000 is much larger than the tokenizer's 52" in err) == warned, err
+        if warned:
+            assert err.count("\n") == 1 and "--config.model.vocab_size=52" in err
+
+
+def test_prepare_names_the_eval_path_for_a_validation_split(tmp_path, capsys):
+    from boost_jax.data import prepare
+    (tmp_path / "val.jsonl").write_text('{"text": "a held-out document"}\n' * 5)
+    assert prepare.main([str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "val_tok"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"--config.data.eval_path={tmp_path / 'val_tok'}" in out and f"--config.data.path={tmp_path / 'val_tok'}" in out

@@ -191,7 +191,8 @@ def test_shardings(command, capsys):
 def test_plan_and_xla_flags(capsys):
     from boost_jax import plan, xla_gpu_flags
     assert plan.main(_argv(next(c for c in COMMANDS if "boost_jax.plan" in c))[3:]) == 0
-    assert "run it with:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "run it with:" in out and "layouts: R replicated" in out  # the legend of the layout codes
     assert xla_gpu_flags.main(["--explain"]) == 0
     assert "--xla_gpu_enable_latency_hiding_scheduler" in capsys.readouterr().out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,12 @@ def build_loaders(cfg, process_index: int = 0, process_count: int = 1, order: st
     if d.tokenizer not in ("", "byte") and tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"config field `model.vocab_size`: {cfg.model.vocab_size} is smaller than the "
                          f"tokenizer's {tok.vocab_size}; set --config.model.vocab_size={tok.vocab_size}")
+    unused = cfg.model.vocab_size - tok.vocab_size
+    if process_index == 0 and unused > max(tok.vocab_size // 8, 128):  # rows no token id can reach
+        print(f"warning: model.vocab_size={cfg.model.vocab_size} is much larger than the tokenizer's "
+              f"{tok.vocab_size} ({d.tokenizer or 'byte'}): {unused} embedding and head rows are never "
+              f"a target; set --config.model.vocab_size={tok.vocab_size} (or a multiple of 128 above it)",
+              file=sys.stderr)
     mixture = [("embedded", "", 1.0)] if d.source == "embedded" else parse_mixture(d.path, "data.path")
     _check_mixture(cfg, mixture, "data.path")
     read = [_tokens(d.source, path, cfg, tok, "data.path") for _, path, _ in mixture]

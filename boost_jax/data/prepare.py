@@ -620,7 +620,8 @@ def _cli(argv) -> int:
     print(f"wrote {len(index['shards'])} shards, {index['documents']:,} documents, {index['tokens']:,} "
           f"{index['dtype']} tokens to {args.out} ({index['seconds']:.1f} s)\n"
           f"train: --config.data.source=tokens --config.data.path={args.out} "
-          f"--config.data.token_dtype={index['dtype']} --config.data.tokenizer={args.tokenizer or 'byte'}")
+          f"--config.data.token_dtype={index['dtype']} --config.data.tokenizer={args.tokenizer or 'byte'}\n"
+          f"(a validation split: --config.data.eval_path={args.out} instead of data.path)")
     return 0
 
 

@@ -403,7 +403,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_7b.py")
-    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor sizes (default 1,1,4)")
+    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor or pipeline,data,fsdp,tensor sizes (default 1,1,4)")
     ap.add_argument("--strategy", default="btp,vanilla,megatron",
                     help="comma list of btp|vanilla|megatron[:dense|lowrank|cola]; bare megatron = dense twin")
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
