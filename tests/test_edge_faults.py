@@ -395,3 +395,27 @@ def test_tensorboard_dir_removed_under_a_run_is_recreated(tmp_path):
     w.close()
     assert len(notes) == 2 and "TensorBoard logging stopped at step 1" in notes[1], notes
     assert [json.loads(line)["step"] for line in open(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- a token file truncated under a running trainer
+
+def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path):
+    """The mapped token file shrinks while the trainer reads it: one line naming it (not "Fatal
+    Python error: Bus error"), exit status 1, and the newest checkpoint restores complete."""
+    from test_faults import long_config, saved_state, spawn, steps_on_disk, wait_for_rows
+    tokens = tmp_path / "t.bin"
+    (np.random.default_rng(0).integers(0, 256, 400_000).astype(np.uint16)).tofile(tokens)
+    cfg = long_config(make_config, tmp_path / "run", **{"data.source": "tokens", "data.path": str(tokens),
+                                                        "data.token_dtype": "uint16", "checkpoint.every": 2,
+                                                        "checkpoint.keep": 100})
+    proc = spawn(cfg)
+    wait_for_rows(proc, cfg.run_dir, 4)
+    os.truncate(tokens, 4096)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("error:") or "Fatal" in ln or "Traceback" in ln]
+    assert lines == [f"error: {tokens}: this memory-mapped token file became shorter while the run read it "
+                     "(truncated or rewritten on disk); restore it (or prepare it again) and rerun: the run "
+                     "resumes from its last complete checkpoint"], out
+    last = max(steps_on_disk(cfg.run_dir))
+    assert last >= 2 and saved_state(cfg.run_dir, last, cfg)[1]["step"] == last  # complete and verified

@@ -10,6 +10,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+from boost_jax.data.mapped import watch
 
 INDEX = "index.json"  # what boost_jax.data.prepare writes beside its shards
 FORMAT = "boost_jax.tokens/1"
@@ -147,7 +148,7 @@ def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size:
             raise ValueError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
                              f"{shard['tokens']} {index['dtype']} tokens; prepare {where} again")
         if shard["tokens"]:
-            arrays.append(random_access(np.memmap(path, dtype=np.dtype(index["dtype"]), mode="r")))
+            arrays.append(watch(random_access(np.memmap(path, dtype=np.dtype(index["dtype"]), mode="r")), path))
             if documented:
                 ends.append(_document_ends(where, shard))
     return arrays, (ends if documented else None)
@@ -214,7 +215,7 @@ def _document_ends(where: Path, shard: dict) -> np.ndarray:
     if size != 8 * shard["documents"]:
         raise ValueError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
                          f"{shard['documents']} documents; prepare {where} again")
-    ends = np.memmap(path, dtype=np.int64, mode="r") if size else np.zeros(0, np.int64)
+    ends = watch(np.memmap(path, dtype=np.int64, mode="r"), path) if size else np.zeros(0, np.int64)
     check_ends(ends, shard["tokens"], path, where)
     return ends
 
@@ -237,7 +238,7 @@ def token_files(paths: list[str], dtype: str) -> list[np.ndarray]:
     arrays = []
     for path in paths:
         if path.endswith(".npy"):
-            a = np.load(path, mmap_mode="r")
+            a = watch(np.load(path, mmap_mode="r"), path)
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
                 raise ValueError(f"{path}: a {a.ndim}-D {a.dtype} array; token files must be 1-D integer arrays "
                                  "(np.save(path, tokens.ravel().astype(np.uint32)))")
@@ -247,7 +248,7 @@ def token_files(paths: list[str], dtype: str) -> list[np.ndarray]:
             if size % width:
                 raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes "
                                  "each); check data.token_dtype or the file's end")
-            arrays.append(random_access(np.memmap(path, dtype=np.dtype(dtype), mode="r")))
+            arrays.append(watch(random_access(np.memmap(path, dtype=np.dtype(dtype), mode="r")), path))
     return arrays
 
 

@@ -1,0 +1,69 @@
+"""Token files are memory-mapped; one truncated (or rewritten shorter) on disk while a run reads it
+makes the next read of a page past its new end raise SIGBUS, which would end the process with
+"Fatal Python error: Bus error" and a traceback. `watch` records each mapping's address range and
+its file; a SIGBUS handler (Linux, installed with the first mapping) that finds the faulting address
+in one of them prints one line naming the file and exits with status 1. Checkpoints are unaffected:
+a finished step stays complete, and a save in flight leaves only its temporary directory, which the
+next start removes. A SIGBUS outside the recorded mappings takes the default action.
+
+The handler runs Python code in the signal's context, which is only safe because it ends the
+process: it formats one line, writes it with os.write and calls os._exit.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_RANGES: list[tuple[int, int, str]] = []  # (first byte, end, path) of every mapping watched
+_INSTALLED: list = []  # the ctypes callback (kept alive while installed)
+SA_SIGINFO = 4
+SI_ADDR_OFFSET = 16  # siginfo_t: si_signo, si_errno, si_code, padding, then the union (si_addr first)
+
+
+def watch(array, path):
+    """Record `array` (a memory map of `path`) so that a SIGBUS reading it names the file; returns it."""
+    if getattr(array, "nbytes", 0):
+        start = array.ctypes.data
+        _RANGES.append((start, start + array.nbytes, str(path)))
+        _install()
+    return array
+
+
+def owner(address: int | None) -> str | None:
+    """The watched file whose mapping holds `address`, if any."""
+    if address is None:
+        return None
+    return next((path for lo, hi, path in reversed(_RANGES) if lo <= address < hi), None)
+
+
+def message(path: str) -> str:
+    return (f"error: {path}: this memory-mapped token file became shorter while the run read it (truncated or "
+            "rewritten on disk); restore it (or prepare it again) and rerun: the run resumes from its last "
+            "complete checkpoint\n")
+
+
+def _install() -> None:
+    if _INSTALLED or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+    class Sigaction(ctypes.Structure):
+        _fields_ = [("sa_sigaction", handler_type), ("sa_mask", ctypes.c_ulong * 16), ("sa_flags", ctypes.c_int),
+                    ("sa_restorer", ctypes.c_void_p)]
+
+    def on_sigbus(signum, info, context):
+        address = ctypes.c_void_p.from_address(info + SI_ADDR_OFFSET).value if info else None
+        path = owner(address)
+        if path is None:  # not a watched file: the default action when the access faults again
+            libc.signal(signal.SIGBUS, ctypes.c_void_p(0))  # SIG_DFL
+            return
+        os.write(2, message(path).encode(errors="replace"))
+        os._exit(1)
+
+    callback = handler_type(on_sigbus)
+    action = Sigaction(sa_sigaction=callback, sa_flags=SA_SIGINFO)
+    if libc.sigaction(signal.SIGBUS, ctypes.byref(action), None) == 0:
+        _INSTALLED.append(callback)
