@@ -6,6 +6,7 @@ Prefills the prompt once into a KV cache, then decodes one token per jitted step
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import jax
@@ -69,8 +70,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
         ap.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if args.top_k < 0 or args.temperature < 0:
+    if args.top_k < 0 or not args.temperature >= 0:  # NaN compares false: refused too
         ap.error("--top_k and --temperature must be >= 0 (0: no top-k / greedy)")
+    if not math.isfinite(args.temperature):
+        ap.error(f"--temperature {args.temperature}: give a finite number (0: greedy, 1: the model's own distribution)")
     if not args.prompt:
         ap.error("--prompt is empty: give at least one character to start from")
     absl_logging.set_verbosity(absl_logging.WARNING)
@@ -81,8 +84,15 @@ def main(argv=None) -> int:
         return 1
     ids = np.asarray([tok.encode(args.prompt)], dtype=np.int32)
     args.top_k = min(args.top_k, cfg.model.vocab_size)  # top-k of the whole vocabulary keeps every token
-    if ids.shape[1] + args.max_new_tokens > cfg.model.max_seq_len:
-        print(f"note: generating past model.max_seq_len={cfg.model.max_seq_len}; RoPE extrapolates", file=sys.stderr)
+    room = cfg.model.max_seq_len - ids.shape[1]  # the model's context bounds the KV cache (and memory)
+    if room < 1:
+        print(f"error: --prompt: its {ids.shape[1]} tokens fill the model's context (model.max_seq_len="
+              f"{cfg.model.max_seq_len}); shorten it", file=sys.stderr)
+        return 1
+    if args.max_new_tokens > room:
+        print(f"note: --max_new_tokens {args.max_new_tokens} runs past the model's context (model.max_seq_len="
+              f"{cfg.model.max_seq_len}, prompt {ids.shape[1]} tokens): generating {room}", file=sys.stderr)
+        args.max_new_tokens = room
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(tok.decode(out[0]))
     return 0

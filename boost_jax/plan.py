@@ -165,8 +165,8 @@ def main(argv=None) -> int:
         raise SystemExit(str(e)) from e
     batch = args.batch or int(cfg.train.global_batch)
     seq = args.seq or int(cfg.train.seq_len)
-    if args.devices < 1 or batch < 1 or seq < 1:
-        raise SystemExit("--devices, --batch and --seq must be positive")
+    if args.devices < 1 or batch < 1 or seq < 1 or args.top < 1:
+        raise SystemExit("--devices, --batch, --seq and --top must be positive")
     if args.grad_accum and batch % args.grad_accum:
         raise SystemExit(f"--grad-accum {args.grad_accum} does not divide --batch {batch}")
     cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), seq)
@@ -193,6 +193,12 @@ def main(argv=None) -> int:
           f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py)")
     print(f"search: {res.considered} plans priced, {res.rejected_memory} over the usable "
           f"{cluster.usable_hbm / GB:.0f} GB/GPU, in {res.seconds:.2f} s")
+    if not res.plans and res.smallest is None:  # nothing was priced: the choices exclude every plan
+        layers = int(cfg.model.n_layers)
+        raise SystemExit(f"no plan to price: no layout of {layers} layers on {args.devices} GPUs meets --pipeline "
+                         f"{args.pipeline or '(any)'}, --schedule {args.schedule}, --repeats {args.repeats or '(any)'}"
+                         f", --microbatches {args.microbatches or '(any)'} (circular's V must divide the layers per "
+                         "stage, L/S, and leave a chunk of at least one layer); widen them")
     if not res.plans:
         s = res.smallest
         hint = "raise --devices or lower --batch" + ("" if "full" in opts.remat else ", or add full to --remat")

@@ -419,3 +419,77 @@ def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path)
                      "resumes from its last complete checkpoint"], out
     last = max(steps_on_disk(cfg.run_dir))
     assert last >= 2 and saved_state(cfg.run_dir, last, cfg)[1]["step"] == last  # complete and verified
+
+
+# ---------------------------------------------------------------- values that mean nothing
+
+@pytest.mark.parametrize("source", ["jsonl", "text"])
+def test_text_sources_pointed_at_a_prepared_dir(prepared, source):
+    from boost_jax.data import build_loaders
+    out, cfg = prepared
+    for path in (out, out / "index.json"):
+        cfg.data.source, cfg.data.path, cfg.data.batching = source, str(path), "stream"
+        with pytest.raises(ValueError, match=rf"config field `data\.path`: {path} is a directory of token shards made "
+                                             r"by `python -m boost_jax\.data\.prepare`.*set data\.source=tokens"):
+            build_loaders(cfg)
+
+
+def cluster_file(tmp_path, **changes):
+    """configs/clusters/a100_4x.py with some fields' assignments rewritten."""
+    import re
+    text = (ROOT / "configs" / "clusters" / "a100_4x.py").read_text()
+    for k, v in changes.items():
+        text, n = re.subn(rf"^(\s*c\.{k} = ).*$", lambda m: m.group(1) + (f"float('{v}')" if v != v else repr(v)),
+                          text, count=1, flags=re.M)
+        assert n == 1, k
+    path = tmp_path / "cluster.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"usable_hbm_fraction": 1.5}, "usable_hbm_fraction is a fraction, at most 1, got 1.5"),
+    ({"gemm_efficiency": 2.0}, "gemm_efficiency is a fraction, at most 1"),
+    ({"gpus_per_node": 4.5}, "gpus_per_node must be a whole number, got 4.5"),
+    ({"peak_flops": "fast"}, "peak_flops must be a number, got 'fast'"),
+    ({"intra_latency": float("nan")}, "intra_latency must be a positive number"),
+], ids=["usable>1", "efficiency>1", "fractional-gpus", "not-a-number", "nan"])
+def test_cluster_files_with_values_that_mean_nothing(tmp_path, changes, needle):
+    from boost_jax.planner import load_cluster
+    path = cluster_file(tmp_path, **changes)
+    with pytest.raises(ValueError, match=rf"--cluster {path}: " + needle.replace(".", r"\.").replace("(", r"\(")):
+        load_cluster(path)
+    assert load_cluster(cluster_file(tmp_path)).name  # the file unchanged loads
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--top", "-1"], "--top must be positive"),
+    (["--schedule", "circular", "--repeats", "5", "--pipeline", "2"],
+     "no plan to price: no layout of 24 layers on 16 GPUs meets --pipeline 2, --schedule circular, --repeats 5"),
+], ids=["top", "repeats"])
+def test_plan_arguments_that_leave_nothing(args, needle):
+    r = subprocess.run([sys.executable, "-m", "boost_jax.plan", "--config", "configs/cola_1b.py", "--devices", "16",
+                        "--cluster", "configs/clusters/a100_4x.py", *args], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_generate_values_that_mean_nothing(tmp_path, capsys):
+    from boost_jax import export, generate
+    run = tmp_path / "run"
+    assert export.main(["--import-hf", str(hf_model(tmp_path)), "--out", str(run)]) == 0  # max_seq_len 32
+    capsys.readouterr()
+    for t in ("nan", "inf"):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--checkpoint", str(run), "--temperature", t])
+        assert e.value.code == 2 and "--temperature" in capsys.readouterr().err
+    # Past the context: bounded by it, and said (the KV cache never outgrows the model's context).
+    assert generate.main(["--checkpoint", str(run), "--prompt", "abc", "--max_new_tokens", "10000000",
+                          "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    assert ("note: --max_new_tokens 10000000 runs past the model's context (model.max_seq_len=32, prompt 3 "
+            "tokens): generating 29") in out.err
+    assert len(out.out.rstrip("\n").encode("utf-8", errors="surrogateescape")) <= 32 * 3  # 32 tokens at most
+    assert generate.main(["--checkpoint", str(run), "--prompt", "x" * 40]) == 1
+    assert "--prompt: its 40 tokens fill the model's context" in one_error_line(capsys.readouterr().err)

@@ -54,6 +54,9 @@ def _tokens(source: str, path: str, cfg, tok, field: str):
         arrays = token_files(paths, d.token_dtype)
         check_vocab(arrays, paths, cfg.model.vocab_size)
         return arrays, None, {"files": [[str(Path(p).resolve()), os.path.getsize(p)] for p in paths]}
+    if prepared_index(path) is not None:  # its shard_N.json and index.json are no JSONL corpus
+        raise ValueError(f"config field `{field}`: {path} is a directory of token shards made by "
+                         f"`python -m boost_jax.data.prepare`, not {source} files; set data.source=tokens")
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
     cache = _token_cache(expand_paths(path, field, suffixes), cfg)
     # The cache was verified against its checksums (the tokens' SHA-256) just now: they name the data.

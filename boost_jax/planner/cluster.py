@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +48,24 @@ _FIELDS = ("name", "gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bandwidth", 
            "gemm_half_dim", "flash_efficiency", "elementwise_passes")
 
 
+FRACTIONS = ("usable_hbm_fraction", "gemm_efficiency", "flash_efficiency")  # shares of a whole: at most 1
+
+
 def from_dict(c) -> Cluster:
     missing = [f for f in _FIELDS if f not in c]
     if missing:
         raise ValueError(f"--cluster: the cluster config lacks {missing} (see configs/clusters/a100_4x.py)")
     for f in _FIELDS[1:]:
-        if not float(c[f]) > 0:
-            raise ValueError(f"--cluster: {f} must be positive, got {c[f]}")
+        try:
+            value = float(c[f])
+        except (TypeError, ValueError):
+            raise ValueError(f"--cluster: {f} must be a number, got {c[f]!r}") from None
+        if not (value > 0 and math.isfinite(value)) or isinstance(c[f], bool):
+            raise ValueError(f"--cluster: {f} must be a positive number, got {c[f]!r}")
+        if f in FRACTIONS and value > 1:
+            raise ValueError(f"--cluster: {f} is a fraction, at most 1, got {c[f]!r}")
+    if int(float(c["gpus_per_node"])) != float(c["gpus_per_node"]):
+        raise ValueError(f"--cluster: gpus_per_node must be a whole number, got {c['gpus_per_node']!r}")
     fitted = dict(c["fitted"].items()) if "fitted" in c and c["fitted"] else {}
     unknown = [f for f in fitted if f not in _FIELDS[1:]]
     if unknown:
@@ -74,6 +86,10 @@ def load_cluster(path) -> Cluster:
     """The Cluster of a configs/clusters/*.py file (its `get_config()`)."""
     from boost_jax.config import load_config_file
     try:
-        return from_dict(load_config_file(path, "--cluster"))
+        fields = load_config_file(path, "--cluster")
     except FileNotFoundError as e:
         raise ValueError(f"{e} (e.g. configs/clusters/a100_4x.py)") from e
+    try:
+        return from_dict(fields)
+    except ValueError as e:  # name the file
+        raise ValueError(str(e).replace("--cluster:", f"--cluster {path}:", 1)) from None
