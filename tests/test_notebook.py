@@ -1,5 +1,7 @@
-"""The Colab notebooks run top to bottom headlessly: quickstart.ipynb samples text; gpu_tour.ipynb runs
-on CPU with tiny sizes put in place of its parameters cell."""
+"""The Colab notebooks run top to bottom headlessly, from a working directory that is not colab/ (as
+on Colab, /content): quickstart.ipynb samples text; gpu_tour.ipynb runs on CPU with tiny sizes put in
+place of its parameters cell. Their setup cell names the repository the README's badges open."""
+import re
 from pathlib import Path
 
 import pytest
@@ -25,24 +27,34 @@ COMM_SEQ = 32
 """
 
 
-def test_quickstart_notebook_runs():
+def test_setup_cells_name_the_readmes_repository():
+    readme = (NOTEBOOK.parents[1] / "README.md").read_text()
+    for path in (NOTEBOOK, TOUR):
+        (setup,) = [c for c in nbformat.read(path, as_version=4).cells if "setup" in c.metadata.get("tags", [])]
+        (url,) = re.findall(r'^REPO_URL = "https://github\.com/([^"]+)"$', setup.source, flags=re.M)
+        badge = f"https://colab.research.google.com/github/{url}/blob/main/colab/{path.name}"
+        assert badge in readme, f"README has no Open in Colab badge for {path.name} at {badge}"
+        assert '"git", "clone"' in setup.source and '"[gpu]"' in setup.source
+
+
+def test_quickstart_notebook_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Raises CellExecutionError, naming the cell, if any cell errors. The kernel inherits this
     # process's environment (conftest's 8-device XLA_FLAGS), which the notebook also sets itself.
     nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     (sample,) = [c for c in nb.cells if "sample" in c.metadata.get("tags", [])]
     text = "".join(o.get("text", "") for o in sample.outputs if o.output_type == "stream" and o.name == "stdout")
     assert text.startswith("def ") and len(text.strip()) > 20, sample.outputs
 
 
-def test_gpu_tour_runs_on_cpu_with_tiny_sizes():
+def test_gpu_tour_runs_on_cpu_with_tiny_sizes(tmp_path):
     nb = nbformat.read(TOUR, as_version=4)
     (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     params.source = TINY  # every name the GPU sizes set, tiny
     nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                            resources={"metadata": {"path": str(TOUR.parent)}}).execute()
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
                      if o.output_type == "stream")

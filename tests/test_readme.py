@@ -52,6 +52,10 @@ COMMANDS = {
     "python -m boost_jax.tools.plot runs/tiny": "tiny",
     "python -m boost_jax.xla_gpu_flags --explain": "tool",
     "pip install -e '.[hf]'": "the test extras install safetensors (tests/test_export.py)",
+    "pip install -e '.[tokenizers]'": "the test extras install tokenizers and sentencepiece (tests/test_data.py)",
+    "python -m boost_jax.train --help": "test_cli.py::test_help_lists_every_key_with_default_and_meaning",
+    "python -m boost_jax.train --config cola_60m --print_config":
+        "test_cli.py::test_print_config_shows_the_resolved_config",
     "python -m boost_jax.export --checkpoint runs/llama_tiny --out hf/llama_tiny":
         "test_export.py::test_dense_export_import_is_bit_identical",
     "python -m boost_jax.export --import-hf hf/llama_tiny --out runs/imported":
