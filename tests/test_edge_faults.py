@@ -493,3 +493,80 @@ def test_generate_values_that_mean_nothing(tmp_path, capsys):
     assert len(out.out.rstrip("\n").encode("utf-8", errors="surrogateescape")) <= 32 * 3  # 32 tokens at most
     assert generate.main(["--checkpoint", str(run), "--prompt", "x" * 40]) == 1
     assert "--prompt: its 40 tokens fill the model's context" in one_error_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- jobs killed halfway
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
+def test_prepare_killed_with_sigkill_takes_its_workers_along(tmp_path):
+    """kill -9 of data.prepare's main process: its workers exit with it, and the rerun resumes to the
+    shards of an uninterrupted run."""
+    from boost_jax.data import prepare as prep
+    with open(tmp_path / "big.jsonl", "w") as f:  # ~25 MB of short documents: two units of seconds each
+        f.writelines(f'{{"text": "document {i} of many"}}\n' for i in range(900_000))
+    command = [sys.executable, "-m", "boost_jax.data.prepare", str(tmp_path / "big.jsonl"), "--workers", "2",
+               "--unit-mb", "12", "--no-progress", "--out"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = open(tmp_path / "log", "w")  # a file, not a pipe: no wait for the workers' end of it
+    proc = subprocess.Popen([*command, str(tmp_path / "out")], stdout=log, stderr=log, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "out").glob("shard_*.bin.tmp"))) < 2:  # both workers mid-unit
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+        time.sleep(0.01)
+    workers = [k for k in _children(proc.pid) if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    log.close()
+    time.sleep(0.3)  # far less than a unit takes: workers left to finish theirs would still be alive
+    assert not any(_alive(k) for k in workers)
+    assert prep.main([str(tmp_path / "big.jsonl"), "--workers", "0", "--unit-mb", "12", "--no-progress",
+                      "--out", str(tmp_path / "out")]) == 0
+    assert prep.main([str(tmp_path / "big.jsonl"), "--workers", "0", "--unit-mb", "12", "--no-progress",
+                      "--out", str(tmp_path / "whole")]) == 0
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index == json.loads((tmp_path / "whole" / "index.json").read_text())
+    for shard in index["shards"]:
+        assert (tmp_path / "out" / shard["file"]).read_bytes() == (tmp_path / "whole" / shard["file"]).read_bytes()
+
+
+def test_a_rerun_waits_for_workers_of_an_earlier_run(tmp_path, capsys):
+    """A worker of an earlier run still alive (holding its shared lock): the rerun says so and waits."""
+    import fcntl
+    import threading
+
+    from boost_jax.data import prepare as prep
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out / prep.WORKERS_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    released = []
+
+    def release():
+        time.sleep(0.5)
+        released.append(time.monotonic())
+        os.close(fd)
+
+    threading.Thread(target=release).start()
+    prep._wait_for_workers(out)
+    assert released and time.monotonic() >= released[0]
+    assert "waiting for the workers of an earlier data.prepare" in capsys.readouterr().err

@@ -29,7 +29,9 @@ the pool), keeps the finished shards, removes the unfinished units' `.tmp` files
 status 130 (SIGINT) or 143 (SIGTERM) after one line saying how many shards are kept. A full disk (or
 any other error writing under `--out`, here or in a worker) is one line naming the file and the
 reason, with the same clean-up: free space and rerun the same command to resume. SIGKILL leaves
-`.tmp` files behind, which are never read and are overwritten or removed by the next run.
+`.tmp` files behind, which are never read and are overwritten or removed by the next run; the
+workers die with the main process (Linux: the kernel kills them when it dies), and while any is
+alive it holds a shared lock on `OUT/.workers.lock` for which a rerun waits before it writes.
 """
 from __future__ import annotations
 
@@ -272,9 +274,31 @@ _TOKENIZERS: dict = {}
 _PROGRESS = None
 
 
-def _init_worker(progress_queue) -> None:
-    global _PROGRESS
+_WORKERS_FD = None  # a worker's shared lock on OUT/.workers.lock, held for its lifetime
+WORKERS_LOCK = ".workers.lock"
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel sends this process SIGKILL when its parent dies (a `kill -9` of the main
+    process), so no worker outlives it to write into --out beside a rerun."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if parent and os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _init_worker(progress_queue, parent: int = 0, out: str = "") -> None:
+    global _PROGRESS, _WORKERS_FD
     _PROGRESS = progress_queue
+    _die_with_parent(parent)
+    if out:  # a rerun on --out waits while any worker of this run is alive (main: _wait_for_workers)
+        _WORKERS_FD = os.open(Path(out) / WORKERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(_WORKERS_FD, fcntl.LOCK_SH)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent stops the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # which it does with SIGTERM
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked while this process started)
@@ -401,6 +425,24 @@ def _make_out(out: Path) -> None:
         raise PrepareError(f"--out {out}: cannot create it ({_why(e)}); choose a writable directory") from None
 
 
+def _wait_for_workers(out: Path, say=lambda text: print(text, file=sys.stderr)) -> None:
+    """Wait until no worker of an earlier run on `out` is alive (each holds a shared lock on
+    OUT/.workers.lock; they die with their main process, so this is short)."""
+    try:
+        fd = os.open(out / WORKERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return  # (an unwritable --out is reported where the run first writes)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"note: waiting for the workers of an earlier data.prepare on {out} to exit")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def _remove_tmp(out: Path) -> None:
     """The .tmp files of unfinished units (only ever ours: the caller holds the lock)."""
     _unlink(p for p in out.glob("*.tmp") if p.name.startswith("shard_") or p.name in (f"{PLAN}.tmp", f"{INDEX}.tmp"))
@@ -456,6 +498,7 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
     from tqdm import tqdm
 
     bar = None
+    _wait_for_workers(out)
     try:
         if (out / PLAN).exists():
             try:
@@ -494,7 +537,8 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
             pool = None
             try:
                 with _workers_starting():  # a signal meanwhile is raised once `pool` is set
-                    pool = ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(queue,))
+                    pool = ctx.Pool(min(workers, len(todo)), initializer=_init_worker,
+                                    initargs=(queue, os.getpid(), str(out)))
                 pending = {i: pool.apply_async(run_unit, (i, units[i], *args)) for i in todo}
                 while pending:
                     while not queue.empty():
