@@ -28,7 +28,7 @@ from boost_jax.data import build_loaders
 from boost_jax.errors import CheckpointError, ConfigError
 from boost_jax.parallel.mesh import ONE_DEVICE
 from boost_jax.runtime.build import Built, build
-from boost_jax.runtime.checkpoint import read_run, restore
+from boost_jax.runtime.checkpoint import read_newest, restore
 from boost_jax.runtime.evaluation import eval_loss
 from boost_jax.validate import validate
 
@@ -70,14 +70,18 @@ def _exp(loss: float) -> float:
 def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batches=None, tokens=None,
              devices=None) -> dict:
     """Restore a checkpoint's params, apply `overrides(cfg)` (data, batch, mesh) and measure perplexity."""
-    cfg, root, step = read_run(checkpoint)
-    cfg.lock()  # a misspelt override fails instead of adding a key
-    overrides(cfg)
-    validate(cfg)
-    built = build_for_eval(cfg, devices)
-    # Parameters only: the optimizer moments stay on disk (a third of the training memory).
-    params = restore(root, {"params": built.spec.abstract["params"]}, step=step, hint="--checkpoint DIR/STEP",
-                     field="--checkpoint").state["params"]
+    def read(cfg, root, step):
+        cfg.lock()  # a misspelt override fails instead of adding a key
+        overrides(cfg)
+        validate(cfg)
+        built = build_for_eval(cfg, devices)
+        # Parameters only: the optimizer moments stay on disk (a third of the training memory).
+        params = restore(root, {"params": built.spec.abstract["params"]}, step=step, hint="--checkpoint DIR/STEP",
+                         field="--checkpoint").state["params"]
+        return cfg, root, step, built, params
+
+    # A trainer running with keep-K may rotate the step away while it is read: then the newest one.
+    cfg, root, step, built, params = read_newest(checkpoint, read)
     result = perplexity(built, params, split=split, batches=batches, tokens=tokens)
     d = cfg.data
     return {"checkpoint": str(root / str(step)), "step": step, **result,

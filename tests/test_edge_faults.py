@@ -570,3 +570,42 @@ def test_a_rerun_waits_for_workers_of_an_earlier_run(tmp_path, capsys):
     prep._wait_for_workers(out)
     assert released and time.monotonic() >= released[0]
     assert "waiting for the workers of an earlier data.prepare" in capsys.readouterr().err
+
+
+def test_evaluate_retries_on_the_newest_step_when_rotation_removes_its_step(tmp_path, monkeypatch):
+    """evaluate and load_model read the newest step of a run dir; a trainer with keep=1 removes it
+    (a new step saved) between the listing and the read: the newest step is read, not "unreadable";
+    a step given by name, or one damaged in place, is still an error."""
+    import shutil
+
+    from boost_jax import evaluate as ev
+    from boost_jax.runtime import checkpoint as ck
+    from boost_jax.runtime.build import load_model
+    from boost_jax.runtime.checkpoint import CorruptCheckpoint
+    cfg = small_config(tmp_path / "run", **{"train.steps": 4, "train.eval_every": 0, "checkpoint.every": 2,
+                                            "checkpoint.keep": 1})
+    train.run(cfg)
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["4"]
+    want = ev.evaluate(str(tmp_path / "run"), batches=1)
+    real = ck.read_run
+    moves = []
+
+    def racing(checkpoint):  # the trainer saves step N+2 and rotates N away right after the listing
+        got = real(checkpoint)
+        if not moves:
+            n = max(int(p.name) for p in root.iterdir())
+            shutil.copytree(root / str(n), root / str(n + 2))
+            shutil.rmtree(root / str(n))
+            moves.append(1)
+        return got
+
+    monkeypatch.setattr(ck, "read_run", racing)
+    got = ev.evaluate(str(tmp_path / "run"), batches=1)
+    assert got["step"] == 6 and got["loss"] == want["loss"]
+    moves.clear()
+    model, _, _ = load_model(str(tmp_path / "run"))  # generate's and export's loader: 6 -> 8
+    assert model is not None and sorted(p.name for p in root.iterdir()) == ["8"]
+    moves.clear()
+    with pytest.raises(CorruptCheckpoint):  # a step named by the user: no silent substitute
+        ev.evaluate(str(root / "8"), batches=1)

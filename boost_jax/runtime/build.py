@@ -125,12 +125,14 @@ def load_model(checkpoint: str):
     from boost_jax.data import load_tokenizer
     from boost_jax.model import model_from_config
     from boost_jax.parallel.mesh import ONE_DEVICE
-    from boost_jax.runtime.checkpoint import read_run, restore
+    from boost_jax.runtime.checkpoint import read_newest, restore
 
-    cfg, root, step = read_run(checkpoint)
-    cfg.parallel.update(ONE_DEVICE)  # whatever mesh saved it: the abstract target carries the sharding
-    built = build(cfg, jax.devices()[:1])
-    params = restore(root, {"params": built.spec.abstract["params"]}, step=step, hint="--checkpoint DIR/STEP",
-                     field="--checkpoint").state["params"]
+    def read(cfg, root, step):
+        cfg.parallel.update(ONE_DEVICE)  # whatever mesh saved it: the abstract target carries the sharding
+        built = build(cfg, jax.devices()[:1])
+        return cfg, restore(root, {"params": built.spec.abstract["params"]}, step=step,
+                            hint="--checkpoint DIR/STEP", field="--checkpoint").state["params"]
+
+    cfg, params = read_newest(checkpoint, read)  # a step rotated away by a running trainer: the newest
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_from_config(cfg)))
     return nnx.merge(graphdef, params), cfg, load_tokenizer(cfg.data.tokenizer)

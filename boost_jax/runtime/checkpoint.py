@@ -130,6 +130,23 @@ def read_run(checkpoint: str):
     return cfg, root, step
 
 
+def read_newest(checkpoint: str, read, tries: int = 5):
+    """read(cfg, root, step) for the step `checkpoint` names, or for a run dir its newest step. A
+    trainer running there with keep-K rotation may remove that step while it is being read: then
+    (the step gone from disk, not damaged) the newest step is read instead, up to `tries` times."""
+    named = resolve(checkpoint, "--checkpoint")[1] is not None
+    for attempt in range(tries):
+        root, step = None, None
+        try:
+            cfg, root, step = read_run(checkpoint)
+            return read(cfg, root, step)
+        except CorruptCheckpoint:
+            gone = root is None or step is None or not (Path(root) / str(step)).exists()
+            if named or not gone or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 class _OrbaxErrors(logging.Filter):
     """Drops Orbax's own ERROR records (a failed save logs hundreds of lines of tracebacks from its
     background threads), and those of the asyncio and thread-pool machinery its writers run on (a
