@@ -24,7 +24,7 @@ from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
 from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
-from boost_jax.runtime.evaluation import eval_loss
+from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.report import Profiler, Reporter
 from boost_jax.runtime.runlock import note_config_change, open_run_dir
@@ -84,7 +84,10 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> di
         say("compiling the train and eval steps (the first step waits for it; --config.compile_cache=DIR "
             "keeps them for the next start)")
     if step < cfg.train.steps and cfg.train.eval_every:  # eval_every=0: no evaluation at all
-        report.eval(step, evaluate(state["params"]), say=False)
+        try:
+            report.eval(step, evaluate(state["params"], stop=lambda: _stop_requested(stop)), say=False)
+        except EvalInterrupted:  # the loop's first step sees the signal: it saves and stops there
+            say(f"{stop.signal or 'a signal'}: the evaluation at step {step} was stopped between batches")
     loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir, order=order,
                  tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)))
     if changed:
@@ -184,7 +187,12 @@ def _evaluator(built, eval_data):
     """params -> eval result (runtime/evaluation.py): the loss per target token over train.eval_batches
     global batches of the held-out split, or with train.eval_tokens over whole batches as CoLA reads
     them; and CoLA's reported form beside it (`cola_loss`)."""
-    return lambda params: eval_loss(built, eval_data, params)
+    return lambda params, stop=None: eval_loss(built, eval_data, params, stop=stop)
+
+
+def _stop_requested(stop: StopFlag) -> bool:
+    """Whether a stop signal came (to any process: then all agree, a collective)."""
+    return (agree(stop.signal) if jax.process_count() > 1 else stop.signal) is not None
 
 
 class _Loop:
@@ -243,7 +251,17 @@ class _Loop:
                 self.report.log(step, seen[-1][1], self.skipped, {"tokens_seen": self.tokens_seen,
                                                                    **self.data.source_tokens(self.position)})
         if t.eval_every and (step % t.eval_every == 0 or step == end):
-            self.report.eval(step, self.evaluate(self.state["params"]))
+            try:
+                self.report.eval(step, self.evaluate(self.state["params"], stop=lambda: _stop_requested(self.stop)))
+            except EvalInterrupted:  # a signal during a long evaluation: save and stop now, not after it
+                signalled = self.stop.signal or "SIGTERM"  # (another process's, when this one got none)
+                self.report.note(f"{signalled}: the evaluation at step {step} was stopped between batches "
+                                 "(not reported); saving")
+                if not (due_log or due_save):
+                    seen, self.unchecked = jax.device_get(self.unchecked), []
+                    self._check_finite(seen)
+                    self._count_tokens(seen)
+                due_save = True
         if due_save:
             self.ckpt.save(step, self.state, self._meta(step), force=True)  # first waits for the previous save
             self.last_saved = step

@@ -609,3 +609,58 @@ def test_evaluate_retries_on_the_newest_step_when_rotation_removes_its_step(tmp_
     moves.clear()
     with pytest.raises(CorruptCheckpoint):  # a step named by the user: no silent substitute
         ev.evaluate(str(root / "8"), batches=1)
+
+
+# ---------------------------------------------------------------- preemption during a long evaluation
+
+def test_sigterm_during_a_long_first_eval_stops_between_batches(make_config, tmp_path):
+    """SIGTERM while the start-up evaluation runs (100000 batches: far longer than the test waits):
+    it stops between batches, the next step saves, exit 0."""
+    from test_faults import cli_flags, long_config, saved_state, steps_on_disk
+    cfg = long_config(make_config, tmp_path / "run", **{"train.eval_every": 4, "train.eval_batches": 100000,
+                                                        "checkpoint.every": 100000})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("compiling the train and eval steps"):
+            break
+    time.sleep(3)  # well into the evaluation
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out
+    assert "the evaluation at step 0 was stopped between batches" in out and "stopped by SIGTERM at step 1" in out, out
+    assert steps_on_disk(cfg.run_dir) == [1] and saved_state(cfg.run_dir, 1, cfg)[1]["step"] == 1
+    assert time.monotonic() - start < 200
+
+
+def test_a_stop_during_an_eval_in_the_loop_saves_that_step(make_config, monkeypatch):
+    """A stop signal arriving while the step-4 evaluation runs: no more eval batches are run, step 4 is
+    saved, the run stops there, and no eval loss is reported for it."""
+    from boost_jax.runtime.evaluation import eval_loss
+    from boost_jax.runtime.signals import StopFlag
+    cfg = make_config(**{"train.steps": 8, "train.eval_every": 4, "train.eval_batches": 50, "train.log_every": 1,
+                         "checkpoint.every": 100})
+    flag = StopFlag()
+    asked = []
+
+    def evaluating(built, data, params, stop=None, **kw):
+        def stop_after_three():  # the signal comes during batch 1 of the second evaluation
+            asked.append(1)
+            if len(evals) == 2 and len(asked) == 3:
+                flag.signal = "SIGTERM"
+            return stop()
+        evals.append(1)
+        asked.clear()
+        return eval_loss(built, data, params, stop=stop_after_three, **kw)
+
+    evals = []
+    monkeypatch.setattr(train, "eval_loss", evaluating)
+    out = train.run(cfg, stop=flag)
+    assert out["stopped_by"] == "SIGTERM" and out["step"] == 4 and out["last_checkpoint_step"] == 4
+    assert len(asked) == 3  # asked before batches 0, 1 and 2, which saw the signal: 2 and later never ran
+    assert [s for s, _ in out["evals"]] == [0]  # the interrupted evaluation is not reported
+    assert sorted(p.name for p in (Path(cfg.run_dir) / "checkpoints").iterdir()) == ["4"]

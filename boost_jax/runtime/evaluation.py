@@ -9,8 +9,12 @@ from boost_jax.errors import ConfigError
 from boost_jax.runtime.build import to_global
 
 
+class EvalInterrupted(Exception):
+    """`eval_loss` stopped between batches because its `stop()` said so (a signal during a long eval)."""
+
+
 def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | None = None,
-              field: str = "train.eval_tokens") -> dict:
+              field: str = "train.eval_tokens", stop=None) -> dict:
     """The eval loss of `params` over `batches` global batches of `data` (default train.eval_batches)
     or, when `tokens` (default train.eval_tokens) is set, over whole batches read as CoLA's evaluation
     loop reads them: before each batch it stops if more than `tokens` input tokens that are not
@@ -25,7 +29,10 @@ def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | 
       `cola_batch_rows` = train.global_batch / (train.eval_microbatches or train.grad_accum) rows, as
       each GPU's `--batch_size` batch is there (the slices of a global batch are averaged first, as
       DDP averages the GPUs); "cola_denominator" is that n+1;
-    - "batches", "tokens": the global batches and the input tokens that are not padding read."""
+    - "batches", "tokens": the global batches and the input tokens that are not padding read.
+
+    `stop`: a callable asked before each batch; True raises EvalInterrupted (a stop signal during a
+    long evaluation: the trainer then saves and exits instead of finishing it)."""
     t = built.cfg.train
     batches = t.eval_batches if batches is None else batches
     tokens = t.eval_tokens if tokens is None else tokens
@@ -39,6 +46,11 @@ def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | 
     documents = data.batching != "stream"
     results, seen, i = [], 0, 0
     while (seen <= tokens) if tokens else (i < batches):
+        if stop is not None:  # checked between batches (a collective under several processes)
+            if len(results) >= 2:  # at most two batches in flight, so that a stop is not behind a backlog
+                jax.block_until_ready(results[-2])
+            if stop():
+                raise EvalInterrupted(i)
         out = built.eval_step(params, to_global(data.batch(i * t.global_batch), built.eval_sharding))
         if documents and tokens:  # the count decides when to stop: read it now
             seen += int(np.sum(jax.device_get(out[2])))
