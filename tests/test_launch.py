@@ -52,9 +52,16 @@ def test_xla_gpu_flags_keep_the_users_values_and_apply_only_for_a_gpu(monkeypatc
     env = {"XLA_FLAGS": user, "JAX_PLATFORMS": "cpu"}
     assert G.apply(env)[0] == [] and env["XLA_FLAGS"] == user
     monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: object() if name in G.CUDA_PLUGINS else None)
+    monkeypatch.setattr(G, "NVIDIA_DRIVER", ())  # a plugin without a driver (the aot extra on a CPU host): no
     env = {"XLA_FLAGS": user}
+    assert G.apply(env)[0] == [] and env["XLA_FLAGS"] == user
+    monkeypatch.setattr(G, "NVIDIA_DRIVER", (__file__,))  # a driver is loaded
     assert G.apply(env)[0] == added and env["XLA_FLAGS"] == value
     assert G.apply(env) == ([], "XLA_FLAGS already names every flag")
     monkeypatch.setattr(G, "_backends_started", lambda: True)
     env = {}
     assert G.apply(env)[0] == [] and "XLA_FLAGS" not in env
+    # A step built for GPU devices carries the same flags as compiler options, less those XLA_FLAGS names.
+    options = G.compiler_options({"XLA_FLAGS": user})
+    assert sorted(options) == sorted(f.split("=")[0].lstrip("-") for f in added)
+    assert options["xla_gpu_enable_pipelined_all_gather"] is True and options["xla_gpu_enable_command_buffer"] == ""

@@ -40,7 +40,10 @@ MEASURE = (  # worth an A/B run; not applied
     ("--xla_gpu_enable_triton_gemm=false", "cuBLAS for every GEMM: the low-rank GEMMs are skinny and "
                                            "either may win"),
 )
-CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # what `pip install jax[cuda13|cuda12]` installs
+# what `pip install jax[cuda13|cuda12]` installs (the plugins register under jax_plugins; older
+# releases shipped top-level modules)
+CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin", "jax_cuda12_plugin")
+NVIDIA_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl")  # a driver is loaded (a GPU host)
 
 
 def _name(flag: str) -> str:
@@ -69,12 +72,20 @@ def compiler_options(environ=os.environ) -> dict:
     return {_name(flag).lstrip("-"): _option_value(flag.split("=", 1)[1]) for flag in added}
 
 
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is absent
+        return False
+
+
 def gpu_expected(environ=os.environ) -> bool:
-    """A CUDA plugin of jax is installed and JAX_PLATFORMS (if set) allows GPUs. Never starts a backend."""
+    """A CUDA plugin of jax is installed, an NVIDIA driver is loaded (not only the plugin, as the
+    `aot` extra installs it on CPU hosts) and JAX_PLATFORMS (if set) allows GPUs. Never starts a backend."""
     platforms = environ.get("JAX_PLATFORMS", "").lower()
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return False
-    return any(importlib.util.find_spec(name) is not None for name in CUDA_PLUGINS)
+    return any(_found(name) for name in CUDA_PLUGINS) and any(os.path.exists(p) for p in NVIDIA_DRIVER)
 
 
 def _backends_started() -> bool:
@@ -90,7 +101,7 @@ def _backends_started() -> bool:
 def apply(environ=os.environ) -> tuple[list[str], str]:
     """Add the missing FLAGS to XLA_FLAGS when a GPU run is expected: (flags added, why none were)."""
     if not gpu_expected(environ):
-        return [], "no CUDA jax plugin, or JAX_PLATFORMS excludes GPUs"
+        return [], "no CUDA jax plugin or NVIDIA driver, or JAX_PLATFORMS excludes GPUs"
     value, added = merged(environ.get("XLA_FLAGS", ""))
     if not added:
         return [], "XLA_FLAGS already names every flag"

@@ -105,9 +105,13 @@ def _split_top(s: str) -> tuple[list[str], str]:
     return [p.strip() for p in parts if p.strip()], ""
 
 
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
 def _operand_shape(operand: str, symbols: dict[str, str]) -> str:
-    # Operands print either bare (`%x`) or with their shape (`f32[4]{0} %x`), depending on options.
-    shape, _, name = operand.rpartition(" ")
+    # Operands print either bare (`%x`) or with their shape (`f32[4]{0} %x`), depending on options;
+    # long operand lists carry `/*index=5*/` comments (XLA:GPU's combined collectives).
+    shape, _, name = _COMMENT.sub("", operand).strip().rpartition(" ")
     return shape if shape else symbols.get(name.lstrip("%"), "")
 
 
@@ -300,7 +304,8 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
     for comp, kind, shape, operands, attrs, symbols in found:
         op_shapes = [_operand_shape(o, symbols) for o in operands]
         if kind == "collective-permute":
-            op_shapes = op_shapes[:1]  # the in-place form adds output buffer/offsets as operands
+            if _attr(attrs, "slice_sizes") is not None:  # the in-place form: output buffer and offsets follow
+                op_shapes = op_shapes[:1]  # (XLA:GPU combines permutes of one pairing into one tuple op: all count)
             pairs = (_attr(attrs, "source_target_pairs") or "{}")[1:]
             groups = [_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
             group_size = _permute_group_size(groups)

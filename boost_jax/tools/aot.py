@@ -1,0 +1,333 @@
+"""Compile the real train step (and eval step) for GPUs this host does not have, and say whether it fits.
+
+    python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_7b.py --mesh 1,1,1,8
+    python -m boost_jax.tools.aot --target a100 --devices 1 --config configs/tiny.py --json aot.json \\
+        --config.model.attention=cudnn --config.kernels.rmsnorm=pallas
+
+XLA compiles for a GPU without one ("deviceless AOT"): the devices come from a topology described by
+a target config (`boost_jax/tools/targets/NAME.txtpb`: the GPU's core count, memory, compute
+capability), the steps are the trainer's own (`runtime/build.py`), built for those devices, so the
+model, the kernels and the XLA flags take their GPU paths (`kernels/platform.py`): cuDNN attention
+under `auto`, the Pallas/Triton norm, bf16 under `model.dtype=auto`. Printed per device: argument /
+output / temp / peak bytes and whether the peak fits the GPU's memory (times `--usable`, the share a
+run may allocate: set XLA_PYTHON_CLIENT_MEM_FRACTION to it), the GPU kernels in the program
+(cuDNN attention, Triton kernels by name, cuBLAS and Triton GEMMs), the collectives per step (kind,
+executions through loops, bytes) and the compile time. Memory, kernels and the collective schedule
+of a deviceless compile are the GPU's; its run-time estimates are not (no GEMM autotuning without a
+device), so no time is printed.
+
+Needs the `aot` extra (`pip install -e '.[aot]'`: jax's CUDA plugin and the NVIDIA compilers as
+wheels; no GPU, driver or CUDA toolkit). Nothing here imports jax at module level.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+TARGETS_DIR = Path(__file__).with_name("targets")
+INSTALL = "pip install -e '.[aot]'"
+USABLE = 0.9  # share of a GPU's memory a run may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)
+# (distribution, what it brings): jax's CUDA plugin, ptxas, libdevice, and cuDNN (jax checks its version)
+_NEEDED = (("jax-cuda13-plugin", "jax's CUDA plugin"), ("jax-cuda13-pjrt", "jax's CUDA PJRT"),
+           ("nvidia-cuda-nvcc", "ptxas"), ("nvidia-nvvm", "libdevice"), ("nvidia-cudnn-cu13", "cuDNN"))
+
+
+class AotError(SystemExit):
+    """A one-line error of this tool (exits 2 with the message)."""
+
+
+def targets() -> list[str]:
+    return sorted(p.stem for p in TARGETS_DIR.glob("*.txtpb"))
+
+
+def target_config(name: str) -> str:
+    path = TARGETS_DIR / f"{name}.txtpb"
+    if not path.is_file():
+        raise AotError(f"--target: unknown GPU {name!r}; one of {', '.join(targets())}")
+    return path.read_text()
+
+
+def target_memory(name: str) -> int:
+    """The target GPU's memory in bytes, from its target config."""
+    return int(re.search(r"device_memory_size:\s*(\d+)", target_config(name)).group(1))
+
+
+def missing() -> str:
+    """What of the `aot` extra is not installed ('' when everything is)."""
+    def found(dist):
+        try:
+            importlib.metadata.version(dist)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return ", ".join(f"{dist} ({what})" for dist, what in _NEEDED if not found(dist))
+
+
+def available() -> bool:
+    return not missing()
+
+
+def require() -> None:
+    gone = missing()
+    if gone:
+        raise AotError(f"compiling for a GPU without one needs the aot extra ({gone} missing): {INSTALL}")
+
+
+def topology_string(n: int) -> str:
+    """slices x hosts x devices per host: hosts of 8 GPUs beyond 8, as an HGX/DGX cluster has them."""
+    if n > 8 and n % 8 == 0:
+        return f"1x{n // 8}x8"
+    return f"1x1x{n}"
+
+
+_DEVICES: dict = {}
+
+
+def devices(target: str, n: int) -> list:
+    """n deviceless GPU devices of `target` (kept per process: a topology is made once)."""
+    require()
+    text = target_config(target)
+    if (target, n) not in _DEVICES:
+        import jax
+        from jax._src import xla_bridge
+        if not xla_bridge.backends_are_initialized():
+            jax.config.update("jax_platforms", "cpu")  # no GPU here: the CUDA plugin must not try to start one
+        from jax.experimental import topologies
+        try:
+            topo = topologies.get_topology_desc(platform="cuda", target_config=text, topology=topology_string(n))
+        except Exception as e:  # noqa: BLE001 - the plugin's own words, on one line
+            raise AotError(f"--target {target}: jax could not describe {n} GPUs "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check `{INSTALL}`") from e
+        _DEVICES[(target, n)] = list(topo.devices)
+    return _DEVICES[(target, n)]
+
+
+# ------------------------------------------------------------------------------- reading the program
+
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_TRITON_NAME = re.compile(r'\bname\s*=\s*"([^"]+)"|"name"\s*:\s*"([^"]+)"')
+_MASK = re.compile(r'"mask_type"\s*:\s*"([A-Z_]+)"')
+_FUSION_KIND = re.compile(r'"kind"\s*:\s*"(__triton[\w]*|__cudnn[\w$]*|__cublas[\w$]*)"')
+_KERNEL_NAMES = {"__cublas$gemm": "cublas gemm", "__cublas$lt$matmul": "cublasLt matmul",
+                 "__triton_gemm": "triton gemm", "__triton_nested_gemm_fusion": "triton gemm",
+                 "__triton": "triton fusion", "__cudnn$fusion": "cudnn fusion"}
+
+
+def kernels(hlo_text: str) -> dict:
+    """{kernel: count} of the GPU program's library calls and generated kernels, by what they run:
+    cuDNN fused attention (`cudnn attention (fwd|bwd, MASK)`, MASK `causal`, or `padding_causal` with
+    per-row lengths; any other cuDNN graph by its target),
+    cuBLAS GEMMs, Triton GEMM/fusions XLA generated, Pallas kernels (`triton kernel NAME`, NAME the
+    kernel's own) and jax-triton kernels (`triton kernel (jax-triton)`). Counted once per instruction (not per loop trip)."""
+    counts: Counter = Counter()
+    for line in hlo_text.splitlines():
+        m = _CUSTOM_CALL.search(line)
+        if m:
+            target = m.group(1)
+            if target.startswith("triton_kernel_call"):  # jax-triton: the kernel's name is in an opaque blob
+                counts["triton kernel (jax-triton)"] += 1
+            elif target == "__gpu$xla.gpu.triton":  # Pallas on Triton: the kernel names itself
+                name = _TRITON_NAME.search(line)
+                counts[f"triton kernel {(name.group(1) or name.group(2)) if name else '?'}"] += 1
+            elif target.startswith("__cudnn$fmha"):  # with its mask: PADDING_CAUSAL takes per-row lengths
+                kind = "bwd" if "Backward" in target else "fwd"
+                mask = _MASK.search(line)
+                counts[f"cudnn attention ({kind}, {mask.group(1).lower() if mask else 'no mask'})"] += 1
+            else:
+                counts[_KERNEL_NAMES.get(target, target)] += 1
+            continue
+        if " fusion(" in line:
+            f = _FUSION_KIND.search(line)
+            if f:
+                counts[_KERNEL_NAMES.get(f.group(1), f.group(1))] += 1
+    return dict(sorted(counts.items()))
+
+
+def collectives(hlo_text: str, mesh) -> dict:
+    """{kind: {"ops", "count", "elements", "bytes"}} per device and step: `ops` instructions in the
+    program, `count` their executions (through the loops' trip counts), `elements` and `bytes` what
+    those executions move (bytes at the dtype the GPU program carries)."""
+    from boost_jax.tools.comm_report import itemsize
+    from boost_jax.tools.hlo_comm import parse_collectives
+
+    out: dict = {}
+    for c in parse_collectives(hlo_text, mesh):
+        trips = c.trips or 1
+        slot = out.setdefault(c.kind, {"ops": 0, "count": 0, "elements": 0, "bytes": 0})
+        slot["ops"] += 1
+        slot["count"] += trips
+        slot["elements"] += c.elements * trips
+        slot["bytes"] += int(c.elements * trips * itemsize(c.dtype))
+    return dict(sorted(out.items()))
+
+
+def analyze(compiled, mesh, device_memory: int, usable: float = USABLE) -> dict:
+    m = compiled.memory_analysis()
+    arg, out, temp, alias = (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+                             m.alias_size_in_bytes)
+    peak = arg + out + temp - alias
+    limit = int(device_memory * usable)
+    text = compiled.as_text()
+    return {"peak_bytes": peak, "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
+            "device_memory_bytes": device_memory, "usable_bytes": limit, "fits": peak <= limit,
+            "headroom_bytes": limit - peak, "kernels": kernels(text), "collectives": collectives(text, mesh)}
+
+
+# ------------------------------------------------------------------------------------ compiling
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
+
+
+def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval"), usable: float = USABLE) -> dict:
+    """Build `cfg` (its parallel.* mesh) on n deviceless `target` GPUs and compile its steps:
+    {"target", "devices", "mesh", "train": analyze(...) + compile_s, "eval": ...}."""
+    from boost_jax.errors import ConfigError
+    from boost_jax.runtime.build import build
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.data.source = "embedded"  # nothing is read (the batch is abstract); a `tokens` source would need a path
+    p = cfg.parallel
+    sizes = {a: p[a] for a in ("pipeline", "data", "fsdp", "tensor")}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if fixed > n_devices or (-1 not in sizes.values() and fixed != n_devices and not p.num_devices):
+        raise AotError(f"--mesh: pipeline x data x fsdp x tensor = {fixed} devices but --devices {n_devices}; "
+                       "make them equal (or give one axis -1)")
+    devs = devices(target, n_devices)
+    try:
+        built = build(cfg, devs)
+    except ConfigError as e:
+        raise AotError(f"{e}") from e
+    memory = target_memory(target)
+    out = {"target": target, "device_kind": devs[0].device_kind, "devices": n_devices,
+           "mesh": dict(built.mesh.shape)}
+    lower = {"train": built.lower_train, "eval": built.lower_eval}
+    for program in programs:
+        t0 = time.perf_counter()
+        try:
+            compiled = lower[program]().compile()
+        except ConfigError as e:
+            raise AotError(f"{e}") from e
+        except NotImplementedError as e:  # jax's own refusals (cuDNN attention shapes, ...)
+            raise AotError(f"config cannot compile for {target} ({_one_line(e)}): set model.attention "
+                           "(chunked or pallas) or kernels.* to a path that takes these shapes") from e
+        except Exception as e:  # noqa: BLE001 - XLA's refusals, on one line
+            raise AotError(f"config cannot compile its {program} step for {target}: {_one_line(e)}") from e
+        out[program] = {**analyze(compiled, built.mesh, memory, usable), "compile_s": time.perf_counter() - t0}
+    return out
+
+
+# ---------------------------------------------------------------------------------- command line
+
+GB = 1e9
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n / GB:.1f} GB)"
+
+
+def to_text(rep: dict) -> str:
+    lines = [f"{rep['devices']} x {rep['device_kind']} (deviceless), mesh "
+             + " x ".join(f"{k} {v}" for k, v in rep["mesh"].items())]
+    for program in ("train", "eval"):
+        r = rep.get(program)
+        if r is None:
+            continue
+        verdict = (f"fits, {_gib(r['headroom_bytes'])} to spare" if r["fits"]
+                   else f"does NOT fit: {_gib(-r['headroom_bytes'])} over")
+        lines += [f"{program} step (compiled in {r['compile_s']:.1f} s), per device:",
+                  f"  argument {_gib(r['argument_bytes'])}, output {_gib(r['output_bytes'])}, "
+                  f"temp {_gib(r['temp_bytes'])}, aliased {_gib(r['alias_bytes'])}",
+                  f"  peak {_gib(r['peak_bytes'])} of {_gib(r['usable_bytes'])} usable "
+                  f"({r['usable_bytes'] / r['device_memory_bytes']:.0%} of {_gib(r['device_memory_bytes'])}): {verdict}",
+                  "  kernels: " + (", ".join(f"{k} x{v}" for k, v in r["kernels"].items()) or "none"),
+                  "  collectives per step: " + (", ".join(
+                      f"{k} {c['count']}x ({c['ops']} ops) {c['bytes'] / 2**20:.1f} MiB"
+                      for k, c in r["collectives"].items()) or "none")]
+    return "\n".join(lines)
+
+
+def load(config: str, overrides: list[str]):
+    """The config file with `--config.KEY=VALUE` overrides, parsed as the trainer parses them."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from boost_jax.config import load_config_file
+    from boost_jax.errors import ConfigError
+    try:
+        load_config_file(config, "--config", run_config=True)
+    except FileNotFoundError as e:
+        raise AotError(f"--config: no such file {config} (e.g. configs/cola_7b.py)") from e
+    except ConfigError as e:
+        raise AotError(str(e)) from e
+    fv = flags.FlagValues()
+    argv = ["aot", f"--config={config}", *overrides]
+    try:
+        config_flags.DEFINE_config_file("config", config, "run config", flag_values=fv, lock_config=True,
+                                        sys_argv=argv)
+        fv(argv)
+        return fv.config
+    except (AttributeError, KeyError, flags.Error) as e:
+        why = e
+        while isinstance(why, (AttributeError, KeyError)) and why.args:
+            why = why.args[0]
+        raise AotError(f"{' '.join(overrides)}: {str(why).splitlines()[0]} (the keys are those of "
+                       "boost_jax/config.py)") from e
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides = [a for a in argv if a.startswith("--config.")]
+    rest = [a for a in argv if not a.startswith("--config.")]
+    ap = argparse.ArgumentParser(prog="python -m boost_jax.tools.aot", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Any --config.KEY=VALUE overrides the config, as for the trainer.")
+    ap.add_argument("--target", required=True, help=f"the GPU: {' | '.join(targets())}")
+    ap.add_argument("--devices", type=int, required=True, help="how many GPUs (8 per host beyond 8)")
+    ap.add_argument("--config", required=True, help="a configs/*.py file")
+    ap.add_argument("--mesh", help="pipeline,data,fsdp,tensor sizes (default: the config's parallel.*)")
+    ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument("--usable", type=float, default=USABLE,
+                    help=f"share of the GPU's memory a run may use (default {USABLE}: run with "
+                         f"XLA_PYTHON_CLIENT_MEM_FRACTION={USABLE})")
+    ap.add_argument("--train-only", action="store_true", help="skip the eval step")
+    args = ap.parse_args(rest)
+    try:
+        target_config(args.target)
+        if args.devices < 1:
+            raise AotError(f"--devices: must be >= 1, got {args.devices}")
+        if not 0 < args.usable <= 1:
+            raise AotError(f"--usable: a share in (0, 1], got {args.usable}")
+        require()
+        cfg = load(args.config, overrides)
+        if args.mesh:
+            from boost_jax.tools.devices import parse_mesh
+            sizes = parse_mesh(args.mesh)
+            sizes = (1,) * (4 - len(sizes)) + sizes
+            if math.prod(sizes) != args.devices:
+                raise AotError(f"--mesh {args.mesh}: {math.prod(sizes)} devices, but --devices {args.devices}; "
+                               "make the product equal --devices")
+            cfg.parallel.update(dict(zip(("pipeline", "data", "fsdp", "tensor"), sizes)))
+        rep = compile_config(cfg, args.target, args.devices,
+                             programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable)
+    except AotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    rep["config"] = args.config
+    print(to_text(rep))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    return rep
+
+
+if __name__ == "__main__":
+    main()
