@@ -664,3 +664,20 @@ def test_a_stop_during_an_eval_in_the_loop_saves_that_step(make_config, monkeypa
     assert len(asked) == 3  # asked before batches 0, 1 and 2, which saw the signal: 2 and later never ran
     assert [s for s, _ in out["evals"]] == [0]  # the interrupted evaluation is not reported
     assert sorted(p.name for p in (Path(cfg.run_dir) / "checkpoints").iterdir()) == ["4"]
+
+
+# ---------------------------------------------------------------- one input under two spellings
+
+def test_one_input_under_two_spellings_is_refused(prepared, tmp_path, monkeypatch, capsys):
+    from boost_jax.data import prepare as prep
+    from boost_jax.data.sources import parse_mixture
+    out, _ = prepared
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    assert prep.main(["c.jsonl", "./c.jsonl", "--out", "o", "--workers", "0", "--no-progress"]) == 1
+    assert "inputs: ./c.jsonl is named twice (as c.jsonl and ./c.jsonl)" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+    for spec in ("c.jsonl:1,./c.jsonl:2", f"{out}:1,{out}/index.json:1", f"{out}:1,{out}/../p/:1"):
+        with pytest.raises(ValueError, match=r"config field `data\.path`: .* names a source twice \(.* are the same\)"):
+            parse_mixture(spec, "data.path")
+    assert len(parse_mixture(f"{out}:1,c.jsonl:1", "data.path")) == 2  # two sources stay two

@@ -648,8 +648,13 @@ def _cli(argv) -> int:
         previous = None
     try:
         paths = input_files(args.inputs)
-        if len(set(paths)) != len(paths):
-            raise PrepareError("inputs: a file is named twice")
+        first: dict[str, str] = {}
+        for path in paths:  # compared resolved: `c.jsonl` and `./c.jsonl` (or a link to it) are one file
+            real = os.path.realpath(path)
+            if real in first:
+                same = "" if first[real] == path else f" (as {first[real]} and {path})"
+                raise PrepareError(f"inputs: {path} is named twice{same}; give each file once")
+            first[real] = path
         index = prepare(paths, args.out, args.tokenizer, field=args.field, workers=args.workers, dtype=args.dtype,
                         unit_bytes=int(args.unit_mb * (1 << 20)), progress=not args.no_progress)
     except (PrepareError, FileNotFoundError, ValueError, ImportError) as e:

@@ -72,9 +72,14 @@ def parse_mixture(spec: str, field: str) -> list[tuple[str, str, float]]:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"config field `{field}`: the weight of {path!r} is {tail}; weights must be positive")
         parts.append((path, weight))
-    paths = [p for p, _ in parts]
-    if len(set(paths)) < len(paths):
-        raise ValueError(f"config field `{field}`: {spec!r} names a source twice; give it one summed weight")
+    seen: dict[str, str] = {}
+    for path, _ in parts:  # compared resolved: `c.jsonl` and `./c.jsonl`, a prepared dir and its index.json
+        key = _same_source_key(path)
+        if key in seen:
+            same = "twice" if seen[key] == path else f"twice ({seen[key]!r} and {path!r} are the same)"
+            raise ValueError(f"config field `{field}`: {spec!r} names a source {same}; give it once with one "
+                             "summed weight")
+        seen[key] = path
     total = sum(w for _, w in parts)
     small = [p for p, w in parts if w / total < 1 / MIX_BLOCK]
     if small:
@@ -88,6 +93,15 @@ def parse_mixture(spec: str, field: str) -> list[tuple[str, str, float]]:
         name = name or "data"
         names.append(name if name not in names else f"{name}_{len(names) + 1}")
     return [(n, p, w / total) for n, (p, w) in zip(names, parts)]
+
+
+def _same_source_key(path: str) -> str:
+    """What a mixture entry reads, for finding one given twice: the resolved path (a prepared dir for
+    its index.json); a glob stays as written."""
+    if any(ch in path for ch in "*?["):
+        return path
+    p = Path(path).expanduser().resolve()
+    return str(p.parent if p.name == INDEX and (p.parent / "plan.json").exists() else p)
 
 
 def expand_paths(spec: str, field: str, suffixes: tuple[str, ...]) -> list[str]:
