@@ -407,6 +407,9 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check(p.pipeline_repeats >= 1, "parallel.pipeline_repeats", f"must be >= 1, got {p.pipeline_repeats}")
     check(p.pipeline_repeats == 1 or p.pipeline_schedule == "circular", "parallel.pipeline_repeats",
           f"{p.pipeline_repeats} chunks per stage need parallel.pipeline_schedule=circular (gpipe holds one)")
+    check(p.pipeline_schedule == "gpipe" or p.pipeline != 1, "parallel.pipeline_schedule",
+          f"{p.pipeline_schedule} interleaves layer chunks over pipeline stages, but parallel.pipeline=1; set "
+          "parallel.pipeline > 1 or parallel.pipeline_schedule=gpipe")
     for name in ("pipeline", "data", "fsdp", "tensor"):
         check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
     return c

@@ -41,6 +41,7 @@ def build_for_eval(cfg, devices=None) -> Built:
     except ConfigError as e:
         print(f"note: evaluating on one device ({e})", file=sys.stderr)
         cfg.parallel.update(ONE_DEVICE)
+        cfg.remat.pipeline = "none"  # stage remat needs stages
         return build(cfg, devices[:1])
 
 
@@ -165,6 +166,11 @@ def main(argv=None) -> int:
             print(f"error: --json {args.json}: cannot write the result ({e.strerror or e}); "
                   "give a writable file path", file=sys.stderr)
             return 1
+    if result.get("targets") == 0:
+        print(f"error: the {result['batches']} evaluated batches hold no target (no document is longer than one "
+              f"token under data.batching={result['batching']}): there is no loss to measure; evaluate other data",
+              file=sys.stderr)
+        return 1
     if not math.isfinite(result["loss"]):
         steps = Path(result["checkpoint"]).parent
         print(f"error: eval loss is {result['loss']} at step {result['step']}: the checkpoint's weights do not "

@@ -220,7 +220,8 @@ LAYOUTS = [[5, 9, 2], [16], [3, 3, 3, 4], [7, 8]]  # each fits 16 inputs (the la
 def _alone(cfg, params, docs):
     """Loss sum and gradients of every document run alone (a stream batch of its own length)."""
     single = cfg.copy_and_resolve_references()
-    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1)
+    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe",
+                           pipeline_repeats=1)
     total, grads = 0.0, None
     for _, _, doc in docs:
         if len(doc) < 2:
@@ -272,7 +273,8 @@ def test_packed_rows_under_tensor_parallelism(make_config, strategy, mesh, extra
     cfg = par_config(make_config, strategy, "cola", mesh, **{"data.batching": "packed", "model.attention": "chunked",
                                                               **extra})
     single = cfg.copy_and_resolve_references()
-    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1)
+    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe",
+                           pipeline_repeats=1)
     params = jax.device_get(build(single).init_state()["params"])
     layouts = LAYOUTS + [[16], [4, 4, 4, 4], [1, 15], [10]]  # 8 rows: every pipeline micro-batch holds some
     batch, docs = _packed(np.random.default_rng(11), layouts, cfg.train.seq_len, cfg.model.vocab_size)

@@ -681,3 +681,69 @@ def test_one_input_under_two_spellings_is_refused(prepared, tmp_path, monkeypatc
         with pytest.raises(ValueError, match=r"config field `data\.path`: .* names a source twice \(.* are the same\)"):
             parse_mixture(spec, "data.path")
     assert len(parse_mixture(f"{out}:1,c.jsonl:1", "data.path")) == 2  # two sources stay two
+
+
+def test_circular_schedule_needs_stages_and_one_device_tools_read_such_runs(make_config):
+    """parallel.pipeline_schedule=circular with parallel.pipeline=1 is refused like remat.pipeline=stage;
+    a run trained with both (on 2 stages) is still read onto one device by generate/export/evaluate."""
+    import jax
+
+    from boost_jax import evaluate as ev
+    from boost_jax.runtime.build import load_model
+    from boost_jax.validate import validate
+    with pytest.raises(ConfigError, match=r"config field `parallel\.pipeline_schedule`: circular interleaves layer "
+                                          r"chunks over pipeline stages, but parallel\.pipeline=1"):
+        validate(make_config(**{"parallel.pipeline_schedule": "circular"}))
+    cfg = make_config(**{"parallel.pipeline": 2, "parallel.data": 2, "parallel.tensor": 2, "model.n_layers": 4,
+                         "train.steps": 2, "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
+                         "remat.pipeline": "stage", "train.eval_every": 0, "checkpoint.every": 2})
+    train.run(cfg)
+    model, loaded, _ = load_model(cfg.run_dir)
+    assert loaded.parallel.pipeline == 1 and loaded.parallel.pipeline_schedule == "gpipe"
+    one = ev.evaluate(cfg.run_dir, batches=1, devices=jax.devices()[:1])
+    both = ev.evaluate(cfg.run_dir, batches=1)  # on the run's own 2-stage circular mesh
+    assert one["mesh"]["pipeline"] == 1 and both["mesh"]["pipeline"] == 2
+    assert one["loss"] == pytest.approx(both["loss"], rel=1e-5)
+
+
+def test_an_evaluation_without_targets_reports_no_loss():
+    """Eval batches of documents with no target (one token each) sum their loss over nothing: the
+    result is NaN (no loss), not 0 (perplexity 1); with targets it is their mean."""
+    import types
+
+    import jax
+
+    from boost_jax.data import DocumentLoader
+    from boost_jax.runtime.evaluation import eval_loss
+    for length, per_target in ((1, None), (5, 2.0)):
+        docs = np.arange(64 * length, dtype=np.uint16) % 200
+        data = DocumentLoader([docs], [np.arange(1, 65) * length], seq_len=8, name="t", global_batch=8, seed=0,
+                              vocab_size=256, shuffle=False)
+
+        def eval_step(params, batch):  # each target costs per_target (none here when length is 1)
+            targets = np.maximum(np.asarray(batch["lengths"]) - 1, 0)
+            return (np.array([float(targets.sum()) * (per_target or 0.0)]), np.array([targets.sum()]),
+                    np.array([np.asarray(batch["lengths"]).sum()]))
+
+        cfg = types.SimpleNamespace(train=types.SimpleNamespace(global_batch=8, seq_len=8, eval_batches=2,
+                                                                eval_tokens=0, eval_microbatches=1, grad_accum=1))
+        built = types.SimpleNamespace(cfg=cfg, eval_step=eval_step,
+                                      eval_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        got = eval_loss(built, data, None)
+        if per_target is None:
+            assert np.isnan(got["loss"]) and np.isnan(got["cola_loss"]) and got["targets"] == 0, got
+        else:
+            assert got["loss"] == pytest.approx(per_target)
+
+
+def test_evaluate_says_when_there_is_nothing_to_measure(tmp_path, capsys, monkeypatch):
+    from boost_jax import evaluate, export
+    run = tmp_path / "run"
+    assert export.main(["--import-hf", str(hf_model(tmp_path)), "--out", str(run)]) == 0
+    monkeypatch.setattr(evaluate, "eval_loss", lambda *a, **k: {
+        "loss": float("nan"), "batches": 2, "tokens": 16, "targets": 0, "cola_loss": float("nan"),
+        "cola_denominator": 3, "cola_batch_rows": 8})
+    capsys.readouterr()
+    assert evaluate.main(["--checkpoint", str(run)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: the 2 evaluated batches hold no target") and "weights" not in err, err

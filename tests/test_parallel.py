@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from boost_jax import train
 from boost_jax.data import build_loaders
 from boost_jax.parallel import pipeline
-from boost_jax.parallel.mesh import BATCH_AXES
+from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE
 from boost_jax.runtime.build import build
 from boost_jax.runtime.state import trainable, with_frozen
 from boost_jax.runtime.step import next_token_loss
@@ -72,7 +72,7 @@ def reference(cfg):
 
 def _reference(cfg):
     single = cfg.copy_and_resolve_references()
-    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, linear_partition="")
+    single.parallel.update(ONE_DEVICE, num_devices=1)
     single.remat.pipeline = "none"
     params = perturb_zero_factors(jax.device_get(build(single).init_state()["params"]))
     tokens = build_loaders(single)[0].batch(0)

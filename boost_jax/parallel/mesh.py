@@ -19,7 +19,9 @@ from boost_jax.parallel.rules import _as_tuple
 AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first: pipeline stages may span nodes
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over both
 # `parallel` settings that put a run (any mesh, any partition) on a single device.
-ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="")
+# parallel.* of one device (a pipeline schedule needs stages: one device runs the layers in order).
+ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="", pipeline_schedule="gpipe",
+                  pipeline_repeats=1)
 
 
 def mesh_shape(p, n_devices: int) -> tuple[int, ...]:

@@ -129,6 +129,7 @@ def load_model(checkpoint: str):
 
     def read(cfg, root, step):
         cfg.parallel.update(ONE_DEVICE)  # whatever mesh saved it: the abstract target carries the sharding
+        cfg.remat.pipeline = "none"  # stage remat needs stages
         built = build(cfg, jax.devices()[:1])
         return cfg, restore(root, {"params": built.spec.abstract["params"]}, step=step,
                             hint="--checkpoint DIR/STEP", field="--checkpoint").state["params"]

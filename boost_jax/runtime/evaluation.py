@@ -66,9 +66,13 @@ def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | 
         seen = seen if tokens else int(sum(np.sum(r[2]) for r in results))
         loss = float(sums.sum()) / max(int(targets.sum()), 1)
         batch_means = (sums / np.maximum(targets, 1)).mean(axis=1)
+        counted = int(targets.sum())
+        if not counted:  # no target was read: there is no loss (0 would read as perfect)
+            loss, batch_means = float("nan"), batch_means * np.nan
     else:
         batch_means = np.array(results, np.float64)
         loss = float(batch_means.mean())
-    return {"loss": float(loss), "batches": i, "tokens": seen,
+        counted = i * t.global_batch * t.seq_len
+    return {"loss": float(loss), "batches": i, "tokens": seen, "targets": counted,
             "cola_loss": float(batch_means.sum()) / (i + 1), "cola_denominator": i + 1,
             "cola_batch_rows": t.global_batch // slices}
