@@ -192,6 +192,14 @@ def test_import_checks_the_tokenizer_before_copying_it(tokenizer_files, tmp_path
     err = one_error_line(capsys.readouterr().err)
     assert f"{hf}/tokenizer.json is not a readable tokenizers JSON" in err, err
     assert not (tmp_path / "run").exists()
+    # An intact one is copied beside the run; a second import over it (--supersede) keeps the first aside.
+    good = hf_model(tmp_path, "good", tokenizer=tokenizer_files[0].read_bytes())
+    assert export.main(["--import-hf", str(good), "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == tokenizer_files[0].read_bytes()
+    (good / "tokenizer.json").write_bytes(tokenizer_files[0].read_bytes() + b"\n")  # another file, same vocabulary
+    assert export.main(["--import-hf", str(good), "--out", str(tmp_path / "run"), "--supersede"]) == 0
+    assert (tmp_path / "run" / "tokenizer.json.superseded").read_bytes() == tokenizer_files[0].read_bytes()
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == (good / "tokenizer.json").read_bytes()
 
 
 # ---------------------------------------------------------------- prepared indexes are verified when opened
