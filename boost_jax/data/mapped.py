@@ -4,7 +4,8 @@ makes the next read of a page past its new end raise SIGBUS, which would end the
 its file; a SIGBUS handler (Linux, installed with the first mapping) that finds the faulting address
 in one of them prints one line naming the file and exits with status 1. Checkpoints are unaffected:
 a finished step stays complete, and a save in flight leaves only its temporary directory, which the
-next start removes. A SIGBUS outside the recorded mappings takes the default action.
+next start removes. A SIGBUS outside the recorded mappings goes to the handler installed before
+(faulthandler's, or the default action).
 
 The handler runs Python code in the signal's context, which is only safe because it ends the
 process: it formats one line, writes it with os.write and calls os._exit.
@@ -19,7 +20,8 @@ import sys
 _RANGES: list[tuple[int, int, str]] = []  # (first byte, end, path) of every mapping watched
 _INSTALLED: list = []  # the ctypes callback (kept alive while installed)
 SA_SIGINFO = 4
-SI_ADDR_OFFSET = 16  # siginfo_t: si_signo, si_errno, si_code, padding, then the union (si_addr first)
+SI_CODE_OFFSET = 8  # siginfo_t: si_signo, si_errno, si_code (<= 0: sent by a process, not a fault), padding,
+SI_ADDR_OFFSET = 16  # then the union (si_addr first)
 
 
 def watch(array, path):
@@ -57,13 +59,16 @@ def _install() -> None:
     def on_sigbus(signum, info, context):
         address = ctypes.c_void_p.from_address(info + SI_ADDR_OFFSET).value if info else None
         path = owner(address)
-        if path is None:  # not a watched file: the default action when the access faults again
-            libc.signal(signal.SIGBUS, ctypes.c_void_p(0))  # SIG_DFL
+        if path is None:  # not a watched file: the previous handler (or the default) when it faults again
+            libc.sigaction(signal.SIGBUS, ctypes.byref(previous), None)
+            sent = not info or ctypes.c_int.from_address(info + SI_CODE_OFFSET).value <= 0
+            if sent:  # no fault to repeat it: deliver it again, to that handler
+                getattr(libc, "raise")(signal.SIGBUS)
             return
         os.write(2, message(path).encode(errors="replace"))
         os._exit(1)
 
     callback = handler_type(on_sigbus)
-    action = Sigaction(sa_sigaction=callback, sa_flags=SA_SIGINFO)
-    if libc.sigaction(signal.SIGBUS, ctypes.byref(action), None) == 0:
-        _INSTALLED.append(callback)
+    action, previous = Sigaction(sa_sigaction=callback, sa_flags=SA_SIGINFO), Sigaction()
+    if libc.sigaction(signal.SIGBUS, ctypes.byref(action), ctypes.byref(previous)) == 0:
+        _INSTALLED.extend([callback, previous])
