@@ -755,3 +755,14 @@ def test_evaluate_says_when_there_is_nothing_to_measure(tmp_path, capsys, monkey
     assert evaluate.main(["--checkpoint", str(run)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: the 2 evaluated batches hold no target") and "weights" not in err, err
+
+
+def test_a_sigbus_elsewhere_keeps_its_usual_handling(tmp_path):
+    """The handler speaks only for the watched token files: another SIGBUS reaches the handler from
+    before (faulthandler here) and ends the process as it would have."""
+    script = ("import os, signal, numpy as np\nfrom boost_jax.data.mapped import watch\n"
+              "watch(np.zeros(10, np.uint8), 'x')\nos.kill(os.getpid(), signal.SIGBUS)\nprint('survived')\n")
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == -signal.SIGBUS and "Fatal Python error: Bus error" in r.stderr, r
+    assert "survived" not in r.stdout and "token file" not in r.stderr
