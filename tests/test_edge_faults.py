@@ -223,7 +223,8 @@ def prepared(tmp_path):
 
 @pytest.mark.parametrize("damage, needle", [
     (lambda e: e.__setitem__([7, 8], e[[8, 7]]), r"entry 8 \(the end of document 8\) is \d+, below the previous end"),
-    (lambda e: e.__setitem__(3, e[-1] + 10), r"entry 3 \(the end of document 3\) is \d+, beyond the shard's \d+ tokens"),
+    (lambda e: e.__setitem__(3, e[-1] + 10),
+     r"entry 3 \(the end of document 3\) is \d+, beyond the shard's \d+ tokens"),
     (lambda e: e.__setitem__(0, -5), r"entry 0 \(the end of document 0\) is -5, negative"),
 ], ids=["swapped", "beyond", "negative"])
 def test_damaged_document_index_names_file_and_entry(prepared, damage, needle):
@@ -324,8 +325,9 @@ def test_a_failed_save_is_reported_once_and_leaves_no_partial_step(tmp_path):
 
     ckpt.manager.check_for_errors = fail
     ckpt.manager.wait_until_finished = straggling
-    with pytest.raises(CheckpointError, match=r"saving step 4 failed \(OSError: \[Errno 28\] No space left on device\); "
-                                              r"its partial files were removed; the last good checkpoint is step 3"):
+    with pytest.raises(CheckpointError, match=r"saving step 4 failed \(OSError: \[Errno 28\] No space left on "
+                                              r"device\); its partial files were removed; the last good checkpoint "
+                                              r"is step 3"):
         ckpt.check()
     ckpt.close()  # the same failure again from Orbax: not a second error ("saving step None")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
