@@ -57,7 +57,10 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
         try:
             return _train(cfg, run_dir, stop, say, config_file)
         except OSError as e:  # a full disk or a read-only mount under run_dir: one line, not a traceback
-            raise cannot_write(e, run_dir / "checkpoints") or e from e
+            failure = cannot_write(e, run_dir / "checkpoints")
+            if failure is None:
+                raise
+            raise failure from e
         finally:
             lock.release()
 
