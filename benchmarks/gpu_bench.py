@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_bench.py [--steps 10] [--json benchmarks/gpu_bench.json] [--parts a,b,...]
     python benchmarks/gpu_bench.py --smoke      # tiny shapes on any backend: checks the command runs
+    python benchmarks/gpu_bench.py --aot h100   # no GPU needed: compiles every part for H100s, deviceless
 
 Parts (each isolated: a part or variant that fails prints its error in its row, the rest still run):
 
@@ -23,6 +24,13 @@ Parts (each isolated: a part or variant that fails prints its error in its row, 
   references, failing on any fallback); `--smoke` runs it on the current platform (it skips there).
 
 Model dtype is `auto` (bf16 on GPU) and attention `auto` (cuDNN on GPU), the trainer's defaults.
+
+`--aot TARGET` (needs the aot extra, `boost_jax/tools/aot.py`) times nothing: it compiles every program
+the selected parts would time for TARGET GPUs on this host, without one (XLA's deviceless compile), at
+the same shapes (`--smoke`: the tiny ones), and prints one line per program: compiled OK with the
+kernels it holds (cuDNN attention, Triton/Pallas kernels), a train variant's peak memory against the
+GPU's, or the one-line reason it failed (a kernel that fell back to XLA or a step that does not fit
+counts as failed). So time on a GPU goes to timing, never to debugging.
 """
 from __future__ import annotations
 
@@ -104,34 +112,53 @@ def device_info() -> dict:
             "date": time.strftime("%Y-%m-%d"), "versions": versions}
 
 
+def norm_programs(impl: str) -> tuple:
+    """The timed programs of one `kernels.rmsnorm` implementation: (pass, jitted fn, bytes moved in
+    units of x.nbytes); `fwd` takes (x, w), `fwd+bwd` (x, w, dy)."""
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.kernels.rmsnorm import rmsnorm
+
+    fwd = jax.jit(lambda x, w: rmsnorm(x, w, 1e-6, impl=impl))
+
+    def loss(x, w, dy):
+        y, s = rmsnorm(x, w, 1e-6, impl=impl)
+        return jnp.sum((y * dy).astype(jnp.float32)) + jnp.sum(s)
+    # The loss's value too: jax.grad alone lets XLA drop the forward kernel (the backward does not
+    # read y), and the pass would time the backward's 3 x.nbytes under fwd+bwd's 5.
+    return (("fwd", fwd, 2), ("fwd+bwd", jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), 5))
+
+
+def copy_program():
+    """The bandwidth reference the norms are measured against: x + 1 (reads x, writes y)."""
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
+
+
 def rmsnorm_rows(steps: int, smoke: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from boost_jax.kernels.rmsnorm import kernels_used, rmsnorm
+    from boost_jax.kernels.rmsnorm import kernels_used
 
     rows, d = shapes(smoke)["norm"]
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     x = jax.random.normal(jax.random.key(0), (rows, d), dtype)
     w = jnp.ones((d,), jnp.float32)
     gy = jax.random.normal(jax.random.key(1), (rows, d), dtype)
-    copy_s = timed(jax.jit(lambda a: a + jnp.asarray(1, a.dtype)), x, steps=steps)
+    copy_s = timed(copy_program(), x, steps=steps)
     copy_gbs = 2 * x.nbytes / copy_s / 1e9
     out = [{"impl": "copy (x + 1)", "pass": "-", "ms": 1e3 * copy_s, "gb_per_s": copy_gbs, "fraction": 1.0,
             "ran": "xla"}]
     for impl in NORM_IMPLS:
-        fwd = jax.jit(lambda x, w, impl=impl: rmsnorm(x, w, 1e-6, impl=impl))
-
-        def loss(x, w, impl=impl):
-            y, s = rmsnorm(x, w, 1e-6, impl=impl)
-            return jnp.sum((y * gy).astype(jnp.float32)) + jnp.sum(s)
-        both = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        for name, fn, moved in (("fwd", fwd, 2 * x.nbytes), ("fwd+bwd", both, 5 * x.nbytes)):
+        for name, fn, moved in norm_programs(impl):
             try:
                 kernels_used()
-                secs = timed(fn, x, w, steps=steps)
+                secs = timed(fn, *((x, w) if name == "fwd" else (x, w, gy)), steps=steps)
                 ran = kernels_used()["rmsnorm"]
-                gbs = moved / secs / 1e9
+                gbs = moved * x.nbytes / secs / 1e9
                 out.append({"impl": impl, "pass": name, "ms": 1e3 * secs, "gb_per_s": gbs,
                             "fraction": gbs / copy_gbs, "ran": ran})
             except Exception as e:  # noqa: BLE001 - the row says what failed; the others run
@@ -139,12 +166,23 @@ def rmsnorm_rows(steps: int, smoke: bool) -> list[dict]:
     return out
 
 
+def attention_program(impl: str):
+    """fwd+bwd of `model.attention` = impl, jitted: (q, k, v) [B, T, H, Dh] -> their gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.model.attention import attend
+
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v, impl=impl).astype(jnp.float32))  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
 def attention_rows(steps: int, smoke: bool, shape=None, impls=None) -> list[dict]:
     """fwd+bwd of each registered `model.attention` implementation (or `impls`) on q = k = v: [B, T, H, Dh]."""
     import jax
     import jax.numpy as jnp
 
-    from boost_jax.model.attention import IMPLEMENTATIONS, attend
+    from boost_jax.model.attention import IMPLEMENTATIONS
 
     impls = tuple(IMPLEMENTATIONS) if impls is None else impls
 
@@ -155,9 +193,8 @@ def attention_rows(steps: int, smoke: bool, shape=None, impls=None) -> list[dict
     flops = 3.5 * 2 * b * h * t * t * dh  # causal: half of 4·B·H·T²·Dh forward; backward 2.5x
     out = []
     for impl in impls:
-        loss = lambda q, k, v, impl=impl: jnp.sum(attend(q, k, v, impl=impl).astype(jnp.float32))  # noqa: E731
         try:
-            secs = timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, steps=steps)
+            secs = timed(attention_program(impl), q, k, v, steps=steps)
             out.append({"impl": impl, "ms": 1e3 * secs, "tflops": flops / secs / 1e12})
         except Exception as e:  # noqa: BLE001
             out.append({"impl": impl, "error": _error(e)})
@@ -168,16 +205,10 @@ def attention_rows(steps: int, smoke: bool, shape=None, impls=None) -> list[dict
     return out
 
 
-def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
-    """One variant, in this process: compile, warm up, time `steps` steps."""
-    import jax
-
+def variant_config(spec: dict, smoke: bool):
+    """(config, batch, seq) of one train variant: one device, random tokens, the variant's overrides."""
     from boost_jax.config import load_config_file
     from boost_jax.validate import validate
-    from boost_jax.runtime.metrics import peak_flops
-    from boost_jax.model import flops_per_token
-    sys.path.insert(0, HERE)
-    from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
     sh = shapes(smoke)
     cfg = load_config_file(os.path.join(ROOT, "configs", f"{spec['config']}.py"))
@@ -193,6 +224,19 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
         section, name = key.split(".")
         cfg[section][name] = value
     validate(cfg)
+    return cfg, batch, sh["seq"]
+
+
+def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
+    """One variant, in this process: compile, warm up, time `steps` steps."""
+    import jax
+
+    from boost_jax.runtime.metrics import peak_flops
+    from boost_jax.model import flops_per_token
+    sys.path.insert(0, HERE)
+    from step_time import build  # the benchmarks' one way to build a real, allocated train step
+
+    cfg, batch, seq = variant_config(spec, smoke)
     step, state, tokens = build(cfg, jax.devices()[:1])
     for _ in range(2):  # the first call compiles
         state, metrics = step(state, tokens)
@@ -202,14 +246,14 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
         state, metrics = step(state, tokens)
     jax.block_until_ready(metrics)
     secs = (time.perf_counter() - t0) / steps
-    tok_s = batch * sh["seq"] / secs
-    fpt = flops_per_token(cfg.model, sh["seq"])
+    tok_s = batch * seq / secs
+    fpt = flops_per_token(cfg.model, seq)
     peak = peak_flops(jax.devices()[0].device_kind)
     stats = jax.devices()[0].memory_stats() or {}
     from boost_jax.kernels.rmsnorm import kernels_used
     return {"step_ms": 1e3 * secs, "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
             "mfu": fpt * tok_s / peak if peak else None, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
-            "norm_ran": kernels_used()["rmsnorm"], "seq": sh["seq"], "batch": batch}
+            "norm_ran": kernels_used()["rmsnorm"], "seq": seq, "batch": batch}
 
 
 def run_variants(specs: list[dict], steps: int, smoke: bool) -> list[dict]:
@@ -245,6 +289,132 @@ def kernel_tests(smoke: bool) -> dict:
     return {"command": "JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py" if not smoke else
             "pytest tests/test_gpu_kernels.py", "returncode": r.returncode, "summary": summary,
             "failed": failures[:20]}
+
+
+# ------------------------------------------------------------------------- compiling for a GPU: --aot
+
+def _compiled_row(part: str, name: str, compile_fn) -> dict:
+    """compile_fn() -> (compiled, extra fields); the row says compiled OK with what the program holds,
+    or the one-line reason it did not compile."""
+    from boost_jax.tools import aot
+
+    t0 = time.perf_counter()
+    try:
+        compiled, extra = compile_fn()
+    except Exception as e:  # noqa: BLE001 - the row says what failed; the others compile
+        return {"part": part, "name": name, "ok": False, "error": _error(e)}
+    row = {"part": part, "name": name, "ok": True, "compile_s": time.perf_counter() - t0,
+           "kernels": aot.kernels(compiled.as_text()), **extra}
+    if row.get("fits") is False:
+        row["ok"] = False
+        row["error"] = (f"does not fit: peak {row['peak_bytes'] / 2**30:.1f} GiB of "
+                        f"{row['usable_bytes'] / 2**30:.1f} GiB usable")
+    if "ran" in row and row["ran"] != row["impl"]:  # a kernel that fell back would be timed as XLA
+        row["ok"] = False
+        row["error"] = f"kernels.rmsnorm={row['impl']} fell back: {row['ran']}"
+    return row
+
+
+def aot_rows(target: str, parts: list[str], smoke: bool) -> list[dict]:
+    """Every program the selected parts would time, compiled for `target` GPUs without one: the
+    kernels and attention on one deviceless device (traced under kernels/platform.py's target, so
+    they take their GPU paths: cuDNN, Pallas/Triton kernels, bf16), each train variant through
+    runtime/build.py on one deviceless device, with its peak memory against the GPU's."""
+    import jax.numpy as jnp
+
+    from boost_jax.kernels import platform
+    from boost_jax.kernels.rmsnorm import kernels_used
+    from boost_jax.model.attention import IMPLEMENTATIONS
+    from boost_jax.runtime.build import build
+    from boost_jax.tools import aot
+
+    dev = aot.devices(target, 1)[0]
+    sh = shapes(smoke)
+    rows = []
+
+    def lowered(fn, *specs):  # fn traced for the GPU, from shapes placed on it
+        with platform.target(dev):
+            args = [platform.abstract(shape, dtype) for shape, dtype in specs]
+            return fn.lower(*args).compile()
+
+    for part in parts:
+        if part == "device":
+            rows.append({"part": part, "name": f"{dev.device_kind} (deviceless {target})", "ok": True,
+                         "device_kind": dev.device_kind})
+        elif part == "rmsnorm":
+            x, w = (sh["norm"], jnp.bfloat16), ((sh["norm"][1],), jnp.float32)
+            rows.append(_compiled_row(part, "copy (x + 1)", lambda: (lowered(copy_program(), x), {})))
+            for impl in NORM_IMPLS:
+                for name, fn, _ in norm_programs(impl):
+                    def norm(fn=fn, name=name, impl=impl):
+                        kernels_used()
+                        compiled = lowered(fn, *((x, w) if name == "fwd" else (x, w, x)))
+                        return compiled, {"impl": impl, "ran": kernels_used()["rmsnorm"]}
+                    rows.append(_compiled_row(part, f"{impl} {name}", norm))
+        elif part == "attention":
+            qkv = (sh["attention"], jnp.bfloat16)
+            for impl in IMPLEMENTATIONS:
+                rows.append(_compiled_row(part, impl, lambda impl=impl: (
+                    lowered(attention_program(impl), qkv, qkv, qkv), {})))
+        elif part == "tests":
+            rows.append({"part": part, "name": "tests/test_gpu_kernels.py", "ok": True,
+                         "note": "nothing to compile here: the tests run the kernels on the GPU"})
+    memory = aot.target_memory(target)
+    for spec in train_variants(smoke):
+        if spec["part"] not in parts:
+            continue
+
+        def step(spec=spec):
+            cfg, batch, seq = variant_config(spec, smoke)
+            kernels_used()
+            built = build(cfg, aot.devices(target, 1))
+            compiled = built.lower_train().compile()
+            found = aot.analyze(compiled, built.mesh, memory)
+            return compiled, {k: found[k] for k in ("peak_bytes", "usable_bytes", "fits")} | {
+                "norm_ran": kernels_used()["rmsnorm"], "seq": seq, "batch": batch}
+        rows.append(_compiled_row(spec["part"], spec["name"], step))
+    return rows
+
+
+def aot_line(r: dict) -> str:
+    head = f"{r['part']} {r['name']}: "
+    if not r["ok"]:
+        return head + f"FAILED: {r['error']}"
+    if "compile_s" not in r:
+        return head + r.get("note", "ok")
+    detail = [f"compiled OK in {r['compile_s']:.1f} s"]
+    if "peak_bytes" in r:
+        detail.append(f"peak {r['peak_bytes'] / 2**30:.2f} GiB of {r['usable_bytes'] / 2**30:.1f} usable")
+    if "ran" in r:
+        detail.append(f"ran {r['ran']}")
+    if "norm_ran" in r:
+        detail.append(f"norm {r['norm_ran']}")
+    kernels = ", ".join(f"{k} x{v}" for k, v in r["kernels"].items() if not k.endswith("gemm"))
+    detail.append(f"kernels: {kernels or 'none beyond XLA fusions and GEMMs'}")
+    return head + "; ".join(detail)
+
+
+def aot_main(target: str, parts: list[str], smoke: bool, path: str | None) -> int:
+    from boost_jax.tools import aot
+
+    if not aot.available():
+        print(f"gpu_bench --aot needs the aot extra ({aot.missing()} missing): {aot.INSTALL}", file=sys.stderr)
+        return 2
+    if target not in aot.targets():
+        print(f"gpu_bench --aot: unknown GPU {target!r}; one of {', '.join(aot.targets())}", file=sys.stderr)
+        return 2
+    rows = aot_rows(target, parts, smoke)
+    for r in rows:
+        print(aot_line(r), flush=True)
+    failed = [r for r in rows if not r["ok"]]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} compiled for {target}"
+          + (f"; {len(failed)} FAILED" if failed else "") + (" [--smoke: tiny shapes]" if smoke else ""))
+    path = path or os.path.join(tempfile.gettempdir(), f"gpu_bench_aot_{target}.json")
+    with open(path, "w") as f:
+        json.dump({"aot": target, "smoke": smoke, "parts": parts, "shapes": shapes(smoke), "rows": rows}, f,
+                  indent=2, default=str)
+    print(f"wrote {path}")
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------- printing
@@ -339,6 +509,9 @@ def main(argv=None):
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--json", default=None, help="output file (default benchmarks/gpu_bench.json; "
                                                  "--smoke: gpu_bench_smoke.json in the temp directory)")
+    ap.add_argument("--aot", metavar="TARGET", help="compile every part it would time for TARGET GPUs (h100, "
+                    "a100, h200) on this host, deviceless, instead of timing: one line per program, compiled OK or "
+                    "why not; exit 1 if any failed (default JSON: gpu_bench_aot_TARGET.json in the temp directory)")
     ap.add_argument("--variants", help=argparse.SUPPRESS)  # internal: run these train variants, print JSON
     args = ap.parse_args(argv)
     if args.variants is not None:
@@ -353,6 +526,8 @@ def main(argv=None):
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         ap.error(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
+    if args.aot:
+        return aot_main(args.aot, parts, args.smoke, args.json)
     import jax
     if jax.default_backend() == "cpu" and not args.smoke:
         print("gpu_bench measures a GPU, and jax.default_backend() is 'cpu': run it on a GPU, or pass --smoke "
