@@ -1,7 +1,9 @@
 """data.batching stream | packed | document: padding, loader time and training tokens/s; and what
 document masks cost the chunked attention's compiled train step in memory.
 
-    python benchmarks/batching.py [--seq 256,1024] [--steps 12] [--json benchmarks/batching.json]
+    python benchmarks/batching.py [--seq 256,1024] [--steps 12] [--modes stream,packed,document]
+        [--json benchmarks/batching.json]
+    python benchmarks/batching.py --smoke   # 500 documents, seq 64, 2 steps, a 1-layer model: checks the command
 
 Corpus: 20,000 generated documents of random bytes whose lengths follow C4's shape under the T5
 tokenizer (log-normal, median ~250 tokens, long tail; clipped to [16, 8192]), prepared with the byte
@@ -45,24 +47,29 @@ def corpus(root: Path, docs: int = 20_000, seed: int = 0) -> Path:
     return out
 
 
-def config(data: Path, mode: str, seq: int, steps: int, run_dir: Path):
+def config(data: Path, mode: str, seq: int, steps: int, run_dir: Path, smoke: bool = False):
     from boost_jax.config import base_config
     c = base_config()
+    if smoke:
+        c.model.update(n_layers=1)
     c.run_dir = str(run_dir)
     c.data.update(source="tokens", path=str(data), token_dtype="uint16", batching=mode)
     c.model.max_seq_len = max(c.model.max_seq_len, seq)
-    c.train.update(seq_len=seq, global_batch=16, steps=steps, warmup_steps=1, log_every=steps // 2,
+    c.train.update(seq_len=seq, global_batch=16, steps=steps, warmup_steps=1, log_every=max(steps // 2, 1),
                    eval_every=0, progress=False)
     c.checkpoint.update(every=steps, async_save=False)
     return c
 
 
-def throughput(data: Path, seq: int, steps: int, tmp: Path) -> list[dict]:
+MODES = ("stream", "packed", "document")
+
+
+def throughput(data: Path, seq: int, steps: int, tmp: Path, smoke: bool = False, modes=MODES) -> list[dict]:
     from boost_jax import train
     from boost_jax.data import build_loaders
     rows = []
-    for mode in ("stream", "packed", "document"):
-        cfg = config(data, mode, seq, steps, tmp / f"run_{mode}_{seq}")
+    for mode in modes:
+        cfg = config(data, mode, seq, steps, tmp / f"run_{mode}_{seq}", smoke)
         t0 = time.perf_counter()
         loader = build_loaders(cfg)[0]
         start = time.perf_counter() - t0
@@ -85,15 +92,15 @@ def throughput(data: Path, seq: int, steps: int, tmp: Path) -> list[dict]:
     return rows
 
 
-def memory(seq: int = 4096) -> list[dict]:
-    """Compiled train-step temp memory, cola_7b layer shape, chunked attention, stream vs packed rows."""
+def memory(seq: int = 4096, size: str = "7b") -> list[dict]:
+    """Compiled train-step temp memory, cola_<size> layer shape, chunked attention, stream vs packed rows."""
     import jax
 
     from boost_jax.config import sized_config
     from boost_jax.runtime.build import build
     out = []
     for mode in ("stream", "packed"):
-        c = sized_config("7b", "cola")
+        c = sized_config(size, "cola")
         c.data.update(source="embedded", batching=mode)
         c.model.update(n_layers=1, attention="chunked", dtype="bfloat16")
         c.train.update(seq_len=seq, global_batch=1, grad_accum=1)
@@ -111,24 +118,38 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", default="256,1024")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "batching.json"))
+    ap.add_argument("--modes", default=",".join(MODES), help="data.batching modes to train with")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="500 documents, seq 64, 2 steps, 1 layer; the memory "
+                    "table at cola_60m widths, seq 256 (JSON to the temp directory unless --json)")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        ap.error(f"--modes: unknown {sorted(set(modes) - set(MODES))}; choose from {','.join(MODES)}")
+    if args.smoke:
+        args.seq = "64" if args.seq == ap.get_default("seq") else args.seq
+        args.steps = 2 if args.steps == ap.get_default("steps") else args.steps
+        if args.json == ap.get_default("json"):
+            args.json = str(Path(tempfile.gettempdir()) / "batching_smoke.json")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        data = corpus(tmp)
-        rows = [r for seq in map(int, args.seq.split(",")) for r in throughput(data, seq, args.steps, tmp)]
-    mem = [] if args.no_memory else memory()
+        data = corpus(tmp, 500 if args.smoke else 20_000)
+        rows = [r for seq in map(int, args.seq.split(","))
+                for r in throughput(data, seq, args.steps, tmp, args.smoke, modes)]
+    mem = [] if args.no_memory else memory(256, "60m") if args.smoke else memory()
     print("| seq | batching | rows/epoch | pad fraction | loader s/batch | tokens/s (not padding) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['seq_len']} | {r['batching']} | {r['rows_per_epoch']:,} | {r['pad_fraction']:.3f} | "
               f"{r['loader_s_per_batch'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} |")
     if mem:
-        print("\n| cola_7b layer, seq 4096, chunked | temp memory | one f32 [H, T, T] score tensor |")
+        print(f"\n| {'cola_60m' if args.smoke else 'cola_7b'} layer, seq {mem[0]['seq_len']}, chunked | temp memory "
+              "| one f32 [H, T, T] score tensor |")
         print("|---|---|---|")
         for m in mem:
             print(f"| {m['batching']} | {m['temp_bytes'] / 2**30:.3f} GiB | {m['score_matrix_f32_bytes'] / 2**30:.1f} GiB |")
-    Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
+    Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "smoke": args.smoke,
+                                           "machine": platform.processor()
                                            or platform.machine(), "cpus": os.cpu_count(), "rows": rows,
                                            "memory": mem}, indent=1))
     return 0

@@ -1,6 +1,7 @@
 """The bottleneck family side by side: dense vs lowrank vs cola vs tt vs sltrain.
 
-    python benchmarks/bottleneck_zoo.py [--steps 300] [--no-comm]
+    python benchmarks/bottleneck_zoo.py [--steps 300] [--no-comm] [--kinds dense,lowrank,cola,tt,sltrain]
+    python benchmarks/bottleneck_zoo.py --smoke   # 2 steps of 1-layer models, comm at seq 128: checks the command
 
 1. Training at the tiny size (configs/tiny.py: d 128, 4 layers, r 32) on the embedded corpus, every
    kind on the same token budget (steps x batch x seq), same seed and data order: final eval loss,
@@ -36,7 +37,7 @@ KINDS = {
 }
 
 
-def train_row(kind: str, fields: dict, steps: int) -> dict:
+def train_row(kind: str, fields: dict, steps: int, layers: int | None = None) -> dict:
     import jax
     import numpy as np
     from flax import nnx
@@ -47,6 +48,8 @@ def train_row(kind: str, fields: dict, steps: int) -> dict:
 
     cfg = base_config()
     cfg.model.update(linear=kind, only_lr_act=False, **fields)
+    if layers:
+        cfg.model.n_layers = layers
     cfg.train.update(steps=steps, warmup_steps=steps // 10, eval_every=steps, eval_batches=8,
                      log_every=max(steps // 20, 1), progress=False)
     cfg.checkpoint.update(every=steps, async_save=False)
@@ -64,14 +67,14 @@ def train_row(kind: str, fields: dict, steps: int) -> dict:
             "step_time_s": statistics.median(times)}
 
 
-def comm_row(kind: str, fields: dict) -> dict:
+def comm_row(kind: str, fields: dict, seq: int = 4096) -> dict:
     from boost_jax.config import sized_config
     from boost_jax.tools import comm_report
 
     cfg = sized_config("7b", kind)
     cfg.model.update(only_lr_act=False, **fields)
     strategy = "megatron" if kind == "dense" else "btp"
-    rep = comm_report.report(cfg, strategies=strategy, programs=("forward",), mesh=(1, 1, 4), batch=1, seq=4096,
+    rep = comm_report.report(cfg, strategies=strategy, programs=("forward",), mesh=(1, 1, 4), batch=1, seq=seq,
                              dtype="bfloat16", memory=False)
     fwd = rep["strategies"][strategy]["per_layer_forward"]["tensor"]
     return {"strategy": strategy, "tp_fwd_elements_per_token": fwd["elements_per_token"],
@@ -82,21 +85,33 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--no-comm", action="store_true", help="skip the 7B comm report")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of the kinds")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "bottleneck_zoo.json"))
+    ap.add_argument("--smoke", action="store_true", help="2 steps of 1-layer models and the comm report at seq "
+                    "128: checks the command (JSON to the temp directory unless --json)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps = 2 if args.steps == ap.get_default("steps") else args.steps
+        if args.json == ap.get_default("json"):
+            args.json = os.path.join(tempfile.gettempdir(), "bottleneck_zoo_smoke.json")
     from boost_jax.tools.devices import emulate_cpu_devices
     emulate_cpu_devices(4)  # before jax is imported; training runs on the first device
     import jax
 
+    unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
+    if unknown:
+        ap.error(f"--kinds: unknown {unknown}; choose from {','.join(KINDS)}")
     rows = []
-    for kind, (tiny, big) in KINDS.items():
-        row = train_row(kind, tiny, args.steps)
+    for kind in args.kinds.split(","):
+        tiny, big = KINDS[kind]
+        row = train_row(kind, tiny, args.steps, 1 if args.smoke else None)
         if not args.no_comm:
-            row.update(comm_row(kind, big))
+            row.update(comm_row(kind, big, 128 if args.smoke else 4096))
         rows.append(row)
         print(f"{kind}: done", file=sys.stderr)
-    print(f"tiny (d 128, L 4, r 32), {rows[0]['tokens']:,} tokens each, one {jax.devices()[0].platform} device; "
-          f"7B traffic: comm report, tensor 4, per layer forward\n")
+    print(f"tiny (d 128, L {1 if args.smoke else 4}, r 32), {rows[0]['tokens']:,} tokens each, one "
+          f"{jax.devices()[0].platform} device; 7B traffic: comm report, tensor 4, seq {128 if args.smoke else 4096}, "
+          "per layer forward\n")
     print("| kind | final eval loss | params | FLOPs/token | step time (ms) | 7B plan | TP traffic/token/layer | "
           "in r | collectives |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -106,7 +121,8 @@ def main(argv=None):
         print(f"| {r['kind']} | {r['final_eval_loss']:.3f} | {r['params'] / 1e6:.2f}M | "
               f"{r['flops_per_token'] / 1e6:.2f}M | {1e3 * r['step_time_s']:.0f} " + comm)
     with open(args.json, "w") as f:
-        json.dump({"steps": args.steps, "backend": jax.default_backend(), "rows": rows}, f, indent=2)
+        json.dump({"steps": args.steps, "smoke": args.smoke, "backend": jax.default_backend(), "rows": rows}, f,
+                  indent=2)
     print(f"\nwrote {args.json}")
 
 

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         small = tmp / "small.jsonl"
         write_corpus(small, args.mb / 4)
         unit = int(args.unit_mb * (1 << 20))
-        memory = {f"{path.stat().st_size / (1 << 20):.0f} MB":
+        memory = {f"{path.stat().st_size / (1 << 20):.3g} MB":
                   round(peak_rss_mb(path, tmp / f"rss_{path.stem}", args.tokenizer, unit), 1) for path in (small, corpus)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,7 @@ and executed collective elements per step; with --time, a measured step-time san
 
     python benchmarks/pipeline_bubble.py [--microbatches 4,16] [--json benchmarks/pipeline_schedules.json]
     python benchmarks/pipeline_bubble.py --time [--stages 2] [--microbatches 2,4,8]
+    python benchmarks/pipeline_bubble.py --smoke [--time]   # tiny widths: checks the command runs
 
 Default: cola_1b widths with 8 layers, seq 2048, bf16, mesh pipeline 2 x data 2 x tensor 2 (btp) on
 emulated CPU devices, one row per micro-batch and data replica (global batch 2 M); for each schedule
@@ -14,7 +15,9 @@ stage hand-overs, the stage-0 input gradient, circular's weight reorder), `data`
 
 --time: the pipelined train step against the same model with pipeline=1 on the same devices; on
 emulated CPU devices the ratio mixes in the CPU's own scheduling: a sanity check, run it on GPUs.
-Prints a table and writes JSON.
+Prints a table and writes JSON. `--smoke`: a 4-layer model of width 64 at seq 32, one micro-batch
+count unless given, and (compile-only mode) circular V = 2 with stage remat only; JSON
+to the temp directory unless --json: checks the command, measures nothing.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 from boost_jax.tools.devices import emulate_cpu_devices
@@ -30,6 +34,7 @@ from boost_jax.tools.devices import emulate_cpu_devices
 def step_seconds(cfg, steps: int) -> float:
     import jax
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
     step, state, batch = build(cfg, None)
@@ -43,6 +48,11 @@ def step_seconds(cfg, steps: int) -> float:
 
 
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("circular", 4))
+CASES = tuple((schedule, repeats, remat) for schedule, repeats in SCHEDULES for remat in ("none", "stage"))
+SMOKE_CASES = (("circular", 2, "stage"),)
+# --smoke: widths small enough to compile in seconds, 4 layers (circular V = 2: a layer a chunk)
+SMOKE = dict(d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, rank=16, vocab_size=256, max_seq_len=64, n_layers=4)
+SMOKE_SEQ = 32
 
 
 def executed(compiled, mesh) -> dict:
@@ -55,31 +65,32 @@ def executed(compiled, mesh) -> dict:
     return out
 
 
-def schedules(microbatches: list[int], path: str) -> int:
+def schedules(microbatches: list[int], path: str, smoke: bool = False) -> int:
     import jax
 
     from boost_jax.config import sized_config
     from boost_jax.parallel.pipeline import bubble_fraction, ticks
     from boost_jax.runtime.build import build
     rows = []
-    for schedule, repeats in SCHEDULES:
-        for remat_pipeline in ("none", "stage"):
-            for m in microbatches:
-                cfg = sized_config("1b", "cola")
-                cfg.data.update(source="embedded", batching="stream")
-                cfg.model.update(n_layers=8, dtype="bfloat16")
-                cfg.train.update(seq_len=2048, global_batch=2 * m, grad_accum=1)
-                cfg.parallel.update(num_devices=8, pipeline=2, data=2, tensor=2, microbatches=m, strategy="btp",
-                                    pipeline_schedule=schedule, pipeline_repeats=repeats)
-                cfg.remat.update(pipeline=remat_pipeline)
-                built = build(cfg, jax.devices()[:8])
-                compiled = built.lower_train().compile()
-                rows.append({"schedule": schedule, "repeats": repeats, "remat.pipeline": remat_pipeline,
-                             "microbatches": m, "ticks": ticks(2, m, repeats), "bubble": bubble_fraction(2, m, repeats),
-                             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-                             "executed_elements": executed(compiled, built.mesh)})
-                print(f"  {schedule} V={repeats} {remat_pipeline} M={m}: "
-                      f"{rows[-1]['temp_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+    cases = SMOKE_CASES if smoke else CASES
+    for schedule, repeats, remat_pipeline in cases:
+        for m in microbatches:
+            cfg = sized_config("1b", "cola")
+            cfg.data.update(source="embedded", batching="stream")
+            cfg.model.update(n_layers=8, dtype="bfloat16")
+            cfg.model.update(SMOKE if smoke else {})
+            cfg.train.update(seq_len=SMOKE_SEQ if smoke else 2048, global_batch=2 * m, grad_accum=1)
+            cfg.parallel.update(num_devices=8, pipeline=2, data=2, tensor=2, microbatches=m, strategy="btp",
+                                pipeline_schedule=schedule, pipeline_repeats=repeats)
+            cfg.remat.update(pipeline=remat_pipeline)
+            built = build(cfg, jax.devices()[:8])
+            compiled = built.lower_train().compile()
+            rows.append({"schedule": schedule, "repeats": repeats, "remat.pipeline": remat_pipeline,
+                         "microbatches": m, "ticks": ticks(2, m, repeats), "bubble": bubble_fraction(2, m, repeats),
+                         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                         "executed_elements": executed(compiled, built.mesh)})
+            print(f"  {schedule} V={repeats} {remat_pipeline} M={m}: "
+                  f"{rows[-1]['temp_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
     axes = ("pipeline", "data", "tensor")
     print("| schedule | V | remat.pipeline | M | ticks | bubble | temp GiB | "
           + " | ".join(f"{a} elements/step" for a in axes) + " |")
@@ -90,14 +101,14 @@ def schedules(microbatches: list[int], path: str) -> int:
               f"{100 * r['bubble']:.1f}% | {r['temp_bytes'] / 2**30:.2f} | "
               + " | ".join(f"{e.get(a, 0) / 1e6:.1f}M" for a in axes) + " |")
     print("\ntemp memory M = {1} / M = {0}:".format(microbatches[0], microbatches[-1]))
-    for schedule, repeats in SCHEDULES:
-        for remat_pipeline in ("none", "stage"):
-            got = [r["temp_bytes"] for r in rows
-                   if (r["schedule"], r["repeats"], r["remat.pipeline"]) == (schedule, repeats, remat_pipeline)]
-            print(f"  {schedule} V={repeats} remat.pipeline={remat_pipeline}: {got[-1] / got[0]:.2f}x")
+    for schedule, repeats, remat_pipeline in cases:
+        got = [r["temp_bytes"] for r in rows
+               if (r["schedule"], r["repeats"], r["remat.pipeline"]) == (schedule, repeats, remat_pipeline)]
+        print(f"  {schedule} V={repeats} remat.pipeline={remat_pipeline}: {got[-1] / got[0]:.2f}x")
     with open(path, "w") as f:
-        json.dump({"shape": "cola_1b widths, 8 layers, seq 2048, bf16, pipeline 2 x data 2 x tensor 2 (btp), "
-                   "1 row per micro-batch and data replica", "rows": rows}, f, indent=2)
+        shape = f"--smoke model {SMOKE}, seq {SMOKE_SEQ}" if smoke else "cola_1b widths, 8 layers, seq 2048"
+        json.dump({"shape": f"{shape}, bf16, pipeline 2 x data 2 x tensor 2 (btp), "
+                   "1 row per micro-batch and data replica", "smoke": smoke, "rows": rows}, f, indent=2)
     return 0
 
 
@@ -108,22 +119,26 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--time", action="store_true", help="measured step time against data parallelism (see above)")
+    ap.add_argument("--smoke", action="store_true", help="tiny widths, one micro-batch count: checks the command")
     args = ap.parse_args(argv)
-    here = os.path.dirname(__file__)
+    here = os.path.dirname(__file__) if not args.smoke else tempfile.gettempdir()
+    name = "{}_smoke.json" if args.smoke else "{}.json"
     if not args.time:
         emulate_cpu_devices(8)
-        return schedules([int(x) for x in (args.microbatches or "4,16").split(",")],
-                         args.json or os.path.join(here, "pipeline_schedules.json"))
-    args.json = args.json or os.path.join(here, "pipeline_bubble.json")
+        return schedules([int(x) for x in (args.microbatches or ("2" if args.smoke else "4,16")).split(",")],
+                         args.json or os.path.join(here, name.format("pipeline_schedules")), args.smoke)
+    args.json = args.json or os.path.join(here, name.format("pipeline_bubble"))
     emulate_cpu_devices(args.stages)
     from boost_jax.config import base_config
     from boost_jax.parallel.pipeline import bubble_fraction
 
     rows = []
-    for m in (int(x) for x in (args.microbatches or "2,4,8").split(",")):
+    for m in (int(x) for x in (args.microbatches or ("2" if args.smoke else "2,4,8")).split(",")):
         cfg = base_config()
         cfg.model.update(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, d_ff=688, rank=64)
-        cfg.train.update(seq_len=128, global_batch=8 * m)
+        if args.smoke:
+            cfg.model.update(SMOKE)
+        cfg.train.update(seq_len=SMOKE_SEQ if args.smoke else 128, global_batch=8 * m)
         cfg.parallel.update(data=1, num_devices=args.stages, pipeline=args.stages, microbatches=m)
         piped = step_seconds(cfg, args.steps)
         cfg.parallel.update(pipeline=1, data=args.stages)

@@ -1,6 +1,7 @@
 """The planner's peak memory per device against the compiled train step's memory_analysis().
 
     python benchmarks/planner_memory.py [--json benchmarks/planner_memory.json]
+    python benchmarks/planner_memory.py --smoke   # one row (an st plan): checks the command
 
 Each row compiles the trainer's step as `plan --verify` does (boost_jax.tools.comm_report's
 compile_program: the full-depth scanned train step from abstract shapes, nothing allocated) on
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +44,7 @@ CASES = [
 ]
 # The rows that set a constant of the model (cost.BUFFER_OVERHEAD; StMatmul.ring's factor 1/2).
 FITTED = {0: "BUFFER_OVERHEAD", 11: "st ring factor"}
+SMOKE_CASES = (1,)  # --smoke: the st plan on a 2 x 2 mesh
 
 
 def measure(case) -> dict:
@@ -77,7 +80,11 @@ def measure(case) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=str(ROOT / "benchmarks/planner_memory.json"))
+    ap.add_argument("--smoke", action="store_true", help="one row only (checks the command; JSON to the temp "
+                    "directory unless --json)")
     args = ap.parse_args(argv)
+    if args.smoke and args.json == ap.get_default("json"):
+        args.json = str(Path(tempfile.gettempdir()) / "planner_memory_smoke.json")
     sys.path.insert(0, str(ROOT))
     from boost_jax.tools.devices import emulate_cpu_devices
     emulate_cpu_devices(DEVICES)  # before jax is imported
@@ -85,6 +92,8 @@ def main(argv=None) -> int:
     print("| plan | linear | mesh | remat | attention | compiled MB | planner MB | planner / compiled | |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for i, case in enumerate(CASES):
+        if args.smoke and i not in SMOKE_CASES:
+            continue
         r = measure(case)
         r["fitted"] = FITTED.get(i, "")
         rows.append(r)
@@ -92,7 +101,8 @@ def main(argv=None) -> int:
               f"| {r['compiled_bytes'] / 1e6:.1f} | {r['planner_bytes'] / 1e6:.1f} | {r['ratio']:.3f} "
               f"| {'fitted (' + r['fitted'] + ')' if r['fitted'] else 'held out'} |", flush=True)
     held = [r["ratio"] for r in rows if not r["fitted"]]
-    print(f"\nheld out: planner / compiled {min(held):.3f} - {max(held):.3f} over {len(held)} plans")
+    if held:
+        print(f"\nheld out: planner / compiled {min(held):.3f} - {max(held):.3f} over {len(held)} plans")
     Path(args.json).write_text(json.dumps({"shapes": SHAPES, "batch": BATCH, "seq": SEQ, "dtype": "float32",
                                            "rows": rows}, indent=1) + "\n")
     return 0 if all(abs(r["ratio"] - 1) <= 0.15 for r in rows) else 1

@@ -6,9 +6,11 @@ none/stage) and the best plan of each kind: unpipelined, GPipe, GPipe + stage re
 circular + stage remat. Prints markdown (benchmarks/planner.md, "cola_13b: where pipelines win").
 
     python benchmarks/planner_pipelines.py
+    python benchmarks/planner_pipelines.py --smoke   # h100_8x on 8 GPUs only: checks the command
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from boost_jax.config import sized_config
@@ -34,12 +36,15 @@ def row(name, p, best) -> str:
             f"| {p.runnable} |")
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="one search set: h100_8x on 8 GPUs (checks the command)")
+    args = ap.parse_args(argv)
     cfg = sized_config("13b", "cola")
     fpt = model_flops_per_token(cfg, 256)
-    for cluster_name in ("h100_8x", "a100_4x"):
+    for cluster_name in ("h100_8x",) if args.smoke else ("h100_8x", "a100_4x"):
         cluster = load_cluster(ROOT / f"configs/clusters/{cluster_name}.py")
-        for devices in (16, 32):
+        for devices in (8,) if args.smoke else (16, 32):
             found = {name: search(cfg, cluster, devices, Options(batch=512, seq=256, pipeline=stages, schedules=sched,
                                                                  stage_remat=remat), flops_per_token=fpt)
                      for name, stages, sched, remat in KINDS}

@@ -1,6 +1,7 @@
 """Where PrimePar's spatial-temporal (st) plans win or lose against BTP / Megatron, per the planner.
 
     python benchmarks/planner_study.py [--json benchmarks/planner_study.json] [--seq 256 --batch 512]
+    python benchmarks/planner_study.py --smoke   # one search, cola_7b on 8 x h100_8x: checks the command
 
 For cola_7b and llama_7b on 16 and 64 GPUs of the a100_4x and h100_8x clusters, one search each
 (the config's recipe, batch 512 x seq 256 unless given; attention auto, i.e. cuDNN's fused kernel in
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,12 +168,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks/planner_study.json"))
     ap.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
+    ap.add_argument("--smoke", action="store_true", help="one search, cola_7b on 8 GPUs of h100_8x (checks the "
+                    "command; JSON to the temp directory unless --json)")
     args = ap.parse_args(argv)
+    if args.smoke and args.json == ap.get_default("json"):
+        args.json = str(Path(tempfile.gettempdir()) / "planner_study_smoke.json")
     sys.path.insert(0, str(ROOT))
     results = []
-    for config in CONFIGS:
-        for cluster in CLUSTERS:
-            for devices in DEVICES:
+    for config in CONFIGS[:1] if args.smoke else CONFIGS:
+        for cluster in ("h100_8x",) if args.smoke else CLUSTERS:
+            for devices in (8,) if args.smoke else DEVICES:
                 s = study(config, cluster, devices, args.batch or None, args.seq or None)
                 results.append(s)
                 print(markdown(s) + "\n", flush=True)

@@ -1,6 +1,7 @@
 """Activation-checkpointing policies: compiled peak memory and recompute FLOPs (no wall time).
 
     python benchmarks/remat_memory.py [--config configs/cola_1b.py] [--seq 2048] [--batch 8]
+        [--policies none,full,dots,lowrank]
 
 For each `remat.policy` it compiles the real train step of one device (abstract shapes: nothing is
 allocated) and reads XLA's `memory_analysis()`: activation memory = the temp buffers (arguments and
@@ -56,6 +57,7 @@ def main(argv=None):
     # measures today's long-sequence defaults.
     ap.add_argument("--attention", default="xla", help="model.attention")
     ap.add_argument("--loss_chunk", type=int, default=0, help="model.loss_chunk")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="remat.policy values, none first (the baseline)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "remat_memory.json"))
     args = ap.parse_args(argv)
     cfg = load_config_file(args.config)
@@ -65,7 +67,10 @@ def main(argv=None):
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
     cfg.data.source = "embedded"  # nothing is read: the step is compiled from abstract shapes
     cfg.data.batching = "stream"  # model costs as before documents (benchmarks/batching.py measures those)
-    rows = [measure(cfg, p) for p in POLICIES]
+    policies = args.policies.split(",")
+    if policies[0] != "none":
+        ap.error(f"--policies: start with none, the baseline the others are compared with (got {args.policies})")
+    rows = [measure(cfg, p) for p in policies]
     none = rows[0]
     print(f"{cfg.name}, seq {args.seq}, batch {args.batch}/device, {args.dtype}, one device "
           f"({jax.devices()[0].platform} compiler's memory_analysis; compiled, not run)\n")
