@@ -16,6 +16,7 @@ from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.data import build_loaders
+from boost_jax.data.mapped import check_sizes, mapped_since, mark
 from boost_jax.errors import (CheckpointError, ConfigError, DistributedError, RunDirBusy,  # noqa: F401 - re-exported
                               TrainingDiverged)
 from boost_jax.kernels.rmsnorm import kernels_used
@@ -74,7 +75,9 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> di
                         owner=True)
     state, position, skipped, meta = _restore_or_init(cfg, built, ckpt, run_dir, say)
     order = _data_order(cfg, meta, say)
+    before = mark()
     train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch), order=order)
+    train_data.mapped = mapped_since(before)  # the token files this run reads, with their sizes
     changed = _check_data(cfg, meta, train_data, say)
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
@@ -211,6 +214,7 @@ class _Loop:
         self.in_a_row = 0  # non-finite steps in a row
         self.last_saved, self.stopped = None, None
         self.profiler = Profiler(cfg.profile_steps, str(run_dir / "tensorboard"), report.note)
+        self.mapped = getattr(train_data, "mapped", {})  # {token file: its size}, checked at log and save points
         self.state, self.step = None, 0  # the newest state and its step (the exit path reads them)
 
     def run(self, state, step: int) -> tuple[dict, int]:
@@ -247,6 +251,8 @@ class _Loop:
             signalled = agree(signalled) if due_log else None
         due_save = step % self.cfg.checkpoint.every == 0 or step == end or signalled
         if due_log or due_save:
+            if jax.process_count() == 1:  # (several processes might see a truncation at different steps)
+                check_sizes(self.mapped)  # a token file shrunk under the run: stop cleanly before a read faults
             seen, self.unchecked = jax.device_get(self.unchecked), []
             self._check_finite(seen)
             self._count_tokens(seen)

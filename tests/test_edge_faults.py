@@ -411,7 +411,8 @@ def test_tensorboard_dir_removed_under_a_run_is_recreated(tmp_path):
 
 def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path):
     """The mapped token file shrinks while the trainer reads it: one line naming it (not "Fatal
-    Python error: Bus error"), exit status 1, and the newest checkpoint restores complete."""
+    Python error: Bus error"; the size check at a log point or, for a read before it, the SIGBUS
+    handler), exit status 1, and the newest checkpoint restores complete."""
     from test_faults import long_config, saved_state, spawn, steps_on_disk, wait_for_rows
     tokens = tmp_path / "t.bin"
     (np.random.default_rng(0).integers(0, 256, 400_000).astype(np.uint16)).tofile(tokens)
@@ -768,3 +769,43 @@ def test_a_sigbus_elsewhere_keeps_its_usual_handling(tmp_path):
                        timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == -signal.SIGBUS and "Fatal Python error: Bus error" in r.stderr, r
     assert "survived" not in r.stdout and "token file" not in r.stderr
+
+
+SIGBUS_READ = """
+import os, sys
+import numpy as np
+from boost_jax.data.sources import token_files
+path = sys.argv[1]
+(np.arange(400_000) % 256).astype(np.uint16).tofile(path)
+tokens = token_files([path], "uint16")[0]
+print(int(tokens[300_000]), flush=True)
+os.truncate(path, 4096)
+print(int(tokens[300_000]))
+"""
+
+
+def test_a_read_past_a_truncated_token_file_is_one_line(tmp_path):
+    """The SIGBUS of reading a mapped page that the file no longer has: one line naming the file."""
+    r = subprocess.run([sys.executable, "-c", SIGBUS_READ, str(tmp_path / "t.bin")], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 1 and r.stdout.split() == [str(300_000 % 256)], r
+    assert r.stderr == (f"error: {tmp_path / 't.bin'}: this memory-mapped token file became shorter while the run "
+                        "read it (truncated or rewritten on disk); restore it (or prepare it again) and rerun: the "
+                        "run resumes from its last complete checkpoint\n"), r.stderr
+
+
+def test_size_check_of_the_mapped_files(tmp_path):
+    from boost_jax.data import mapped
+    from boost_jax.data.sources import token_files
+    before = mapped.mark()
+    for name in ("a.bin", "b.bin"):
+        np.zeros(1000, np.uint16).tofile(tmp_path / name)
+    token_files([str(tmp_path / "a.bin"), str(tmp_path / "b.bin")], "uint16")
+    files = mapped.mapped_since(before)
+    assert files == {str(tmp_path / "a.bin"): 2000, str(tmp_path / "b.bin"): 2000}
+    mapped.check_sizes(files)  # intact
+    os.truncate(tmp_path / "b.bin", 100)
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'b.bin'}: this memory-mapped token file became shorter"):
+        mapped.check_sizes(files)
+    os.remove(tmp_path / "b.bin")  # removed (the mapping keeps its pages): reads go on, no error
+    mapped.check_sizes(files)

@@ -5,7 +5,9 @@ its file; a SIGBUS handler (Linux, installed with the first mapping) that finds 
 in one of them prints one line naming the file and exits with status 1. Checkpoints are unaffected:
 a finished step stays complete, and a save in flight leaves only its temporary directory, which the
 next start removes. A SIGBUS outside the recorded mappings goes to the handler installed before
-(faulthandler's, or the default action).
+(faulthandler's, or the default action). Before that, the trainer compares the sizes of its files
+with those they had when mapped at each log and save point (`check_sizes`), so a truncation seen
+there stops the run with the same line through its normal exit, the save in flight finished.
 
 The handler runs Python code in the signal's context, which is only safe because it ends the
 process: it formats one line, writes it with os.write and calls os._exit.
@@ -18,6 +20,7 @@ import signal
 import sys
 
 _RANGES: list[tuple[int, int, str]] = []  # (first byte, end, path) of every mapping watched
+_MAPPED: list[tuple[str, int]] = []  # (path, size in bytes) of each file when it was mapped, in order
 _INSTALLED: list = []  # the ctypes callback (kept alive while installed)
 SA_SIGINFO = 4
 SI_CODE_OFFSET = 8  # siginfo_t: si_signo, si_errno, si_code (<= 0: sent by a process, not a fault), padding,
@@ -29,8 +32,35 @@ def watch(array, path):
     if getattr(array, "nbytes", 0):
         start = array.ctypes.data
         _RANGES.append((start, start + array.nbytes, str(path)))
+        try:
+            _MAPPED.append((str(path), os.path.getsize(path)))
+        except OSError:  # (gone already: nothing to compare with)
+            pass
         _install()
     return array
+
+
+def mark() -> int:
+    """A position in the record of mappings: `mapped_since(mark())` taken later lists those made since."""
+    return len(_MAPPED)
+
+
+def mapped_since(position: int) -> dict[str, int]:
+    """{path: size when mapped} of the files mapped after `position` (e.g. by one build_loaders)."""
+    return dict(_MAPPED[position:])
+
+
+def check_sizes(files: dict[str, int]) -> None:
+    """Raise ValueError (the same one line) if one of `files` is now shorter than when it was mapped:
+    the trainer asks at each log and save point, so a truncation seen there stops the run cleanly (its
+    save in flight finished) before a read of the lost pages would."""
+    for path, size in files.items():
+        try:
+            now = os.path.getsize(path)
+        except OSError:  # removed or renamed: the mapping keeps the file's pages, reads go on
+            continue
+        if now < size:
+            raise ValueError(message(path)[len("error: "):].rstrip("\n"))
 
 
 def owner(address: int | None) -> str | None:
