@@ -257,13 +257,18 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
 
 
 def run_variants(specs: list[dict], steps: int, smoke: bool) -> list[dict]:
-    """Each variant in a fresh process (its own peak memory); --smoke runs them all in one."""
+    """Each variant in a fresh process (its own peak memory); --smoke runs them all in one. The
+    processes may allocate the share of the GPU's memory `--aot` checks a step against (aot.USABLE,
+    unless XLA_PYTHON_CLIENT_MEM_FRACTION is set): JAX's default 75% would not hold llama_1b's step."""
+    from boost_jax.tools.aot import USABLE
+
     groups = [specs] if smoke else [[s] for s in specs]
     rows = []
     for group in groups:
         cmd = [sys.executable, os.path.abspath(__file__), "--variants", json.dumps(group), "--steps", str(steps)]
         cmd += ["--smoke"] if smoke else []
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", str(USABLE))}
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
             results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
