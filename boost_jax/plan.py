@@ -7,7 +7,7 @@ best one.
         --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \
         [--attention auto|xla|chunked|cudnn|pallas] [--remat none,lowrank,full] [--grad-accum N] \
         [--pipeline 1,2,4] [--microbatches M] [--schedule gpipe,circular] [--repeats V]
-        [--stage-remat none,stage] [--verify]
+        [--stage-remat none,stage] [--verify [--target h100|a100|h200]]
 
 --verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
 devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
@@ -17,7 +17,9 @@ none or stage) is compiled with 2 stages of 2 layers, a circular one with 2 stag
 chunks of 1 layer (V 2 where the plan's weight reorder is an all-to-all, else 3), and compared over
 the whole scanned step (pipeline, pipeline-weight, tensor and data/fsdp traffic by kind, peak
 memory); pipelined st and replicated-residual (megatron, vanilla) pipelined plans are refused with
-the reason (planner/verify.py pipeline_refusal).
+the reason (planner/verify.py pipeline_refusal). `--verify --target h100` instead compiles the plan's
+own train step at full size for that many H100s without them (boost_jax.tools.aot, the aot extra) and
+compares the planner's peak memory per GPU with the compiled one (within 10%).
 """
 from __future__ import annotations
 
@@ -147,8 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stage-remat", default="none,stage",
                     help="comma list of remat.pipeline values to search (default none,stage)")
     ap.add_argument("--verify", action="store_true", help="compile the best runnable plan and compare collectives")
+    ap.add_argument("--target", help="with --verify: compile the plan at full size for this GPU without one "
+                    "(h100, a100, h200: boost_jax.tools.aot, the aot extra) and compare its peak memory")
     args = ap.parse_args(argv)
-    if args.verify:
+    if args.target and not args.verify:
+        raise SystemExit("--target compiles the plan for a GPU: it goes with --verify")
+    if args.verify and not args.target:
         emulate_cpu_devices(16)  # before anything imports jax; 16: an st plan on a 4 x 4 grid
     from boost_jax.planner import Options, load_cluster, search
     from boost_jax.planner.cost import attention_kind
@@ -220,9 +226,36 @@ def main(argv=None) -> int:
               f"remat {runnable.remat}, {runnable.step_s:.3f} s/step, MFU {100 * runnable.mfu:.1f}%.")
         print("  " + breakdown(runnable, int(cfg.model.n_layers)).replace("\n", "\n  "))
     print(f"\nrun it with:\n  python -m boost_jax.train --config {args.config} {runnable.overrides}")
+    if args.verify and args.target:
+        return 0 if run_verify_target(args.config, runnable, args.target, args.devices) else 1
     if args.verify:
         return 0 if run_verify(cfg, cluster, runnable, seq) else 1
     return 0
+
+
+TARGET_MEMORY_TOLERANCE = 0.10  # the planner's peak per GPU against the deviceless GPU compile
+
+
+def run_verify_target(config: str, plan, target: str, devices: int) -> bool:
+    """--verify --target GPU: the plan's own train step, at full size on all its devices, compiled for
+    that GPU without one (boost_jax.tools.aot); the planner's peak memory per GPU next to the compiled one."""
+    from boost_jax.tools import aot
+
+    flags = [a for a in plan.overrides.split() if a.startswith("--config.")]
+    print(f"\n--verify --target {target}: the plan's train step compiled for {devices} x {target} (deviceless, "
+          "full size)")
+    try:
+        aot.require()
+        rep = aot.compile_config(aot.load(config, flags), target, devices, programs=("train",))
+    except aot.AotError as e:
+        raise SystemExit(f"--verify --target {target}: {e}") from None
+    r = rep["train"]
+    predicted, peak = plan.memory["total"], r["peak_bytes"]
+    ok = abs(predicted - peak) <= TARGET_MEMORY_TOLERANCE * max(predicted, peak)
+    print(aot.to_text(rep))
+    print("| memory per GPU | planner | compiled | planner / compiled | within 10% |\n|---|---|---|---|---|\n"
+          f"| peak | {predicted / GB:.3f} GB | {peak / GB:.3f} GB | {predicted / peak:.3f} | {'yes' if ok else 'NO'} |")
+    return ok and r["fits"]
 
 
 if __name__ == "__main__":

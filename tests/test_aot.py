@@ -162,3 +162,49 @@ def test_cli_json_and_one_line_errors(tmp_path, capsys, monkeypatch):
                                        "--config.model.n_kv_heads=4"])
     monkeypatch.setattr(aot, "missing", lambda: "jax-cuda13-plugin (jax's CUDA plugin)")
     assert aot.INSTALL in error(["--target", "h100", *base])
+
+
+def test_plan_verify_target_compiles_the_plan_for_the_gpu(capsys):
+    """`plan --verify --target h100`: the plan's own step at full size on its GPUs; the planner's peak
+    next to the compiled one, and the exit code says whether they agree within 10% (and it fits)."""
+    from boost_jax import plan
+    cluster = str(Path(TINY).parents[0] / "clusters" / "h100_8x.py")
+    code = plan.main(["--config", TINY, "--devices", "2", "--cluster", cluster, "--batch", "8", "--seq", "64",
+                      "--remat", "none", "--pipeline", "1", "--verify", "--target", "h100"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| peak |"))
+    predicted, compiled, ratio, agrees = (c.strip() for c in row.strip("|").split("|")[1:])
+    p, c = (float(x.split()[0]) for x in (predicted, compiled))
+    assert c > 0 and float(ratio) == pytest.approx(p / c, rel=0.05)  # GB printed to 3 decimals
+    assert (agrees == "yes") == (abs(float(ratio) - 1) <= 0.1 or abs(1 / float(ratio) - 1) <= 0.1)
+    assert (code == 0) == (agrees == "yes")
+    with pytest.raises(SystemExit, match="--target compiles the plan for a GPU: it goes with --verify"):
+        plan.main(["--config", TINY, "--devices", "2", "--cluster", cluster, "--target", "h100"])
+
+
+def test_aot_fit_smoke(tmp_path):
+    """benchmarks/aot_fit.py --smoke: the planner's pick for the tiny config on 1 and 2 H100s, compiled;
+    every row has the planner's and the compiled peak and their ratio."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    out = fit.main(["--smoke", "--json", str(tmp_path / "fit.json"), "--markdown", str(tmp_path / "fit.md")])
+    rows = json.loads((tmp_path / "fit.json").read_text())["rows"]
+    assert [r["devices"] for r in rows] == [1, 2] and rows == out["rows"]
+    for r in rows:
+        assert r["peak_bytes"] > 0 and r["planner_bytes"] > 0 and r["ratio"] == pytest.approx(
+            r["planner_bytes"] / r["peak_bytes"])
+        assert math.prod(r["mesh"].values()) == r["devices"]
+    assert "| tiny | 2 |" in (tmp_path / "fit.md").read_text()
+
+
+@pytest.mark.slow
+def test_aot_fit_readme_command(tmp_path):
+    """The README's "Will it fit?" command at its shapes (the zoo on 8 and 64 H100s, smallest meshes)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    out = fit.main(["--smallest", "--json", str(tmp_path / "fit.json")])
+    assert len(out["rows"]) == len(fit.MODELS) * len(fit.DEVICES)

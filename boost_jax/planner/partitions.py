@@ -36,6 +36,16 @@ SAVED_ATTENTION = {"materialized": 4, "chunked": 5, "flash": 5}  # q, k, v, the 
 SAVED_SCORE = 2  # materialised attention: float32 arrays per score (exp and softmax), + probs in the
 # compute dtype when that is not float32
 SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
+# The same counted in the GPU program (a bf16/fp16 step compiled for H100s without them,
+# boost_jax/tools/aot.py: the stacked residuals of its scanned layer, cola_1b on 1 GPU, cola_7b btp on
+# tensor 8, llama_7b megatron on tensor 8; benchmarks/aot_fit.md). XLA:GPU fuses the norm: its input
+# and output in the compute dtype, no float32 copy (5 arrays of the residual width per layer for the
+# two norms, counted as 2.5 each); flash attention keeps q, k, v and the output (and its log-sum-exp);
+# BTP's online norm keeps its A outputs twice more in float32 (they ride the all-reduce with the
+# float32 statistics). SAVED_SIGMA and SAVED_SWIGLU are what the GPU program keeps too.
+GPU_SAVED_NORM = (2.5, 0)
+GPU_SAVED_FLASH = 4
+GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
 CHOICES = ("btp", "vanilla", "megatron", "st")
 # Megatron's column-parallel groups (the others are row-parallel).
 COLUMN = ("qkv", "mlp_in")
@@ -246,13 +256,20 @@ def edge(ctx: Ctx, src: str, dst: str, width: int, partial_grad: bool = False, l
     return op
 
 
+def gpu(ctx: Ctx) -> bool:
+    """Whether the priced program is the GPU's: computed in bf16/fp16 (the CPU checks compile float32,
+    as XLA:CPU runs bf16 partly in float32), so its kept arrays are the GPU_SAVED_* counts."""
+    return ctx.act_bytes != 4
+
+
 def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
     """RMSNorm in `layout`. Split features need the sum of squares reduced over the feature group: a
     scalar per token, riding in the following A all-reduce when `fused` (BTP's online RMSNorm)."""
     fs, ts = ctx.splits(layout)
     width = ctx.local(layout, ctx.block.d)
-    op = Op(f"norm@{layout}", acts=width, weights=ctx.block.d / fs, saved=SAVED_NORM[0] * width,
-            saved32=SAVED_NORM[1] * width + ctx.tokens / ts)
+    kept, kept32 = GPU_SAVED_NORM if gpu(ctx) else SAVED_NORM
+    op = Op(f"norm@{layout}", acts=width, weights=ctx.block.d / fs, saved=kept * width,
+            saved32=kept32 * width + ctx.tokens / ts)
     if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed
         op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p, saved=p == "fwd") for p in ("fwd", "bwd")]
     return op
@@ -303,7 +320,7 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
             op.acts, op.saved_lowrank, op.weights = m * (2 * g * r + dsum), m * g * r, din * g * r + r * dsum
         else:
             op.gemms, op.acts, op.weights = [Gemm(m, din, dsum, "W")], m * dsum, din * dsum
-        return _with_saved(op, b, False)
+        return _with_saved(op, b, False, gpu(ctx))
     if choice == "btp":  # A row-parallel (partial r-wide product all-reduced), B column-parallel
         stats = m if fused_norm else 0
         op.gemms = [Gemm(m, din / t, g * r, "A")] + [Gemm(m, r, o / t, "B") for o in douts]
@@ -347,16 +364,21 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
     else:
         raise ValueError(f"unknown partition choice {choice!r} for {group}")
     op.ring = sum(s.ring() for s in op.st)
-    return _with_saved(op, b, fused_norm and choice == "btp")
+    return _with_saved(op, b, fused_norm and choice == "btp", gpu(ctx))
 
 
-def _with_saved(op: Op, b: Block, fused: bool) -> Op:
+def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
     """Set what a projection group keeps for the backward: arrays of its first stages' outputs (the
     B outputs are kept by their consumers: attention, the MLP core, the residual add keeps none)."""
     if b.factored:
         a_out = (sum(g.m * g.n for g in op.gemms if g.tag == "A")
                  + sum(s.m * s.out / s.n for s in op.st if s.tag == "A"))
-        op.saved = a_out * ((SAVED_SIGMA if b.nonlinear else SAVED_LINEAR) + (SAVED_ONLINE_NORM if fused else 0))
+        kept = SAVED_SIGMA if b.nonlinear else SAVED_LINEAR
+        if on_gpu:
+            op.saved = a_out * kept
+            op.saved32 = a_out * GPU_SAVED_ONLINE_NORM32 if fused else 0.0
+        else:
+            op.saved = a_out * (kept + (SAVED_ONLINE_NORM if fused else 0))
     return op
 
 
@@ -426,7 +448,7 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
                    imbalance=(2 * ts - 1) / ts)
     # Kept: q, k, v and the output (and K/V gathered over a token split); materialised scores in
     # float32 (+ the probabilities in the compute dtype), else the log-sum-exp per row and head.
-    n = SAVED_ATTENTION[ctx.attention]
+    n = GPU_SAVED_FLASH if gpu(ctx) and ctx.attention == "flash" else SAVED_ATTENTION[ctx.attention]
     op.saved = ctx.local(layout, 2 * q + 2 * kv + (n - 4) * q) + (op.acts - ctx.local(layout, 2 * q + kv))
     rows = op.attn.queries * op.attn.heads
     if ctx.attention == "materialized":

@@ -1,0 +1,185 @@
+"""Will it fit? The zoo's recipe runs compiled for H100s this host does not have (deviceless), next to
+the planner's prediction.
+
+    python benchmarks/aot_fit.py [--json benchmarks/aot_fit.json] [--markdown benchmarks/aot_fit.md]
+    python benchmarks/aot_fit.py --models cola_1b --devices 8 --smallest   # one model; smallest fitting mesh
+    python benchmarks/aot_fit.py --smoke       # the tiny config on 1 and 2 H100s: checks the command
+
+For each model and GPU count the planner (`boost_jax.plan`, cluster configs/clusters/h100_8x.py, the
+config's recipe batch and sequence) picks the best plan the trainer runs; that plan's overrides are
+applied to the config and its train step is compiled for that many H100s without them
+(`boost_jax.tools.aot`): the compiled peak per GPU, whether it fits 90% of the 80 GB
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), and the planner's own peak for the
+same plan, with their ratio. `--smallest` also finds, per model, the fewest GPUs (powers of two) on
+which the planner's best plan compiles within the usable memory. Needs the aot extra.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("cola_1b", "llama_1b", "cola_7b", "llama_7b", "cola_13b", "llama_13b")
+DEVICES = (8, 64)
+CLUSTER = ROOT / "configs" / "clusters" / "h100_8x.py"
+TARGET = "h100"
+GB = 1e9
+
+
+def plan(config: Path, devices: int, batch: int | None = None, seq: int | None = None):
+    """The planner's best runnable plan for `config` on `devices` H100s (None when nothing fits)."""
+    from boost_jax.planner import Options, load_cluster, search
+    from boost_jax.planner.search import model_flops_per_token
+    from boost_jax.tools.devices import load_config
+
+    cfg = load_config(str(config))
+    batch, seq = batch or int(cfg.train.global_batch), seq or int(cfg.train.seq_len)
+    res = search(cfg, load_cluster(str(CLUSTER)), devices, Options(batch=batch, seq=seq),
+                 flops_per_token=model_flops_per_token(cfg, seq))
+    return res.best_runnable
+
+
+def overrides_of(plan) -> list[str]:
+    return [a for a in plan.overrides.split() if a.startswith("--config.")]
+
+
+def row(config: Path, devices: int, batch: int | None = None, seq: int | None = None) -> dict:
+    from boost_jax.tools import aot
+
+    best = plan(config, devices, batch, seq)
+    out = {"model": config.stem, "devices": devices}
+    if best is None:
+        return {**out, "plan": None}
+    flags = overrides_of(best)  # the plan's mesh, strategy, batch, accumulation, sequence and remat
+    cfg = aot.load(str(config), flags)
+    t0 = time.perf_counter()
+    rep = aot.compile_config(cfg, TARGET, devices, programs=("train",))
+    train = rep["train"]
+    return {**out, "plan": " ".join(f.removeprefix("--config.") for f in flags), "mesh": rep["mesh"],
+            "planner_bytes": best.memory["total"], "peak_bytes": train["peak_bytes"],
+            "argument_bytes": train["argument_bytes"], "temp_bytes": train["temp_bytes"],
+            "usable_bytes": train["usable_bytes"], "fits": train["fits"],
+            "ratio": best.memory["total"] / train["peak_bytes"], "compile_s": time.perf_counter() - t0,
+            "kernels": train["kernels"]}
+
+
+# Fixed plans at long sequences (seq 2048, global batch 8, bf16, cuDNN attention, the Pallas norm, one
+# document per row, no remat): (config, pipeline x data x fsdp x tensor, strategy).
+FIXED = (("cola_1b", (1, 1, 1, 1), "btp"), ("cola_7b", (1, 1, 1, 8), "btp"), ("cola_7b", (1, 1, 2, 4), "btp"),
+         ("llama_7b", (1, 1, 1, 8), "megatron"), ("cola_1b", (1, 1, 8, 1), "btp"), ("llama_1b", (1, 1, 1, 1), "btp"))
+FIXED_BATCH, FIXED_SEQ = 8, 2048
+
+
+def fixed_row(name: str, mesh: tuple, strategy: str, batch: int = FIXED_BATCH, seq: int = FIXED_SEQ) -> dict:
+    """One FIXED plan: the planner's price of exactly this trainer plan next to its H100 compile."""
+    from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
+    from boost_jax.planner import partitions as P
+    from boost_jax.tools import aot
+
+    config = ROOT / "configs" / f"{name}.py"
+    p, d, f, t = mesh
+    flags = [f"--config.parallel.pipeline={p}", f"--config.parallel.data={d}", f"--config.parallel.fsdp={f}",
+             f"--config.parallel.tensor={t}", f"--config.parallel.strategy={strategy}",
+             f"--config.train.global_batch={batch}", "--config.train.grad_accum=1", f"--config.train.seq_len={seq}",
+             f"--config.model.max_seq_len={max(seq, 4096)}", "--config.model.attention=cudnn",
+             "--config.kernels.rmsnorm=pallas", "--config.model.dtype=bfloat16", "--config.remat.policy=none"]
+    cfg = aot.load(str(config), flags)
+    layer = (Layer(*P.uniform_plan(strategy, False)) if t > 1 else  # one tensor shard: nothing is split
+             Layer("R", ("none",) * len(P.GROUPS), "R", "R"))
+    priced = plan_for(cfg, load_cluster(str(CLUSTER)), Mesh(d, f, t, pipeline=p), 1, "none", layer,
+                      Options(batch=batch, seq=seq, attention="cudnn", check_memory=False))
+    t0 = time.perf_counter()
+    train = aot.compile_config(cfg, TARGET, p * d * f * t, programs=("train",))["train"]
+    return {"model": name, "devices": p * d * f * t, "plan": " ".join(a.removeprefix("--config.") for a in flags),
+            "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)), "planner_bytes": priced.memory["total"],
+            "planner_parts": priced.memory, "peak_bytes": train["peak_bytes"],
+            "argument_bytes": train["argument_bytes"], "temp_bytes": train["temp_bytes"],
+            "usable_bytes": train["usable_bytes"], "fits": train["fits"],
+            "ratio": priced.memory["total"] / train["peak_bytes"], "compile_s": time.perf_counter() - t0}
+
+
+def smallest(config: Path, most: int = 64, batch: int | None = None, seq: int | None = None) -> dict | None:
+    """The fewest GPUs (1, 2, 4, ...) whose best plan compiles within the usable memory."""
+    n = 1
+    while n <= most:
+        if plan(config, n, batch, seq) is not None:
+            r = row(config, n, batch, seq)
+            if r.get("fits"):
+                return r
+        n *= 2
+    return None
+
+
+def markdown(rows: list[dict], small: list[dict]) -> str:
+    usable = next((r["usable_bytes"] for r in rows if r.get("plan")), 0) / GB
+    lines = [f"| model | H100s | plan (planner's pick) | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB "
+             "| planner / compiled |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("plan") is None:
+            lines.append(f"| {r['model']} | {r['devices']} | no plan fits (planner) | - | no | - | - |")
+            continue
+        mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
+        lines.append(f"| {r['model']} | {r['devices']} | mesh {mesh}, {_short(r['plan'])} | {r['peak_bytes'] / GB:.1f} "
+                     f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |")
+    if small:
+        lines += ["", "| model | fewest H100s that fit | compiled peak GB/GPU | plan |", "|---|---|---|---|"]
+        for r in small:
+            lines.append(f"| {r['model']} | {r['devices']} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |")
+    return "\n".join(lines)
+
+
+def _short(flags: str) -> str:
+    keep = ("parallel.strategy", "train.grad_accum", "remat.policy", "parallel.pipeline=", "parallel.microbatches")
+    return ", ".join(f for f in flags.split() if f.startswith(keep))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help="comma list of configs/NAME.py")
+    ap.add_argument("--devices", default=",".join(map(str, DEVICES)), help="comma list of GPU counts")
+    ap.add_argument("--smallest", action="store_true", help="also the fewest GPUs each model fits on")
+    ap.add_argument("--smoke", action="store_true", help="the tiny config on 1 and 2 GPUs")
+    ap.add_argument("--fixed", action="store_true", help="the FIXED plans at seq 2048 instead (the memory model's check)")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+    from boost_jax.tools import aot
+    if not aot.available():
+        raise SystemExit(f"benchmarks/aot_fit.py compiles for H100s without them: {aot.INSTALL} ({aot.missing()})")
+    if args.smoke:
+        models, devices, batch, seq = ["tiny"], [1, 2], 8, 64
+    else:
+        models, devices, batch, seq = args.models.split(","), [int(x) for x in args.devices.split(",")], None, None
+    rows, small = [], []
+    if args.fixed:
+        for name, mesh, strategy in FIXED:
+            r = fixed_row(name, mesh, strategy)
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "planner_parts"}), flush=True)
+        models = []
+    for name in models:
+        config = ROOT / "configs" / f"{name}.py"
+        for n in devices:
+            r = row(config, n, batch, seq)
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
+        if args.smallest:
+            s = smallest(config, max(devices), batch, seq)
+            if s is not None:
+                small.append(s)
+    text = markdown(rows, small)
+    print(text)
+    out = {"target": TARGET, "cluster": CLUSTER.stem, "rows": rows, "smallest": small}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
