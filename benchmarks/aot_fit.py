@@ -113,9 +113,9 @@ def smallest(config: Path, most: int = 64, batch: int | None = None, seq: int | 
     return None
 
 
-def markdown(rows: list[dict], small: list[dict]) -> str:
+def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's pick)") -> str:
     usable = next((r["usable_bytes"] for r in rows if r.get("plan")), 0) / GB
-    lines = [f"| model | H100s | plan (planner's pick) | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB "
+    lines = [f"| model | H100s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB "
              "| planner / compiled |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -126,9 +126,11 @@ def markdown(rows: list[dict], small: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['devices']} | mesh {mesh}, {_short(r['plan'])} | {r['peak_bytes'] / GB:.1f} "
                      f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |")
     if small:
-        lines += ["", "| model | fewest H100s that fit | compiled peak GB/GPU | plan |", "|---|---|---|---|"]
+        lines += ["", "| model | fewest H100s that fit | mesh p x d x f x t | compiled peak GB/GPU | plan |",
+                  "|---|---|---|---|---|"]
         for r in small:
-            lines.append(f"| {r['model']} | {r['devices']} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |")
+            mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
+            lines.append(f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |")
     return "\n".join(lines)
 
 
@@ -171,7 +173,8 @@ def main(argv=None) -> dict:
             s = smallest(config, max(devices), batch, seq)
             if s is not None:
                 small.append(s)
-    text = markdown(rows, small)
+    text = markdown(rows, small, f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)"
+                    if args.fixed else "plan (planner's pick)")
     print(text)
     out = {"target": TARGET, "cluster": CLUSTER.stem, "rows": rows, "smallest": small}
     if args.json:

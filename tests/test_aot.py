@@ -208,3 +208,23 @@ def test_aot_fit_readme_command(tmp_path):
     spec.loader.exec_module(fit)
     out = fit.main(["--smallest", "--json", str(tmp_path / "fit.json")])
     assert len(out["rows"]) == len(fit.MODELS) * len(fit.DEVICES)
+
+
+README_AOT = ("python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 "
+              "--train-only")
+README_PLAN = ("python -m boost_jax.plan --config configs/cola_7b.py --devices 8 --cluster configs/clusters/h100_8x.py "
+               "--verify --target h100")
+
+
+def test_readme_commands(monkeypatch, capsys):
+    """The README's aot and `plan --verify --target` commands at their shapes (the zoo's recipe: compiled
+    for 8 H100s from abstract shapes), run from the repository root as the README runs them."""
+    from boost_jax import plan
+    monkeypatch.chdir(Path(TINY).parents[1])
+    rep = aot.main(README_AOT.split()[3:])
+    assert rep["mesh"]["fsdp"] == 8 and rep["train"]["kernels"]["cudnn attention (fwd, padding_causal)"] >= 1
+    assert "eval" not in rep and rep["train"]["collectives"]["all-gather"]["count"] > 0
+    code = plan.main(README_PLAN.split()[3:])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| peak |"))
+    assert (code == 0) == row.rstrip().endswith("| yes |")

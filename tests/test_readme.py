@@ -65,6 +65,12 @@ COMMANDS = {
         "test_export.py::test_intermediate_padding_is_inert",
     "python -m boost_jax.generate --checkpoint runs/imported": "tiny",
     "python -m boost_jax.plan --config configs/cola_7b.py --devices 32 --cluster configs/clusters/a100_4x.py": "tool",
+    "pip install -e '.[aot]'": "the aot extra: .ci/run installs it (tests/test_aot.py)",
+    "python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 --train-only":
+        "test_aot.py::test_readme_commands",
+    "python -m boost_jax.plan --config configs/cola_7b.py --devices 8 --cluster configs/clusters/h100_8x.py --verify "
+    "--target h100": "test_aot.py::test_readme_commands",
+    "python benchmarks/aot_fit.py --smallest": "test_aot.py::test_aot_fit_readme_command",
 }
 
 
