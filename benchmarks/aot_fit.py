@@ -3,7 +3,7 @@ the planner's prediction.
 
     python benchmarks/aot_fit.py [--json benchmarks/aot_fit.json] [--markdown benchmarks/aot_fit.md]
     python benchmarks/aot_fit.py --models cola_1b --devices 8 --smallest   # one model; smallest fitting mesh
-    python benchmarks/aot_fit.py --smoke       # the tiny config on 1 and 2 H100s: checks the command
+    python benchmarks/aot_fit.py --smoke       # the tiny config on 2 H100s: checks the command
 
 For each model and GPU count the planner (`boost_jax.plan`, cluster configs/clusters/h100_8x.py, the
 config's recipe batch and sequence) picks the best plan the trainer runs; that plan's overrides are
@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--models", default=",".join(MODELS), help="comma list of configs/NAME.py")
     ap.add_argument("--devices", default=",".join(map(str, DEVICES)), help="comma list of GPU counts")
     ap.add_argument("--smallest", action="store_true", help="also the fewest GPUs each model fits on")
-    ap.add_argument("--smoke", action="store_true", help="the tiny config on 1 and 2 GPUs")
+    ap.add_argument("--smoke", action="store_true", help="the tiny config on 2 GPUs")
     ap.add_argument("--fixed", action="store_true", help="the FIXED plans at seq 2048 instead (the memory model's check)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
     if not aot.available():
         raise SystemExit(f"benchmarks/aot_fit.py compiles for H100s without them: {aot.INSTALL} ({aot.missing()})")
     if args.smoke:
-        models, devices, batch, seq = ["tiny"], [1, 2], 8, 64
+        models, devices, batch, seq = ["tiny"], [2], 8, 64
     else:
         models, devices, batch, seq = args.models.split(","), [int(x) for x in args.devices.split(",")], None, None
     rows, small = [], []

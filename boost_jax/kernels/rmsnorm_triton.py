@@ -22,7 +22,10 @@ This module imports `triton` at import time and `jax_triton` only when a kernel 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -175,11 +178,27 @@ def compile_for_cuda(x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 
                 {**consts, "PROGRAMS": programs(n_rows, rows)}),
     }
     out = {}
-    for name, (kernel, pointers, constexprs) in plans.items():
-        signature = dict(zip(kernel.arg_names, pointers))
-        signature.update({k: "constexpr" for k in constexprs})
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        out[name] = triton.compile(source, target=target,
-                                   options={"num_warps": num_warps(rows, d), "num_stages": 1})
+    with _cache_dir():
+        for name, (kernel, pointers, constexprs) in plans.items():
+            signature = dict(zip(kernel.arg_names, pointers))
+            signature.update({k: "constexpr" for k in constexprs})
+            attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+            source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+            out[name] = triton.compile(source, target=target,
+                                       options={"num_warps": num_warps(rows, d), "num_stages": 1})
     return out
+
+
+@contextlib.contextmanager
+def _cache_dir():
+    """triton.compile needs a cache directory; jax-triton's import sets TRITON_CACHE_DIR to "" (it
+    keeps its own), so once it is imported a direct compile gets a temporary one."""
+    if os.environ.get("TRITON_CACHE_DIR") != "":
+        yield
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["TRITON_CACHE_DIR"] = folder
+        try:
+            yield
+        finally:
+            os.environ["TRITON_CACHE_DIR"] = ""
