@@ -232,7 +232,8 @@ def _probe(impl, x2, scale, br, compile_probe, why) -> str:
     compiles, else the reason, logged and (once per process) warned with `why(reason)`."""
     global _WARNED
     backend = platform.name()
-    key = (impl, backend, str(getattr(platform.device(), "device_kind", "")), jnp.dtype(x2.dtype), jnp.dtype(scale.dtype), x2.shape[1], br)
+    kind = str(getattr(platform.device(), "device_kind", ""))  # probed per target GPU model
+    key = (impl, backend, kind, jnp.dtype(x2.dtype), jnp.dtype(scale.dtype), x2.shape[1], br)
     if key not in _LOWERS:
         try:
             compile_probe()

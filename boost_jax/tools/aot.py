@@ -125,7 +125,8 @@ def kernels(hlo_text: str) -> dict:
     cuDNN fused attention (`cudnn attention (fwd|bwd, MASK)`, MASK `causal`, or `padding_causal` with
     per-row lengths; any other cuDNN graph by its target),
     cuBLAS GEMMs, Triton GEMM/fusions XLA generated, Pallas kernels (`triton kernel NAME`, NAME the
-    kernel's own) and jax-triton kernels (`triton kernel (jax-triton)`). Counted once per instruction (not per loop trip)."""
+    kernel's own) and jax-triton kernels (`triton kernel (jax-triton)`). Counted once per instruction
+    (not per loop trip)."""
     counts: Counter = Counter()
     for line in hlo_text.splitlines():
         m = _CUSTOM_CALL.search(line)
@@ -247,7 +248,8 @@ def to_text(rep: dict) -> str:
                   f"  argument {_gib(r['argument_bytes'])}, output {_gib(r['output_bytes'])}, "
                   f"temp {_gib(r['temp_bytes'])}, aliased {_gib(r['alias_bytes'])}",
                   f"  peak {_gib(r['peak_bytes'])} of {_gib(r['usable_bytes'])} usable "
-                  f"({r['usable_bytes'] / r['device_memory_bytes']:.0%} of {_gib(r['device_memory_bytes'])}): {verdict}",
+                  f"({r['usable_bytes'] / r['device_memory_bytes']:.0%} of {_gib(r['device_memory_bytes'])}): "
+                  f"{verdict}",
                   "  kernels: " + (", ".join(f"{k} x{v}" for k, v in r["kernels"].items()) or "none"),
                   "  collectives per step: " + (", ".join(
                       f"{k} {c['count']}x ({c['ops']} ops) {c['bytes'] / 2**20:.1f} MiB"
