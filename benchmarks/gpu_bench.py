@@ -231,6 +231,7 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     """One variant, in this process: compile, warm up, time `steps` steps."""
     import jax
 
+    from boost_jax.runtime import xla_gpu_flags
     from boost_jax.runtime.metrics import peak_flops
     from boost_jax.model import flops_per_token
     sys.path.insert(0, HERE)
@@ -238,7 +239,13 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
 
     cfg, batch, seq = variant_config(spec, smoke)
     step, state, tokens = build(cfg, jax.devices()[:1])
-    for _ in range(2):  # the first call compiles
+    t0 = time.perf_counter()
+    step = step.lower(state, tokens).compile()  # one compile: it runs, and its memory is read
+    compile_s = time.perf_counter() - t0
+    mem = step.memory_analysis()
+    compiled_peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                     - mem.alias_size_in_bytes) if mem is not None else None
+    for _ in range(2):  # warm-up
         state, metrics = step(state, tokens)
     jax.block_until_ready(metrics)
     t0 = time.perf_counter()
@@ -253,7 +260,9 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     from boost_jax.kernels.rmsnorm import kernels_used
     return {"step_ms": 1e3 * secs, "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
             "mfu": fpt * tok_s / peak if peak else None, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
-            "norm_ran": kernels_used()["rmsnorm"], "seq": seq, "batch": batch}
+            "compiled_peak_gib": compiled_peak / 2**30 if compiled_peak is not None else None, "compile_s": compile_s,
+            "norm_ran": kernels_used()["rmsnorm"], "seq": seq, "batch": batch,
+            "compiler_options_dropped": sorted(xla_gpu_flags.DROPPED)}
 
 
 def run_variants(specs: list[dict], steps: int, smoke: bool) -> list[dict]:
@@ -287,13 +296,15 @@ def kernel_tests(smoke: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     if not smoke:
         env["JAX_PLATFORMS"] = "cuda"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_gpu_kernels.py")]
+    # one process (-n 0): xdist's workers would each take JAX's share of the one GPU's memory
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "--tb=short", "-p", "no:cacheprovider",
+           os.path.join(ROOT, "tests", "test_gpu_kernels.py")]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
     failures = [ln for ln in r.stdout.splitlines() if ln.startswith("FAILED")]
     return {"command": "JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py" if not smoke else
             "pytest tests/test_gpu_kernels.py", "returncode": r.returncode, "summary": summary,
-            "failed": failures[:20]}
+            "failed": failures[:20], "output_tail": r.stdout[-6000:] if r.returncode else ""}
 
 
 # ------------------------------------------------------------------------- compiling for a GPU: --aot
@@ -424,6 +435,10 @@ def aot_main(target: str, parts: list[str], smoke: bool, path: str | None) -> in
 
 # ---------------------------------------------------------------------------------------- printing
 
+def _gib(x):
+    return "n/a" if x is None else f"{x:.1f}"
+
+
 def _pct(x):
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -463,15 +478,15 @@ def print_tables(res: dict) -> None:
             continue
         base = next((r for r in rows if r["variant"].startswith("llama") and "step_ms" in r
                      and "remat" not in r["variant"]), None)
-        print(f"{title}: train step | seq x batch | step ms | tokens/s | TFLOP/s | MFU | peak GiB | vs llama | norm ran")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print(f"{title}: train step | seq x batch | step ms | tokens/s | TFLOP/s | MFU | peak GiB | compiled peak GiB | vs llama | norm ran")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['variant']} | failed: {r['error']} ||||||||")
+                print(f"| {r['variant']} | failed: {r['error']} |||||||||")
                 continue
             ratio = f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "n/a"
             print(f"| {r['variant']} | {r['seq']} x {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-                  f"{r['tflops']:.1f} | {_pct(r['mfu'])} | {r['peak_gib']:.1f} | {ratio} | {r['norm_ran']} |")
+                  f"{r['tflops']:.1f} | {_pct(r['mfu'])} | {r['peak_gib']:.1f} | {_gib(r.get('compiled_peak_gib'))} | {ratio} | {r['norm_ran']} |")
         print()
     if "targets" in res:
         print("targets | value | target | met\n|---|---|---|---|")
@@ -517,6 +532,7 @@ def main(argv=None):
     ap.add_argument("--aot", metavar="TARGET", help="compile every part it would time for TARGET GPUs (h100, "
                     "a100, h200) on this host, deviceless, instead of timing: one line per program, compiled OK or "
                     "why not; exit 1 if any failed (default JSON: gpu_bench_aot_TARGET.json in the temp directory)")
+    ap.add_argument("--only", help="comma-separated train variant names (e.g. 'llama_1b,cola_1b'): only these")
     ap.add_argument("--variants", help=argparse.SUPPRESS)  # internal: run these train variants, print JSON
     args = ap.parse_args(argv)
     if args.variants is not None:
@@ -546,6 +562,16 @@ def main(argv=None):
         "attention": lambda: attention_rows(steps, args.smoke),
         "tests": lambda: kernel_tests(args.smoke),
     }
+    path = args.json or (os.path.join(tempfile.gettempdir(), "gpu_bench_smoke.json") if args.smoke
+                         else os.path.join(HERE, "gpu_bench.json"))
+
+    def save():  # after every part and variant: a run cut short (a lease running out) keeps what it measured
+        res["targets"] = targets(res)
+        if args.smoke:  # tiny shapes on whatever backend: no target is met or missed
+            res["targets"] = [{**t, "met": "n/a (--smoke)"} for t in res["targets"]]
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+
     for part in parts:
         if part in ("layer7b", "train1b"):
             continue
@@ -553,17 +579,16 @@ def main(argv=None):
             res[part] = runners[part]()
         except Exception as e:  # noqa: BLE001 - the part's row says what failed; the others run
             res[part] = {"error": _error(e)} if part in ("device", "tests") else [{"impl": part, "error": _error(e)}]
-    specs = [s for s in train_variants(args.smoke) if s["part"] in parts]
-    if specs:
-        res["train"] = run_variants(specs, steps, args.smoke)
-    res["targets"] = targets(res)
-    if args.smoke:  # tiny shapes on whatever backend: no target is met or missed
-        res["targets"] = [{**t, "met": "n/a (--smoke)"} for t in res["targets"]]
+        save()
+    only = {n.strip() for n in args.only.split(",")} if args.only else None
+    specs = [s for s in train_variants(args.smoke) if s["part"] in parts and (only is None or s["name"] in only)]
+    if only and only - {s["name"] for s in train_variants(args.smoke)}:
+        ap.error(f"--only: unknown {sorted(only - {s['name'] for s in train_variants(args.smoke)})}")
+    res["train"] = []
+    for group in [specs] if args.smoke else [[s] for s in specs]:
+        res["train"] += run_variants(group, steps, args.smoke)
+        save()
     print_tables(res)
-    path = args.json or (os.path.join(tempfile.gettempdir(), "gpu_bench_smoke.json") if args.smoke
-                         else os.path.join(HERE, "gpu_bench.json"))
-    with open(path, "w") as f:
-        json.dump(res, f, indent=2, default=str)
     print(f"\nwrote {path}")
     return 0
 

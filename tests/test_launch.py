@@ -5,14 +5,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
 LOCAL = ROOT / "launch" / "local_multiprocess.sh"
+GPU_ALL = ROOT / "benchmarks" / "gpu_all.sh"
 
 
 def test_scripts_parse():
-    for script in (SBATCH, LOCAL):
+    for script in (SBATCH, LOCAL, GPU_ALL):
         subprocess.run(["bash", "-n", str(script)], check=True)
+    # gpu_all.sh's parts are gpu_bench.py's (a renamed part would only fail on a GPU)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_bench
+    named = re.findall(r"--parts (\S+)", GPU_ALL.read_text())
+    assert named and {p for arg in named for p in arg.split(",")} <= set(gpu_bench.PARTS)
 
 
 def test_local_launcher_rejects_a_bad_process_count():
@@ -65,3 +73,23 @@ def test_xla_gpu_flags_keep_the_users_values_and_apply_only_for_a_gpu(monkeypatc
     options = G.compiler_options({"XLA_FLAGS": user})
     assert sorted(options) == sorted(f.split("=")[0].lstrip("-") for f in added)
     assert options["xla_gpu_enable_pipelined_all_gather"] is True and options["xla_gpu_enable_command_buffer"] == ""
+
+
+def test_compiler_options_this_xla_lacks_are_dropped_not_fatal():
+    # jax 0.11.2's XLA retired the pipelined-collective options: as XLA_FLAGS they still parse (no-ops),
+    # as per-program options they failed every GPU step's compile. accepted() probes and drops them.
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.runtime import xla_gpu_flags as G
+    dev = jax.devices("cpu")[0]
+    real = G.compiler_options({})
+    retired = {"xla_gpu_enable_no_such_option_a": True, "xla_gpu_no_such_option_b": 7}
+    with pytest.warns(UserWarning, match="xla_gpu_enable_no_such_option_a, xla_gpu_no_such_option_b"):
+        kept = G.accepted({**real, **retired}, dev)
+    assert kept == real  # every option of this jaxlib kept, with its value; the unknown ones gone
+    one = jax.ShapeDtypeStruct((2,), jnp.float32)
+    jax.jit(lambda a: a * 2, compiler_options=kept).lower(one).compile()  # compiles with what is left
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda a: a * 2, compiler_options={**kept, **retired}).lower(one).compile()
+    assert G.accepted({}, dev) == {}

@@ -102,8 +102,8 @@ def build(cfg, devices=None, optimizer=None) -> Built:
         spec = state_spec(cfg, tx, mesh, strategy)
     t = cfg.train
     # A GPU step carries the GPU XLA flags itself, wherever it is compiled (deviceless included).
-    options = xla_gpu_flags.compiler_options() if platform.of(mesh.devices.flat[0]) == "gpu" and cfg.xla_gpu_flags \
-        else None
+    options = xla_gpu_flags.accepted(xla_gpu_flags.compiler_options(), mesh.devices.flat[0]) \
+        if platform.of(mesh.devices.flat[0]) == "gpu" and cfg.xla_gpu_flags else None
     batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
     train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule, mesh, strategy,
                                          jax.tree.map(lambda s: s.spec, spec.shardings["params"])), donate_argnums=0,

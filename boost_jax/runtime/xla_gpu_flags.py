@@ -38,7 +38,7 @@ FLAGS = (  # (flag, what it is for)
 )
 MEASURE = (  # worth an A/B run; not applied
     ("--xla_gpu_enable_triton_gemm=false", "cuBLAS for every GEMM: the low-rank GEMMs are skinny and "
-                                           "either may win"),
+                                           "either may win (one H100, 1B steps: 4-6% slower)"),
 )
 # what `pip install jax[cuda13|cuda12]` installs (the plugins register under jax_plugins; older
 # releases shipped top-level modules)
@@ -70,6 +70,48 @@ def compiler_options(environ=os.environ) -> dict:
     also when it is compiled on a host whose backends started without them (runtime/build.py)."""
     _, added = merged(environ.get("XLA_FLAGS", ""))
     return {_name(flag).lstrip("-"): _option_value(flag.split("=", 1)[1]) for flag in added}
+
+
+_ACCEPTED: dict = {}  # (platform, device kind, option names) -> the names this jaxlib's XLA takes
+DROPPED: set = set()  # options some program here was built without (reported once, by warning)
+
+
+def accepted(options: dict, device) -> dict:
+    """`options` less the ones this jaxlib's XLA has no DebugOptions field for. XLA keeps a retired
+    flag parsing in XLA_FLAGS as a no-op, but a per-program option it no longer has fails the compile
+    ("No such compile option: 'xla_gpu_enable_pipelined_all_reduce'", jax 0.11.2). Probed once per
+    device kind and option set by compiling a one-op program for `device` (deviceless devices too;
+    imports jax, unlike the rest of this module). A probe that fails for any other reason keeps them all:
+    the real compile then says what is wrong."""
+    if not options:
+        return options
+    key = (device.platform, device.device_kind, tuple(sorted(options)))
+    if key not in _ACCEPTED:
+        import re
+        import warnings
+
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import SingleDeviceSharding
+
+        keep = dict(options)
+        one = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=SingleDeviceSharding(device))
+        while keep:
+            try:
+                jax.jit(lambda a: a + 1, compiler_options=keep).lower(one).compile()
+                break
+            except Exception as e:  # noqa: BLE001 - only an unknown option is acted on
+                m = re.search(r"No such compile option: '([^']+)'", str(e))
+                if not m or m.group(1) not in keep:
+                    break
+                keep.pop(m.group(1))
+        _ACCEPTED[key] = set(keep)
+        gone = sorted(set(options) - set(keep) - DROPPED)
+        if gone:
+            DROPPED.update(gone)
+            warnings.warn(f"this jaxlib's XLA has no compile option {', '.join(gone)}: GPU steps are built "
+                          f"without (boost_jax/runtime/xla_gpu_flags.py)", stacklevel=2)
+    return {k: v for k, v in options.items() if k in _ACCEPTED[key]}
 
 
 def _found(module: str) -> bool:
