@@ -144,7 +144,7 @@ def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
 
 def test_cli_json_and_one_line_errors(tmp_path, capsys, monkeypatch):
     out = tmp_path / "aot.json"
-    rep = aot.main(["--target", "h100", "--devices", "2", "--config", TINY, "--mesh", "1,1,1,2",
+    rep = aot.main(["--target", "h100", "--devices", "2", "--config", "tiny", "--mesh", "1,1,1,2",  # a name, as train takes
                     "--json", str(out), "--train-only", "--config.train.global_batch=4"])
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
@@ -166,6 +166,7 @@ def test_cli_json_and_one_line_errors(tmp_path, capsys, monkeypatch):
     assert "--mesh 1,1,2,2: 4 devices, but --devices 2" in error(
         ["--target", "h100", "--devices", "2", "--config", TINY, "--mesh", "1,1,2,2"])
     assert "model.n_layres" in error(["--target", "h100", *base, "--config.model.n_layres=3"])
+    assert "--config: no such file cola_8b" in error(["--target", "h100", "--devices", "1", "--config", "cola_8b"])
     # cuDNN refuses a head dim that is not a multiple of 8: named, with the field to change.
     assert "model.attention" in error(["--target", "h100", *base, "--config.model.attention=cudnn",
                                        "--config.model.d_model=48", "--config.model.n_heads=4",

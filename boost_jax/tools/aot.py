@@ -262,8 +262,9 @@ def load(config: str, overrides: list[str]):
     from absl import flags
     from ml_collections import config_flags
 
-    from boost_jax.config import load_config_file
+    from boost_jax.config import config_path, load_config_file
     from boost_jax.errors import ConfigError
+    config = config_path(config)  # a packaged config's name (cola_7b) as `train --config` takes it
     try:
         load_config_file(config, "--config", run_config=True)
     except FileNotFoundError as e:
