@@ -163,3 +163,25 @@ def test_decay_norms_decides_whether_norm_scales_decay():
         new = optax.apply_updates(params, updates)
         assert float(new["layer"]["scale"][0]) == pytest.approx(want)
         assert float(new["layer"]["w"][0]) == pytest.approx(1 - 0.1 * 0.5)
+
+
+@pytest.mark.parametrize("steps,warmup", [(1, 0), (1, 1), (2, 0), (3, 7), (10, 2)])
+def test_lr_schedule_takes_any_steps_and_warmup(steps, warmup):
+    # Linear warmup to the peak, then cosine to the floor by `steps` (a numpy reference); steps 1 with
+    # warmup 0 once failed to build (optax's cosine part got 0 decay steps).
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from boost_jax.runtime.optim import lr_schedule
+    t = SimpleNamespace(lr=3e-3, warmup_steps=warmup, steps=steps, min_lr_ratio=0.1)
+    f = lr_schedule(t)
+    w = max(warmup, 1)
+    total = max(steps, w + 1)
+    for i in range(steps + 2):
+        if i < w:
+            want = t.lr * i / w
+        else:
+            frac = min(i - w, total - w) / (total - w)
+            want = t.lr * 0.1 + (t.lr - t.lr * 0.1) * 0.5 * (1 + np.cos(np.pi * frac))
+        assert abs(float(f(i)) - want) <= 1e-6 * t.lr, (i, float(f(i)), want)

@@ -6,9 +6,10 @@ import optax
 
 
 def lr_schedule(t):
+    warmup = max(int(t.warmup_steps), 1)  # at least one step (warmup 0 with steps 1 left no cosine step)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=max(int(t.warmup_steps), 1),
-        decay_steps=max(int(t.steps), int(t.warmup_steps) + 1), end_value=t.lr * t.min_lr_ratio)
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+        decay_steps=max(int(t.steps), warmup + 1), end_value=t.lr * t.min_lr_ratio)
 
 
 def decay_mask(decay_norms: bool):
