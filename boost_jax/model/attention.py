@@ -644,6 +644,8 @@ class Attention(nnx.Module):
         Without a cache the tokens sit at positions 0..T-1 (RoPE uses `positions`) and `docs`, if
         given, keeps every query inside its document; decoding with a cache ignores it."""
         b, t, _ = x.shape
+        if self.context is not None and self.context.passes_bottleneck and cache is None:
+            return self._bottleneck_ring(x, norm, positions, docs), cache
         q, k, v = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm, route=self.qkv_route)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
@@ -665,5 +667,33 @@ class Attention(nnx.Module):
             out = out.reshape(b, t, self.n_heads * self.head_dim)
         else:
             out = attend(q, k, v, offset=offset, impl=self.impl, docs=docs if cache is None else None)
+        return self._output(out), cache
+
+    def _output(self, out):
         out = constrain(out, ("act_batch", "act_seq", "act_heads"))
-        return project([self.o], out, grouped=False, route=self.o_route)[0], cache
+        return project([self.o], out, grouped=False, route=self.o_route)[0]
+
+    def _bottleneck_ring(self, x, norm, positions, docs):
+        """parallel.context_kv=bottleneck: the context island gets σ(A_k x), σ(A_v x) and B_k, B_v
+        and rebuilds every block's K/V itself (`rebuild_kv`)."""
+        b, t, _ = x.shape
+        q, (hk, bk), (hv, bv) = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm,
+                                        route=self.qkv_route, keep=(self.k, self.v))
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
+        q = constrain(rope(q, positions, self.rope_theta), ("act_batch", "act_seq", "act_heads", None))
+        hk, hv = (constrain(h, ("act_batch", "act_seq", "act_rank")) for h in (hk, hv))
+        rebuild = functools.partial(rebuild_kv, self.head_dim, self.rope_theta)
+        out = self.context.attend_bottleneck(q, hk, hv, (bk, bv), positions, None if docs is None else docs.segments,
+                                             blockwise(self.impl), rebuild)
+        return self._output(out.reshape(b, t, self.n_heads * self.head_dim))
+
+
+def rebuild_kv(head_dim: int, theta: float, weights, hk, hv, positions):
+    """A block's K (with RoPE at `positions`) and V [B, S, KV, D] from its bottleneck activations
+    hk, hv [B, S, r] and the second-stage weights (B_k, B_v) [r, KV * D]: the projections' second
+    stage, as `project` runs it, on the heads the weights hold."""
+    bk, bv = weights
+    b, s, _ = hk.shape
+    k = jnp.einsum("bsr,ro->bso", hk, bk.astype(hk.dtype)).reshape(b, s, -1, head_dim)
+    v = jnp.einsum("bsr,ro->bso", hv, bv.astype(hv.dtype)).reshape(b, s, -1, head_dim)
+    return rope(k, positions, theta), v

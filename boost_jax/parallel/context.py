@@ -216,27 +216,22 @@ _ring_full.defvjp(_ring_full_fwd, _ring_full_bwd)
 
 # ----------------------------------------------------------------------------------- the bottleneck
 
-@dataclasses.dataclass(frozen=True)
-class Rebuild:
-    """How a device turns a block's bottleneck activations into its K and V (the model supplies it:
-    its B's and RoPE): `fn(weights, hk, hv, positions) -> (k, v)`, differentiable in weights, hk, hv."""
-    fn: object
-
-
-def _rebuilders(rebuild: Rebuild, weights, positions, width: int):
-    """(rebuild(kv, j), rebuild_vjp(kv, j, dk, dv)) for the ring, and a cell where rebuild_vjp sums
-    the weights' gradient (the ring's backward runs in one trace, so a list serves)."""
+def _rebuilders(rebuild, weights, positions, width: int):
+    """(build(kv, j), build_vjp(kv, j, dk, dv), grads) for the ring: device j's K/V from the bottleneck
+    activations it passed, `rebuild(weights, hk, hv, positions) -> (k, v)` (the model's B's and RoPE)
+    at its positions, and the vjp of that, which appends the weights' gradient to `grads` (the ring's
+    backward runs in one trace, so a list collects them)."""
     grads = []
 
     def pos(j):
         return jax.lax.dynamic_slice_in_dim(positions, j * width, width, axis=1)
 
     def build(kv, j):
-        return rebuild.fn(weights, kv[0], kv[1], pos(j))
+        return rebuild(weights, kv[0], kv[1], pos(j))
 
     def build_vjp(kv, j, dk, dv):
-        _, vjp = jax.vjp(lambda w, hk, hv: rebuild.fn(w, hk, hv, pos(j)), weights, kv[0], kv[1])
-        dw, dhk, dhv = vjp((dk.astype(kv[0].dtype), dv.astype(kv[0].dtype)))
+        _, vjp = jax.vjp(lambda w, hk, hv: rebuild(w, hk, hv, pos(j)), weights, kv[0], kv[1])
+        dw, dhk, dhv = vjp((dk.astype(kv[0].dtype), dv.astype(kv[1].dtype)))
         grads.append(dw)
         return dhk.astype(jnp.float32), dhv.astype(jnp.float32)
 
@@ -260,19 +255,13 @@ def _ring_bottleneck_bwd(blocks, n, rebuild, res, dout):
     q, hk, hv, weights, positions, seg, out, lse = res
     build, build_vjp, grads = _rebuilders(rebuild, weights, positions, q.shape[1])
     dq, (dhk, dhv) = _ring_backward(blocks, n, q, (hk, hv), seg, out, lse, dout, build, build_vjp)
+    # The weights' gradient summed over this device's blocks; the island's transpose sums it over the
+    # devices the weights are replicated on (`context`, the batch axes).
     dw = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), grads)
-    # The weights are the same on every context device (and batch replica): their gradient is the sum
-    # over the devices whose tokens used them (autodiff's rule for a replicated operand).
-    dw = jax.tree.map(lambda g, w: jax.lax.psum(g, _spread(g, w)), dw, weights)
     return dq.astype(q.dtype), dhk.astype(hk.dtype), dhv.astype(hv.dtype), dw, None, None
 
 
 _ring_bottleneck.defvjp(_ring_bottleneck_fwd, _ring_bottleneck_bwd)
-
-
-def _spread(g, w) -> tuple:
-    """The manual axes the gradient g varies over and its weight w does not."""
-    return tuple(sorted(rules._varying(g) - rules._varying(w)))
 
 
 # ------------------------------------------------------------------------------------- all_gather
@@ -297,13 +286,26 @@ def _one_block_bwd(blocks, res, dout):
 _one_block.defvjp(_one_block_fwd, _one_block_bwd)
 
 
+def _whole(x, n: int):
+    """The whole row of a sequence-split x, gathered over `context`, in natural order."""
+    return unlayout(jax.lax.all_gather(x, AXIS, axis=1, tiled=True), n)
+
+
 def _gathered(blocks, n, q, k, v, seg):
     """K/V gathered over `context` (in natural order); each local chunk attends to the keys before it."""
+    return _attend_whole(blocks, n, q, _whole(k, n), _whole(v, n), seg)
+
+
+def _gathered_bottleneck(blocks, n, rebuild, q, hk, hv, weights, positions, seg):
+    """The bottleneck activations gathered over `context`, the whole row's K/V rebuilt from them."""
+    k_all, v_all = rebuild(weights, _whole(hk, n), _whole(hv, n), unlayout(positions, n))
+    return _attend_whole(blocks, n, q, k_all, v_all, seg)
+
+
+def _attend_whole(blocks, n, q, k_all, v_all, seg):
     c = jax.lax.axis_index(AXIS)
     w = q.shape[1]
     half = w // 2
-    whole = lambda x: unlayout(jax.lax.all_gather(x, AXIS, axis=1, tiled=True), n)  # noqa: E731
-    k_all, v_all = whole(k), whole(v)
     k_seg = None if seg is None else unlayout(seg, n)
     q_seg = _segs(seg, c, w)
     outs = [_one_block(blocks, _half(q, i, half), k_all, v_all, chunk * half, _half(q_seg, i, half), k_seg)
@@ -354,3 +356,92 @@ class Context:
                                  in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)(q, k, v)
         return jax.shard_map(local, mesh=self.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
                              check_vma=False)(q, k, v, segments)
+
+    def attend_bottleneck(self, q, hk, hv, weights, positions, segments, blocks, rebuild):
+        """`attend` with K/V given as their bottleneck activations hk, hv [B, T, r] (split over
+        `context` along T, whole along r), `weights` (B_k, B_v) in their compute layout [r, kv_dim]
+        and `rebuild(weights, hk, hv, positions) -> (k, v)` (per block, on each device's own heads);
+        `positions`: int32 [B, T] in layout order (RoPE of every block)."""
+        q_spec, _, row_spec = self._specs(q, q)
+        h_spec = rules.logical_spec(("act_batch", "act_seq", "act_rank"), hk.shape)
+        mesh, strategy = rules.current()
+        w_specs = tuple(rules.spec_for(("rank", "kv_heads"), w.shape, mesh, strategy.compute_rules) for w in weights)
+        run = _ring_bottleneck if self.strategy.context_attention == "ring" else _gathered_bottleneck
+        local = functools.partial(run, blocks, self.size, rebuild)
+        specs = (q_spec, h_spec, h_spec, w_specs, row_spec)
+        if segments is None:
+            return jax.shard_map(lambda *a: local(*a, None), mesh=self.mesh, in_specs=specs, out_specs=q_spec,
+                                 check_vma=False)(q, hk, hv, tuple(weights), positions)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=specs + (row_spec,), out_specs=q_spec,
+                             check_vma=False)(q, hk, hv, tuple(weights), positions, segments)
+
+
+# ------------------------------------------------------------------------------------------ traffic
+
+def traffic(cfg) -> dict:
+    """The context exchange of one optimizer step per device, by formula, from a run config (remat
+    policy none: a policy that recomputes attention runs its forward exchange again):
+
+    {"context": C, "attention": ring | all_gather, "kv": full | bottleneck,
+     "width": elements per token per array that moves (kv_heads/tensor x head_dim, or the rank r),
+     "per_layer": {"forward" | "backward": {kind: {"count", "elements"}}} per micro-batch,
+     "step": {kind: {"count", "elements"}}: every layer (of this device's pipeline stage) and
+     micro-batch (pipelined: every tick, bubbles included),
+     "memory": {"kv_block_bytes": one (K, V) block pair at the compute dtype (the ring holds two),
+                "gathered_kv_bytes_per_layer": all_gather's whole-row K/V kept for the backward,
+                "activation_fraction": 1/C, the share of the sequence each device holds}}
+
+    ring: per layer the forward sends the (K, V) block C-1 times, the backward C-1 times again and
+    its gradient accumulators (float32) C times: 2(C-1) and 2(C-1) + 2C collective-permutes of
+    rows x T/C x width elements. all_gather: 2 all-gathers forward, 2 reduce-scatters backward, of
+    rows x T x width elements (the gathered size). The weights' gradients are also reduced over
+    `context` (like over `data`), not counted here. Empty when C = 1."""
+    from boost_jax.parallel.mesh import split_by_tensor
+    from boost_jax.parallel.strategies import get_strategy
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    c = int(p.context)
+    if c <= 1:
+        return {}
+    tensor = max(int(p.tensor), 1)
+    head_dim = int(m.d_model) // int(m.n_heads)
+    kv_heads = int(m.n_kv_heads)
+    if "act_kv_heads" in split_by_tensor(get_strategy(p).rules) and kv_heads % tensor == 0:
+        kv_heads //= tensor
+    bottleneck = p.context_kv == "bottleneck"
+    width = int(m.rank) if bottleneck else kv_heads * head_dim
+    stages = max(int(p.pipeline), 1)
+    micro = int(t.global_batch) // int(t.grad_accum)
+    rows = micro // (max(int(p.data), 1) * max(int(p.fsdp), 1))  # this device's rows of a micro-batch
+    passes = int(t.grad_accum)
+    if stages > 1:  # every tick of the schedule runs the stage on 1/M of the rows, bubbles included
+        from boost_jax.parallel.pipeline import ticks
+        chunks = int(p.microbatches) or 2 * stages
+        repeats = int(p.pipeline_repeats) if p.pipeline_schedule == "circular" else 1
+        passes *= ticks(stages, chunks, repeats) * repeats / (chunks * repeats)
+        layers = int(m.n_layers) // stages
+    else:
+        layers = int(m.n_layers)
+    seq = int(t.seq_len)
+    if p.context_attention == "ring":
+        block = rows * seq // c * width
+        per_layer = {"forward": {"collective-permute": {"count": 2 * (c - 1), "elements": 2 * (c - 1) * block}},
+                     "backward": {"collective-permute": {"count": 4 * c - 2, "elements": (4 * c - 2) * block}}}
+    else:
+        whole = rows * seq * width
+        per_layer = {"forward": {"all-gather": {"count": 2, "elements": 2 * whole}},
+                     "backward": {"reduce-scatter": {"count": 2, "elements": 2 * whole}}}
+    step: dict = {}
+    for direction in per_layer.values():
+        for kind, v in direction.items():
+            slot = step.setdefault(kind, {"count": 0, "elements": 0})
+            slot["count"] += v["count"] * layers * passes
+            slot["elements"] += v["elements"] * layers * passes
+    step = {k: {f: int(round(x)) for f, x in v.items()} for k, v in step.items()}
+    act = 2 if m.dtype in ("bfloat16", "float16", "auto") else 4  # auto: bf16 on accelerators
+    pair = 2 * rows * seq // c * width * act
+    return {"context": c, "attention": str(p.context_attention), "kv": str(p.context_kv), "width": width,
+            "per_layer": per_layer, "step": step,
+            "memory": {"kv_block_bytes": pair if p.context_attention == "ring" else 0,
+                       "gathered_kv_bytes_per_layer": 0 if p.context_attention == "ring" else pair * c,
+                       "activation_fraction": 1 / c}}
