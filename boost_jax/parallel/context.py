@@ -15,8 +15,8 @@ Attention is the one place tokens meet, run here in a `shard_map` island over th
 (boost_jax/model/attention.py `Blockwise`: a query block against a key block with its log-sum-exp):
 
 - ring (`parallel.context_attention=ring`): each device keeps its queries and passes its K/V block
-  around the ring of C devices (one collective-permute per step, C-1 steps); the partial results are
-  merged with an online softmax (out, log-sum-exp). Step 0 is the device's own block, causal in local
+  around the ring of C devices (K and V in one collective-permute per step, C-1 steps); the partial
+  results are merged with an online softmax (out, log-sum-exp). Step 0 is the device's own block, causal in local
   order (chunk c precedes chunk 2C-1-c). At step s the block of device j = c - s arrives: if j < c its
   first chunk lies before both of ours and its second after both (only the first is visited, by both
   our chunks), else only our second chunk sees it, and all of it: the fully masked half of every block
@@ -24,7 +24,7 @@ Attention is the one place tokens meet, run here in a `shard_map` island over th
   block is issued before the current block's attention, so the two can overlap (XLA's async
   collective-permute start/done around the block's fusions on GPU). The backward runs the ring again
   with the merged out / log-sum-exp (FlashAttention-2's backward: the blocks' gradients add up); each
-  block's dK/dV accumulator travels with it and goes home after the last step.
+  step's dK/dV of the block it holds goes straight back to the block's device (one permute by -s).
 - all_gather (`parallel.context_attention=all_gather`): K/V gathered over `context` once per layer
   (MaxText's default), each of the two local chunks attending to the keys before it (the
   implementation skips the key blocks above the diagonal); the backward reduce-scatters dK/dV.
@@ -86,9 +86,19 @@ def unlayout(x, c: int, axis: int = 1):
 
 # --------------------------------------------------------------------------------------- the ring
 
-def _send(x, n: int):
-    """x to the next device of the context ring (device i -> i+1): one collective-permute per array."""
-    return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % n) for i in range(n)])
+def _send(x, n: int, shift: int = 1):
+    """x to the device `shift` places on along the context ring (device i -> i + shift): one
+    collective-permute per array."""
+    return jax.lax.ppermute(x, AXIS, [(i, (i + shift) % n) for i in range(n)])
+
+
+def _pack(pair, reverse: bool = False):
+    """(a, b) of one shape as one array [2, ...] (one collective-permute moves both)."""
+    return jnp.stack(pair[::-1] if reverse else pair)
+
+
+def _unpack(x, reverse: bool = False):
+    return (x[1], x[0]) if reverse else (x[0], x[1])
 
 
 def _segs(seg, j, width: int):
@@ -143,15 +153,16 @@ def _ring_forward(blocks, n, q, kv, seg, rebuild):
     c = jax.lax.axis_index(AXIS)
     w = q.shape[1]
     q_seg = _segs(seg, c, w)
+    kv = _pack(kv)
     nxt = _send(kv, n) if n > 1 else None  # step 1's block, in flight during step 0
-    k, v = rebuild(kv, c)
+    k, v = rebuild(_unpack(kv), c)
     out, lse = blocks.fwd(q, k, v, 0, q_seg, None)  # our own chunks: causal in local order
     for s in _ring_steps(n):
         cur = nxt
         if s + 1 < n:
             nxt = _send(cur, n)  # the next block moves while this one is computed
         j = (c - s) % n
-        k, v = rebuild(cur, j)
+        k, v = rebuild(_unpack(cur), j)
         o_p, lse_p = jax.lax.cond(j < c, functools.partial(_block_fwd, blocks, earlier=True),
                                   functools.partial(_block_fwd, blocks, earlier=False), q, k, v, q_seg, _segs(seg, j, w))
         out, lse = _merge(out, lse, o_p, lse_p)
@@ -159,13 +170,19 @@ def _ring_forward(blocks, n, q, kv, seg, rebuild):
 
 
 def _ring_backward(blocks, n, q, kv, seg, out, lse, dout, rebuild, rebuild_vjp):
-    """(dq, d(kv)) float32: the ring again, each block's gradient accumulator travelling with it and
-    sent home after the last step. `rebuild_vjp(kv, j, dk, dv)` turns a block's dK/dV into the
-    gradient of what travels (and accumulates any weight gradient itself)."""
+    """(dq, d(kv)) float32: the ring again; each step's gradient of the block it holds is sent straight
+    back to the block's device (device c - s at step s: one permute, independent of the later steps,
+    so it overlaps them; a gradient accumulator travelling with its block instead would chain every
+    step's send to the last). `rebuild_vjp(kv, j, dk, dv)` turns a block's dK/dV into the gradient of
+    what travels (and accumulates any weight gradient itself)."""
     c = jax.lax.axis_index(AXIS)
     w = q.shape[1]
     q_seg = _segs(seg, c, w)
-    nxt = _send(kv, n) if n > 1 else None
+    # Packed the other way round: XLA must not merge these sends with the forward's where both land
+    # in one computation (layers unrolled), which would keep every received block alive until the
+    # backward.
+    packed = _pack(kv, reverse=True)
+    nxt = _send(packed, n) if n > 1 else None
     k, v = rebuild(kv, c)
     dq, dk, dv = blocks.bwd(q, k, v, out, lse, dout, 0, q_seg, None)
     acc = rebuild_vjp(kv, c, dk, dv)
@@ -173,16 +190,15 @@ def _ring_backward(blocks, n, q, kv, seg, out, lse, dout, rebuild, rebuild_vjp):
         cur = nxt
         if s + 1 < n:
             nxt = _send(cur, n)
-        acc = _send(acc, n)  # block c - s's gradient so far, from the device that held it last
         j = (c - s) % n
+        cur = _unpack(cur, reverse=True)
         k, v = rebuild(cur, j)
         dq_p, dk_p, dv_p = jax.lax.cond(
             j < c, functools.partial(_block_bwd, blocks, earlier=True), functools.partial(_block_bwd, blocks, earlier=False),
             q, k, v, out, lse, dout, q_seg, _segs(seg, j, w))
         dq = dq + dq_p
-        acc = jax.tree.map(jnp.add, acc, rebuild_vjp(cur, j, dk_p, dv_p))
-    if n > 1:
-        acc = _send(acc, n)  # home: after step n-1 device c holds block c+1's
+        # Block j's share, home to device j = c - s; what arrives is ours from device c + s.
+        acc = jax.tree.map(jnp.add, acc, _unpack(_send(_pack(rebuild_vjp(cur, j, dk_p, dv_p)), n, -s)))
     return dq, acc
 
 
@@ -392,8 +408,8 @@ def traffic(cfg) -> dict:
                 "activation_fraction": 1/C, the share of the sequence each device holds}}
 
     ring: per layer the forward sends the (K, V) block C-1 times, the backward C-1 times again and
-    its gradient accumulators (float32) C times: 2(C-1) and 2(C-1) + 2C collective-permutes of
-    rows x T/C x width elements. all_gather: 2 all-gathers forward, 2 reduce-scatters backward, of
+    their gradients (float32) C-1 times, K and V in one collective-permute: C-1 and 2(C-1)
+    collective-permutes of 2 x rows x T/C x width elements. all_gather: 2 all-gathers forward, 2 reduce-scatters backward, of
     rows x T x width elements (the gathered size). The weights' gradients are also reduced over
     `context` (like over `data`), not counted here. Empty when C = 1."""
     from boost_jax.parallel.mesh import split_by_tensor
@@ -418,15 +434,15 @@ def traffic(cfg) -> dict:
         from boost_jax.parallel.pipeline import ticks
         chunks = int(p.microbatches) or 2 * stages
         repeats = int(p.pipeline_repeats) if p.pipeline_schedule == "circular" else 1
-        passes *= ticks(stages, chunks, repeats) * repeats / (chunks * repeats)
+        passes *= ticks(stages, chunks, repeats) / (chunks * repeats)  # x L/(S V) layers per tick
         layers = int(m.n_layers) // stages
     else:
         layers = int(m.n_layers)
     seq = int(t.seq_len)
     if p.context_attention == "ring":
         block = rows * seq // c * width
-        per_layer = {"forward": {"collective-permute": {"count": 2 * (c - 1), "elements": 2 * (c - 1) * block}},
-                     "backward": {"collective-permute": {"count": 4 * c - 2, "elements": (4 * c - 2) * block}}}
+        per_layer = {"forward": {"collective-permute": {"count": c - 1, "elements": 2 * (c - 1) * block}},
+                     "backward": {"collective-permute": {"count": 2 * (c - 1), "elements": 4 * (c - 1) * block}}}
     else:
         whole = rows * seq * width
         per_layer = {"forward": {"all-gather": {"count": 2, "elements": 2 * whole}},
