@@ -235,3 +235,22 @@ def test_ring_permutes_overlap_the_block_compute_on_h100(make_config):
     assert len(overlapped) >= 3 * (4 - 1), overlapped  # forward and backward sends of both layers
     assert sum(f for _, f in overlapped) >= len(overlapped) // 2, overlapped
     assert any(cond for cond, _ in overlapped), overlapped  # a block's attention runs while its successor moves
+
+
+def test_context_memory_benchmark_smoke(tmp_path):
+    """benchmarks/context_memory.py at a small shape: rows for C = 1 and 2, the exchange for C = 2."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "context_memory.py"
+    spec = importlib.util.spec_from_file_location("context_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "cm.json"
+    bench.main(["--models", "cola_60m", "--seqs", "64", "--contexts", "1,2", "--layers", "1", "--targets", "cpu",
+                "--json", str(out), "--markdown", str(tmp_path / "cm.md")])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["context"] for r in rows] == [1, 2] and all(r["temp_bytes"] > 0 for r in rows)
+    ring = rows[1]["exchange"]
+    assert ring["ring/bottleneck"]["collective-permute"] * 512 == ring["ring/full"]["collective-permute"] * 128
+    assert "| cola_60m | 64 | 2 | cpu |" in (tmp_path / "cm.md").read_text()
