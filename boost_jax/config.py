@@ -23,6 +23,8 @@ PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
+CONTEXT_ATTENTION = ("ring", "all_gather")  # parallel.context_attention (boost_jax/parallel/context.py)
+CONTEXT_KV = ("full", "bottleneck")  # parallel.context_kv
 BATCHINGS = ("stream", "packed", "document")  # data.batching (boost_jax/data/loader.py)
 SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
 
@@ -158,6 +160,15 @@ def base_config() -> ml_collections.ConfigDict:
     p.data = -1  # data-parallel replicas; one mesh axis may be -1 (all remaining devices)
     p.fsdp = 1  # parameters, gradients and optimizer state sharded over this axis (ZeRO-3)
     p.tensor = 1  # tensor parallelism: each projection split over this axis by parallel.strategy
+    # Context parallelism: the sequence split over this axis (between fsdp and tensor), each device
+    # holding chunks i and 2C-1-i of 2C (causal load balance); train.seq_len must split into 2C chunks.
+    p.context = 1
+    # ring: K/V passed around the context ring (collective-permutes, online softmax, masked blocks
+    # skipped); all_gather: K/V gathered over `context` once per layer (best at small C).
+    p.context_attention = "ring"
+    # full: the ring passes K and V; bottleneck (low-rank kinds, btp/megatron): it passes the r-wide
+    # σ(A_k x), σ(A_v x) and every device rebuilds each block's K/V with its B's (2r vs 2 kv_dim per token).
+    p.context_kv = "full"
     p.strategy = "btp"  # btp | vanilla | megatron (how the tensor axis splits the model)
     # The gradient all-reduce over `data`: once per optimizer step (whatever train.grad_accum is), in
     # this dtype (float32 | bfloat16); over `fsdp` gradients are reduce-scattered per micro-batch.
@@ -399,8 +410,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check(t.eval_tokens >= 0, "train.eval_tokens", "must be >= 0 (0: train.eval_batches batches)")
     check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
           f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
-    sizes = [p.pipeline, p.data, p.fsdp, p.tensor]
-    check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/tensor may be -1")
+    sizes = [p.pipeline, p.data, p.fsdp, p.context, p.tensor]
+    check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/context/tensor may be -1")
+    check(p.context_attention in CONTEXT_ATTENTION, "parallel.context_attention",
+          f"{p.context_attention!r} is not one of {CONTEXT_ATTENTION}")
+    check(p.context_kv in CONTEXT_KV, "parallel.context_kv", f"{p.context_kv!r} is not one of {CONTEXT_KV}")
     check(p.microbatches >= 0, "parallel.microbatches", "must be >= 0 (0: two per pipeline stage)")
     check(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
           f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
@@ -410,7 +424,7 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check(p.pipeline_schedule == "gpipe" or p.pipeline != 1, "parallel.pipeline_schedule",
           f"{p.pipeline_schedule} interleaves layer chunks over pipeline stages, but parallel.pipeline=1; set "
           "parallel.pipeline > 1 or parallel.pipeline_schedule=gpipe")
-    for name in ("pipeline", "data", "fsdp", "tensor"):
+    for name in ("pipeline", "data", "fsdp", "context", "tensor"):
         check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
     return c
 

@@ -40,6 +40,7 @@ def validate(c):
     _one_of(c.kernels.rmsnorm, rmsnorm.IMPLS, "kernels.rmsnorm")
     strategies.st_groups(p.linear_partition)
     _check_documents(c, attention)
+    _check_context(c, attention, kinds)
     if c.data.source != "embedded":
         for field, spec in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path)):
             try:
@@ -61,6 +62,27 @@ def _check_documents(c, attention) -> None:
           f"{tuple(n for n in attention.names() if ok(n))}")
 
 
+def _check_context(c, attention, kinds) -> None:
+    """parallel.context > 1: an attention implementation with a block form; the bottleneck ring needs
+    a factored kind whose projections are B·σ(A x) alone, and B's that keep whole heads."""
+    p = c.parallel
+    if p.context == 1:
+        return
+    check(attention.takes_context(c.model.attention), "model.attention",
+          f"{c.model.attention} cannot run with the sequence split over parallel.context={p.context}; use one of "
+          f"{tuple(n for n in attention.names() if attention.takes_context(n))}")
+    if p.context_kv != "bottleneck":
+        return
+    kind = kinds.kind_class(c.model.linear)
+    check(kind.factored and not kind.has_extra, "parallel.context_kv",
+          f"bottleneck passes the r-wide σ(A x) of a factored projection, but model.linear={c.model.linear} "
+          + ("has no bottleneck" if not kind.factored else "adds a full-width term (S·x) to it")
+          + "; use parallel.context_kv=full")
+    check(p.strategy in ("btp", "megatron"), "parallel.context_kv",
+          f"bottleneck rebuilds K/V with each device's B's, which parallel.strategy={p.strategy} splits along the "
+          "rank; use parallel.strategy btp or megatron, or parallel.context_kv=full")
+
+
 def check_mesh(cfg, mesh) -> None:
     """What `mesh` must divide for this model under cfg's strategy: every logical axis the strategy
     splits over `tensor` (its rule table) in whole units (the model's and its kind's axes), the
@@ -79,3 +101,4 @@ def check_mesh(cfg, mesh) -> None:
             widths["model.rank"] = int(m.rank)
         mesh_lib.check_grid(sizes, widths)
     mesh_lib.check_batch(cfg, sizes)
+    mesh_lib.check_context(cfg, sizes)

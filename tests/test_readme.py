@@ -46,6 +46,10 @@ COMMANDS = {
     "python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 "
     "--strategy btp,vanilla,megatron": "tool",
     "python -m boost_jax.tools.shardings --config configs/cola_1b.py --mesh 1,1,8 --strategy btp": "tool",
+    "python -m boost_jax.train --config.parallel.context=2 --config.parallel.tensor=2 --config.parallel.data=2":
+        "compile",
+    "python -m boost_jax.tools.comm_report --config configs/tiny.py --mesh 1,1,1,2,2 --strategy btp --batch 4 "
+    "--seq 64 --no-memory": "test_context.py::test_comm_report_cli_shows_the_context_exchange",
     "launch/local_multiprocess.sh 2 --config.parallel.data=2 --config.parallel.tensor=4": "compile",
     "sbatch --nodes=4 launch/slurm/train.sbatch configs/cola_1b.py --config.data.path=...": "compile",
     "python -m boost_jax.evaluate --checkpoint runs/tiny": "tiny",

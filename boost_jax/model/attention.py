@@ -76,16 +76,33 @@ _WARNED: set = set()  # the notices `resolve` gave once already
 
 
 @dataclasses.dataclass(frozen=True)
+class Blockwise:
+    """One query block against one key block, with the block's log-sum-exp: what context parallelism
+    (boost_jax/parallel/context.py) merges with an online softmax. Query t sits at `offset + t`, key s
+    at s (causal, as `attend`); q_seg / k_seg: segment ids [B, Tq] / [B, Tk] of documents (None: no
+    documents; k_seg None: the keys are the queries' own positions).
+
+    fwd(q, k, v, offset, q_seg, k_seg) -> (out float32 [B, Tq, H, D], lse float32 [B, Tq, H]);
+    bwd(q, k, v, out, lse, dout, offset, q_seg, k_seg) -> (dq, dk, dv) float32, given the out and lse
+    merged over every key block (FlashAttention-2's backward: the blocks' gradients then add up)."""
+    fwd: Callable
+    bwd: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class Implementation:
     fn: Callable  # fn(q, k, v, offset) -> out [B, T, H, Dh]
     cost: str  # one of COST_CLASSES
     fused: bool = False  # a fused kernel taking offset 0 only: decode steps (a traced offset) run `chunked`
     documents: tuple = ()  # the DOCUMENT_KINDS it masks by (then fn takes `docs=`)
+    blockwise: Blockwise | None = None  # its block form: what runs under context parallelism
 
 
-def implementation(name: str, *, cost: str, fused: bool = False, documents: tuple = ()):
+def implementation(name: str, *, cost: str, fused: bool = False, documents: tuple = (),
+                   blockwise: Blockwise | None = None):
     """Register `fn(q, k, v, offset)` as `model.attention=name`, priced by the planner as `cost`; with
-    `documents` (DOCUMENT_KINDS it reads) it also takes `fn(q, k, v, offset, docs=Documents)`."""
+    `documents` (DOCUMENT_KINDS it reads) it also takes `fn(q, k, v, offset, docs=Documents)`; with
+    `blockwise` it runs under context parallelism (`parallel.context` > 1)."""
     if cost not in COST_CLASSES:
         raise ValueError(f"attention implementation {name!r}: cost {cost!r} is not one of {COST_CLASSES}")
     documents = tuple(documents)
@@ -93,7 +110,7 @@ def implementation(name: str, *, cost: str, fused: bool = False, documents: tupl
         raise ValueError(f"attention implementation {name!r}: documents {documents} are not among {DOCUMENT_KINDS}")
 
     def register(fn):
-        IMPLEMENTATIONS[name] = Implementation(fn, cost, fused, documents)
+        IMPLEMENTATIONS[name] = Implementation(fn, cost, fused, documents, blockwise)
         return fn
 
     return register
@@ -107,6 +124,21 @@ def names() -> tuple[str, ...]:
 def cost_class(name: str) -> str:
     """How the planner prices implementation `name` (not `auto`: resolve it first)."""
     return IMPLEMENTATIONS[name].cost
+
+
+def takes_context(name: str) -> bool:
+    """Whether `model.attention=name` runs with the sequence split over `context` (it has a block
+    form). `auto` runs chunked there."""
+    return name == "auto" or (name in IMPLEMENTATIONS and IMPLEMENTATIONS[name].blockwise is not None)
+
+
+def blockwise(name: str) -> Blockwise:
+    """The block form `model.attention=name` runs under context parallelism (`auto`: chunked's)."""
+    if not takes_context(name):
+        able = ", ".join(n for n in names() if takes_context(n))
+        raise ConfigError(f"config field `model.attention`: {name} cannot run with the sequence split over "
+                          f"parallel.context; set model.attention to one of {able}")
+    return IMPLEMENTATIONS["chunked" if name == "auto" else name].blockwise
 
 
 def takes_documents(name: str, kind: str) -> bool:
@@ -126,6 +158,9 @@ class Documents:
     first_key: jax.Array  # int32 [T]: min over rows of the first position of t's document (block skipping)
     last_query: jax.Array  # int32 [T]: max over rows of the last position of t's document
     lengths: jax.Array | None = None  # int32 [B]: only when every row is one document, then padding
+    # int32 [B, S]: the keys' segment ids when the keys are other positions than the queries (a block
+    # of another device's keys under context parallelism); None: the keys are the queries' positions.
+    key_segments: jax.Array | None = None
 
     @classmethod
     def packed(cls, segments) -> Documents:
@@ -303,18 +338,19 @@ def _document_bounds(docs, bq, nq, bk, nk):
     """(first key block of every query block [nq], end of the query blocks of every key block [nk]):
     outside them every key lies in another document than every query, in every row. Causality bounds
     the other side."""
-    t = docs.first_key.shape[0]
-    first = _pad_to(docs.first_key, 0, nq * bq).at[t:].set(t).reshape(nq, bq).min(1) // bk
-    last = _pad_to(docs.last_query, 0, nk * bk).at[t:].set(-1).reshape(nk, bk).max(1)
+    t, s = docs.first_key.shape[0], docs.last_query.shape[0]
+    first = _pad_to(docs.first_key, 0, nq * bq).at[t:].set(s).reshape(nq, bq).min(1) // bk
+    last = _pad_to(docs.last_query, 0, nk * bk).at[s:].set(-1).reshape(nk, bk).max(1)
     return first, jnp.minimum(last // bq + 1, nq)
 
 
 def _segment_blocks(docs, bq, nq, bk, nk):
     """Segment ids by block: queries [nq, B, bq], keys [nk, B, bk] (padding: id 0, hidden by s_len)."""
     seg = docs.segments
+    keys = seg if docs.key_segments is None else docs.key_segments
     b = seg.shape[0]
     return (_pad_to(seg, 1, nq * bq).reshape(b, nq, bq).transpose(1, 0, 2),
-            _pad_to(seg, 1, nk * bk).reshape(b, nk, bk).transpose(1, 0, 2))
+            _pad_to(keys, 1, nk * bk).reshape(b, nk, bk).transpose(1, 0, 2))
 
 
 def _layout(q, k, v, block):
@@ -334,8 +370,8 @@ def _unlayout_q(x, q_shape):
     return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, kv * g, dh)[:, :q_shape[1]]
 
 
-def _chunked_fwd(q, k, v, offset, docs, block):
-    """(out [B,T,H,D] in q.dtype, lse [nq, B, KV, G, bq] float32)."""
+def _chunked_fwd(q, k, v, offset, docs, block, out_dtype=None):
+    """(out [B,T,H,D] in `out_dtype` (default q.dtype), lse [nq, B, KV, G, bq] float32)."""
     qb, kb, vb, (bq, nq, bk, nk) = _layout(q, k, v, block)
     scale = q.shape[-1] ** -0.5
     s_len = k.shape[1]
@@ -361,13 +397,14 @@ def _chunked_fwd(q, k, v, offset, docs, block):
         init = (stats, jnp.zeros_like(stats), jnp.zeros(qi.shape, jnp.float32))
         start = 0 if docs is None else first_k[i]
         m, l, acc = jax.lax.fori_loop(start, _n_visible_k_blocks(i, bq, bk, offset, nk), k_block, init)
-        return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
+        return (acc / l[..., None]).astype(out_dtype or q.dtype), m + jnp.log(l)
 
     out, lse = jax.lax.map(q_block, jnp.arange(nq))
     return _unlayout_q(out, q.shape), lse
 
 
-def _chunked_bwd(q, k, v, out, lse, dout, offset, docs, block):
+def _chunked_bwd(q, k, v, out, lse, dout, offset, docs, block, wide: bool = False):
+    """(dq, dk, dv) in q's and k's dtypes, or float32 when `wide`."""
     qb, kb, vb, (bq, nq, bk, nk) = _layout(q, k, v, block)
     ob, dob = (_layout(x, k, v, block)[0] for x in (out, dout))
     scale = q.shape[-1] ** -0.5
@@ -406,10 +443,11 @@ def _chunked_bwd(q, k, v, out, lse, dout, offset, docs, block):
         stop = nq if docs is None else end_q[j]
         return jax.lax.fori_loop(_first_visible_q_block(j, bq, bk, offset), stop, q_block, (zeros, zeros))
 
-    dq = _unlayout_q(jax.lax.map(dq_block, jnp.arange(nq)), q.shape).astype(q.dtype)
+    dq = _unlayout_q(jax.lax.map(dq_block, jnp.arange(nq)), q.shape).astype(jnp.float32 if wide else q.dtype)
     dk, dv = jax.lax.map(dkv_block, jnp.arange(nk))
     b, s, kv, dh = k.shape
-    unk = lambda x: x.transpose(1, 0, 3, 2, 4).reshape(b, nk * bk, kv, dh)[:, :s].astype(k.dtype)  # noqa: E731
+    k_dtype = jnp.float32 if wide else k.dtype
+    unk = lambda x: x.transpose(1, 0, 3, 2, 4).reshape(b, nk * bk, kv, dh)[:, :s].astype(k_dtype)  # noqa: E731
     return dq, unk(dk), unk(dv)
 
 
@@ -433,7 +471,44 @@ def _chunked_vjp_bwd(block, res, dout):
 _chunked.defvjp(_chunked_vjp_fwd, _chunked_vjp_bwd)
 
 
-@implementation("chunked", cost="chunked", documents=("segments", "lengths"))
+def _pair_documents(q_seg, k_seg):
+    """The Documents of a query block against a key block (see `Blockwise`): the keys' own segment
+    ids when they are other positions, whose spans are unknown here (no document block skipping)."""
+    if q_seg is None:
+        return None
+    if k_seg is None:
+        return Documents.packed(q_seg)
+    tq, tk = q_seg.shape[1], k_seg.shape[1]
+    return Documents(q_seg, jnp.zeros((tq,), jnp.int32), jnp.full((tk,), tq - 1, jnp.int32),
+                     key_segments=jnp.asarray(k_seg, jnp.int32))
+
+
+def _lse_rows(lse, b: int, t: int):
+    """chunked's lse [nq, B, KV, G, bq] -> [B, T, H]."""
+    nq, _, kv, g, bq = lse.shape
+    return lse.transpose(1, 0, 4, 2, 3).reshape(b, nq * bq, kv * g)[:, :t]
+
+
+def _lse_blocks(lse, kv: int, block: int):
+    """[B, T, H] -> chunked's lse layout [nq, B, KV, G, bq] (padded rows: 0, their dO is 0)."""
+    b, t, h = lse.shape
+    bq, nq = _blocks(t, block)
+    return _pad_to(lse, 1, nq * bq).reshape(b, nq, bq, kv, h // kv).transpose(1, 0, 3, 4, 2)
+
+
+def _chunked_block_fwd(q, k, v, offset, q_seg, k_seg):
+    out, lse = _chunked_fwd(q, k, v, jnp.asarray(offset, jnp.int32), _pair_documents(q_seg, k_seg), CHUNK,
+                            jnp.float32)
+    return out, _lse_rows(lse, q.shape[0], q.shape[1])
+
+
+def _chunked_block_bwd(q, k, v, out, lse, dout, offset, q_seg, k_seg):
+    return _chunked_bwd(q, k, v, out, _lse_blocks(lse, k.shape[2], CHUNK), dout, jnp.asarray(offset, jnp.int32),
+                        _pair_documents(q_seg, k_seg), CHUNK, wide=True)
+
+
+@implementation("chunked", cost="chunked", documents=("segments", "lengths"),
+                blockwise=Blockwise(_chunked_block_fwd, _chunked_block_bwd))
 def chunked_attention(q, k, v, offset, block: int | None = None, *, docs: Documents | None = None):
     return _chunked(q, k, v, jnp.asarray(offset, jnp.int32), docs, block or CHUNK)
 
@@ -562,12 +637,15 @@ class Attention(nnx.Module):
         self.o = Projection(cfg, h * self.head_dim, d, axes=("heads", "embed"), group="o", **proj)
         factored = kind_class(cfg.linear).factored
         self.qkv_route, self.o_route = (placement.group(g, factored) for g in ("qkv", "o"))
+        self.context = placement.context()  # None, or the sequence split over `context`
 
     def __call__(self, x, norm, positions, cache=None, docs: Documents | None = None):
         """x: the block's input residual; `norm` is applied first (fused with the A's under BTP).
         Without a cache the tokens sit at positions 0..T-1 (RoPE uses `positions`) and `docs`, if
         given, keeps every query inside its document; decoding with a cache ignores it."""
         b, t, _ = x.shape
+        if self.context is not None and self.context.passes_bottleneck and cache is None:
+            return self._bottleneck_ring(x, norm, positions, docs), cache
         q, k, v = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm, route=self.qkv_route)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
@@ -584,6 +662,38 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), offset, axis=1)
             cache = {"k": k, "v": v}
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        out = attend(q, k, v, offset=offset, impl=self.impl, docs=docs if cache is None else None)
+        if self.context is not None and cache is None:  # the island: ring or gathered K/V
+            out = self.context.attend(q, k, v, None if docs is None else docs.segments, blockwise(self.impl))
+            out = out.reshape(b, t, self.n_heads * self.head_dim)
+        else:
+            out = attend(q, k, v, offset=offset, impl=self.impl, docs=docs if cache is None else None)
+        return self._output(out), cache
+
+    def _output(self, out):
         out = constrain(out, ("act_batch", "act_seq", "act_heads"))
-        return project([self.o], out, grouped=False, route=self.o_route)[0], cache
+        return project([self.o], out, grouped=False, route=self.o_route)[0]
+
+    def _bottleneck_ring(self, x, norm, positions, docs):
+        """parallel.context_kv=bottleneck: the context island gets σ(A_k x), σ(A_v x) and B_k, B_v
+        and rebuilds every block's K/V itself (`rebuild_kv`)."""
+        b, t, _ = x.shape
+        q, (hk, bk), (hv, bv) = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm,
+                                        route=self.qkv_route, keep=(self.k, self.v))
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
+        q = constrain(rope(q, positions, self.rope_theta), ("act_batch", "act_seq", "act_heads", None))
+        hk, hv = (constrain(h, ("act_batch", "act_seq", "act_rank")) for h in (hk, hv))
+        rebuild = functools.partial(rebuild_kv, self.head_dim, self.rope_theta)
+        out = self.context.attend_bottleneck(q, hk, hv, (bk, bv), positions, None if docs is None else docs.segments,
+                                             blockwise(self.impl), rebuild)
+        return self._output(out.reshape(b, t, self.n_heads * self.head_dim))
+
+
+def rebuild_kv(head_dim: int, theta: float, weights, hk, hv, positions):
+    """A block's K (with RoPE at `positions`) and V [B, S, KV, D] from its bottleneck activations
+    hk, hv [B, S, r] and the second-stage weights (B_k, B_v) [r, KV * D]: the projections' second
+    stage, as `project` runs it, on the heads the weights hold."""
+    bk, bv = weights
+    b, s, _ = hk.shape
+    k = jnp.einsum("bsr,ro->bso", hk, bk.astype(hk.dtype)).reshape(b, s, -1, head_dim)
+    v = jnp.einsum("bsr,ro->bso", hv, bv.astype(hv.dtype)).reshape(b, s, -1, head_dim)
+    return rope(k, positions, theta), v

@@ -94,11 +94,14 @@ def _first_stage(projs, x, grouped: bool, norm, route):
     return out
 
 
-def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED) -> list[jax.Array]:
+def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED, keep=()) -> list:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
     run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `route`
     (the placement's choice for the group, boost_jax/parallel/placement.py) may fuse the norm with
-    the first stage or run each projection its own way."""
+    the first stage or run each projection its own way. `keep`: factored projections (of kinds
+    without an extra term) whose second stage is left to the caller: for them the pair (σ(A x)
+    [B, T, width], the second-stage weight [width, d_out] in its compute layout) comes back instead
+    of the output."""
     if route.replaces_projection:
         x = norm(x) if norm is not None else x
         return _with_extra(projs, [route.project(p, x) for p in projs], x, None)
@@ -107,8 +110,12 @@ def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED) -> list
         if not run[0].factored:
             outs.extend(h[:, :, i] for i in range(len(run)))
             continue
-        sub = _runs(run, lambda p: p.second_shape) if grouped else ((i, [p]) for i, p in enumerate(run))
+        kept = lambda p: any(p is k for k in keep)  # noqa: E731
+        sub = _runs(run, lambda p: (p.second_shape, kept(p))) if grouped else ((i, [p]) for i, p in enumerate(run))
         for i, group in sub:
+            if kept(group[0]):
+                outs.extend((h[:, :, i + j], p.second_weight(_use(h.dtype))) for j, p in enumerate(group))
+                continue
             b = jnp.stack([p.second_weight(_use(h.dtype)) for p in group])  # [g, r, d_out]
             y = weight_einsum("btgr,gro->btgo", h[:, :, i:i + len(group)], b)
             outs.extend(y[:, :, j] for j in range(len(group)))

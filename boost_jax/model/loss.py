@@ -36,39 +36,42 @@ def _sums(h, w, labels, valid, z_loss):
     return jnp.sum(jnp.where(valid, ce + z_loss * lse * lse, 0.0))
 
 
-def _split(x, n: int, chunk: int, groups: int):
-    """[B, T, ...] -> [groups * n, B/groups, chunk, ...]: the T positions padded to n chunks, and, with
-    groups > 1, the rows cut into `groups` interleaved row groups (group j: rows j, groups+j, ...; every
-    device keeps a share of each group, as the pipeline's micro-batches do)."""
+def _split(x, n: int, chunk: int, groups: int, seq_groups: int = 1):
+    """[B, T, ...] -> [groups * n, B/groups, seq_groups * chunk, ...]: each of the `seq_groups` equal
+    pieces of the T positions (context parallelism: one per device of `context`) padded to n chunks,
+    step i holding chunk i of every piece (each device scans its own positions); with groups > 1, the
+    rows cut into `groups` interleaved row groups (group j: rows j, groups+j, ...; every device keeps a
+    share of each group, as the pipeline's micro-batches do)."""
     b, t = x.shape[:2]
-    x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
-    if groups == 1:
-        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
-    x = x.reshape(b // groups, groups, n, chunk, *x.shape[2:])
-    return jnp.moveaxis(x, (1, 2), (0, 1)).reshape(groups * n, b // groups, chunk, *x.shape[4:])
+    rest = x.shape[2:]
+    x = x.reshape(b, seq_groups, t // seq_groups, *rest)
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, n * chunk - t // seq_groups)] + [(0, 0)] * len(rest))
+    x = x.reshape(b // groups, groups, seq_groups, n, chunk, *rest)
+    x = jnp.moveaxis(x, (1, 3), (0, 1))  # [groups, n, B/groups, seq_groups, chunk, ...]
+    return x.reshape(groups * n, b // groups, seq_groups * chunk, *rest)
 
 
-def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None, row_groups: int = 1):
+def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None, row_groups: int = 1,
+              seq_groups: int = 1):
     """Mean over tokens of cross-entropy (+ z_loss · logsumexp²). h: [B, T, d]; w: [d, V]; labels: [B, T].
 
     chunk: positions per chunk (0 or >= T: one piece, the plain loss). row_groups: the rows are
     cut into that many groups as well (a pipeline's micro-batches: the live logits block is then
     [B/groups, c, V] however many micro-batches the pass has). mask: bool [B, T] of the targets that
     count; with it the *sum* over them is returned (the caller divides by the batch's count:
-    boost_jax/runtime/step.py)."""
+    boost_jax/runtime/step.py). seq_groups: the positions are chunked within that many equal pieces
+    (context parallelism: each device's own), every step taking one chunk of each."""
     b, t, _ = h.shape
     w = w.astype(jnp.float32)  # used in h's dtype; its gradient sums over the chunks in float32
     if mask is not None:
-        return _masked_sum(h, w, labels, mask, chunk, z_loss, row_groups)
+        return _masked_sum(h, w, labels, mask, chunk, z_loss, row_groups, seq_groups)
     if (not chunk or chunk >= t) and row_groups == 1:
         return _sums(h, w, labels, True, z_loss) / (b * t)
-    chunk = chunk if chunk and chunk < t else t
-    n = -(-t // chunk)
-    valid = jnp.arange(n * chunk) < t
-    # [groups * n, B/groups, c, ...]: one scan step per chunk of positions (and row group).
-    hs, ls = _split(h, n, chunk, row_groups), _split(labels, n, chunk, row_groups)
-    vs = valid.reshape(n, 1, chunk)
-    vs = jnp.tile(vs, (row_groups, 1, 1)) if row_groups > 1 else vs
+    chunk, n = _chunks(t // seq_groups, chunk)
+    # [groups * n, B/groups, seq_groups * c, ...]: one scan step per chunk of positions (and row group).
+    split = lambda x: _split(x, n, chunk, row_groups, seq_groups)  # noqa: E731
+    hs, ls = split(h), split(labels)
+    vs = split(jnp.ones((row_groups, t), bool))  # [groups * n, 1, seq_groups * c]: False on the padding
     body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss))  # recompute logits in bwd
 
     def step(total, xs):
@@ -78,14 +81,19 @@ def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None, r
     return total / (b * t)
 
 
-def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float, row_groups: int = 1):
+def _chunks(t: int, chunk: int) -> tuple[int, int]:
+    """(chunk length, chunks) covering t positions (chunk 0: one piece)."""
+    chunk = chunk if chunk and chunk < t else t
+    return chunk, -(-t // chunk)
+
+
+def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float, row_groups: int = 1, seq_groups: int = 1):
     """Sum of the loss over the targets in `mask` [B, T], chunked like `head_loss`."""
     b, t, _ = h.shape
     if (not chunk or chunk >= t) and row_groups == 1:
         return _sums(h, w, labels, mask, z_loss)
-    chunk = chunk if chunk and chunk < t else t
-    n = -(-t // chunk)
-    split = lambda x: _split(x, n, chunk, row_groups)  # noqa: E731
+    chunk, n = _chunks(t // seq_groups, chunk)
+    split = lambda x: _split(x, n, chunk, row_groups, seq_groups)  # noqa: E731
     body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss))
 
     def step(total, xs):

@@ -72,6 +72,7 @@ class Transformer(nnx.Module):
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
         self.pipeline = placement.pipeline()  # None: the layers run as one scan
+        self.context = placement.context()  # None, or the sequence split over `context` (its layout)
         self.dtype = compute_dtype(cfg.dtype)
         self.remat_policy = remat_policy
         self.remat_stage = remat_pipeline == "stage"  # remat.pipeline: recompute whole pipeline stages
@@ -102,10 +103,16 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens, positions=None, cache=None, docs=None):
         """Final-norm hidden states [B, T, d] (and the updated cache, or None). `docs`
-        (attention.Documents): attention stays inside each row's documents."""
+        (attention.Documents): attention stays inside each row's documents. Under context parallelism
+        the states come in the context layout (`self.context.layout` of the positions)."""
         self.placement.require_rules()
         b, t = tokens.shape
         given_positions = positions
+        if self.context is not None and cache is None:  # the load-balanced order of the sequence
+            positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t)) if positions is None else positions
+            tokens, positions = self.context.layout(tokens), self.context.layout(positions)
+            given_positions = positions
+            docs = None if docs is None else Documents.packed(self.context.layout(docs.segments))
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
         x = constrain(take_rows(gathered(self.embed[...], ("vocab_in", "embed"), self.dtype), tokens), RESIDUAL)
@@ -134,7 +141,10 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions=None, cache=None, docs=None):
         """Logits [B, T, vocab] in float32, and the updated cache (None without one)."""
         h, cache = self.hidden(tokens, positions, cache, docs)
-        return logits_of(h, self.head_weight()), cache
+        logits = logits_of(h, self.head_weight())
+        if self.context is not None and cache is None:
+            logits = self.context.unlayout(logits)
+        return logits, cache
 
     def next_token_loss(self, batch, with_z_loss: bool = True):
         """Next-token cross-entropy (float32), chunked over positions by `model.loss_chunk` so no
@@ -150,12 +160,17 @@ class Transformer(nnx.Module):
             else:
                 docs = Documents.one_per_row(batch["lengths"], t)
         h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
+        labels, mask = tokens[:, 1:], batch_lib.target_mask(batch)
         # Pipelined, the head and loss run one pipeline micro-batch (and chunk of positions) at a time,
         # so their live logits block does not grow with the micro-batch count.
         loss = functools.partial(head_loss, chunk=self.loss_chunk, z_loss=self.z_loss if with_z_loss else 0.0)
+        if self.context is not None:  # h is in the context layout: the targets follow; each device
+            # scans its own positions
+            labels, mask = self.context.layout(labels), None if mask is None else self.context.layout(mask)
+            loss = functools.partial(loss, seq_groups=self.context.size)
         if self.pipeline is not None:  # ... and once per batch replica (the head gradient reduced once)
             loss = self.pipeline.loss(functools.partial(loss, row_groups=self.pipeline.microbatches))
-        return loss(h, self.head_weight(), tokens[:, 1:], mask=batch_lib.target_mask(batch))
+        return loss(h, self.head_weight(), labels, mask=mask)
 
 
 def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla",

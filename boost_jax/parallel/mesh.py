@@ -1,4 +1,4 @@
-"""The device mesh: named axes (pipeline, data, fsdp, tensor) sized from `parallel.*`, one inferable;
+"""The device mesh: named axes (pipeline, data, fsdp, context, tensor) sized from `parallel.*`, one inferable;
 and what a mesh must divide, derived from the strategy's rule table.
 
 Nothing here knows the model: the caller (boost_jax/validate.py) says how many whole units each
@@ -16,11 +16,13 @@ from jax.sharding import AxisType, Mesh
 from boost_jax.errors import ConfigError
 from boost_jax.parallel.rules import _as_tuple
 
-AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first: pipeline stages may span nodes
+# Outermost first: pipeline stages may span nodes; `context` (the sequence split) sits inside the batch
+# axes and outside `tensor`, whose collectives are the most frequent.
+AXES = ("pipeline", "data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over both
 # `parallel` settings that put a run (any mesh, any partition) on a single device.
 # parallel.* of one device (a pipeline schedule needs stages: one device runs the layers in order).
-ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=0, linear_partition="", pipeline_schedule="gpipe",
+ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, context=1, tensor=1, num_devices=0, linear_partition="", pipeline_schedule="gpipe",
                   pipeline_repeats=1)
 
 
@@ -33,8 +35,8 @@ def mesh_shape(p, n_devices: int) -> tuple[int, ...]:
                               f"{n_devices} devices ({known} does not divide {n_devices})")
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
-        raise ConfigError(f"config field `parallel`: pipeline*data*fsdp*tensor = {math.prod(sizes)} but there are "
-                          f"{n_devices} devices; set one of parallel.data/fsdp/tensor to -1 to infer it")
+        raise ConfigError(f"config field `parallel`: pipeline*data*fsdp*context*tensor = {math.prod(sizes)} but there "
+                          f"are {n_devices} devices; set one of parallel.data/fsdp/tensor to -1 to infer it")
     return tuple(sizes)
 
 
@@ -120,3 +122,19 @@ def check_batch(cfg, sizes: dict[str, int]) -> None:
         if micro % (chunks * batch_ways):
             raise ConfigError(f"config field `parallel.microbatches`: the micro-batch {micro} must split into "
                               f"{chunks} pipeline micro-batches of a multiple of data*fsdp = {batch_ways} rows")
+
+
+def check_context(cfg, sizes: dict[str, int]) -> None:
+    """`parallel.context` = C > 1: every row splits into 2C equal chunks (each device holds chunks i
+    and 2C-1-i), and the projection groups keep their own layouts (the spatial-temporal grid splits
+    the rows itself)."""
+    c = sizes.get("context", 1)
+    if c == 1:
+        return
+    seq = int(cfg.train.seq_len)
+    if seq % (2 * c):
+        raise ConfigError(f"config field `parallel.context`: {c} devices hold 2 of {2 * c} equal chunks of each row, "
+                          f"which train.seq_len={seq} does not split into; make seq_len a multiple of {2 * c}")
+    if cfg.parallel.linear_partition.strip():
+        raise ConfigError("config field `parallel.linear_partition`: spatial-temporal projections do not run under "
+                          f"parallel.context={c}; set linear_partition='' (or parallel.context=1)")

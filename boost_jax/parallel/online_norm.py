@@ -40,8 +40,9 @@ def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tens
     """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g.
     `reduce_dtype`: the strategy's gradient-reduction dtype (parallel.grad_reduce_dtype)."""
     d = x.shape[-1]
-    batch = logical_spec(("act_batch",), x.shape[:1])  # the current rules' batch split (no `data` per replica)
-    batch = batch[0] if len(batch) else None
+    # The current rules' batch split (no `data` per replica) and sequence split (`context`).
+    rows = tuple(logical_spec(("act_batch", "act_seq"), x.shape[:2]))
+    batch, seq = (rows + (None, None))[:2]
 
     def local(x, scale, a):
         xhat, s = rmsnorm(x, scale, eps, impl=impl)  # locally normalised rows and the local Σx²
@@ -56,8 +57,8 @@ def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tens
     if reduce_dtype is not None:  # widen only: the values are unchanged
         a_stack = a_stack.astype(jnp.promote_types(a_stack.dtype, reduce_dtype))
     h_parts, s_parts = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(batch, None, axis), P(axis), P(None, axis, None)),
-        out_specs=(P(axis, batch, None, None, None), P(axis, batch, None)),
+        local, mesh=mesh, in_specs=(P(batch, seq, axis), P(axis), P(None, axis, None)),
+        out_specs=(P(axis, batch, seq, None, None), P(axis, batch, seq)),
         check_vma=impl == "xla")(x, scale, a_stack)  # a Pallas/Triton call carries no varying-axis types
     h = checkpoint_name(_sum_parts(h_parts), "lowrank")
     s = checkpoint_name(s_parts.sum(axis=0), "norm_stats")

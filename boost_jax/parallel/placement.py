@@ -10,7 +10,9 @@ modules keep them as fields, where a reader sees them:
   (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
   PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
 - `pipeline()`: None (the model scans its layers), or the pipeline schedule (gpipe | circular) over
-  the `pipeline` axis.
+  the `pipeline` axis;
+- `context()`: None, or the sequence split over the `context` axis (boost_jax/parallel/context.py:
+  the load-balanced layout and the attention island).
 
 They are frozen dataclasses: equal when built alike and hashable, as fields of an NNX graph
 definition must be. Activation layouts inside them are still looked up in the rules current while
@@ -167,6 +169,12 @@ class Placement:
         s = self.strategy
         return Pipeline(self.mesh, s, self.mesh.shape["pipeline"], s.microbatches, s.pipeline_schedule,
                         s.pipeline_repeats)
+
+    def context(self):
+        if self.mesh is None or self.mesh.shape.get("context", 1) == 1:
+            return None
+        from boost_jax.parallel.context import Context
+        return Context(self.mesh, self.strategy)
 
     def require_rules(self) -> None:
         """A model built for a mesh traced without that mesh's rules would compile another program

@@ -35,6 +35,8 @@ class Strategy:
     pipeline_schedule: str = "gpipe"  # gpipe | circular (boost_jax/parallel/pipeline.py)
     pipeline_repeats: int = 1  # circular: layer chunks per stage (V)
     grad_reduce_dtype: str = "float32"  # dtype of the once-per-step gradient all-reduce over `data`
+    context_attention: str = "ring"  # ring | all_gather: attention when `context` splits the sequence
+    context_kv: str = "full"  # full | bottleneck: what the ring passes (boost_jax/parallel/context.py)
 
     @property
     def compute_rules(self) -> tuple:
@@ -75,7 +77,7 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rule
                 continue
             if axes is None:
                 break
-            axes = tuple(a for a in _as_tuple(axes) if mesh.shape[a] > 1)
+            axes = tuple(a for a in _as_tuple(axes) if mesh.shape.get(a, 1) > 1)
             size = 1
             for a in axes:
                 size *= mesh.shape[a]
@@ -172,7 +174,9 @@ def _batch_is_split(mesh: Mesh, strategy: Strategy) -> bool:
     float32 accumulators once instead. Only then does `weight_einsum` need its custom rule, which
     costs something under `dots`/`lowrank` remat: the backward recomputes the rule's forward GEMM
     for its residuals besides the output itself (an extra second-stage GEMM per projection)."""
-    axes = next((_as_tuple(a) for name, a in strategy.rules if name == "act_batch"), ())
+    # The tokens are split over the batch axes and, under context parallelism, the sequence axis.
+    axes = {a for row in ("act_batch", "act_seq")
+            for a in next((_as_tuple(a) for name, a in strategy.rules if name == row), ())}
     return math.prod(mesh.shape.get(a, 1) for a in axes) > 1
 
 

@@ -26,7 +26,9 @@ _COMMON_TAIL = (
     ("tt_rank", "fsdp"), ("sparse_blocks", "fsdp"),
     ("vocab_in", "fsdp"), ("head_embed", "fsdp"), ("vocab", "fsdp"),
     ("act_batch", BATCH),
-    ("layers", "pipeline"), ("head_norm", None), ("act_seq", None), ("act_res_seq", None),
+    ("layers", "pipeline"), ("head_norm", None),
+    # Context parallelism: the sequence of every activation split over `context` (size 1 unless asked).
+    ("act_seq", "context"), ("act_res_seq", "context"),
 )
 
 # BTP: the residual stream stays split along d; every A is row-parallel (its r-wide partial product
@@ -57,7 +59,7 @@ MEGATRON = (
 
 # Sequence parallelism: the residual (norms, adds) is split along the sequence between the
 # column- and row-parallel regions, turning each all-reduce into a reduce-scatter + all-gather.
-MEGATRON_SP = (("act_res_seq", "tensor"),) + MEGATRON
+MEGATRON_SP = (("act_res_seq", ("context", "tensor")),) + MEGATRON
 
 
 
@@ -136,4 +138,5 @@ def get_strategy(p) -> Strategy:
                     online_norm=entry.online_norm and bool(p.online_norm), st_groups=st_groups(p.linear_partition),
                     microbatches=int(p.microbatches) or 2 * int(p.pipeline), grad_reduce_dtype=str(p.grad_reduce_dtype),
                     pipeline_schedule=str(p.pipeline_schedule),
-                    pipeline_repeats=int(p.pipeline_repeats))
+                    pipeline_repeats=int(p.pipeline_repeats), context_attention=str(p.context_attention),
+                    context_kv=str(p.context_kv))

@@ -197,10 +197,10 @@ def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval
     cfg = cfg.copy_and_resolve_references()
     cfg.data.source = "embedded"  # nothing is read (the batch is abstract); a `tokens` source would need a path
     p = cfg.parallel
-    sizes = {a: p[a] for a in ("pipeline", "data", "fsdp", "tensor")}
+    sizes = {a: p[a] for a in ("pipeline", "data", "fsdp", "context", "tensor")}
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if fixed > n_devices or (-1 not in sizes.values() and fixed != n_devices and not p.num_devices):
-        raise AotError(f"--mesh: pipeline x data x fsdp x tensor = {fixed} devices but --devices {n_devices}; "
+        raise AotError(f"--mesh: pipeline x data x fsdp x context x tensor = {fixed} devices but --devices {n_devices}; "
                        "make them equal (or give one axis -1)")
     devs = devices(target, n_devices)
     try:
@@ -296,7 +296,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", required=True, help=f"the GPU: {' | '.join(targets())}")
     ap.add_argument("--devices", type=int, required=True, help="how many GPUs (8 per host beyond 8)")
     ap.add_argument("--config", required=True, help="a configs/*.py file")
-    ap.add_argument("--mesh", help="pipeline,data,fsdp,tensor sizes (default: the config's parallel.*)")
+    ap.add_argument("--mesh", help="pipeline,data,fsdp,tensor (or pipeline,data,fsdp,context,tensor) sizes "
+                                   "(default: the config's parallel.*)")
     ap.add_argument("--json", help="write the numbers here")
     ap.add_argument("--usable", type=float, default=USABLE,
                     help=f"share of the GPU's memory a run may use (default {USABLE}: run with "
@@ -313,12 +314,12 @@ def main(argv=None) -> dict:
         cfg = load(args.config, overrides)
         if args.mesh:
             from boost_jax.tools.devices import parse_mesh
+            from boost_jax.tools.devices import mesh_fields
             sizes = parse_mesh(args.mesh)
-            sizes = (1,) * (4 - len(sizes)) + sizes
             if math.prod(sizes) != args.devices:
                 raise AotError(f"--mesh {args.mesh}: {math.prod(sizes)} devices, but --devices {args.devices}; "
                                "make the product equal --devices")
-            cfg.parallel.update(dict(zip(("pipeline", "data", "fsdp", "tensor"), sizes)))
+            cfg.parallel.update(mesh_fields(sizes))
         rep = compile_config(cfg, args.target, args.devices,
                              programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable)
     except AotError as e:

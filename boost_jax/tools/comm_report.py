@@ -91,13 +91,15 @@ def _combine(a: dict, b: dict, wa: int = 1, wb: int = 1) -> dict:
 
 def _axis_group(key: str) -> str:
     """'tensor' (activations), 'grid' (the spatial-temporal groups' permutes on the fsdp x tensor
-    grid: activations and compute-dtype weight blocks) or 'data_fsdp' (gradients, parameters;
-    anything else touching data/fsdp)."""
+    grid: activations and compute-dtype weight blocks), 'context' (the attention's K/V exchange over
+    the sequence split) or 'data_fsdp' (gradients, parameters; anything else touching data/fsdp/context)."""
     kind, axes = key.split("@")
     axes = set(axes.split("+"))
+    if axes == {"context"} and kind != "all-reduce":  # the attention's exchange over the sequence split
+        return "context"
     if kind == "collective-permute" and "fsdp" in axes and not {"data", "pipeline"} & axes:
         return "grid"
-    return "data_fsdp" if {"data", "fsdp"} & axes else "tensor"
+    return "data_fsdp" if {"data", "fsdp", "context"} & axes else "tensor"  # context: gradients, like data
 
 
 def _sum_by(tally: dict, group) -> dict:
@@ -130,8 +132,9 @@ def parse_strategies(text) -> list[tuple[str, str | None]]:
 
 
 def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, seq: int, dtype: str,
-                   remat: str | None = None):
-    """The config one strategy column is measured on (depth and unrolling are set per compile)."""
+                   remat: str | None = None, context: int = 1):
+    """The config one strategy column is measured on (depth and unrolling are set per compile);
+    mesh = (data, fsdp, tensor), `context` the sequence split."""
     from boost_jax.validate import validate
 
     c = base.copy_and_resolve_references()
@@ -145,7 +148,8 @@ def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, se
     c.model.max_seq_len = max(c.model.max_seq_len, seq)
     c.train.update(seq_len=seq, global_batch=batch, grad_accum=1)
     data, fsdp, tensor = mesh
-    c.parallel.update(data=data, fsdp=fsdp, tensor=tensor, num_devices=math.prod(mesh), strategy=strategy)
+    c.parallel.update(data=data, fsdp=fsdp, tensor=tensor, context=context, num_devices=math.prod(mesh) * context,
+                      strategy=strategy)
     c.data.source = "embedded"  # nothing is read; a zoo config's `tokens` source would need a path
     return validate(c)
 
@@ -215,7 +219,7 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
 
     m, p = cfg.model, cfg.parallel
     depth = m.n_layers
-    tokens = cfg.train.global_batch * cfg.train.seq_len // (p.data * p.fsdp)  # per device
+    tokens = cfg.train.global_batch * cfg.train.seq_len // (p.data * p.fsdp * p.context)  # per device
     act_bytes = compute_dtype(m.dtype).itemsize
     res: dict = {"strategy": p.strategy, "linear": m.linear, "config": cfg.name, "n_layers": depth,
                  "model": {k: int(m[k]) for k in ("d_model", "d_ff", "rank", "n_heads", "n_kv_heads", "vocab_size")},
@@ -249,9 +253,10 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
         total = progs["train_step"]["total"]
         res["step_by_kind"] = _sum_by(total, lambda k: k.split("@")[0])
         res["step_by_axis"] = _sum_by(total, _axis_group)
+        res["context"] = context_section(cfg, total)
 
     fpt = flops_per_token(m, cfg.train.seq_len, training=True)
-    n_dev = p.data * p.fsdp * p.tensor
+    n_dev = p.data * p.fsdp * p.context * p.tensor
     res["flops"] = {"analytic_per_token": fpt,
                     "analytic_per_device_step": fpt * cfg.train.global_batch * cfg.train.seq_len / n_dev}
     if len(xla_flops) == 2 and None not in xla_flops:  # same 1/2-layer scaling as the collectives
@@ -266,21 +271,40 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
     return res
 
 
+def context_section(cfg, total: dict) -> dict | None:
+    """Under parallel.context > 1: the train step's exchange over `context` as compiled ({kind:
+    count, elements}) beside its formula (boost_jax/parallel/context.py `traffic`)."""
+    from boost_jax.parallel.context import traffic
+
+    formula = traffic(cfg)
+    if not formula:
+        return None
+    compiled = {k.split("@")[0]: {f: v[f] for f in ("count", "elements")}
+                for k, v in total.items() if _axis_group(k) == "context"}
+    return {"attention": formula["attention"], "kv": formula["kv"], "compiled": compiled, "formula": formula["step"]}
+
+
 def report(cfg_or_path, mesh=(1, 1, 4), strategies=("btp", "vanilla", "megatron"), batch: int = 4,
            seq: int = 4096, dtype: str = "bfloat16", memory: bool = True, programs=PROGRAMS,
-           remat: str | None = None) -> dict:
-    """All numbers for each strategy (see the module docstring); JSON-serialisable."""
+           remat: str | None = None, context: int = 1, context_attention: str | None = None,
+           context_kv: str | None = None) -> dict:
+    """All numbers for each strategy (see the module docstring); JSON-serialisable. mesh = (data,
+    fsdp, tensor); `context` > 1 splits the sequence too (its attention and kv modes: the config's
+    unless given)."""
     if "forward" not in programs:
         raise ValueError(f"programs={programs!r}: 'forward' is needed (backward = forward_backward - forward)")
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else tuple(mesh)
-    devices = pick_devices(math.prod(mesh))
+    devices = pick_devices(math.prod(mesh) * context)
     base = load_config(cfg_or_path)
+    base.parallel.update({k: v for k, v in (("context_attention", context_attention), ("context_kv", context_kv))
+                          if v is not None})
     columns = {}
     for name, linear in parse_strategies(strategies):
-        cfg = variant_config(base, name, linear, mesh, batch, seq, dtype, remat)
+        cfg = variant_config(base, name, linear, mesh, batch, seq, dtype, remat, context)
         label = name if linear is None else f"{name}:{linear}"
         columns[label] = measure(cfg, devices, memory=memory, programs=programs)
-    return {"config": base.name, "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)), "batch": batch,
+    return {"config": base.name, "mesh": {**dict(zip(("data", "fsdp", "tensor"), mesh)), "context": context},
+            "batch": batch,
             "seq": seq, "dtype": dtype, "remat": remat or base.remat.policy, "platform": devices[0].platform,
             "method": METHOD, "d_model": int(base.model.d_model), "rank": int(base.model.rank),
             "n_layers": int(base.model.n_layers), "strategies": columns}
@@ -290,7 +314,7 @@ METHOD = ("Collectives read from the optimized HLO, per device per step; lowered
           "(scan unrolled), scaled to L: per layer = 2-layer minus 1-layer, rest = 1-layer minus per layer. "
           "Bytes = elements x each collective's dtype as partitioned (before XLA:CPU widens bf16 collectives "
           "to f32): bf16 weight gathers and activations, f32 gradient reductions under bf16 compute. "
-          "Elements per token: per device tokens = batch*seq/(data*fsdp).")
+          "Elements per token: per device tokens = batch*seq/(data*fsdp*context).")
 
 
 # ---------------------------------------------------------------- printing
@@ -352,7 +376,8 @@ def to_markdown(rep: dict) -> str:
         return "-" if not m else " / ".join(f"{m[k] / GIB:.1f}" for k in keys)
 
     mesh = rep["mesh"]
-    title = (f"**{rep['config']}**, mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
+    title = (f"**{rep['config']}**, mesh data={mesh['data']} fsdp={mesh['fsdp']} context={mesh.get('context', 1)} "
+             f"tensor={mesh['tensor']}, "
              f"batch {rep['batch']} x seq {rep['seq']}, {rep['dtype']}, L = {rep['n_layers']} "
              "(lowered at 1 and 2 layers, scaled to L), per device per step.")
     lines = [
@@ -373,6 +398,14 @@ def to_markdown(rep: dict) -> str:
         row("train step, data+fsdp by kind: GiB (bytes/element)", lambda c: _fmt_by_kind(c, "data_fsdp")),
         row("train step: collectives", lambda c: _fmt_kinds(_get(c, "step_by_kind", default={}))),
     ]
+    if any(c.get("context") for c in cols.values()):  # parallel.context: the sequence exchange, compiled / formula
+        def exchange(c, part):
+            x = (c.get("context") or {}).get(part, {})
+            return ", ".join(f"{v['count']} {SHORT.get(k, k)} {v['elements']}" for k, v in sorted(x.items())) or "-"
+
+        lines += [row("train step, context (attention): count kind elements",
+                      lambda c: f"{exchange(c, 'compiled')} ({c['context']['attention']}, kv {c['context']['kv']})"),
+                  row("train step, context: formula", lambda c: exchange(c, "formula"))]
     if any(_get(c, "step_by_axis", "grid", "bytes") for c in rep["strategies"].values()):
         lines += [  # parallel.linear_partition: the st groups' permutes across fsdp
             row("fwd+bwd / layer, st grid: GiB", lambda c: _gib(both(c, "grid"))),
@@ -403,7 +436,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_7b.py")
-    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor or pipeline,data,fsdp,tensor sizes (default 1,1,4)")
+    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor or pipeline,data,fsdp,tensor or "
+                                                    "pipeline,data,fsdp,context,tensor sizes (default 1,1,4)")
     ap.add_argument("--strategy", default="btp,vanilla,megatron",
                     help="comma list of btp|vanilla|megatron[:dense|lowrank|cola]; bare megatron = dense twin")
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
@@ -418,6 +452,12 @@ def main(argv=None) -> dict:
     emulate_cpu_devices(math.prod(mesh))  # before report() imports jax
     from boost_jax.errors import ConfigError
 
+    context = 1
+    if len(mesh) == 5:  # pipeline,data,fsdp,context,tensor
+        pipeline, data, fsdp, context, tensor = mesh
+        mesh = (pipeline, data, fsdp, tensor) if pipeline > 1 else (data, fsdp, tensor)
+        if pipeline > 1 and context > 1:
+            raise SystemExit("--mesh: the pipeline report runs without context; give pipeline 1 to report context")
     if len(mesh) == 4:
         try:
             rep = pipeline_report(args.config, mesh, args.strategy.split(",")[0], args.batch, args.seq, args.dtype)
@@ -431,7 +471,7 @@ def main(argv=None) -> dict:
 
     try:
         rep = report(args.config, mesh, args.strategy, args.batch, args.seq, args.dtype,
-                     memory=not args.no_memory, remat=args.remat)
+                     memory=not args.no_memory, remat=args.remat, context=context)
     except ConfigError as e:
         raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy/--remat)") from e
     text = to_markdown(rep)

@@ -53,13 +53,24 @@ def load_config(cfg_or_path):
         raise SystemExit(f"{e} (expected e.g. configs/cola_7b.py)") from e
 
 
+# The `parallel.*` axes a --mesh of 3, 4 or 5 sizes names, in order.
+MESH_FIELDS = {3: ("data", "fsdp", "tensor"), 4: ("pipeline", "data", "fsdp", "tensor"),
+               5: ("pipeline", "data", "fsdp", "context", "tensor")}
+
+
 def parse_mesh(text: str) -> tuple[int, ...]:
-    """'data,fsdp,tensor' or 'pipeline,data,fsdp,tensor' -> a tuple of positive ints."""
+    """'data,fsdp,tensor', 'pipeline,data,fsdp,tensor' or 'pipeline,data,fsdp,context,tensor' -> a tuple
+    of positive ints."""
     try:
         sizes = tuple(int(s) for s in text.split(","))
     except ValueError:
         sizes = ()
-    if len(sizes) not in (3, 4) or min(sizes) < 1:
-        raise SystemExit(f"--mesh: expected positive sizes data,fsdp,tensor or pipeline,data,fsdp,tensor "
-                         f"(e.g. 1,1,4 or 2,1,1,4), got {text!r}")
+    if len(sizes) not in MESH_FIELDS or min(sizes) < 1:
+        raise SystemExit(f"--mesh: expected positive sizes data,fsdp,tensor or pipeline,data,fsdp,tensor or "
+                         f"pipeline,data,fsdp,context,tensor (e.g. 1,1,4 or 2,1,1,4 or 1,1,1,2,4), got {text!r}")
     return sizes
+
+
+def mesh_fields(sizes) -> dict[str, int]:
+    """Every `parallel.*` axis size of a parsed --mesh (the axes it leaves out: 1)."""
+    return {"pipeline": 1, "context": 1, **dict(zip(MESH_FIELDS[len(sizes)], sizes))}

@@ -16,7 +16,7 @@ import difflib
 import math
 import sys
 
-from boost_jax.tools.devices import emulate_cpu_devices, load_config, parse_mesh, pick_devices
+from boost_jax.tools.devices import emulate_cpu_devices, load_config, mesh_fields, parse_mesh, pick_devices
 
 
 def _path(keys) -> str:
@@ -101,7 +101,8 @@ def show(path: str, rows, shardings) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_60m.py")
-    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor sizes (default 1,1,4)")
+    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor (or pipeline,data,fsdp[,context],tensor) "
+                                                    "sizes (default 1,1,4)")
     ap.add_argument("--strategy", help="a registered strategy, e.g. btp | vanilla | megatron (default: the "
                                        "config's parallel.strategy)")
     ap.add_argument("--show", metavar="PARAM_PATH", help="draw one parameter's layout, e.g. layers/attn/q/a")
@@ -117,8 +118,9 @@ def main(argv=None) -> None:
         if args.strategy not in names():
             raise SystemExit(f"--strategy: {args.strategy!r} is not one of {names()}")
         cfg.parallel.strategy = args.strategy
-    data, fsdp, tensor = mesh_sizes
-    cfg.parallel.update(data=data, fsdp=fsdp, tensor=tensor, num_devices=math.prod(mesh_sizes))
+    sizes = mesh_fields(mesh_sizes)
+    data, fsdp = sizes["data"], sizes["fsdp"]
+    cfg.parallel.update(sizes, num_devices=math.prod(mesh_sizes))
     cfg.train.global_batch = max(cfg.train.global_batch // (data * fsdp), 1) * data * fsdp  # divisible
     cfg.train.grad_accum = 1
     cfg.data.source = "embedded"  # nothing is read; a zoo config's `tokens` source would need a path
