@@ -25,7 +25,7 @@ def test_matches_the_trainers_eval_loss_on_any_mesh(run, tmp_path):
     assert result["loss"] == pytest.approx(trained, rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(trained), rel=1e-4)
     one = evaluate.evaluate(run_dir, lambda cfg: cfg.parallel.update(num_devices=1))
-    assert one["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 1, "tensor": 1}
+    assert one["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 1}
     assert one["loss"] == pytest.approx(trained, rel=1e-5)
 
 
