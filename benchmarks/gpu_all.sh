@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_all.sh OUT_DIR
 # OUT_DIR gets: nvidia-smi.txt, kernels.json/.log (device, kernel tests, rmsnorm, attention),
 # train1b.json/.log, layer7b.json/.log (train steps; each variant in its own process) and
-# train_default.log (the README's first command, `python -m boost_jax.train`, for 90 s).
+# train_default.log (the README's first command, `python -m boost_jax.train`, for at most 60 s).
 set -u
 out=${1:?usage: gpu_all.sh OUT_DIR}
 mkdir -p "$out"

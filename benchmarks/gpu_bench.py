@@ -234,6 +234,7 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     from boost_jax.runtime import xla_gpu_flags
     from boost_jax.runtime.metrics import peak_flops
     from boost_jax.model import flops_per_token
+    from boost_jax.tools.aot import peak_bytes
     sys.path.insert(0, HERE)
     from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
@@ -243,8 +244,7 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     step = step.lower(state, tokens).compile()  # one compile: it runs, and its memory is read
     compile_s = time.perf_counter() - t0
     mem = step.memory_analysis()
-    compiled_peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                     - mem.alias_size_in_bytes) if mem is not None else None
+    compiled_peak = peak_bytes(mem) if mem is not None else None
     for _ in range(2):  # warm-up
         state, metrics = step(state, tokens)
     jax.block_until_ready(metrics)

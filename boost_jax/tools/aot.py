@@ -169,11 +169,17 @@ def collectives(hlo_text: str, mesh) -> dict:
     return dict(sorted(out.items()))
 
 
+def peak_bytes(m) -> int:
+    """A compiled program's peak per device from its memory_analysis(): arguments, outputs and
+    temporaries, less the outputs that alias donated arguments."""
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
 def analyze(compiled, mesh, device_memory: int, usable: float = USABLE) -> dict:
     m = compiled.memory_analysis()
     arg, out, temp, alias = (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                              m.alias_size_in_bytes)
-    peak = arg + out + temp - alias
+    peak = peak_bytes(m)
     limit = int(device_memory * usable)
     text = compiled.as_text()
     return {"peak_bytes": peak, "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
