@@ -35,19 +35,15 @@ SAVED_NORM = (1, 2)  # RMSNorm: (compute dtype, float32) arrays of its width: ou
 SAVED_SIGMA = 4  # a nonlinear bottleneck σ(A·x): A's output, σ's internals and its output, per A output
 SAVED_LINEAR = 1  # an identity bottleneck (lowrank): A's output
 SAVED_ONLINE_NORM = 2  # more arrays of the A output when the norm statistics ride in its all-reduce
-SAVED_ATTENTION = {"materialized": 4, "chunked": 5, "flash": 5}  # q, k, v, the output (+ its [B, T, q] view)
-SAVED_SCORE = 2  # materialised attention: float32 arrays per score (exp and softmax), + probs in the
-# compute dtype when that is not float32
+# (what attention keeps: its cost class's counts, boost_jax/model/attention.py CostClass)
 SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
 # The same counted in the GPU program (a bf16/fp16 step compiled for H100s without them,
 # boost_jax/tools/aot.py: the stacked residuals of its scanned layer, cola_1b on 1 GPU, cola_7b btp on
 # tensor 8, llama_7b megatron on tensor 8; benchmarks/aot_fit.md). XLA:GPU fuses the norm: its input
 # and output in the compute dtype, no float32 copy (5 arrays of the residual width per layer for the
-# two norms, counted as 2.5 each); flash attention keeps q, k, v and the output (and its log-sum-exp);
-# BTP's online norm keeps its A outputs twice more in float32 (they ride the all-reduce with the
+# two norms, counted as 2.5 each); BTP's online norm keeps its A outputs twice more in float32 (they ride the all-reduce with the
 # float32 statistics). SAVED_SIGMA and SAVED_SWIGLU are what the GPU program keeps too.
 GPU_SAVED_NORM = (2.5, 0)
-GPU_SAVED_FLASH = 4
 GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
 # The groups a norm feeds (the first of each residual segment): their norm's statistics may ride in
 # a row-parallel first stage's all-reduce (online RMSNorm).
@@ -544,15 +540,25 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
                    imbalance=(2 * ts - 1) / ts)
     # Kept: q, k, v and the output (and K/V gathered over a token split); materialised scores in
     # float32 (+ the probabilities in the compute dtype), else the log-sum-exp per row and head.
-    n = GPU_SAVED_FLASH if gpu(ctx) and ctx.attention == "flash" else SAVED_ATTENTION[ctx.attention]
+    c = attention_class(ctx.attention)
+    n = c.gpu_kept if gpu(ctx) and c.gpu_kept else c.kept
     op.saved = ctx.local(layout, 2 * q + 2 * kv + (n - 4) * q) + (op.acts - ctx.local(layout, 2 * q + kv))
     rows = op.attn.queries * op.attn.heads
-    if ctx.attention == "materialized":
-        op.saved32 = SAVED_SCORE * rows * ctx.seq
+    if c.kept_scores:
+        op.saved32 = c.kept_scores * rows * ctx.seq
         op.saved += rows * ctx.seq if ctx.act_bytes != 4 else 0.0
     else:
         op.saved32 = rows
     return op
+
+
+def attention_class(name: str):
+    """The attention cost class registered as `name` (boost_jax/model/attention.py COST_CLASSES)."""
+    from boost_jax.model.attention import COST_CLASSES  # imports jax: once, then a dict lookup
+
+    if name not in COST_CLASSES:
+        raise ValueError(f"attention cost class {name!r} is not one of {tuple(COST_CLASSES)}")
+    return COST_CLASSES[name]
 
 
 def activation(ctx: Ctx, layout: str) -> Op | None:

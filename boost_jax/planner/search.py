@@ -62,7 +62,7 @@ class Options:
     batch: int  # global batch, sequences per optimizer step
     seq: int
     attention: str = "auto"  # model.attention the plan runs with: auto | xla | chunked | cudnn | pallas
-    remat: tuple = C.REMAT_POLICIES
+    remat: tuple = ()  # remat.policy values searched; (): every one the planner prices (cost.remat_policies)
     grad_accum: int = 0  # 0: search
     pipeline: tuple = ()  # pipeline stage counts to search; (): every one that divides devices and layers
     microbatches: int = 0  # pipeline micro-batches per pass when pipelined; 0: search S, 2S, 4S
@@ -554,11 +554,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def policies(block: P.Block, opts: Options) -> list[str]:
-    bad = [p for p in opts.remat if p not in C.REMAT_POLICIES]
+    priced = C.remat_policies()
+    bad = [p for p in opts.remat if p not in priced]
     if bad:
-        raise ValueError(f"--remat: {bad} not in {C.REMAT_POLICIES}")
+        raise ValueError(f"--remat: {bad} not in {priced}")
     # `lowrank` keeps the bottleneck activations: only factorised models have them.
-    return [p for p in opts.remat if block.factored or p != "lowrank"]
+    return [p for p in opts.remat or priced if block.factored or p != "lowrank"]
 
 
 def model_flops_per_token(cfg, seq: int) -> float:
