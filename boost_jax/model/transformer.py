@@ -71,7 +71,7 @@ class Transformer(nnx.Module):
                  placement=LOCAL, remat_pipeline: str = "none"):
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
-        self.pipeline = placement.pipeline()  # None: the layers run as one scan
+        self.pipeline = placement.pipeline(LAYER_STACK)  # None: the layers run as one scan
         self.dtype = compute_dtype(cfg.dtype)
         self.remat_policy = remat_policy
         self.remat_stage = remat_pipeline == "stage"  # remat.pipeline: recompute whole pipeline stages
