@@ -20,6 +20,7 @@ from boost_jax.errors import ConfigError  # noqa: F401 - config.ConfigError stay
 # The projection groups a parallel plan partitions as a unit: the model's (attention's q/k/v and o,
 # the MLP's gate/up and down), the names `parallel.linear_partition` takes and the planner prices.
 PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
+ST = "st"  # parallel.linear_partition: a group run as PrimePar's spatial-temporal P(n x n)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
 PIPELINE_SCHEDULES = ("gpipe", "circular")

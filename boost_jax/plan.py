@@ -136,7 +136,8 @@ def main(argv=None) -> int:
                     help="model.attention the plan runs with, any registered implementation (default auto: "
                     "cudnn on a GPU in bf16 where cuDNN takes the shapes, as the trainer picks); xla: "
                     "materialised scores; chunked: blockwise in plain JAX; cudnn/pallas: fused flash kernels")
-    ap.add_argument("--remat", default="none,lowrank,full", help="comma list of remat policies to search")
+    ap.add_argument("--remat", default="", help="comma list of remat policies to search (default: every one the "
+                    "planner prices: none,lowrank,full)")
     ap.add_argument("--grad-accum", type=int, default=0, help="fix train.grad_accum (default: search)")
     ap.add_argument("--pipeline", default="", help="comma list of pipeline stage counts (default: every one "
                     "that divides --devices and the layers)")
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     if args.microbatches < 0 or args.repeats < 0 or any(s < 1 for s in pipeline):
         raise SystemExit("--pipeline, --microbatches and --repeats must be positive")
     opts = Options(batch=batch, seq=seq, attention=args.attention, grad_accum=args.grad_accum, top=args.top,
-                   remat=tuple(x.strip() for x in args.remat.split(",")), pipeline=pipeline,
+                   remat=tuple(x.strip() for x in args.remat.split(",") if x.strip()), pipeline=pipeline,
                    microbatches=args.microbatches, repeats=args.repeats,
                    schedules=tuple(x.strip() for x in args.schedule.split(",") if x.strip()),
                    stage_remat=tuple(x.strip() for x in args.stage_remat.split(",") if x.strip()))
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
                          "stage, L/S, and leave a chunk of at least one layer); widen them")
     if not res.plans:
         s = res.smallest
-        hint = "raise --devices or lower --batch" + ("" if "full" in opts.remat else ", or add full to --remat")
+        hint = "raise --devices or lower --batch" + ("" if not opts.remat or "full" in opts.remat else ", or add full to --remat")
         raise SystemExit(f"no plan fits in {cluster.usable_hbm / GB:.0f} GB/GPU; the smallest needs "
                          f"{_gb(s.memory['total'])} GB ({s.mesh}, remat {s.remat}, states "
                          f"{_gb(s.memory['states'])} GB): {hint}")

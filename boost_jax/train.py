@@ -68,7 +68,7 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
 
 def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> dict:
     main_process = jax.process_index() == 0
-    built = build(cfg)
+    built = build(cfg, validated=True)  # `run` validated it before JAX started
     say(_startup_line(cfg, built, config_file))
     # This process group holds run_dir's lock: the checkpointer may clean up unfinished saves.
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,

@@ -12,7 +12,7 @@ import numpy as np
 from boost_jax.data.loader import DocumentLoader, MixtureLoader, PackedLoader, TokenLoader
 from boost_jax.data.sources import (check_vocab, embedded_documents, expand_paths, parse_mixture, prepared_index,
                                     prepared_shards, read_index, token_files)
-from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer
+from boost_jax.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_id
 
 __all__ = ["SOURCES", "TokenLoader", "DocumentLoader", "PackedLoader", "MixtureLoader", "build_loaders",
            "load_tokenizer", "ByteTokenizer", "parse_mixture"]
@@ -31,16 +31,16 @@ def _sha256(paths, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _tokens(source: str, path: str, cfg, tok, field: str):
+def _tokens(source: str, path: str, cfg, tok_id: str, field: str):
     """(token arrays, each array's document end offsets or None where no boundaries are recorded,
-    the source's identity: what a checkpoint's data position refers to)."""
-    from boost_jax.data.tokenizer import tokenizer_id
+    the source's identity: what a checkpoint's data position refers to). `tok_id`: the run's
+    tokenizer identity (tokenizer.tokenizer_id), computed once by `build_loaders`."""
     d = cfg.data
     if source == "embedded":
         corpus, ends = embedded_documents(d.embedded_max_bytes)
         ident = {"embedded_sha256": hashlib.sha256(corpus).hexdigest()}
         return [np.frombuffer(corpus, dtype=np.uint8)], [ends], ident
-    check = dict(tokenizer=d.tokenizer, vocab_size=cfg.model.vocab_size)
+    check = dict(tokenizer=d.tokenizer, vocab_size=cfg.model.vocab_size, tok_id=tok_id)
     if source == "tokens":
         index = prepared_index(path)
         if index is not None:
@@ -58,14 +58,14 @@ def _tokens(source: str, path: str, cfg, tok, field: str):
         raise ValueError(f"config field `{field}`: {path} is a directory of token shards made by "
                          f"`python -m boost_jax.data.prepare`, not {source} files; set data.source=tokens")
     suffixes = (".jsonl", ".json") if source == "jsonl" else (".txt", ".md", ".text")
-    cache = _token_cache(expand_paths(path, field, suffixes), cfg)
+    cache = _token_cache(expand_paths(path, field, suffixes), cfg, tok_id)
     # The cache was verified against its checksums (the tokens' SHA-256) just now: they name the data.
-    ident = {"tokens_sha256": _sha256([cache / "checksums.json"]), "tokenizer": tokenizer_id(d.tokenizer),
+    ident = {"tokens_sha256": _sha256([cache / "checksums.json"]), "tokenizer": tok_id,
              "field": d.jsonl_field}
     return (*prepared_shards(cache / "index.json", field, token_dtype=None, **check), ident)
 
 
-def _token_cache(paths: list[str], cfg) -> Path:
+def _token_cache(paths: list[str], cfg, tok_id: str) -> Path:
     """Text and JSONL inputs are tokenised once, into shards under RUN_DIR/token_cache/KEY (KEY: the
     cache version, the tokenizer, the JSONL field and every input's path, size and mtime), by the first
     process only; later starts and the other processes memory-map them. The cache's files carry
@@ -77,10 +77,9 @@ def _token_cache(paths: list[str], cfg) -> Path:
 
     from boost_jax.data.prepare import prepare  # lazily: `python -m` runs that module
     from boost_jax.data.sources import INDEX
-    from boost_jax.data.tokenizer import tokenizer_id
 
     d = cfg.data
-    key = json.dumps([CACHE_VERSION, tokenizer_id(d.tokenizer), d.jsonl_field,
+    key = json.dumps([CACHE_VERSION, tok_id, d.jsonl_field,
                       [[str(Path(p).resolve()), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]])
     out = Path(cfg.run_dir).expanduser().resolve() / "token_cache" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if jax.process_index() == 0:
@@ -95,7 +94,7 @@ def _token_cache(paths: list[str], cfg) -> Path:
                                  "set --config.run_dir to a writable directory") from None
             big = sum(os.path.getsize(p) for p in paths) > 256 << 20
             prepare(paths, out, d.tokenizer, field=d.jsonl_field, workers=min(os.cpu_count() or 1, 8) if big else 0,
-                    progress=big)
+                    progress=big, tok_id=tok_id)
             files = sorted(p.name for p in out.iterdir() if p.name.startswith("shard_") or p.name == INDEX)
             (out / "checksums.json").write_text(json.dumps({f: _sha256([out / f]) for f in files}))
     if jax.process_count() > 1:
@@ -216,6 +215,7 @@ def build_loaders(cfg, process_index: int = 0, process_count: int = 1, order: st
     train order's permutation (default data.shuffle; a resumed run passes the one its checkpoint used)."""
     d = cfg.data
     tok = load_tokenizer(d.tokenizer)
+    tok_id = tokenizer_id(d.tokenizer)  # what the sources, the token cache and the checkpoints name it by
     if d.tokenizer not in ("", "byte") and tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"config field `model.vocab_size`: {cfg.model.vocab_size} is smaller than the "
                          f"tokenizer's {tok.vocab_size}; set --config.model.vocab_size={tok.vocab_size}")
@@ -227,14 +227,14 @@ def build_loaders(cfg, process_index: int = 0, process_count: int = 1, order: st
               file=sys.stderr)
     mixture = [("embedded", "", 1.0)] if d.source == "embedded" else parse_mixture(d.path, "data.path")
     _check_mixture(cfg, mixture, "data.path")
-    read = [_tokens(d.source, path, cfg, tok, "data.path") for _, path, _ in mixture]
+    read = [_tokens(d.source, path, cfg, tok_id, "data.path") for _, path, _ in mixture]
     sources = [r[:2] for r in read]
     identity = {"batching": d.batching, "seq_len": cfg.train.seq_len,
                 "sources": {path or "embedded": r[2] for (_, path, _), r in zip(mixture, read)}}
     if d.eval_path:
         eval_mixture = parse_mixture(d.eval_path, "data.eval_path")
         _check_mixture(cfg, eval_mixture, "data.eval_path")
-        train, held = sources, [_tokens(d.source, path, cfg, tok, "data.eval_path")[:2] for _, path, _ in eval_mixture]
+        train, held = sources, [_tokens(d.source, path, cfg, tok_id, "data.eval_path")[:2] for _, path, _ in eval_mixture]
     else:
         eval_mixture = mixture
         train, held = zip(*[_split_tail(s, d.eval_fraction, d.batching != "stream") for s in sources])

@@ -470,11 +470,13 @@ def _workers_starting():
 
 
 def prepare(paths: list[str], out, tokenizer: str = "byte", *, field: str = "text", workers: int = 0,
-            dtype: str = "auto", unit_bytes: int = 64 << 20, progress: bool = True) -> dict:
+            dtype: str = "auto", unit_bytes: int = 64 << 20, progress: bool = True,
+            tok_id: str | None = None) -> dict:
     """Tokenise `paths` into shards under `out` (resuming a previous run of the same plan); returns
     the index. workers=0 tokenises in this process, N > 0 in N spawned worker processes. Holds
     OUT/.lock throughout; a KeyboardInterrupt becomes Interrupted and a failed write a PrepareError,
-    both after removing the unfinished units' .tmp files (the finished shards stay)."""
+    both after removing the unfinished units' .tmp files (the finished shards stay). `tok_id`: the
+    tokenizer's identity (tokenizer_id), when the caller has it already."""
     from boost_jax.data.tokenizer import load_tokenizer
 
     if not unit_bytes >= 1:
@@ -486,14 +488,15 @@ def prepare(paths: list[str], out, tokenizer: str = "byte", *, field: str = "tex
     out = Path(out)
     _make_out(out)
     units = plan_units([str(p) for p in paths], unit_bytes)
-    plan = {"format": FORMAT, "tokenizer": tokenizer_id(tokenizer), "field": field, "dtype": dtype,
+    tok_id = tok_id or tokenizer_id(tokenizer)
+    plan = {"format": FORMAT, "tokenizer": tok_id, "field": field, "dtype": dtype,
             "inputs": [[str(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths], "units": units}
     with _OutLock(out):
-        return _prepare_locked(out, tok, units, plan, tokenizer, field, dtype, workers, progress)
+        return _prepare_locked(out, tok, units, plan, tokenizer, field, dtype, workers, progress, tok_id)
 
 
 def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, field: str, dtype: str,
-                    workers: int, progress: bool) -> dict:
+                    workers: int, progress: bool, tok_id: str) -> dict:
     """prepare() under the lock: the plan, the units still to do, the index; the clean-up on a stop."""
     from tqdm import tqdm
 
@@ -555,7 +558,7 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
         bar.close()  # before any message
         seconds = time.perf_counter() - t0
         shards = [metas[i] for i in range(len(units))]
-        index = {"format": FORMAT, "tokenizer": tokenizer, "tokenizer_id": tokenizer_id(tokenizer),
+        index = {"format": FORMAT, "tokenizer": tokenizer, "tokenizer_id": tok_id,
                  "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype, "field": field,
                  "documents": sum(m["documents"] for m in shards), "tokens": sum(m["tokens"] for m in shards),
                  "bytes": total, "shards": shards}

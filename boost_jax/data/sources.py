@@ -135,10 +135,12 @@ def prepared_index(spec: str) -> Path | None:
 
 
 def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size: int,
-                    token_dtype: str | None) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+                    token_dtype: str | None,
+                    tok_id: str | None = None) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """(the memory-mapped shards of a prepared directory, each shard's document end offsets or None
     when the directory records no document boundaries), after checking that the run reads them as
-    they were written: dtype, vocabulary and tokenizer; every error names the field to change."""
+    they were written: dtype, vocabulary and tokenizer (`tok_id`: its identity, if known already);
+    every error names the field to change."""
     from boost_jax.data.tokenizer import tokenizer_id
 
     index = read_index(index_path, field)
@@ -150,7 +152,7 @@ def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size:
         raise ValueError(f"config field `model.vocab_size`: {vocab_size} is smaller than the vocabulary "
                          f"({index['vocab_size']}) that {where} was tokenised with; set "
                          f"--config.model.vocab_size={index['vocab_size']}")
-    if tokenizer_id(tokenizer) != index["tokenizer_id"]:
+    if (tok_id or tokenizer_id(tokenizer)) != index["tokenizer_id"]:
         raise ValueError(f"config field `data.tokenizer`: {tokenizer!r} is not the tokenizer {where} was made "
                          f"with ({index['tokenizer']}, {index['tokenizer_id']}); point data.tokenizer at it")
     arrays, ends = [], []

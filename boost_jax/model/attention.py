@@ -66,9 +66,39 @@ CHUNK = 512  # chunked: query and key block length
 _NEG = -1e30  # masked score: finite, so a row's running max never becomes -inf
 
 
-# How the planner prices an implementation (boost_jax/planner/cost.py `attention_seconds`): scores
-# materialised in HBM, blockwise in plain JAX (chunked), or a fused flash kernel.
-COST_CLASSES = ("materialized", "chunked", "flash")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostClass:
+    """How the planner prices an implementation (boost_jax/planner: cost.attention_seconds, the time;
+    partitions.attention, what the backward keeps), described without hardware. Scores either pass
+    through HBM (`block` keys at a time, 0: a query's whole row; the blocks above the diagonal
+    skipped) or stay inside one `fused` kernel that skips the masked blocks and runs at the cluster's
+    flash efficiency. The `kept*` counts are read from compiled steps (tests/test_planner.py)."""
+    name: str
+    backward: float  # backward GEMM work over the forward's 2 GEMMs (q·kᵀ, p·v)
+    score_bytes: tuple = (0, 0)  # HBM bytes per (head, query, key) score: forward, backward
+    block: int = 0  # keys per block of scores (0: the whole row)
+    fused: bool = False
+    kept: int = 4  # arrays of the query width kept for the backward: q, k, v, the output (+ its [B, T, q] view)
+    gpu_kept: int = 0  # the same in the GPU program (0: as `kept`)
+    kept_scores: int = 0  # float32 arrays per score kept (0: a float32 log-sum-exp per query row and head)
+
+
+# The cost classes implementations register with (`implementation(cost=...)`; a new one may bring its own).
+COST_CLASSES: dict = {c.name: c for c in (
+    # Scores materialised: the forward writes the float32 scores, reads them for the softmax, writes the
+    # probabilities, reads them for P·V (12 bytes); the backward reads/writes dP, dS, P (16). Kept: the
+    # float32 exp and softmax per score (+ the probabilities in the compute dtype when that is not float32).
+    CostClass("materialized", backward=2, score_bytes=(12, 16), kept=4, kept_scores=2),
+    # Blocks of 512 queries x 512 keys (`chunked` below): each block's scores pass through HBM as above,
+    # and the backward recomputes them twice (its dQ pass and its dK/dV pass: 7 block GEMMs against the
+    # forward's 2, twice the score traffic).
+    CostClass("chunked", backward=3.5, score_bytes=(12, 32), block=CHUNK, kept=5),
+    # FlashAttention: its backward runs 5 GEMMs (scores recomputed) against the forward's 2; the GPU
+    # program keeps q, k, v and the output (and the log-sum-exp).
+    CostClass("flash", backward=2.5, fused=True, kept=5, gpu_kept=4),
+)}
 # What of a `Documents` an implementation reads: segment ids (any rows), or per-row lengths (one
 # document then padding per row only).
 DOCUMENT_KINDS = ("segments", "lengths")
@@ -92,19 +122,23 @@ class Blockwise:
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     fn: Callable  # fn(q, k, v, offset) -> out [B, T, H, Dh]
-    cost: str  # one of COST_CLASSES
+    cost: str  # the name of its CostClass (COST_CLASSES)
     fused: bool = False  # a fused kernel taking offset 0 only: decode steps (a traced offset) run `chunked`
     documents: tuple = ()  # the DOCUMENT_KINDS it masks by (then fn takes `docs=`)
     blockwise: Blockwise | None = None  # its block form: what runs under context parallelism
 
 
-def implementation(name: str, *, cost: str, fused: bool = False, documents: tuple = (),
+def implementation(name: str, *, cost, fused: bool = False, documents: tuple = (),
                    blockwise: Blockwise | None = None):
-    """Register `fn(q, k, v, offset)` as `model.attention=name`, priced by the planner as `cost`; with
-    `documents` (DOCUMENT_KINDS it reads) it also takes `fn(q, k, v, offset, docs=Documents)`; with
-    `blockwise` it runs under context parallelism (`parallel.context` > 1)."""
+    """Register `fn(q, k, v, offset)` as `model.attention=name`, priced by the planner as `cost` (a
+    COST_CLASSES name, or a new CostClass, registered with it); with `documents` (DOCUMENT_KINDS it
+    reads) it also takes `fn(q, k, v, offset, docs=Documents)`; with `blockwise` it runs under context
+    parallelism (`parallel.context` > 1)."""
+    if isinstance(cost, CostClass):
+        COST_CLASSES[cost.name] = cost
+        cost = cost.name
     if cost not in COST_CLASSES:
-        raise ValueError(f"attention implementation {name!r}: cost {cost!r} is not one of {COST_CLASSES}")
+        raise ValueError(f"attention implementation {name!r}: cost {cost!r} is not one of {tuple(COST_CLASSES)}")
     documents = tuple(documents)
     if not set(documents) <= set(DOCUMENT_KINDS):
         raise ValueError(f"attention implementation {name!r}: documents {documents} are not among {DOCUMENT_KINDS}")
@@ -122,7 +156,8 @@ def names() -> tuple[str, ...]:
 
 
 def cost_class(name: str) -> str:
-    """How the planner prices implementation `name` (not `auto`: resolve it first)."""
+    """The name of the CostClass the planner prices implementation `name` by (not `auto`: resolve it
+    first); COST_CLASSES holds the class."""
     return IMPLEMENTATIONS[name].cost
 
 

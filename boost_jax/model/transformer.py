@@ -40,7 +40,7 @@ class MLP(nnx.Module):
     def __call__(self, x, norm):
         g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route)
         h = g * u if self.only_lr_act else jax.nn.silu(g) * u
-        return project([self.down], constrain(h, ("act_batch", "act_seq", "act_mlp")), grouped=False,
+        return project([self.down], constrain(h, CORE_AXES["act"]), grouped=False,
                        route=self.out_route)[0]
 
 
@@ -71,7 +71,7 @@ class Transformer(nnx.Module):
                  placement=LOCAL, remat_pipeline: str = "none"):
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
-        self.pipeline = placement.pipeline()  # None: the layers run as one scan
+        self.pipeline = placement.pipeline(LAYER_STACK)  # None: the layers run as one scan
         self.context = placement.context()  # None, or the sequence split over `context` (its layout)
         self.dtype = compute_dtype(cfg.dtype)
         self.remat_policy = remat_policy
@@ -188,6 +188,10 @@ def model_from_config(cfg, placement=LOCAL) -> Transformer:
 # group's input and of its projections' outputs, as Attention and MLP declare them.
 PROJECTION_AXES = {"qkv": ("embed", ("heads", "kv_heads", "kv_heads")), "o": ("heads", ("embed",)),
                    "mlp_in": ("embed", ("mlp", "mlp")), "mlp_out": ("mlp", ("embed",))}
+# The logical axes of what the two cores between the groups run on: the attention's queries (as
+# Attention constrains them, their head_dim axis left out) and the MLP's activation. With
+# PROJECTION_AXES and RESIDUAL they are what the planner reads a strategy's layouts from.
+CORE_AXES = {"attention": ("act_batch", "act_seq", "act_heads"), "act": ("act_batch", "act_seq", "act_mlp")}
 
 
 def axis_units(m) -> dict[str, tuple[str, int]]:

@@ -9,8 +9,9 @@ modules keep them as fields, where a reader sees them:
 - `group(name, factored)`: how a projection group's GEMMs run: the model's own grouped GEMMs
   (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
   PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
-- `pipeline()`: None (the model scans its layers), or the pipeline schedule (gpipe | circular) over
-  the `pipeline` axis;
+- `pipeline(stack)`: None (the model scans its layers), or the pipeline schedule (gpipe | circular)
+  over the `pipeline` axis for the model's stacked layers (`stack`: their parameters' key), which
+  also accumulates the train step's gradient (`Pipeline.accumulate`);
 - `context()`: None, or the sequence split over the `context` axis (boost_jax/parallel/context.py:
   the load-balanced layout and the attention island).
 
@@ -94,13 +95,24 @@ class SpatialTemporal(Grouped):
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """The layer stack as a pipeline schedule over the `pipeline` axis (boost_jax/parallel/pipeline.py):
-    gpipe, or circular with `repeats` layer chunks per stage."""
+    gpipe, or circular with `repeats` layer chunks per stage. `stack`: the key of the stacked layers'
+    parameters in the model's parameter tree."""
     mesh: Mesh
     strategy: Strategy
     stages: int
     microbatches: int
     schedule: str = "gpipe"
     repeats: int = 1
+    stack: str = "layers"
+
+    def accumulate(self, loss_fn, trained, batch, param_specs=None):
+        """The train step's (mean loss, mean gradient) over a batch [grad_accum, rows, ...], the stage
+        weights' gradient reduced over data x fsdp once per step (parallel/pipeline.py `accumulate`).
+        `param_specs`: the parameters' PartitionSpecs (the circular reorder keeps the stack's)."""
+        from boost_jax.parallel import pipeline
+        return pipeline.accumulate(loss_fn, trained, batch, stack=self.stack, mesh=self.mesh, strategy=self.strategy,
+                                   stages=self.stages, schedule=self.schedule, repeats=self.repeats,
+                                   specs=None if param_specs is None else param_specs[self.stack])
 
     def loss(self, loss_fn):
         """`loss_fn(h, w, labels, mask)` (the head and loss on the pipeline's output) run per batch
@@ -163,12 +175,12 @@ class Placement:
             return OnlineNorm(self.mesh, self.strategy.grad_reduce_dtype)
         return GROUPED
 
-    def pipeline(self):
+    def pipeline(self, stack: str = "layers"):
         if self.mesh is None or self.mesh.shape.get("pipeline", 1) == 1:
             return None
         s = self.strategy
         return Pipeline(self.mesh, s, self.mesh.shape["pipeline"], s.microbatches, s.pipeline_schedule,
-                        s.pipeline_repeats)
+                        s.pipeline_repeats, stack)
 
     def context(self):
         if self.mesh is None or self.mesh.shape.get("context", 1) == 1:

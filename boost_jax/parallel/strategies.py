@@ -1,8 +1,10 @@
 """Tensor-parallel strategies: a registry of logical-axis tables (see the BOOST reference notes).
 
-A strategy is one `register(Registered(...))` entry: its name (`parallel.strategy`), its rule table,
-the layouts the planner prices it as, and whether online RMSNorm applies. Config validation, the
-trainer, the comm report and the planner all read this registry, so a new strategy is one entry.
+A strategy is one `register(Registered(...))` entry: its name (`parallel.strategy`), its rule table
+and whether online RMSNorm applies. Config validation, the trainer, the comm report and the planner
+all read this registry, and the planner prices a strategy from its table (what each projection group
+splits over `tensor`, where the activations live: boost_jax/planner/partitions.py), so a new strategy
+is one entry.
 
 Parameter names: embed (hidden d), heads / kv_heads (attention widths), mlp (I), rank (r),
 vocab_in / embed of the embedding table, head_embed / vocab of the LM head, norm (a norm scale
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.config import PROJECTION_GROUPS
+from boost_jax.config import PROJECTION_GROUPS, ST
 from boost_jax.errors import ConfigError
 from boost_jax.parallel.rules import Strategy
 
@@ -66,15 +68,17 @@ MEGATRON_SP = (("act_res_seq", ("context", "tensor")),) + MEGATRON
 
 @dataclasses.dataclass(frozen=True)
 class Registered:
-    """One strategy. `planner`: (residual layout, the partition choice of every projection group,
-    attention layout, MLP-activation layout) in the planner's terms (boost_jax/planner/partitions.py:
-    layouts R/H/S, choices btp/vanilla/megatron); `sequence_parallel`: the table used with
-    `parallel.sequence_parallel` (its residual is split along the sequence, layout S), if it has one."""
+    """One strategy. `sequence_parallel`: the table used with `parallel.sequence_parallel` (its residual
+    is split along the sequence), if it has one. `factored_only`: its layouts are meant for bottleneck
+    kinds (on a dense model they degenerate: every group row-parallel, or replicated), so the planner
+    proposes it for factored models only. `report_linear`: the linear kind the comm report measures it
+    on when asked for it by name alone (None: the config's own)."""
     name: str
     rules: tuple
-    planner: tuple[str, str, str, str]
     online_norm: bool = False  # parallel.online_norm applies: its norms send their statistics with the A's
     sequence_parallel: tuple | None = None
+    factored_only: bool = False
+    report_linear: str | None = None
 
 
 REGISTRY: dict[str, Registered] = {}
@@ -85,9 +89,10 @@ def register(entry: Registered) -> Registered:
     return entry
 
 
-register(Registered("btp", BTP, planner=("H", "btp", "H", "H"), online_norm=True))
-register(Registered("vanilla", VANILLA, planner=("R", "vanilla", "R", "R")))
-register(Registered("megatron", MEGATRON, planner=("R", "megatron", "H", "H"), sequence_parallel=MEGATRON_SP))
+register(Registered("btp", BTP, online_norm=True, factored_only=True))
+register(Registered("vanilla", VANILLA, factored_only=True))
+# Megatron's column of the comm report is the full-rank twin, the baseline BOOST compares with.
+register(Registered("megatron", MEGATRON, sequence_parallel=MEGATRON_SP, report_linear="dense"))
 
 
 def names() -> tuple[str, ...]:
@@ -105,27 +110,21 @@ def variants() -> list[tuple[Registered, bool]]:
     return [(e, sp) for e in REGISTRY.values() for sp in ((False, True) if e.sequence_parallel else (False,))]
 
 
-def planner_layout(name: str, sequence_parallel: bool = False) -> tuple[str, tuple[str, ...], str, str]:
-    """(residual layout, group choices, attention layout, act layout) the planner prices `name` as."""
-    residual, choice, attention, act = registered(name).planner
-    return ("S" if sequence_parallel else residual), (choice,) * len(PROJECTION_GROUPS), attention, act
-
-
 def st_groups(spec: str) -> frozenset:
     """Parse `parallel.linear_partition`: "" (the strategy's own layout), "st" (every projection
     group spatial-temporal) or "group=st,..." for some of qkv, o, mlp_in, mlp_out."""
     spec = spec.strip()
     if not spec:
         return frozenset()
-    if spec == "st":
+    if spec == ST:
         return frozenset(PROJECTION_GROUPS)
     groups = set()
     for item in spec.split(","):
         group, _, choice = item.partition("=")
-        if group.strip() not in PROJECTION_GROUPS or choice.strip() not in ("st", "default"):
+        if group.strip() not in PROJECTION_GROUPS or choice.strip() not in (ST, "default"):
             raise ConfigError(f"config field `parallel.linear_partition`: {item!r} is not GROUP=st|default "
                               f"with GROUP one of {PROJECTION_GROUPS} (or the single value 'st')")
-        if choice.strip() == "st":
+        if choice.strip() == ST:
             groups.add(group.strip())
     return frozenset(groups)
 

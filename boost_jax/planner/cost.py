@@ -20,24 +20,12 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul
+from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_class
 
 STATE_BYTES = 4  # parameters, gradients and their reductions are float32 in the trainer
 ADAM_STATE_BYTES = 16  # fp32 param + fp32 grad + Adam m and v
 ACCUM_BYTES = 4  # the fp32 gradient accumulator of grad_accum > 1
 OPTIMIZER_TRAFFIC = 32  # HBM bytes per parameter per AdamW update (read/write p, m, v; read g, norm)
-# Materialised attention (model.attention=xla): HBM bytes per (head, query, key) score. Traffic:
-# forward writes fp32 scores, reads them for the softmax, writes the probabilities, reads them for
-# P·V (12); the backward reads/writes dP, dS, P (16). What is kept for the backward is counted in
-# partitions.SAVED_SCORE.
-SCORE_TRAFFIC = (12, 16)
-FLASH_BACKWARD = 2.5  # FlashAttention's backward: 5 GEMMs (scores recomputed) against the forward's 2
-# model.attention=chunked (boost_jax/model/attention.py): blocks of CHUNK queries x CHUNK keys, the
-# ones above the diagonal skipped; each block's scores pass through HBM as in the materialised
-# attention, and the backward recomputes them twice (its dQ pass and its dK/dV pass: 7 block GEMMs
-# against the forward's 2).
-CHUNK = 512
-CHUNKED_BACKWARD = 3.5
 # The compiled step's transient buffers, read from its memory report (tests/test_planner.py):
 LOGIT_BUFFERS = 3  # float32 [rows, chunk, V/t] arrays live in the loss (logits, exp, gradient)
 # XLA packs the step's temporaries into one allocation (memory_analysis().temp_size_in_bytes), which
@@ -71,7 +59,13 @@ STAGE_COPY = 1.0
 # remat the compiled circular step holds less than GPipe (lowrank + stage, p2 x f2 x t2: 7.8 MB against
 # GPipe's 10.1 MB at 2 layers per stage), and no such term is added.
 CIRCULAR_COPIES = 3.0
-REMAT_POLICIES = ("none", "lowrank", "full")
+
+
+def remat_policies() -> tuple[str, ...]:
+    """The remat policies the planner prices, in search order (boost_jax/model/remat.py PRICED)."""
+    from boost_jax.model.remat import PRICED  # imports jax (the model package): not at import time
+
+    return tuple(PRICED)
 
 
 # ---------------------------------------------------------------- communication
@@ -149,9 +143,9 @@ def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, f
 
 
 def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
-    """The cost class (boost_jax/model/attention.py COST_CLASSES: materialized | chunked | flash) that
-    `model.attention = name` registered, i.e. how it runs on a GPU of the cluster: `auto` resolves as
-    the trainer does (`auto_impl`) for a GPU in the compute dtype act_bytes stands for."""
+    """The cost class (boost_jax/model/attention.py COST_CLASSES) that `model.attention = name`
+    registered, i.e. how it runs on a GPU of the cluster: `auto` resolves as the trainer does
+    (`auto_impl`) for a GPU in the compute dtype act_bytes stands for."""
     from boost_jax.model import attention  # imports jax: once per search, not per plan
 
     if name not in attention.names():
@@ -162,22 +156,22 @@ def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
 
 
 def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, float]:
-    """(forward, backward) of causal attention on this device."""
+    """(forward, backward) of causal attention on this device, as its cost class `kind` (a name of
+    boost_jax/model/attention.py COST_CLASSES) describes it."""
+    c = attention_class(kind)
     flops = 4 * a.queries * a.keys * a.head_dim * a.heads  # q·kᵀ and p·v over every key
-    if kind == "flash":  # skips masked blocks; the busiest token block sets the pace
+    if c.fused:  # skips masked blocks; the busiest token block sets the pace
         fwd = 0.5 * flops * a.imbalance / (cluster.peak_flops * cluster.flash_efficiency)
-        return fwd, FLASH_BACKWARD * fwd
-    if kind not in ("materialized", "chunked"):
-        raise ValueError(f"attention cost class {kind!r} has no price here (materialized, chunked, flash)")
-    gemm = flops / (cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, min(a.keys, CHUNK if kind ==
-                                                                                      "chunked" else a.keys), cluster))
+        return fwd, c.backward * fwd
+    gemm = flops / (cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, min(a.keys, c.block or a.keys),
+                                                         cluster))
     traffic = a.queries * a.keys * a.heads / cluster.hbm_bandwidth
-    if kind == "materialized":
-        return gemm + SCORE_TRAFFIC[0] * traffic, 2 * gemm + SCORE_TRAFFIC[1] * traffic
-    blocks = -(-a.keys // CHUNK)
+    if not c.block:
+        return gemm + c.score_bytes[0] * traffic, c.backward * gemm + c.score_bytes[1] * traffic
+    blocks = -(-a.keys // c.block)
     visible = (blocks + 1) / (2 * blocks) * a.imbalance  # the diagonal blocks are computed whole
-    return (visible * (gemm + SCORE_TRAFFIC[0] * traffic),
-            visible * (CHUNKED_BACKWARD * gemm + 2 * SCORE_TRAFFIC[1] * traffic))
+    return (visible * (gemm + c.score_bytes[0] * traffic),
+            visible * (c.backward * gemm + c.score_bytes[1] * traffic))
 
 
 # ---------------------------------------------------------------- one operator
@@ -211,7 +205,7 @@ def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
     if policy == "lowrank":
         return ([g for g in op.gemms if g.tag != "A"], [s for s in op.st if s.tag != "A"], op.attn is not None,
                 [c for c in fwd if not c.saved])
-    raise ValueError(f"--remat: {policy!r} is not one of {REMAT_POLICIES}")
+    raise ValueError(f"--remat: {policy!r} is not one of {remat_policies()}")
 
 
 def st_recomputed(op: Op, policy: str) -> list:

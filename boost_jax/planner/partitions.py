@@ -6,9 +6,12 @@ lives on the `tensor` group (t devices) in one of these layouts:
     R  replicated            H  features split t ways      S  tokens split t ways
     P  partial sums still to be reduced (only ever an operator's output)
 
-Operators are the four projection groups (qkv, o, mlp_in, mlp_out; each takes one partition choice:
-btp, vanilla, megatron or st), the attention and MLP-activation cores (run in whatever layout they
-are fed) and the RMSNorms. Edges between operators redistribute the activation when layouts differ.
+Operators are the four projection groups (qkv, o, mlp_in, mlp_out), the attention and
+MLP-activation cores (run in whatever layout they are fed) and the RMSNorms. Edges between operators
+redistribute the activation when layouts differ. A group's partition choice is what a registered
+strategy's rule table does to it (`Split`: which stage splits which dim over `tensor`, read from the
+table through `spec_for`, as the trainer lays the weights out; see `strategy_layers`), named after the
+first registered strategy that does it, or the spatial-temporal choice `st`.
 Everything is per device and per micro-batch; M is the micro-batch's tokens on one tensor group.
 
 The spatial-temporal choice (`st`, PrimePar's P(n x n)) runs on the grid the trainer uses
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.config import PROJECTION_GROUPS as GROUPS  # noqa: F401 - the trainer's group names
+from boost_jax.config import PROJECTION_GROUPS as GROUPS, ST  # noqa: F401 - the trainer's group names
 
 # Arrays each operator keeps for the backward without remat, as counted in the compiled train step's
 # buffer assignment (XLA's memory-usage report of the scanned layer's stacked residuals; float32 on
@@ -32,23 +35,19 @@ SAVED_NORM = (1, 2)  # RMSNorm: (compute dtype, float32) arrays of its width: ou
 SAVED_SIGMA = 4  # a nonlinear bottleneck σ(A·x): A's output, σ's internals and its output, per A output
 SAVED_LINEAR = 1  # an identity bottleneck (lowrank): A's output
 SAVED_ONLINE_NORM = 2  # more arrays of the A output when the norm statistics ride in its all-reduce
-SAVED_ATTENTION = {"materialized": 4, "chunked": 5, "flash": 5}  # q, k, v, the output (+ its [B, T, q] view)
-SAVED_SCORE = 2  # materialised attention: float32 arrays per score (exp and softmax), + probs in the
-# compute dtype when that is not float32
+# (what attention keeps: its cost class's counts, boost_jax/model/attention.py CostClass)
 SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
 # The same counted in the GPU program (a bf16/fp16 step compiled for H100s without them,
 # boost_jax/tools/aot.py: the stacked residuals of its scanned layer, cola_1b on 1 GPU, cola_7b btp on
 # tensor 8, llama_7b megatron on tensor 8; benchmarks/aot_fit.md). XLA:GPU fuses the norm: its input
 # and output in the compute dtype, no float32 copy (5 arrays of the residual width per layer for the
-# two norms, counted as 2.5 each); flash attention keeps q, k, v and the output (and its log-sum-exp);
-# BTP's online norm keeps its A outputs twice more in float32 (they ride the all-reduce with the
+# two norms, counted as 2.5 each); BTP's online norm keeps its A outputs twice more in float32 (they ride the all-reduce with the
 # float32 statistics). SAVED_SIGMA and SAVED_SWIGLU are what the GPU program keeps too.
 GPU_SAVED_NORM = (2.5, 0)
-GPU_SAVED_FLASH = 4
 GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
-CHOICES = ("btp", "vanilla", "megatron", "st")
-# Megatron's column-parallel groups (the others are row-parallel).
-COLUMN = ("qkv", "mlp_in")
+# The groups a norm feeds (the first of each residual segment): their norm's statistics may ride in
+# a row-parallel first stage's all-reduce (online RMSNorm).
+NORMED = ("qkv", "mlp_in")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,80 +276,152 @@ def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
 
 # ---------------------------------------------------------------- projection groups
 
-def group_choices(ctx: Ctx, group: str) -> list[tuple[str, str, str]]:
-    """(choice, input layout, output layout) that can run this group on this tensor size."""
+@dataclasses.dataclass(frozen=True, order=True)
+class Split:
+    """What a layout splits of a projection group over `tensor`. A factored kind: `first` (A: "in" its
+    input features, row-parallel, the r-wide partial products then reduced; "rank" its bottleneck
+    columns) and `second` (B: "rank", row-parallel, output left partial; "out" its output features,
+    column-parallel); "" splits nothing. A dense kind: `first` alone ("in" or "out"). `fused`: the
+    norm in front sends its statistics with A's all-reduce (the strategy's online RMSNorm). GRID:
+    the spatial-temporal P(n x n) on the (fsdp, tensor) grid."""
+    first: str = ""
+    second: str = ""
+    fused: bool = False
+
+    def layouts(self, factored: bool) -> tuple[str, str]:
+        """(input layout, output layout) of the group."""
+        if self == GRID:
+            return "H", "H"
+        inp = "H" if self.first == "in" else "R"
+        if not factored:
+            return inp, {"in": "P", "out": "H"}.get(self.first, "R")
+        return inp, {"rank": "P", "out": "H"}.get(self.second, "R")
+
+    def split_axes(self, group: str, factored: bool) -> list[str]:
+        """The logical axes this split divides over `tensor` (see PROJECTION_AXES): "rank" for the
+        bottleneck."""
+        from boost_jax.model.transformer import PROJECTION_AXES
+
+        in_axis, out_axes = PROJECTION_AXES[group]
+        stage = {"in": [in_axis], "out": list(out_axes), "rank": ["rank"], "": []}
+        return stage[self.first] + (stage[self.second] if factored else [])
+
+
+NONE = Split()  # tensor 1: nothing is split
+GRID = Split("grid", "grid")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLayer:
+    """A registered strategy's layer in the planner's terms, read from its rule table: the residual
+    stream's layout, each group's Split (None: the table gives the group no single layout, which is
+    not priced), the layouts the attention and MLP activation run in."""
+    name: str
+    sequence_parallel: bool
+    factored_only: bool
+    residual: str
+    splits: tuple
+    attention: str
+    act: str
+
+
+_TABLES: dict = {}
+
+
+def strategy_layers(factored: bool, online_norm: bool = True) -> tuple[TableLayer, ...]:
+    """Every registered strategy (and its sequence-parallel table) as the planner prices it, in
+    registry order, read from the rule tables with boost_jax.parallel.rules.spec_for on a mesh whose
+    only split axis is `tensor`, the way the trainer lays out weights and pins activations. Sizes are
+    left out (whether a mesh divides a split is the planner's check: `group_choices`, `layouts`).
+    `online_norm`: parallel.online_norm, which the strategy's own flag must also allow."""
+    from boost_jax.parallel import strategies
+
+    key = (tuple(strategies.REGISTRY.values()), factored, online_norm)
+    if key not in _TABLES:
+        _TABLES.clear()  # the registry changed (or another model kind): derive again
+        _TABLES[key] = tuple(_table_layer(e, sp, factored, online_norm) for e, sp in strategies.variants())
+    return _TABLES[key]
+
+
+def _table_layer(entry, sp: bool, factored: bool, online_norm: bool) -> TableLayer:
+    import types
+
+    from boost_jax.model.linear import RESIDUAL
+    from boost_jax.model.transformer import CORE_AXES, PROJECTION_AXES
+    from boost_jax.parallel.rules import spec_for  # imports jax: memoised, off the DP's path
+
+    rules = entry.sequence_parallel if sp else entry.rules
+    mesh = types.SimpleNamespace(shape={"pipeline": 1, "data": 1, "fsdp": 1, "tensor": 2})
+
+    def split_dims(names) -> tuple[bool, ...]:
+        spec = tuple(spec_for(names, (2,) * len(names), mesh, rules))
+        return tuple(i < len(spec) and spec[i] is not None for i in range(len(names)))
+
+    def layout(names) -> str:  # [batch, sequence, features]
+        _, seq, features = split_dims(names)
+        return "S" if seq else "H" if features else "R"
+
+    def group_split(group: str) -> Split | None:
+        in_axis, out_axes = PROJECTION_AXES[group]
+        found = set()
+        for out in out_axes:
+            if not factored:
+                d_in, d_out = split_dims((in_axis, out))
+                found.add(Split("in" if d_in else "out" if d_out else ""))
+                continue
+            a_in, a_rank = split_dims((in_axis, "rank"))
+            b_rank, b_out = split_dims(("rank", out))
+            first = "in" if a_in else "rank" if a_rank else ""
+            found.add(Split(first, "rank" if b_rank else "out" if b_out else "",
+                            fused=first == "in" and group in NORMED and entry.online_norm and online_norm))
+        return found.pop() if len(found) == 1 else None
+
+    return TableLayer(entry.name, sp, entry.factored_only, layout(RESIDUAL), tuple(group_split(g) for g in GROUPS),
+                      layout(CORE_AXES["attention"]), layout(CORE_AXES["act"]))
+
+
+def group_choices(ctx: Ctx, group: str) -> list[tuple[str, str, str, Split]]:
+    """(choice, input layout, output layout, split) that can run this group on this tensor size: what
+    each registered strategy's table does to it (named after the first that does it), and st."""
     b, t = ctx.block, ctx.t
     if t == 1:
-        return [("none", "R", "R")]
+        return [("none", "R", "R", NONE)]
     din, douts = b.projections(group)
-    heads_ok = group not in ("qkv", "o") or _divides(t, b.heads, b.kv_heads)
-    out = []
-    if b.factored and heads_ok and _divides(t, din, *douts):
-        out.append(("btp", "H", "H"))
-    if b.factored and _divides(t, b.rank):
-        out.append(("vanilla", "R", "P"))
-    if heads_ok and group in COLUMN and _divides(t, *douts):
-        out.append(("megatron", "R", "H"))
-    if heads_ok and group not in COLUMN and _divides(t, din):
-        out.append(("megatron", "H", "R" if b.factored else "P"))
+    heads = _divides(t, b.heads, b.kv_heads)
+    sizes = {"in": (din,), "out": douts, "rank": (b.rank,), "": ()}
+    out, seen = [], set()
+    for table in strategy_layers(b.factored, b.online_norm):
+        split = table.splits[GROUPS.index(group)]
+        if split is None or split in seen or (table.factored_only and not b.factored):
+            continue
+        seen.add(split)
+        if not _divides(t, *sizes[split.first], *(sizes[split.second] if b.factored else ())):
+            continue
+        if not heads and {"heads", "kv_heads"} & set(split.split_axes(group, b.factored)):
+            continue
+        out.append((table.name, *split.layouts(b.factored), split))
     n = ctx.n
-    if n and heads_ok and _divides(n, din, *douts, *((b.rank,) if b.factored else ())):
-        out.append(("st", "H", "H"))
+    if n and (group not in ("qkv", "o") or heads) and _divides(n, din, *douts, *((b.rank,) if b.factored else ())):
+        out.append((ST, "H", "H", GRID))
     return out
 
 
-def partial_input_grad(block: Block, group: str, choice: str) -> bool:
+def partial_input_grad(block: Block, split: Split) -> bool:
     """Whether the group's input gradient comes out partial (its input is replicated and the GEMM
-    reading it split along its output): reduced by the edge in front of it (see `edge`). Megatron's
-    factorised column groups keep A whole, so their input gradient is complete."""
-    return choice == "vanilla" or (choice == "megatron" and group in COLUMN and not block.factored)
+    reading it split along its output): reduced by the edge in front of it (see `edge`). A factored
+    group whose A is whole has a complete input gradient (its B's input gradient is reduced)."""
+    return split.first == "rank" or (split.first == "out" and not block.factored)
 
 
-def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
-    """The work of one projection group under one choice (see the BOOST notes for btp/vanilla/megatron
-    and the PrimePar notes for st). `fused_norm`: a norm's statistics ride in the A all-reduce.
-    Partial input gradients (partial_input_grad) are charged to the edge in front."""
+def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op:
+    """The work of one projection group under one split (see the BOOST notes for the row- and
+    column-parallel stages and the PrimePar notes for st). `fused_norm`: a norm's statistics ride in
+    the A all-reduce. Partial input gradients (partial_input_grad) are charged to the edge in front."""
     b, t, m = ctx.block, ctx.t, ctx.tokens
     din, douts = b.projections(group)
     g, r, dsum = len(douts), b.rank, sum(douts)
-    op = Op(f"{group}:{choice}")
-    if choice == "none":  # t == 1: nothing is split
-        if b.factored:
-            op.gemms = [Gemm(m, din, g * r, "A")] + [Gemm(m, r, o, "B") for o in douts]
-            op.acts, op.saved_lowrank, op.weights = m * (2 * g * r + dsum), m * g * r, din * g * r + r * dsum
-        else:
-            op.gemms, op.acts, op.weights = [Gemm(m, din, dsum, "W")], m * dsum, din * dsum
-        return _with_saved(op, b, False, gpu(ctx))
-    if choice == "btp":  # A row-parallel (partial r-wide product all-reduced), B column-parallel
-        stats = m if fused_norm else 0
-        op.gemms = [Gemm(m, din / t, g * r, "A")] + [Gemm(m, r, o / t, "B") for o in douts]
-        op.colls = [Coll("all-reduce", m * g * r + stats, t, 1, "fwd", saved=True),
-                    Coll("all-reduce", m * g * r, t, 1, "bwd")]  # the B's input gradient
-        op.acts, op.saved_lowrank = m * (2 * g * r + dsum / t), m * g * r + stats
-        op.weights = (din * g * r + r * dsum) / t
-    elif choice == "vanilla":  # A column-parallel (r split), B row-parallel: output left partial
-        op.gemms = [Gemm(m, din, g * r / t, "A")] + [Gemm(m, r / t, o, "B") for o in douts]
-        op.acts, op.saved_lowrank = m * (2 * g * r / t + dsum), m * g * r / t
-        op.weights = (din * g * r + r * dsum) / t
-    elif choice == "megatron" and group in COLUMN:  # output columns split; the input is replicated
-        if b.factored:  # A replicated (redundant compute), B column-parallel
-            op.gemms = [Gemm(m, din, g * r, "A")] + [Gemm(m, r, o / t, "B") for o in douts]
-            op.colls = [Coll("all-reduce", m * g * r, t, 1, "bwd")]
-            op.acts, op.saved_lowrank = m * (2 * g * r + dsum / t), m * g * r
-            op.weights = din * g * r + r * dsum / t
-        else:
-            op.gemms = [Gemm(m, din, dsum / t, "W")]
-            op.acts, op.weights = m * dsum / t, din * dsum / t
-    elif choice == "megatron":  # row-parallel: input features split, partial output reduced
-        if b.factored:  # A row-parallel, r-wide all-reduce, B replicated
-            op.gemms = [Gemm(m, din / t, r, "A"), Gemm(m, r, dsum, "B")]
-            op.colls = [Coll("all-reduce", m * r, t, 1, "fwd", saved=True)]
-            op.acts, op.saved_lowrank = m * (2 * r + dsum), m * r
-            op.weights = din * r / t + r * dsum
-        else:  # output left partial: the edge after it reduces
-            op.gemms = [Gemm(m, din / t, dsum, "W")]
-            op.acts, op.weights = m * dsum, din * dsum / t
-    elif choice == "st":  # every projection's GEMMs are P(n x n)s on the (fsdp, tensor) grid, one each
+    op = Op(f"{group}:{split.first}/{split.second}")
+    if split == GRID:  # every projection's GEMMs are P(n x n)s on the (fsdp, tensor) grid, one each
         n = ctx.n  # == t
         # Kept for the backward: each GEMM's skewed input and its output (and σ's input).
         if b.factored:
@@ -361,10 +432,31 @@ def group_op(ctx: Ctx, group: str, choice: str, fused_norm: bool = False) -> Op:
         else:
             op.st = [StMatmul(m, din, o, n, "W", shared=j > 0) for j, o in enumerate(douts)]
             op.acts, op.grid_weights = m * (g * din + dsum) / n, din * dsum / n
-    else:
-        raise ValueError(f"unknown partition choice {choice!r} for {group}")
-    op.ring = sum(s.ring() for s in op.st)
-    return _with_saved(op, b, fused_norm and choice == "btp", gpu(ctx))
+        op.ring = sum(s.ring() for s in op.st)
+        return _with_saved(op, b, False, gpu(ctx))
+    first, second = split.first, split.second
+    if not b.factored:  # one GEMM for the group: input features split (output partial), or output columns
+        op.gemms = [Gemm(m, din / t if first == "in" else din, dsum / t if first == "out" else dsum, "W")]
+        op.acts = m * dsum / t if first == "out" else m * dsum
+        op.weights = din * dsum / t if first else din * dsum
+        return _with_saved(op, b, False, gpu(ctx))
+    fused = fused_norm and first == "in"
+    stats = m if fused else 0
+    op.gemms = [Gemm(m, din / t if first == "in" else din, g * r / t if first == "rank" else g * r, "A")] + [
+        Gemm(m, r / t if second == "rank" else r, o / t if second == "out" else o, "B") for o in douts]
+    if first == "in" and second == "rank":  # the partial r-wide products land split over the rank
+        op.colls = [Coll("reduce-scatter", m * g * r, t, 1, "fwd", saved=True),
+                    Coll("all-gather", m * g * r, t, 1, "bwd")]
+    elif first == "in":  # the partial r-wide products (and the norm's statistics) all-reduced
+        op.colls = [Coll("all-reduce", m * g * r + stats, t, 1, "fwd", saved=True)]
+    if second == "out" and first != "rank":  # B's input gradient is partial over its output columns
+        op.colls.append(Coll("all-reduce", m * g * r, t, 1, "bwd"))
+    r_kept = g * r / t if first == "rank" or second == "rank" else g * r  # A's output on this device
+    op.acts = m * (2 * r_kept + dsum / (t if second == "out" else 1))
+    op.saved_lowrank = m * r_kept + stats
+    op.weights = din * g * r / (t if first else 1) + r * dsum / (t if second else 1)
+    op.ring = 0
+    return _with_saved(op, b, fused, gpu(ctx))
 
 
 def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
@@ -448,15 +540,25 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
                    imbalance=(2 * ts - 1) / ts)
     # Kept: q, k, v and the output (and K/V gathered over a token split); materialised scores in
     # float32 (+ the probabilities in the compute dtype), else the log-sum-exp per row and head.
-    n = GPU_SAVED_FLASH if gpu(ctx) and ctx.attention == "flash" else SAVED_ATTENTION[ctx.attention]
+    c = attention_class(ctx.attention)
+    n = c.gpu_kept if gpu(ctx) and c.gpu_kept else c.kept
     op.saved = ctx.local(layout, 2 * q + 2 * kv + (n - 4) * q) + (op.acts - ctx.local(layout, 2 * q + kv))
     rows = op.attn.queries * op.attn.heads
-    if ctx.attention == "materialized":
-        op.saved32 = SAVED_SCORE * rows * ctx.seq
+    if c.kept_scores:
+        op.saved32 = c.kept_scores * rows * ctx.seq
         op.saved += rows * ctx.seq if ctx.act_bytes != 4 else 0.0
     else:
         op.saved32 = rows
     return op
+
+
+def attention_class(name: str):
+    """The attention cost class registered as `name` (boost_jax/model/attention.py COST_CLASSES)."""
+    from boost_jax.model.attention import COST_CLASSES  # imports jax: once, then a dict lookup
+
+    if name not in COST_CLASSES:
+        raise ValueError(f"attention cost class {name!r} is not one of {tuple(COST_CLASSES)}")
+    return COST_CLASSES[name]
 
 
 def activation(ctx: Ctx, layout: str) -> Op | None:
@@ -556,8 +658,26 @@ def circular_reorder(stage_weights: float, stages: int, repeats: int, stride: in
 
 # ---------------------------------------------------------------- the trainer's strategies
 
-def uniform_plan(strategy: str, sequence_parallel: bool = False) -> tuple[str, tuple[str, ...], str, str]:
+def uniform_plan(strategy: str, sequence_parallel: bool = False, factored: bool = True,
+                 online_norm: bool = True) -> tuple[str, tuple[str, ...], str, str]:
     """(residual layout, group choices, attention layout, act layout) of a trainer strategy, as its
-    registry entry declares it (boost_jax/parallel/strategies.py)."""
-    from boost_jax.parallel.strategies import planner_layout
-    return planner_layout(strategy, sequence_parallel)
+    rule table lays it out (boost_jax/parallel/strategies.py; see `strategy_layers`)."""
+    from boost_jax.parallel.strategies import registered
+
+    registered(strategy)  # an unknown name: the ConfigError naming the registered ones
+    for table in strategy_layers(factored, online_norm):
+        if (table.name, table.sequence_parallel) == (strategy, bool(sequence_parallel)):
+            return table.residual, choice_names(table, factored, online_norm), table.attention, table.act
+    raise ValueError(f"strategy {strategy!r} has no sequence-parallel table")
+
+
+def choice_names(table: TableLayer, factored: bool, online_norm: bool = True) -> tuple[str, ...]:
+    """The choice names of a strategy's groups: each named after the first registered strategy whose
+    table splits it alike (see `group_choices`)."""
+    first: dict = {}
+    for other in strategy_layers(factored, online_norm):
+        if other.factored_only and not factored:
+            continue
+        for group, split in zip(GROUPS, other.splits):
+            first.setdefault((group, split), other.name)
+    return tuple(first.get((group, split), table.name) for group, split in zip(GROUPS, table.splits))

@@ -62,7 +62,7 @@ class Options:
     batch: int  # global batch, sequences per optimizer step
     seq: int
     attention: str = "auto"  # model.attention the plan runs with: auto | xla | chunked | cudnn | pallas
-    remat: tuple = C.REMAT_POLICIES
+    remat: tuple = ()  # remat.policy values searched; (): every one the planner prices (cost.remat_policies)
     grad_accum: int = 0  # 0: search
     pipeline: tuple = ()  # pipeline stage counts to search; (): every one that divides devices and layers
     microbatches: int = 0  # pipeline micro-batches per pass when pipelined; 0: search S, 2S, 4S
@@ -157,24 +157,24 @@ class Stages:
         b = self.block = pr.ctx.block
         self.seg, self.residual, self.d = seg, residual, b.d
         self.w1, self.w2 = sum(b.projections(seg[0])[1]), b.projections(seg[2])[0]
-        self.online_norm = b.online_norm
         self.layer_output = seg == SEGMENTS[-1]  # the layer's last edge is never recomputed
 
     def first(self, g) -> list:
-        partial = P.partial_input_grad(self.block, self.seg[0], g[0])
+        """g: a choice of partitions.group_choices (name, input layout, output layout, split)."""
+        partial = P.partial_input_grad(self.block, g[3])
         if self.residual == "S" and g[1] != "S":  # sequence parallelism: normalise the token shard, then gather
             return [("norm", "S", False), ("edge", "S", g[1], self.d, partial, False, True),
-                    ("group", self.seg[0], g[0], False)]
-        fused = g[0] == "btp" and self.online_norm
+                    ("group", self.seg[0], g[3], False)]
+        fused = g[3].fused  # the strategy's online RMSNorm: the statistics ride in A's all-reduce
         return [("edge", self.residual, g[1], self.d, partial, False), ("norm", g[1], fused),
-                ("group", self.seg[0], g[0], fused)]
+                ("group", self.seg[0], g[3], fused)]
 
     def core(self, src: str, layout: str) -> list:
         return [("edge", src, layout, self.w1, False, False), (self.seg[1], layout)]
 
     def last(self, core: str, g) -> list:
-        return [("edge", core, g[1], self.w2, P.partial_input_grad(self.block, self.seg[2], g[0]), False),
-                ("group", self.seg[2], g[0], False),
+        return [("edge", core, g[1], self.w2, P.partial_input_grad(self.block, g[3]), False),
+                ("group", self.seg[2], g[3], False),
                 ("edge", g[2], self.residual, self.d, False, self.layer_output), ("add", self.residual)]
 
 
@@ -254,7 +254,7 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         ops = [pr.op(k) for k in keys]
         _, strategy, _ = runnable(ctx.block, Mesh(1, 1, ctx.t), layer)
         stored = [P.st_stored(ctx, g, strategy) for g, choice in zip(P.GROUPS, layer.choices)
-                  if choice == "st" and strategy]
+                  if choice == P.ST and strategy]
         extra = [c for colls, _ in stored for c in colls]
         grid_w = sum(w for _, w in stored) if stored else sum(op.grid_weights for op in ops)
         if extra:  # the strategy's stored layouts cost the st groups more than P(n x n) (see there)
@@ -339,23 +339,24 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
 
 def linear_partition(layer: Layer) -> str:
     """`parallel.linear_partition` for the layer's st groups ("" when none)."""
-    groups = [g for g, c in zip(P.GROUPS, layer.choices) if c == "st"]
-    return "st" if len(groups) == len(P.GROUPS) else ",".join(f"{g}=st" for g in groups)
+    groups = [g for g, c in zip(P.GROUPS, layer.choices) if c == P.ST]
+    return P.ST if len(groups) == len(P.GROUPS) else ",".join(f"{g}={P.ST}" for g in groups)
 
 
 def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
     """("yes", strategy, sequence_parallel) if the trainer runs this layer as one of its strategies
-    with its st groups spatial-temporal (parallel.linear_partition), else ("no: why", "", False)."""
-    if mesh.tensor == 1:
-        return "yes", "btp" if block.factored else "megatron", False
-    from boost_jax.parallel.strategies import variants  # the registry: every strategy the trainer runs
-
-    for entry, sp in variants():
-        residual, choices, attention, act = P.uniform_plan(entry.name, sp)
-        if (layer.residual, layer.attention, layer.act) == (residual, attention, act) and all(
-                c in (base, "st") for c, base in zip(layer.choices, choices)):
-            return "yes", entry.name, sp
-    if len(set(layer.choices) - {"st"}) > 1:
+    (their rule tables, read by partitions.strategy_layers) with its st groups spatial-temporal
+    (parallel.linear_partition), else ("no: why", "", False). On one tensor shard every strategy runs
+    alike: the first registered one the model's kind takes."""
+    tables = [t for t in P.strategy_layers(block.factored, block.online_norm) if block.factored or not t.factored_only]
+    if mesh.tensor == 1 and tables:
+        return "yes", tables[0].name, False
+    for table in tables:
+        choices = P.choice_names(table, block.factored, block.online_norm)
+        if (layer.residual, layer.attention, layer.act) == (table.residual, table.attention, table.act) and all(
+                c in (base, P.ST) for c, base in zip(layer.choices, choices)):
+            return "yes", table.name, table.sequence_parallel
+    if len(set(layer.choices) - {P.ST}) > 1:
         return "no: mixed per-group choices", "", False
     return "no: layouts the strategy tables do not express", "", False
 
@@ -473,7 +474,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                  + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
                  f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
                  + ("--config.parallel.sequence_parallel=true " if sp else "")
-                 + (f"--config.parallel.linear_partition={linear_partition(layer)} " if "st" in layer.choices else "")
+                 + (f"--config.parallel.linear_partition={linear_partition(layer)} " if P.ST in layer.choices else "")
                  + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
                  + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
                  f"--config.train.seq_len={opts.seq} --config.remat.policy={policy}"
@@ -553,11 +554,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def policies(block: P.Block, opts: Options) -> list[str]:
-    bad = [p for p in opts.remat if p not in C.REMAT_POLICIES]
+    priced = C.remat_policies()
+    bad = [p for p in opts.remat if p not in priced]
     if bad:
-        raise ValueError(f"--remat: {bad} not in {C.REMAT_POLICIES}")
+        raise ValueError(f"--remat: {bad} not in {priced}")
     # `lowrank` keeps the bottleneck activations: only factorised models have them.
-    return [p for p in opts.remat if block.factored or p != "lowrank"]
+    return [p for p in opts.remat or priced if block.factored or p != "lowrank"]
 
 
 def model_flops_per_token(cfg, seq: int) -> float:

@@ -95,7 +95,7 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
 
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.update(sequence_parallel=sequence_parallel, linear_partition=partition)
-    label = f"{strategy}:{cfg.model.linear}"  # explicit linear: bare `megatron` would mean the dense twin
+    label = f"{strategy}:{cfg.model.linear}"  # explicit linear: a bare name may mean another kind (report_linear)
     rep = report(cfg, mesh=(mesh.data, mesh.fsdp, mesh.tensor), strategies=label, batch=batch, seq=seq,
                  dtype=COMPILE_DTYPE, memory=memory, programs=("forward", "forward_backward"), remat=remat)
     col = rep["strategies"][label]
@@ -172,7 +172,7 @@ def pipeline_refusal(plan) -> str:
     """Why --verify does not compare this pipelined plan ("" when it does): what the compiled step
     does there that the planner does not price (seen at the test shapes). GPipe and circular plans
     (stage remat included) are compared."""
-    if "st" in plan.layer.choices:
+    if P.ST in plan.layer.choices:
         return ("pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
                 "the tick loop, which the planner prices per tick")
     if plan.layer.residual != "H" and plan.mesh.tensor > 1:

@@ -89,11 +89,13 @@ def to_global(batch, sharding):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
-def build(cfg, devices=None, optimizer=None) -> Built:
-    """Validate `cfg`, lay its mesh over `devices` (default: every device, or parallel.num_devices of
-    them) and build the abstract state and the jitted train and eval steps. `optimizer`: (optax
-    transformation, lr schedule) in place of the config's AdamW (tests use plain SGD)."""
-    validate(cfg)
+def build(cfg, devices=None, optimizer=None, *, validated: bool = False) -> Built:
+    """Validate `cfg` (unless the caller just did: `validated`), lay its mesh over `devices` (default:
+    every device, or parallel.num_devices of them) and build the abstract state and the jitted train
+    and eval steps. `optimizer`: (optax transformation, lr schedule) in place of the config's AdamW
+    (tests use plain SGD)."""
+    if not validated:
+        validate(cfg)
     mesh = make_mesh(cfg.parallel, devices)
     check_mesh(cfg, mesh)
     strategy = get_strategy(cfg.parallel)
@@ -106,7 +108,8 @@ def build(cfg, devices=None, optimizer=None) -> Built:
         if platform.of(mesh.devices.flat[0]) == "gpu" and cfg.xla_gpu_flags else None
     batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
     train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule, mesh, strategy,
-                                         jax.tree.map(lambda s: s.spec, spec.shardings["params"])), donate_argnums=0,
+                                         jax.tree.map(lambda s: s.spec, spec.shardings["params"]), spec.pipeline),
+                         donate_argnums=0,
                          in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None),
                          compiler_options=options)
     eval_sharding = NamedSharding(mesh, P(BATCH_AXES))

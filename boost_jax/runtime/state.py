@@ -29,6 +29,7 @@ class StateSpec:
     abstract: dict  # ShapeDtypeStructs of the train state, with target shardings
     shardings: dict  # NamedShardings of the train state
     axes: dict  # logical axis names of every parameter
+    pipeline: object = None  # the placement's pipeline schedule of the model (None: its layers scan)
 
 
 def logical_axes(model) -> dict:
@@ -94,7 +95,7 @@ def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
                        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract_values, shardings)
-    return StateSpec(graphdef, abstract, shardings, axes)
+    return StateSpec(graphdef, abstract, shardings, axes, model.pipeline)
 
 
 def init_state(cfg, tx, spec: StateSpec) -> dict:

@@ -17,8 +17,6 @@ from flax import nnx
 from boost_jax.kernels import platform
 from boost_jax.model import batch as batch_lib
 from boost_jax.parallel.grad_reduce import accumulate_grads, accumulation_pieces
-from boost_jax.model.transformer import LAYER_STACK
-from boost_jax.parallel import pipeline
 from boost_jax.parallel.pipeline import to_microbatches
 from boost_jax.parallel.rules import use_rules
 from boost_jax.runtime.state import trainable, with_frozen
@@ -43,10 +41,11 @@ def bind(fn, mesh=None, strategy=None):
     return bound
 
 
-def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_specs=None):
+def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_specs=None, pipeline=None):
     """The train step of the model `graphdef` on `mesh` under `strategy` (None: one device);
-    `param_specs`: the parameters' PartitionSpecs (a pipeline's reordered stage weights keep them)."""
-    pipelined = mesh is not None and mesh.shape.get("pipeline", 1) > 1
+    `pipeline`: the model's pipeline schedule as its placement chose it (StateSpec.pipeline; None: its
+    layers scan), which accumulates the gradient; `param_specs`: the parameters' PartitionSpecs (a
+    pipeline's reordered stage weights keep them)."""
 
     def train_step(state, batch):
         """batch: [grad_accum, micro_batch, T+1] (or a batch of documents with those leading dims).
@@ -64,12 +63,9 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
             extra = {"tokens": inputs, "targets": targets}
         else:
             loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x)  # noqa: E731
-        if pipelined:
+        if pipeline is not None:
             # The stage weights' gradient over data x fsdp once per step (parallel/pipeline.py).
-            loss, grads = pipeline.accumulate(loss_fn, trained, batch, stack=LAYER_STACK, mesh=mesh,
-                                              strategy=strategy, stages=mesh.shape["pipeline"],
-                                              schedule=strategy.pipeline_schedule, repeats=strategy.pipeline_repeats,
-                                              specs=None if param_specs is None else param_specs[LAYER_STACK])
+            loss, grads = pipeline.accumulate(loss_fn, trained, batch, param_specs)
         else:
             # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
             loss, grads = accumulate_grads(jax.value_and_grad(loss_fn), trained, batch, mesh, strategy)

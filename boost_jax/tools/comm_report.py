@@ -11,10 +11,11 @@ layer scan unrolled at n_layers=1 and 2 so every layer's collectives are listed 
 per layer = (2 layers) - (1 layer), the rest (embedding, head, loss, optimizer) = (1 layer) - per
 layer, and the whole model = rest + L x per layer ("lowered at 1 and 2 layers, scaled to L").
 
-Strategies: any registered (`btp`, `vanilla`, `megatron`, ...: boost_jax/parallel/strategies.py), optionally
-`NAME:LINEAR` (LINEAR: any linear kind, boost_jax/model/kinds/).
-`megatron` alone means the full-rank (dense) twin of the config, the baseline BOOST compares with
-(`megatron:cola` forces the low-rank model); the others use the config's own `model.linear`.
+Strategies: any registered (`btp`, `vanilla`, `megatron`, ...: boost_jax/parallel/strategies.py; by
+default every one), optionally `NAME:LINEAR` (LINEAR: any linear kind, boost_jax/model/kinds/). A name
+alone measures the kind its registry entry reports it on (`report_linear`: `megatron` alone means the
+full-rank (dense) twin of the config, the baseline BOOST compares with; `megatron:cola` forces the
+low-rank model), else the config's own `model.linear`.
 
 Bytes are elements x each collective's own dtype as the program has it right after SPMD
 partitioning (`hlo_comm.partitioned_hlo`, from the same compile): there a bf16 weight gather or
@@ -115,10 +116,11 @@ def _sum_by(tally: dict, group) -> dict:
 
 def parse_strategies(text) -> list[tuple[str, str | None]]:
     """'btp,megatron:cola' -> [('btp', None), ('megatron', 'cola')]; None: the default linear.
-    Names come from the strategy and linear-kind registries."""
+    Names come from the strategy and linear-kind registries; text None: every registered strategy."""
     from boost_jax.model import kinds
     from boost_jax.parallel import strategies
 
+    text = strategies.names() if text is None else text
     items = text.split(",") if isinstance(text, str) else list(text)
     out = []
     for item in items:
@@ -135,10 +137,11 @@ def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, se
                    remat: str | None = None, context: int = 1):
     """The config one strategy column is measured on (depth and unrolling are set per compile);
     mesh = (data, fsdp, tensor), `context` the sequence split."""
+    from boost_jax.parallel.strategies import registered
     from boost_jax.validate import validate
 
     c = base.copy_and_resolve_references()
-    linear = linear or ("dense" if strategy == "megatron" else c.model.linear)
+    linear = linear or registered(strategy).report_linear or c.model.linear
     if linear != c.model.linear:  # the twin: same shapes, other projection kind (cola_7b <-> llama_7b)
         c.name = c.name.replace("cola", "llama") if linear == "dense" else c.name.replace("llama", "cola")
         c.model.linear = linear
@@ -284,7 +287,7 @@ def context_section(cfg, total: dict) -> dict | None:
     return {"attention": formula["attention"], "kv": formula["kv"], "compiled": compiled, "formula": formula["step"]}
 
 
-def report(cfg_or_path, mesh=(1, 1, 4), strategies=("btp", "vanilla", "megatron"), batch: int = 4,
+def report(cfg_or_path, mesh=(1, 1, 4), strategies=None, batch: int = 4,
            seq: int = 4096, dtype: str = "bfloat16", memory: bool = True, programs=PROGRAMS,
            remat: str | None = None, context: int = 1, context_attention: str | None = None,
            context_kv: str | None = None) -> dict:
@@ -438,8 +441,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_7b.py")
     ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor or pipeline,data,fsdp,tensor or "
                                                     "pipeline,data,fsdp,context,tensor sizes (default 1,1,4)")
-    ap.add_argument("--strategy", default="btp,vanilla,megatron",
-                    help="comma list of btp|vanilla|megatron[:dense|lowrank|cola]; bare megatron = dense twin")
+    ap.add_argument("--strategy", help="comma list of registered strategies, each optionally NAME:LINEAR "
+                    "(default: every registered one; a bare name: the kind its entry reports it on)")
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -460,7 +463,8 @@ def main(argv=None) -> dict:
             raise SystemExit("--mesh: the pipeline report runs without context; give pipeline 1 to report context")
     if len(mesh) == 4:
         try:
-            rep = pipeline_report(args.config, mesh, args.strategy.split(",")[0], args.batch, args.seq, args.dtype)
+            rep = pipeline_report(args.config, mesh, args.strategy and args.strategy.split(",")[0], args.batch,
+                                  args.seq, args.dtype)
         except ConfigError as e:
             raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy)") from e
         print(pipeline_markdown(rep))
@@ -485,13 +489,17 @@ def main(argv=None) -> dict:
     return rep
 
 
-def pipeline_report(cfg_or_path, mesh, strategy: str = "btp", batch: int = 8, seq: int = 256,
+def pipeline_report(cfg_or_path, mesh, strategy: str | None = None, batch: int = 8, seq: int = 256,
                     dtype: str = "bfloat16", remat: str | None = None) -> dict:
     """A pipelined step's collectives by kind and mesh axis (whole step, every loop unrolled, so the
-    pipeline's collective-permutes are counted once per tick). mesh = (pipeline, data, fsdp, tensor).
-    The per-layer method of `report` does not apply: layers only exist in whole stages."""
+    pipeline's collective-permutes are counted once per tick). mesh = (pipeline, data, fsdp, tensor);
+    strategy None: the first registered. The per-layer method of `report` does not apply: layers only
+    exist in whole stages."""
     from boost_jax.parallel.pipeline import bubble_fraction
+    from boost_jax.parallel.strategies import names
     from boost_jax.tools.hlo_comm import parse_collectives, summarize
+
+    strategy = strategy or names()[0]
 
     pipeline, *rest = mesh
     devices = pick_devices(math.prod(mesh))
