@@ -115,10 +115,10 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
         din, douts = block.projections(group)
         row = {"group": group}
         for name, c in (("st", "st"), ("base", base)):
-            _, lin, lout = next(x for x in P.group_choices(ctx, group) if x[0] == c)
+            _, lin, lout, split = next(x for x in P.group_choices(ctx, group) if x[0] == c)
             src, dst = around[group]
-            ops = [P.group_op(ctx, group, c),
-                   P.edge(ctx, src, lin, din, P.partial_input_grad(block, group, c)),
+            ops = [P.group_op(ctx, group, split),
+                   P.edge(ctx, src, lin, din, P.partial_input_grad(block, split)),
                    P.edge(ctx, lout, dst, sum(douts) if group in ("qkv", "mlp_in") else block.d)]
             cost = sum((C.price(op, cluster, act_bytes=opts.act_bytes) for op in ops), C.Cost())
             gemm = (sum(3 * s.n * C.gemm_seconds(s.m, s.k / s.n, s.out / s.n, cluster) for s in ops[0].st)

@@ -264,9 +264,13 @@ PIPE = {"parallel.pipeline": 2, "model.n_layers": 4}
 CIRCULAR = {**PIPE, "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2}
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("strategy,mesh,extra", [
-    ("btp", (1, 1, 8), {}), ("megatron", (2, 1, 4), {}), ("btp", (2, 2, 2), {}),
-    ("btp", (1, 2, 2), PIPE), ("megatron", (2, 1, 2), PIPE), ("btp", (1, 2, 2), CIRCULAR)],
+    ("btp", (1, 1, 8), {}), ("megatron", (2, 1, 4), {}), pytest.param("btp", (2, 2, 2), {}, marks=SLOW),
+    ("btp", (1, 2, 2), PIPE), pytest.param("megatron", (2, 1, 2), PIPE, marks=SLOW),
+    pytest.param("btp", (1, 2, 2), CIRCULAR, marks=SLOW)],
     ids=["btp_1x1x8", "megatron_2x1x4", "btp_2x2x2", "btp_pipeline2_1x2x2", "megatron_pipeline2_2x1x2",
          "btp_circular2_1x2x2"])
 def test_packed_rows_under_tensor_parallelism(make_config, strategy, mesh, extra):

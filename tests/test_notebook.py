@@ -37,6 +37,7 @@ def test_setup_cells_name_the_readmes_repository():
         assert '"git", "clone"' in setup.source and '"[gpu]"' in setup.source
 
 
+@pytest.mark.slow  # ~1.5 min: the whole notebook, training included
 def test_quickstart_notebook_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Raises CellExecutionError, naming the cell, if any cell errors. The kernel inherits this

@@ -78,6 +78,7 @@ def test_search_space_and_mesh_products():
     assert any(p.runnable.startswith("no:") for p in res.plans)  # mixed / st plans are flagged
 
 
+@pytest.mark.slow  # ~1.5 min: the whole 64-device search space
 def test_search_covers_64_devices_with_pipeline_stages():
     # (How long a search takes is printed by `python -m boost_jax.plan` ("... in N s"), not
     # asserted here: a loaded CI machine would make a timing assertion flaky.)

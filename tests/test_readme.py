@@ -186,6 +186,7 @@ def test_train_commands_compile_at_their_shapes(command, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- "tool"
 
+@pytest.mark.slow  # ~2 min: three 7B strategies compiled at 1 and 2 layers
 def test_comm_report_7b(capsys):
     from boost_jax.tools import comm_report
     rep = comm_report.main(_argv("python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 "
@@ -211,6 +212,7 @@ def test_plan_and_xla_flags(capsys):
     assert "--xla_gpu_enable_latency_hiding_scheduler" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # ~1.5 min: the benchmark's pipeline meshes compiled
 def test_grad_reduce_pipeline_matches_its_committed_json(tmp_path):
     """`python benchmarks/grad_reduce.py --pipeline`, writing to the scratch directory: the numbers the
     README and benchmarks/RESULTS.md quote (benchmarks/grad_reduce_pipeline.json) are today's."""
