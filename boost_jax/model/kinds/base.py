@@ -36,6 +36,9 @@ class LinearKind(nnx.Module):
     """One linear map d_in -> d_out; `axes` = the logical names of its (in, out) dims; `group` = the
     projection group a parallel plan partitions as a unit (qkv | o | mlp_in | mlp_out)."""
 
+    # The kind's own `model` fields {name: config.Field(default, help)}: registering the kind makes
+    # them config keys (`--config.model.NAME=...`), read here as m.NAME.
+    fields: ClassVar[dict] = {}
     factored: ClassVar[bool] = True  # a bottleneck between two stages (False: one d_in x d_out stage)
     has_extra: ClassVar[bool] = False  # `extra` adds a term from the normalised input rows
 
