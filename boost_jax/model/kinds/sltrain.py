@@ -40,6 +40,7 @@ def n_blocks(m, d_in: int, d_out: int) -> int:
 
 class SparseLowRank(LowRank):
     has_extra = True
+    hf = None  # no Hugging Face layout holds S
     fields = {  # W = (alpha/r)·B·A + S, S on a fixed random support of b x b blocks
         "sparse_density": Field(0.03, "sltrain: fraction of S's entries that are nonzero"),
         "sparse_block": Field(16, "sltrain: b, S's blocks are b x b; 1 is SLTrain's element-wise support "
