@@ -79,6 +79,9 @@ class LinearKind(nnx.Module):
     # them config keys (`--config.model.NAME=...`), read here as m.NAME.
     fields: ClassVar[dict] = {}
     hf: ClassVar[HFLayout | None] = None  # its Hugging Face layout (boost_jax/export.py); None: none
+    # The model family a zoo config's name carries (cola_7b, llama_7b): the comm report renames a
+    # config measured on another kind's twin by it. "": names are left alone.
+    family: ClassVar[str] = ""
     factored: ClassVar[bool] = True  # a bottleneck between two stages (False: one d_in x d_out stage)
     has_extra: ClassVar[bool] = False  # `extra` adds a term from the normalised input rows
 

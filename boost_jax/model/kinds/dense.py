@@ -9,6 +9,7 @@ from boost_jax.parallel.rules import gathered
 
 class Dense(LinearKind):
     factored = False
+    family = "llama"
     # A plain LlamaForCausalLM: X_proj.weight is our w transposed to HF's [out, in].
     hf = HFLayout("llama", "LlamaForCausalLM", (("w", "weight", True),))
 

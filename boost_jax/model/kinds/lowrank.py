@@ -55,6 +55,7 @@ class ColaLayout(HFLayout):
 
 
 class LowRank(LinearKind):
+    family = "cola"
     hf = ColaLayout(select=("lr_act_type", "linear"))
 
     def __init__(self, m, d_in, d_out, *, axes, group, rngs, param_dtype):

@@ -39,6 +39,7 @@ def n_blocks(m, d_in: int, d_out: int) -> int:
 
 
 class SparseLowRank(LowRank):
+    family = "sltrain"
     has_extra = True
     hf = None  # no Hugging Face layout holds S
     fields = {  # W = (alpha/r)·B·A + S, S on a fixed random support of b x b blocks

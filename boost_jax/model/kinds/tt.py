@@ -63,6 +63,7 @@ def tt_shapes(m, d_in: int, d_out: int) -> tuple[list[tuple[int, int, int]], lis
 
 
 class TensorTrain(LinearKind):
+    family = "tt"
     fields = {
         "tt_cores": Field(4, "tt: tensor-train cores per projection (even; half on each side of the r_mid "
                              "bottleneck), see kinds/tt.py"),
