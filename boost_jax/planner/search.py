@@ -543,7 +543,12 @@ def meshes(devices: int, stages=(1,), contexts=(1,)):
 def context_sizes(devices: int, seq: int, opts: Options, attention: str) -> list[int]:
     """parallel.context sizes to search: 1 and every divisor C of the device count that splits seq
     into 2C equal chunks (boost_jax/parallel/mesh.py check_context), or opts.context (each checked:
-    a size that does not split seq is a one-line error naming --context). Context needs an attention
+    a size that does not split seq is a one-line error naming --context). With C = 1 in the search,
+    `search` prices a context plan only where its micro-batch's rows per batch shard do not split C
+    ways: otherwise the same mesh with `context` folded into `data` runs the same tokens per device
+    (the same GEMMs, activations and causal attention work, states replicated alike) without the
+    exchange, and under a fused attention the trainer cannot use under context. Context earns its
+    place where the rows run out: long sequences, few of them per step. Context needs an attention
     implementation with a block form (`auto` runs chunked there); pipelined plans run without it here
     (the comm report, which --verify compiles with, runs context without a pipeline)."""
     from boost_jax.model.attention import names, takes_context
@@ -716,6 +721,8 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
             if opts.batch % accum or (opts.batch // accum) % ways:
                 continue
             rows = opts.batch // accum // ways
+            if mesh.context > 1 and 1 in contexts and rows % mesh.context == 0:
+                continue  # dominated: the mesh with C folded into data runs as many tokens per device unexchanged
             for micro in microbatch_counts(mesh.pipeline, rows, opts):
                 tokens = rows // micro * opts.seq // mesh.context
                 for policy, (attention, kv) in [(p, a) for p in policies(block, opts)
