@@ -45,6 +45,12 @@ SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate
 # float32 statistics). SAVED_SIGMA and SAVED_SWIGLU are what the GPU program keeps too.
 GPU_SAVED_NORM = (2.5, 0)
 GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
+# The context ring's backward (remat none) holds score blocks of its remote blocks beyond what the
+# one-device backward does: FITTED 2.75 float32 [rows, heads, L, block] arrays (the bytes the compiled
+# btp step held beyond the planner's count: d 256, seq 1024, 2 rows, tensor 2 x context 2, ring, full
+# K/V; float32, chunked) take the predicted peak from 0.88 to 0.95 of memory_analysis; held out: ring
+# with bottleneck K/V, 0.85 to 0.94 (tests/test_planner_context.py).
+RING_SCORE_BLOCKS = 2.75
 # The groups a norm feeds (the first of each residual segment): their norm's statistics may ride in
 # a row-parallel first stage's all-reduce (online RMSNorm).
 NORMED = ("qkv", "mlp_in")
@@ -608,6 +614,13 @@ def context_exchange(ctx: Ctx, op: Op, fs: int) -> None:
     if ctx.context_attention == "ring":
         pair = 2 * ctx.tokens * width
         op.ring += 2 * pair + pair * 4 / ctx.act_bytes  # two blocks in flight; its float32 gradient
+        # the backward's float32 scores of its remote blocks (a chunk of L = T/2C queries against
+        # key blocks of the implementation's size), and under bottleneck each block's rebuilt K/V
+        chunk = ctx.local_seq / 2
+        block = min(2 * chunk, attention_class(ctx.attention).block or 2 * chunk)
+        op.ring += RING_SCORE_BLOCKS * rows * b.heads / fs * chunk * block * 4 / ctx.act_bytes
+        if bottleneck:
+            op.ring += 2 * 2 * ctx.tokens * kv_local
     else:  # the whole row's K/V (rebuilt from the gathered σ(A x) under bottleneck, kept too)
         gathered = 2 * ctx.tokens * c * kv_local + (2 * ctx.tokens * c * b.rank if bottleneck else 0.0)
         op.acts += gathered

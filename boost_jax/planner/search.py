@@ -747,9 +747,9 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path.
     plans.sort(key=lambda p: (p.step_s, p.runnable != "yes", p.layer_cost.total))
     top, seen = [], set()
-    for p in plans:  # distinct partitionings, each at its best micro-batching, remat and context modes
-        if (p.mesh, p.layer) not in seen:
-            seen.add((p.mesh, p.layer))
+    for p in plans:  # distinct partitionings (and context modes), each at its best micro-batching and remat
+        if (p.mesh, p.layer, p.context_attention, p.context_kv) not in seen:
+            seen.add((p.mesh, p.layer, p.context_attention, p.context_kv))
             top.append(p)
         if len(top) == opts.top:
             break

@@ -140,6 +140,19 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
     return {"layer": layer, "whole": whole}, peak
 
 
+# Under context with data or fsdp, XLA folds part of the gradient's reduction over `context` into the
+# one over data/fsdp (one all-reduce over both axes: at 2 x 2 x 2, the normed groups' A's and the
+# norms, 26% of btp's weights); the planner prices the two reductions apart, an upper bound.
+BOUND_TOLERANCE = 0.20
+
+
+def _bound(row: dict) -> dict:
+    """A row the planner bounds from above: ok when measured <= predicted <= (1 + BOUND_TOLERANCE) x measured."""
+    p, m = row["predicted"], row["measured"]
+    return {**row, "traffic": row["traffic"] + " (upper bound under context)",
+            "ok": row["ok"] or m <= p <= (1 + BOUND_TOLERANCE) * m}
+
+
 def _moves_nothing(key: str) -> bool:
     """A comm_report key over no mesh axis: every group a single device (nothing moves)."""
     return key.split("@")[1] in ("", "none")
@@ -179,9 +192,12 @@ def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = F
             rows.append(_row(f"{axis} {direction}: {key[2]}", _bytes(axis, pe), _bytes(axis, me), TOLERANCE,
                              (pc, mc)))
     data = [sum(_bytes(k[0], v[1]) for k, v in d["layer"].items() if k[0] == "data_fsdp") for d in (pred, meas)]
+    bound = mesh.context > 1 and mesh.data * mesh.fsdp > 1
     if any(data):
-        rows.append(_row("data/fsdp fwd+bwd", *data, TOLERANCE))
-    rows.append(_row(WHOLE, pred["whole"], meas["whole"], TOLERANCE))
+        rows.append(_bound(_row("data/fsdp fwd+bwd", *data, TOLERANCE)) if bound else
+                    _row("data/fsdp fwd+bwd", *data, TOLERANCE))
+    rows.append(_bound(_row(WHOLE, pred["whole"], meas["whole"], TOLERANCE)) if bound else
+                _row(WHOLE, pred["whole"], meas["whole"], TOLERANCE))
     if memory:
         rows.append(_row(MEMORY, pred_memory, meas_memory, MEMORY_TOLERANCE))
     return rows
