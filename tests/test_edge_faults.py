@@ -369,15 +369,30 @@ if sys.argv[2] == "close":
         w.close()
     except OSError as e:
         print("close failed:", e.strerror)
+if sys.argv[2] == "thread":  # the logger thread's own flush fails (its next one is due now)
+    import time
+    for writer in w._tb.all_writers.values():
+        writer.event_writer._worker._next_flush_time = 0
+    w.write(2, {"loss": 2.0})
+    deadline = time.time() + 60
+    while not w._failed and time.time() < deadline:
+        time.sleep(0.05)
+    w.write(3, {"loss": 3.0})  # says once that the mirroring stopped; metrics.jsonl goes on
+    w.close()
 """
 
 
-@pytest.mark.parametrize("how", ["close", "exit"])
+@pytest.mark.parametrize("how", ["close", "exit", "thread"])
 def test_tensorboard_on_a_full_disk_leaves_no_traceback_at_exit(tmp_path, how):
+    """A full disk under TensorBoard's event file: at close, at exit, or in tensorboardX's logger
+    thread (its periodic flush, which once printed "Exception in thread" at any moment)."""
     r = subprocess.run([sys.executable, "-c", TB_EXIT, str(tmp_path), how], capture_output=True, text=True,
                        timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
     assert ("close failed: No space left on device" in r.stdout) == (how == "close")
+    if how == "thread":
+        assert r.stderr.count("TensorBoard logging stopped at step ") == 1, r.stderr  # step 2 or 3: the thread's timing
+        assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------- the TensorBoard dir removed under a run

@@ -78,11 +78,12 @@ class MetricsWriter:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tb_dir = os.path.join(run_dir, "tensorboard")
         self._tb = None
+        self._failed: list = []  # OSErrors of tensorboardX's logger threads (a full disk): see _guard
         self._note = note or (lambda text: print(text, file=sys.stderr))
         if enabled:
             try:
                 from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(self.tb_dir)
+                self._tb = _guard(SummaryWriter(self.tb_dir), self._failed)
                 atexit.register(self._at_exit)  # runs before tensorboardX's own exit hook (LIFO)
             except ImportError:
                 self.tb_dir = None
@@ -113,9 +114,11 @@ class MetricsWriter:
             if not os.path.isdir(self.tb_dir):  # removed under the run: its event file is gone with it
                 from tensorboardX import SummaryWriter
                 _abandon(self._tb)
-                self._tb = SummaryWriter(self.tb_dir)
+                self._tb = _guard(SummaryWriter(self.tb_dir), self._failed)
                 self._note(f"note: {self.tb_dir} was removed while training; recreated it from step {step} "
                            f"(the earlier scalars are in {self.path})")
+            if self._failed:  # a logger thread's write or flush failed since the last row
+                raise self._failed[0]
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
@@ -134,6 +137,38 @@ class MetricsWriter:
             except Exception:
                 _abandon(tb)  # no second flush (and traceback) from tensorboardX's exit hook
                 raise
+
+
+class _Guarded:
+    """A logger thread's record writer whose OSErrors (a full disk) are kept for the trainer's thread,
+    not raised in the logger thread (where they print a traceback at any moment)."""
+
+    def __init__(self, inner, failed: list):
+        self._inner, self._failed = inner, failed
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def write_event(self, event):
+        try:
+            self._inner.write_event(event)
+        except OSError as e:
+            self._failed.append(e)
+
+    def flush(self):
+        try:
+            self._inner.flush()
+        except OSError as e:
+            self._failed.append(e)
+
+
+def _guard(tb, failed: list):
+    """tensorboardX's logger threads write through `_Guarded` (their failures land in `failed`)."""
+    for writer in list((getattr(tb, "all_writers", None) or {}).values()):
+        worker = getattr(getattr(writer, "event_writer", None), "_worker", None)
+        if worker is not None and hasattr(worker, "_record_writer"):
+            worker._record_writer = _Guarded(worker._record_writer, failed)
+    return tb
 
 
 def _abandon(tb) -> None:
