@@ -9,12 +9,57 @@ what a mesh must divide are checked by `boost_jax/validate.py`, which asks each 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from pathlib import Path
 
 import ml_collections
 from boost_jax.errors import ConfigError  # noqa: F401 - config.ConfigError stays importable
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """A `model` field that a registry entry owns (a linear kind's hyperparameter): its default, and
+    one line of meaning (what `--help`-style listings show)."""
+    default: object
+    help: str
+
+
+# The `model` fields each registered owner declared (owner -> {field: Field}), in registration order:
+# the linear kinds declare theirs in their own files and `boost_jax.model.kinds.register` brings them
+# here (importing boost_jax imports the built-in kinds), so this module names no kind and no kind's field.
+_OWNED: dict[str, dict[str, Field]] = {}
+
+
+def declare_model_fields(owner: str, fields: dict) -> None:
+    """Make `model.NAME` a config key (default and help from its Field) for each of `fields`, owned by
+    `owner`. Two owners may share a field only with the same Field; no owner may redefine a core key."""
+    core = set(_schema().model.keys())
+    for name, field in fields.items():
+        if not isinstance(field, Field):
+            raise ConfigError(f"{owner}: model.{name} is declared as {field!r}, not a config.Field(default, help)")
+        if name in core:
+            raise ConfigError(f"{owner}: model.{name} is already a key of the model section; name the field "
+                              f"after its owner (e.g. model.{owner}_{name})")
+        for other, theirs in _OWNED.items():
+            if other != owner and name in theirs and theirs[name] != field:
+                raise ConfigError(f"{owner}: model.{name} is already declared by {other} as {theirs[name]}")
+    _OWNED[owner] = dict(fields)
+
+
+def forget_model_fields(owner: str) -> None:
+    """Drop the fields `owner` declared (a kind unregistered); fields another owner shares stay."""
+    _OWNED.pop(owner, None)
+
+
+def model_fields() -> dict[str, Field]:
+    """Every declared `model` field (its first declaration), in the order the owners declared them."""
+    out: dict[str, Field] = {}
+    for fields in _OWNED.values():
+        for name, field in fields.items():
+            out.setdefault(name, field)
+    return out
 
 
 # The projection groups a parallel plan partitions as a unit: the model's (attention's q/k/v and o,
@@ -31,6 +76,13 @@ SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
 
 
 def base_config() -> ml_collections.ConfigDict:
+    """Every key the code reads, with its default: the schema below plus the `model` fields the
+    registered linear kinds declare (`model_fields`), right after `model.linear`."""
+    return _schema(model_fields())
+
+
+def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
+    owned = owned or {}
     c = ml_collections.ConfigDict()
     c.name = "tiny"  # the run's name (the zoo configs: cola_60m, llama_1b, ...)
     c.run_dir = "runs/tiny"  # checkpoints, metrics.jsonl, tensorboard/ and the token cache go here
@@ -56,16 +108,8 @@ def base_config() -> ml_collections.ConfigDict:
     m.d_ff = 352  # MLP width I
     m.rank = 32  # bottleneck width r of lowrank / cola / sltrain projections; tt: the middle rank r_mid
     m.linear = "cola"  # dense | lowrank | cola | tt | sltrain, for every projection (model/kinds/)
-    # tt: tensor-train cores per projection (even; half on each side of the r_mid bottleneck), the
-    # rank between cores of a half (0: model.rank; always capped by the TT bound, see kinds/tt.py),
-    # and the bottleneck activation.
-    m.tt_cores = 4
-    m.tt_inner_rank = 0
-    m.tt_activation = "none"  # tt: the bottleneck activation, none | silu
-    # sltrain: W = (alpha/r)·B·A + S, S on a fixed random support of b x b blocks.
-    m.sparse_density = 0.03  # fraction of S's entries that are nonzero
-    m.sparse_block = 16  # b; 1 is SLTrain's element-wise support (see kinds/sltrain.py)
-    m.sltrain_alpha = 32.0  # sltrain: the alpha of (alpha/r)·B·A
+    for name, field in owned.items():  # each registered kind's own hyperparameters (model/kinds/)
+        m[name] = field.default
     m.only_lr_act = False  # MLP form: True -> down(gate*up), False -> down(silu(gate)*up)
     m.max_seq_len = 128  # the longest sequence the model is built for (RoPE tables, generation)
     m.rope_theta = 10000.0  # RoPE base
@@ -498,12 +542,12 @@ def config_docs() -> dict[str, str]:
     """{"section.key": one line of meaning} for every key of `base_config()`, read from its comments
     (the one source of truth, beside the defaults): a key's own trailing comment, else the comment
     block above it (a block covers the keys that follow it up to a blank line or the first key with
-    its own comment)."""
+    its own comment); a declared `model` field's meaning is its Field's help."""
     import inspect
     import re
 
     prefix, docs, block, fresh = {"c": ""}, {}, [], True
-    for line in inspect.getsource(base_config).splitlines():
+    for line in inspect.getsource(_schema).splitlines():
         s = line.strip()
         if not s:
             block, fresh = [], True
@@ -522,6 +566,7 @@ def config_docs() -> dict[str, str]:
             docs[prefix[key.group(1)] + key.group(2)] = own or " ".join(b for b in block if b)
             if own:
                 block = []
+    docs.update({f"model.{name}": field.help for name, field in model_fields().items()})
     return docs
 
 

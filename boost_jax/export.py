@@ -59,14 +59,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from boost_jax.errors import ExportError
+from boost_jax.model import kinds
 
 LLAMA_FIELDS = {  # HF Llama config key -> our model.* field
     "vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "d_ff",
     "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
     "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings",
 }
-LR_ACT = {"cola": "silu", "lowrank": "linear"}  # model.linear -> the CoLA config's lr_act_type (bottleneck σ)
-GQA_KEY = "boost_num_key_value_heads"  # our KV heads, when the CoLA file repeats them to num_heads
+
+
+def layout(m):
+    """The Hugging Face layout of model config m's kind (its `hf`), or None."""
+    return kinds.kind_class(m.linear).hf
+
+
+def layouts() -> dict:
+    """{kind: its HF layout} for every registered kind that has one, in registration order."""
+    return {name: kinds.kind_class(name).hf for name in kinds.names() if kinds.kind_class(name).hf is not None}
 
 
 def _safetensors():
@@ -85,6 +94,7 @@ def tensor_names(m):
     yield ("final_norm", "scale"), None, "model.norm.weight", False
     if not m.tie_embeddings:
         yield ("lm_head",), None, "lm_head.weight", True
+    stored = layout(m).tensors
     for i in range(m.n_layers):
         pre = f"model.layers.{i}."
         yield ("layers", "attn_norm", "scale"), i, pre + "input_layernorm.weight", False
@@ -92,16 +102,14 @@ def tensor_names(m):
         for block, hf_block, projs in (("attn", "self_attn", "qkvo"), ("mlp", "mlp", ("gate", "up", "down"))):
             for p in projs:
                 name = f"{pre}{hf_block}.{p}_proj."
-                if m.linear == "dense":
-                    yield ("layers", block, p, "w"), i, name + "weight", True
-                else:  # CoLA stores x @ cola_a @ cola_b: [in, r] and [r, out], as we do
-                    yield ("layers", block, p, "a"), i, name + "cola_a", False
-                    yield ("layers", block, p, "b"), i, name + "cola_b", False
+                for param, suffix, transposed in stored:  # the kind's own mapping
+                    yield ("layers", block, p, param), i, name + suffix, transposed
 
 
 def _kv_group(m, name: str) -> int:
-    """Query heads per KV head that the file repeats in this tensor (the CoLA layout has no GQA)."""
-    if m.linear != "dense" and name.endswith(("k_proj.cola_b", "v_proj.cola_b")):
+    """Query heads per KV head that the file repeats in this tensor (a layout without GQA, e.g. CoLA's)."""
+    repeat = layout(m).kv_repeat
+    if repeat and name.endswith((f"k_proj.{repeat}", f"v_proj.{repeat}")):
         return m.n_heads // m.n_kv_heads
     return 1
 
@@ -128,7 +136,8 @@ def to_hf(params: dict, m) -> dict[str, np.ndarray]:
 
 
 def kv_heads_repeated(tensors: dict[str, np.ndarray], m) -> bool:
-    """Whether every k/v cola_b of the file holds each KV head's columns repeated n_heads/n_kv_heads times."""
+    """Whether every k/v tensor that a layout without GQA repeats (CoLA's cola_b) holds each KV head's
+    columns repeated n_heads/n_kv_heads times."""
     for _, _, name, _ in tensor_names(m):
         g = _kv_group(m, name)
         x = tensors.get(name)
@@ -177,7 +186,8 @@ def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m, file_d_ff:
 # ---------------------------------------------------------------- configs
 
 def hf_config(m, eos_id=None) -> dict:
-    """config.json for model config m: a LlamaForCausalLM, or an official-layout ColaForCausalLM."""
+    """config.json for model config m: the LlamaForCausalLM frame, completed by its kind's layout
+    (e.g. an official-layout ColaForCausalLM)."""
     c = {hf: m[ours] for hf, ours in LLAMA_FIELDS.items()}
     c.update(
         architectures=["LlamaForCausalLM"], model_type="llama", head_dim=m.d_model // m.n_heads,
@@ -188,12 +198,7 @@ def hf_config(m, eos_id=None) -> dict:
         tie_word_embeddings=bool(m.tie_embeddings), rms_norm_eps=float(m.norm_eps),
         attention_dropout=0.0, pretraining_tp=1, initializer_range=float(m.init_std), use_cache=True,
     )
-    if m.linear != "dense":
-        c.update(architectures=["ColaForCausalLM"], model_type="cola", num_key_value_heads=m.n_heads,
-                 rank=int(m.rank), lr_act_type=LR_ACT[m.linear],
-                 only_lr_act=bool(m.only_lr_act) and m.linear == "cola")
-        if m.n_kv_heads != m.n_heads:
-            c[GQA_KEY] = int(m.n_kv_heads)
+    c.update(layout(m).config(m))
     return c
 
 
@@ -201,9 +206,10 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 
 
 def model_fields(hf: dict, source: str = "config.json") -> dict:
-    """HF config.json -> our model.* fields; rejects variants this model cannot represent. A CoLA
-    config is read as the official code reads it, missing fields taking its defaults; the sizes in
-    REQUIRED_FIELDS have no default (`source` names the file in the error)."""
+    """HF config.json -> our model.* fields; rejects variants this model cannot represent. The kind is
+    the registered one whose layout (its `hf`) has this model_type and `select` value, and the layout
+    reads its own fields (CoLA's as the official code reads them, missing fields taking its defaults);
+    the sizes in REQUIRED_FIELDS have no default (`source` names the file in the error)."""
     if not isinstance(hf, dict):
         raise ExportError(f"{source}: holds {type(hf).__name__}, not a JSON object of config fields")
     for key in REQUIRED_FIELDS:
@@ -212,34 +218,36 @@ def model_fields(hf: dict, source: str = "config.json") -> dict:
                               "config.json from where it was trained has it)")
         if isinstance(hf[key], bool) or not isinstance(hf[key], int) or hf[key] < 1:
             raise ExportError(f"{source}: field `{key}` must be a positive integer, got {hf[key]!r}")
-    cola = hf.get("model_type") == "cola"
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    lr_act = hf.get("lr_act_type") or hf.get("hidden_act", "silu")
     kv = hf.get("num_key_value_heads") or h
-    linear = {v: k for k, v in LR_ACT.items()}.get(lr_act) if cola else "dense"
-    only_lr_act = bool(hf.get("only_lr_act", True)) if cola else False
+    known = layouts()
+    types = list(dict.fromkeys(lay.model_type for lay in known.values()))
+    family = {name: lay for name, lay in known.items() if lay.model_type == hf.get("model_type")}
+    linear = next((name for name, lay in family.items() if lay.selected(hf) == lay.select[1]), None)
+    chosen = known.get(linear)
+    fields = {ours: hf[key] for key, ours in LLAMA_FIELDS.items() if key in hf}
+    fields["n_kv_heads"] = kv
+    fields["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    fields["linear"] = linear
+    fields.update(chosen.fields(hf) if chosen else {})
     problems = [
-        (hf.get("model_type") not in ("llama", "cola"), f"model_type={hf.get('model_type')!r} (llama or cola)"),
+        (hf.get("model_type") not in types, f"model_type={hf.get('model_type')!r} ({' or '.join(map(str, types))})"),
         (hf.get("head_dim") not in (None, d // h), f"head_dim={hf.get('head_dim')} != hidden_size/heads={d // h}"),
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (only silu)"),
         (bool(hf.get("attention_bias") or hf.get("mlp_bias")), "attention/mlp biases"),
         (rope.get("rope_type", "default") != "default" or scaling.get("rope_type", scaling.get("type", "default"))
          not in ("default", None), "RoPE scaling"),
-        (cola and linear is None, f"lr_act_type={lr_act!r} (silu or linear)"),
-        (cola and kv != h, f"num_key_value_heads={kv} != num_attention_heads={h} (the CoLA layout has no GQA)"),
-        (linear == "lowrank" and only_lr_act, "only_lr_act=true with lr_act_type='linear' (no MLP activation)"),
     ]
+    if family and chosen is None:  # a model_type several kinds share, told apart by a field none matches
+        first = next(iter(family.values()))
+        problems.append((True, f"{first.select[0]}={first.selected(hf)!r} "
+                               f"({' or '.join(str(lay.select[1]) for lay in family.values())})"))
+    problems += [(True, why) for why in (chosen.problems(hf, fields) if chosen else [])]
     bad = [why for cond, why in problems if cond]
     if bad:
         raise ExportError("cannot import this model: " + ", ".join(bad))
-    fields = {ours: hf[key] for key, ours in LLAMA_FIELDS.items() if key in hf}
-    fields["n_kv_heads"] = (hf.get(GQA_KEY) or h) if cola else kv
-    fields["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    fields["linear"] = linear
-    if cola:
-        fields.update(rank=hf.get("rank") or d // 4, only_lr_act=only_lr_act)
     return fields
 
 
@@ -327,9 +335,9 @@ def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out: {out} is a file; give a directory to write the model into")
     model, cfg, tok = load_model(checkpoint)  # refuses damaged or non-finite weights
-    if cfg.model.linear not in ("dense", *LR_ACT):
-        raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports dense, "
-                          f"{', '.join(LR_ACT)}")
+    if layout(cfg.model) is None:
+        raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports "
+                          f"{', '.join(layouts())}")
     spec = cfg.data.tokenizer
     tok_name = None if spec in ("", "byte") else ("tokenizer.json" if spec.endswith(".json") else "tokenizer.model")
     ours = {"config.json", "model.safetensors", *([tok_name] if tok_name else [])}
@@ -414,8 +422,7 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     cfg = base_config()
     cfg.run_dir = str(run_dir)
     cfg.model.update(fields)
-    if hf.get("model_type") == "cola":
-        cfg.train.b2 = 0.999  # the official CoLA training's AdamW betas, as in configs/cola_*.py
+    cfg.train.update(dict(layout(cfg.model).train))  # the layout's recipe (CoLA's: its AdamW betas)
     if not kv_heads_repeated(tensors, cfg.model):  # trained on without GQA: keep every head's k/v
         cfg.model.n_kv_heads = cfg.model.n_heads
     file_d_ff = cfg.model.d_ff

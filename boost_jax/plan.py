@@ -7,7 +7,14 @@ best one.
         --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \
         [--attention auto|xla|chunked|cudnn|pallas] [--remat none,lowrank,full] [--grad-accum N] \
         [--pipeline 1,2,4] [--microbatches M] [--schedule gpipe,circular] [--repeats V]
-        [--stage-remat none,stage] [--verify [--target h100|a100|h200]]
+        [--stage-remat none,stage] [--context 1,2,4] [--context-attention ring,all_gather]
+        [--context-kv full,bottleneck] [--verify [--target h100|a100|h200]]
+
+parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
+every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
+and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search.py
+context_sizes); a context plan runs chunked attention (the block form), its exchange priced from the
+formula the comm report checks; --verify compiles it at context 2 with its modes.
 
 --verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
 devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
@@ -39,16 +46,19 @@ def _gb(x: float) -> str:
 
 
 def table(plans, batch: int) -> str:
+    context = any(p.mesh.context > 1 for p in plans)  # the column shows where some plan splits the sequence
     head = ("| # | mesh p x d x f x t | micro x accum | pipeline schedule, M (bubble) | remat | residual "
-            "| qkv / o / mlp_in / mlp_out | attn / act "
+            + ("| context C: attention / kv " if context else "")
+            + "| qkv / o / mlp_in / mlp_out | attn / act "
             "| step s | tokens/s | MFU | GB/GPU | link GB/step intra / inter | trainer |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
+        cp = (f"| {p.mesh.context}: {p.context_attention} / {p.context_kv} " if p.mesh.context > 1 else "| 1 ") if context else ""
         pipe = (f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''}{' +stage' if p.stage_remat == 'stage' else ''}"
                 f" M{p.microbatches} ({100 * p.bubble:.0f}%)" if p.mesh.pipeline > 1 else "-")
         lines.append(
             f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {pipe} | {p.remat} | {p.layer.residual} "
-            f"| {' / '.join(p.layer.choices)} | {p.layer.attention} / {p.layer.act} | {p.step_s:.3g} "
+            f"{cp}| {' / '.join(p.layer.choices)} | {p.layer.attention} / {p.layer.act} | {p.step_s:.3g} "
             f"| {p.tokens_per_s:,.0f} | {100 * p.mfu:.1f}% | {_gb(p.memory['total'])} "
             f"| {_gb(p.link_bytes['intra'])} / {_gb(p.link_bytes['inter'])} | {p.runnable} |")
     return "\n".join(lines)
@@ -68,6 +78,10 @@ def breakdown(p, layers: int) -> str:
                 + f" + stage hand-overs {1e3 * p.shift_s:.2f} ms")
     else:
         path = f"per micro-batch: {layers} layers x {layer}"
+    exchange = [c for c in p.layer_colls if c.axis == "context"]
+    if exchange:
+        path += (f" (context {p.mesh.context}, {p.context_attention} / {p.context_kv}: "
+                 f"{sum(c.elements for c in exchange) / 1e6:.1f}M elements of K/V exchange per layer)")
     return (f"{path} + embedding/head {1e3 * rc.total:.2f} ms + exposed data/fsdp {1e3 * p.exposed_dp_s:.2f} ms; "
             f"optimizer {1e3 * p.optimizer_s:.1f} ms per step\n"
             f"memory per GPU: states {_gb(m['states'])} + kept weights {_gb(m['weights'] + m['gathered'])} + kept "
@@ -106,8 +120,11 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
         print(f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}{groups}, mesh {mesh}, batch {batch} x seq {vseq}, "
               f"remat {plan.remat}, compiled on emulated CPU devices (bytes per layer per device; memory: the "
               f"full-depth step in {verify.COMPILE_DTYPE})")
+        if mesh.context > 1:
+            print(f"context {mesh.context}: {plan.context_attention} / {plan.context_kv}")
         rows = verify.compare(cfg, cluster, mesh, plan.strategy, sp, plan.remat, batch, vseq, layer=plan.layer,
-                              memory=True)
+                              memory=True, context_attention=plan.context_attention or "ring",
+                              context_kv=plan.context_kv or "full")
     print("| traffic | planner | HLO (comm_report) | planner / HLO | count planner / HLO | agrees |\n"
           "|---|---|---|---|---|---|")
     for r in rows:
@@ -149,6 +166,13 @@ def main(argv=None) -> int:
                     help="fix the circular schedule's chunks per stage V (default: search every divisor > 1 of L/S)")
     ap.add_argument("--stage-remat", default="none,stage",
                     help="comma list of remat.pipeline values to search (default none,stage)")
+    ap.add_argument("--context", default="", help="comma list of parallel.context sizes to search (default: every "
+                    "divisor of --devices that splits --seq into 2C equal chunks, where the rows run out)")
+    ap.add_argument("--context-attention", default="ring,all_gather",
+                    help="comma list of parallel.context_attention values to search (default ring,all_gather)")
+    ap.add_argument("--context-kv", default="full,bottleneck",
+                    help="comma list of parallel.context_kv values to search (default full,bottleneck; bottleneck: "
+                    "kinds with a bottleneck)")
     ap.add_argument("--verify", action="store_true", help="compile the best runnable plan and compare collectives")
     ap.add_argument("--target", help="with --verify: compile the plan at full size for this GPU without one "
                     "(h100, a100, h200: boost_jax.tools.aot, the aot extra) and compare its peak memory")
@@ -181,13 +205,19 @@ def main(argv=None) -> int:
         pipeline = tuple(int(x) for x in args.pipeline.split(",") if x.strip())
     except ValueError as e:
         raise SystemExit(f"--pipeline: expected a comma list of integers, got {args.pipeline!r}") from e
+    try:
+        context = tuple(int(x) for x in args.context.split(",") if x.strip())
+    except ValueError as e:
+        raise SystemExit(f"--context: expected a comma list of integers, got {args.context!r}") from e
     if args.microbatches < 0 or args.repeats < 0 or any(s < 1 for s in pipeline):
         raise SystemExit("--pipeline, --microbatches and --repeats must be positive")
     opts = Options(batch=batch, seq=seq, attention=args.attention, grad_accum=args.grad_accum, top=args.top,
                    remat=tuple(x.strip() for x in args.remat.split(",") if x.strip()), pipeline=pipeline,
                    microbatches=args.microbatches, repeats=args.repeats,
                    schedules=tuple(x.strip() for x in args.schedule.split(",") if x.strip()),
-                   stage_remat=tuple(x.strip() for x in args.stage_remat.split(",") if x.strip()))
+                   stage_remat=tuple(x.strip() for x in args.stage_remat.split(",") if x.strip()), context=context,
+                   context_attention=tuple(x.strip() for x in args.context_attention.split(",") if x.strip()),
+                   context_kv=tuple(x.strip() for x in args.context_kv.split(",") if x.strip()))
     fpt = model_flops_per_token(cfg, seq)
     try:
         res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)
@@ -197,7 +227,8 @@ def main(argv=None) -> int:
     print(f"{cfg.name} ({cfg.model.linear}, d={cfg.model.d_model}, r={cfg.model.rank}, L={cfg.model.n_layers}) on "
           f"{args.devices} GPUs of {cluster.name} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB); "
           f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention} (priced as "
-          f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py)")
+          f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py; "
+          "plans with context > 1 run chunked)")
     print(f"search: {res.considered} plans priced, {res.rejected_memory} over the usable "
           f"{cluster.usable_hbm / GB:.0f} GB/GPU, in {res.seconds:.2f} s")
     if not res.plans and res.smallest is None:  # nothing was priced: the choices exclude every plan

@@ -21,6 +21,7 @@ from boost_jax.errors import (CheckpointError, ConfigError, DistributedError, Ru
                               TrainingDiverged)
 from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.model import flops_per_token
+from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
@@ -115,7 +116,7 @@ def _startup_line(cfg, built, config_file: str) -> str:
     mesh = "x".join(f"{k} {v}" for k, v in built.mesh.shape.items() if v > 1) or "one device"
     devices = built.mesh.devices.size
     return (f"{cfg.name}: {m.linear} model, {params / 1e6:.2f}M parameters (d {m.d_model}, {m.n_layers} layers"
-            f"{f', rank {m.rank}' if m.linear != 'dense' else ''}); {devices} {jax.default_backend()} device"
+            f"{f', rank {m.rank}' if kind_class(m.linear).factored else ''}); {devices} {jax.default_backend()} device"
             f"{'s' if devices > 1 else ''}, mesh {mesh}, strategy {p.strategy}; batch {t.global_batch} x "
             f"{t.seq_len} ({cfg.data.batching}, grad_accum {t.grad_accum}), {t.steps} steps; config "
             f"{config_file or 'given as a ConfigDict'}")

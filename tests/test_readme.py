@@ -69,6 +69,8 @@ COMMANDS = {
         "test_export.py::test_intermediate_padding_is_inert",
     "python -m boost_jax.generate --checkpoint runs/imported": "tiny",
     "python -m boost_jax.plan --config configs/cola_7b.py --devices 32 --cluster configs/clusters/a100_4x.py": "tool",
+    "python -m boost_jax.plan --config configs/cola_13b.py --devices 64 --cluster configs/clusters/h100_8x.py "
+    "--batch 4 --seq 32768 --top 3": "test_planner_context.py::test_readme_context_plan",
     "pip install -e '.[aot]'": "the aot extra: .ci/run installs it (tests/test_aot.py)",
     "python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 --train-only":
         "test_aot.py::test_readme_commands",

@@ -394,23 +394,44 @@ class Context:
 
 # ------------------------------------------------------------------------------------------ traffic
 
+def layer_exchange(c: int, attention: str, rows: float, seq: int, width: float) -> dict:
+    """One layer's context exchange per device for one micro-batch of `rows` rows of `seq` positions
+    whose K/V (or bottleneck activations) are `width` elements per token per array on this device:
+    {"forward" | "backward": {kind: {"count", "elements", "float32"}}}, "float32": how many of the
+    elements are sent in float32 (the ring's dK/dV going home; the rest is the compute dtype). The one
+    formula of the exchange: `traffic` sums it over a step, the planner prices it
+    (boost_jax/planner/partitions.py). Empty when C = 1.
+
+    ring: the forward sends the (K, V) block C-1 times, the backward C-1 times again and their
+    gradients (float32) C-1 times, K and V in one collective-permute: C-1 and 2(C-1) collective-permutes
+    of 2 x rows x T/C x width elements. all_gather: 2 all-gathers forward, 2 reduce-scatters backward,
+    of rows x T x width elements (the gathered size)."""
+    if c <= 1:
+        return {}
+    if attention == "ring":
+        block = rows * seq / c * width
+        return {"forward": {"collective-permute": {"count": c - 1, "elements": 2 * (c - 1) * block, "float32": 0}},
+                "backward": {"collective-permute": {"count": 2 * (c - 1), "elements": 4 * (c - 1) * block,
+                                                    "float32": 2 * (c - 1) * block}}}
+    whole = rows * seq * width
+    return {"forward": {"all-gather": {"count": 2, "elements": 2 * whole, "float32": 0}},
+            "backward": {"reduce-scatter": {"count": 2, "elements": 2 * whole, "float32": 0}}}
+
+
 def traffic(cfg) -> dict:
     """The context exchange of one optimizer step per device, by formula, from a run config (remat
     policy none: a policy that recomputes attention runs its forward exchange again):
 
     {"context": C, "attention": ring | all_gather, "kv": full | bottleneck,
      "width": elements per token per array that moves (kv_heads/tensor x head_dim, or the rank r),
-     "per_layer": {"forward" | "backward": {kind: {"count", "elements"}}} per micro-batch,
+     "per_layer": {"forward" | "backward": {kind: {"count", "elements", "float32"}}} per micro-batch,
      "step": {kind: {"count", "elements"}}: every layer (of this device's pipeline stage) and
      micro-batch (pipelined: every tick, bubbles included),
      "memory": {"kv_block_bytes": one (K, V) block pair at the compute dtype (the ring holds two),
                 "gathered_kv_bytes_per_layer": all_gather's whole-row K/V kept for the backward,
                 "activation_fraction": 1/C, the share of the sequence each device holds}}
 
-    ring: per layer the forward sends the (K, V) block C-1 times, the backward C-1 times again and
-    their gradients (float32) C-1 times, K and V in one collective-permute: C-1 and 2(C-1)
-    collective-permutes of 2 x rows x T/C x width elements. all_gather: 2 all-gathers forward, 2 reduce-scatters backward, of
-    rows x T x width elements (the gathered size). The weights' gradients are also reduced over
+    Per layer: `layer_exchange`. The weights' gradients are also reduced over
     `context` (like over `data`), not counted here. Empty when C = 1."""
     from boost_jax.parallel.mesh import split_by_tensor
     from boost_jax.parallel.strategies import get_strategy
@@ -439,20 +460,14 @@ def traffic(cfg) -> dict:
     else:
         layers = int(m.n_layers)
     seq = int(t.seq_len)
-    if p.context_attention == "ring":
-        block = rows * seq // c * width
-        per_layer = {"forward": {"collective-permute": {"count": c - 1, "elements": 2 * (c - 1) * block}},
-                     "backward": {"collective-permute": {"count": 2 * (c - 1), "elements": 4 * (c - 1) * block}}}
-    else:
-        whole = rows * seq * width
-        per_layer = {"forward": {"all-gather": {"count": 2, "elements": 2 * whole}},
-                     "backward": {"reduce-scatter": {"count": 2, "elements": 2 * whole}}}
+    per_layer = {d: {k: {f: int(round(x)) for f, x in v.items()} for k, v in kinds.items()}
+                 for d, kinds in layer_exchange(c, str(p.context_attention), rows, seq, width).items()}
     step: dict = {}
     for direction in per_layer.values():
         for kind, v in direction.items():
             slot = step.setdefault(kind, {"count": 0, "elements": 0})
-            slot["count"] += v["count"] * layers * passes
-            slot["elements"] += v["elements"] * layers * passes
+            for f in slot:
+                slot[f] += v[f] * layers * passes
     step = {k: {f: int(round(x)) for f, x in v.items()} for k, v in step.items()}
     act = 2 if m.dtype in ("bfloat16", "float16", "auto") else 4  # auto: bf16 on accelerators
     pair = 2 * rows * seq // c * width * act

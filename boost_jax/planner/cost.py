@@ -100,8 +100,8 @@ def coll_bytes(c: Coll, act_bytes: int) -> float:
     """Payload bytes: activations in the compute dtype; on data/fsdp, FSDP's weight gathers in the
     compute dtype too (the trainer casts the shard, then gathers) and gradient reductions in float32
     (parallel.grad_reduce_dtype's default); the circular schedule's weight moves (`pipeline_weights`)
-    move the float32 stage copies."""
-    if (c.axis == "data_fsdp" and c.kind != "all-gather") or c.axis == "pipeline_weights":
+    move the float32 stage copies; the context ring's dK/dV (`float32`) go home in float32."""
+    if (c.axis == "data_fsdp" and c.kind != "all-gather") or c.axis == "pipeline_weights" or c.float32:
         return c.elements * STATE_BYTES
     return c.elements * act_bytes
 
@@ -222,6 +222,24 @@ def st_recomputed(op: Op, policy: str) -> list:
     return [c for s in op.st if s.tag == "A" for c in s.colls()[:1] if c.elements]
 
 
+def ring_permute(c: Coll) -> bool:
+    """A context ring hop (boost_jax/parallel/context.py): issued before the block it overlaps."""
+    return c.axis == "context" and c.kind == "collective-permute"
+
+
+def ring_exposed(op: Op, attn: tuple[float, float], cluster: Cluster, act_bytes: int) -> float:
+    """The context ring's hops not hidden behind the attention: each hop's transfer runs under one
+    remote block's compute (the ring issues the next block's permute before the current block), the
+    C-1 remote blocks being (C-1)/C of the attention (every step costs the same L x 2L scores); per
+    direction, what the transfers take beyond that shows."""
+    hops = [c for c in op.colls if ring_permute(c)]
+    if not hops:
+        return 0.0
+    c = hops[0].size
+    return sum(max(0.0, sum(coll_seconds(h, cluster, act_bytes) for h in hops if h.phase == phase)
+                   - (c - 1) / c * a) for phase, a in zip(("fwd", "bwd"), attn))
+
+
 def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized",
           act_bytes: int = 2) -> Cost:
     """Forward + backward (+ recompute) time of one operator on one device. `attention`: one of
@@ -231,7 +249,8 @@ def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "mate
     attn = attention_seconds(op.attn, attention, cluster) if op.attn else (0.0, 0.0)
     elementwise = cluster.elementwise_passes * op.acts * act_bytes / cluster.hbm_bandwidth
     cost = Cost(compute=op.gemm_passes * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
-                comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls))
+                comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls if not ring_permute(c))
+                + ring_exposed(op, attn, cluster, act_bytes))
     if policy != "none":
         g_re, st_re, attn_re, c_re = recomputed(op, policy)
         cost.recompute = (sum(gemm_seconds(g.m, g.k, g.n, cluster) for g in g_re)

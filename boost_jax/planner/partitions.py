@@ -57,6 +57,12 @@ GPU_SAVED_NORM = (2.5, 0)
 # f32 arrays).
 GPU_SAVED_NORM_XLA = {"S": (1, 2), "H": (2, 2)}
 GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
+# The context ring's backward (remat none) holds score blocks of its remote blocks beyond what the
+# one-device backward does: FITTED 2.75 float32 [rows, heads, L, block] arrays (the bytes the compiled
+# btp step held beyond the planner's count: d 256, seq 1024, 2 rows, tensor 2 x context 2, ring, full
+# K/V; float32, chunked) take the predicted peak from 0.88 to 0.95 of memory_analysis; held out: ring
+# with bottleneck K/V, 0.85 to 0.94 (tests/test_planner_context.py).
+RING_SCORE_BLOCKS = 2.75
 # The groups a norm feeds (the first of each residual segment): their norm's statistics may ride in
 # a row-parallel first stage's all-reduce (online RMSNorm).
 NORMED = ("qkv", "mlp_in")
@@ -113,9 +119,11 @@ class Coll:
     stride: int  # device-id distance between group members: decides intra- or inter-node link
     phase: str  # fwd | bwd
     # tensor, pipeline, grid (activations, compute dtype; grid: st's permutes over fsdp, weights cast
-    # before they move) | data_fsdp (parameters/gradients, fp32)
+    # before they move), context (the attention's K/V exchange over the sequence split) | data_fsdp
+    # (parameters/gradients, fp32)
     axis: str = "tensor"
     saved: bool = False  # its result is what low-rank checkpointing keeps: never recomputed
+    float32: bool = False  # sent in float32 whatever the compute dtype (the context ring's dK/dV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +218,18 @@ class Ctx:
     grid: bool = False  # fsdp == tensor: the (fsdp, tensor) axes form st's n x n grid (n = t)
     attention: str = "materialized"  # how attention runs: its cost class (see cost.attention_kind)
     act_bytes: int = 2  # bytes per compute-dtype element
+    # parallel.context = C: the sequence split over C devices (boost_jax/parallel/context.py). `tokens`
+    # are then one context shard's (rows x seq / C); attention meets the whole row through
+    # parallel.context_attention (ring | all_gather) exchanging K/V or (context_kv=bottleneck) the
+    # r-wide bottleneck activations.
+    context: int = 1
+    context_attention: str = "ring"
+    context_kv: str = "full"
+
+    @property
+    def local_seq(self) -> int:
+        """Positions of a row on one device of `context`."""
+        return self.seq // self.context
 
     @property
     def n(self) -> int:
@@ -229,7 +249,7 @@ def layouts(ctx: Ctx) -> tuple[str, ...]:
     """The layouts an activation can take on this tensor size (token splits cut each sequence)."""
     if ctx.t == 1:
         return ("R",)
-    return ("R", "H") + (("S",) if ctx.seq % ctx.t == 0 else ())
+    return ("R", "H") + (("S",) if ctx.local_seq % ctx.t == 0 else ())
 
 
 def _divides(t: int, *xs: int) -> bool:
@@ -541,10 +561,14 @@ def st_stored(ctx: Ctx, group: str, strategy: str) -> tuple[list[Coll], float]:
 
 def attention(ctx: Ctx, layout: str) -> Op | None:
     """Causal attention fed q, k, v in `layout` (None where it cannot run). Token splits gather the
-    keys and values of the whole sequence (context parallelism) and carry the causal imbalance."""
+    keys and values of the whole sequence and carry the causal imbalance. Under parallel.context the
+    sequence is already split (load-balanced: no imbalance) and the context exchange joins it
+    (`context_exchange`); the trainer's attention then runs on whole heads or features only."""
     b = ctx.block
     fs, ts = ctx.splits(layout)
     if layout == "P" or not _divides(fs, b.heads, b.kv_heads) or not _divides(ts, ctx.seq):
+        return None
+    if ctx.context > 1 and ts > 1:
         return None
     q, kv = b.heads * b.head_dim, b.kv_heads * b.head_dim
     op = Op(f"attention@{layout}")
@@ -566,7 +590,58 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
         op.saved += rows * ctx.seq if ctx.act_bytes != 4 else 0.0
     else:
         op.saved32 = rows
+    if ctx.context > 1:
+        context_exchange(ctx, op, fs)
     return op
+
+
+def context_exchange(ctx: Ctx, op: Op, fs: int) -> None:
+    """Add parallel.context's exchange to the attention op (boost_jax/parallel/context.py, its
+    `layer_exchange` formula: the one the comm report checks against the compiled step), on the
+    `context` axis (stride: the tensor size, `context` sits inside `tensor`), and what it keeps and
+    computes:
+    - ring: the (K, V) block passes C-1 hops forward, 2(C-1) backward (K/V again, and dK/dV home in
+      float32); cost.price overlaps the permutes with the attention's C-1 remote blocks. Its backward
+      holds the block in flight and the next one, and the float32 dK/dV accumulator of its own.
+    - all_gather: K/V of the whole row gathered once per layer and kept for the backward.
+    - context_kv=bottleneck (factored kinds): σ(A_k x), σ(A_v x) move instead (r wide, whole on
+      every device under the strategies that take it), and each device rebuilds K/V with its
+      B_k, B_v: the ring re-runs them on every received block (forward C, backward C again plus the
+      2 input/weight-gradient GEMMs of each remote block: 4C - 3 forward GEMMs beyond the group's own
+      3), all_gather once on the whole row (3(C - 1) more). The island keeps σ(A x) (already kept by
+      the qkv group), not K/V."""
+    from boost_jax.parallel.context import layer_exchange  # imports jax: once per pricer (memoised ops)
+
+    b, c = ctx.block, ctx.context
+    kv_local = b.kv_heads * b.head_dim / fs
+    bottleneck = ctx.context_kv == "bottleneck"
+    width = b.rank if bottleneck else kv_local
+    rows = ctx.tokens / ctx.local_seq
+    for phase, kinds in layer_exchange(c, ctx.context_attention, rows, ctx.seq, width).items():
+        for kind, v in kinds.items():
+            each, n = v["elements"] / v["count"], v["count"]
+            n32 = round(v["float32"] / each)
+            op.colls += [Coll(kind, each, c, ctx.t, "fwd" if phase == "forward" else "bwd", "context",
+                              float32=i >= n - n32) for i in range(n)]
+    if bottleneck:
+        op.saved -= 2 * ctx.tokens * kv_local  # K/V are rebuilt per block, not kept; σ(A x) is the qkv group's
+        extra = 4 * c - 3 if ctx.context_attention == "ring" else 3 * (c - 1)
+        op.gemms = [Gemm(ctx.tokens, b.rank, kv_local, "B")] * (2 * extra)
+        op.gemm_passes = 1.0
+    if ctx.context_attention == "ring":
+        pair = 2 * ctx.tokens * width
+        op.ring += 2 * pair + pair * 4 / ctx.act_bytes  # two blocks in flight; its float32 gradient
+        # the backward's float32 scores of its remote blocks (a chunk of L = T/2C queries against
+        # key blocks of the implementation's size), and under bottleneck each block's rebuilt K/V
+        chunk = ctx.local_seq / 2
+        block = min(2 * chunk, attention_class(ctx.attention).block or 2 * chunk)
+        op.ring += RING_SCORE_BLOCKS * rows * b.heads / fs * chunk * block * 4 / ctx.act_bytes
+        if bottleneck:
+            op.ring += 2 * 2 * ctx.tokens * kv_local
+    else:  # the whole row's K/V (rebuilt from the gathered σ(A x) under bottleneck, kept too)
+        gathered = 2 * ctx.tokens * c * kv_local + (2 * ctx.tokens * c * b.rank if bottleneck else 0.0)
+        op.acts += gathered
+        op.saved += gathered
 
 
 def attention_class(name: str):
@@ -611,12 +686,13 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
     per pipeline micro-batch); each piece reduces its own scalars, and a loss in several pieces
     recomputes each one's logits, reductions included, in the backward."""
     b, t, m = ctx.block, ctx.t, ctx.tokens
-    pieces = (-(-ctx.seq // b.loss_chunk) if 0 < b.loss_chunk < ctx.seq else 1) * row_groups
+    seq = ctx.local_seq  # under context each device scans its own positions (model/loss.py seq_groups)
+    pieces = (-(-seq // b.loss_chunk) if 0 < b.loss_chunk < seq else 1) * row_groups
     op = edge(ctx, residual, "R", b.d)
     op.name = f"{residual}->head"
     op.gemms = [Gemm(m, b.d, b.vocab / t, "head")]
     op.weights = b.d * b.vocab / t + b.d
-    if 0 < b.loss_chunk < ctx.seq:  # the chunked loss recomputes each chunk's logits in the backward
+    if 0 < b.loss_chunk < seq:  # the chunked loss recomputes each chunk's logits in the backward
         op.gemm_passes = 4.0
     if t > 1:
         scalars = [Coll("all-reduce", 3 * m / pieces, t, 1, phase) for phase in ("fwd",) + ("bwd",) * (pieces > 1)
@@ -686,6 +762,16 @@ def uniform_plan(strategy: str, sequence_parallel: bool = False, factored: bool 
         if (table.name, table.sequence_parallel) == (strategy, bool(sequence_parallel)):
             return table.residual, choice_names(table, factored, online_norm), table.attention, table.act
     raise ValueError(f"strategy {strategy!r} has no sequence-parallel table")
+
+
+def keeps_whole_rank(strategy: str) -> bool:
+    """Whether a registered strategy's rule table keeps the bottleneck rank whole on every tensor
+    device (parallel.context_kv=bottleneck passes σ(A x) r wide and rebuilds K/V with each device's
+    B's; a table splitting `rank` over tensor leaves each device a slice)."""
+    from boost_jax.parallel.mesh import split_by_tensor
+    from boost_jax.parallel.strategies import registered
+
+    return not {"rank", "act_rank"} & split_by_tensor(registered(strategy).rules)
 
 
 def choice_names(table: TableLayer, factored: bool, online_norm: bool = True) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ import dataclasses
 import heapq
 import time
 
+from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV
 from boost_jax.planner import cost as C
 from boost_jax.planner import partitions as P
 from boost_jax.planner.cluster import Cluster
@@ -35,13 +36,14 @@ class Mesh:
     fsdp: int
     tensor: int
     pipeline: int = 1
+    context: int = 1  # parallel.context: the sequence split (mesh axis between fsdp and tensor)
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipeline
+        return self.data * self.fsdp * self.tensor * self.pipeline * self.context
 
     def __str__(self) -> str:
-        return f"{self.pipeline}x{self.data}x{self.fsdp}x{self.tensor}"
+        return f"{self.pipeline}x{self.data}x{self.fsdp}x{self.tensor}" + (f" c{self.context}" if self.context > 1 else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,11 @@ class Options:
     keep: int = 8  # DP paths kept per state
     act_bytes: int = 2  # bf16 activations
     check_memory: bool = True
+    # parallel.context sizes to search (each splitting seq into 2C equal chunks); (): every divisor of
+    # the devices that does (unpipelined plans; see context_sizes)
+    context: tuple = ()
+    context_attention: tuple = CONTEXT_ATTENTION  # parallel.context_attention values searched
+    context_kv: tuple = CONTEXT_KV  # parallel.context_kv values searched (bottleneck: factored kinds)
 
 
 @dataclasses.dataclass
@@ -105,6 +112,8 @@ class Plan:
     repeats: int = 1  # parallel.pipeline_repeats: V layer chunks per stage (circular)
     stage_remat: str = "none"  # remat.pipeline: "stage" recomputes each stage in the backward
     pipeline_colls: list = dataclasses.field(default_factory=list)  # one tick's stage hand-overs
+    context_attention: str = ""  # parallel.context_attention / context_kv (plans with context > 1)
+    context_kv: str = ""
     # every collective of one accumulation micro-batch as (Coll, times it runs)
     step_colls: list = dataclasses.field(default_factory=list)
 
@@ -301,6 +310,15 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost
 
 def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
                pipelined: bool = False, grid_weights: float = 0.0) -> tuple[list[P.Coll], list[P.Coll]]:
+    once, per_pass = _batch_colls(mesh, fsdp_weights, other_weights, remat, pipelined, grid_weights)
+    if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
+        per_pass.append(P.Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd",
+                               "data_fsdp"))
+    return once, per_pass
+
+
+def _batch_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
+                 pipelined: bool = False, grid_weights: float = 0.0) -> tuple[list[P.Coll], list[P.Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
@@ -314,7 +332,12 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
     included (the gathered copies are the loop's inputs). Pipelined st plans keep GSPMD's placement
     (see pipeline.once_per_pass_axes), priced as below.
     st's weights (`grid_weights`) stay split over fsdp: their gradient, summed over the grid's rows
-    by the Cannon schedule, is only all-reduced over data."""
+    by the Cannon schedule, is only all-reduced over data.
+    Under parallel.context = C the gradient of every weight (per tensor shard, whole: the compiled
+    step all-reduces it over `context` before the fsdp/data reduction, or with it) is all-reduced over
+    `context` too, once per micro-batch: context acts like data for the gradients. (Where the mesh
+    also has data or fsdp, XLA folds part of the two reductions into one over both axes: the
+    separate pricing here is an upper bound on those bytes.)"""
     t, f, d = mesh.tensor, mesh.fsdp, mesh.data
     once, per_pass = [], []
     if pipelined and not grid_weights:
@@ -437,7 +460,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     if stages > 1 and gpu and not staged and policy == "none":
         tick_weights = (runs if schedule == "circular" else per_stage) * weights * opts.act_bytes
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups)
-    loss = (C.loss_bytes(rest_tokens / opts.seq / m, opts.seq, b.loss_chunk, b.vocab / mesh.tensor)
+    loss = (C.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, b.loss_chunk, b.vocab / mesh.tensor)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
     memory = {"states": C.state_bytes(params, grad_accum),
               # without remat every layer's compute-layout weights (FSDP: gathered) are kept for its
@@ -478,13 +501,20 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
 
     tokens = opts.batch * opts.seq
     status, strategy, sp = runnable(b, mesh, layer)
+    if status == "yes" and ctx.context_kv == "bottleneck" and not P.keeps_whole_rank(strategy):
+        status, strategy, sp = (f"no: context_kv=bottleneck rebuilds K/V from the whole r-wide activations, which "
+                                f"{strategy} splits over tensor"), "", False
+    context = ""
+    if mesh.context > 1:
+        context = (f"--config.parallel.context={mesh.context} --config.parallel.context_attention="
+                   f"{ctx.context_attention} --config.parallel.context_kv={ctx.context_kv} ")
     flags = ""
     if status == "yes":
         flags = ((f"--config.parallel.pipeline={stages} --config.parallel.microbatches={m} " if stages > 1 else "")
                  + (f"--config.parallel.pipeline_schedule=circular --config.parallel.pipeline_repeats={repeats} "
                     if schedule == "circular" else "")
-                 + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
-                 f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
+                 + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} " + context
+                 + f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
                  + ("--config.parallel.sequence_parallel=true " if sp else "")
                  + (f"--config.parallel.linear_partition={linear_partition(layer)} " if P.ST in layer.choices else "")
                  + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
@@ -501,21 +531,67 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                 runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags,
                 microbatches=m, bubble=C.bubble_fraction(stages, m, repeats), shift_s=shift_s, pipeline_colls=shift,
                 step_colls=[(c, runs) for c in s.tensor_colls + s.recomputed] + counted,
-                schedule=schedule, repeats=repeats, stage_remat=stage_remat)
+                schedule=schedule, repeats=repeats, stage_remat=stage_remat,
+                context_attention=ctx.context_attention if mesh.context > 1 else "",
+                context_kv=ctx.context_kv if mesh.context > 1 else "")
 
 
 # ---------------------------------------------------------------- enumeration
 
-def meshes(devices: int, stages=(1,)):
-    """Every pipeline x data x fsdp x tensor factorisation with pipeline in `stages`. The pipeline
-    axis is outermost (boost_jax.parallel.mesh.AXES): its groups are the ones that cross nodes first."""
+def meshes(devices: int, stages=(1,), contexts=(1,)):
+    """Every pipeline x data x fsdp x context x tensor factorisation with pipeline in `stages` and
+    context in `contexts` (context > 1 unpipelined: see context_sizes). The pipeline axis is
+    outermost (boost_jax.parallel.mesh.AXES): its groups are the ones that cross nodes first."""
     for pp in stages:
-        if devices % pp:
-            continue
-        rest = devices // pp
-        for t in _divisors(rest):
-            for f in _divisors(rest // t):
-                yield Mesh(rest // (t * f), f, t, pp)
+        for cp in contexts:
+            if devices % (pp * cp) or (cp > 1 and pp > 1):
+                continue
+            rest = devices // (pp * cp)
+            for t in _divisors(rest):
+                for f in _divisors(rest // t):
+                    yield Mesh(rest // (t * f), f, t, pp, cp)
+
+
+def context_sizes(devices: int, seq: int, opts: Options, attention: str) -> list[int]:
+    """parallel.context sizes to search: 1 and every divisor C of the device count that splits seq
+    into 2C equal chunks (boost_jax/parallel/mesh.py check_context), or opts.context (each checked:
+    a size that does not split seq is a one-line error naming --context). With C = 1 in the search,
+    `search` prices a context plan only where its micro-batch's rows per batch shard do not split C
+    ways: otherwise the same mesh with `context` folded into `data` runs the same tokens per device
+    (the same GEMMs, activations and causal attention work, states replicated alike) without the
+    exchange, and under a fused attention the trainer cannot use under context. Context earns its
+    place where the rows run out: long sequences, few of them per step. Context needs an attention
+    implementation with a block form (`auto` runs chunked there); pipelined plans run without it here
+    (the comm report, which --verify compiles with, runs context without a pipeline)."""
+    from boost_jax.model.attention import names, takes_context
+
+    for c in opts.context:
+        if c < 1 or devices % c:
+            raise ValueError(f"--context: {c} does not divide --devices {devices}")
+        if c > 1 and seq % (2 * c):
+            raise ValueError(f"--context: {c} devices hold 2 of {2 * c} equal chunks of each row, which --seq {seq} "
+                             f"does not split into; use a C with seq a multiple of 2C")
+        if c > 1 and not takes_context(attention):
+            raise ValueError(f"--context: --attention {attention} cannot run with the sequence split over context; use "
+                             f"one of {tuple(n for n in names() if takes_context(n))}")
+    if opts.context:
+        return sorted(set(opts.context))
+    if not takes_context(attention):
+        return [1]
+    return [c for c in _divisors(devices) if c == 1 or seq % (2 * c) == 0]
+
+
+def context_modes(block: P.Block, context: int, opts: Options) -> list[tuple[str, str]]:
+    """(parallel.context_attention, parallel.context_kv) to search at this context size: each
+    attention mode, with bottleneck K/V where the kind has a bottleneck. ("ring", "full") alone at
+    C = 1, where neither applies."""
+    if context == 1:
+        return [("ring", "full")]
+    bad = ([x for x in opts.context_attention if x not in CONTEXT_ATTENTION]
+           + [x for x in opts.context_kv if x not in CONTEXT_KV])
+    if bad:
+        raise ValueError(f"--context-attention / --context-kv: {bad} not in {CONTEXT_ATTENTION} / {CONTEXT_KV}")
+    return [(a, kv) for a in opts.context_attention for kv in opts.context_kv if kv == "full" or block.factored]
 
 
 def stage_counts(devices: int, layers: int, opts: Options) -> list[int]:
@@ -580,25 +656,39 @@ def model_flops_per_token(cfg, seq: int) -> float:
     return flops_per_token(cfg.model, seq, training=True)
 
 
+def attention_kind(opts: Options, block: P.Block, context: int) -> str:
+    """The attention cost class a plan runs: opts.attention's (cost.attention_kind), or under
+    context the block form it runs there (`auto` runs chunked under context)."""
+    name = "chunked" if context > 1 and opts.attention == "auto" else opts.attention
+    return C.attention_kind(name, block, opts.seq, opts.act_bytes)
+
+
 def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, layer: Layer, opts: Options,
              flops_per_token: float | None = None, microbatches: int = 0, schedule: str = "gpipe", repeats: int = 1,
-             stage_remat: str = "none") -> Plan:
+             stage_remat: str = "none", context_attention: str = "ring", context_kv: str = "full") -> Plan:
     """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan.
     `microbatches`: micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S); `schedule`,
-    `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline."""
+    `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
+    `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1."""
     block = P.Block.from_config(cfg)
     stages = mesh.pipeline
     m = (microbatches or 2 * stages) if stages > 1 else 1
     if block.layers % stages:
         raise ValueError(f"{stages} pipeline stages do not divide the model's {block.layers} layers")
     check_pipeline(block.layers, stages, m, schedule, repeats, stage_remat)
+    context_sizes(mesh.devices, opts.seq, dataclasses.replace(opts, context=(mesh.context,)), opts.attention)
+    if (context_attention, context_kv) not in context_modes(block, mesh.context, dataclasses.replace(
+            opts, context_attention=(context_attention,), context_kv=(context_kv,))) and mesh.context > 1:
+        raise ValueError(f"--context-kv: bottleneck passes the r-wide activations of a factored kind; "
+                         f"model.linear={cfg.model.linear} has none")
     micro = opts.batch // grad_accum // (mesh.data * mesh.fsdp * m)
     if micro * grad_accum * mesh.data * mesh.fsdp * m != opts.batch:
         raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
                          f"micro-batches over data x fsdp = {mesh.data * mesh.fsdp}")
-    kind = C.attention_kind(opts.attention, block, opts.seq, opts.act_bytes)
-    pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq, opts.seq, mesh.fsdp == mesh.tensor, kind, opts.act_bytes),
-                cluster, remat, opts)
+    kind = attention_kind(opts, block, mesh.context)
+    pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq // mesh.context, opts.seq,
+                      mesh.fsdp == mesh.tensor and mesh.context == 1, kind, opts.act_bytes, mesh.context,
+                      context_attention, context_kv), cluster, remat, opts)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     return evaluate(pr, mesh, grad_accum, layer, fpt, m, schedule, repeats, stage_remat)
 
@@ -627,13 +717,15 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     """The top plans for `devices` GPUs of `cluster` training `cfg` at opts.batch x opts.seq."""
     block = P.Block.from_config(cfg)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
-    kind = C.attention_kind(opts.attention, block, opts.seq, opts.act_bytes)
+    contexts = context_sizes(devices, opts.seq, opts, opts.attention)
+    kinds = {c: attention_kind(opts, block, c) for c in contexts}
     start = time.perf_counter()
     pricers: dict = {}
     plans, considered, rejected, smallest = [], 0, 0, None
-    for mesh in meshes(devices, stage_counts(devices, block.layers, opts)):
+    for mesh in meshes(devices, stage_counts(devices, block.layers, opts), contexts):
         ways = mesh.data * mesh.fsdp
-        grid = mesh.fsdp == mesh.tensor
+        grid = mesh.fsdp == mesh.tensor and mesh.context == 1
+        kind = kinds[mesh.context]
         if any(not P.group_choices(P.Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g) for g in P.GROUPS):
             continue  # no choice splits some group over this tensor size
         accums = [opts.grad_accum] if opts.grad_accum else _divisors(opts.batch)
@@ -641,14 +733,20 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
             if opts.batch % accum or (opts.batch // accum) % ways:
                 continue
             rows = opts.batch // accum // ways
+            if mesh.context > 1 and 1 in contexts and rows % mesh.context == 0:
+                continue  # dominated: the mesh with C folded into data runs as many tokens per device unexchanged
             for micro in microbatch_counts(mesh.pipeline, rows, opts):
-                tokens = rows // micro * opts.seq
-                for policy in policies(block, opts):
-                    key = (mesh.tensor, tokens, policy, grid)
+                tokens = rows // micro * opts.seq // mesh.context
+                for policy, (attention, kv) in [(p, a) for p in policies(block, opts)
+                                                for a in context_modes(block, mesh.context, opts)]:
+                    key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv)
                     if key not in pricers:
-                        pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid, kind,
-                                                    opts.act_bytes), cluster, policy, opts)
-                    for layer in best_layers(pricers[key], opts.keep):
+                        pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid, kind, opts.act_bytes,
+                                                    mesh.context, attention, kv), cluster, policy, opts)
+                    # The modes of a context size share the layer partitionings found for its first
+                    # (the attention mode changes the attention's exchange, not the layouts around it).
+                    first = (mesh.tensor, tokens, policy, grid, mesh.context) + context_modes(block, mesh.context, opts)[0]
+                    for layer in best_layers(pricers[first], opts.keep):
                         for schedule, repeats, staged in pipeline_variants(block.layers, mesh.pipeline, micro, opts):
                             plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro, schedule, repeats, staged)
                             considered += 1
@@ -661,9 +759,9 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path.
     plans.sort(key=lambda p: (p.step_s, p.runnable != "yes", p.layer_cost.total))
     top, seen = [], set()
-    for p in plans:  # distinct partitionings, each at its best micro-batching and remat
-        if (p.mesh, p.layer) not in seen:
-            seen.add((p.mesh, p.layer))
+    for p in plans:  # distinct partitionings (and context modes), each at its best micro-batching and remat
+        if (p.mesh, p.layer, p.context_attention, p.context_kv) not in seen:
+            seen.add((p.mesh, p.layer, p.context_attention, p.context_kv))
             top.append(p)
         if len(top) == opts.top:
             break

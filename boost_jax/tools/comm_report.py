@@ -137,15 +137,18 @@ def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, se
                    remat: str | None = None, context: int = 1):
     """The config one strategy column is measured on (depth and unrolling are set per compile);
     mesh = (data, fsdp, tensor), `context` the sequence split."""
+    from boost_jax.model.kinds import kind_class
     from boost_jax.parallel.strategies import registered
     from boost_jax.validate import validate
 
     c = base.copy_and_resolve_references()
     linear = linear or registered(strategy).report_linear or c.model.linear
     if linear != c.model.linear:  # the twin: same shapes, other projection kind (cola_7b <-> llama_7b)
-        c.name = c.name.replace("cola", "llama") if linear == "dense" else c.name.replace("llama", "cola")
+        was, kind = kind_class(c.model.linear), kind_class(linear)
+        if was.family and kind.family and c.name.startswith(was.family + "_"):
+            c.name = kind.family + c.name[len(was.family):]
         c.model.linear = linear
-        c.model.only_lr_act = c.model.only_lr_act and linear == "cola"
+        c.model.only_lr_act = c.model.only_lr_act and kind.nonlinear(c.model)
     c.model.dtype = dtype
     c.remat.policy = remat or c.remat.policy
     c.model.max_seq_len = max(c.model.max_seq_len, seq)

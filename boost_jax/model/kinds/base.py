@@ -11,6 +11,7 @@ generically (the input is gathered to whole rows).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, ClassVar
 
 import jax
@@ -32,10 +33,55 @@ def dense_init(key, shape, d_in: int, d_out: int, dtype):
     return (d_in + d_out) ** -0.5 * jax.random.normal(key, shape, dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class HFLayout:
+    """How a model of one kind is stored as a Hugging Face checkpoint: what `boost_jax/export.py`
+    asks the kind (it names none). This base is the `LlamaForCausalLM` layout's frame, whose config.json
+    fields export writes for every layout; a kind's layout adds what its projections need.
+
+    model_type, architecture: what config.json says (import picks the layout by model_type, then the
+      kind among those sharing it by `select`);
+    tensors: per projection `X_proj`, (our parameter, HF name after `X_proj.`, stored transposed);
+    kv_repeat: the HF name (after `X_proj.`) of the k/v tensor whose columns the file holds for every
+      query head (a layout without GQA): export repeats each KV head's columns, import folds them;
+      "" when the file keeps our KV heads;
+    select: (config.json field, value) that tells this kind from others of its model_type ("", None: none);
+    train: (train field, value) pairs an import sets (the layout's own recipe, e.g. AdamW betas)."""
+    model_type: str
+    architecture: str
+    tensors: tuple[tuple[str, str, bool], ...]
+    kv_repeat: str = ""
+    select: tuple[str, object] = ("", None)
+    train: tuple[tuple[str, object], ...] = ()
+
+    def selected(self, hf: dict):
+        """The value of `select`'s field in config.json as this layout reads it."""
+        return hf.get(self.select[0]) if self.select[0] else None
+
+    def config(self, m) -> dict:
+        """config.json fields beyond the Llama frame's (or replacing them), in the order written."""
+        return {"architectures": [self.architecture], "model_type": self.model_type}
+
+    def fields(self, hf: dict) -> dict:
+        """Our `model` fields (beyond the Llama frame's) that config.json `hf` gives."""
+        return {}
+
+    def problems(self, hf: dict, fields: dict) -> list[str]:
+        """Why `hf` (read as `fields`) cannot be imported into this kind; [] when it can."""
+        return []
+
+
 class LinearKind(nnx.Module):
     """One linear map d_in -> d_out; `axes` = the logical names of its (in, out) dims; `group` = the
     projection group a parallel plan partitions as a unit (qkv | o | mlp_in | mlp_out)."""
 
+    # The kind's own `model` fields {name: config.Field(default, help)}: registering the kind makes
+    # them config keys (`--config.model.NAME=...`), read here as m.NAME.
+    fields: ClassVar[dict] = {}
+    hf: ClassVar[HFLayout | None] = None  # its Hugging Face layout (boost_jax/export.py); None: none
+    # The model family a zoo config's name carries (cola_7b, llama_7b): the comm report renames a
+    # config measured on another kind's twin by it. "": names are left alone.
+    family: ClassVar[str] = ""
     factored: ClassVar[bool] = True  # a bottleneck between two stages (False: one d_in x d_out stage)
     has_extra: ClassVar[bool] = False  # `extra` adds a term from the normalised input rows
 

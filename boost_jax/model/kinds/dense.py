@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from flax import nnx
 
-from boost_jax.model.kinds.base import LinearKind, dense_init
+from boost_jax.model.kinds.base import HFLayout, LinearKind, dense_init
 from boost_jax.parallel.rules import gathered
 
 
 class Dense(LinearKind):
     factored = False
+    family = "llama"
+    # A plain LlamaForCausalLM: X_proj.weight is our w transposed to HF's [out, in].
+    hf = HFLayout("llama", "LlamaForCausalLM", (("w", "weight", True),))
 
     def __init__(self, m, d_in, d_out, *, axes, group, rngs, param_dtype):
         super().__init__(m, d_in, d_out, axes=axes, group=group, rngs=rngs, param_dtype=param_dtype)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from boost_jax.config import Field
 from boost_jax.model.kinds.lowrank import LowRank
 from boost_jax.parallel.rules import constrain, gathered, weight_einsum
 
@@ -38,7 +39,15 @@ def n_blocks(m, d_in: int, d_out: int) -> int:
 
 
 class SparseLowRank(LowRank):
+    family = "sltrain"
     has_extra = True
+    hf = None  # no Hugging Face layout holds S
+    fields = {  # W = (alpha/r)·B·A + S, S on a fixed random support of b x b blocks
+        "sparse_density": Field(0.03, "sltrain: fraction of S's entries that are nonzero"),
+        "sparse_block": Field(16, "sltrain: b, S's blocks are b x b; 1 is SLTrain's element-wise support "
+                                  "(see kinds/sltrain.py)"),
+        "sltrain_alpha": Field(32.0, "sltrain: the alpha of (alpha/r)·B·A"),
+    }
 
     def __init__(self, m, d_in, d_out, *, axes, group, rngs, param_dtype):
         super().__init__(m, d_in, d_out, axes=axes, group=group, rngs=rngs, param_dtype=param_dtype)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from boost_jax.config import Field
 from boost_jax.model.kinds.base import LinearKind
 from boost_jax.parallel.rules import gathered
 
@@ -62,6 +63,15 @@ def tt_shapes(m, d_in: int, d_out: int) -> tuple[list[tuple[int, int, int]], lis
 
 
 class TensorTrain(LinearKind):
+    family = "tt"
+    fields = {
+        "tt_cores": Field(4, "tt: tensor-train cores per projection (even; half on each side of the r_mid "
+                             "bottleneck), see kinds/tt.py"),
+        "tt_inner_rank": Field(0, "tt: the rank between cores of a half (0: model.rank; always capped by the "
+                                  "TT bound, see kinds/tt.py)"),
+        "tt_activation": Field("none", "tt: the bottleneck activation, none | silu"),
+    }
+
     def __init__(self, m, d_in, d_out, *, axes, group, rngs, param_dtype):
         super().__init__(m, d_in, d_out, axes=axes, group=group, rngs=rngs, param_dtype=param_dtype)
         first, second = tt_shapes(m, d_in, d_out)
