@@ -78,7 +78,7 @@ def test_search_picks_context_at_32k_where_the_rows_run_out():
     cfg = sized_config("13b", "cola")
     res = search(cfg, H100, 64, Options(batch=4, seq=32768, top=5), flops_per_token=1.0)
     best = res.best_runnable
-    assert best is res.plans[0] and best.mesh.context > 1, [str(p.mesh) for p in res.plans]
+    assert best is not None and best.mesh.context > 1 and res.plans[0].mesh.context > 1, [str(p.mesh) for p in res.plans]
     assert f"--config.parallel.context={best.mesh.context} " in best.overrides
     flat = search(cfg, H100, 64, Options(batch=4, seq=32768, top=5, context=(1,)), flops_per_token=1.0)
     assert all(p.mesh.context == 1 for p in flat.plans)

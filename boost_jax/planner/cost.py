@@ -57,7 +57,9 @@ STAGE_COPY = 1.0
 # remat none) within 1% and 7% of memory_analysis; held out: pipeline 2 x fsdp 2 x tensor 2 (V 2) and
 # pipeline 2 x data 2 x tensor 2 (V 3), within 6% and 1% (tests/test_planner_pipeline.py). Under stage
 # remat the compiled circular step holds less than GPipe (lowrank + stage, p2 x f2 x t2: 7.8 MB against
-# GPipe's 10.1 MB at 2 layers per stage), and no such term is added.
+# GPipe's 10.1 MB at 2 layers per stage), and no such term is added. The float32 program's only: the
+# GPU program's (bf16 compute) per-tick chunk copies are priced as they are kept there (search.py,
+# `tick_weights`).
 CIRCULAR_COPIES = 3.0
 
 

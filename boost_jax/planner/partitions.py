@@ -44,6 +44,18 @@ SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate
 # two norms, counted as 2.5 each); BTP's online norm keeps its A outputs twice more in float32 (they ride the all-reduce with the
 # float32 statistics). SAVED_SIGMA and SAVED_SWIGLU are what the GPU program keeps too.
 GPU_SAVED_NORM = (2.5, 0)
+# Those are the fused norm kernels' (kernels.rmsnorm=pallas or triton). XLA's norm (kernels.rmsnorm=
+# xla, the default) keeps two float32 arrays of its local width (its input and x/rms) besides its
+# output, per split layout (the recipe plans of benchmarks/aot_fit.py compiled for H100s, per layer for
+# the two norms). Replicated rows are left at the fused count: llama_7b megatron f8 (t1) stacks
+# bf16[T, d] x 3 and f32[T, d] x 4, but (1.5, 2) puts the replicated recipe plans on 8 GPUs 9-18% over
+# their compiled peaks (llama_1b, cola_1b, cola_7b f8), whose peaks are not at the stacked residuals'
+# end. Tokens split
+# (sequence parallel, then gathered for the GEMMs), llama_7b megatron-SP p4 x f8 x t2 bf16[T/t, d] x 2
+# and f32[T/t, d] x 4 and no gathered bf16[T, d] (its backward gathers again); features split (BTP's
+# H), cola_1b btp p2 x d4 x f4 x t2 bf16[T, d/t] x 4 and f32[T, d/t] x 4 (cola_7b f16 x t4 the same
+# f32 arrays).
+GPU_SAVED_NORM_XLA = {"S": (1, 2), "H": (2, 2)}
 GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
 # The context ring's backward (remat none) holds score blocks of its remote blocks beyond what the
 # one-device backward does: FITTED 2.75 float32 [rows, heads, L, block] arrays (the bytes the compiled
@@ -72,6 +84,7 @@ class Block:
     online_norm: bool
     nonlinear: bool = False  # σ at the bottleneck is a nonlinearity (cola; tt with silu)
     loss_chunk: int = 0  # model.loss_chunk: positions per chunk of the head + loss (0: one piece)
+    fused_norm: bool = False  # kernels.rmsnorm is a fused kernel (pallas, triton), not XLA's norm
 
     @classmethod
     def from_config(cls, cfg) -> Block:
@@ -88,7 +101,8 @@ class Block:
                    layers=int(m.n_layers), factored=kind.factored,
                    only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
                    online_norm=bool(cfg.parallel.online_norm), nonlinear=kind.factored and kind.nonlinear(m),
-                   loss_chunk=int(m.loss_chunk))
+                   loss_chunk=int(m.loss_chunk),
+                   fused_norm=str(cfg.get("kernels", {}).get("rmsnorm", "xla")) in ("pallas", "triton"))
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
         """(shared input width, output widths) of a projection group."""
@@ -270,7 +284,9 @@ def edge(ctx: Ctx, src: str, dst: str, width: int, partial_grad: bool = False, l
     else:  # between two split layouts: each device keeps its overlap, swaps the rest
         op.colls += [Coll("all-to-all", full / t, t, 1, "fwd"), Coll("all-to-all", full / t, t, 1, "bwd")]
     op.acts = ctx.local(dst, width)
-    if saves:  # its output is a GEMM's input, kept for the weight gradient (a normalised row gathered)
+    if saves and not (gpu(ctx) and not ctx.block.fused_norm):  # its output is a GEMM's input, kept for
+        # the weight gradient (a normalised row gathered); with XLA's norm the GPU program keeps the
+        # token shard instead (GPU_SAVED_NORM_XLA["S"])
         op.saved = op.acts
     return op
 
@@ -286,7 +302,8 @@ def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
     scalar per token, riding in the following A all-reduce when `fused` (BTP's online RMSNorm)."""
     fs, ts = ctx.splits(layout)
     width = ctx.local(layout, ctx.block.d)
-    kept, kept32 = GPU_SAVED_NORM if gpu(ctx) else SAVED_NORM
+    kept, kept32 = ((GPU_SAVED_NORM if ctx.block.fused_norm else GPU_SAVED_NORM_XLA.get(layout, GPU_SAVED_NORM))
+                    if gpu(ctx) else SAVED_NORM)
     op = Op(f"norm@{layout}", acts=width, weights=ctx.block.d / fs, saved=kept * width,
             saved32=kept32 * width + ctx.tokens / ts)
     if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed

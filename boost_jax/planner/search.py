@@ -444,16 +444,28 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     # under stage remat with FSDP, one tick's gradient of the weights it ran (a chunk: 1/V of the stage)
     # waits before it is added
     accumulator = replica * (1 + (staged and mesh.fsdp > 1) / repeats)
-    if schedule == "circular" and not staged:  # the reordered stage copies (see C.CIRCULAR_COPIES)
+    gpu = P.gpu(ctx)
+    if schedule == "circular" and not staged and not gpu:  # the reordered stage copies (see C.CIRCULAR_COPIES)
         accumulator += C.CIRCULAR_COPIES * per_stage * (s.fsdp_w + s.norm_w) * C.STATE_BYTES
     weights = s.fsdp_w + s.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
+    # Pipelined without stage remat, the GPU program (bf16 compute) keeps the compute-dtype copies of
+    # the stage's weights its GEMMs read for the backward (the float32 program reads the gathered
+    # float32 replica itself): GPipe casts the stage's weights once before the tick loop (loop
+    # invariant, hoisted out of the scan) and keeps that copy to the end of the backward; circular
+    # selects and casts each tick's chunk inside the loop, so the scan stacks every tick's chunk as a
+    # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py:
+    # llama_7b p4 x f8 x t2 GPipe M 16 keeps bf16[8 layers, ...] stage copies, 1.62 GB; llama_1b
+    # p4 x f8 x t2 circular V 2 M 8 keeps bf16[19 ticks, 3 layers, ...], 2.87 GB per GPU).
+    tick_weights = 0.0
+    if stages > 1 and gpu and not staged and policy == "none":
+        tick_weights = (runs if schedule == "circular" else per_stage) * weights * opts.act_bytes
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups)
     loss = (C.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, b.loss_chunk, b.vocab / mesh.tensor)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
     memory = {"states": C.state_bytes(params, grad_accum),
               # without remat every layer's compute-layout weights (FSDP: gathered) are kept for its
               # backward; with it, one layer's gathered weights and gradient, double-buffered
-              "weights": (0.0 if stages > 1 else per_stage * weights * opts.act_bytes if policy == "none" else
+              "weights": (tick_weights if stages > 1 else per_stage * weights * opts.act_bytes if policy == "none" else
                           2 * s.fsdp_w * C.STATE_BYTES if mesh.fsdp > 1 else 0.0),
               # pipelined over data x fsdp: each batch replica's float32 copy of its stage's weights
               # (FSDP: gathered once before the tick loop); its gradient accumulator: see `working`
