@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from boost_jax.config import ST
 from boost_jax.tools.devices import emulate_cpu_devices, load_config
 
 GB = 1e9
@@ -94,7 +95,7 @@ def breakdown(p, layers: int) -> str:
 def run_verify(cfg, cluster, plan, seq: int) -> bool:
     from boost_jax.planner import verify
 
-    st = "st" in plan.layer.choices
+    st = ST in plan.layer.choices
     sp = plan.sequence_parallel
     if plan.mesh.pipeline > 1:
         why = verify.pipeline_refusal(plan)

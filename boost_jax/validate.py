@@ -78,9 +78,11 @@ def _check_context(c, attention, kinds) -> None:
           f"bottleneck passes the r-wide σ(A x) of a factored projection, but model.linear={c.model.linear} "
           + ("has no bottleneck" if not kind.factored else "adds a full-width term (S·x) to it")
           + "; use parallel.context_kv=full")
-    check(p.strategy in ("btp", "megatron"), "parallel.context_kv",
+    from boost_jax.parallel import strategies
+    whole = [n for n in strategies.names() if strategies.registered(n).keeps_whole_rank]
+    check(strategies.registered(p.strategy).keeps_whole_rank, "parallel.context_kv",
           f"bottleneck rebuilds K/V with each device's B's, which parallel.strategy={p.strategy} splits along the "
-          "rank; use parallel.strategy btp or megatron, or parallel.context_kv=full")
+          f"rank; use parallel.strategy {' or '.join(whole)}, or parallel.context_kv=full")
 
 
 def check_mesh(cfg, mesh) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from boost_jax.config import base_config, sized_config
+from boost_jax.parallel import strategies
 from boost_jax.parallel.context import traffic
 from boost_jax.planner import Layer, Mesh, Options, load_cluster, search
 from boost_jax.planner import partitions as P
@@ -109,7 +110,7 @@ def test_search_includes_context_modes_and_sizes():
         found[linear] = {(p.mesh.context, p.context_attention, p.context_kv) for p in res.plans}
         for p in res.plans:
             if p.context_kv == "bottleneck" and p.runnable == "yes":
-                assert P.keeps_whole_rank(p.strategy)
+                assert strategies.registered(p.strategy).keeps_whole_rank
     modes = {(c, a, kv) for c in (2, 4, 8) for a in ("ring", "all_gather") for kv in ("full", "bottleneck")}
     assert modes <= found["cola"]
     assert {m for m in modes if m[2] == "full"} <= found["dense"] and not {m for m in found["dense"] if m[2] == "bottleneck"}

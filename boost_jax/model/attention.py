@@ -66,8 +66,6 @@ CHUNK = 512  # chunked: query and key block length
 _NEG = -1e30  # masked score: finite, so a row's running max never becomes -inf
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class CostClass:
     """How the planner prices an implementation (boost_jax/planner: cost.attention_seconds, the time;

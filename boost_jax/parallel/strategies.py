@@ -80,6 +80,14 @@ class Registered:
     factored_only: bool = False
     report_linear: str | None = None
 
+    @property
+    def keeps_whole_rank(self) -> bool:
+        """Whether its rule table keeps the bottleneck rank whole on every tensor device
+        (parallel.context_kv=bottleneck passes σ(A x) r wide and rebuilds K/V with each device's B's;
+        a table splitting `rank` over tensor leaves each device a slice)."""
+        from boost_jax.parallel.mesh import split_by_tensor
+        return not {"rank", "act_rank"} & split_by_tensor(self.rules)
+
 
 REGISTRY: dict[str, Registered] = {}
 

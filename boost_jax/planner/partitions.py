@@ -84,7 +84,7 @@ class Block:
     online_norm: bool
     nonlinear: bool = False  # σ at the bottleneck is a nonlinearity (cola; tt with silu)
     loss_chunk: int = 0  # model.loss_chunk: positions per chunk of the head + loss (0: one piece)
-    fused_norm: bool = False  # kernels.rmsnorm is a fused kernel (pallas, triton), not XLA's norm
+    fused_norm: bool = False  # kernels.rmsnorm is a fused kernel (not XLA's norm)
 
     @classmethod
     def from_config(cls, cfg) -> Block:
@@ -102,7 +102,7 @@ class Block:
                    only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
                    online_norm=bool(cfg.parallel.online_norm), nonlinear=kind.factored and kind.nonlinear(m),
                    loss_chunk=int(m.loss_chunk),
-                   fused_norm=str(cfg.get("kernels", {}).get("rmsnorm", "xla")) in ("pallas", "triton"))
+                   fused_norm=cfg.kernels.rmsnorm != "xla")
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
         """(shared input width, output widths) of a projection group."""
@@ -202,7 +202,8 @@ class Op:
     weights: float = 0.0  # parameter elements on this device after the tensor split (before fsdp)
     grid_weights: float = 0.0  # the same for st's weights, which stay fsdp-split (never gathered)
     recompute: bool = True  # False: its output is the layer's output, which no remat policy redoes
-    ring: float = 0.0  # compute-dtype elements its backward holds beyond the saved ones (st's ring copies)
+    ring: float = 0.0  # compute-dtype elements its backward holds beyond the saved ones (st's ring copies; the
+    # context ring's blocks in flight, its float32 dK/dV and score blocks)
     gemm_passes: float = 3.0  # forward GEMM times the op costs: forward + backward (2x), + a recompute
 
     def all_colls(self) -> list[Coll]:
@@ -607,7 +608,8 @@ def context_exchange(ctx: Ctx, op: Op, fs: int) -> None:
     - context_kv=bottleneck (factored kinds): σ(A_k x), σ(A_v x) move instead (r wide, whole on
       every device under the strategies that take it), and each device rebuilds K/V with its
       B_k, B_v: the ring re-runs them on every received block (forward C, backward C again plus the
-      2 input/weight-gradient GEMMs of each remote block: 4C - 3 forward GEMMs beyond the group's own
+      2 input/weight-gradient GEMMs of each remote block: 4C - 3 GEMMs of the forward's size, forward
+      and backward together, beyond the group's own
       3), all_gather once on the whole row (3(C - 1) more). The island keeps σ(A x) (already kept by
       the qkv group), not K/V."""
     from boost_jax.parallel.context import layer_exchange  # imports jax: once per pricer (memoised ops)
@@ -762,16 +764,6 @@ def uniform_plan(strategy: str, sequence_parallel: bool = False, factored: bool 
         if (table.name, table.sequence_parallel) == (strategy, bool(sequence_parallel)):
             return table.residual, choice_names(table, factored, online_norm), table.attention, table.act
     raise ValueError(f"strategy {strategy!r} has no sequence-parallel table")
-
-
-def keeps_whole_rank(strategy: str) -> bool:
-    """Whether a registered strategy's rule table keeps the bottleneck rank whole on every tensor
-    device (parallel.context_kv=bottleneck passes σ(A x) r wide and rebuilds K/V with each device's
-    B's; a table splitting `rank` over tensor leaves each device a slice)."""
-    from boost_jax.parallel.mesh import split_by_tensor
-    from boost_jax.parallel.strategies import registered
-
-    return not {"rank", "act_rank"} & split_by_tensor(registered(strategy).rules)
 
 
 def choice_names(table: TableLayer, factored: bool, online_norm: bool = True) -> tuple[str, ...]:

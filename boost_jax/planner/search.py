@@ -475,7 +475,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
               "activations": ticks * ctx.local(layer.residual, b.d) * opts.act_bytes if staged else runs * s.saved,
               # the peak's transient part: the loss's float32 logits chunk with the embedding table and
               # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
-              # or one layer's backward (its recomputed activations under remat, st's ring copies), or
+              # or one layer's backward (its recomputed activations under remat, st's and the context ring's buffers), or
               # the optimizer update's new state beyond what the backward kept (then freed)
               "transient": 0.0,
               # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
@@ -501,7 +501,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
 
     tokens = opts.batch * opts.seq
     status, strategy, sp = runnable(b, mesh, layer)
-    if status == "yes" and ctx.context_kv == "bottleneck" and not P.keeps_whole_rank(strategy):
+    from boost_jax.parallel.strategies import registered
+    if status == "yes" and ctx.context_kv == "bottleneck" and not registered(strategy).keeps_whole_rank:
         status, strategy, sp = (f"no: context_kv=bottleneck rebuilds K/V from the whole r-wide activations, which "
                                 f"{strategy} splits over tensor"), "", False
     context = ""
