@@ -13,8 +13,8 @@ best one.
 parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
 every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
 and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search.py
-context_sizes); a context plan runs chunked attention (the block form), its exchange priced from the
-formula the comm report checks; --verify compiles it at context 2 with its modes.
+context_sizes); a context plan runs its attention's block form (`auto`: chunked's, model/attention.py
+under_context), its exchange priced from the formula the comm report checks; --verify compiles it at context 2 with its modes.
 
 --verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
 devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     from boost_jax.planner.partitions import Block
     from boost_jax.planner.search import model_flops_per_token
 
-    from boost_jax.model.attention import names as attention_names
+    from boost_jax.model.attention import names as attention_names, under_context
     if args.attention not in attention_names():
         raise SystemExit(f"--attention: {args.attention!r} is not one of {attention_names()}")
     cfg = load_config(args.config)
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
           f"{args.devices} GPUs of {cluster.name} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB); "
           f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention} (priced as "
           f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py; "
-          "plans with context > 1 run chunked)")
+          f"plans with context > 1 run {under_context(args.attention)})")
     print(f"search: {res.considered} plans priced, {res.rejected_memory} over the usable "
           f"{cluster.usable_hbm / GB:.0f} GB/GPU, in {res.seconds:.2f} s")
     if not res.plans and res.smallest is None:  # nothing was priced: the choices exclude every plan

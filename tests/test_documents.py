@@ -268,7 +268,7 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("strategy,mesh,extra", [
-    ("btp", (1, 1, 8), {}), ("megatron", (2, 1, 4), {}), pytest.param("btp", (2, 2, 2), {}, marks=SLOW),
+    ("btp", (1, 1, 8), {}), pytest.param("megatron", (2, 1, 4), {}, marks=SLOW), pytest.param("btp", (2, 2, 2), {}, marks=SLOW),
     ("btp", (1, 2, 2), PIPE), pytest.param("megatron", (2, 1, 2), PIPE, marks=SLOW),
     pytest.param("btp", (1, 2, 2), CIRCULAR, marks=SLOW)],
     ids=["btp_1x1x8", "megatron_2x1x4", "btp_2x2x2", "btp_pipeline2_1x2x2", "megatron_pipeline2_2x1x2",

@@ -15,7 +15,9 @@ SMALL = {"model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8, "model.
 SCHEDULES = {"gpipe": {}, "circular": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2}}
 MESHES = {"btp": dict(data=1, fsdp=2, tensor=2), "megatron": dict(data=2, fsdp=1, tensor=2),
           "vanilla": dict(data=2, fsdp=1, tensor=2)}
-CASES = [pytest.param(s, k, id=f"{s}-{k}") for s in MESHES for k in SCHEDULES]
+DEFAULT_RUN = {("btp", "gpipe"), ("megatron", "circular")}  # the rest of the matrix runs with -m slow
+CASES = [pytest.param(s, k, id=f"{s}-{k}", marks=() if (s, k) in DEFAULT_RUN else pytest.mark.slow)
+         for s in MESHES for k in SCHEDULES]
 
 
 @pytest.fixture(scope="module")

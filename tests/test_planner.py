@@ -69,9 +69,10 @@ def test_search_space_and_mesh_products():
     assert stage_counts(64, 40, Options(batch=1, seq=1, pipeline=(2, 3, 16))) == [2]
     assert microbatch_counts(1, 64, Options(batch=1, seq=1)) == [1]
     assert microbatch_counts(4, 24, Options(batch=1, seq=1)) == [4, 8]  # 16 does not split 24 rows
-    res = search(sized_config("7b", "cola"), H100, 64, Options(batch=512, seq=256, top=10), flops_per_token=1.0)
+    # 16 devices: the whole 64-device space is the slow test below
+    res = search(sized_config("7b", "cola"), H100, 16, Options(batch=512, seq=256, top=10), flops_per_token=1.0)
     assert len(res.plans) == 10
-    assert all(p.mesh.devices == 64 for p in res.plans)
+    assert all(p.mesh.devices == 16 for p in res.plans)
     assert res.plans == sorted(res.plans, key=lambda p: p.step_s)
     assert res.best_runnable is not None and res.best_runnable.runnable == "yes"
     assert "--config.parallel.strategy=" in res.best_runnable.overrides
@@ -347,6 +348,7 @@ def grid4_results() -> dict[str, str]:
     return json.loads(lines[-1][len("RESULTS "):])
 
 
+@pytest.mark.slow  # ~30 s: 16 devices in a subprocess; the 2x2 grid cases above run by default
 @pytest.mark.parametrize("name", list(GRID4))
 def test_verify_st_plans_on_a_4x4_grid(grid4_results, name):
     """`plan --verify` on a 4 x 4 grid (16 emulated devices): all-st around btp and an st `o` around

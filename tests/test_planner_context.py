@@ -117,6 +117,30 @@ def test_search_includes_context_modes_and_sizes():
     assert (1, "", "") in found["cola"]
 
 
+@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+def test_remat_redoes_the_forward_of_the_exchange_only(mode):
+    """Under remat.policy=full the attention's forward re-run redoes the forward's K/V rebuilds (2(C-1)
+    B GEMMs: the remote blocks of K and V), not the backward's, and the ring's re-run hops overlap the
+    re-run attention as the forward's do: its recompute time is the forward's time (its own cost
+    without the backward) computed here from the op's parts."""
+    from boost_jax.planner import cost as C
+
+    c = 4
+    block = P.Block.from_config(sized_config("7b", "cola"))
+    ctx = P.Ctx(block, 2, 2 * 32768 // c, 32768, False, "chunked", 2, c, mode, "bottleneck")
+    op = P.attention(ctx, "H")
+    rebuild = C.gemm_seconds(ctx.tokens, block.rank, block.kv_heads * block.head_dim / 2, H100)
+    attn_fwd = C.attention_seconds(op.attn, "chunked", H100)[0]
+    fwd = [x for x in op.colls if x.phase == "fwd"]
+    hops = sum(C.coll_seconds(x, H100, 2) for x in fwd if x.kind == "collective-permute")
+    rest = sum(C.coll_seconds(x, H100, 2) for x in fwd if x.kind != "collective-permute")
+    elementwise = H100.elementwise_passes * op.acts * 2 / H100.hbm_bandwidth / 3
+    want = 2 * (c - 1) * rebuild + attn_fwd + elementwise + rest + max(0.0, hops - (c - 1) / c * attn_fwd)
+    got = C.price(op, H100, "full", "chunked", 2).recompute
+    assert got == pytest.approx(want, rel=1e-9)
+    assert len(op.gemms) == 2 * {"ring": 4 * c - 3, "all_gather": 3 * (c - 1)}[mode]  # forward and backward
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--context", "3"], "--context: 3 does not divide --devices 8"),
     (["--context", "8", "--seq", "24"], "--context: 8 devices hold 2 of 16 equal chunks"),

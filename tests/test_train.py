@@ -128,7 +128,8 @@ def test_all_checkpoints_corrupt_is_a_clear_error_and_all_are_kept(make_config):
     assert _checkpoint_files(cfg.run_dir) == before
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)], ids=lambda s: s.name)
 def test_stop_signals_save_and_exit_zero(tmp_path, sig):
     """SIGTERM (preemption), SIGHUP (the ssh session closed), SIGUSR1 (sbatch --signal, the template's)."""
     run_dir = tmp_path / "run"

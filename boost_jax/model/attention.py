@@ -161,17 +161,23 @@ def cost_class(name: str) -> str:
 
 def takes_context(name: str) -> bool:
     """Whether `model.attention=name` runs with the sequence split over `context` (it has a block
-    form). `auto` runs chunked there."""
+    form; `auto`: see under_context)."""
     return name == "auto" or (name in IMPLEMENTATIONS and IMPLEMENTATIONS[name].blockwise is not None)
 
 
+def under_context(name: str) -> str:
+    """The implementation `model.attention=name` runs as with the sequence split over parallel.context:
+    `auto` runs chunked's block form there (the planner prices context plans by it)."""
+    return "chunked" if name == "auto" else name
+
+
 def blockwise(name: str) -> Blockwise:
-    """The block form `model.attention=name` runs under context parallelism (`auto`: chunked's)."""
+    """The block form `model.attention=name` runs under context parallelism (see under_context)."""
     if not takes_context(name):
         able = ", ".join(n for n in names() if takes_context(n))
         raise ConfigError(f"config field `model.attention`: {name} cannot run with the sequence split over "
                           f"parallel.context; set model.attention to one of {able}")
-    return IMPLEMENTATIONS["chunked" if name == "auto" else name].blockwise
+    return IMPLEMENTATIONS[under_context(name)].blockwise
 
 
 def takes_documents(name: str, kind: str) -> bool:

@@ -398,7 +398,8 @@ def layer_exchange(c: int, attention: str, rows: float, seq: int, width: float) 
     """One layer's context exchange per device for one micro-batch of `rows` rows of `seq` positions
     whose K/V (or bottleneck activations) are `width` elements per token per array on this device:
     {"forward" | "backward": {kind: {"count", "elements", "float32"}}}, "float32": how many of the
-    elements are sent in float32 (the ring's dK/dV going home; the rest is the compute dtype). The one
+    `count` equal collectives are sent in float32 (the ring's dK/dV going home; the rest in the compute
+    dtype). The one
     formula of the exchange: `traffic` sums it over a step, the planner prices it
     (boost_jax/planner/partitions.py). Empty when C = 1.
 
@@ -412,7 +413,7 @@ def layer_exchange(c: int, attention: str, rows: float, seq: int, width: float) 
         block = rows * seq / c * width
         return {"forward": {"collective-permute": {"count": c - 1, "elements": 2 * (c - 1) * block, "float32": 0}},
                 "backward": {"collective-permute": {"count": 2 * (c - 1), "elements": 4 * (c - 1) * block,
-                                                    "float32": 2 * (c - 1) * block}}}
+                                                    "float32": c - 1}}}
     whole = rows * seq * width
     return {"forward": {"all-gather": {"count": 2, "elements": 2 * whole, "float32": 0}},
             "backward": {"reduce-scatter": {"count": 2, "elements": 2 * whole, "float32": 0}}}
@@ -424,7 +425,8 @@ def traffic(cfg) -> dict:
 
     {"context": C, "attention": ring | all_gather, "kv": full | bottleneck,
      "width": elements per token per array that moves (kv_heads/tensor x head_dim, or the rank r),
-     "per_layer": {"forward" | "backward": {kind: {"count", "elements", "float32"}}} per micro-batch,
+     "per_layer": {"forward" | "backward": {kind: {"count", "elements", "float32"}}} per micro-batch
+     (`layer_exchange`'s),
      "step": {kind: {"count", "elements"}}: every layer (of this device's pipeline stage) and
      micro-batch (pipelined: every tick, bubbles included),
      "memory": {"kv_block_bytes": one (K, V) block pair at the compute dtype (the ring holds two),

@@ -202,10 +202,11 @@ def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
     if policy == "none" or not op.recompute:
         return [], [], False, []
     fwd = [c for c in op.colls if c.phase == "fwd"]
+    gemms = op.gemms if op.redo_gemms is None else op.redo_gemms
     if policy == "full":
-        return op.gemms, op.st, op.attn is not None, fwd
+        return gemms, op.st, op.attn is not None, fwd
     if policy == "lowrank":
-        return ([g for g in op.gemms if g.tag != "A"], [s for s in op.st if s.tag != "A"], op.attn is not None,
+        return ([g for g in gemms if g.tag != "A"], [s for s in op.st if s.tag != "A"], op.attn is not None,
                 [c for c in fwd if not c.saved])
     raise ValueError(f"--remat: {policy!r} is not one of {remat_policies()}")
 
@@ -232,12 +233,18 @@ def ring_exposed(op: Op, attn: tuple[float, float], cluster: Cluster, act_bytes:
     remote block's compute (the ring issues the next block's permute before the current block), the
     C-1 remote blocks being (C-1)/C of the attention (every step costs the same L x 2L scores); per
     direction, what the transfers take beyond that shows."""
-    hops = [c for c in op.colls if ring_permute(c)]
+    return sum(hops_exposed([c for c in op.colls if c.phase == phase], a, cluster, act_bytes)
+               for phase, a in zip(("fwd", "bwd"), attn))
+
+
+def hops_exposed(colls: list, attention_s: float, cluster: Cluster, act_bytes: int) -> float:
+    """What the ring hops among `colls` (one direction's) take beyond the (C-1)/C of `attention_s`
+    they run under (see ring_exposed)."""
+    hops = [c for c in colls if ring_permute(c)]
     if not hops:
         return 0.0
     c = hops[0].size
-    return sum(max(0.0, sum(coll_seconds(h, cluster, act_bytes) for h in hops if h.phase == phase)
-                   - (c - 1) / c * a) for phase, a in zip(("fwd", "bwd"), attn))
+    return max(0.0, sum(coll_seconds(h, cluster, act_bytes) for h in hops) - (c - 1) / c * attention_s)
 
 
 def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized",
@@ -255,7 +262,10 @@ def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "mate
         g_re, st_re, attn_re, c_re = recomputed(op, policy)
         cost.recompute = (sum(gemm_seconds(g.m, g.k, g.n, cluster) for g in g_re)
                           + sum(st_seconds(s, cluster, act_bytes)[0] for s in st_re) + attn[0] * attn_re
-                          + elementwise / 3 * op.recompute + sum(coll_seconds(c, cluster, act_bytes) for c in c_re))
+                          + elementwise / 3 * op.recompute
+                          + sum(coll_seconds(c, cluster, act_bytes) for c in c_re if not ring_permute(c))
+                          # the re-run forward's ring hops overlap its attention as the forward's do
+                          + hops_exposed(c_re, attn[0] * attn_re, cluster, act_bytes))
     return cost
 
 

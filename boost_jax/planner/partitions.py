@@ -205,6 +205,9 @@ class Op:
     ring: float = 0.0  # compute-dtype elements its backward holds beyond the saved ones (st's ring copies; the
     # context ring's blocks in flight, its float32 dK/dV and score blocks)
     gemm_passes: float = 3.0  # forward GEMM times the op costs: forward + backward (2x), + a recompute
+    # the GEMMs a remat policy's forward re-run redoes, where `gemms` lists forward and backward ones
+    # one by one (gemm_passes 1: the bottleneck's K/V rebuilds); None: `gemms`
+    redo_gemms: list | None = None
 
     def all_colls(self) -> list[Coll]:
         return self.colls + [c for s in self.st for c in s.colls()]
@@ -374,9 +377,12 @@ def strategy_layers(factored: bool, online_norm: bool = True) -> tuple[TableLaye
     `online_norm`: parallel.online_norm, which the strategy's own flag must also allow."""
     from boost_jax.parallel import strategies
 
-    key = (tuple(strategies.REGISTRY.values()), factored, online_norm)
+    registry = tuple(strategies.REGISTRY.values())
+    if _TABLES.get("registry") != registry:  # a strategy was registered since: derive again
+        _TABLES.clear()
+        _TABLES["registry"] = registry
+    key = (factored, online_norm)
     if key not in _TABLES:
-        _TABLES.clear()  # the registry changed (or another model kind): derive again
         _TABLES[key] = tuple(_table_layer(e, sp, factored, online_norm) for e, sp in strategies.variants())
     return _TABLES[key]
 
@@ -622,14 +628,15 @@ def context_exchange(ctx: Ctx, op: Op, fs: int) -> None:
     for phase, kinds in layer_exchange(c, ctx.context_attention, rows, ctx.seq, width).items():
         for kind, v in kinds.items():
             each, n = v["elements"] / v["count"], v["count"]
-            n32 = round(v["float32"] / each)
             op.colls += [Coll(kind, each, c, ctx.t, "fwd" if phase == "forward" else "bwd", "context",
-                              float32=i >= n - n32) for i in range(n)]
+                              float32=i >= n - v["float32"]) for i in range(n)]
     if bottleneck:
         op.saved -= 2 * ctx.tokens * kv_local  # K/V are rebuilt per block, not kept; σ(A x) is the qkv group's
         extra = 4 * c - 3 if ctx.context_attention == "ring" else 3 * (c - 1)
-        op.gemms = [Gemm(ctx.tokens, b.rank, kv_local, "B")] * (2 * extra)
+        rebuild = Gemm(ctx.tokens, b.rank, kv_local, "B")
+        op.gemms = [rebuild] * (2 * extra)
         op.gemm_passes = 1.0
+        op.redo_gemms = [rebuild] * (2 * (c - 1))  # the forward's remote rebuilds, either mode
     if ctx.context_attention == "ring":
         pair = 2 * ctx.tokens * width
         op.ring += 2 * pair + pair * 4 / ctx.act_bytes  # two blocks in flight; its float32 gradient

@@ -310,15 +310,6 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost
 
 def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
                pipelined: bool = False, grid_weights: float = 0.0) -> tuple[list[P.Coll], list[P.Coll]]:
-    once, per_pass = _batch_colls(mesh, fsdp_weights, other_weights, remat, pipelined, grid_weights)
-    if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
-        per_pass.append(P.Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd",
-                               "data_fsdp"))
-    return once, per_pass
-
-
-def _batch_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
-                 pipelined: bool = False, grid_weights: float = 0.0) -> tuple[list[P.Coll], list[P.Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
@@ -345,18 +336,21 @@ def _batch_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: s
             once.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
         if d * f > 1:
             once.append(P.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
-        return once, per_pass
-    if grid_weights and d > 1:
-        per_pass.append(P.Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
-    if f > 1:
-        once.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
-        if remat != "none":
-            per_pass.append(P.Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
-    if d > 1 or (pipelined and f > 1):
-        per_pass.append(P.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
-    elif f > 1:
-        per_pass += [P.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
-                     P.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp")]
+    else:
+        if grid_weights and d > 1:
+            per_pass.append(P.Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
+        if f > 1:
+            once.append(P.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+            if remat != "none":
+                per_pass.append(P.Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
+        if d > 1 or (pipelined and f > 1):
+            per_pass.append(P.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+        elif f > 1:
+            per_pass += [P.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
+                         P.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp")]
+    if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
+        per_pass.append(P.Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd",
+                               "data_fsdp"))
     return once, per_pass
 
 
@@ -657,11 +651,13 @@ def model_flops_per_token(cfg, seq: int) -> float:
     return flops_per_token(cfg.model, seq, training=True)
 
 
-def attention_kind(opts: Options, block: P.Block, context: int) -> str:
-    """The attention cost class a plan runs: opts.attention's (cost.attention_kind), or under
-    context the block form it runs there (`auto` runs chunked under context)."""
-    name = "chunked" if context > 1 and opts.attention == "auto" else opts.attention
-    return C.attention_kind(name, block, opts.seq, opts.act_bytes)
+def plan_attention(opts: Options, block: P.Block, context: int) -> str:
+    """The attention cost class a plan at this context size runs: opts.attention's
+    (cost.attention_kind), under context as it runs there (model/attention.py under_context)."""
+    from boost_jax.model.attention import under_context  # imports jax: once per search
+
+    return C.attention_kind(under_context(opts.attention) if context > 1 else opts.attention, block, opts.seq,
+                            opts.act_bytes)
 
 
 def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, layer: Layer, opts: Options,
@@ -686,7 +682,7 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
     if micro * grad_accum * mesh.data * mesh.fsdp * m != opts.batch:
         raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
                          f"micro-batches over data x fsdp = {mesh.data * mesh.fsdp}")
-    kind = attention_kind(opts, block, mesh.context)
+    kind = plan_attention(opts, block, mesh.context)
     pr = Pricer(P.Ctx(block, mesh.tensor, micro * opts.seq // mesh.context, opts.seq,
                       mesh.fsdp == mesh.tensor and mesh.context == 1, kind, opts.act_bytes, mesh.context,
                       context_attention, context_kv), cluster, remat, opts)
@@ -719,7 +715,7 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     block = P.Block.from_config(cfg)
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     contexts = context_sizes(devices, opts.seq, opts, opts.attention)
-    kinds = {c: attention_kind(opts, block, c) for c in contexts}
+    kinds = {c: plan_attention(opts, block, c) for c in contexts}
     start = time.perf_counter()
     pricers: dict = {}
     plans, considered, rejected, smallest = [], 0, 0, None
@@ -744,10 +740,7 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
                     if key not in pricers:
                         pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid, kind, opts.act_bytes,
                                                     mesh.context, attention, kv), cluster, policy, opts)
-                    # The modes of a context size share the layer partitionings found for its first
-                    # (the attention mode changes the attention's exchange, not the layouts around it).
-                    first = (mesh.tensor, tokens, policy, grid, mesh.context) + context_modes(block, mesh.context, opts)[0]
-                    for layer in best_layers(pricers[first], opts.keep):
+                    for layer in best_layers(pricers[key], opts.keep):
                         for schedule, repeats, staged in pipeline_variants(block.layers, mesh.pipeline, micro, opts):
                             plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro, schedule, repeats, staged)
                             considered += 1

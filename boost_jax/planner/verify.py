@@ -72,16 +72,18 @@ def _by_class(colls, redo=()) -> dict:
 
 
 def _bytes(axis: str, elements: float) -> float:
+    """Bytes of `elements` on `axis` for the comparison: both sides read elements alike (the ring's
+    float32 dK/dV too), so agreement does not depend on the dtype each collective moves."""
     return elements * (STATE_BYTES if axis == "data_fsdp" else ACT_BYTES)
 
 
 def cpu_attention(cfg, seq: int, context: int = 1) -> str:
-    """The model.attention the CPU compile runs (what `auto` resolves to there; chunked under context)."""
-    from boost_jax.model.attention import auto_impl
+    """The model.attention the CPU compile runs (what `auto` resolves to there, or under context)."""
+    from boost_jax.model.attention import auto_impl, under_context
 
     name = cfg.model.attention
-    if context > 1 and name == "auto":
-        return "chunked"
+    if context > 1:
+        return under_context(name)
     return auto_impl(False, False, cfg.model.d_model // cfg.model.n_heads, seq, seq) if name == "auto" else name
 
 
@@ -170,6 +172,13 @@ def _row(name: str, p: float, m: float, tolerance: float, counts=None) -> dict:
     return row
 
 
+def uniform_layer(cfg, strategy: str, sequence_parallel: bool = False) -> Layer:
+    """The layer a trainer strategy runs for this config's model (its kind factored or not, and
+    parallel.online_norm): partitions.uniform_plan's."""
+    b = P.Block.from_config(cfg)
+    return Layer(*P.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
+
+
 def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False, remat: str = "none",
             batch: int = 2, seq: int = 64, layer: Layer | None = None, memory: bool = False,
             context_attention: str = "ring", context_kv: str = "full") -> list[dict]:
@@ -179,7 +188,7 @@ def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = F
     (default: the strategy's uniform one); its st groups run as parallel.linear_partition on the
     fsdp x tensor grid (fsdp == tensor). mesh.context > 1: the plan's context_attention and
     context_kv, the exchange compared as the `context` class."""
-    layer = layer or Layer(*P.uniform_plan(strategy, sequence_parallel))
+    layer = layer or uniform_layer(cfg, strategy, sequence_parallel)
     modes = dict(context_attention=context_attention, context_kv=context_kv)
     pred, pred_memory = predicted(cfg, cluster, mesh, layer, remat, batch, seq, **modes)
     meas, meas_memory = measured(cfg, mesh, strategy, sequence_parallel, remat, batch, seq, linear_partition(layer),
@@ -315,7 +324,7 @@ def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel:
     norm's scalars) are left out on both sides."""
     m = microbatches or 2 * mesh.pipeline
     if layer is None:
-        layer = (Layer(*P.uniform_plan(strategy, sequence_parallel)) if mesh.tensor > 1 else
+        layer = (uniform_layer(cfg, strategy, sequence_parallel) if mesh.tensor > 1 else
                  Layer("R", ("none",) * len(P.GROUPS), "R", "R"))
     c, batch = pipeline_config(cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats,
                                stage_remat, layers_per_chunk)
