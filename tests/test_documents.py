@@ -236,7 +236,7 @@ def _alone(cfg, params, docs):
     return total, grads
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "chunked", "pallas"])
 def test_packed_row_equals_documents_alone(make_config, impl):
     cfg = make_config(**{"model.attention": impl, "data.batching": "packed", "model.vocab_size": 256,
                          "parallel.num_devices": 1})

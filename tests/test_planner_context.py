@@ -29,8 +29,9 @@ def context_config():
     return c
 
 
-@pytest.mark.parametrize("mode,kv", [("ring", "full"), ("ring", "bottleneck"), ("all_gather", "full"),
-                                     ("all_gather", "bottleneck")])
+@pytest.mark.parametrize("mode,kv", [pytest.param("ring", "full", marks=pytest.mark.slow), ("ring", "bottleneck"),
+                                     ("all_gather", "full"),
+                                     pytest.param("all_gather", "bottleneck", marks=pytest.mark.slow)])
 def test_verify_context_plan_agrees_with_the_compiled_step(mode, kv):
     """`plan --verify` on a context plan (btp, tensor 2 x context 2, 4 emulated devices): the
     exchange over `context` by kind, count and bytes per layer (collective-permutes; all-gathers and
@@ -54,6 +55,7 @@ def test_verify_context_plan_agrees_with_the_compiled_step(mode, kv):
     assert sum(r["measured"] for r in exchange) == 2 * per_layer * (2 if mode == "all_gather" else 1)  # bytes (bf16)
 
 
+@pytest.mark.slow  # ~40 s cold: two compiles; the verify cases above check the memory at C=2
 def test_context_memory_falls_with_c_as_compiled():
     """The planner's peak per device at context 1 and 2 (ring) against the compiled steps': both within
     the verify tolerance, and the drop from C=1 to C=2 (the activations per device halve) within 30%

@@ -205,6 +205,7 @@ def test_shardings(command, capsys):
     assert "PartitionSpec" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # ~40 s cold: the README's 7B plan search
 def test_plan_and_xla_flags(capsys):
     from boost_jax import plan, xla_gpu_flags
     assert plan.main(_argv(next(c for c in COMMANDS if "boost_jax.plan" in c))[3:]) == 0
