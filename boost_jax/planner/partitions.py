@@ -205,6 +205,9 @@ class Op:
     ring: float = 0.0  # compute-dtype elements its backward holds beyond the saved ones (st's ring copies; the
     # context ring's blocks in flight, its float32 dK/dV and score blocks)
     gemm_passes: float = 3.0  # forward GEMM times the op costs: forward + backward (2x), + a recompute
+    # A output elements a nonlinear bottleneck σ(A·x) keeps for the backward (this device, micro-batch;
+    # what cost.PIPELINED_SIGMA counts more arrays of)
+    bottleneck: float = 0.0
 
     def all_colls(self) -> list[Coll]:
         return self.colls + [c for s in self.st for c in s.colls()]
@@ -504,6 +507,7 @@ def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
         a_out = (sum(g.m * g.n for g in op.gemms if g.tag == "A")
                  + sum(s.m * s.out / s.n for s in op.st if s.tag == "A"))
         kept = SAVED_SIGMA if b.nonlinear else SAVED_LINEAR
+        op.bottleneck = a_out if b.nonlinear else 0.0
         if on_gpu:
             op.saved = a_out * kept
             op.saved32 = a_out * GPU_SAVED_ONLINE_NORM32 if fused else 0.0
