@@ -224,6 +224,22 @@ def test_aot_fit_readme_command(tmp_path):
     assert len(out["rows"]) == len(fit.MODELS) * len(fit.DEVICES)
 
 
+@pytest.mark.slow
+def test_aot_fit_a100_readme_command(tmp_path):
+    """The README's A100 "Will it fit?" command at its shapes (the zoo on 8 and 64 A100 40GB, the
+    a100_4x cluster): every row compiled for the 40 GB part, or the planner finds no plan."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    out = fit.main(["--target", "a100_40gb", "--cluster", "configs/clusters/a100_4x.py",
+                    "--json", str(tmp_path / "fit.json")])
+    assert len(out["rows"]) == len(fit.MODELS) * len(fit.DEVICES) and out["target"] == "a100_40gb"
+    for r in out["rows"]:
+        assert r.get("plan") is None or (r["device_kind"] == "NVIDIA A100-SXM4-40GB"
+                                         and r["usable_bytes"] == int(0.9 * aot.target_memory("a100_40gb")))
+
+
 README_AOT = ("python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 "
               "--train-only")
 README_PLAN = ("python -m boost_jax.plan --config configs/cola_7b.py --devices 8 --cluster configs/clusters/h100_8x.py "
