@@ -89,6 +89,7 @@ def breakdown(p, layers: int) -> str:
             f"activations {_gb(m['activations'])} + transient (loss, a layer's backward or the optimizer update) "
             f"{_gb(m['transient'])} "
             + (f"+ pipeline buffers {_gb(m['pipeline'])} " if stages > 1 else "")
+            + (f"+ XLA's collective pipeliner's bottleneck arrays {_gb(m['pipeliner'])} " if m.get("pipeliner") else "")
             + f"+ allocation overhead {_gb(m['allocator'])} = {_gb(m['total'])} GB")
 
 

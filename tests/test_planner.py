@@ -379,7 +379,8 @@ def test_whether_the_gpu_program_gets_the_collective_pipeliner_is_read_from_the_
 
 def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
     """cost.PIPELINED_SIGMA: PIPELINED_SIGMA arrays of each σ(A·x) output per layer on unpipelined FSDP
-    GPU plans without remat; nothing for a dense kind, a pipelined plan, data parallelism alone, remat,
+    GPU plans without remat; nothing for a dense kind, a pipelined plan, context parallelism, data
+    parallelism alone, remat,
     the float32 CPU program, or a program without the pipeliner."""
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
     layer = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
@@ -400,3 +401,4 @@ def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
     assert part("cola", Mesh(1, 8, 1), remat="lowrank") == 0
     assert part("cola", Mesh(1, 8, 1), act_bytes=4) == 0
     assert part("cola", Mesh(1, 4, 1, pipeline=2)) == 0
+    assert part("cola", Mesh(1, 4, 1, context=2)) == 0

@@ -467,9 +467,12 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     # Unpipelined FSDP without remat, XLA's collective pipeliner (when the GPU program gets it) makes
     # the scanned layers keep more stacked arrays of the σ(A·x) bottleneck (C.PIPELINED_SIGMA). Pipelined
     # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
+    # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
+    # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 61.8 priced without
+    # the term and 71.5 with it.
     pipeliner = (C.PIPELINED_SIGMA * per_stage * s.bottleneck * opts.act_bytes
-                 if stages == 1 and mesh.fsdp > 1 and gpu and policy == "none" and s.bottleneck
-                 and C.pipeliner(opts.pipelined) else 0.0)
+                 if stages == 1 and mesh.fsdp > 1 and mesh.context == 1 and gpu and policy == "none"
+                 and s.bottleneck and C.pipeliner(opts.pipelined) else 0.0)
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups)
     loss = (C.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, b.loss_chunk, b.vocab / mesh.tensor)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
