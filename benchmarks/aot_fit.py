@@ -4,13 +4,16 @@ the planner's prediction.
     python benchmarks/aot_fit.py [--json benchmarks/aot_fit.json] [--markdown benchmarks/aot_fit.md]
     python benchmarks/aot_fit.py --models cola_1b --devices 8 --smallest   # one model; smallest fitting mesh
     python benchmarks/aot_fit.py --smoke       # the tiny config on 2 H100s: checks the command
+    python benchmarks/aot_fit.py --target a100_40gb --cluster configs/clusters/a100_4x.py \
+        --json benchmarks/aot_fit_a100.json --markdown benchmarks/aot_fit_a100.md   # 40 GB A100s
 
 For each model and GPU count the planner (`boost_jax.plan`, cluster configs/clusters/h100_8x.py, the
 config's recipe batch and sequence) picks the best plan the trainer runs; that plan's overrides are
 applied to the config and its train step is compiled for that many H100s without them
 (`boost_jax.tools.aot`): the compiled peak per GPU, whether it fits 90% of the 80 GB
 (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), and the planner's own peak for the
-same plan, with their ratio. `--smallest` also finds, per model, the fewest GPUs (powers of two) on
+same plan, with their ratio. `--target` and `--cluster` pick another GPU and the cluster the planner
+plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have 40 GB). `--smallest` also finds, per model, the fewest GPUs (powers of two) on
 which the planner's best plan compiles within the usable memory. Needs the aot extra.
 """
 from __future__ import annotations
@@ -26,18 +29,19 @@ MODELS = ("cola_1b", "llama_1b", "cola_7b", "llama_7b", "cola_13b", "llama_13b")
 DEVICES = (8, 64)
 CLUSTER = ROOT / "configs" / "clusters" / "h100_8x.py"
 TARGET = "h100"
+LABELS = {"h100": "H100", "h200": "H200", "a100": "A100 80GB", "a100_40gb": "A100 40GB"}  # table headers
 GB = 1e9
 
 
-def plan(config: Path, devices: int, batch: int | None = None, seq: int | None = None):
-    """The planner's best runnable plan for `config` on `devices` H100s (None when nothing fits)."""
+def plan(config: Path, devices: int, batch: int | None = None, seq: int | None = None, cluster: Path = CLUSTER):
+    """The planner's best runnable plan for `config` on `devices` GPUs of `cluster` (None when nothing fits)."""
     from boost_jax.planner import Options, load_cluster, search
     from boost_jax.planner.search import model_flops_per_token
     from boost_jax.tools.devices import load_config
 
     cfg = load_config(str(config))
     batch, seq = batch or int(cfg.train.global_batch), seq or int(cfg.train.seq_len)
-    res = search(cfg, load_cluster(str(CLUSTER)), devices, Options(batch=batch, seq=seq),
+    res = search(cfg, load_cluster(str(cluster)), devices, Options(batch=batch, seq=seq),
                  flops_per_token=model_flops_per_token(cfg, seq))
     return res.best_runnable
 
@@ -46,19 +50,20 @@ def overrides_of(plan) -> list[str]:
     return [a for a in plan.overrides.split() if a.startswith("--config.")]
 
 
-def row(config: Path, devices: int, batch: int | None = None, seq: int | None = None) -> dict:
+def row(config: Path, devices: int, batch: int | None = None, seq: int | None = None,
+        target: str = TARGET, cluster: Path = CLUSTER) -> dict:
     from boost_jax.tools import aot
 
-    best = plan(config, devices, batch, seq)
+    best = plan(config, devices, batch, seq, cluster)
     out = {"model": config.stem, "devices": devices}
     if best is None:
         return {**out, "plan": None}
     flags = overrides_of(best)  # the plan's mesh, strategy, batch, accumulation, sequence and remat
     cfg = aot.load(str(config), flags)
     t0 = time.perf_counter()
-    rep = aot.compile_config(cfg, TARGET, devices, programs=("train",))
+    rep = aot.compile_config(cfg, target, devices, programs=("train",))
     train = rep["train"]
-    return {**out, "plan": " ".join(f.removeprefix("--config.") for f in flags), "mesh": rep["mesh"],
+    return {**out, "device_kind": rep["device_kind"], "planner_parts": best.memory, "plan": " ".join(f.removeprefix("--config.") for f in flags), "mesh": rep["mesh"],
             "planner_bytes": best.memory["total"], "peak_bytes": train["peak_bytes"],
             "argument_bytes": train["argument_bytes"], "temp_bytes": train["temp_bytes"],
             "usable_bytes": train["usable_bytes"], "fits": train["fits"],
@@ -73,7 +78,8 @@ FIXED = (("cola_1b", (1, 1, 1, 1), "btp"), ("cola_7b", (1, 1, 1, 8), "btp"), ("c
 FIXED_BATCH, FIXED_SEQ = 8, 2048
 
 
-def fixed_row(name: str, mesh: tuple, strategy: str, batch: int = FIXED_BATCH, seq: int = FIXED_SEQ) -> dict:
+def fixed_row(name: str, mesh: tuple, strategy: str, batch: int = FIXED_BATCH, seq: int = FIXED_SEQ,
+              target: str = TARGET, cluster: Path = CLUSTER) -> dict:
     """One FIXED plan: the planner's price of exactly this trainer plan next to its H100 compile."""
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner import partitions as P
@@ -89,10 +95,10 @@ def fixed_row(name: str, mesh: tuple, strategy: str, batch: int = FIXED_BATCH, s
     cfg = aot.load(str(config), flags)
     layer = (Layer(*P.uniform_plan(strategy, False)) if t > 1 else  # one tensor shard: nothing is split
              Layer("R", ("none",) * len(P.GROUPS), "R", "R"))
-    priced = plan_for(cfg, load_cluster(str(CLUSTER)), Mesh(d, f, t, pipeline=p), 1, "none", layer,
+    priced = plan_for(cfg, load_cluster(str(cluster)), Mesh(d, f, t, pipeline=p), 1, "none", layer,
                       Options(batch=batch, seq=seq, attention="cudnn", check_memory=False))
     t0 = time.perf_counter()
-    train = aot.compile_config(cfg, TARGET, p * d * f * t, programs=("train",))["train"]
+    train = aot.compile_config(cfg, target, p * d * f * t, programs=("train",))["train"]
     return {"model": name, "devices": p * d * f * t, "plan": " ".join(a.removeprefix("--config.") for a in flags),
             "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)), "planner_bytes": priced.memory["total"],
             "planner_parts": priced.memory, "peak_bytes": train["peak_bytes"],
@@ -101,21 +107,22 @@ def fixed_row(name: str, mesh: tuple, strategy: str, batch: int = FIXED_BATCH, s
             "ratio": priced.memory["total"] / train["peak_bytes"], "compile_s": time.perf_counter() - t0}
 
 
-def smallest(config: Path, most: int = 64, batch: int | None = None, seq: int | None = None) -> dict | None:
+def smallest(config: Path, most: int = 64, batch: int | None = None, seq: int | None = None,
+             target: str = TARGET, cluster: Path = CLUSTER) -> dict | None:
     """The fewest GPUs (1, 2, 4, ...) whose best plan compiles within the usable memory."""
     n = 1
     while n <= most:
-        if plan(config, n, batch, seq) is not None:
-            r = row(config, n, batch, seq)
+        if plan(config, n, batch, seq, cluster) is not None:
+            r = row(config, n, batch, seq, target, cluster)
             if r.get("fits"):
                 return r
         n *= 2
     return None
 
 
-def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's pick)") -> str:
+def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's pick)", gpu: str = "H100") -> str:
     usable = next((r["usable_bytes"] for r in rows if r.get("plan")), 0) / GB
-    lines = [f"| model | H100s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB "
+    lines = [f"| model | {gpu}s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB "
              "| planner / compiled |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -126,12 +133,18 @@ def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's 
         lines.append(f"| {r['model']} | {r['devices']} | mesh {mesh}, {_short(r['plan'])} | {r['peak_bytes'] / GB:.1f} "
                      f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |")
     if small:
-        lines += ["", "| model | fewest H100s that fit | mesh p x d x f x t | compiled peak GB/GPU | plan |",
+        lines += ["", f"| model | fewest {gpu}s that fit | mesh p x d x f x t | compiled peak GB/GPU | plan |",
                   "|---|---|---|---|---|"]
         for r in small:
             mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
             lines.append(f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |")
     return "\n".join(lines)
+
+
+def _pipelined() -> list[str]:
+    """The collective pipeliner's options these compiles (and the planner) take (xla_gpu_flags.pipelined)."""
+    from boost_jax.runtime.xla_gpu_flags import pipelined
+    return sorted(pipelined())
 
 
 def _short(flags: str) -> str:
@@ -146,12 +159,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--smallest", action="store_true", help="also the fewest GPUs each model fits on")
     ap.add_argument("--smoke", action="store_true", help="the tiny config on 2 GPUs")
     ap.add_argument("--fixed", action="store_true", help="the FIXED plans at seq 2048 instead (the memory model's check)")
+    ap.add_argument("--target", default=TARGET, help=f"the GPU compiled for (default {TARGET}; boost_jax/tools/targets)")
+    ap.add_argument("--cluster", default=str(CLUSTER.relative_to(ROOT)),
+                    help="the cluster config the planner plans for (default configs/clusters/h100_8x.py)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
     from boost_jax.tools import aot
     if not aot.available():
-        raise SystemExit(f"benchmarks/aot_fit.py compiles for H100s without them: {aot.INSTALL} ({aot.missing()})")
+        raise SystemExit(f"benchmarks/aot_fit.py compiles for GPUs without them: {aot.INSTALL} ({aot.missing()})")
+    aot.target_config(args.target)  # an unknown target: one line naming the known ones
+    cluster = Path(args.cluster) if Path(args.cluster).is_absolute() else ROOT / args.cluster
+    if not cluster.is_file():
+        raise SystemExit(f"--cluster: no such file {args.cluster} (e.g. configs/clusters/a100_4x.py)")
     if args.smoke:
         models, devices, batch, seq = ["tiny"], [2], 8, 64
     else:
@@ -159,24 +179,25 @@ def main(argv=None) -> dict:
     rows, small = [], []
     if args.fixed:
         for name, mesh, strategy in FIXED:
-            r = fixed_row(name, mesh, strategy)
+            r = fixed_row(name, mesh, strategy, target=args.target, cluster=cluster)
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "planner_parts"}), flush=True)
         models = []
     for name in models:
         config = ROOT / "configs" / f"{name}.py"
         for n in devices:
-            r = row(config, n, batch, seq)
+            r = row(config, n, batch, seq, args.target, cluster)
             rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "planner_parts")}), flush=True)
         if args.smallest:
-            s = smallest(config, max(devices), batch, seq)
+            s = smallest(config, max(devices), batch, seq, args.target, cluster)
             if s is not None:
                 small.append(s)
     text = markdown(rows, small, f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)"
-                    if args.fixed else "plan (planner's pick)")
+                    if args.fixed else "plan (planner's pick)", LABELS.get(args.target, args.target))
     print(text)
-    out = {"target": TARGET, "cluster": CLUSTER.stem, "rows": rows, "smallest": small}
+    out = {"target": args.target, "cluster": cluster.stem, "pipelined_collectives": _pipelined(),
+           "rows": rows, "smallest": small}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.markdown:

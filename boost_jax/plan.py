@@ -8,7 +8,7 @@ best one.
         [--attention auto|xla|chunked|cudnn|pallas] [--remat none,lowrank,full] [--grad-accum N] \
         [--pipeline 1,2,4] [--microbatches M] [--schedule gpipe,circular] [--repeats V]
         [--stage-remat none,stage] [--context 1,2,4] [--context-attention ring,all_gather]
-        [--context-kv full,bottleneck] [--verify [--target h100|a100|h200]]
+        [--context-kv full,bottleneck] [--verify [--target h100|a100|a100_40gb|h200]]
 
 parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
 every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
@@ -89,6 +89,7 @@ def breakdown(p, layers: int) -> str:
             f"activations {_gb(m['activations'])} + transient (loss, a layer's backward or the optimizer update) "
             f"{_gb(m['transient'])} "
             + (f"+ pipeline buffers {_gb(m['pipeline'])} " if stages > 1 else "")
+            + (f"+ XLA's collective pipeliner's bottleneck arrays {_gb(m['pipeliner'])} " if m.get("pipeliner") else "")
             + f"+ allocation overhead {_gb(m['allocator'])} = {_gb(m['total'])} GB")
 
 
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
                     "kinds with a bottleneck)")
     ap.add_argument("--verify", action="store_true", help="compile the best runnable plan and compare collectives")
     ap.add_argument("--target", help="with --verify: compile the plan at full size for this GPU without one "
-                    "(h100, a100, h200: boost_jax.tools.aot, the aot extra) and compare its peak memory")
+                    "(h100, a100, a100_40gb, h200: boost_jax.tools.aot, the aot extra) and compare its peak memory")
     args = ap.parse_args(argv)
     if args.target and not args.verify:
         raise SystemExit("--target compiles the plan for a GPU: it goes with --verify")

@@ -362,3 +362,45 @@ if __name__ == "__main__":  # the 16-device subprocess of grid4_results
 
     assert sys.argv[1:] == ["grid4"] and jax.device_count() >= 16, jax.device_count()
     print("RESULTS " + json.dumps(run_grid4()))
+
+
+def test_whether_the_gpu_program_gets_the_collective_pipeliner_is_read_from_the_flags_and_jaxlib():
+    """runtime/xla_gpu_flags.pipelined(): the project's flags turn the pipeliner's options on, the
+    user's XLA_FLAGS win, and a jaxlib whose XLA retired them (0.11) gets none; the planner's
+    cost.pipeliner() needs both the all-gather and the all-reduce one."""
+    from boost_jax.runtime import xla_gpu_flags as X
+
+    assert X.pipelined({}, jaxlib=(0, 10)) == set(X.PIPELINED)
+    assert X.pipelined({}, jaxlib=(0, 11)) == set()
+    off = {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false"}
+    assert X.pipelined(off, jaxlib=(0, 10)) == set(X.PIPELINED) - {"xla_gpu_enable_pipelined_all_gather"}
+    assert X.pipelined({"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false "
+                                     "--xla_gpu_enable_pipelined_all_gather=true"}, jaxlib=(0, 10)) == set(X.PIPELINED)
+    assert cost.pipeliner(True) and not cost.pipeliner(False)
+
+
+def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
+    """cost.PIPELINED_SIGMA: PIPELINED_SIGMA arrays of each σ(A·x) output per layer on unpipelined FSDP
+    GPU plans without remat; nothing for a dense kind, a pipelined plan, context parallelism, data
+    parallelism alone, remat,
+    the float32 CPU program, or a program without the pipeliner."""
+    cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
+    layer = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
+
+    def part(linear, mesh, remat="none", act_bytes=2, pipelined=True, **kw):
+        cfg = sized_config("1b", linear)
+        return plan_for(cfg, cluster, mesh, 1, remat, layer, Options(batch=64, seq=256, check_memory=False,
+                        act_bytes=act_bytes, pipelined=pipelined), **kw).memory["pipeliner"]
+
+    cfg = sized_config("1b", "cola")
+    r, layers = cfg.model.rank, cfg.model.n_layers
+    tokens = 64 // 8 * 256  # this device's rows x seq
+    a_outputs = 7  # q, k, v, o, gate, up, down
+    assert part("cola", Mesh(1, 8, 1)) == pytest.approx(cost.PIPELINED_SIGMA * layers * a_outputs * tokens * r * 2)
+    assert part("cola", Mesh(1, 8, 1), pipelined=False) == 0
+    assert part("dense", Mesh(1, 8, 1)) == 0
+    assert part("cola", Mesh(8, 1, 1)) == 0
+    assert part("cola", Mesh(1, 8, 1), remat="lowrank") == 0
+    assert part("cola", Mesh(1, 8, 1), act_bytes=4) == 0
+    assert part("cola", Mesh(1, 4, 1, pipeline=2)) == 0
+    assert part("cola", Mesh(1, 4, 1, context=2)) == 0

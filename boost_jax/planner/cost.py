@@ -61,6 +61,38 @@ STAGE_COPY = 1.0
 # GPU program's (bf16 compute) per-tick chunk copies are priced as they are kept there (search.py,
 # `tick_weights`).
 CIRCULAR_COPIES = 3.0
+# XLA's collective pipeliner (boost_jax/runtime/xla_gpu_flags.py PIPELINED: the project's GPU flags
+# turn it on; jaxlib >= 0.11 has retired it) on an unpipelined FSDP plan of a σ(A·x) bottleneck kind
+# (cola) without remat: the deviceless H100 compiles of benchmarks/aot_fit.py peak 8-39% higher than
+# with its options off (benchmarks/aot_fit_nopipe.md); llama's move by at most 1%, pipelined plans are 1-8% lower.
+# Switching the options off one at a time (cola_1b fsdp 8): all-gather off 57.1 GB, all-reduce off
+# 58.5, against 62.6 with all on and 57.3 with all off; reduce-scatter off changes nothing (62.6). What
+# it is, read from XLA's buffer assignment (benchmarks/RESULTS.md 2026-11-27): cola_7b fsdp 8 keeps 16
+# more stacked r-wide arrays [L, T, r] of the bottleneck (2.3 per A output) and the stacked gathered
+# bf16 weights twice; cola_1b fsdp 8 and cola_7b fsdp 16 x tensor 4 keep the same arrays live at their
+# peaks as without the options (55.8 vs 55.3 GB; 43.6 vs 43.5 GB), but XLA packs them into 12% and 35%
+# more memory than is live (at the top of the latter's allocation: the backward's transposed copies of
+# the stacked residuals). Priced as more stacked arrays of the bottleneck's A outputs:
+# FITTED 3.0 arrays per A output (the bytes cola_1b fsdp 8 at the recipe compiles beyond the planner's
+# count, 8.4 GB over 7 A outputs of [24 layers, 16384 tokens, 512]); held out: cola_7b fsdp 8 (accum
+# 4, 0.90), cola_13b fsdp 8 (accum 8, 0.97), cola_7b fsdp 16 x tensor 4 (1.00), cola_1b on 8 and 64
+# A100 40GB (1.04, 1.01) and cola_1b fsdp 8 at batch 256 (tests/test_aot.py: 1.02 H100, 1.04 A100).
+# It over-prices shallower steps: cola_1b's widths with 8 layers at batch 512 compile at 24.0 GB
+# against 26.6 priced (1.11; 0.98 without it).
+PIPELINED_SIGMA = 3.0
+# the options it takes (all-gather or all-reduce off removes the extra; see above)
+PIPELINER_NEEDS = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_all_reduce")
+
+
+def pipeliner(pipelined: bool | None = None) -> bool:
+    """Whether the GPU program compiles with the collective pipeliner PIPELINED_SIGMA prices:
+    `pipelined` when given (Options.pipelined), else what boost_jax/runtime/xla_gpu_flags.py says
+    this process's GPU steps get (the project's flags, XLA_FLAGS' overrides, the installed jaxlib)."""
+    if pipelined is not None:
+        return pipelined
+    from boost_jax.runtime.xla_gpu_flags import pipelined as options_on
+
+    return set(PIPELINER_NEEDS) <= options_on()
 
 
 def remat_policies() -> tuple[str, ...]:

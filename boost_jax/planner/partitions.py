@@ -208,6 +208,9 @@ class Op:
     # the GEMMs a remat policy's forward re-run redoes, where `gemms` lists forward and backward ones
     # one by one (gemm_passes 1: the bottleneck's K/V rebuilds); None: `gemms`
     redo_gemms: list | None = None
+    # A output elements a nonlinear bottleneck σ(A·x) keeps for the backward (this device, micro-batch;
+    # what cost.PIPELINED_SIGMA counts more arrays of)
+    bottleneck: float = 0.0
 
     def all_colls(self) -> list[Coll]:
         return self.colls + [c for s in self.st for c in s.colls()]
@@ -510,6 +513,7 @@ def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
         a_out = (sum(g.m * g.n for g in op.gemms if g.tag == "A")
                  + sum(s.m * s.out / s.n for s in op.st if s.tag == "A"))
         kept = SAVED_SIGMA if b.nonlinear else SAVED_LINEAR
+        op.bottleneck = a_out if b.nonlinear else 0.0
         if on_gpu:
             op.saved = a_out * kept
             op.saved32 = a_out * GPU_SAVED_ONLINE_NORM32 if fused else 0.0

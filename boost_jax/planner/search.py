@@ -80,6 +80,9 @@ class Options:
     context: tuple = ()
     context_attention: tuple = CONTEXT_ATTENTION  # parallel.context_attention values searched
     context_kv: tuple = CONTEXT_KV  # parallel.context_kv values searched (bottleneck: factored kinds)
+    # the GPU program compiles with XLA's collective pipeliner (the pipelined all-gather and all-reduce;
+    # see cost.PIPELINED_SIGMA); None: as boost_jax/runtime/xla_gpu_flags.py pipelined() says here
+    pipelined: bool | None = None
 
 
 @dataclasses.dataclass
@@ -254,6 +257,7 @@ class LayerSummary:
     forward: float  # seconds of the layer's forward alone (what remat.pipeline=stage re-runs)
     forward_colls: list  # the collectives that forward runs (tensor axis; st's permutes)
     kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
+    bottleneck: float = 0.0  # σ(A·x) A output elements the layer keeps (see cost.PIPELINED_SIGMA)
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
@@ -292,7 +296,8 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             saved=sum(C.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
             working=C.backward_working(ops, policy, opts.act_bytes),
             tensor_links=links, forward=forward, forward_colls=forward_colls,
-            kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops))
+            kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops),
+            bottleneck=sum(op.bottleneck for op in ops))
     return pr._summaries[layer]
 
 
@@ -453,6 +458,15 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     tick_weights = 0.0
     if stages > 1 and gpu and not staged and policy == "none":
         tick_weights = (runs if schedule == "circular" else per_stage) * weights * opts.act_bytes
+    # Unpipelined FSDP without remat, XLA's collective pipeliner (when the GPU program gets it) makes
+    # the scanned layers keep more stacked arrays of the σ(A·x) bottleneck (C.PIPELINED_SIGMA). Pipelined
+    # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
+    # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
+    # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 61.8 priced without
+    # the term and 71.5 with it.
+    pipeliner = (C.PIPELINED_SIGMA * per_stage * s.bottleneck * opts.act_bytes
+                 if stages == 1 and mesh.fsdp > 1 and mesh.context == 1 and gpu and policy == "none"
+                 and s.bottleneck and C.pipeliner(opts.pipelined) else 0.0)
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups)
     loss = (C.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, b.loss_chunk, b.vocab / mesh.tensor)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
@@ -473,7 +487,9 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
               # the optimizer update's new state beyond what the backward kept (then freed)
               "transient": 0.0,
               # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
-              "pipeline": 2 * ctx.local(layer.residual, b.d) * m * opts.act_bytes if stages > 1 else 0.0}
+              "pipeline": 2 * ctx.local(layer.residual, b.d) * m * opts.act_bytes if stages > 1 else 0.0,
+              # XLA's collective pipeliner's stacked bottleneck arrays (C.PIPELINED_SIGMA)
+              "pipeliner": pipeliner}
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
     # the layer policy keeps, then runs their backward one layer at a time.

@@ -114,6 +114,50 @@ def accepted(options: dict, device) -> dict:
     return {k: v for k, v in options.items() if k in _ACCEPTED[key]}
 
 
+# XLA's collective pipeliner: the FSDP gathers and gradient reductions of the layer scan moved one
+# iteration ahead/behind. jaxlib 0.11's XLA has none of these options: a per-program option names one
+# and the compile fails ("No such compile option: 'xla_gpu_enable_pipelined_all_reduce'", jax 0.11.2
+# on an H100, benchmarks/RESULTS.md 2026-11-26), and in XLA_FLAGS they parse as no-ops. `accepted()`
+# probes that with a compile for the target device; the planner cannot (it prices plans without
+# devices), so it reads the installed jaxlib's version instead: `pipelined()`.
+PIPELINED = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_reduce_scatter",
+             "xla_gpu_enable_pipelined_all_reduce")
+PIPELINED_RETIRED = (0, 11)  # the first jaxlib without them
+
+
+def _jaxlib_version() -> tuple[int, ...] | None:
+    import importlib.metadata
+    try:
+        text = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in text.split(".")[:2] if x.isdigit())
+
+
+_JAXLIB: list = []  # the installed jaxlib's (major, minor), read once
+
+
+def pipelined(environ=os.environ, jaxlib=None) -> frozenset:
+    """The collective pipeliner's options (PIPELINED names) a GPU step built in this process compiles
+    with: FLAGS' value, or the user's where XLA_FLAGS names the option (as `compiler_options()` and
+    `apply()` give them), none where the installed jaxlib's XLA has retired them (>= 0.11: see
+    PIPELINED_RETIRED) and none without jaxlib. `jaxlib`: a (major, minor) to ask about instead. The
+    one place the planner learns whether the program it prices gets them."""
+    if jaxlib is None:
+        if not _JAXLIB:
+            _JAXLIB.append(_jaxlib_version())
+        jaxlib = _JAXLIB[0]
+    if jaxlib is None or tuple(jaxlib) >= PIPELINED_RETIRED:
+        return frozenset()
+    value, _ = merged(environ.get("XLA_FLAGS", ""))
+    on = {}
+    for flag in value.split():  # later wins, as XLA parses XLA_FLAGS
+        name, _, v = flag.partition("=")
+        if name.lstrip("-") in PIPELINED:
+            on[name.lstrip("-")] = v.lower() in ("", "true", "1")
+    return frozenset(k for k, v in on.items() if v)
+
+
 def _found(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
