@@ -85,6 +85,7 @@ class Block:
     nonlinear: bool = False  # σ at the bottleneck is a nonlinearity (cola; tt with silu)
     loss_chunk: int = 0  # model.loss_chunk: positions per chunk of the head + loss (0: one piece)
     fused_norm: bool = False  # kernels.rmsnorm is a fused kernel (not XLA's norm)
+    max_seq_len: int = 0  # model.max_seq_len: a plan at a longer train.seq_len raises it in its flags
 
     @classmethod
     def from_config(cls, cfg) -> Block:
@@ -102,7 +103,7 @@ class Block:
                    only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
                    online_norm=bool(cfg.parallel.online_norm), nonlinear=kind.factored and kind.nonlinear(m),
                    loss_chunk=int(m.loss_chunk),
-                   fused_norm=cfg.kernels.rmsnorm != "xla")
+                   fused_norm=cfg.kernels.rmsnorm != "xla", max_seq_len=int(m.max_seq_len))
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
         """(shared input width, output widths) of a projection group."""
