@@ -87,9 +87,9 @@ def test_search_picks_context_at_32k_where_the_rows_run_out():
     assert all(p.mesh.context == 1 for p in flat.plans)
     assert flat.plans[0].step_s > 2 * best.step_s
     assert flat.best_runnable is None or flat.best_runnable.step_s > 2 * best.step_s
-    cfg.model.max_seq_len = 32768
+    assert cfg.model.max_seq_len < 32768 and "--config.model.max_seq_len=32768 " in best.overrides
     cfg.data.source = "embedded"
-    run = with_overrides(cfg, best.overrides)
+    run = with_overrides(cfg, best.overrides)  # validated: the flags raise max_seq_len to the plan's seq
     formula = traffic(run)["per_layer"]
     priced = {}
     for c in best.layer_colls:
