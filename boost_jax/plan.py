@@ -202,7 +202,6 @@ def main(argv=None) -> int:
         raise SystemExit("--devices, --batch, --seq and --top must be positive")
     if args.grad_accum and batch % args.grad_accum:
         raise SystemExit(f"--grad-accum {args.grad_accum} does not divide --batch {batch}")
-    cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), seq)
     try:
         pipeline = tuple(int(x) for x in args.pipeline.split(",") if x.strip())
     except ValueError as e:

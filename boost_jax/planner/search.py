@@ -686,6 +686,7 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
     `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
     `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1."""
     block = P.Block.from_config(cfg)
+    opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined))  # read once, not per plan
     stages = mesh.pipeline
     m = (microbatches or 2 * stages) if stages > 1 else 1
     if block.layers % stages:
@@ -731,6 +732,7 @@ def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, r
 def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: float | None = None) -> Result:
     """The top plans for `devices` GPUs of `cluster` training `cfg` at opts.batch x opts.seq."""
     block = P.Block.from_config(cfg)
+    opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined))  # read once, not per plan
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     contexts = context_sizes(devices, opts.seq, opts, opts.attention)
     kinds = {c: plan_attention(opts, block, c) for c in contexts}
