@@ -44,18 +44,39 @@ def _leading(batch) -> tuple[int, int]:
     return jax.tree.leaves(batch)[0].shape[:2]
 
 
-def in_turn(params, acc):
-    """`params` as an accumulation loop's micro-batch reads them, made to wait for the gradient the
-    micro-batches before it summed (`acc`), so one micro-batch's activations live at a time. Without
-    it XLA:GPU may run the next micro-batch's forward before this one's backward (its while-loop
-    double buffering unrolls the loop two micro-batches per iteration, or fully at grad_accum 2, and
-    the scheduler interleaves them), and both keep their activations: llama_1b megatron on 8 A100s
-    at grad_accum 2 compiled to 59.5 GB without this and 32.0 GB with it (32.3 with the unrolling
-    off). The parameters wait, not the tokens: tying the tokens alone left cola_7b on 8 H100s at
-    grad_accum 4 at 57.8 GB (48.4 with the parameters). The pipeline's accumulation loop
-    (parallel/pipeline.py) has no such wait: with one, llama_13b's circular plan on 64 A100s went
-    from 55.6 to 72.0 GB."""
-    return jax.lax.optimization_barrier((params, acc))[0]
+def each_micro_batch(micro, init, batch, loss_shape: tuple = ()):
+    """`jax.lax.scan(micro, init, batch)` over an accumulation loop's micro-batches (`micro(carry,
+    x) -> (carry, loss)`, a float32 loss of `loss_shape`): (carry, the mean loss).
+
+    In a step built for GPUs (kernels/platform.py) the loop's trip count is hidden from XLA (passed
+    through an optimization barrier), so XLA:GPU runs it as written, one micro-batch per iteration.
+    With a known count its while-loop double buffering (a project GPU flag) unrolls the loop, two
+    micro-batches per iteration or all of them at grad_accum 2, and the scheduler ran a micro-batch's
+    forward before the previous one's backward: both kept their activations. Deviceless compiles,
+    peak per GPU, known -> hidden count: llama_1b on fsdp 8 A100 40GB at grad_accum 2 59.5 -> 31.9 GB
+    and at 4 24.8 -> 19.4 (planner 33.3 and 20.4); cola_1b on fsdp 8 H100 at grad_accum 2 56.1 ->
+    32.9 (planner 33.5); llama_13b circular p2 x f8 x t4 on 64 A100 at grad_accum 4 55.6 -> 36.4
+    (planner 33.1). (Ordering the micro-batches with a barrier on the parameters instead fixed the
+    first and left the others at 27.4, 40.1 and 72.0 GB.) The inner layer scans keep their known
+    counts and their double buffering. The price: the GPU reads the loop's predicate back once per
+    micro-batch (a loop of unknown count), not measured. The collectives inside this loop have no
+    known trip count in the GPU program: they run grad_accum times (tools/aot.py counts them so).
+    The CPU program keeps the scan (no such flag there; its comm report reads every trip count)."""
+    from boost_jax.kernels import platform
+
+    if platform.name() != "gpu":
+        carry, losses = jax.lax.scan(micro, init, batch)
+        return carry, losses.mean()
+    a = _leading(batch)[0]
+
+    def step(i, carry):
+        acc, total = carry
+        acc, loss = micro(acc, jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), batch))
+        return acc, total + loss
+
+    trips = jax.lax.optimization_barrier(jnp.int32(a))  # a count XLA cannot read: no unrolling
+    carry, total = jax.lax.fori_loop(0, trips, step, (init, jnp.zeros(loss_shape, jnp.float32)))
+    return carry, total.mean() / a
 
 
 def _plain(grad_fn, params, batch):
@@ -65,11 +86,11 @@ def _plain(grad_fn, params, batch):
         return grad_fn(params, jax.tree.map(lambda x: x[0], batch))
 
     def micro(acc, tokens):
-        l, g = grad_fn(in_turn(params, acc), tokens)
+        l, g = grad_fn(params, tokens)
         return jax.tree.map(jnp.add, acc, g), l
 
-    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
-    return losses.mean(), jax.tree.map(lambda g: g / a, grads)
+    grads, loss = each_micro_batch(micro, jax.tree.map(jnp.zeros_like, params), batch)
+    return loss, jax.tree.map(lambda g: g / a, grads)
 
 
 def island_applies(mesh, strategy) -> bool:
@@ -107,12 +128,12 @@ def accumulate_grads(grad_fn, params, batch, mesh=None, strategy=None):
         t, NamedSharding(mesh, P("data", *([P.UNCONSTRAINED] * (t.ndim - 1)))))
 
     def micro(acc, tokens):
-        l, g = per_replica(in_turn(params, acc), tokens)
+        l, g = per_replica(params, tokens)
         return jax.tree.map(lambda s, g: split(s + g.astype(jnp.float32)), acc, g), l
 
     zeros = jax.tree.map(lambda p: split(jnp.zeros((d,) + p.shape, jnp.float32)), params)
-    acc, losses = jax.lax.scan(micro, zeros, x)
+    acc, loss = each_micro_batch(micro, zeros, x, loss_shape=(d,))  # one loss per data replica
     dtype = jnp.dtype(strategy.grad_reduce_dtype)
     grads = jax.tree.map(lambda g, p: (g.astype(dtype).sum(0).astype(jnp.float32) / (a * d)).astype(p.dtype),
                          acc, params)
-    return losses.mean(), grads
+    return loss, grads

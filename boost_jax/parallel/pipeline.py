@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.parallel import rules
-from boost_jax.parallel.grad_reduce import without_axis
+from boost_jax.parallel.grad_reduce import each_micro_batch, without_axis
 
 
 def ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
@@ -239,7 +239,7 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
     if a == 1:
         loss, grads, gc = grad_fn(trained, copies_f, jax.tree.map(lambda x: x[0], batch))
     else:
-        def micro(acc, x):  # no grad_reduce.in_turn here: it raised the GPU peak (see its docstring)
+        def micro(acc, x):
             l, g, gc = grad_fn(trained, copies_f, x)
             acc_g, acc_c = acc
             acc_g = jax.tree.map(jnp.add, acc_g, g)
@@ -247,8 +247,7 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
             return (acc_g, acc_c), l
 
         zeros_c = None if copies_f is None else jax.tree.map(jnp.zeros_like, copies_f)
-        (grads, gc), losses = jax.lax.scan(micro, (jax.tree.map(jnp.zeros_like, trained), zeros_c), batch)
-        loss = losses.mean()
+        (grads, gc), loss = each_micro_batch(micro, (jax.tree.map(jnp.zeros_like, trained), zeros_c), batch)
         grads = jax.tree.map(lambda g: g / a, grads)
         gc = None if gc is None else jax.tree.map(lambda g: g / a, gc)
     if gc is not None:

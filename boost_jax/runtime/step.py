@@ -49,7 +49,7 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
 
     def train_step(state, batch):
         """batch: [grad_accum, micro_batch, T+1] (or a batch of documents with those leading dims).
-        Micro-batch gradients are summed by a scan so only one gradient buffer lives at a time; the
+        Micro-batch gradients are summed by a loop so only one gradient buffer lives at a time; the
         update is skipped (params and optimizer state kept) if the loss, the gradient norm or any
         updated parameter is not finite. A batch of documents is weighted by token: the loss is the
         mean over every counted target of the global batch, however they fall into micro-batches."""

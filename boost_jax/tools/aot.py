@@ -151,15 +151,16 @@ def kernels(hlo_text: str) -> dict:
     return dict(sorted(counts.items()))
 
 
-def collectives(hlo_text: str, mesh) -> dict:
+def collectives(hlo_text: str, mesh, accumulation: int = 1) -> dict:
     """{kind: {"ops", "count", "elements", "bytes"}} per device and step: `ops` instructions in the
-    program, `count` their executions (through the loops' trip counts), `elements` and `bytes` what
+    program, `count` their executions (through the loops' trip counts; the one loop whose count the
+    GPU step hides, its accumulation loop, runs `accumulation` times), `elements` and `bytes` what
     those executions move (bytes at the dtype the GPU program carries)."""
     from boost_jax.tools.comm_report import itemsize
     from boost_jax.tools.hlo_comm import parse_collectives
 
     out: dict = {}
-    for c in parse_collectives(hlo_text, mesh):
+    for c in parse_collectives(hlo_text, mesh, unknown_trips=accumulation):
         trips = c.trips or 1
         slot = out.setdefault(c.kind, {"ops": 0, "count": 0, "elements": 0, "bytes": 0})
         slot["ops"] += 1
@@ -175,7 +176,7 @@ def peak_bytes(m) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
-def analyze(compiled, mesh, device_memory: int, usable: float = USABLE) -> dict:
+def analyze(compiled, mesh, device_memory: int, usable: float = USABLE, accumulation: int = 1) -> dict:
     m = compiled.memory_analysis()
     arg, out, temp, alias = (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                              m.alias_size_in_bytes)
@@ -184,7 +185,7 @@ def analyze(compiled, mesh, device_memory: int, usable: float = USABLE) -> dict:
     text = compiled.as_text()
     return {"peak_bytes": peak, "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
             "device_memory_bytes": device_memory, "usable_bytes": limit, "fits": peak <= limit,
-            "headroom_bytes": limit - peak, "kernels": kernels(text), "collectives": collectives(text, mesh)}
+            "headroom_bytes": limit - peak, "kernels": kernels(text), "collectives": collectives(text, mesh, accumulation)}
 
 
 # ------------------------------------------------------------------------------------ compiling
@@ -228,7 +229,8 @@ def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval
                            "(chunked or pallas) or kernels.* to a path that takes these shapes") from e
         except Exception as e:  # noqa: BLE001 - XLA's refusals, on one line
             raise AotError(f"config cannot compile its {program} step for {target}: {_one_line(e)}") from e
-        out[program] = {**analyze(compiled, built.mesh, memory, usable), "compile_s": time.perf_counter() - t0}
+        out[program] = {**analyze(compiled, built.mesh, memory, usable, int(cfg.train.grad_accum)),
+                        "compile_s": time.perf_counter() - t0}
     return out
 
 

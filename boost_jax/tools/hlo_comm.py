@@ -256,8 +256,11 @@ def _permute_group_size(pairs: list[list[int]]) -> int:
 
 # ---------------------------------------------------------------- main entry points
 
-def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collective]:
-    """Every collective in an optimized HLO module, in textual order. Without a mesh, axes=()."""
+def parse_collectives(hlo_text: str, mesh: Mesh | None = None, unknown_trips: int | None = None) -> list[Collective]:
+    """Every collective in an optimized HLO module, in textual order. Without a mesh, axes=().
+    `unknown_trips`: the trip count to read for a `while` without a known one (a GPU train step's
+    accumulation loop hides its count from XLA: parallel/grad_reduce.py each_micro_batch); None
+    leaves such loops' collectives at trips None."""
     # Needed for `replica_groups={}` (= every device); the module header knows the count.
     partitions = re.search(r"num_partitions=(\d+)", hlo_text)
     replicas = re.search(r"replica_count=(\d+)", hlo_text)
@@ -299,7 +302,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
             in_loop.add(c)
             todo.extend(calls.get(c, ()))
 
-    trips = _trip_counts(entry, calls, loop_trips)
+    trips = _trip_counts(entry, calls, loop_trips, unknown_trips)
     out = []
     for comp, kind, shape, operands, attrs, symbols in found:
         op_shapes = [_operand_shape(o, symbols) for o in operands]
@@ -324,9 +327,11 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
     return out
 
 
-def _trip_counts(entry: str, calls: dict[str, set[str]], loop_trips: dict) -> dict[str, int | None]:
+def _trip_counts(entry: str, calls: dict[str, set[str]], loop_trips: dict,
+                 unknown: int | None = None) -> dict[str, int | None]:
     """Executions of every computation reachable from `entry` per run of the program: a while's
-    body/condition multiplies its caller's count by the loop's known trip count (None: unknown)."""
+    body/condition multiplies its caller's count by the loop's known trip count (else `unknown`;
+    None: unknown)."""
     trips: dict[str, int | None] = {entry: 1}
     todo = [entry]
     while todo:
@@ -335,6 +340,7 @@ def _trip_counts(entry: str, calls: dict[str, set[str]], loop_trips: dict) -> di
             n = trips[comp]
             if (comp, callee) in loop_trips:
                 k = loop_trips[(comp, callee)]
+                k = unknown if k is None else k
                 n = None if n is None or k is None else n * k
             if callee not in trips:
                 trips[callee] = n
