@@ -68,6 +68,27 @@ def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dt
     assert_close_tree(jax.device_get(grads), ref_grads, tol)
 
 
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 4, 2)], ids=["island", "plain"])
+def test_the_gpu_accumulation_loop_matches_single_device(make_config, monkeypatch, mesh):
+    """The loop a GPU step runs (trip count hidden from XLA: grad_reduce.each_micro_batch), here on
+    CPU devices: the same loss and gradient as one device, through the data island (data 2) and the
+    plain loop (data 1), and the compiled step has a loop of unknown trip count (the scan's has one)."""
+    monkeypatch.setattr(grad_reduce, "hides_trip_count", lambda: True)
+    cfg = par_config(make_config, "btp", "cola", mesh, **{"train.grad_accum": 2})
+    params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
+    built = build(cfg)
+    m, spec = built.mesh, built.spec
+    params = jax.device_put(params_host, spec.shardings["params"])
+    batch = jax.device_put(tokens.reshape(2, -1, tokens.shape[-1]), NamedSharding(m, P(None, ("data", "fsdp"))))
+    grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x))
+    step = jax.jit(built.bind(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b, m, built.strategy)))
+    loss, grads = step(params, batch)
+    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(jax.device_get(grads), ref_grads, 1e-5)
+    text = step.lower(params, batch).compile().as_text()
+    assert any(c.trips is None for c in parse_collectives(text, m)), "no loop of unknown trip count"
+
+
 # ------------------------------------------------------------------ GPipe: once per pass
 
 # 2 stages of 2 layers on mesh pipeline 2 x data 2 x fsdp 2; 4 GPipe micro-batches of 4 rows.
@@ -113,7 +134,22 @@ def pipelined(tmp_path_factory, request):
 def test_pipelined_train_step_matches_single_device(pipelined):
     """Loss and the SGD-updated parameters (params - grads) of the pipelined step (data 2, fsdp 2)
     against the one-device loss and gradient."""
-    cfg, (spec, compiled, batch_sharding, _, mesh) = pipelined
+    _check_pipelined_step(*pipelined)
+
+
+def test_the_gpu_accumulation_loop_of_a_pipeline_matches_single_device(make_config, monkeypatch):
+    """The circular grad_accum-2 case with the loop a GPU step runs (grad_reduce.each_micro_batch's
+    trip count hidden), on CPU devices: the one-device loss and gradient."""
+    monkeypatch.setattr(grad_reduce, "hides_trip_count", lambda: True)
+    cfg = par_config(make_config, "btp", "cola", (2, 2, 1), **{**PIPELINE_KW, **PIPELINE_CASES["circular_accum2"]})
+    built = build(cfg, optimizer=(optax.sgd(1.0), lambda s: 1.0))
+    compiled = built.lower_train().compile()
+    assert any(c.trips is None for c in parse_collectives(compiled.as_text(), built.mesh))
+    _check_pipelined_step(cfg, (built.spec, compiled, built.batch_sharding, None, built.mesh))
+
+
+def _check_pipelined_step(cfg, program):
+    spec, compiled, batch_sharding, _, mesh = program
     params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
     state = {"params": jax.device_put(params_host, spec.shardings["params"]),
              "opt_state": jax.device_put(optax.sgd(1.0).init(trainable(params_host)), spec.shardings["opt_state"]),

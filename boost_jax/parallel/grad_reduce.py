@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.kernels import platform
 from boost_jax.parallel import rules
 
 
@@ -42,6 +43,11 @@ def without_axis(strategy: rules.Strategy, *axis: str) -> rules.Strategy:
 def _leading(batch) -> tuple[int, int]:
     """(grad_accum, micro-batch rows) of a batch pytree [grad_accum, rows, ...]."""
     return jax.tree.leaves(batch)[0].shape[:2]
+
+
+def hides_trip_count() -> bool:
+    """Whether `each_micro_batch` hides its loop's trip count: in a step built for GPUs."""
+    return platform.name() == "gpu"
 
 
 def each_micro_batch(micro, init, batch, loss_shape: tuple = ()):
@@ -62,9 +68,7 @@ def each_micro_batch(micro, init, batch, loss_shape: tuple = ()):
     micro-batch (a loop of unknown count), not measured. The collectives inside this loop have no
     known trip count in the GPU program: they run grad_accum times (tools/aot.py counts them so).
     The CPU program keeps the scan (no such flag there; its comm report reads every trip count)."""
-    from boost_jax.kernels import platform
-
-    if platform.name() != "gpu":
+    if not hides_trip_count():
         carry, losses = jax.lax.scan(micro, init, batch)
         return carry, losses.mean()
     a = _leading(batch)[0]
