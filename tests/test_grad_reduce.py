@@ -55,14 +55,7 @@ def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dt
     """Against the one-device gradient in the same compute dtype (bf16: within bf16 rounding)."""
     cfg = par_config(make_config, "btp", "cola", mesh, **{"parallel.grad_reduce_dtype": reduce_dtype,
                                                          "model.dtype": compute})
-    params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
-    built = build(cfg)
-    m, spec = built.mesh, built.spec
-    params = jax.device_put(params_host, spec.shardings["params"])
-    batch = jax.device_put(tokens.reshape(2, -1, tokens.shape[-1]), NamedSharding(m, P(None, ("data", "fsdp"))))
-    grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x))
-    loss, grads = jax.jit(built.bind(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b, m, built.strategy)))(
-        params, batch)
+    (loss, grads), (ref_loss, ref_grads), _ = accumulated(cfg)
     tol = 1e-5 if reduce_dtype == compute == "float32" else 2e-2 if compute == "float32" else 5e-2
     assert abs(float(loss) - ref_loss) <= (1e-5 if compute == "float32" else 1e-2) * abs(ref_loss)
     assert_close_tree(jax.device_get(grads), ref_grads, tol)
@@ -75,18 +68,23 @@ def test_the_gpu_accumulation_loop_matches_single_device(make_config, monkeypatc
     plain loop (data 1), and the compiled step has a loop of unknown trip count (the scan's has one)."""
     monkeypatch.setattr(grad_reduce, "hides_trip_count", lambda: True)
     cfg = par_config(make_config, "btp", "cola", mesh, **{"train.grad_accum": 2})
-    params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
+    (loss, grads), (ref_loss, ref_grads), collectives = accumulated(cfg)
+    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(jax.device_get(grads), ref_grads, 1e-5)
+    assert any(c.trips is None for c in collectives()), "no loop of unknown trip count"
+
+
+def accumulated(cfg):
+    """((loss, grads) of grad_reduce.accumulate_grads over 2 micro-batches on cfg's mesh, the
+    one-device (loss, grads), a function giving the compiled step's collectives)."""
+    params_host, tokens, ref = reference(cfg)
     built = build(cfg)
     m, spec = built.mesh, built.spec
     params = jax.device_put(params_host, spec.shardings["params"])
     batch = jax.device_put(tokens.reshape(2, -1, tokens.shape[-1]), NamedSharding(m, P(None, ("data", "fsdp"))))
     grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x))
     step = jax.jit(built.bind(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b, m, built.strategy)))
-    loss, grads = step(params, batch)
-    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
-    assert_close_tree(jax.device_get(grads), ref_grads, 1e-5)
-    text = step.lower(params, batch).compile().as_text()
-    assert any(c.trips is None for c in parse_collectives(text, m)), "no loop of unknown trip count"
+    return step(params, batch), ref, lambda: parse_collectives(step.lower(params, batch).compile().as_text(), m)
 
 
 # ------------------------------------------------------------------ GPipe: once per pass
