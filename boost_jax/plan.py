@@ -90,6 +90,7 @@ def breakdown(p, layers: int) -> str:
             f"{_gb(m['transient'])} "
             + (f"+ pipeline buffers {_gb(m['pipeline'])} " if stages > 1 else "")
             + (f"+ XLA's collective pipeliner's bottleneck arrays {_gb(m['pipeliner'])} " if m.get("pipeliner") else "")
+            + (f"+ the double-buffered layer scan's copy {_gb(m['double_buffer'])} " if m.get("double_buffer") else "")
             + f"+ allocation overhead {_gb(m['allocator'])} = {_gb(m['total'])} GB")
 
 

@@ -404,3 +404,30 @@ def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
     assert part("cola", Mesh(1, 8, 1), act_bytes=4) == 0
     assert part("cola", Mesh(1, 4, 1, pipeline=2)) == 0
     assert part("cola", Mesh(1, 4, 1, context=2)) == 0
+
+
+def test_the_gpu_loss_and_the_scan_double_buffer_terms():
+    """The GPU program's loss holds one float32 logits array at a time (cost.GPU_LOGIT_BUFFERS, the
+    float32 program three) and 6 bytes per table element (float32 gradient, bf16 gathered cast; the
+    float32 program 8 under FSDP); the double-buffered layer scan keeps one more [L, T, ff/t] array
+    (cost.SCAN_DOUBLE_BUFFER) on unpipelined GPU plans without remat, nothing elsewhere."""
+    rows, seq, vocab = 3, 256, 1000
+    assert cost.loss_bytes(rows, seq, 0, vocab, gpu=True) == rows * seq * vocab * 4
+    assert cost.loss_bytes(rows, seq, 0, vocab) == 3 * rows * seq * vocab * 4
+    assert cost.loss_bytes(rows, seq, 64, vocab, gpu=True) == rows * 64 * vocab * 4
+    assert (cost.table_bytes(8, 2), cost.table_bytes(1, 2), cost.table_bytes(8, 4), cost.table_bytes(1, 4)) == (6, 6, 8, 4)
+
+    cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
+    cfg = sized_config("1b", "dense")
+    layers, ff = cfg.model.n_layers, cfg.model.d_ff
+
+    def part(mesh, layer=Layer("R", ("none",) * len(P.GROUPS), "R", "R"), remat="none", act_bytes=2, **kw):
+        return plan_for(cfg, cluster, mesh, 1, remat, layer, Options(batch=64, seq=256, check_memory=False,
+                        act_bytes=act_bytes), **kw).memory["double_buffer"]
+
+    assert part(Mesh(1, 8, 1)) == pytest.approx(layers * (64 // 8 * 256) * ff * 2)
+    megatron = Layer(*P.uniform_plan("megatron", False))
+    assert part(Mesh(1, 4, 2), megatron) == pytest.approx(layers * (64 // 4 * 256) * ff / 2 * 2)
+    assert part(Mesh(1, 8, 1), remat="full") == 0
+    assert part(Mesh(1, 8, 1), act_bytes=4) == 0
+    assert part(Mesh(1, 4, 1, pipeline=2)) == 0

@@ -462,13 +462,19 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     # the scanned layers keep more stacked arrays of the σ(A·x) bottleneck (C.PIPELINED_SIGMA). Pipelined
     # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
     # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
-    # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 61.8 priced without
-    # the term and 71.5 with it.
+    # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 63.6 priced without
+    # the term (61.8 before the GPU loss and the scan's double buffer, 2026-11-27) and 71.5 with it then.
     pipeliner = (C.PIPELINED_SIGMA * per_stage * s.bottleneck * opts.act_bytes
                  if stages == 1 and mesh.fsdp > 1 and mesh.context == 1 and gpu and policy == "none"
                  and s.bottleneck and C.pipeliner(opts.pipelined) else 0.0)
-    # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups)
-    loss = (C.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, b.loss_chunk, b.vocab / mesh.tensor)
+    # Unpipelined without remat, the GPU program's double-buffered layer scan keeps one more stacked
+    # [layers, T, ff/t] array (C.SCAN_DOUBLE_BUFFER).
+    double_buffer = (C.SCAN_DOUBLE_BUFFER * per_stage * ctx.tokens * b.ff / mesh.tensor * opts.act_bytes
+                     if stages == 1 and gpu and policy == "none" else 0.0)
+    # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups); its
+    # GPU count is the unpipelined program's only (C.GPU_LOGIT_BUFFERS)
+    loss = (C.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, b.loss_chunk, b.vocab / mesh.tensor,
+                          gpu and stages == 1)
             + rest_fsdp_w * C.table_bytes(mesh.fsdp, opts.act_bytes))
     memory = {"states": C.state_bytes(params, grad_accum),
               # without remat every layer's compute-layout weights (FSDP: gathered) are kept for its
@@ -489,7 +495,9 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
               # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
               "pipeline": 2 * ctx.local(layer.residual, b.d) * m * opts.act_bytes if stages > 1 else 0.0,
               # XLA's collective pipeliner's stacked bottleneck arrays (C.PIPELINED_SIGMA)
-              "pipeliner": pipeliner}
+              "pipeliner": pipeliner,
+              # the double-buffered layer scan's extra stacked array (C.SCAN_DOUBLE_BUFFER)
+              "double_buffer": double_buffer}
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
     # the layer policy keeps, then runs their backward one layer at a time.
