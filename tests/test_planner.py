@@ -377,6 +377,19 @@ def test_whether_the_gpu_program_gets_the_collective_pipeliner_is_read_from_the_
     assert X.pipelined({"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false "
                                      "--xla_gpu_enable_pipelined_all_gather=true"}, jaxlib=(0, 10)) == set(X.PIPELINED)
     assert cost.pipeliner(True) and not cost.pipeliner(False)
+    assert X.pipelined({"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=0"}, jaxlib=(0, 10)) == set(
+        X.PIPELINED) - {"xla_gpu_enable_pipelined_all_gather"}
+
+
+def test_whether_the_gpu_layer_scan_is_double_buffered_is_read_from_the_flags():
+    """runtime/xla_gpu_flags.double_buffered(): on with the project's flags, off where the user's
+    XLA_FLAGS turn it off (a later repeat wins); the planner prices the double buffer only then."""
+    from boost_jax.runtime import xla_gpu_flags as X
+
+    assert X.double_buffered({})
+    assert not X.double_buffered({"XLA_FLAGS": f"--{X.DOUBLE_BUFFERING}=false"})
+    assert X.double_buffered({"XLA_FLAGS": f"--{X.DOUBLE_BUFFERING}=false --{X.DOUBLE_BUFFERING}"})
+    assert cost.double_buffering(True) and not cost.double_buffering(False)
 
 
 def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
@@ -410,7 +423,7 @@ def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     """The GPU program's loss holds one float32 logits array at a time (cost.GPU_LOGIT_BUFFERS, the
     float32 program three) and 6 bytes per table element (float32 gradient, bf16 gathered cast; the
     float32 program 8 under FSDP); the double-buffered layer scan keeps one more [L, T, ff/t] array
-    (cost.SCAN_DOUBLE_BUFFER) on unpipelined GPU plans without remat, nothing elsewhere."""
+    (cost.SCAN_DOUBLE_BUFFER) on unpipelined GPU plans without remat that get the flag, nothing elsewhere."""
     rows, seq, vocab = 3, 256, 1000
     assert cost.loss_bytes(rows, seq, 0, vocab, gpu=True) == rows * seq * vocab * 4
     assert cost.loss_bytes(rows, seq, 0, vocab) == 3 * rows * seq * vocab * 4
@@ -421,9 +434,10 @@ def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     cfg = sized_config("1b", "dense")
     layers, ff = cfg.model.n_layers, cfg.model.d_ff
 
-    def part(mesh, layer=Layer("R", ("none",) * len(P.GROUPS), "R", "R"), remat="none", act_bytes=2, **kw):
+    def part(mesh, layer=Layer("R", ("none",) * len(P.GROUPS), "R", "R"), remat="none", act_bytes=2,
+             double_buffered=True):
         return plan_for(cfg, cluster, mesh, 1, remat, layer, Options(batch=64, seq=256, check_memory=False,
-                        act_bytes=act_bytes), **kw).memory["double_buffer"]
+                        act_bytes=act_bytes, double_buffered=double_buffered)).memory["double_buffer"]
 
     assert part(Mesh(1, 8, 1)) == pytest.approx(layers * (64 // 8 * 256) * ff * 2)
     megatron = Layer(*P.uniform_plan("megatron", False))
@@ -431,3 +445,4 @@ def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     assert part(Mesh(1, 8, 1), remat="full") == 0
     assert part(Mesh(1, 8, 1), act_bytes=4) == 0
     assert part(Mesh(1, 4, 1, pipeline=2)) == 0
+    assert part(Mesh(1, 8, 1), double_buffered=False) == 0

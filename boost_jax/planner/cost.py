@@ -90,8 +90,8 @@ PIPELINED_SIGMA = 2.0
 # copy of a stacked residual of the unpipelined layer scan without remat: llama_1b fsdp 8 on 8 H100
 # holds a double_buffer_clone of the SwiGLU product bf16[24, T, 5472] beside the 5 it stacks, llama_1b
 # fsdp 16 x tensor 4 (sequence parallel) on 64 A100 40GB one of bf16[24, T, 5472/4] (benchmarks/
-# RESULTS.md 2026-11-27 (third)). Priced as one [layers, T, ff/t] array in the compute dtype, on every
-# GPU step (one compiled without the flag is over-priced by it).
+# RESULTS.md 2026-11-27 (third)). Priced as one [layers, T, ff/t] array in the compute dtype, on GPU
+# steps compiled with the flag (double_buffering()).
 SCAN_DOUBLE_BUFFER = 1.0
 # the options it takes (all-gather or all-reduce off removes the extra; see above)
 PIPELINER_NEEDS = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_all_reduce")
@@ -106,6 +106,17 @@ def pipeliner(pipelined: bool | None = None) -> bool:
     from boost_jax.runtime.xla_gpu_flags import pipelined as options_on
 
     return set(PIPELINER_NEEDS) <= options_on()
+
+
+def double_buffering(on: bool | None = None) -> bool:
+    """Whether the GPU program's layer scan is double-buffered (SCAN_DOUBLE_BUFFER prices it): `on`
+    when given (Options.double_buffered), else what boost_jax/runtime/xla_gpu_flags.py says this
+    process's GPU steps get (the project's flags, XLA_FLAGS' override)."""
+    if on is not None:
+        return on
+    from boost_jax.runtime.xla_gpu_flags import double_buffered
+
+    return double_buffered()
 
 
 def remat_policies() -> tuple[str, ...]:

@@ -83,6 +83,9 @@ class Options:
     # the GPU program compiles with XLA's collective pipeliner (the pipelined all-gather and all-reduce;
     # see cost.PIPELINED_SIGMA); None: as boost_jax/runtime/xla_gpu_flags.py pipelined() says here
     pipelined: bool | None = None
+    # the GPU program's layer scan is double-buffered (XLA's while-loop double buffering; see
+    # cost.SCAN_DOUBLE_BUFFER); None: as boost_jax/runtime/xla_gpu_flags.py double_buffered() says here
+    double_buffered: bool | None = None
 
 
 @dataclasses.dataclass
@@ -468,9 +471,9 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                  if stages == 1 and mesh.fsdp > 1 and mesh.context == 1 and gpu and policy == "none"
                  and s.bottleneck and C.pipeliner(opts.pipelined) else 0.0)
     # Unpipelined without remat, the GPU program's double-buffered layer scan keeps one more stacked
-    # [layers, T, ff/t] array (C.SCAN_DOUBLE_BUFFER).
+    # [layers, T, ff/t] array (C.SCAN_DOUBLE_BUFFER), when the program gets the flag.
     double_buffer = (C.SCAN_DOUBLE_BUFFER * per_stage * ctx.tokens * b.ff / mesh.tensor * opts.act_bytes
-                     if stages == 1 and gpu and policy == "none" else 0.0)
+                     if stages == 1 and gpu and policy == "none" and opts.double_buffered else 0.0)
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups); its
     # GPU count is the unpipelined program's only (C.GPU_LOGIT_BUFFERS)
     loss = (C.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, b.loss_chunk, b.vocab / mesh.tensor,
@@ -694,7 +697,8 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
     `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
     `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1."""
     block = P.Block.from_config(cfg)
-    opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined))  # read once, not per plan
+    opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined),  # read once, not per plan
+                               double_buffered=C.double_buffering(opts.double_buffered))
     stages = mesh.pipeline
     m = (microbatches or 2 * stages) if stages > 1 else 1
     if block.layers % stages:
@@ -740,7 +744,8 @@ def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, r
 def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: float | None = None) -> Result:
     """The top plans for `devices` GPUs of `cluster` training `cfg` at opts.batch x opts.seq."""
     block = P.Block.from_config(cfg)
-    opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined))  # read once, not per plan
+    opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined),  # read once, not per plan
+                               double_buffered=C.double_buffering(opts.double_buffered))
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     contexts = context_sizes(devices, opts.seq, opts, opts.attention)
     kinds = {c: plan_attention(opts, block, c) for c in contexts}

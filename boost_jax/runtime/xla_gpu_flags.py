@@ -149,13 +149,30 @@ def pipelined(environ=os.environ, jaxlib=None) -> frozenset:
         jaxlib = _JAXLIB[0]
     if jaxlib is None or tuple(jaxlib) >= PIPELINED_RETIRED:
         return frozenset()
+    return frozenset(k for k, v in switches(environ).items() if k in PIPELINED and v)
+
+
+# XLA's while-loop double buffering (FLAGS: the layer scan unrolled x2), which keeps one more stacked
+# residual of the scan (planner/cost.py SCAN_DOUBLE_BUFFER)
+DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
+
+
+def double_buffered(environ=os.environ) -> bool:
+    """Whether a GPU step built in this process compiles with XLA's while-loop double buffering:
+    FLAGS' value, or the user's where XLA_FLAGS names it. The planner's one source for it."""
+    return switches(environ).get(DOUBLE_BUFFERING, False)
+
+
+def switches(environ=os.environ) -> dict:
+    """{option: on} for every flag of XLA_FLAGS plus the FLAGS it does not name (what a GPU step built
+    here compiles with), read as XLA reads a boolean flag: `--name`, `=true` or `=1` is on, anything
+    else off, and a later repeat of a flag wins."""
     value, _ = merged(environ.get("XLA_FLAGS", ""))
     on = {}
-    for flag in value.split():  # later wins, as XLA parses XLA_FLAGS
-        name, _, v = flag.partition("=")
-        if name.lstrip("-") in PIPELINED:
-            on[name.lstrip("-")] = v.lower() in ("", "true", "1")
-    return frozenset(k for k, v in on.items() if v)
+    for flag in value.split():
+        name, eq, v = flag.partition("=")
+        on[name.lstrip("-")] = (not eq) or v.lower() in ("true", "1")
+    return on
 
 
 def _found(module: str) -> bool:
