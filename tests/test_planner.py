@@ -419,6 +419,34 @@ def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
     assert part("cola", Mesh(1, 4, 1, context=2)) == 0
 
 
+def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
+    """cost.GPU_BUFFER_OVERHEAD: a GPU step that shards one way (data x fsdp, tensor, pipeline or
+    context alone) is priced at what it keeps; where two kinds meet, GPU_BUFFER_OVERHEAD[1] times its
+    temporaries (what is not a parameter or an Adam moment); the float32 CPU program BUFFER_OVERHEAD
+    whatever its mesh."""
+    cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
+    cfg = sized_config("1b", "dense")
+    megatron = Layer(*P.uniform_plan("megatron", False))
+    replicated = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
+
+    def factor(mesh, layer, act_bytes=2):
+        m = plan_for(cfg, cluster, mesh, 1, "none", layer, Options(batch=64, seq=256, check_memory=False,
+                     act_bytes=act_bytes)).memory
+        kept = sum(v for k, v in m.items() if k not in ("total", "allocator"))
+        arguments = m["states"] * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES) / cost.ADAM_STATE_BYTES
+        assert m["total"] == pytest.approx(kept + m["allocator"])
+        return 1 + m["allocator"] / (kept - arguments)
+
+    one_kind = ((Mesh(1, 8, 1), replicated), (Mesh(8, 1, 1), replicated), (Mesh(2, 4, 1), replicated),
+                (Mesh(1, 1, 8), megatron), (Mesh(1, 1, 1, pipeline=8), replicated))
+    for mesh, layer in one_kind:
+        assert factor(mesh, layer) == pytest.approx(cost.GPU_BUFFER_OVERHEAD[0]), mesh
+    for mesh, layer in ((Mesh(1, 4, 2), megatron), (Mesh(1, 4, 1, pipeline=2), replicated)):
+        assert factor(mesh, layer) == pytest.approx(cost.GPU_BUFFER_OVERHEAD[1]), mesh
+    for mesh, layer in one_kind[:1] + ((Mesh(1, 4, 2), megatron),):
+        assert factor(mesh, layer, act_bytes=4) == pytest.approx(cost.BUFFER_OVERHEAD), mesh
+
+
 def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     """The GPU program's loss holds one float32 logits array at a time (cost.GPU_LOGIT_BUFFERS, the
     float32 program three) and 6 bytes per table element (float32 gradient, bf16 gathered cast; the

@@ -79,7 +79,6 @@ class CostClass:
     block: int = 0  # keys per block of scores (0: the whole row)
     fused: bool = False
     kept: int = 4  # arrays of the query width kept for the backward: q, k, v, the output (+ its [B, T, q] view)
-    gpu_kept: int = 0  # the same in the GPU program (0: as `kept`)
     kept_scores: int = 0  # float32 arrays per score kept (0: a float32 log-sum-exp per query row and head)
 
 
@@ -94,8 +93,9 @@ COST_CLASSES: dict = {c.name: c for c in (
     # forward's 2, twice the score traffic).
     CostClass("chunked", backward=3.5, score_bytes=(12, 32), block=CHUNK, kept=5),
     # FlashAttention: its backward runs 5 GEMMs (scores recomputed) against the forward's 2; the GPU
-    # program keeps q, k, v and the output (and the log-sum-exp).
-    CostClass("flash", backward=2.5, fused=True, kept=5, gpu_kept=4),
+    # program keeps q, k, v, the output and its [B, T, q] view (and the log-sum-exp): llama_7b megatron
+    # on 8 H100 stacks bf16[L, B, T, h/8, hd] x 4 and bf16[L, B, T, q/8].
+    CostClass("flash", backward=2.5, fused=True, kept=5),
 )}
 # What of a `Documents` an implementation reads: segment ids (any rows), or per-row lengths (one
 # document then padding per row only).

@@ -38,25 +38,29 @@ SAVED_ONLINE_NORM = 2  # more arrays of the A output when the norm statistics ri
 # (what attention keeps: its cost class's counts, boost_jax/model/attention.py CostClass)
 SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
 # The same counted in the GPU program (a bf16/fp16 step compiled for H100s without them,
-# boost_jax/tools/aot.py: the stacked residuals of its scanned layer, cola_1b on 1 GPU, cola_7b btp on
-# tensor 8, llama_7b megatron on tensor 8; benchmarks/aot_fit.md). XLA:GPU fuses the norm: its input
-# and output in the compute dtype, no float32 copy (5 arrays of the residual width per layer for the
-# two norms, counted as 2.5 each); BTP's online norm keeps its A outputs twice more in float32 (they ride the all-reduce with the
-# float32 statistics). SAVED_SIGMA and SAVED_SWIGLU are what the GPU program keeps too.
-GPU_SAVED_NORM = (2.5, 0)
-# Those are the fused norm kernels' (kernels.rmsnorm=pallas or triton). XLA's norm (kernels.rmsnorm=
-# xla, the default) keeps two float32 arrays of its local width (its input and x/rms) besides its
-# output, per split layout (the recipe plans of benchmarks/aot_fit.py compiled for H100s, per layer for
-# the two norms). Replicated rows are left at the fused count: llama_7b megatron f8 (t1) stacks
-# bf16[T, d] x 3 and f32[T, d] x 4, but (1.5, 2) puts the replicated recipe plans on 8 GPUs 9-18% over
-# their compiled peaks (llama_1b, cola_1b, cola_7b f8), whose peaks are not at the stacked residuals'
-# end. Tokens split
-# (sequence parallel, then gathered for the GEMMs), llama_7b megatron-SP p4 x f8 x t2 bf16[T/t, d] x 2
-# and f32[T/t, d] x 4 and no gathered bf16[T, d] (its backward gathers again); features split (BTP's
-# H), cola_1b btp p2 x d4 x f4 x t2 bf16[T, d/t] x 4 and f32[T, d/t] x 4 (cola_7b f16 x t4 the same
-# f32 arrays).
-GPU_SAVED_NORM_XLA = {"S": (1, 2), "H": (2, 2)}
+# boost_jax/tools/aot.py with XLA_FLAGS=--xla_dump_to: the distinct stacked residuals of its scanned layer
+# in XLA's buffer assignment, benchmarks/RESULTS.md 2026-11-27 (fifth)). The fused norm kernels
+# (kernels.rmsnorm=pallas or triton) keep their input and output in the compute dtype, no float32 copy:
+# llama_7b megatron on tensor 8 stacks bf16[L, T, d] x 4 for the two norms (the attention output's
+# [T, q/t] view beside them is attention's, its cost class's `kept`). BTP's online norm keeps its A
+# outputs twice more in float32 (they ride the all-reduce with the float32 statistics). SAVED_SIGMA is
+# what the GPU program keeps too.
+GPU_SAVED_NORM = (2, 0)
+# XLA's norm (kernels.rmsnorm=xla, the default) keeps two float32 arrays of its local width (its input
+# and x/rms) besides its output, per layout (the recipe plans of benchmarks/aot_fit.py compiled for H100s
+# and A100s, for the two norms of a layer): replicated, llama_1b fsdp 8 bf16[T, d] x 3 (one of them
+# attention's output view) and f32[T, d] x 4; tokens split (sequence parallel, then gathered for the
+# GEMMs), llama_7b megatron-SP p4 x f8 x t2 bf16[T/t, d] x 2 and f32[T/t, d] x 4 and no gathered
+# bf16[T, d] (its backward gathers again); features split (BTP's H), cola_1b btp p2 x d4 x f4 x t2
+# bf16[T, d/t] x 4 (one of them attention's output view) and f32[T, d/t] x 4 (cola_7b f16 x t4 the
+# same f32 arrays).
+GPU_SAVED_NORM_XLA = {"R": (1, 2), "S": (1, 2), "H": (1.5, 2)}
 GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
+# The MLP core in the GPU program: llama_1b on 1 H100 (pallas norm) stacks bf16[L, T, ff] x 5 beside the
+# double-buffer copy of a sixth (cost.SCAN_DOUBLE_BUFFER), llama_7b megatron on tensor 8 bf16[L, T, ff/8]
+# x 5 and the copy. cola's gate·up keeps 2: cola_1b on 1 H100 stacks 3 distinct bf16[L, T, ff] buffers with
+# the copy (a fourth shares its slot with the loss's arrays).
+GPU_SAVED_SWIGLU = (5, 2)
 # The context ring's backward (remat none) holds score blocks of its remote blocks beyond what the
 # one-device backward does: FITTED 2.75 float32 [rows, heads, L, block] arrays (the bytes the compiled
 # btp step held beyond the planner's count: d 256, seq 1024, 2 rows, tensor 2 x context 2, ring, full
@@ -594,8 +598,7 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
     # Kept: q, k, v and the output (and K/V gathered over a token split); materialised scores in
     # float32 (+ the probabilities in the compute dtype), else the log-sum-exp per row and head.
     c = attention_class(ctx.attention)
-    n = c.gpu_kept if gpu(ctx) and c.gpu_kept else c.kept
-    op.saved = ctx.local(layout, 2 * q + 2 * kv + (n - 4) * q) + (op.acts - ctx.local(layout, 2 * q + kv))
+    op.saved = ctx.local(layout, 2 * q + 2 * kv + (c.kept - 4) * q) + (op.acts - ctx.local(layout, 2 * q + kv))
     rows = op.attn.queries * op.attn.heads
     if c.kept_scores:
         op.saved32 = c.kept_scores * rows * ctx.seq
@@ -674,7 +677,7 @@ def activation(ctx: Ctx, layout: str) -> Op | None:
         return None
     width = ctx.local(layout, ctx.block.ff)
     return Op(f"act@{layout}", acts=width * (1 if ctx.block.only_lr_act else 2),
-              saved=width * SAVED_SWIGLU[ctx.block.only_lr_act])
+              saved=width * (GPU_SAVED_SWIGLU if gpu(ctx) else SAVED_SWIGLU)[ctx.block.only_lr_act])
 
 
 def residual_add(ctx: Ctx, layout: str) -> Op:

@@ -510,7 +510,10 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                if staged else s.working)
     memory["transient"] = max(loss, working, params * C.OPTIMIZER_TEMP - kept)
     arguments = params * (C.ADAM_STATE_BYTES - C.STATE_BYTES)  # parameters, Adam m and v
-    memory["allocator"] = (C.BUFFER_OVERHEAD - 1) * (sum(memory.values()) - arguments)
+    # XLA's packing: tight on a step with one kind of parallelism, looser where several meet
+    mixed = sum(n > 1 for n in (stages, mesh.data * mesh.fsdp, mesh.context, mesh.tensor)) > 1
+    overhead = C.buffer_overhead(gpu, mixed)
+    memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments)
     memory["total"] = sum(memory.values())
 
     # Bytes on each GPU's links per step, recomputed collectives included.
