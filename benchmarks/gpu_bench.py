@@ -20,10 +20,19 @@ Parts (each isolated: a part or variant that fails prints its error in its row, 
 - train1b: llama_1b vs cola_1b at seq 4096, batch 4 (targets on one H100: cola_1b step <= 0.70x
   llama_1b; llama_1b MFU >= 45%), and cola_1b with each BOOST option toggled (grouping, the norm
   kernels, remat policies). Every train variant runs in a fresh process, so peak memory is its own.
+- train256: cola_1b and llama_1b at seq 256 x batch 32 (CoLA's per-GPU micro-batch) and 4096 x 4: the
+  `auto` defaults (boost_jax/model/autos.py) beside the defaults before them, bf16 parameters, and each
+  auto choice turned back one at a time.
 - tests: `tests/test_gpu_kernels.py` with JAX_PLATFORMS=cuda (the compiled kernels against the jnp
   references, failing on any fallback); `--smoke` runs it on the current platform (it skips there).
 
 Model dtype is `auto` (bf16 on GPU) and attention `auto` (cuDNN on GPU), the trainer's defaults.
+
+`--one-process` runs the train variants in one process (XLA's autotuning is shared: faster when GPU
+time is short; each row's compiled peak is still its own). `--profile DIR` traces each train variant's
+steps after timing them (jax.profiler): DIR/NAME.kernels.json holds the device time per kernel and HLO
+instruction, DIR/NAME.hlo.txt.gz the compiled program, so the time can be read by category beside the
+deviceless prediction (boost_jax/tools/step_profile.py).
 
 `--aot TARGET` (needs the aot extra, `boost_jax/tools/aot.py`) times nothing: it compiles every program
 the selected parts would time for TARGET GPUs on this host, without one (XLA's deviceless compile), at
@@ -45,7 +54,8 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PARTS = ("device", "rmsnorm", "attention", "layer7b", "train1b", "tests")
+PARTS = ("device", "rmsnorm", "attention", "layer7b", "train1b", "train256", "tests")
+TRAIN_PARTS = ("layer7b", "train1b", "train256")
 NORM_IMPLS = ("xla", "pallas", "triton")
 TARGETS = {"rmsnorm": 0.80, "cola_over_llama_1b": 0.70, "llama_1b_mfu": 0.45}
 
@@ -74,8 +84,34 @@ def train_variants(smoke: bool) -> list[dict]:
         ("train1b", "cola_1b remat full", "cola_1b", {"remat.policy": "full"}),
         ("train1b", "llama_1b remat full", "llama_1b", {"remat.policy": "full"}),
     ]
+    # seq 256 x batch 32 (CoLA's per-GPU micro-batch for 1B; ../shared/reference/gpu-h100.md) and seq 4096 x 4:
+    # the defaults (`auto`, model/autos.py) against the defaults before them ("before": grouped, scanned,
+    # remat none, XLA's norm, CUDA graphs off) and one change at a time. "xla:--NAME" entries set a flag of
+    # boost_jax/runtime/xla_gpu_flags.py FLAGS for that variant only (None: left out).
+    before = {"model.group_linears": True, "model.scan_unroll": False, "remat.policy": "none",
+              "kernels.rmsnorm": "xla", "xla:--xla_gpu_enable_command_buffer": ""}
+    at256 = {"train.seq_len": 256, "train.global_batch": 32}
+    at4096 = {"train.seq_len": 4096, "train.global_batch": 4}
+    bf16 = {"model.param_dtype": "bfloat16"}
+    rows += [(p, n, c, {**at256, **o}) for p, n, c, o in (
+        ("train256", "cola_1b before", "cola_1b", before),
+        ("train256", "cola_1b auto", "cola_1b", {}),
+        ("train256", "llama_1b before", "llama_1b", before),
+        ("train256", "llama_1b auto", "llama_1b", {}),
+        ("train256", "cola_1b auto bf16 params", "cola_1b", bf16),
+        ("train256", "llama_1b auto bf16 params", "llama_1b", bf16),
+        ("train256", "cola_1b auto seq 4096", "cola_1b", at4096),
+        ("train256", "cola_1b auto grouped", "cola_1b", {"model.group_linears": True}),
+        ("train256", "llama_1b auto grouped", "llama_1b", {"model.group_linears": True}),
+        ("train256", "cola_1b auto scanned", "cola_1b", {"model.scan_unroll": False}),
+        ("train256", "cola_1b auto xla norm", "cola_1b", {"kernels.rmsnorm": "xla"}),
+        ("train256", "cola_1b auto no cuda graphs", "cola_1b", {"xla:--xla_gpu_enable_command_buffer": ""}),
+        ("train256", "cola_1b auto attention xla", "cola_1b", {"model.attention": "xla"}),
+        ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
+    )]
     if smoke:  # one of each kind of row: a 1B baseline, a kernel toggle, a 7B layer
-        rows = [r for r in rows if r[1] in ("llama_1b", "cola_1b triton norm", "cola_7b, 1 layer")]
+        rows = [r for r in rows if r[1] in ("llama_1b", "cola_1b triton norm", "cola_7b, 1 layer",
+                                            "cola_1b before", "cola_1b auto")]
     return [dict(part=p, name=n, config=c, overrides=o) for p, n, c, o in rows]
 
 
@@ -221,14 +257,29 @@ def variant_config(spec: dict, smoke: bool):
     cfg.data.source = "embedded"  # nothing is read: the step is fed random tokens
     cfg.data.batching = "stream"  # model costs as before documents (benchmarks/batching.py measures those)
     for key, value in spec["overrides"].items():
+        if key.startswith("xla:") or (smoke and key.startswith("train.")):  # flags: xla_flags(); smoke: tiny
+            continue
         section, name = key.split(".")
         cfg[section][name] = value
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, cfg.train.seq_len)
     validate(cfg)
-    return cfg, batch, sh["seq"]
+    return cfg, cfg.train.global_batch, cfg.train.seq_len
 
 
-def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
-    """One variant, in this process: compile, warm up, time `steps` steps."""
+def xla_flags(spec: dict) -> tuple:
+    """boost_jax/runtime/xla_gpu_flags.py FLAGS as the variant sets them: `xla:--NAME` overrides give the
+    flag's value (None: the flag is left out, so XLA's own default holds)."""
+    from boost_jax.runtime import xla_gpu_flags
+
+    changed = {k[4:]: v for k, v in spec["overrides"].items() if k.startswith("xla:")}
+    flags = [(f, why) for f, why in xla_gpu_flags.FLAGS if f.split("=", 1)[0] not in changed]
+    return tuple(flags + [(f"{name}={value}", "this variant") for name, value in changed.items()
+                          if value is not None])
+
+
+def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None = None) -> dict:
+    """One variant, in this process: compile, warm up, time `steps` steps; with `profile_dir`, then
+    trace PROFILE_STEPS more (`profile`)."""
     import jax
 
     from boost_jax.runtime import xla_gpu_flags
@@ -239,10 +290,15 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     from step_time import build  # the benchmarks' one way to build a real, allocated train step
 
     cfg, batch, seq = variant_config(spec, smoke)
-    step, state, tokens = build(cfg, jax.devices()[:1])
-    t0 = time.perf_counter()
-    step = step.lower(state, tokens).compile()  # one compile: it runs, and its memory is read
-    compile_s = time.perf_counter() - t0
+    flags = xla_gpu_flags.FLAGS
+    xla_gpu_flags.FLAGS = xla_flags(spec)  # read by build() as the step's compiler options
+    try:
+        step, state, tokens = build(cfg, jax.devices()[:1])
+        t0 = time.perf_counter()
+        step = step.lower(state, tokens).compile()  # one compile: it runs, and its memory is read
+        compile_s = time.perf_counter() - t0
+    finally:
+        xla_gpu_flags.FLAGS = flags
     mem = step.memory_analysis()
     compiled_peak = peak_bytes(mem) if mem is not None else None
     for _ in range(2):  # warm-up
@@ -258,37 +314,127 @@ def train_variant(spec: dict, steps: int, smoke: bool) -> dict:
     peak = peak_flops(jax.devices()[0].device_kind)
     stats = jax.devices()[0].memory_stats() or {}
     from boost_jax.kernels.rmsnorm import kernels_used
-    return {"step_ms": 1e3 * secs, "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
+    extra = {}
+    if profile_dir:
+        extra["profile"] = profile(step, state, tokens, profile_dir, spec["name"])
+    return {**extra, "step_ms": 1e3 * secs, "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
             "mfu": fpt * tok_s / peak if peak else None, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "compiled_peak_gib": compiled_peak / 2**30 if compiled_peak is not None else None, "compile_s": compile_s,
             "norm_ran": kernels_used()["rmsnorm"], "seq": seq, "batch": batch,
             "compiler_options_dropped": sorted(xla_gpu_flags.DROPPED)}
 
 
-def run_variants(specs: list[dict], steps: int, smoke: bool) -> list[dict]:
-    """Each variant in a fresh process (its own peak memory); --smoke runs them all in one. The
-    processes may allocate the share of the GPU's memory `--aot` checks a step against (aot.USABLE,
-    unless XLA_PYTHON_CLIENT_MEM_FRACTION is set): JAX's default 75% would not hold llama_1b's step."""
+PROFILE_STEPS = 2
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
+def profile(step, state, tokens, out_dir: str, name: str) -> dict:
+    """Trace PROFILE_STEPS steps of a compiled step with jax.profiler and write, under out_dir, what
+    the device ran: NAME.kernels.json ({"steps", "wall_ns", "busy_ns", "events": [{"kernel",
+    "hlo_op", "hlo_module", "count", "ns"}]}, one entry per kernel and HLO instruction, summed over
+    the traced steps) and NAME.hlo.txt.gz (the compiled program the hlo_op names refer to). `busy_ns`
+    is the union of the kernels' intervals on the device: wall_ns - busy_ns is the device idle
+    (launch-bound) time. Returns the summary without the events."""
+    import glob
+    import gzip
+
+    import jax
+    from jax.profiler import ProfileData
+
+    slug = _slug(name)
+    trace_dir = tempfile.mkdtemp(prefix=f"trace_{slug}_")
+    state, metrics = step(state, tokens)  # the state is donated: thread it through
+    jax.block_until_ready(metrics)
+    jax.profiler.start_trace(trace_dir)
+    t0 = time.perf_counter()
+    for _ in range(PROFILE_STEPS):
+        state, metrics = step(state, tokens)
+    jax.block_until_ready(metrics)
+    wall_ns = (time.perf_counter() - t0) * 1e9
+    jax.profiler.stop_trace()
+    found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not found:
+        return {"error": "jax.profiler wrote no xplane.pb"}
+    data = ProfileData.from_file(found[-1])
+    sums: dict = {}
+    spans = []
+    planes = [p.name for p in data.planes]
+    stat_keys: set = set()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                st = dict(ev.stats)
+                stat_keys.update(st)
+                if "hlo_op" not in st and "hlo_module" not in st and "memcpy" not in ev.name.lower():
+                    continue
+                key = (ev.name, str(st.get("hlo_op", "")), str(st.get("hlo_module", "")))
+                slot = sums.setdefault(key, [0, 0.0])
+                slot[0] += 1
+                slot[1] += ev.duration_ns
+                spans.append((ev.start_ns, ev.end_ns))
+    spans.sort()
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    events = sorted(({"kernel": k[0], "hlo_op": k[1], "hlo_module": k[2], "count": c, "ns": ns}
+                     for k, (c, ns) in sums.items()), key=lambda e: -e["ns"])
+    summary = {"steps": PROFILE_STEPS, "wall_ns": wall_ns, "busy_ns": busy, "kernels": sum(c for c, _ in sums.values()),
+               "kernel_ns": sum(ns for _, ns in sums.values()), "planes": planes, "stat_keys": sorted(stat_keys)}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{slug}.kernels.json"), "w") as f:
+        json.dump({**summary, "events": events}, f)
+    with gzip.open(os.path.join(out_dir, f"{slug}.hlo.txt.gz"), "wt") as f:
+        f.write(step.as_text())
+    return summary
+
+
+def run_variants(specs: list[dict], steps: int, smoke: bool, one_process: bool = False, profile_dir=None,
+                 on_row=None, profile_only: str | None = None) -> list[dict]:
+    """Each variant in a fresh process (its own peak memory); --smoke and `one_process` run them all in
+    one (compiles share XLA's in-process autotuning cache: faster when GPU time is short; each row's
+    compiled peak is still its own, the measured peak is the process's so far). Rows are reported to
+    `on_row` as they finish, so a run cut short keeps them. The processes may allocate the share of the
+    GPU's memory `--aot` checks a step against (aot.USABLE, unless XLA_PYTHON_CLIENT_MEM_FRACTION is
+    set): JAX's default 75% would not hold llama_1b's step."""
     from boost_jax.tools.aot import USABLE
 
-    groups = [specs] if smoke else [[s] for s in specs]
+    groups = [specs] if smoke or one_process else [[s] for s in specs]
     rows = []
     for group in groups:
         cmd = [sys.executable, os.path.abspath(__file__), "--variants", json.dumps(group), "--steps", str(steps)]
         cmd += ["--smoke"] if smoke else []
+        cmd += ["--profile", profile_dir] if profile_dir else []
+        cmd += ["--profile-only", profile_only] if profile_only else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", str(USABLE))}
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-            results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-            failed = r.returncode != 0 and not results
-            error = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1][:200] if failed else None
-        except subprocess.TimeoutExpired:
-            results, error = [], "timed out after 1800 s"
-        by_name = {res["name"]: res for res in results}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        done = set()
+        for line in proc.stdout:
+            if not line.startswith("{"):
+                continue
+            res = json.loads(line)
+            spec = next(s for s in group if s["name"] == res["name"])
+            row = {"part": spec["part"], "variant": spec["name"], **{k: v for k, v in res.items() if k != "name"}}
+            rows.append(row)
+            done.add(spec["name"])
+            if on_row:
+                on_row(row)
+        err = proc.stderr.read()
+        proc.wait()
+        why = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:200]
         for spec in group:
-            res = by_name.get(spec["name"], {"error": error or "no result (see stderr)"})
-            rows.append({"part": spec["part"], "variant": spec["name"], **{k: v for k, v in res.items() if k != "name"}})
+            if spec["name"] not in done:
+                row = {"part": spec["part"], "variant": spec["name"], "error": why or "no result (see stderr)"}
+                rows.append(row)
+                if on_row:
+                    on_row(row)
     return rows
 
 
@@ -472,7 +618,8 @@ def print_tables(res: dict) -> None:
                 speed = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else "n/a"
                 print(f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.1f} | {speed} |")
         print()
-    for part, title in (("layer7b", "7B-shaped single layer"), ("train1b", "1B models")):
+    for part, title in (("layer7b", "7B-shaped single layer"), ("train1b", "1B models"),
+                        ("train256", "1B models at seq 256 x batch 32, one change at a time")):
         rows = [r for r in res.get("train", []) if r["part"] == part]
         if not rows:
             continue
@@ -533,12 +680,20 @@ def main(argv=None):
                     "a100, h200) on this host, deviceless, instead of timing: one line per program, compiled OK or "
                     "why not; exit 1 if any failed (default JSON: gpu_bench_aot_TARGET.json in the temp directory)")
     ap.add_argument("--only", help="comma-separated train variant names (e.g. 'llama_1b,cola_1b'): only these")
+    ap.add_argument("--one-process", action="store_true", help="run the train variants in one process (compiles "
+                    "share XLA's autotuning: faster; the measured peak is then the process's)")
+    ap.add_argument("--profile", metavar="DIR", help="after timing, trace each train variant's steps with "
+                    "jax.profiler: DIR/NAME.kernels.json (per-kernel device time) and DIR/NAME.hlo.txt.gz")
+    ap.add_argument("--profile-only", help="comma-separated train variant names: profile only these")
     ap.add_argument("--variants", help=argparse.SUPPRESS)  # internal: run these train variants, print JSON
     args = ap.parse_args(argv)
     if args.variants is not None:
         for spec in json.loads(args.variants):
             try:
-                print(json.dumps({"name": spec["name"], **train_variant(spec, args.steps, args.smoke)}), flush=True)
+                traced = args.profile if args.profile and (not args.profile_only or spec["name"] in
+                                                          args.profile_only.split(",")) else None
+                print(json.dumps({"name": spec["name"], **train_variant(spec, args.steps, args.smoke, traced)}),
+                      flush=True)
             except Exception as e:  # noqa: BLE001 - reported in the variant's row
                 traceback.print_exc()
                 print(json.dumps({"name": spec["name"], "error": _error(e)}), flush=True)
@@ -573,7 +728,7 @@ def main(argv=None):
             json.dump(res, f, indent=2, default=str)
 
     for part in parts:
-        if part in ("layer7b", "train1b"):
+        if part in TRAIN_PARTS:
             continue
         try:
             res[part] = runners[part]()
@@ -585,9 +740,15 @@ def main(argv=None):
     if only and only - {s["name"] for s in train_variants(args.smoke)}:
         ap.error(f"--only: unknown {sorted(only - {s['name'] for s in train_variants(args.smoke)})}")
     res["train"] = []
-    for group in [specs] if args.smoke else [[s] for s in specs]:
-        res["train"] += run_variants(group, steps, args.smoke)
+
+    def row_done(row):
+        res["train"].append(row)
         save()
+        print(f"  {row['variant']}: " + (f"{row['step_ms']:.1f} ms" if "step_ms" in row else row.get("error", "")),
+              flush=True)
+
+    run_variants(specs, steps, args.smoke, args.one_process, args.profile, on_row=row_done,
+                 profile_only=args.profile_only)
     print_tables(res)
     print(f"\nwrote {path}")
     return 0

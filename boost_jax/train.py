@@ -20,7 +20,7 @@ from boost_jax.data.mapped import check_sizes, mapped_since, mark
 from boost_jax.errors import (CheckpointError, ConfigError, DistributedError, RunDirBusy,  # noqa: F401 - re-exported
                               TrainingDiverged)
 from boost_jax.kernels.rmsnorm import kernels_used
-from boost_jax.model import flops_per_token
+from boost_jax.model import autos, flops_per_token
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
@@ -115,9 +115,11 @@ def _startup_line(cfg, built, config_file: str) -> str:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     mesh = "x".join(f"{k} {v}" for k, v in built.mesh.shape.items() if v > 1) or "one device"
     devices = built.mesh.devices.size
+    picks = autos.chosen(cfg, built.mesh)
+    auto = f" (auto: {autos.describe(picks)})" if picks else ""
     return (f"{cfg.name}: {m.linear} model, {params / 1e6:.2f}M parameters (d {m.d_model}, {m.n_layers} layers"
             f"{f', rank {m.rank}' if kind_class(m.linear).factored else ''}); {devices} {jax.default_backend()} device"
-            f"{'s' if devices > 1 else ''}, mesh {mesh}, strategy {p.strategy}; batch {t.global_batch} x "
+            f"{'s' if devices > 1 else ''}, mesh {mesh}, strategy {p.strategy}{auto}; batch {t.global_batch} x "
             f"{t.seq_len} ({cfg.data.batching}, grad_accum {t.grad_accum}), {t.steps} steps; config "
             f"{config_file or 'given as a ConfigDict'}")
 
@@ -469,8 +471,21 @@ def _help(argv) -> bool:
     if "--print_config" in argv[1:]:
         cfg = parse_config([a for a in argv if a != "--print_config"])
         print(cfg)
+        print(_autos_here(cfg))
         return True
     return False
+
+
+def _autos_here(cfg) -> str:
+    """What the config's `auto` fields resolve to on the devices JAX sees here (model/autos.py)."""
+    from boost_jax.parallel.mesh import mesh_devices
+    try:
+        devices = mesh_devices(cfg.parallel)
+        picks = autos.chosen(cfg, len(devices), devices)
+    except ConfigError as e:
+        return f"# auto: not resolved on this machine's devices ({e})"
+    where = f"{len(devices)} x {devices[0].device_kind}"
+    return f"# auto, on {where}: " + (autos.describe(picks) or "nothing left to resolve")
 
 
 def main(argv=None) -> int:

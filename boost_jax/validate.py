@@ -34,10 +34,13 @@ def validate(c):
         field, _, message = problem.partition(": ")
         raise ConfigError(f"config field `{field}`: {message}")
     _one_of(m.attention, attention.names(), "model.attention")
-    _one_of(c.remat.policy, remat.POLICIES, "remat.policy")
+    _one_of(c.remat.policy, ("auto",) + remat.POLICIES, "remat.policy")
+    for field in ("group_linears", "scan_unroll"):
+        if m[field] not in ("auto", True, False):
+            raise ConfigError(f"config field `model.{field}`: {m[field]!r} is not auto, true or false")
     _one_of(c.data.source, data.SOURCES, "data.source")
     _one_of(p.strategy, strategies.names(), "parallel.strategy")
-    _one_of(c.kernels.rmsnorm, rmsnorm.IMPLS, "kernels.rmsnorm")
+    _one_of(c.kernels.rmsnorm, ("auto",) + tuple(rmsnorm.IMPLS), "kernels.rmsnorm")
     strategies.st_groups(p.linear_partition)
     _check_documents(c, attention)
     _check_context(c, attention, kinds)

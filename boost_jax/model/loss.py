@@ -26,9 +26,32 @@ def token_losses(logits, labels):
 
 
 def logits_of(h, w):
-    """Float32 logits [B, t, V] of hidden states [B, t, d] and the head weight [d, V], vocab-parallel."""
-    logits = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+    """Float32 logits [B, t, V] of hidden states [B, t, d] and the head weight [d, V], vocab-parallel.
+    The GEMM runs in h's dtype with float32 accumulation; so do its two backward GEMMs (`_head`)."""
+    return constrain(_head(h, w), ("act_batch", "act_seq", "act_vocab"))
+
+
+@jax.custom_vjp
+def _head(h, w):
+    return jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def _head_fwd(h, w):
+    return _head(h, w), (h, w)
+
+
+def _head_bwd(res, g):
+    """The float32 logits' cotangent enters both GEMMs in h's dtype (a bfloat16 step's head backward
+    would otherwise run as float32 GEMMs: 3.5 ms of a 92 ms cola_1b step on one H100); both accumulate
+    in float32, and the weight's gradient comes back in float32 (its dtype), summed over chunks."""
+    h, w = res
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("btv,dv->btd", g, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btd,btv->dv", h, g, preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+_head.defvjp(_head_fwd, _head_bwd)
 
 
 def _sums(h, w, labels, valid, z_loss):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.kernels import platform
-from boost_jax.model import batch as batch_lib, remat
+from boost_jax.model import autos, batch as batch_lib, remat
 from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
@@ -69,6 +69,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none", norm_impl: str = "xla",
                  placement=LOCAL, remat_pipeline: str = "none"):
+        cfg, remat_policy, norm_impl = autos.for_model(cfg, remat_policy, norm_impl, placement.mesh)
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
         self.pipeline = placement.pipeline(LAYER_STACK)  # None: the layers run as one scan

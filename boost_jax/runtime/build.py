@@ -22,6 +22,7 @@ from boost_jax.kernels import platform
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
+from boost_jax.model import autos
 from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.optim import make_optimizer
 from boost_jax.runtime.state import StateSpec, init_state, state_spec
@@ -31,7 +32,7 @@ from boost_jax.validate import check_mesh, validate
 
 @dataclasses.dataclass
 class Built:
-    cfg: object
+    cfg: object  # the config as built: every `auto` resolved for this mesh (runtime/autos.py)
     mesh: Mesh
     strategy: Strategy
     tx: object  # the optax optimizer
@@ -97,6 +98,7 @@ def build(cfg, devices=None, optimizer=None, *, validated: bool = False) -> Buil
     if not validated:
         validate(cfg)
     mesh = make_mesh(cfg.parallel, devices)
+    cfg = autos.resolve(cfg, mesh)  # `auto` fields take their values for these devices and this mesh
     check_mesh(cfg, mesh)
     strategy = get_strategy(cfg.parallel)
     tx, schedule = optimizer or make_optimizer(cfg.train)
@@ -134,7 +136,7 @@ def load_model(checkpoint: str):
         cfg.parallel.update(ONE_DEVICE)  # whatever mesh saved it: the abstract target carries the sharding
         cfg.remat.pipeline = "none"  # stage remat needs stages
         built = build(cfg, jax.devices()[:1])
-        return cfg, restore(root, {"params": built.spec.abstract["params"]}, step=step,
+        return built.cfg, restore(root, {"params": built.spec.abstract["params"]}, step=step,
                             hint="--checkpoint DIR/STEP", field="--checkpoint").state["params"]
 
     cfg, params = read_newest(checkpoint, read)  # a step rotated away by a running trainer: the newest

@@ -50,8 +50,8 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
     def train_step(state, batch):
         """batch: [grad_accum, micro_batch, T+1] (or a batch of documents with those leading dims).
         Micro-batch gradients are summed by a loop so only one gradient buffer lives at a time; the
-        update is skipped (params and optimizer state kept) if the loss, the gradient norm or any
-        updated parameter is not finite. A batch of documents is weighted by token: the loss is the
+        update is skipped (params and optimizer state kept) if the loss or the gradient norm is not
+        finite, and a weight the update would overflow keeps its value. A batch of documents is weighted by token: the loss is the
         mean over every counted target of the global batch, however they fall into micro-batches."""
         params = state["params"]
         trained = trainable(params)  # differentiated; fixed integer leaves ride along unchanged
@@ -70,16 +70,19 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
             # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
             loss, grads = accumulate_grads(jax.value_and_grad(loss_fn), trained, batch, mesh, strategy)
         grad_norm = optax.tree.norm(grads)
+        # Known before the update, so the choice between new and old state fuses into the optimizer's
+        # one pass over the parameters (a predicate read from the updated weights would take a second).
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], trained)
         new_trained = optax.apply_updates(trained, updates)
-        new_params = with_frozen(new_trained, params)
-        # Finite loss and gradients can still overflow the weights (a huge lr): check what is kept.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.all(
-            jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(new_trained)]))
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        # Finite loss and gradients can still overflow a weight (a huge lr): such a weight keeps its
+        # value (checked element by element in the same pass), so the kept state is always finite.
+        kept = jax.tree.map(lambda n, o: jnp.where(ok & jnp.isfinite(n), n, o), new_trained, trained)
+        finite = ok
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         # A skipped step still counts (and consumed its batch), so step, checkpoint label and data
         # position stay one counter.
-        new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
+        new_state = {"params": with_frozen(kept, params), "opt_state": keep(opt_state, state["opt_state"]),
                      "step": state["step"] + 1, "rng": state["rng"]}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite, **extra}
         return new_state, metrics

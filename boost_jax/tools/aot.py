@@ -195,6 +195,12 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
 
 
+def resolved(cfg) -> dict:
+    """The config fields `auto` decides (model/autos.py), as the built step has them."""
+    from boost_jax.model.autos import FIELDS
+    return {key: cfg[key.split(".")[0]][key.split(".")[1]] for key in FIELDS}
+
+
 def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval"), usable: float = USABLE) -> dict:
     """Build `cfg` (its parallel.* mesh) on n deviceless `target` GPUs and compile its steps:
     {"target", "devices", "mesh", "train": analyze(...) + compile_s, "eval": ...}."""
@@ -216,7 +222,7 @@ def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval
         raise AotError(f"{e}") from e
     memory = target_memory(target)
     out = {"target": target, "device_kind": devs[0].device_kind, "devices": n_devices,
-           "mesh": dict(built.mesh.shape)}
+           "mesh": dict(built.mesh.shape), "resolved": resolved(built.cfg)}
     lower = {"train": built.lower_train, "eval": built.lower_eval}
     for program in programs:
         t0 = time.perf_counter()
@@ -245,7 +251,8 @@ def _gib(n: int) -> str:
 
 def to_text(rep: dict) -> str:
     lines = [f"{rep['devices']} x {rep['device_kind']} (deviceless), mesh "
-             + " x ".join(f"{k} {v}" for k, v in rep["mesh"].items())]
+             + " x ".join(f"{k} {v}" for k, v in rep["mesh"].items()),
+             "built with " + ", ".join(f"{k}={str(v).lower()}" for k, v in rep.get("resolved", {}).items())]
     for program in ("train", "eval"):
         r = rep.get(program)
         if r is None:

@@ -1,0 +1,116 @@
+"""What `auto` resolves to: the config fields whose fastest value depends on the devices and the mesh.
+
+    cfg = resolve(cfg, mesh)     # a copy with every `auto` below replaced by its value here
+    chosen(cfg, mesh)            # {field: value} of the autos alone (the start-up line prints them)
+
+runtime/build.py resolves every config it builds (and a model built directly, e.g. by a test,
+resolves what is left for its own placement), so the trainer, the tools, the planner's `--verify`
+and the benchmarks run the same program for the same config and mesh. The rules, from one H100's
+measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, benchmarks/gpu_speed.json):
+
+- model.group_linears: grouped where the tensor axis splits the projections (grouping exists to merge
+  their collectives) and for unfactored kinds (dense: q/k/v and gate/up as one GEMM, llama_1b 1.8%
+  faster); factored kinds on one device ungrouped (cola_1b: 1.1% faster unrolled, 11% scanned).
+- model.scan_unroll: the layer stack unrolled on GPUs unless pipeline, fsdp or context split it
+  (those keep the scan: its per-layer gathers, stages and ring blocks stay bounded); the unrolled
+  step runs 18% faster on one H100 (cola_1b 117.0 -> 95.8 ms) because XLA fuses and schedules across
+  layers and no per-layer slices and stacked gradient updates remain.
+- remat.policy: an unrolled stack keeps every activation (`none`: XLA would fold a policy's recompute
+  back into the forward anyway, as jax.checkpoint here does not prevent common-subexpression
+  elimination); a scanned stack on a GPU recomputes: `lowrank` for factored kinds (17% faster than
+  `none` at a third of the memory), `full` for dense ones; CPUs keep everything (`none`).
+- kernels.rmsnorm: the fused Triton kernel on NVIDIA GPUs when jax-triton is installed, else the
+  fused Pallas kernel on GPUs (8% faster, 9 GiB less than XLA's norm at cola_1b); XLA's norm elsewhere.
+
+A value other than `auto` is kept as given.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from boost_jax.kernels import platform
+from boost_jax.model.kinds import kind_class
+from boost_jax.parallel.mesh import AXES, mesh_shape
+
+AUTO = "auto"
+FIELDS = ("model.group_linears", "model.scan_unroll", "remat.policy", "kernels.rmsnorm")
+
+
+def _sizes(cfg, mesh) -> dict[str, int]:
+    if mesh is None:
+        return {a: 1 for a in AXES}
+    if hasattr(mesh, "shape") and isinstance(mesh.shape, dict):
+        return {a: int(mesh.shape.get(a, 1)) for a in AXES}
+    return dict(zip(AXES, mesh_shape(cfg.parallel, int(mesh))))
+
+
+def triton_available() -> bool:
+    """jax-triton and triton import here (the fused Triton norm can be built for an NVIDIA GPU)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("triton", "jax_triton"))
+
+
+def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
+    """{"group_linears", "scan_unroll", "remat", "rmsnorm"}: each given value, or its rule's value where it
+    is `auto`, on a GPU (or not) with mesh `sizes` (axis -> size)."""
+    sizes = {a: int(sizes.get(a, 1)) for a in AXES}
+    if unroll == AUTO:
+        unroll = gpu and sizes["pipeline"] == 1 and sizes["fsdp"] == 1 and sizes["context"] == 1
+    if group == AUTO:
+        group = sizes["tensor"] > 1 or not kind_class(linear).factored
+    if policy == AUTO:
+        policy = "none" if unroll or not gpu else ("lowrank" if kind_class(linear).factored else "full")
+    if norm == AUTO:
+        norm = ("triton" if triton else "pallas") if gpu else "xla"
+    return {"group_linears": bool(group), "scan_unroll": bool(unroll), "remat": policy, "rmsnorm": norm}
+
+
+def rules(cfg, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
+    """{field: value} for each FIELDS entry set to `auto` in cfg, on a GPU (or not) with mesh `sizes`."""
+    m = cfg.model
+    values = pick(group=m.group_linears, unroll=m.scan_unroll, policy=cfg.remat.policy, norm=cfg.kernels.rmsnorm,
+                  linear=m.linear, gpu=gpu, sizes=sizes, triton=triton)
+    given = dict(zip(FIELDS, (m.group_linears, m.scan_unroll, cfg.remat.policy, cfg.kernels.rmsnorm)))
+    return {field: values[name] for field, name in zip(FIELDS, ("group_linears", "scan_unroll", "remat", "rmsnorm"))
+            if given[field] == AUTO}
+
+
+def chosen(cfg, mesh=None, devices=None) -> dict:
+    """{field: value} that `auto` resolves to for cfg on `mesh` (a Mesh, or a device count with
+    cfg.parallel's sizes), built for `devices` (default: the mesh's, else JAX's default backend)."""
+    dev = platform._first_device(devices if devices is not None else mesh if hasattr(mesh, "devices") else None)
+    gpu = (platform.of(dev) if dev is not None else platform.name()) == "gpu"
+    return rules(cfg, gpu, _sizes(cfg, mesh), gpu and triton_available())
+
+
+def resolve(cfg, mesh=None, devices=None):
+    """A copy of cfg with every `auto` of FIELDS replaced by its value for `mesh` (see `chosen`);
+    cfg itself when it has none."""
+    picks = chosen(cfg, mesh, devices)
+    if not picks:
+        return cfg
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked(), cfg.ignore_type():  # a copy drops the fields' `auto | bool` references
+        for key, value in picks.items():
+            section, name = key.split(".")
+            cfg[section][name] = value
+    return cfg
+
+
+def describe(picks: dict) -> str:
+    """'group_linears false, scan_unroll true, ...' for a start-up line ('' when nothing was auto)."""
+    return ", ".join(f"{k.split('.')[1]} {str(v).lower()}" for k, v in picks.items())
+
+
+def for_model(m, remat_policy: str, norm_impl: str, mesh=None):
+    """(model section, remat policy, norm kernel) with what is left `auto` resolved for `mesh` (None: one
+    device) on the target platform: a model built without runtime/build.py (tests, tools) follows the
+    same rules. The model section is copied only when it changes."""
+    gpu = platform.name() == "gpu"
+    sizes = {a: int(v) for a, v in mesh.shape.items()} if mesh is not None else {}
+    v = pick(group=m.group_linears, unroll=m.scan_unroll, policy=remat_policy, norm=norm_impl, linear=m.linear,
+             gpu=gpu, sizes=sizes, triton=gpu and triton_available())
+    if AUTO in (m.group_linears, m.scan_unroll):
+        m = m.copy_and_resolve_references()
+        with m.unlocked(), m.ignore_type():
+            m.group_linears, m.scan_unroll = v["group_linears"], v["scan_unroll"]
+    return m, v["remat"], v["rmsnorm"]
