@@ -122,8 +122,8 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # q/k/v and gate/up first stages as one GEMM, B's as one batched dot. auto (boost_jax/model/autos.py):
     # grouped where parallel.tensor > 1 (it merges their collectives) or the kind is dense, else not.
     m.group_linears = config_dict.FieldReference("auto", field_type=object)  # auto | true | false
-    # unroll the layer scan. auto: unrolled on GPUs unless pipeline, fsdp or context split the stack
-    # (18% faster on one H100), scanned elsewhere (compile time does not grow with depth).
+    # unroll the layer scan. auto: unrolled on GPUs where only parallel.data splits the mesh (18% faster
+    # on one H100), scanned elsewhere (compile time does not grow with depth).
     m.scan_unroll = config_dict.FieldReference("auto", field_type=object)  # auto | true | false
     # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention.py). auto: cudnn on a GPU in
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).

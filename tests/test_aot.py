@@ -97,6 +97,49 @@ def test_packed_rows_and_the_triton_norm(make_config):
     assert k["triton kernel (jax-triton)"] >= 2 * cfg.model.n_layers  # fwd and bwd of every norm in the scan body
 
 
+def _called_params(hlo_text: str, op_name: str) -> list[str]:
+    """The parameter lists of the GEMM computations that instructions tagged `op_name` call (a
+    fusion's operand types live in its computation's header; a reduction after a batched GEMM is not
+    a GEMM)."""
+    import re
+    calls = {m.group(1) for line in hlo_text.splitlines() if f'op_name="{op_name}"' in line
+             for m in [re.search(r"calls=%([\w.\-]+)", line)] if m}
+    return [line.split(" -> ")[0] for line in hlo_text.splitlines()
+            if any(line.startswith(f"%{c} (") for c in calls if "gemm" in c)]
+
+
+def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
+    """The `auto` defaults on one GPU (model/autos.py) resolve to what one H100 measured fastest, and
+    the compiled program is that program: the layers unrolled (one cuDNN attention per layer, no
+    layer loop), ungrouped CoLA projections, remat none, the Triton norm; the head's backward GEMMs
+    take bf16 operands. On 8 GPUs with fsdp the scan and lowrank remat come back."""
+    pytest.importorskip("jax_triton", reason=f"the triton norm needs jax-triton: {aot.INSTALL}")
+    cfg = _tiny(make_config, **{"model.attention": "auto"})
+    rep = aot.compile_config(cfg, "h100", 1, programs=("train",))
+    assert rep["resolved"] == {"model.group_linears": False, "model.scan_unroll": True, "remat.policy": "none",
+                               "kernels.rmsnorm": "triton"}, rep["resolved"]
+    k = rep["train"]["kernels"]
+    layers = cfg.model.n_layers
+    assert k["cudnn attention (fwd, causal)"] == layers and k["cudnn attention (bwd, causal)"] == layers, k
+    assert k["triton kernel (jax-triton)"] >= 2 * (2 * layers + 1), k  # every norm, forward and backward
+    import jax
+    from boost_jax.runtime.build import build
+    text = build(cfg, aot.devices("h100", 1)).lower_train().compile().as_text()
+    assert " while(" not in text  # no layer scan (and no accumulation or loss-chunk loop at these shapes)
+    for spec in ("btd,btv->dv", "btv,dv->btd"):  # model/loss.py's head backward
+        params = _called_params(text, f"jit(train_step)/transpose(jvp({spec}))/dot_general")
+        assert params and all("bf16[" in p and "f32[" not in p for p in params), (spec, params)
+    fsdp = _tiny(make_config, **{"model.attention": "auto", "parallel.data": 1, "parallel.fsdp": 8})
+    assert aot.compile_config(fsdp, "h100", 8, programs=("train",))["resolved"] == {
+        "model.group_linears": False, "model.scan_unroll": False, "remat.policy": "lowrank",
+        "kernels.rmsnorm": "triton"}
+    dense = _tiny(make_config, **{"model.linear": "dense"})
+    from boost_jax.model import autos
+    assert autos.chosen(dense, 1, aot.devices("h100", 1))["model.group_linears"] is True
+    assert autos.chosen(dense, 1, jax.devices("cpu")[:1]) == {  # CPUs: the scan, XLA's norm, no remat
+        "model.group_linears": True, "model.scan_unroll": False, "remat.policy": "none", "kernels.rmsnorm": "xla"}
+
+
 def _executed(hlo_text, mesh) -> dict:
     return {kind: c["elements"] for kind, c in aot.collectives(hlo_text, mesh).items()}
 

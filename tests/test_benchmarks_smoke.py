@@ -223,3 +223,38 @@ def test_step_time(tmp_path):
     res = json.loads(out.read_text())
     assert set(res["strategies"]) == {"btp"} and res["mesh"]["tensor"] == 4
     assert all(positive(s["median_s"], s["tokens_per_s"]) for s in res["strategies"].values())
+
+
+def test_vs_torch(tmp_path, capsys):
+    """benchmarks/vs_torch.py at tiny widths: the project's rows and Hugging Face Llama's (each in its
+    own process), and the official CoLA row saying what it needs (no checkout here)."""
+    pytest.importorskip("torch", reason="vs_torch's torch rows need torch (CI installs torch==2.13.0)")
+    pytest.importorskip("transformers", reason="vs_torch's hf rows need transformers (CI installs it)")
+    out = tmp_path / "vs_torch.json"
+    assert load("vs_torch").main(["--smoke", "--rows", "project,cola,hf", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    cola, llama = res["models"]["cola_1b"], res["models"]["llama_1b"]
+    assert set(cola) == {"project", "cola"} and set(llama) == {"project", "hf"}
+    assert "--cola-repo" in cola["cola"]["error"]
+    for row in (cola["project"], llama["project"], llama["hf"]):
+        assert positive(row["step_s"], row["flops_per_token"], row["loss"]), row
+    table = capsys.readouterr().out
+    assert "| llama_1b | hf | bf16 params + AdamW state |" in table and "needs --cola-repo" in table
+
+
+def test_gpu_bench_train256_one_process_profile(tmp_path):
+    """`gpu_bench.py --parts device,train256 --one-process --profile DIR` at --smoke shapes: the defaults
+    before and the `auto` defaults in one process, each traced (on a CPU the trace has no GPU kernels:
+    the summary is written, with zero device time) and its compiled program saved."""
+    import gzip
+    bench = load("gpu_bench")
+    out, prof = tmp_path / "gpu.json", tmp_path / "prof"
+    assert bench.main(["--smoke", "--parts", "device,train256", "--one-process", "--profile", str(prof),
+                       "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
+    assert set(rows) == {"cola_1b before", "cola_1b auto"}
+    for name, row in rows.items():
+        assert positive(row["step_ms"], row["tokens_per_s"]), row
+        summary = json.loads((prof / f"{bench._slug(name)}.kernels.json").read_text())
+        assert summary["steps"] == bench.PROFILE_STEPS and summary["wall_ns"] > 0
+        assert "ENTRY" in gzip.open(prof / f"{bench._slug(name)}.hlo.txt.gz", "rt").read()

@@ -36,7 +36,12 @@ def test_print_config_shows_the_resolved_config(capsys):
     out = capsys.readouterr().out
     cfg = train.parse_config(["train", "--config=cola_60m", "--config.train.steps=123"])
     assert cfg.train.steps == 123 and cfg.name == "cola_60m"
-    assert out.strip() == str(cfg).strip() and "  steps: 123" in out and "  batching: document" in out
+    body, _, auto = out.strip().rpartition("\n")
+    assert body.strip() == str(cfg).strip() and "  steps: 123" in out and "  batching: document" in out
+    # The last line: what `auto` resolves to here (model/autos.py): CPUs keep XLA's norm and the scan.
+    assert auto.startswith("# auto, on 8 x ") and auto.endswith(
+        "group_linears false, scan_unroll false, remat none, rmsnorm xla"), auto
+    assert "  group_linears: auto" in body and "  policy: auto" in body
 
 
 def test_packaged_config_names(tmp_path, monkeypatch, capsys):

@@ -480,3 +480,44 @@ def test_token_source_pointed_at_text(make_config, tmp_path):
     text.write_text("hello world\n" * 100)
     with pytest.raises(ValueError, match=r"data\.path.*corpus\.txt is not a token file.*data\.source=text"):
         build_loaders(make_config(**{"data.source": "tokens", "data.path": str(text)}))
+
+
+def test_an_update_that_would_overflow_a_weight_keeps_that_weight(make_config):
+    """Finite loss and gradients with a step that overflows float32 for the largest gradients:
+    those weights keep their values, every other weight takes its SGD step, the state stays finite.
+    Reference: the one-device gradient (jax.grad of the same loss) and numpy's update."""
+    import optax
+
+    from boost_jax.runtime.build import build
+    cfg = make_config(**{"parallel.num_devices": 1, "parallel.data": 1})
+    probe = build(cfg, jax.devices()[:1], optimizer=(optax.sgd(1.0), lambda s: 1.0))
+    state = probe.init_state()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (1, cfg.train.global_batch, cfg.train.seq_len + 1), np.int32)
+    params = jax.device_get(state["params"])
+    grads = jax.device_get(jax.grad(probe.loss_fn())(state["params"], jnp.asarray(tokens[0])))
+    g = np.concatenate([np.abs(np.asarray(x, np.float64)).ravel() for x in jax.tree.leaves(grads)])
+    # An SGD step of lr = a * b (each factor finite in float32, their product not) overflows the top 10%.
+    a = np.float32(np.sqrt(3.0e38 / np.quantile(g[g > 0], 0.9)))
+    # Injected (state, not constants): XLA may not fold the two factors into one, as it would constants.
+    tx = optax.chain(optax.inject_hyperparams(optax.scale)(step_size=-float(a)),
+                     optax.inject_hyperparams(optax.scale)(step_size=float(a)))
+    built = build(cfg, jax.devices()[:1], optimizer=(tx, lambda s: 1.0))
+    state = built.init_state()  # the same parameters (the config's seed), this optimizer's state
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(state["params"])),
+                                                    jax.tree.leaves(params)))
+    new, metrics = built.train_step(state, jax.device_put(tokens, built.batch_sharding))
+    assert bool(metrics["finite"])
+    kept = changed = 0
+    top = float(np.finfo(np.float32).max)
+    for got, p, d in zip(jax.tree.leaves(jax.device_get(new["params"])), jax.tree.leaves(params),
+                         jax.tree.leaves(grads)):
+        stepped = np.asarray(p, np.float64) - float(a) * float(a) * np.asarray(d, np.float64)
+        assert np.isfinite(got).all()
+        # Away from float32's edge (the step's gradient may differ from jax.grad's in the last bits):
+        over, clear = np.abs(stepped) > 1.01 * top, np.abs(stepped) < 0.99 * top
+        np.testing.assert_array_equal(got[over], np.asarray(p)[over])  # kept
+        np.testing.assert_allclose(got[clear], stepped[clear], rtol=1e-2)  # stepped
+        kept += int(over.sum())
+        changed += int((clear & (d != 0)).sum())
+    assert kept > 0 and changed > kept, (kept, changed)

@@ -11,10 +11,11 @@ measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, ben
 - model.group_linears: grouped where the tensor axis splits the projections (grouping exists to merge
   their collectives) and for unfactored kinds (dense: q/k/v and gate/up as one GEMM, llama_1b 1.8%
   faster); factored kinds on one device ungrouped (cola_1b: 1.1% faster unrolled, 11% scanned).
-- model.scan_unroll: the layer stack unrolled on GPUs unless pipeline, fsdp or context split it
-  (those keep the scan: its per-layer gathers, stages and ring blocks stay bounded); the unrolled
-  step runs 18% faster on one H100 (cola_1b 117.0 -> 95.8 ms) because XLA fuses and schedules across
-  layers and no per-layer slices and stacked gradient updates remain.
+- model.scan_unroll: the layer stack unrolled on GPUs where only `data` splits the mesh (each device
+  runs the one-device program); it runs 18% faster on one H100 (cola_1b 117.0 -> 95.8 ms) because XLA
+  fuses and schedules across layers and no per-layer slices and stacked gradient updates remain.
+  Pipeline, fsdp, context and tensor splits keep the scan (bounded per-layer gathers, stages and ring
+  blocks; the planner's memory terms are fitted on scanned programs, and its plans say so).
 - remat.policy: an unrolled stack keeps every activation (`none`: XLA would fold a policy's recompute
   back into the forward anyway, as jax.checkpoint here does not prevent common-subexpression
   elimination); a scanned stack on a GPU recomputes: `lowrank` for factored kinds (17% faster than
@@ -54,7 +55,7 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
     is `auto`, on a GPU (or not) with mesh `sizes` (axis -> size)."""
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     if unroll == AUTO:
-        unroll = gpu and sizes["pipeline"] == 1 and sizes["fsdp"] == 1 and sizes["context"] == 1
+        unroll = gpu and all(sizes[a] == 1 for a in AXES if a != "data")
     if group == AUTO:
         group = sizes["tensor"] > 1 or not kind_class(linear).factored
     if policy == AUTO:
@@ -98,7 +99,8 @@ def resolve(cfg, mesh=None, devices=None):
 
 def describe(picks: dict) -> str:
     """'group_linears false, scan_unroll true, ...' for a start-up line ('' when nothing was auto)."""
-    return ", ".join(f"{k.split('.')[1]} {str(v).lower()}" for k, v in picks.items())
+    short = {"remat.policy": "remat", "kernels.rmsnorm": "rmsnorm"}
+    return ", ".join(f"{short.get(k, k.split('.')[1])} {str(v).lower()}" for k, v in picks.items())
 
 
 def for_model(m, remat_policy: str, norm_impl: str, mesh=None):

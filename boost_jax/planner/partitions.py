@@ -107,6 +107,7 @@ class Block:
                    only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
                    online_norm=bool(cfg.parallel.online_norm), nonlinear=kind.factored and kind.nonlinear(m),
                    loss_chunk=int(m.loss_chunk),
+                   # `auto` is a fused kernel on the GPUs a plan is priced for (model/autos.py)
                    fused_norm=cfg.kernels.rmsnorm != "xla", max_seq_len=int(m.max_seq_len))
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:

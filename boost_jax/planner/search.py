@@ -546,7 +546,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                  + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
                  f"--config.train.seq_len={opts.seq} "
                  + (f"--config.model.max_seq_len={opts.seq} " if opts.seq > b.max_seq_len else "")
-                 + f"--config.remat.policy={policy}"
+                 + f"--config.remat.policy={policy} --config.model.scan_unroll=false"
                  + (" --config.remat.pipeline=stage" if staged else ""))
     return Plan(mesh=mesh, grad_accum=grad_accum, remat=policy, layer=layer, step_s=step_s,
                 tokens_per_s=tokens / step_s,

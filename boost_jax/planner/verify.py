@@ -179,6 +179,17 @@ def uniform_layer(cfg, strategy: str, sequence_parallel: bool = False) -> Layer:
     return Layer(*P.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
 
 
+def on_cpu(cfg):
+    """cfg as its CPU compile resolves the norm kernel (`auto`: XLA's norm on CPUs, model/autos.py), so
+    the prediction prices the program the emulated devices compile (the planner otherwise prices a
+    GPU cluster's fused norm)."""
+    if cfg.kernels.rmsnorm != "auto":
+        return cfg
+    cfg = cfg.copy_and_resolve_references()
+    cfg.kernels.rmsnorm = "xla"
+    return cfg
+
+
 def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False, remat: str = "none",
             batch: int = 2, seq: int = 64, layer: Layer | None = None, memory: bool = False,
             context_attention: str = "ring", context_kv: str = "full") -> list[dict]:
@@ -188,6 +199,7 @@ def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = F
     (default: the strategy's uniform one); its st groups run as parallel.linear_partition on the
     fsdp x tensor grid (fsdp == tensor). mesh.context > 1: the plan's context_attention and
     context_kv, the exchange compared as the `context` class."""
+    cfg = on_cpu(cfg)
     layer = layer or uniform_layer(cfg, strategy, sequence_parallel)
     modes = dict(context_attention=context_attention, context_kv=context_kv)
     pred, pred_memory = predicted(cfg, cluster, mesh, layer, remat, batch, seq, **modes)
@@ -322,6 +334,7 @@ def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel:
     with its tick loop scanned, each collective counted once per loop trip, memory from
     memory_analysis() in float32. Collectives of at most SCALAR elements (the loss's and the gradient
     norm's scalars) are left out on both sides."""
+    cfg = on_cpu(cfg)
     m = microbatches or 2 * mesh.pipeline
     if layer is None:
         layer = (uniform_layer(cfg, strategy, sequence_parallel) if mesh.tensor > 1 else
