@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -281,6 +281,7 @@ class HloModule:
     loop_roots: set[str]  # while bodies and conditions
     loop_trips: dict[tuple[str, str], int | None]  # (caller, while body/condition) -> known trip count
     num_devices: int  # from the header: num_partitions x replica_count
+    roots: dict[str, str] = field(default_factory=dict)  # computation -> its ROOT instruction
 
     def instructions(self) -> Iterable[Instruction]:
         for instrs in self.computations.values():
@@ -311,6 +312,7 @@ def parse_module(hlo_text: str) -> HloModule:
     calls: dict[str, set[str]] = defaultdict(set)
     loop_roots: set[str] = set()
     loop_trips: dict[tuple[str, str], int | None] = {}
+    roots: dict[str, str] = {}
     entry = ""
     comp, instrs, symbols = "", [], {}
     for line in hlo_text.splitlines():
@@ -326,6 +328,8 @@ def parse_module(hlo_text: str) -> HloModule:
         name, shape, opcode, rest = m.groups()
         symbols[name] = shape
         instrs.append(Instruction(name, shape, opcode, rest, comp))
+        if line.lstrip().startswith("ROOT "):
+            roots[comp] = name
         for callee in _CALLEES.findall(rest):
             calls[comp].update(c.lstrip("%") for c in re.findall(r"%?([\w.\-]+)", callee))
         if opcode == "while":
@@ -333,7 +337,7 @@ def parse_module(hlo_text: str) -> HloModule:
             trip = _TRIP_COUNT.search(rest)
             for callee in _WHILE_BODY.findall(rest):
                 loop_trips[(comp, callee)] = int(trip.group(1)) if trip else None
-    return HloModule(computations, symbols_of, entry, calls, loop_roots, loop_trips, num_devices)
+    return HloModule(computations, symbols_of, entry, calls, loop_roots, loop_trips, num_devices, roots)
 
 
 def parse_collectives(hlo_text: str, mesh: Mesh | None = None, unknown_trips: int | None = None) -> list[Collective]:
