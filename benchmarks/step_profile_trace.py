@@ -40,6 +40,8 @@ def trace_row(row: dict, out: Path, steps: int, warmup: int, size: dict | None =
     from boost_jax.tools import step_profile as sp
     from step_time import build
 
+    size = dict(size or {})
+    row = {**row, "seq": size.pop("seq", row["seq"]), "batch": size.pop("batch", row["batch"])}
     cfg = row_config(row)
     if size:  # smaller widths (a CPU check of this script)
         cfg.model.update(size)
@@ -84,7 +86,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", help="comma-separated row names (default: every row)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--size", help=argparse.SUPPRESS)  # JSON of model widths: the CPU check's small model
+    ap.add_argument("--size", help=argparse.SUPPRESS)  # JSON of model widths (and seq, batch): a CPU check
     args = ap.parse_args(argv)
     rows = json.loads(Path(args.measured).read_text())["rows"]
     if args.rows:
