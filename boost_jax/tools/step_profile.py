@@ -8,7 +8,9 @@ A kernel is what the GPU launches: a fusion, a GEMM (a Triton GEMM fusion, a cuB
 cuDNN attention, a Pallas/Triton kernel, a copy, a collective. Each instruction of a computation the
 GPU executes (the entry, while bodies and conditions, conditional branches, async computations) is
 one kernel, run as many times per step as its loops' trip counts say (tools/hlo_comm.py reads them;
-a loop whose count the program hides, the accumulation loop, runs `accumulation` times). Bitcasts,
+a loop whose count the program hides, the accumulation loop, runs `accumulation` times; each branch
+of a conditional counts as if it ran, and each loop iteration reads its predicate back as one more
+launch). Bitcasts,
 tuples, parameters, constants and the `-done` halves of async pairs launch nothing. Each kernel
 carries:
 
@@ -536,7 +538,6 @@ def _kernel(ins: Instruction, reader: _Reader, symbols: dict[str, str], count: i
 
 def _crosses_nodes(ins: Instruction, num_devices: int, gpus_per_node: int) -> bool:
     """Whether a collective's groups span GPUs of more than one node (ids are mesh positions, 8 a node)."""
-    from boost_jax.tools.hlo_comm import _permute_group_size  # noqa: F401  (same module family)
     from boost_jax.tools.hlo_comm import _ints, parse_replica_groups
     _, attrs = ins.operands_attrs()
     text = _attr(attrs, "replica_groups")
@@ -735,7 +736,7 @@ def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = Non
 
 def summary(ks: list[Kernel], priced: dict, top: int = 15) -> dict:
     """The JSON of a priced program: step time, time by category, launches, FLOPs and bytes per
-    category and the `top` kernels by time."""
+    category (HBM traffic; for collectives the bytes over the links) and the `top` kernels by time."""
     flops = dict.fromkeys(CATEGORIES, 0.0)
     hbm = dict.fromkeys(CATEGORIES, 0.0)
     kcount = dict.fromkeys(CATEGORIES, 0)
@@ -743,14 +744,19 @@ def summary(ks: list[Kernel], priced: dict, top: int = 15) -> dict:
     for k in ks:
         w = share if k.remat_clone else 1.0
         flops[k.category] += w * k.flops * k.count
-        hbm[k.category] += w * k.bytes * k.count
+        hbm[k.category] += w * _moved(k) * k.count
         kcount[k.category] += int(round(w * k.count))
     ranked = sorted((k for k in ks if share or not k.remat_clone), key=lambda k: -k.total_s())[:top]
     return {**priced, "kernels_per_step": kcount, "flops_by_category": flops, "bytes_by_category": hbm,
             "gemm_flops_by_class": _by_class(ks),
             "top_kernels": [{"name": k.name, "category": k.category, "kind": k.kind, "count": k.count,
-                             "time_s": k.total_s(), "flops": k.flops * k.count, "bytes": k.bytes * k.count,
+                             "time_s": k.total_s(), "flops": k.flops * k.count, "bytes": _moved(k) * k.count,
                              "gemm": list(k.gemm), "backend": k.backend, "source": k.source} for k in ranked]}
+
+
+def _moved(k: Kernel) -> float:
+    """Bytes a kernel moves per execution: HBM traffic, or for a collective what its ring sends."""
+    return k.collective.get("wire_bytes", 0.0) if k.kind == "collective" else k.bytes
 
 
 def _by_class(ks: list[Kernel]) -> dict:
