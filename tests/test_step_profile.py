@@ -207,6 +207,12 @@ def test_measured_groups_trace_events_by_the_same_categories():
     assert math.isclose(got["step_s"], step_s) and math.isclose(got["busy_s"], busy)
     with pytest.raises(ValueError, match="duration_us"):
         sp.measured([{"name": "x", "hlo_op": "g", "duration": 3}], HLO)
+    # Other units and `kernel` for the name read the same.
+    other = [{"kernel": e["name"], "hlo_op": e["hlo_op"], "duration_ns": e["duration_us"] * 1e3, "count": e["count"]}
+             for e in events]
+    again = sp.measured({"steps": steps, "step_s": step_s, "events": other}, HLO)
+    for cat in sp.CATEGORIES:
+        assert math.isclose(again["time_by_category"][cat], expect[cat], rel_tol=1e-9, abs_tol=1e-15), cat
 
 
 def test_trace_events_of_a_cpu_trace(tmp_path):

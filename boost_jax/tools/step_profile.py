@@ -839,20 +839,30 @@ def _event_category(row: dict, by_name: dict[str, Kernel]) -> str:
     return "elementwise"
 
 
+_UNITS = {"duration_us": 1.0, "duration_ns": 1e-3, "duration_ms": 1e3, "duration_s": 1e6}
+
+
+def _event_row(i: int, r: dict) -> dict:
+    """One event row with its kernel `name` (or `kernel`) and `duration_us` (or _ns, _ms, _s: the time
+    summed over its `count` occurrences in the trace)."""
+    unit = next((k for k in _UNITS if k in r), None)
+    if unit is None:
+        raise ValueError(f"events[{i}]: no duration_us (or duration_ns / _ms / _s: the time summed over its "
+                         f"count occurrences); got keys {sorted(r)}")
+    return {**r, "name": r.get("name", r.get("kernel", "")), "duration_us": float(r[unit]) * _UNITS[unit]}
+
+
 def measured(events: dict | list, hlo_text: str, accumulation: int = 1) -> dict:
     """The category table of a measured trace: `events` is {"steps": N, "step_s": wall seconds per
     step (optional), "events": [{"name", "hlo_op", "hlo_module", "duration_us", "count"}]} (or the
-    bare list, one step), `hlo_text` the same program's optimized HLO (as the GPU compiled it). Each
+    bare list, one step; `kernel` for `name` and duration_ns / _ms / _s are read too), `hlo_text` the same program's optimized HLO (as the GPU compiled it). Each
     event takes the category of the HLO instruction it names (`categorize`); one that names none, by
     its kernel name. Seconds per step; `launch` is the step's wall time the kernels leave idle
     (launches, host work, syncs) when `step_s` is given."""
     if isinstance(events, list):
         events = {"steps": 1, "events": events}
     steps = float(events.get("steps", 1)) or 1.0
-    rows = events.get("events", [])
-    for i, r in enumerate(rows):
-        if "duration_us" not in r:
-            raise ValueError(f"events[{i}]: no duration_us (microseconds summed over its count); got keys {sorted(r)}")
+    rows = [_event_row(i, r) for i, r in enumerate(events.get("events", []))]
     ks = kernels(hlo_text, accumulation)
     by_name = {k.name: k for k in ks}
     by = dict.fromkeys(CATEGORIES, 0.0)
