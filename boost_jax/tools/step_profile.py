@@ -48,8 +48,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from boost_jax.tools.hlo_comm import (HloModule, Instruction, _attr, _operand_shape, _shape_elements, collective_of,
-                                      parse_module)
+from boost_jax.tools.hlo_comm import HloModule, Instruction, _attr, _operand_shape, collective_of, parse_module
 
 CATEGORIES = ("gemm", "attention", "norm", "elementwise", "copies/layout", "optimizer", "loss", "collectives",
               "launch")
@@ -273,7 +272,6 @@ class _Reader:
     def __init__(self, module: HloModule, frames: dict[int, Frame]):
         self.module = module
         self.frames = frames
-        self.by_name = {ins.name: ins for instrs in module.computations.values() for ins in instrs}
         self._users_of: dict[str, dict] = {}
 
     # --- fused computations
@@ -394,16 +392,15 @@ def _short(path: str) -> str:
 def _executed(module: HloModule) -> list[str]:
     """Computations whose instructions are kernels: the entry and what it runs through while loops,
     conditionals, calls and async computations (not fused computations or reducers)."""
-    by_name = {c: instrs for c, instrs in module.computations.items()}
     out, todo = [], [module.entry]
     seen = set()
     while todo:
         comp = todo.pop()
-        if comp in seen or comp not in by_name:
+        if comp in seen or comp not in module.computations:
             continue
         seen.add(comp)
         out.append(comp)
-        for ins in by_name[comp]:
+        for ins in module.computations[comp]:
             keys = ()
             if ins.opcode == "while":
                 keys = ("body", "condition")
@@ -581,7 +578,7 @@ def categorize(k) -> str:
         return "norm"
     if source.startswith("boost_jax/model/loss.py"):
         return "loss"
-    if _optimizer(source, sources) or (not source and op_name and "jvp(" not in op_name
+    if _optimizer(source) or (not source and op_name and "jvp(" not in op_name
                                        and get("computation") and "train_step" in op_name):
         return "optimizer"
     if opcode in ("copy", "copy-start", "transpose", "dynamic-slice", "dynamic-update-slice", "slice",
@@ -597,7 +594,7 @@ def categorize(k) -> str:
     return "elementwise"
 
 
-def _optimizer(source: str, sources: tuple) -> bool:
+def _optimizer(source: str) -> bool:
     """The optimizer's update: the train step's own lines after the gradient (the gradient norm, the
     optax update, the finite check and the kept state) or optax itself."""
     if "optax/" in source:
@@ -818,8 +815,7 @@ def trace_events(xspace_path: str, module: str | None = None) -> list[dict]:
 
 def module_name(hlo_text: str) -> str:
     """The HLO module's name (what a trace's events call hlo_module)."""
-    import re as _re
-    m = _re.match(r"HloModule\s+([\w.\-]+)", hlo_text)
+    m = re.match(r"HloModule\s+([\w.\-]+)", hlo_text)
     return m.group(1) if m else ""
 
 
