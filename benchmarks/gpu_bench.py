@@ -30,9 +30,9 @@ Model dtype is `auto` (bf16 on GPU) and attention `auto` (cuDNN on GPU), the tra
 
 `--one-process` runs the train variants in one process (XLA's autotuning is shared: faster when GPU
 time is short; each row's compiled peak is still its own). `--profile DIR` traces each train variant's
-steps after timing them (jax.profiler): DIR/NAME.kernels.json holds the device time per kernel and HLO
-instruction, DIR/NAME.hlo.txt.gz the compiled program, so the time can be read by category beside the
-deviceless prediction (boost_jax/tools/step_profile.py).
+steps after timing them (jax.profiler, benchmarks/step_profile_trace.py): DIR/NAME.events.json holds
+the device time per kernel and HLO instruction, DIR/NAME.hlo.gz the compiled program, and the row its
+measured time by category (boost_jax/tools/step_profile.py), beside the deviceless prediction.
 
 `--aot TARGET` (needs the aot extra, `boost_jax/tools/aot.py`) times nothing: it compiles every program
 the selected parts would time for TARGET GPUs on this host, without one (XLA's deviceless compile), at
@@ -316,7 +316,7 @@ def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None =
     from boost_jax.kernels.rmsnorm import kernels_used
     extra = {}
     if profile_dir:
-        extra["profile"] = profile(step, state, tokens, profile_dir, spec["name"])
+        extra["profile"] = profile(step, state, tokens, profile_dir, spec["name"], secs)
     return {**extra, "step_ms": 1e3 * secs, "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
             "mfu": fpt * tok_s / peak if peak else None, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "compiled_peak_gib": compiled_peak / 2**30 if compiled_peak is not None else None, "compile_s": compile_s,
@@ -331,68 +331,20 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_")
 
 
-def profile(step, state, tokens, out_dir: str, name: str) -> dict:
-    """Trace PROFILE_STEPS steps of a compiled step with jax.profiler and write, under out_dir, what
-    the device ran: NAME.kernels.json ({"steps", "wall_ns", "busy_ns", "events": [{"kernel",
-    "hlo_op", "hlo_module", "count", "ns"}]}, one entry per kernel and HLO instruction, summed over
-    the traced steps) and NAME.hlo.txt.gz (the compiled program the hlo_op names refer to). `busy_ns`
-    is the union of the kernels' intervals on the device: wall_ns - busy_ns is the device idle
-    (launch-bound) time. Returns the summary without the events."""
-    import glob
-    import gzip
+def profile(step, state, tokens, out_dir: str, name: str, step_s: float) -> dict:
+    """Trace PROFILE_STEPS steps of a compiled, warm step with jax.profiler (step_profile_trace.py's
+    `trace_compiled`, the one place the project traces a step): under out_dir, NAME.events.json (the
+    device time per kernel and HLO instruction) and NAME.hlo.gz (the compiled program they name), read
+    by `python -m boost_jax.tools.step_profile --hlo NAME.hlo.gz --events NAME.events.json` beside the
+    deviceless prediction. Returns the measured time by category (tools/step_profile.py `measured`)."""
+    from pathlib import Path
 
-    import jax
-    from jax.profiler import ProfileData
+    from boost_jax.tools import step_profile as sp
+    from step_profile_trace import trace_compiled
 
-    slug = _slug(name)
-    trace_dir = tempfile.mkdtemp(prefix=f"trace_{slug}_")
-    state, metrics = step(state, tokens)  # the state is donated: thread it through
-    jax.block_until_ready(metrics)
-    jax.profiler.start_trace(trace_dir)
-    t0 = time.perf_counter()
-    for _ in range(PROFILE_STEPS):
-        state, metrics = step(state, tokens)
-    jax.block_until_ready(metrics)
-    wall_ns = (time.perf_counter() - t0) * 1e9
-    jax.profiler.stop_trace()
-    found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-    if not found:
-        return {"error": "jax.profiler wrote no xplane.pb"}
-    data = ProfileData.from_file(found[-1])
-    sums: dict = {}
-    spans = []
-    planes = [p.name for p in data.planes]
-    stat_keys: set = set()
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            for ev in line.events:
-                st = dict(ev.stats)
-                stat_keys.update(st)
-                if "hlo_op" not in st and "hlo_module" not in st and "memcpy" not in ev.name.lower():
-                    continue
-                key = (ev.name, str(st.get("hlo_op", "")), str(st.get("hlo_module", "")))
-                slot = sums.setdefault(key, [0, 0.0])
-                slot[0] += 1
-                slot[1] += ev.duration_ns
-                spans.append((ev.start_ns, ev.end_ns))
-    spans.sort()
-    busy, end = 0.0, -1.0
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    events = sorted(({"kernel": k[0], "hlo_op": k[1], "hlo_module": k[2], "count": c, "ns": ns}
-                     for k, (c, ns) in sums.items()), key=lambda e: -e["ns"])
-    summary = {"steps": PROFILE_STEPS, "wall_ns": wall_ns, "busy_ns": busy, "kernels": sum(c for c, _ in sums.values()),
-               "kernel_ns": sum(ns for _, ns in sums.values()), "planes": planes, "stat_keys": sorted(stat_keys)}
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{slug}.kernels.json"), "w") as f:
-        json.dump({**summary, "events": events}, f)
-    with gzip.open(os.path.join(out_dir, f"{slug}.hlo.txt.gz"), "wt") as f:
-        f.write(step.as_text())
-    return summary
+    found = trace_compiled(step, state, tokens, Path(out_dir), _slug(name), PROFILE_STEPS, step_s)
+    got = sp.measured(found["events"], step.as_text())
+    return {"kernels": sum(e["count"] for e in found["events"]["events"]), **got}
 
 
 def run_variants(specs: list[dict], steps: int, smoke: bool, one_process: bool = False, profile_dir=None,

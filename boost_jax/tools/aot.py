@@ -14,7 +14,8 @@ run may allocate: set XLA_PYTHON_CLIENT_MEM_FRACTION to it), the GPU kernels in 
 (cuDNN attention, Triton kernels by name, cuBLAS and Triton GEMMs), the collectives per step (kind,
 executions through loops, bytes) and the compile time. Memory, kernels and the collective schedule
 of a deviceless compile are the GPU's; its run-time estimates are not (no GEMM autotuning without a
-device), so no time is printed.
+device), so XLA's times are not printed: `--profile` prices the train step's kernels on the target's
+numbers instead (tools/step_profile.py: a step-time table by category, fitted to measured H100 steps).
 
 Needs the `aot` extra (`pip install -e '.[aot]'`: jax's CUDA plugin and the NVIDIA compilers as
 wheels; no GPU, driver or CUDA toolkit). Nothing here imports jax at module level.
@@ -88,13 +89,31 @@ def topology_string(n: int) -> str:
 
 
 _DEVICES: dict = {}
+# XLA:GPU budgets its scheduler and its rematerialization with the module's device memory, less the
+# program's arguments and outputs (gpu_hlo_schedule.cc GetSchedulerMemoryLimit). On a GPU, jaxlib
+# passes the allocator's limit as that memory (XLA_PYTHON_CLIENT_MEM_FRACTION of the free memory,
+# 0.9 by default); a deviceless compile has no allocator and XLA takes 80% of the target's memory,
+# a budget ~8 GB tighter on an H100, under which XLA rematerializes kernels the GPU does not run
+# (llama_1b at seq 256 x 32 on one H100: 84 extra kernels, 75 GB more HBM traffic per step, the same
+# peak). `devices(..., gpu_budget=True)` describes the topology with memory USABLE / XLA_SHARE of
+# the GPU's, so that XLA's share of it is the GPU's budget.
+XLA_SHARE = 0.8
 
 
-def devices(target: str, n: int) -> list:
-    """n deviceless GPU devices of `target` (kept per process: a topology is made once)."""
+def budget_config(text: str, usable: float = USABLE) -> str:
+    """A target config whose device memory makes XLA's deviceless budget the GPU's under `usable`."""
+    memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+    return re.sub(r"device_memory_size:\s*\d+", f"device_memory_size: {int(memory * usable / XLA_SHARE)}", text)
+
+
+def devices(target: str, n: int, gpu_budget: bool = False, usable: float = USABLE) -> list:
+    """n deviceless GPU devices of `target` (kept per process: a topology is made once); with
+    `gpu_budget`, described so that XLA budgets memory as it does on the GPU whose runs may allocate
+    `usable` of its memory (`budget_config`)."""
     require()
-    text = target_config(target)
-    if (target, n) not in _DEVICES:
+    text = budget_config(target_config(target), usable) if gpu_budget else target_config(target)
+    key = (target, n, gpu_budget and usable)
+    if key not in _DEVICES:
         import jax
         from jax._src import xla_bridge
         if not xla_bridge.backends_are_initialized():
@@ -105,8 +124,8 @@ def devices(target: str, n: int) -> list:
         except Exception as e:  # noqa: BLE001 - the plugin's own words, on one line
             raise AotError(f"--target {target}: jax could not describe {n} GPUs "
                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check `{INSTALL}`") from e
-        _DEVICES[(target, n)] = list(topo.devices)
-    return _DEVICES[(target, n)]
+        _DEVICES[key] = list(topo.devices)
+    return _DEVICES[key]
 
 
 # ------------------------------------------------------------------------------- reading the program
@@ -201,9 +220,13 @@ def resolved(cfg) -> dict:
     return {key: cfg[key.split(".")[0]][key.split(".")[1]] for key in FIELDS}
 
 
-def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval"), usable: float = USABLE) -> dict:
+def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval"), usable: float = USABLE,
+                   profile: bool = False) -> dict:
     """Build `cfg` (its parallel.* mesh) on n deviceless `target` GPUs and compile its steps:
-    {"target", "devices", "mesh", "train": analyze(...) + compile_s, "eval": ...}."""
+    {"target", "devices", "mesh", "train": analyze(...) + compile_s, "eval": ...}; with `profile`,
+    "profile": the train step's time table (tools/step_profile.py), the steps then compiled under the
+    GPU's memory budget (`devices(gpu_budget=True)`: the program the GPU runs, whose memory can
+    differ from the plain deviceless compile's where XLA rematerializes)."""
     from boost_jax.errors import ConfigError
     from boost_jax.runtime.build import build
 
@@ -215,14 +238,15 @@ def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval
     if fixed > n_devices or (-1 not in sizes.values() and fixed != n_devices and not p.num_devices):
         raise AotError(f"--mesh: pipeline x data x fsdp x context x tensor = {fixed} devices but --devices {n_devices}; "
                        "make them equal (or give one axis -1)")
-    devs = devices(target, n_devices)
+    devs = devices(target, n_devices, gpu_budget=profile, usable=usable)
     try:
         built = build(cfg, devs)
     except ConfigError as e:
         raise AotError(f"{e}") from e
     memory = target_memory(target)
     out = {"target": target, "device_kind": devs[0].device_kind, "devices": n_devices,
-           "mesh": dict(built.mesh.shape), "resolved": resolved(built.cfg)}
+           "mesh": dict(built.mesh.shape), "resolved": resolved(built.cfg),
+           "xla_budget": "gpu" if profile else "deviceless"}
     lower = {"train": built.lower_train, "eval": built.lower_eval}
     for program in programs:
         t0 = time.perf_counter()
@@ -237,6 +261,9 @@ def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval
             raise AotError(f"config cannot compile its {program} step for {target}: {_one_line(e)}") from e
         out[program] = {**analyze(compiled, built.mesh, memory, usable, int(cfg.train.grad_accum)),
                         "compile_s": time.perf_counter() - t0}
+        if profile and program == "train":
+            from boost_jax.tools import step_profile
+            out["profile"] = step_profile.profile(compiled.as_text(), target, int(cfg.train.grad_accum), built.mesh)
     return out
 
 
@@ -269,6 +296,9 @@ def to_text(rep: dict) -> str:
                   "  collectives per step: " + (", ".join(
                       f"{k} {c['count']}x ({c['ops']} ops) {c['bytes'] / 2**20:.1f} MiB"
                       for k, c in r["collectives"].items()) or "none")]
+    if "profile" in rep:
+        from boost_jax.tools import step_profile
+        lines.append(step_profile.to_text(rep["profile"], "train step time table: "))
     return "\n".join(lines)
 
 
@@ -318,6 +348,9 @@ def main(argv=None) -> dict:
                     help=f"share of the GPU's memory a run may use (default {USABLE}: run with "
                          f"XLA_PYTHON_CLIENT_MEM_FRACTION={USABLE})")
     ap.add_argument("--train-only", action="store_true", help="skip the eval step")
+    ap.add_argument("--profile", action="store_true",
+                    help="price the train step's kernels on the target (a step-time table by category; "
+                         "tools/step_profile.py)")
     args = ap.parse_args(rest)
     try:
         target_config(args.target)
@@ -336,7 +369,8 @@ def main(argv=None) -> dict:
                                "make the product equal --devices")
             cfg.parallel.update(mesh_fields(sizes))
         rep = compile_config(cfg, args.target, args.devices,
-                             programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable)
+                             programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable,
+                             profile=args.profile)
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

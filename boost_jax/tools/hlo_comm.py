@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -256,27 +256,70 @@ def _permute_group_size(pairs: list[list[int]]) -> int:
 
 # ---------------------------------------------------------------- main entry points
 
-def parse_collectives(hlo_text: str, mesh: Mesh | None = None, unknown_trips: int | None = None) -> list[Collective]:
-    """Every collective in an optimized HLO module, in textual order. Without a mesh, axes=().
-    `unknown_trips`: the trip count to read for a `while` without a known one (a GPU train step's
-    accumulation loop hides its count from XLA: parallel/grad_reduce.py each_micro_batch); None
-    leaves such loops' collectives at trips None."""
-    # Needed for `replica_groups={}` (= every device); the module header knows the count.
+@dataclass
+class Instruction:
+    """One instruction of an HLO module: `name = shape opcode(rest`; `rest` holds its operands and
+    attributes (split by `operands_attrs()`)."""
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+    computation: str
+
+    def operands_attrs(self) -> tuple[list[str], str]:
+        return _split_top(self.rest)
+
+
+@dataclass
+class HloModule:
+    """An optimized HLO module read once: its computations' instructions in textual order, each
+    computation's symbol table (name -> shape), the call graph and the while loops' trip counts."""
+    computations: dict[str, list[Instruction]]
+    symbols: dict[str, dict[str, str]]
+    entry: str
+    calls: dict[str, set[str]]
+    loop_roots: set[str]  # while bodies and conditions
+    loop_trips: dict[tuple[str, str], int | None]  # (caller, while body/condition) -> known trip count
+    num_devices: int  # from the header: num_partitions x replica_count
+    roots: dict[str, str] = field(default_factory=dict)  # computation -> its ROOT instruction
+
+    def instructions(self) -> Iterable[Instruction]:
+        for instrs in self.computations.values():
+            yield from instrs
+
+    def in_loop(self) -> set[str]:
+        """Computations reachable from any while body/condition."""
+        seen, todo = set(), list(self.loop_roots)
+        while todo:
+            c = todo.pop()
+            if c not in seen:
+                seen.add(c)
+                todo.extend(self.calls.get(c, ()))
+        return seen
+
+    def trips(self, unknown: int | None = None) -> dict[str, int | None]:
+        """Executions of each computation reachable from the entry per run (see `_trip_counts`)."""
+        return _trip_counts(self.entry, self.calls, self.loop_trips, unknown)
+
+
+def parse_module(hlo_text: str) -> HloModule:
+    """Read an optimized HLO module's text (`compiled.as_text()`) into an HloModule."""
     partitions = re.search(r"num_partitions=(\d+)", hlo_text)
     replicas = re.search(r"replica_count=(\d+)", hlo_text)
-    num_devices = (mesh.devices.size if mesh is not None
-                   else int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1))
-
+    num_devices = int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1)
+    computations: dict[str, list[Instruction]] = {}
+    symbols_of: dict[str, dict[str, str]] = {}
     calls: dict[str, set[str]] = defaultdict(set)
     loop_roots: set[str] = set()
-    loop_trips: dict[tuple[str, str], int | None] = {}  # (caller, while body/condition) -> trip count
+    loop_trips: dict[tuple[str, str], int | None] = {}
+    roots: dict[str, str] = {}
     entry = ""
-    found: list[tuple[str, str, str, list[str], str, dict[str, str]]] = []  # per collective
-    comp, symbols = "", {}
+    comp, instrs, symbols = "", [], {}
     for line in hlo_text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
             header_name = _HEADER.match(line)
-            comp, symbols = (header_name.group(1) if header_name else line.split()[0]), {}
+            comp = header_name.group(1) if header_name else line.split()[0]
+            instrs, symbols = computations.setdefault(comp, []), symbols_of.setdefault(comp, {})
             entry = comp if line.startswith("ENTRY") else entry
             continue
         m = _INSTR.match(line)
@@ -284,6 +327,9 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None, unknown_trips: in
             continue
         name, shape, opcode, rest = m.groups()
         symbols[name] = shape
+        instrs.append(Instruction(name, shape, opcode, rest, comp))
+        if line.lstrip().startswith("ROOT "):
+            roots[comp] = name
         for callee in _CALLEES.findall(rest):
             calls[comp].update(c.lstrip("%") for c in re.findall(r"%?([\w.\-]+)", callee))
         if opcode == "while":
@@ -291,40 +337,52 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None, unknown_trips: in
             trip = _TRIP_COUNT.search(rest)
             for callee in _WHILE_BODY.findall(rest):
                 loop_trips[(comp, callee)] = int(trip.group(1)) if trip else None
-        if opcode in _OPCODES:
-            operands, attrs = _split_top(rest)
-            found.append((comp, _OPCODES[opcode], shape, operands, attrs, symbols))
+    return HloModule(computations, symbols_of, entry, calls, loop_roots, loop_trips, num_devices, roots)
 
-    in_loop, todo = set(), list(loop_roots)  # computations reachable from any while body/condition
-    while todo:
-        c = todo.pop()
-        if c not in in_loop:
-            in_loop.add(c)
-            todo.extend(calls.get(c, ()))
 
-    trips = _trip_counts(entry, calls, loop_trips, unknown_trips)
+def parse_collectives(hlo_text: str, mesh: Mesh | None = None, unknown_trips: int | None = None) -> list[Collective]:
+    """Every collective in an optimized HLO module, in textual order. Without a mesh, axes=().
+    `unknown_trips`: the trip count to read for a `while` without a known one (a GPU train step's
+    accumulation loop hides its count from XLA: parallel/grad_reduce.py each_micro_batch); None
+    leaves such loops' collectives at trips None."""
+    module = parse_module(hlo_text)
+    # Needed for `replica_groups={}` (= every device); the module header knows the count.
+    num_devices = mesh.devices.size if mesh is not None else module.num_devices
+    in_loop = module.in_loop()
+    trips = module.trips(unknown_trips)
     out = []
-    for comp, kind, shape, operands, attrs, symbols in found:
-        op_shapes = [_operand_shape(o, symbols) for o in operands]
-        if kind == "collective-permute":
-            if _attr(attrs, "slice_sizes") is not None:  # the in-place form: output buffer and offsets follow
-                op_shapes = op_shapes[:1]  # (XLA:GPU combines permutes of one pairing into one tuple op: all count)
-            pairs = (_attr(attrs, "source_target_pairs") or "{}")[1:]
-            groups = [_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
-            group_size = _permute_group_size(groups)
-        else:
-            groups = parse_replica_groups(_attr(attrs, "replica_groups") or "{}", num_devices)
-            group_size = len(groups[0])
-        if all(op_shapes):
-            elements = sum(_shape_elements(s) for s in op_shapes)
-            elements *= group_size if kind == "all-gather" else 1  # gather payload = gathered size
-        else:  # operand shape unknown: fall back on the result (only meaningful for sync ops)
-            elements = _shape_elements(shape) * (group_size if kind == "reduce-scatter" else 1)
-        dtype = _shape_dtype(op_shapes[0] if op_shapes and op_shapes[0] else shape)
-        op_name = re.search(r'op_name="([^"]*)"', attrs)
-        out.append(Collective(kind, elements, dtype, group_size, _axes_of(groups, mesh), comp, comp in in_loop,
-                              trips.get(comp, 1), op_name.group(1) if op_name else ""))
+    for ins in module.instructions():
+        if ins.opcode in _OPCODES:
+            out.append(collective_of(ins, module.symbols[ins.computation], num_devices, mesh,
+                                     ins.computation in in_loop, trips.get(ins.computation, 1)))
     return out
+
+
+def collective_of(ins: Instruction, symbols: dict[str, str], num_devices: int, mesh: Mesh | None = None,
+                  in_loop: bool = False, trips: int | None = 1) -> Collective:
+    """The Collective of one collective instruction (its payload per the module docstring's rules)."""
+    kind = _OPCODES[ins.opcode]
+    operands, attrs = ins.operands_attrs()
+    shape = ins.shape
+    op_shapes = [_operand_shape(o, symbols) for o in operands]
+    if kind == "collective-permute":
+        if _attr(attrs, "slice_sizes") is not None:  # the in-place form: output buffer and offsets follow
+            op_shapes = op_shapes[:1]  # (XLA:GPU combines permutes of one pairing into one tuple op: all count)
+        pairs = (_attr(attrs, "source_target_pairs") or "{}")[1:]
+        groups = [_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
+        group_size = _permute_group_size(groups)
+    else:
+        groups = parse_replica_groups(_attr(attrs, "replica_groups") or "{}", num_devices)
+        group_size = len(groups[0])
+    if all(op_shapes):
+        elements = sum(_shape_elements(s) for s in op_shapes)
+        elements *= group_size if kind == "all-gather" else 1  # gather payload = gathered size
+    else:  # operand shape unknown: fall back on the result (only meaningful for sync ops)
+        elements = _shape_elements(shape) * (group_size if kind == "reduce-scatter" else 1)
+    dtype = _shape_dtype(op_shapes[0] if op_shapes and op_shapes[0] else shape)
+    op_name = re.search(r'op_name="([^"]*)"', attrs)
+    return Collective(kind, elements, dtype, group_size, _axes_of(groups, mesh), ins.computation, in_loop,
+                      trips, op_name.group(1) if op_name else "")
 
 
 def _trip_counts(entry: str, calls: dict[str, set[str]], loop_trips: dict,
