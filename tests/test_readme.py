@@ -84,10 +84,9 @@ COMMANDS = {
     "python benchmarks/aot_fit.py --target a100_40gb --cluster configs/clusters/a100_4x.py":
         "test_aot.py::test_aot_fit_a100_readme_command",
     "python -m boost_jax.tools.aot --target h100 --devices 1 --config configs/cola_1b.py --mesh 1,1,1,1 --train-only "
-    "--profile --config.train.seq_len=256 --config.train.global_batch=32 --config.remat.policy=lowrank "
-    "--config.data.batching=stream": "test_step_profile.py::test_readme_profile_command",
+    "--profile --config.train.seq_len=256 --config.train.global_batch=32 --config.data.batching=stream": "test_step_profile.py::test_readme_profile_command",
     "python benchmarks/step_profile_fit.py --check": "test_step_profile.py::test_every_measured_h100_row_within_15_percent",
-    'python benchmarks/step_profile_trace.py --out DIR --rows "cola_1b lowrank 256"':
+    'python benchmarks/step_profile_trace.py --out DIR --rows "cola_1b auto 256"':
         "test_step_profile.py::test_trace_script_on_this_host",
     "python -m boost_jax.tools.step_profile --hlo NAME.hlo.gz --events NAME.events.json":
         "test_step_profile.py::test_trace_script_on_this_host",
