@@ -43,14 +43,15 @@ CASES = {
 RECORDED_ON = ("0.10.2", "Intel(R) Xeon(R) Processor")
 RTOL_ELSEWHERE = 1e-5
 RECORDED = {
-    'btp_2x2x2_accum2': [('0x1.6d18b00000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e860000000p+2', '0x1.bc08560000000p+0'), ('0x1.7520040000000p+2', '0x1.fa107e0000000p+0')],
+    # Re-recorded when the head's backward GEMMs took the compute dtype and the optimizer's update became one
+    # pass (model/loss.py _head, runtime/step.py optimizer_update): the third step's gradient norm moves in
+    # its last bits (0x1.fa1088p+0 -> 0x1.fa107ep+0 on one device); the first two steps' numbers are unchanged.
+    'btp_2x2x2_accum2': [('0x1.6d18b00000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e860000000p+2', '0x1.bc08560000000p+0'), ('0x1.7520040000000p+2', '0x1.fa10800000000p+0')],
     'btp_st_2x2x2': [('0x1.6d18ac0000000p+2', '0x1.2b1cfc0000000p+1'), ('0x1.725e860000000p+2', '0x1.bc085a0000000p+0'), ('0x1.7520040000000p+2', '0x1.fa10880000000p+0')],
-    'megatron_sp_pallas_norm': [('0x1.6d18ac0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e860000000p+2', '0x1.bc08580000000p+0'), ('0x1.7520020000000p+2', '0x1.fa107e0000000p+0')],
-    'one_device': [('0x1.6d18bc0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e800000000p+2', '0x1.bc08580000000p+0'), ('0x1.751ffa0000000p+2', '0x1.fa10880000000p+0')],
-    'sltrain_btp_tp2': [('0x1.73bdcc0000000p+2', '0x1.b2c9640000000p+1'), ('0x1.7423d00000000p+2', '0x1.79fc240000000p+1'), ('0x1.75da1a0000000p+2', '0x1.a21dda0000000p+1')],
-    # Re-recorded when the pipelined head + loss began to run per batch replica and pipeline micro-batch
-    # (issue 21): the loss is summed in another order (last-bit changes; was 0x1.6d18b2p+2 at step 0).
-    'vanilla_pipeline_fsdp_lowrank_remat': [('0x1.6d18ac0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e840000000p+2', '0x1.bc08580000000p+0'), ('0x1.7520040000000p+2', '0x1.fa10880000000p+0')],
+    'megatron_sp_pallas_norm': [('0x1.6d18ac0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e860000000p+2', '0x1.bc08580000000p+0'), ('0x1.7520020000000p+2', '0x1.fa10800000000p+0')],
+    'one_device': [('0x1.6d18bc0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e800000000p+2', '0x1.bc08580000000p+0'), ('0x1.751ffa0000000p+2', '0x1.fa107e0000000p+0')],
+    'sltrain_btp_tp2': [('0x1.73bdcc0000000p+2', '0x1.b2c9640000000p+1'), ('0x1.7423d00000000p+2', '0x1.79fc240000000p+1'), ('0x1.75da1a0000000p+2', '0x1.a21dd80000000p+1')],
+    'vanilla_pipeline_fsdp_lowrank_remat': [('0x1.6d18ac0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e840000000p+2', '0x1.bc08580000000p+0'), ('0x1.7520040000000p+2', '0x1.fa108a0000000p+0')],
 }
 
 
