@@ -152,7 +152,9 @@ def test_7b_tp4_fit_holds_within_10_percent():
     collectives lands on the file's bandwidth and latency. A 20% slower NVLink would fail."""
     validation = load_validation()
     assert {k for k, _ in A100.fitted} == {"intra_bandwidth", "intra_latency", "gemm_half_dim"}
-    assert H100.fitted == ()  # nothing on the H100 cluster is fitted
+    # the H100's fitted constants are its step-time ones (tests/test_planner_time.py); A100 prices no kept traffic
+    assert {k for k, _ in H100.fitted} <= {"gemm_efficiency", "flash_efficiency", "elementwise_passes", "kept_passes"}
+    assert A100.kept_passes == 0.0
     rows = validation.fitted_rows(A100)
     assert len(rows) == 4 and validation.check_fit(rows) == [], rows
     bandwidth, latency = validation.fit()
@@ -166,6 +168,9 @@ def test_7b_tp4_fit_holds_within_10_percent():
     bad = load_config_file(ROOT / "configs/clusters/a100_4x.py", "--cluster")
     bad.fitted = {"nvlink_bandwidth": "a typo"}
     with pytest.raises(ValueError, match="`fitted` names .*nvlink_bandwidth"):
+        from_dict(bad)
+    bad.fitted, bad.kept_passes = {}, -1.0  # an optional field, checked like the others
+    with pytest.raises(ValueError, match="kept_passes must be a number >= 0"):
         from_dict(bad)
 
 

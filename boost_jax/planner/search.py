@@ -292,7 +292,8 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         forward_colls = [c for op in whole for c in C.recomputed(op, "full")[3] + C.st_recomputed(op, "full")]
         pr._summaries[layer] = LayerSummary(
             ops=ops, cost=sum((pr.cost(k) for k in keys), C.Cost()) + sum(
-                (C.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys):]), C.Cost()),
+                (C.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys):]), C.Cost())
+            + C.Cost(kept=cl.kept_passes * carry / cl.hbm_bandwidth),  # the layer input a remat policy keeps
             norm_w=norm_w,
             fsdp_w=sum(op.weights for op in ops) - norm_w, grid_w=grid_w,
             tensor_colls=tensor_colls, recomputed=recomputed,
