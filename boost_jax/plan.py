@@ -69,7 +69,7 @@ def breakdown(p, layers: int) -> str:
     lc, rc = p.layer_cost, p.rest_cost
     m = p.memory
     layer = (f"{1e3 * lc.total:.2f} ms (compute {1e3 * lc.compute:.2f}, tensor comm {1e3 * lc.comm:.2f}, "
-             f"recompute {1e3 * lc.recompute:.2f})")
+             f"recompute {1e3 * lc.recompute:.2f}, kept activations' HBM traffic {1e3 * lc.kept:.2f})")
     stages = p.mesh.pipeline
     if stages > 1:
         ticks = p.repeats * p.microbatches + stages - 1

@@ -3,6 +3,8 @@ emulated CPU devices priced as H100s here), prints the pick and its prediction b
 step times, and says in one line what it cannot do."""
 import json
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 from conftest import small_config
@@ -14,6 +16,9 @@ from boost_jax.planner import Options, load_cluster, search
 from boost_jax.planner.auto import plan_run
 
 H100 = "clusters/h100_8x"
+ROOT = Path(__file__).resolve().parents[1]
+README_COMMAND = ("python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto "
+                  "--config.data.path=/data/c4_tok --config.data.eval_path=/data/c4_val_tok")
 
 
 def test_auto_trains_on_the_planners_pick(tmp_path, capsys):
@@ -84,3 +89,18 @@ def test_a_plan_that_does_not_fit_is_one_line():
     assert "\n" not in message and message.startswith("config field `parallel.plan`: auto: no plan for ")
     assert "fits 1 x h100_8x (72 GB usable per GPU); the smallest needs " in message
     assert message.endswith("use more devices or lower train.global_batch")
+
+
+def test_readme_command(monkeypatch):
+    """The README's auto command, parsed as the command line does, planned for 8 H100s: the pick line
+    the README shows, and a config the trainer validates."""
+    monkeypatch.chdir(ROOT)
+    readme = (ROOT / "README.md").read_text()
+    assert README_COMMAND in readme
+    cfg = train.parse_config(["train", *shlex.split(README_COMMAND)[3:]])
+    resolved, auto = plan_run(cfg, 8, "NVIDIA H100 80GB HBM3")
+    line = auto.describe()
+    shown = line.split(" (clusters/h100_8x;")[0]
+    assert f"\n{shown} (...)\n" in readme, line
+    train.validate(resolved)
+    assert resolved.parallel.fsdp * resolved.parallel.data * resolved.parallel.tensor * resolved.parallel.pipeline == 8

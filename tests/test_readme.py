@@ -80,6 +80,9 @@ COMMANDS = {
     "python benchmarks/aot_fit.py --fixed": "test_aot.py::test_aot_fit_fixed_plans_within_10_percent",
     "python benchmarks/aot_fit.py --target a100_40gb --cluster configs/clusters/a100_4x.py":
         "test_aot.py::test_aot_fit_a100_readme_command",
+    "python benchmarks/planner_time_fit.py": "test_planner_time.py::test_the_readme_command",
+    "python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto --config.data.path=/data/c4_tok "
+    "--config.data.eval_path=/data/c4_val_tok": "test_plan_auto.py::test_readme_command",
 }
 
 
