@@ -79,7 +79,9 @@ def test_search_space_and_mesh_products():
     assert any(p.runnable.startswith("no:") for p in res.plans)  # mixed / st plans are flagged
 
 
-PRUNE_CASES = {  # small spaces with pipelines (gpipe, circular, stage remat), context, st grids, HBM rejections
+# small spaces with pipelines (gpipe, circular, stage remat), context, st grids, HBM rejections; the 7B
+# ones run under `pytest -m slow`
+PRUNE_CASES = {
     "cola_7b on 8 H100": (sized_config("7b", "cola"), H100, 8, Options(batch=16, seq=256, top=5)),
     "cola_13b on 8 H100, pipelines": (sized_config("13b", "cola"), H100, 8, Options(batch=8, seq=256, top=3)),
     "llama_7b on 8 A100, seq 4096": (sized_config("7b", "dense"), A100, 8, Options(batch=8, seq=4096, top=3)),
@@ -87,7 +89,7 @@ PRUNE_CASES = {  # small spaces with pipelines (gpipe, circular, stage remat), c
 }
 
 
-@pytest.mark.parametrize("case", list(PRUNE_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "7b" in c else c for c in PRUNE_CASES])
 def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
     """Pricing in full only the plans whose lower bound can enter the result returns the same top plans
     and best runnable plan as pricing every plan, and the bound holds for every plan priced."""
