@@ -70,6 +70,7 @@ ST = "st"  # parallel.linear_partition: a group run as PrimePar's spatial-tempor
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
+PLANS = ("explicit", "auto")  # parallel.plan
 CONTEXT_ATTENTION = ("ring", "all_gather")  # parallel.context_attention (boost_jax/parallel/context.py)
 CONTEXT_KV = ("full", "bottleneck")  # parallel.context_kv
 BATCHINGS = ("stream", "packed", "document")  # data.batching (boost_jax/data/loader.py)
@@ -201,6 +202,13 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     r.pipeline = "none"
 
     p = c.parallel = ml_collections.ConfigDict()
+    # explicit | auto. auto: the trainer asks the planner (boost_jax/planner) for the best plan it can run on
+    # the devices it sees and runs it (mesh, strategy, remat, grad_accum, pipeline schedule, context),
+    # printing the pick and its predicted step time and memory (leave the mesh sizes parallel.* unset).
+    p.plan = "explicit"
+    # parallel.plan=auto: the cluster file the planner prices (configs/clusters/*.py or a packaged name
+    # such as clusters/h100_8x); "": the one for the detected device kind (H100, A100)
+    p.cluster = ""
     p.num_devices = 0  # use the first N devices (0: all)
     p.pipeline = 1  # pipeline stages; the layers are split evenly
     p.microbatches = 0  # pipeline micro-batches per pass (0: 2 per stage)
@@ -479,6 +487,17 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
           "parallel.pipeline > 1 or parallel.pipeline_schedule=gpipe")
     for name in ("pipeline", "data", "fsdp", "context", "tensor"):
         check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
+    check(p.plan in PLANS, "parallel.plan", f"{p.plan!r} is not one of {PLANS}")
+    if p.plan == "auto":
+        unset = {"pipeline": 1, "data": -1, "fsdp": 1, "context": 1, "tensor": 1}
+        chosen = [f"parallel.{k}={p[k]}" for k, v in unset.items() if p[k] != v]
+        check(not chosen, "parallel.plan",
+              f"auto picks the mesh itself, but {', '.join(chosen)} set it too; drop "
+              f"{'them' if len(chosen) > 1 else 'it'} or set parallel.plan=explicit")
+    else:
+        check(not p.cluster, "parallel.cluster",
+              f"{p.cluster!r} is the cluster parallel.plan=auto plans for, but parallel.plan={p.plan}; set "
+              "parallel.plan=auto or drop parallel.cluster")
     return c
 
 

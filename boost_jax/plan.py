@@ -69,7 +69,7 @@ def breakdown(p, layers: int) -> str:
     lc, rc = p.layer_cost, p.rest_cost
     m = p.memory
     layer = (f"{1e3 * lc.total:.2f} ms (compute {1e3 * lc.compute:.2f}, tensor comm {1e3 * lc.comm:.2f}, "
-             f"recompute {1e3 * lc.recompute:.2f})")
+             f"recompute {1e3 * lc.recompute:.2f}, kept activations' HBM traffic {1e3 * lc.kept:.2f})")
     stages = p.mesh.pipeline
     if stages > 1:
         ticks = p.repeats * p.microbatches + stages - 1
@@ -231,8 +231,9 @@ def main(argv=None) -> int:
           f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention} (priced as "
           f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py; "
           f"plans with context > 1 run {under_context(args.attention)})")
-    print(f"search: {res.considered} plans priced, {res.rejected_memory} over the usable "
-          f"{cluster.usable_hbm / GB:.0f} GB/GPU, in {res.seconds:.2f} s")
+    print(f"search: {res.considered} plans, {res.priced} priced in full (the others' lower bounds cannot enter the "
+          f"top {opts.top}), {res.rejected_memory} of those over the usable {cluster.usable_hbm / GB:.0f} GB/GPU, in "
+          f"{res.seconds:.2f} s")
     if not res.plans and res.smallest is None:  # nothing was priced: the choices exclude every plan
         layers = int(cfg.model.n_layers)
         raise SystemExit(f"no plan to price: no layout of {layers} layers on {args.devices} GPUs meets --pipeline "

@@ -34,6 +34,7 @@ from boost_jax.runtime.signals import STOP_SIGNALS, StopFlag, agree
 from boost_jax.validate import validate
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.py"  # packaged (a checkout: configs/)
+PREDICTION_WINDOWS = 3  # parallel.plan=auto: logged step times compared with the planner's prediction
 MAX_SKIPPED_IN_A_ROW = 20  # train.nonfinite=skip still stops when the run has clearly diverged
 ERRORS = (ConfigError, CheckpointError, TrainingDiverged, DistributedError, RunDirBusy, FileNotFoundError, ValueError)
 
@@ -53,11 +54,14 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
     if gpu_flags:
         say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/runtime/xla_gpu_flags.py; xla_gpu_flags=false "
             "leaves XLA_FLAGS alone)")
+    planned = None
+    if cfg.parallel.plan == "auto":
+        cfg, planned = _auto_plan(cfg, say)
     _use_compile_cache(cfg.compile_cache)
     with contextlib.nullcontext(stop) if stop is not None else StopFlag() as stop:
         run_dir, lock = open_run_dir(cfg, main_process)
         try:
-            return _train(cfg, run_dir, stop, say, config_file)
+            return _train(cfg, run_dir, stop, say, config_file, planned)
         except OSError as e:  # a full disk or a read-only mount under run_dir: one line, not a traceback
             failure = cannot_write(e, run_dir / "checkpoints")
             if failure is None:
@@ -67,10 +71,23 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
             lock.release()
 
 
-def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> dict:
+def _auto_plan(cfg, say):
+    """parallel.plan=auto: the config of the planner's best runnable plan for the devices this run
+    uses (boost_jax/planner/auto.py), validated, and the plan; its pick printed in one line."""
+    from boost_jax.parallel.mesh import mesh_devices
+    from boost_jax.planner.auto import plan_run
+
+    devices = mesh_devices(cfg.parallel)
+    cfg, planned = plan_run(cfg, len(devices), devices[0].device_kind)
+    say(planned.describe())
+    say(f"  (explicitly: {planned.plan.overrides})")
+    return validate(cfg), planned
+
+
+def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", planned=None) -> dict:
     main_process = jax.process_index() == 0
     built = build(cfg, validated=True)  # `run` validated it before JAX started
-    say(_startup_line(cfg, built, config_file))
+    say(_startup_line(cfg, built, config_file, planned))
     # This process group holds run_dir's lock: the checkpointer may clean up unfinished saves.
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
                         owner=True)
@@ -85,6 +102,10 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> di
     step = int(jax.device_get(state["step"]))
     report = Reporter(cfg, run_dir, main_process=main_process,
                       flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len))
+    if planned is not None:  # what parallel.plan=auto ran, and what the planner predicted for it
+        report.write(step, {"plan": "auto", "plan_overrides": planned.plan.overrides, "plan_cluster": planned.cluster_file,
+                            "planner_step_time_s": planned.plan.step_s,
+                            "planner_memory_gb": planned.plan.memory["total"] / 1e9})
     evaluate = _evaluator(built, eval_data)
     stop.committed = ckpt.committed_step
     if step < cfg.train.steps:
@@ -96,7 +117,8 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> di
         except EvalInterrupted:  # the loop's first step sees the signal: it saves and stops there
             say(f"{stop.signal or 'a signal'}: the evaluation at step {step} was stopped between batches")
     loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir, order=order,
-                 tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)))
+                 tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)),
+                 predicted_s=planned.plan.step_s if planned is not None else None)
     if changed:
         report.write(step, {"data_changed": 1, "data_changed_sources": ", ".join(changed)})
     try:
@@ -107,7 +129,7 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> di
     return _finish(run_dir, ckpt, report, loop, step, main_process)
 
 
-def _startup_line(cfg, built, config_file: str) -> str:
+def _startup_line(cfg, built, config_file: str, planned=None) -> str:
     """One line: the model, its parameters, the devices and mesh, the strategy, the batching, the config."""
     import math
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(built.spec.abstract["params"])
@@ -119,7 +141,8 @@ def _startup_line(cfg, built, config_file: str) -> str:
     auto = f" (auto: {autos.describe(picks)})" if picks else ""
     return (f"{cfg.name}: {m.linear} model, {params / 1e6:.2f}M parameters (d {m.d_model}, {m.n_layers} layers"
             f"{f', rank {m.rank}' if kind_class(m.linear).factored else ''}); {devices} {jax.default_backend()} device"
-            f"{'s' if devices > 1 else ''}, mesh {mesh}, strategy {p.strategy}{auto}; batch {t.global_batch} x "
+            f"{'s' if devices > 1 else ''}, mesh {mesh}{' (parallel.plan=auto)' if planned else ''}, strategy "
+            f"{p.strategy}{auto}; batch {t.global_batch} x "
             f"{t.seq_len} ({cfg.data.batching}, grad_accum {t.grad_accum}), {t.steps} steps; config "
             f"{config_file or 'given as a ConfigDict'}")
 
@@ -209,7 +232,7 @@ class _Loop:
     steps, signals), the report, evaluation and the checkpoint."""
 
     def __init__(self, cfg, built, ckpt, report, stop, train_data, evaluate, position: int, skipped: int,
-                 run_dir: Path, *, order: str, tokens_seen: int):
+                 run_dir: Path, *, order: str, tokens_seen: int, predicted_s: float | None = None):
         self.cfg, self.built, self.ckpt, self.report, self.stop = cfg, built, ckpt, report, stop
         self.data, self.evaluate, self.position, self.skipped = train_data, evaluate, position, skipped
         self.order, self.tokens_seen = order, tokens_seen  # the data order; input tokens that were not padding
@@ -219,6 +242,8 @@ class _Loop:
         self.profiler = Profiler(cfg.profile_steps, str(run_dir / "tensorboard"), report.note)
         self.mapped = getattr(train_data, "mapped", {})  # {token file: its size}, checked at log and save points
         self.state, self.step = None, 0  # the newest state and its step (the exit path reads them)
+        # parallel.plan=auto: the planner's step time, set beside the first PREDICTION_WINDOWS logged ones
+        self.predicted_s, self.windows = predicted_s, 0
 
     def run(self, state, step: int) -> tuple[dict, int]:
         t = self.cfg.train
@@ -260,8 +285,9 @@ class _Loop:
             self._check_finite(seen)
             self._count_tokens(seen)
             if due_log:
-                self.report.log(step, seen[-1][1], self.skipped, {"tokens_seen": self.tokens_seen,
-                                                                   **self.data.source_tokens(self.position)})
+                record = self.report.log(step, seen[-1][1], self.skipped, {"tokens_seen": self.tokens_seen,
+                                                                            **self.data.source_tokens(self.position)})
+                self._against_prediction(step, record["step_time_s"])
         if t.eval_every and (step % t.eval_every == 0 or step == end):
             try:
                 self.report.eval(step, self.evaluate(self.state["params"], stop=lambda: _stop_requested(self.stop)))
@@ -280,6 +306,17 @@ class _Loop:
         if signalled:
             self.stopped = signalled
         return bool(signalled)
+
+    def _against_prediction(self, step: int, measured_s: float) -> None:
+        """parallel.plan=auto: the first PREDICTION_WINDOWS logged step times beside the planner's
+        (the first window includes compiling the step), in the output and metrics.jsonl."""
+        if self.predicted_s is None or self.windows >= PREDICTION_WINDOWS:
+            return
+        self.windows += 1
+        ratio = measured_s / self.predicted_s
+        self.report.write(step, {"planner_step_time_s": self.predicted_s, "measured_over_planner": ratio})
+        self.report.note(f"step {step}: {measured_s:.3g} s per step, {ratio:.3g}x the planner's {self.predicted_s:.3g} s"
+                         + (" (this window includes compiling the step)" if self.windows == 1 else ""))
 
     def _count_tokens(self, seen) -> None:
         """Input tokens that are not padding (all of them in stream batches), for tokens/s, MFU and

@@ -188,6 +188,17 @@ def test_planner_pipelines(capsys):
         assert f"\n| {name} |" in text
 
 
+def test_planner_speed(tmp_path):
+    """planner_speed.py on the tiny config and 8 devices: pruned and exhaustive, the same plans."""
+    out = tmp_path / "speed.json"
+    assert load("planner_speed").main(["--config", TINY, "--devices", "8", "--repeat", "1", "--json", str(out)]) == 0
+    speed = json.loads(out.read_text())
+    assert speed["same_plans"] is True and set(speed["runs"]) == {"pruned", "exhaustive"}
+    runs = speed["runs"]
+    assert runs["pruned"]["considered"] == runs["exhaustive"]["considered"] == runs["exhaustive"]["priced"] > 0
+    assert 0 < runs["pruned"]["priced"] <= runs["exhaustive"]["priced"] and positive(runs["pruned"]["cpu_s"])
+
+
 def test_planner_study(tmp_path):
     out = tmp_path / "planner_study.json"
     assert load("planner_study").main(["--smoke", "--json", str(out)]) == 0

@@ -79,6 +79,54 @@ def test_search_space_and_mesh_products():
     assert any(p.runnable.startswith("no:") for p in res.plans)  # mixed / st plans are flagged
 
 
+# small spaces with pipelines (gpipe, circular, stage remat), context, st grids, HBM rejections; the 7B
+# ones run under `pytest -m slow`
+PRUNE_CASES = {
+    "cola_7b on 8 H100": (sized_config("7b", "cola"), H100, 8, Options(batch=16, seq=256, top=5)),
+    "cola_13b on 8 H100, pipelines": (sized_config("13b", "cola"), H100, 8, Options(batch=8, seq=256, top=3)),
+    "llama_7b on 8 A100, seq 4096": (sized_config("7b", "dense"), A100, 8, Options(batch=8, seq=4096, top=3)),
+    "cola_1b on 8 H100, context": (sized_config("1b", "cola"), H100, 8, Options(batch=2, seq=8192, top=4)),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "7b" in c else c for c in PRUNE_CASES])
+def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
+    """Pricing in full only the plans whose lower bound can enter the result returns the same top plans
+    and best runnable plan as pricing every plan, and the bound holds for every plan priced."""
+    import dataclasses
+    import sys
+
+    S = sys.modules["boost_jax.planner.search"]  # the module (the package exports its `search` function)
+    cfg, cluster, devices, opts = PRUNE_CASES[case]
+    cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), opts.seq)
+    pruned = search(cfg, cluster, devices, opts, flops_per_token=1.0)
+    bounds = []
+    evaluate = S.evaluate
+
+    def checked(pr, mesh, accum, layer, fpt, *pipeline):
+        plan = evaluate(pr, mesh, accum, layer, fpt, *pipeline)
+        bounds.append((S.lower_bound(pr, mesh, accum, layer, *pipeline), plan.step_s, plan))
+        return plan
+
+    monkeypatch.setattr(S, "evaluate", checked)
+    every = search(cfg, cluster, devices, dataclasses.replace(opts, prune=False), flops_per_token=1.0)
+
+    def key(p):
+        return (p.mesh, p.layer, p.remat, p.grad_accum, p.microbatches, p.schedule, p.repeats, p.stage_remat,
+                p.context_attention, p.context_kv, p.step_s, p.memory["total"])
+
+    assert [key(p) for p in pruned.plans] == [key(p) for p in every.plans] and len(every.plans) == opts.top
+    assert key(pruned.best_runnable) == key(every.best_runnable)
+    assert pruned.considered == every.considered == every.priced == len(bounds) > pruned.priced
+    assert all(bound <= step * (1 + 1e-9) for bound, step, _ in bounds)
+    priced = [p for _, _, p in bounds]  # the space the bounds were checked on
+    if "pipelines" in case:
+        assert {(p.schedule, p.stage_remat) for p in priced if p.mesh.pipeline > 1} == {
+            ("gpipe", "none"), ("gpipe", "stage"), ("circular", "none"), ("circular", "stage")}
+    if "context" in case:
+        assert any(p.mesh.context > 1 for p in priced)
+
+
 @pytest.mark.slow  # ~1.5 min: the whole 64-device search space
 def test_search_covers_64_devices_with_pipeline_stages():
     # (How long a search takes is printed by `python -m boost_jax.plan` ("... in N s"), not
@@ -152,7 +200,9 @@ def test_7b_tp4_fit_holds_within_10_percent():
     collectives lands on the file's bandwidth and latency. A 20% slower NVLink would fail."""
     validation = load_validation()
     assert {k for k, _ in A100.fitted} == {"intra_bandwidth", "intra_latency", "gemm_half_dim"}
-    assert H100.fitted == ()  # nothing on the H100 cluster is fitted
+    # the H100's fitted constants are its step-time ones (tests/test_planner_time.py); A100 prices no kept traffic
+    assert {k for k, _ in H100.fitted} <= {"gemm_efficiency", "flash_efficiency", "elementwise_passes", "kept_passes"}
+    assert A100.kept_passes == 0.0
     rows = validation.fitted_rows(A100)
     assert len(rows) == 4 and validation.check_fit(rows) == [], rows
     bandwidth, latency = validation.fit()
@@ -166,6 +216,9 @@ def test_7b_tp4_fit_holds_within_10_percent():
     bad = load_config_file(ROOT / "configs/clusters/a100_4x.py", "--cluster")
     bad.fitted = {"nvlink_bandwidth": "a typo"}
     with pytest.raises(ValueError, match="`fitted` names .*nvlink_bandwidth"):
+        from_dict(bad)
+    bad.fitted, bad.kept_passes = {}, -1.0  # an optional field, checked like the others
+    with pytest.raises(ValueError, match="kept_passes must be a number >= 0"):
         from_dict(bad)
 
 

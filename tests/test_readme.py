@@ -90,6 +90,9 @@ COMMANDS = {
         "test_step_profile.py::test_trace_script_on_this_host",
     "python -m boost_jax.tools.step_profile --hlo NAME.hlo.gz --events NAME.events.json":
         "test_step_profile.py::test_trace_script_on_this_host",
+    "python benchmarks/planner_time_fit.py": "test_planner_time.py::test_the_readme_command",
+    "python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto --config.data.path=/data/c4_tok "
+    "--config.data.eval_path=/data/c4_val_tok": "test_plan_auto.py::test_readme_command",
 }
 
 

@@ -25,6 +25,10 @@ class Cluster:
     gemm_half_dim: float
     flash_efficiency: float
     elementwise_passes: float
+    # HBM passes per byte of activation a layer keeps for its backward (the scanned layer stack writes
+    # each kept array into its stacked residual and the backward reads it back, through copies XLA adds
+    # around the loop); 0: not priced (cost.price, `kept`)
+    kept_passes: float = 0.0
     # (field, the data it was fitted to) for every number chosen to reproduce a measurement; the
     # other fields are datasheet values or stated assumptions (the cluster file says which).
     fitted: tuple = ()
@@ -49,6 +53,7 @@ _FIELDS = ("name", "gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bandwidth", 
 
 
 FRACTIONS = ("usable_hbm_fraction", "gemm_efficiency", "flash_efficiency")  # shares of a whole: at most 1
+OPTIONAL = {"kept_passes": 0.0}  # fields a cluster file may leave out, with the value they then take
 
 
 def from_dict(c) -> Cluster:
@@ -66,11 +71,20 @@ def from_dict(c) -> Cluster:
             raise ValueError(f"--cluster: {f} is a fraction, at most 1, got {c[f]!r}")
     if int(float(c["gpus_per_node"])) != float(c["gpus_per_node"]):
         raise ValueError(f"--cluster: gpus_per_node must be a whole number, got {c['gpus_per_node']!r}")
+    optional = {}
+    for f, default in OPTIONAL.items():
+        value = c[f] if f in c else default
+        try:
+            optional[f] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"--cluster: {f} must be a number, got {value!r}") from None
+        if not (optional[f] >= 0 and math.isfinite(optional[f])) or isinstance(value, bool):
+            raise ValueError(f"--cluster: {f} must be a number >= 0, got {value!r}")
     fitted = dict(c["fitted"].items()) if "fitted" in c and c["fitted"] else {}
-    unknown = [f for f in fitted if f not in _FIELDS[1:]]
+    unknown = [f for f in fitted if f not in _FIELDS[1:] + tuple(OPTIONAL)]
     if unknown:
         raise ValueError(f"--cluster: `fitted` names {unknown}, which are not cluster fields; use some of "
-                         f"{list(_FIELDS[1:])}")
+                         f"{list(_FIELDS[1:] + tuple(OPTIONAL))}")
     return Cluster(
         name=str(c["name"]), gpus_per_node=int(c["gpus_per_node"]), peak_flops=float(c["peak_flops"]),
         hbm_bytes=float(c["hbm_bytes"]), hbm_bandwidth=float(c["hbm_bandwidth"]),
@@ -79,6 +93,7 @@ def from_dict(c) -> Cluster:
         inter=Link(float(c["inter_bandwidth"]), float(c["inter_latency"])),
         gemm_efficiency=float(c["gemm_efficiency"]), gemm_half_dim=float(c["gemm_half_dim"]),
         flash_efficiency=float(c["flash_efficiency"]), elementwise_passes=float(c["elementwise_passes"]),
+        **optional,
         fitted=tuple((str(k), str(v)) for k, v in fitted.items()))
 
 

@@ -11,6 +11,11 @@ permutes overlap the step's GEMM (Σ_t max(compute, comm)); data/fsdp collective
 whole micro-batch (see search.evaluate). Pipeline stage hand-overs (one collective-permute of the
 residual per GPipe tick, each way) sit on the critical path too: the next tick's stage reads them.
 
+Kept activations: every byte an operator keeps for the backward (saved_bytes, by the remat policy)
+moves through HBM cluster.kept_passes times (fitted to measured steps: the scanned layer stack writes
+it into its stacked residual and reads it back in the backward, with the copies XLA adds around the
+loop); it is why a step that keeps little (remat) can be faster than one that keeps everything.
+
 Compute: a GEMM (m, k, n) takes 2mkn / (peak · e · s(m) s(k) s(n)), s(x) = x / (x + h): the skinny-GEMM
 penalty (h = cluster.gemm_half_dim). Backward = 2 GEMMs of the same shape up to transposition, so
 twice the forward. Elementwise work is HBM traffic: elementwise_passes x activation bytes.
@@ -255,16 +260,17 @@ class Cost:
     compute: float = 0.0  # GEMMs, attention, elementwise; forward + backward
     comm: float = 0.0  # exposed tensor-axis collectives, forward + backward
     recompute: float = 0.0  # what the remat policy re-runs in the backward (compute and collectives)
+    kept: float = 0.0  # the HBM traffic of the activations kept for the backward (cluster.kept_passes)
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm + self.recompute
+        return self.compute + self.comm + self.recompute + self.kept
 
     def __add__(self, o: Cost) -> Cost:
-        return Cost(self.compute + o.compute, self.comm + o.comm, self.recompute + o.recompute)
+        return Cost(self.compute + o.compute, self.comm + o.comm, self.recompute + o.recompute, self.kept + o.kept)
 
     def scale(self, x: float) -> Cost:
-        return Cost(self.compute * x, self.comm * x, self.recompute * x)
+        return Cost(self.compute * x, self.comm * x, self.recompute * x, self.kept * x)
 
 
 def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
@@ -329,7 +335,9 @@ def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "mate
     elementwise = cluster.elementwise_passes * op.acts * act_bytes / cluster.hbm_bandwidth
     cost = Cost(compute=op.gemm_passes * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
                 comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls if not ring_permute(c))
-                + ring_exposed(op, attn, cluster, act_bytes))
+                + ring_exposed(op, attn, cluster, act_bytes),
+                kept=cluster.kept_passes * saved_bytes(op, policy, act_bytes) / cluster.hbm_bandwidth
+                if cluster.kept_passes else 0.0)
     if policy != "none":
         g_re, st_re, attn_re, c_re = recomputed(op, policy)
         cost.recompute = (sum(gemm_seconds(g.m, g.k, g.n, cluster) for g in g_re)

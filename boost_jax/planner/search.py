@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import time
 
 from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV
@@ -75,6 +76,9 @@ class Options:
     keep: int = 8  # DP paths kept per state
     act_bytes: int = 2  # bf16 activations
     check_memory: bool = True
+    # price in full only the plans whose lower bound could enter the result (search's docstring); False:
+    # every plan (the same result, slower)
+    prune: bool = True
     # parallel.context sizes to search (each splitting seq into 2C equal chunks); (): every divisor of
     # the devices that does (unpipelined plans; see context_sizes)
     context: tuple = ()
@@ -131,7 +135,8 @@ class Result:
     considered: int
     rejected_memory: int
     seconds: float
-    smallest: Plan | None  # the least memory of all considered (to explain an empty result)
+    smallest: Plan | None  # the least memory of the plans priced (all of them when none fits: it explains that)
+    priced: int = 0  # plans priced in full (the others' lower bounds showed they cannot enter the result)
 
 
 # ---------------------------------------------------------------- one (tensor size, micro-batch, policy)
@@ -145,6 +150,7 @@ class Pricer:
         self._costs: dict = {}
         self._summaries: dict = {}
         self._rest: dict = {}
+        self._bounds: dict = {}  # (layer, micro-batches, stage remat) -> what lower_bound reads
         self.layers: list | None = None
 
     def op(self, key) -> P.Op | None:
@@ -197,7 +203,7 @@ def solve_segment(pr: Pricer, seg, residual: str, k: int) -> list[tuple[float, t
     """k best (seconds, (first choice, core layout, last choice)) for a segment entered and left in
     `residual`: a DP over the activation's layout between the operators."""
     st = Stages(pr, seg, residual)
-    firsts, lasts = P.group_choices(pr.ctx, seg[0]), P.group_choices(pr.ctx, seg[2])
+    firsts, lasts = group_choices(pr.ctx, seg[0]), group_choices(pr.ctx, seg[2])
     state: dict[str, list] = {}
     for first in firsts:  # stage 1 -> state = the first group's output layout
         state.setdefault(first[2], []).append((pr.seconds(st.first(first)), (first,)))
@@ -236,7 +242,7 @@ def layer_keys(pr: Pricer, layer: Layer) -> list:
     choice = dict(zip(P.GROUPS, layer.choices))
     keys = []
     for seg, core in zip(SEGMENTS, (layer.attention, layer.act)):
-        first, last = ({c[0]: c for c in P.group_choices(pr.ctx, g)}[choice[g]] for g in (seg[0], seg[2]))
+        first, last = ({c[0]: c for c in group_choices(pr.ctx, g)}[choice[g]] for g in (seg[0], seg[2]))
         st = Stages(pr, seg, layer.residual)
         keys += st.first(first) + st.core(first[2], core) + st.last(core, last)
     return keys
@@ -257,10 +263,12 @@ class LayerSummary:
     saved: float  # activation bytes kept for the backward (the remat policy's, plus its carry)
     working: float  # one layer's recomputed activations during its backward under remat
     tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
-    forward: float  # seconds of the layer's forward alone (what remat.pipeline=stage re-runs)
-    forward_colls: list  # the collectives that forward runs (tensor axis; st's permutes)
     kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
     bottleneck: float = 0.0  # σ(A·x) A output elements the layer keeps (see cost.PIPELINED_SIGMA)
+    # seconds of the layer's forward alone (what remat.pipeline=stage re-runs) and the collectives it
+    # runs (tensor axis; st's permutes): priced on first use (stage_forward)
+    forward: float | None = None
+    forward_colls: list | None = None
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
@@ -285,23 +293,30 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         for c in tensor_colls + recomputed:
             links["inter" if cl.spans_nodes(c.stride, c.size) else "intra"] += C.link_bytes(
                 c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
-        # remat.pipeline=stage re-runs the whole forward of the stage (every operator, the layer's
-        # output edge included) before its backward, whatever the layer policy keeps inside.
-        whole = [dataclasses.replace(op, recompute=True) for op in ops]
-        forward = sum(C.price(op, cl, "full", ctx.attention, opts.act_bytes).recompute for op in whole)
-        forward_colls = [c for op in whole for c in C.recomputed(op, "full")[3] + C.st_recomputed(op, "full")]
         pr._summaries[layer] = LayerSummary(
             ops=ops, cost=sum((pr.cost(k) for k in keys), C.Cost()) + sum(
-                (C.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys):]), C.Cost()),
+                (C.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys):]), C.Cost())
+            + C.Cost(kept=cl.kept_passes * carry / cl.hbm_bandwidth),  # the layer input a remat policy keeps
             norm_w=norm_w,
             fsdp_w=sum(op.weights for op in ops) - norm_w, grid_w=grid_w,
             tensor_colls=tensor_colls, recomputed=recomputed,
             saved=sum(C.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
             working=C.backward_working(ops, policy, opts.act_bytes),
-            tensor_links=links, forward=forward, forward_colls=forward_colls,
+            tensor_links=links,
             kept_none=sum(C.saved_bytes(op, "none", opts.act_bytes) for op in ops),
             bottleneck=sum(op.bottleneck for op in ops))
     return pr._summaries[layer]
+
+
+def stage_forward(pr: Pricer, s: LayerSummary) -> LayerSummary:
+    """`s` with its forward and forward_colls: remat.pipeline=stage re-runs the whole forward of the
+    stage (every operator, the layer's output edge included) before its backward, whatever the layer
+    policy keeps inside. Priced once, where a plan needs it."""
+    if s.forward is None:
+        whole = [dataclasses.replace(op, recompute=True) for op in s.ops]
+        s.forward = sum(C.price(op, pr.cluster, "full", pr.ctx.attention, pr.opts.act_bytes).recompute for op in whole)
+        s.forward_colls = [c for op in whole for c in C.recomputed(op, "full")[3] + C.st_recomputed(op, "full")]
+    return s
 
 
 def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost]:
@@ -368,11 +383,31 @@ def linear_partition(layer: Layer) -> str:
     return P.ST if len(groups) == len(P.GROUPS) else ",".join(f"{g}={P.ST}" for g in groups)
 
 
+_RUNNABLE: dict = {}  # runnable's answers within one search (cleared when a search or plan_for starts)
+_CHOICES: dict = {}  # group_choices' answers, the same
+
+
+def group_choices(ctx: P.Ctx, group: str) -> list:
+    """partitions.group_choices, memoised within one search (it depends on the block, the tensor size
+    and the st grid's side)."""
+    key = (ctx.block, ctx.t, ctx.n, group)
+    if key not in _CHOICES:
+        _CHOICES[key] = P.group_choices(ctx, group)
+    return _CHOICES[key]
+
+
 def runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
     """("yes", strategy, sequence_parallel) if the trainer runs this layer as one of its strategies
     (their rule tables, read by partitions.strategy_layers) with its st groups spatial-temporal
     (parallel.linear_partition), else ("no: why", "", False). On one tensor shard every strategy runs
     alike: the first registered one the model's kind takes."""
+    key = (block.factored, block.online_norm, mesh.tensor == 1, layer)
+    if key not in _RUNNABLE:
+        _RUNNABLE[key] = _runnable(block, mesh, layer)
+    return _RUNNABLE[key]
+
+
+def _runnable(block: P.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
     tables = [t for t in P.strategy_layers(block.factored, block.online_norm) if block.factored or not t.factored_only]
     if mesh.tensor == 1 and tables:
         return "yes", tables[0].name, False
@@ -401,6 +436,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     elif schedule == "gpipe":
         repeats = 1
     staged = stage_remat == "stage"
+    if staged:
+        stage_forward(pr, s)
     ticks, per_stage = C.pipeline_ticks(stages, m, repeats), b.layers // stages
     per_tick = per_stage // repeats  # layers one stage runs per tick (one chunk)
     runs = ticks * per_tick  # layer passes per device per accumulation micro-batch (bubble ticks included)
@@ -702,6 +739,8 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
     block = P.Block.from_config(cfg)
     opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined),  # read once, not per plan
                                double_buffered=C.double_buffering(opts.double_buffered))
+    _RUNNABLE.clear()
+    _CHOICES.clear()
     stages = mesh.pipeline
     m = (microbatches or 2 * stages) if stages > 1 else 1
     if block.layers % stages:
@@ -745,7 +784,15 @@ def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, r
 
 
 def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: float | None = None) -> Result:
-    """The top plans for `devices` GPUs of `cluster` training `cfg` at opts.batch x opts.seq."""
+    """The top plans for `devices` GPUs of `cluster` training `cfg` at opts.batch x opts.seq.
+
+    Every plan of the space gets a lower bound on its step time first (`lower_bound`: its layers,
+    embedding, head and optimizer, without the stage hand-overs and exposed data/fsdp traffic that
+    only add); plans are then priced in full in the order of their bounds, and a plan whose bound
+    exceeds both the opts.top-th best distinct plan found so far and (for a plan the trainer runs)
+    the best runnable one cannot enter the result, so it is not priced (opts.prune; False prices
+    every plan). The result is the same either way; `smallest` is the least memory among the plans
+    priced, which is every plan when none fits (the case it explains)."""
     block = P.Block.from_config(cfg)
     opts = dataclasses.replace(opts, pipelined=C.pipeliner(opts.pipelined),  # read once, not per plan
                                double_buffered=C.double_buffering(opts.double_buffered))
@@ -753,13 +800,15 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     contexts = context_sizes(devices, opts.seq, opts, opts.attention)
     kinds = {c: plan_attention(opts, block, c) for c in contexts}
     start = time.perf_counter()
+    _RUNNABLE.clear()
+    _CHOICES.clear()
     pricers: dict = {}
-    plans, considered, rejected, smallest = [], 0, 0, None
+    candidates = []  # (lower bound, index, pricer, mesh, accum, layer, micro, schedule, repeats, stage remat)
     for mesh in meshes(devices, stage_counts(devices, block.layers, opts), contexts):
         ways = mesh.data * mesh.fsdp
         grid = mesh.fsdp == mesh.tensor and mesh.context == 1
         kind = kinds[mesh.context]
-        if any(not P.group_choices(P.Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g) for g in P.GROUPS):
+        if any(not group_choices(P.Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g) for g in P.GROUPS):
             continue  # no choice splits some group over this tensor size
         accums = [opts.grad_accum] if opts.grad_accum else _divisors(opts.batch)
         for accum in accums:
@@ -776,18 +825,43 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
                     if key not in pricers:
                         pricers[key] = Pricer(P.Ctx(block, mesh.tensor, tokens, opts.seq, grid, kind, opts.act_bytes,
                                                     mesh.context, attention, kv), cluster, policy, opts)
-                    for layer in best_layers(pricers[key], opts.keep):
+                    pr = pricers[key]
+                    for layer in best_layers(pr, opts.keep):
                         for schedule, repeats, staged in pipeline_variants(block.layers, mesh.pipeline, micro, opts):
-                            plan = evaluate(pricers[key], mesh, accum, layer, fpt, micro, schedule, repeats, staged)
-                            considered += 1
-                            if smallest is None or plan.memory["total"] < smallest.memory["total"]:
-                                smallest = plan
-                            if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
-                                rejected += 1
-                                continue
-                            plans.append(plan)
-    # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path.
-    plans.sort(key=lambda p: (p.step_s, p.runnable != "yes", p.layer_cost.total))
+                            bound = lower_bound(pr, mesh, accum, layer, micro, schedule, repeats, staged) if opts.prune \
+                                else 0.0
+                            candidates.append((bound, len(candidates), pr, mesh, accum, layer, micro, schedule, repeats,
+                                               staged))
+    if opts.prune:
+        candidates.sort(key=lambda c: (c[0], c[1]))
+    plans, priced, rejected, smallest = [], 0, 0, None
+    best: dict = {}  # distinct partitioning -> its fastest fitting plan's step
+    kth = best_runnable_s = math.inf  # the opts.top-th distinct step; the fastest runnable step
+    for bound, index, pr, mesh, accum, layer, micro, schedule, repeats, staged in candidates:
+        if opts.prune and bound * (1 - 1e-9) > kth:
+            if bound * (1 - 1e-9) > best_runnable_s:
+                break  # sorted by bound: no later plan can enter the result either
+            if runnable(block, mesh, layer)[0] != "yes":
+                continue  # it can only be the best runnable plan, and it is not runnable
+        plan = evaluate(pr, mesh, accum, layer, fpt, micro, schedule, repeats, staged)
+        priced += 1
+        if smallest is None or plan.memory["total"] < smallest.memory["total"]:
+            smallest = plan
+        if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
+            rejected += 1
+            continue
+        plans.append((plan, index))
+        if plan.runnable == "yes":
+            best_runnable_s = min(best_runnable_s, plan.step_s)
+        distinct = (plan.mesh, plan.layer, plan.context_attention, plan.context_kv)
+        if plan.step_s < best.get(distinct, math.inf):
+            best[distinct] = plan.step_s
+            if plan.step_s < kth and len(best) >= opts.top:
+                kth = heapq.nsmallest(opts.top, best.values())[-1]
+    # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path, then to
+    # the search order.
+    plans = [p for p, _ in sorted(plans, key=lambda x: (x[0].step_s, x[0].runnable != "yes",
+                                                        x[0].layer_cost.total, x[1]))]
     top, seen = [], set()
     for p in plans:  # distinct partitionings (and context modes), each at its best micro-batching and remat
         if (p.mesh, p.layer, p.context_attention, p.context_kv) not in seen:
@@ -796,4 +870,27 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
         if len(top) == opts.top:
             break
     best_runnable = next((p for p in plans if p.runnable == "yes"), None)
-    return Result(top, best_runnable, considered, rejected, time.perf_counter() - start, smallest)
+    return Result(top, best_runnable, len(candidates), rejected, time.perf_counter() - start, smallest, priced)
+
+
+def lower_bound(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, microbatches: int = 1,
+                schedule: str = "gpipe", repeats: int = 1, stage_remat: str = "none") -> float:
+    """A lower bound on evaluate(...).step_s, cheap to compute: the same layer passes, embedding,
+    head and optimizer, without the stage hand-overs and the exposed data/fsdp traffic (both >= 0)."""
+    b = pr.ctx.block
+    stages = mesh.pipeline
+    m = microbatches if stages > 1 else 1
+    if stages == 1 or schedule == "gpipe":
+        repeats = 1
+    staged = stages > 1 and stage_remat == "stage"
+    key = (layer, m, staged)
+    if key not in pr._bounds:
+        s = layer_summary(pr, layer)
+        rest, rest_cost = rest_ops(pr, layer.residual, m)
+        pr._bounds[key] = (s.cost.total + (stage_forward(pr, s).forward if staged else 0.0), s.fsdp_w + s.grid_w,
+                           s.norm_w, rest_cost.total, sum(op.weights for op in rest) - b.d)
+    layer_s, sharded_w, norm_w, rest_s, rest_fsdp_w = pr._bounds[key]
+    per_stage = b.layers // stages
+    runs = C.pipeline_ticks(stages, m, repeats) * (per_stage // repeats)
+    params = per_stage * (sharded_w / mesh.fsdp + norm_w) + rest_fsdp_w / mesh.fsdp + b.d
+    return grad_accum * (runs * layer_s + rest_s) + params * C.OPTIMIZER_TRAFFIC / pr.cluster.hbm_bandwidth

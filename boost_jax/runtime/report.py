@@ -51,9 +51,9 @@ class Reporter:
         """Input tokens of a finished step that are not padding (what tokens/s and MFU count)."""
         self.window_tokens += n
 
-    def log(self, step: int, m: dict, skipped: int, extra: dict) -> None:
+    def log(self, step: int, m: dict, skipped: int, extra: dict) -> dict:
         """One logging window: loss, perplexity, grad norm, lr, step time, tokens/s, TFLOP/s, MFU, and
-        the fraction of row slots that were padding (data.batching packed/document)."""
+        the fraction of row slots that were padding (data.batching packed/document); returns the record."""
         elapsed = time.perf_counter() - self.window_start
         rate = throughput(self.window_tokens, elapsed, self.flops_per_token, self.n_devices, self.device_kind)
         slots = self.tokens_per_step * self.window_steps
@@ -68,6 +68,7 @@ class Reporter:
         self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.3f}", tok_s=f"{rate['tokens_per_s']:.0f}",
                              mfu=fmt_mfu(rate["mfu"]))
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
+        return record
 
     def eval(self, step: int, result, say: bool = True) -> None:
         """result: the eval loss, or runtime/evaluation.py's dict (then CoLA's reported form is logged

@@ -1,11 +1,14 @@
 """DGX/HGX H100 nodes: 8 x H100-SXM5-80GB per node, NVLink4 + NVSwitch inside, one InfiniBand NDR
 NIC per GPU between. Bandwidths are per GPU and *effective* (what a ring collective achieves).
 
-Provenance: nothing here is fitted to a measurement of ours or BOOST's (`c.fitted` is empty):
-peaks and bandwidths are datasheet values, link efficiencies and kernel efficiencies are published
-benchmark figures (nccl-tests, cuBLAS, FlashAttention papers) or assumptions, as each comment says.
-Plans on this cluster are model predictions only (benchmarks/planner.md keeps them apart from the
-fitted A100 comparison)."""
+Provenance: peaks and bandwidths are datasheet values, link efficiencies and kernel efficiencies are
+published benchmark figures (nccl-tests, cuBLAS, FlashAttention papers) or assumptions, as each
+comment says. The step-time constants in the block at the end (`c.fitted` lists them) are fitted to
+the train steps measured on one H100 (benchmarks/h100_measured.json: cola_1b and llama_1b at seq 256 x
+32 and 4096 x 4, each remat policy) by `python benchmarks/planner_time_fit.py --write`, which chooses
+which constants to fit by leave-one-out and rewrites the block; tests/test_planner_time.py checks
+those rows within 15% and the planner's remat pick against the measured fastest. Nothing multi-GPU
+is measured: the links and everything a plan on several GPUs adds are predictions."""
 import ml_collections
 
 
@@ -35,5 +38,16 @@ def get_config():
     # FlashAttention-2 on H100 reaches ~350 TFLOP/s fwd+bwd, FlashAttention-3 ~600: take 0.45 of peak.
     c.flash_efficiency = 0.45
     c.elementwise_passes = 6  # see a100_4x.py
+    # HBM passes per byte of activation kept for the backward (boost_jax/planner/cost.py): not known
+    # from a datasheet; 0 leaves it unpriced, the fitted block below sets it
+    c.kept_passes = 0.0
     c.fitted = {}
+    # planner_time_fit: begin (written by `python benchmarks/planner_time_fit.py --write`; it overrides the
+    # values above with the constants fitted to the measured steps)
+    c.kept_passes = 8.917
+    c.fitted = {
+        "kept_passes": "8.917: least squares of the relative step-time error over the 8 fit "
+                "rows of benchmarks/h100_measured.json (2026-11-26 to 2026-11-27; leave-one-out RMS 5.4%)",
+    }
+    # planner_time_fit: end
     return c

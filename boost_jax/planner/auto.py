@@ -1,0 +1,116 @@
+"""parallel.plan=auto: the planner's best runnable plan for a run config on the devices the trainer sees,
+and the config that runs it.
+
+The trainer (boost_jax/train.py) calls `plan_run(cfg, devices, device_kind)` before it builds the
+step: the cluster is parallel.cluster's file, else the packaged one for the device kind
+(DEVICE_CLUSTERS); the search is `python -m boost_jax.plan`'s at the config's batch, sequence length
+and attention, every mesh, remat policy, gradient accumulation and pipeline schedule; the plan's
+`--config.*` overrides (the ones the CLI prints) are applied to the config after the fields a plan
+decides are reset to their defaults. Nothing here imports jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from boost_jax.errors import ConfigError
+from boost_jax.planner.cluster import Cluster, load_cluster
+from boost_jax.planner.search import Options, Plan, search
+
+# (a substring of jax's device_kind, the packaged cluster file for it), first match wins
+DEVICE_CLUSTERS = (("H100", "clusters/h100_8x"), ("A100", "clusters/a100_4x"))
+# the config fields a plan decides: reset to base_config()'s values before its overrides apply
+DECIDES = ("parallel.pipeline", "parallel.microbatches", "parallel.pipeline_schedule", "parallel.pipeline_repeats",
+           "parallel.data", "parallel.fsdp", "parallel.context", "parallel.context_attention", "parallel.context_kv",
+           "parallel.tensor", "parallel.strategy", "parallel.sequence_parallel", "parallel.linear_partition",
+           "remat.policy", "remat.pipeline", "train.grad_accum")
+GB = 1e9
+
+
+@dataclasses.dataclass
+class AutoPlan:
+    plan: Plan
+    cluster: Cluster
+    cluster_file: str
+    devices: int
+    considered: int
+    seconds: float
+
+    def describe(self) -> str:
+        """One line: the pick, its predicted step time and memory, and the search."""
+        p, m = self.plan, self.plan.mesh
+        parts = [f"mesh {m} (pipeline x data x fsdp x tensor{' c context' if m.context > 1 else ''})",
+                 f"strategy {p.strategy}" + (" + sequence parallel" if p.sequence_parallel else ""),
+                 f"remat {p.remat}", f"grad_accum {p.grad_accum}"]
+        if m.pipeline > 1:
+            parts.append(f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''} M{p.microbatches}"
+                         + (" + stage remat" if p.stage_remat == "stage" else ""))
+        if m.context > 1:
+            parts.append(f"context {p.context_attention} / {p.context_kv}")
+        return (f"parallel.plan=auto: {', '.join(parts)}; the planner predicts {1e3 * p.step_s:.3g} ms per step and "
+                f"{p.memory['total'] / GB:.3g} GB per GPU on {self.devices} x {self.cluster.name} "
+                f"({self.cluster_file}; the best runnable of {self.considered:,} plans, searched in {self.seconds:.1f} s)")
+
+
+def cluster_file(cfg, device_kind: str) -> str:
+    """parallel.cluster, else the packaged cluster of the device kind (a ConfigError naming the field
+    where neither is known)."""
+    if cfg.parallel.cluster:
+        return str(cfg.parallel.cluster)
+    for part, name in DEVICE_CLUSTERS:
+        if part.lower() in device_kind.lower():
+            return name
+    raise ConfigError(f"config field `parallel.cluster`: parallel.plan=auto has no cluster file for device kind "
+                      f"{device_kind!r}; name one, e.g. --config.parallel.cluster=clusters/h100_8x (known kinds: "
+                      f"{', '.join(k for k, _ in DEVICE_CLUSTERS)})")
+
+
+def plan_run(cfg, devices: int, device_kind: str) -> tuple[object, AutoPlan]:
+    """(the explicit config that runs the planner's best runnable plan, the AutoPlan) for `devices` devices of
+    `device_kind`. A ConfigError (one line) when no plan the trainer runs fits."""
+    path = cluster_file(cfg, device_kind)
+    try:
+        cluster = load_cluster(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"config field `parallel.cluster`: {str(e).replace('--cluster: ', '')}") from None
+    t = cfg.train
+    opts = Options(batch=int(t.global_batch), seq=int(t.seq_len), attention=str(cfg.model.attention), top=1)
+    try:
+        res = search(cfg, cluster, devices, opts)
+    except ValueError as e:
+        raise ConfigError(f"config field `parallel.plan`: auto: {e}") from None
+    where = f"{devices} x {cluster.name} ({cluster.usable_hbm / GB:.0f} GB usable per GPU)"
+    if res.best_runnable is None:
+        if not res.plans and res.smallest is not None:
+            s = res.smallest
+            raise ConfigError(f"config field `parallel.plan`: auto: no plan for {cfg.name} at batch {t.global_batch} x "
+                              f"seq {t.seq_len} fits {where}; the smallest needs {s.memory['total'] / GB:.1f} GB "
+                              f"(mesh {s.mesh}, remat {s.remat}): use more devices or lower train.global_batch")
+        raise ConfigError(f"config field `parallel.plan`: auto: no plan the trainer can run for {cfg.name} fits {where}"
+                          + (f" (the best fitting one: {res.plans[0].runnable})" if res.plans else "")
+                          + "; set the mesh yourself with parallel.plan=explicit")
+    auto = AutoPlan(res.best_runnable, cluster, path, devices, res.considered, res.seconds)
+    return apply(cfg, res.best_runnable.overrides), auto
+
+
+def apply(cfg, overrides: str):
+    """A copy of cfg with the fields a plan decides reset to their defaults and the plan's
+    `--config.KEY=VALUE` overrides set (each value as the field's type): the explicit config of the
+    plan (parallel.plan=explicit, parallel.cluster unset), what the run records in its config.json."""
+    from boost_jax.config import base_config
+
+    out = cfg.copy_and_resolve_references()
+    out.parallel.plan, out.parallel.cluster = "explicit", ""
+    defaults = base_config()
+    for key in DECIDES:
+        section, name = key.split(".")
+        out[section][name] = defaults[section][name]
+    for flag in overrides.split():
+        key, _, value = flag.removeprefix("--config.").partition("=")
+        *path, name = key.split(".")
+        node = out
+        for part in path:
+            node = node[part]
+        old = node[name]
+        node[name] = (value == "true" if isinstance(old, bool) else type(old)(value)
+                      if isinstance(old, (int, float, str)) else value)
+    return out

@@ -1,0 +1,106 @@
+"""parallel.plan=auto: the trainer runs the planner's best runnable plan for the devices it sees (8
+emulated CPU devices priced as H100s here), prints the pick and its prediction beside the first logged
+step times, and says in one line what it cannot do."""
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from conftest import small_config
+
+from boost_jax import train
+from boost_jax.config import base_config, check_fields, sized_config
+from boost_jax.errors import ConfigError
+from boost_jax.planner import Options, load_cluster, search
+from boost_jax.planner.auto import plan_run
+
+H100 = "clusters/h100_8x"
+ROOT = Path(__file__).resolve().parents[1]
+README_COMMAND = ("python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto "
+                  "--config.data.path=/data/c4_tok --config.data.eval_path=/data/c4_val_tok")
+
+
+def test_auto_trains_on_the_planners_pick(tmp_path, capsys):
+    # batch 4 on 8 devices: the default mesh (data 8) cannot split it, so the planner's pick is not it
+    cfg = small_config(tmp_path / "run", **{"parallel.plan": "auto", "parallel.cluster": H100, "train.global_batch": 4,
+                                            "train.steps": 4, "train.log_every": 1, "train.eval_every": 0})
+    out = train.run(cfg)
+    text = capsys.readouterr().out
+    # the planner's own answer for these devices, asked directly
+    want = search(cfg, load_cluster(H100), 8, Options(batch=4, seq=16, attention=cfg.model.attention, top=1))
+    pick = want.best_runnable
+    assert pick.mesh.data < 8
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())["parallel"]
+    assert (ran["pipeline"], ran["data"], ran["fsdp"], ran["tensor"], ran["context"]) == (
+        pick.mesh.pipeline, pick.mesh.data, pick.mesh.fsdp, pick.mesh.tensor, pick.mesh.context)
+    assert ran["strategy"] == pick.strategy and ran["plan"] == "explicit"  # the run's config is the plan's
+    line = next(ln for ln in text.splitlines() if ln.startswith("parallel.plan=auto:"))
+    assert f"mesh {pick.mesh} " in line and f"remat {pick.remat}" in line and "GB per GPU" in line
+    # the start-up line names the mesh the step was built on (its devices' shape): the pick's
+    sizes = dict(pipeline=pick.mesh.pipeline, data=pick.mesh.data, fsdp=pick.mesh.fsdp, context=pick.mesh.context,
+                 tensor=pick.mesh.tensor)
+    built = "x".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
+    assert f", mesh {built} (parallel.plan=auto), strategy {pick.strategy};" in text
+    # the first logged step times beside the prediction, in the output and metrics.jsonl
+    assert len(re.findall(r"s per step, [0-9.e+]+x the planner's ", text)) == 3
+    rows = [json.loads(ln) for ln in open(out["metrics"])]
+    assert [r["planner_step_time_s"] for r in rows if "planner_step_time_s" in r] == [pytest.approx(pick.step_s)] * 4
+    assert rows[0]["plan"] == "auto" and rows[0]["plan_overrides"] == pick.overrides
+    assert out["step"] == 4
+
+
+def test_auto_with_mesh_sizes_set_is_one_line():
+    cfg = base_config()
+    cfg.parallel.plan, cfg.parallel.tensor, cfg.parallel.fsdp = "auto", 2, 2
+    with pytest.raises(ConfigError, match=r"`parallel.plan`: auto picks the mesh itself, but parallel.fsdp=2, "
+                                          r"parallel.tensor=2 set it too; drop them or set parallel.plan=explicit"):
+        check_fields(cfg)
+    cfg = base_config()
+    cfg.parallel.cluster = H100  # a cluster without auto: nothing would read it
+    with pytest.raises(ConfigError, match="`parallel.cluster`: .* but parallel.plan=explicit"):
+        check_fields(cfg)
+    cfg.parallel.plan = "planner"
+    with pytest.raises(ConfigError, match="`parallel.plan`: 'planner' is not one of"):
+        check_fields(cfg)
+
+
+def test_the_cluster_comes_from_the_device_kind_or_the_field():
+    cfg = sized_config("60m", "cola")
+    cfg.parallel.plan = "auto"
+    _, auto = plan_run(cfg, 8, "NVIDIA H100 80GB HBM3")
+    assert auto.cluster.name == "h100_8x" and auto.plan.mesh.devices == 8
+    _, auto = plan_run(cfg, 8, "NVIDIA A100-SXM4-40GB")
+    assert auto.cluster.name == "a100_4x"
+    with pytest.raises(ConfigError, match=r"`parallel.cluster`: parallel.plan=auto has no cluster file for device "
+                                          r"kind 'cpu'; name one, e.g. --config.parallel.cluster=clusters/h100_8x"):
+        plan_run(cfg, 8, "cpu")
+    cfg.parallel.cluster = "clusters/no_such_gpu"
+    with pytest.raises(ConfigError, match="`parallel.cluster`: no such file"):
+        plan_run(cfg, 8, "cpu")
+
+
+def test_a_plan_that_does_not_fit_is_one_line():
+    cfg = sized_config("13b", "cola")  # 16 B of fp32 state per parameter: 13B does not fit one 80 GB GPU
+    cfg.parallel.plan = "auto"
+    with pytest.raises(ConfigError) as e:
+        plan_run(cfg, 1, "NVIDIA H100 80GB HBM3")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("config field `parallel.plan`: auto: no plan for ")
+    assert "fits 1 x h100_8x (72 GB usable per GPU); the smallest needs " in message
+    assert message.endswith("use more devices or lower train.global_batch")
+
+
+def test_readme_command(monkeypatch):
+    """The README's auto command, parsed as the command line does, planned for 8 H100s: the pick line
+    the README shows, and a config the trainer validates."""
+    monkeypatch.chdir(ROOT)
+    readme = (ROOT / "README.md").read_text()
+    assert README_COMMAND in readme
+    cfg = train.parse_config(["train", *shlex.split(README_COMMAND)[3:]])
+    resolved, auto = plan_run(cfg, 8, "NVIDIA H100 80GB HBM3")
+    line = auto.describe()
+    shown = line.split(" (clusters/h100_8x;")[0]
+    assert f"\n{shown} (...)\n" in readme, line
+    train.validate(resolved)
+    assert resolved.parallel.fsdp * resolved.parallel.data * resolved.parallel.tensor * resolved.parallel.pipeline == 8
