@@ -93,6 +93,7 @@ def newest(rows: list[dict]) -> list[dict]:
 def row_config(row: dict):
     """The row's config: configs/NAME.py with its overrides, seq and batch."""
     from boost_jax.config import load_config_file
+    from boost_jax.model import autos
 
     cfg = load_config_file(ROOT / "configs" / f"{row['config']}.py")
     for dotted, value in row["overrides"].items():
@@ -106,6 +107,12 @@ def row_config(row: dict):
         node[path[-1]] = value
     cfg.train.seq_len, cfg.train.global_batch, cfg.train.grad_accum = row["seq"], row["batch"], 1
     cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), row["seq"])
+    # What `auto` left in the row resolves to on the one GPU it ran on (boost_jax/model/autos.py).
+    picks = autos.rules(cfg, gpu=True, sizes={}, triton=True)
+    with cfg.ignore_type():
+        for dotted, value in picks.items():
+            section, name = dotted.split(".")
+            cfg[section][name] = value
     return cfg
 
 

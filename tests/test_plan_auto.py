@@ -41,7 +41,7 @@ def test_auto_trains_on_the_planners_pick(tmp_path, capsys):
     sizes = dict(pipeline=pick.mesh.pipeline, data=pick.mesh.data, fsdp=pick.mesh.fsdp, context=pick.mesh.context,
                  tensor=pick.mesh.tensor)
     built = "x".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
-    assert f", mesh {built} (parallel.plan=auto), strategy {pick.strategy};" in text
+    assert f", mesh {built} (parallel.plan=auto), strategy {pick.strategy}" in text
     # the first logged step times beside the prediction, in the output and metrics.jsonl
     assert len(re.findall(r"s per step, [0-9.e+]+x the planner's ", text)) == 3
     rows = [json.loads(ln) for ln in open(out["metrics"])]

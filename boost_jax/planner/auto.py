@@ -111,6 +111,9 @@ def apply(cfg, overrides: str):
         for part in path:
             node = node[part]
         old = node[name]
-        node[name] = (value == "true" if isinstance(old, bool) else type(old)(value)
-                      if isinstance(old, (int, float, str)) else value)
+        if value in ("true", "false") and (isinstance(old, bool) or old == "auto"):  # an `auto | bool` field
+            with out.ignore_type():
+                node[name] = value == "true"
+            continue
+        node[name] = (type(old)(value) if isinstance(old, (int, float, str)) else value)
     return out
