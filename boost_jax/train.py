@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from boost_jax.data import build_loaders
 from boost_jax.data.mapped import check_sizes, mapped_since, mark
 from boost_jax.errors import (CheckpointError, ConfigError, DistributedError, RunDirBusy,  # noqa: F401 - re-exported
-                              TrainingDiverged)
+                              TrainingDiverged, error_lines)
 from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.model import flops_per_token
 from boost_jax.model.kinds import kind_class
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
         try:
             run(cfg, stop.__enter__(), _config_path(argv) or str(DEFAULT_CONFIG))  # stop: never uninstalled: a signal after the final save is absorbed too
         except ERRORS as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(error_lines(e), file=sys.stderr)
             sys.exit(1)
         finally:  # the interpreter's shutdown can drop the handlers: a late signal would end it with 143
             for sig in STOP_SIGNALS:

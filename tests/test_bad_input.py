@@ -1,5 +1,6 @@
 """Bad input ends in a one-line error naming the field, file or line (never a traceback)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,26 @@ def test_tool_arguments(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert export.main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "file")]) == 1
     assert "--out: " in capsys.readouterr().err and (tmp_path / "file").read_text() == "x"
+
+
+def test_every_config_error_comes_at_once(tmp_path):
+    """A short run of a zoo config (the CoLA recipe's 2,000 warmup steps and its token source without a
+    path) names both problems at once, one `error:` line each, before anything compiles; so does a
+    config with several broken fields, including checks that would divide by the broken ones."""
+    rc, out, err = cli("boost_jax.train", "--config", "cola_60m", "--config.train.steps=20",
+                       f"--config.run_dir={tmp_path / 'run'}")
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 2 and "compiling" not in out, err
+    assert lines[0].startswith("error: config field `train.warmup_steps`: must be in [0, train.steps=20]")
+    assert lines[1].startswith("error: config field `data.path`: data.source='tokens' needs a path")
+    from conftest import small_config
+    cfg = small_config(tmp_path / "run", **{"model.n_heads": 0, "train.grad_accum": 0, "model.linear": "dense2",
+                                            "model.attention": "flash", "parallel.linear_partition": "qkv=x",
+                                            "train.lr": -1.0})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    fields = [re.match(r"config field `([^`]+)`", p).group(1) for p in e.value.problems]
+    assert fields == ["model.linear", "model.n_heads", "train.grad_accum", "train.lr", "model.attention",
+                      "parallel.linear_partition"], e.value.problems
+    assert str(e.value).splitlines() == e.value.problems
+
