@@ -26,7 +26,7 @@ from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
 from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
-from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss
+from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss, plan_eval
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.report import Profiler, Reporter
 from boost_jax.runtime.runlock import note_config_change, open_run_dir
@@ -71,21 +71,23 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> di
     main_process = jax.process_index() == 0
     built = build(cfg, validated=True)  # `run` validated it before JAX started
     say(_startup_line(cfg, built, config_file))
+    # The data, and what they make of the config (the eval split's size), before anything compiles.
+    train_data, eval_data = _load_data(cfg, built, cfg.data.shuffle)
+    reading = _eval_plan(cfg, eval_data, say)
     # This process group holds run_dir's lock: the checkpointer may clean up unfinished saves.
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
                         owner=True)
     state, position, skipped, meta = _restore_or_init(cfg, built, ckpt, run_dir, say)
     order = _data_order(cfg, meta, say)
-    before = mark()
-    train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch), order=order)
-    train_data.mapped = mapped_since(before)  # the token files this run reads, with their sizes
+    if order != cfg.data.shuffle:  # the checkpoint's position refers to another permutation of the samples
+        train_data, eval_data = _load_data(cfg, built, order)
     changed = _check_data(cfg, meta, train_data, say)
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     step = int(jax.device_get(state["step"]))
     report = Reporter(cfg, run_dir, main_process=main_process,
                       flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len))
-    evaluate = _evaluator(built, eval_data)
+    evaluate = _evaluator(built, eval_data, reading)
     stop.committed = ckpt.committed_step
     if step < cfg.train.steps:
         say("compiling the train and eval steps (the first step waits for it; --config.compile_cache=DIR "
@@ -190,11 +192,32 @@ def _check_data(cfg, meta: dict, data, say) -> list[str]:
     return changed
 
 
-def _evaluator(built, eval_data):
+def _load_data(cfg, built, order: str):
+    """(train loader, eval loader) of this process's rows, the train samples in `order`; the train
+    loader records the token files it maps (checked at log and save points)."""
+    before = mark()
+    train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch), order=order)
+    train_data.mapped = mapped_since(before)  # the token files this run reads, with their sizes
+    return train_data, eval_data
+
+
+def _eval_plan(cfg, eval_data, say):
+    """What each evaluation reads (runtime/evaluation.py plan_eval), settled at start-up: a token
+    budget the held-out split cannot meet is a ConfigError now, not after compiling; a split smaller
+    than train.eval_batches batches is read whole, once, and said so here. None: no evaluation."""
+    if not cfg.train.eval_every:
+        return None
+    reading = plan_eval(cfg, eval_data)
+    if reading.note:
+        say(reading.note)
+    return reading
+
+
+def _evaluator(built, eval_data, reading):
     """params -> eval result (runtime/evaluation.py): the loss per target token over train.eval_batches
-    global batches of the held-out split, or with train.eval_tokens over whole batches as CoLA reads
-    them; and CoLA's reported form beside it (`cola_loss`)."""
-    return lambda params, stop=None: eval_loss(built, eval_data, params, stop=stop)
+    global batches of the held-out split (all of a smaller split, once), or with train.eval_tokens
+    over batches as CoLA reads them; and CoLA's reported form beside it (`cola_loss`)."""
+    return lambda params, stop=None: eval_loss(built, eval_data, params, stop=stop, plan=reading)
 
 
 def _stop_requested(stop: StopFlag) -> bool:

@@ -153,3 +153,26 @@ def test_every_config_error_comes_at_once(tmp_path):
                       "parallel.linear_partition"], e.value.problems
     assert str(e.value).splitlines() == e.value.problems
 
+
+def test_the_eval_split_is_checked_with_the_data_before_anything_compiles(make_config, capsys, monkeypatch):
+    """train.eval_tokens beyond what the held-out split holds is a one-line error at start-up, beside
+    the data's other news (here the vocabulary warning), before the state is initialised or compiled;
+    the numbers are the split's and the advice names data.eval_fraction, never an impossible size."""
+    from boost_jax.data import build_loaders
+    from boost_jax.runtime.build import Built
+
+    def compiled(self):
+        raise AssertionError("the state was initialised (compiled) before the data were checked")
+
+    monkeypatch.setattr(Built, "init_state", compiled)
+    cfg = make_config(**{"data.batching": "document", "train.eval_tokens": 10_000_000, "model.vocab_size": 1024})
+    with pytest.raises(ConfigError) as e:
+        train.run(cfg)
+    _, held, _ = build_loaders(cfg)
+    rows, tokens = held.readable_once()
+    message = str(e.value)
+    assert message.startswith("config field `train.eval_tokens`: 10,000,000 tokens, but the eval split holds "
+                              f"{tokens:,} in {rows:,} rows") and "\n" not in message, message
+    assert f"at most {tokens - 1:,}" in message and "data.eval_fraction (now 0.05)" in message
+    assert "warning: model.vocab_size=1024 is much larger than the tokenizer's 256" in capsys.readouterr().err
+

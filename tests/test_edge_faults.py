@@ -640,11 +640,12 @@ def test_evaluate_retries_on_the_newest_step_when_rotation_removes_its_step(tmp_
 # ---------------------------------------------------------------- preemption during a long evaluation
 
 def test_sigterm_during_a_long_first_eval_stops_between_batches(make_config, tmp_path):
-    """SIGTERM while the start-up evaluation runs (100000 batches: far longer than the test waits):
-    it stops between batches, the next step saves, exit 0."""
+    """SIGTERM while the start-up evaluation runs (over 20000 batches of the 3.6M-token held-out split:
+    far longer than the test waits): it stops between batches, the next step saves, exit 0."""
     from test_faults import cli_flags, long_config, saved_state, steps_on_disk
     cfg = long_config(make_config, tmp_path / "run", **{"train.eval_every": 4, "train.eval_batches": 100000,
-                                                        "checkpoint.every": 100000})
+                                                        "checkpoint.every": 100000, "data.eval_fraction": 0.9,
+                                                        "data.embedded_max_bytes": 4_000_000})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
