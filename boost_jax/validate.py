@@ -77,12 +77,11 @@ def _check_documents(c, attention) -> None:
 
 
 def _check_context(c, attention, kinds) -> None:
-    """parallel.context > 1: an attention implementation with a block form; the bottleneck ring needs
-    a factored kind whose projections are B·σ(A x) alone, and B's that keep whole heads."""
+    """parallel.context > 1: an attention implementation with a block form. parallel.context_kv=
+    bottleneck, whatever the context size (a setting that cannot work is refused even where it has
+    nothing to do yet): a factored kind whose projections are B·σ(A x) alone, and B's that keep whole heads."""
     p = c.parallel
-    if p.context == 1:
-        return
-    check(attention.takes_context(c.model.attention), "model.attention",
+    check(p.context == 1 or attention.takes_context(c.model.attention), "model.attention",
           f"{c.model.attention} cannot run with the sequence split over parallel.context={p.context}; use one of "
           f"{tuple(n for n in attention.names() if attention.takes_context(n))}")
     if p.context_kv != "bottleneck":

@@ -176,3 +176,15 @@ def test_the_eval_split_is_checked_with_the_data_before_anything_compiles(make_c
     assert f"at most {tokens - 1:,}" in message and "data.eval_fraction (now 0.05)" in message
     assert "warning: model.vocab_size=1024 is much larger than the tokenizer's 256" in capsys.readouterr().err
 
+
+def test_context_kv_is_validated_at_any_context_size(make_config):
+    """parallel.context_kv=bottleneck needs a factored kind without an extra term, and a strategy that
+    keeps the rank whole, whatever parallel.context is (1 included)."""
+    for context in (1, 2):
+        with pytest.raises(ConfigError, match=r"`parallel\.context_kv`: .*model\.linear=dense has no bottleneck"):
+            validate(make_config(**{"model.linear": "dense", "parallel.context_kv": "bottleneck",
+                                    "parallel.context": context}))
+        with pytest.raises(ConfigError, match=r"`parallel\.context_kv`: .*sltrain adds a full-width term"):
+            validate(make_config(**{"model.linear": "sltrain", "parallel.context_kv": "bottleneck",
+                                    "parallel.context": context}))
+    validate(make_config(**{"parallel.context_kv": "bottleneck"}))  # cola under btp: fine at context 1
