@@ -5,12 +5,14 @@
 
 Restores the parameters only (not the optimizer state, so it needs about a third of the training
 memory) onto a mesh of the current devices: the run's `parallel.*` (with any overrides) when the
-devices fit it, else one device. Reports the mean next-token loss over N global batches of the run's
-held-out split (all of a smaller split, each row once: its last batch partial, the padding rows
-masked), or over its first `--eval-tokens` tokens, read as CoLA's evaluation loop reads them, or of
-any dataset given with `--config.data.*` overrides, and exp(loss), in two forms side by side: per
-target token (the default), and CoLA's reported form (the sum of the per-batch mean losses over n+1
-after n batches, as its code computes it: compare this one with the paper's tables).
+devices fit it, else one device; a run dir whose newest step is damaged is read from its newest
+intact step, as training resumes (one line says which). Reports the mean next-token loss over N
+global batches of the run's held-out split (all of a smaller split, each row once: its last batch
+partial, the padding rows masked), or over its first `--eval-tokens` tokens, read as CoLA's
+evaluation loop reads them, or of any dataset given with `--config.data.*` overrides, and exp(loss),
+in two forms side by side: per target token (the default), and CoLA's reported form (the sum of the
+per-batch mean losses over n+1 after n batches, as its code computes it: compare this one with the
+paper's tables).
 """
 from __future__ import annotations
 
