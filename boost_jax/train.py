@@ -97,6 +97,15 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "") -> di
             report.eval(step, evaluate(state["params"], stop=lambda: _stop_requested(stop)), say=False)
         except EvalInterrupted:  # the loop's first step sees the signal: it saves and stops there
             say(f"{stop.signal or 'a signal'}: the evaluation at step {step} was stopped between batches")
+    elif cfg.train.eval_every and _final_eval_cut(meta, run_dir, step):
+        say(f"the final evaluation (step {step}) was stopped before it finished when the run ended; running it now")
+        try:
+            result = evaluate(state["params"], stop=lambda: _stop_requested(stop))
+            report.eval(step, result, say=False)
+            say(f"step {step}: eval loss {result['loss']:.4f} (CoLA's reported form {result['cola_loss']:.4f})")
+        except EvalInterrupted:  # nothing to save: the checkpoint still says that this evaluation is due
+            report.write(step, {"eval_stopped": 1})
+            say(f"{stop.signal or 'a signal'}: the final evaluation was stopped again; a rerun runs it")
     loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir, order=order,
                  tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)))
     if changed:
@@ -213,6 +222,32 @@ def _eval_plan(cfg, eval_data, say):
     return reading
 
 
+def _final_eval_cut(meta: dict, run_dir: Path, step: int) -> bool:
+    """Whether the checkpoint a finished run resumed from says that its step's evaluation was stopped
+    (a signal during the final evaluation) and no later start ran it (metrics.jsonl: an eval_loss row
+    of that step after its last eval_stopped row). Every process gets process 0's answer."""
+    if not meta.get("eval_stopped"):
+        return False
+    cut = True
+    if jax.process_index() == 0:
+        try:
+            with open(run_dir / "metrics.jsonl") as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if row.get("step") == step and ("eval_loss" in row or "eval_stopped" in row):
+                        cut = "eval_stopped" in row
+        except OSError:
+            pass
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        cut = bool(multihost_utils.broadcast_one_to_all(np.int32(cut)))
+    return cut
+
+
 def _evaluator(built, eval_data, reading):
     """params -> eval result (runtime/evaluation.py): the loss per target token over train.eval_batches
     global batches of the held-out split (all of a smaller split, once), or with train.eval_tokens
@@ -237,6 +272,7 @@ class _Loop:
         self.unchecked = []  # (step, metrics) not yet read back: checked together at the next log or save
         self.in_a_row = 0  # non-finite steps in a row
         self.last_saved, self.stopped = None, None
+        self.eval_stopped = None  # the step whose evaluation a signal stopped
         self.profiler = Profiler(cfg.profile_steps, str(run_dir / "tensorboard"), report.note)
         self.mapped = getattr(train_data, "mapped", {})  # {token file: its size}, checked at log and save points
         self.state, self.step = None, 0  # the newest state and its step (the exit path reads them)
@@ -288,8 +324,10 @@ class _Loop:
                 self.report.eval(step, self.evaluate(self.state["params"], stop=lambda: _stop_requested(self.stop)))
             except EvalInterrupted:  # a signal during a long evaluation: save and stop now, not after it
                 signalled = self.stop.signal or "SIGTERM"  # (another process's, when this one got none)
+                self.eval_stopped = step  # its checkpoint says so: a start from it evaluates this step
+                self.report.write(step, {"eval_stopped": 1})
                 self.report.note(f"{signalled}: the evaluation at step {step} was stopped between batches "
-                                 "(not reported); saving")
+                                 "(not reported; a rerun evaluates this step); saving")
                 if not (due_log or due_save):
                     seen, self.unchecked = jax.device_get(self.unchecked), []
                     self._check_finite(seen)
@@ -342,7 +380,7 @@ class _Loop:
 
     def _meta(self, step: int) -> dict:
         return {"data_position": self.position, "data_shuffle": self.order, "data_identity": self.data.identity,
-                "tokens_seen": self.tokens_seen,
+                "tokens_seen": self.tokens_seen, "eval_stopped": self.eval_stopped == step,
                 "step": step, "skipped_steps": self.skipped, "config": json.loads(self.cfg.to_json_best_effort())}
 
 
