@@ -339,8 +339,8 @@ def test_the_trainer_and_evaluate_read_a_small_split_once(tmp_path, capsys):
     out = train.run(cfg)
     printed = capsys.readouterr().out
     _, held, _ = build_loaders(cfg)
-    n, have = held.readable_once()
-    assert f"note: the eval split holds {n} rows ({have:,} tokens)" in printed
+    n, have = held.n, held.input_tokens()  # the split's rows and tokens
+    assert n < cfg.train.global_batch and f"note: the eval split holds {n} rows ({have:,} tokens)" in printed
     from tests_support import metric_rows
     assert metric_rows(cfg.run_dir, "eval_rows") == {0: n, 2: n}
     assert metric_rows(cfg.run_dir, "eval_tokens") == {0: have, 2: have}
