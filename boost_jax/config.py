@@ -9,6 +9,8 @@ what a mesh must divide are checked by `boost_jax/validate.py`, which asks each 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib.util
 import math
@@ -380,9 +382,57 @@ def profile_range(text: str) -> tuple[int, int] | None:
     return first, last
 
 
+_FOUND: contextvars.ContextVar = contextvars.ContextVar("config_problems", default=None)
+
+
 def check(cond: bool, field: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"config field `{field}`: {message}")
+    """Raise ConfigError naming `field` unless `cond`; inside `every_problem`, record it and go on."""
+    if cond:
+        return
+    problem = f"config field `{field}`: {message}"
+    found = _FOUND.get()
+    if found is None:
+        raise ConfigError(problem)
+    if problem not in found:
+        found.append(problem)
+
+
+@contextlib.contextmanager
+def every_problem():
+    """Collect the config's problems instead of stopping at the first: within, a failed `check` is
+    recorded and the checks go on, and each `part()` records a ConfigError raised in it; leaving
+    raises one ConfigError listing them all, one per line (nested: the outermost raises)."""
+    outer = _FOUND.get()
+    if outer is not None:
+        yield
+        return
+    found: list[str] = []
+    token = _FOUND.set(found)
+    try:
+        with part():
+            yield
+    finally:
+        _FOUND.reset(token)
+    if found:
+        raise ConfigError(problems=found)
+
+
+@contextlib.contextmanager
+def part():
+    """One group of checks inside `every_problem`: a ConfigError raised in it is recorded and the
+    checks after the group run. Another error raised in it after a problem was recorded is taken for
+    that problem's consequence (a check computing with an impossible value) and dropped."""
+    found = _FOUND.get()
+    if found is None:
+        yield
+        return
+    try:
+        yield
+    except ConfigError as e:
+        found.extend(p for p in e.problems if p not in found)
+    except Exception:
+        if not found:
+            raise
 
 
 def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -394,19 +444,21 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
           f"{c.compile_cache!r} is a file; name a directory (created if missing) or \"\" for no cache")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         check(int(m[name]) > 0, f"model.{name}", f"must be a positive integer, got {m[name]}")
+    heads = m.n_heads > 0 and m.n_kv_heads > 0  # (else named above; the checks below would divide by 0)
     check(
-        m.d_model % m.n_heads == 0,
+        not heads or m.d_model % m.n_heads == 0,
         "model.n_heads",
         f"{m.n_heads} heads do not divide d_model={m.d_model}; "
         f"choose a divisor of {m.d_model} (e.g. {_divisors_near(m.d_model, m.n_heads)})",
     )
     check(
-        m.n_heads % m.n_kv_heads == 0,
+        not heads or m.n_heads % m.n_kv_heads == 0,
         "model.n_kv_heads",
         f"{m.n_kv_heads} KV heads do not divide n_heads={m.n_heads} (GQA groups must be whole); "
         f"choose one of {_divisors(m.n_heads)}",
     )
-    check((m.d_model // m.n_heads) % 2 == 0, "model.n_heads", "head_dim = d_model/n_heads must be even for RoPE")
+    check(not heads or (m.d_model // m.n_heads) % 2 == 0, "model.n_heads",
+          "head_dim = d_model/n_heads must be even for RoPE")
     check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
     check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
     check(t.seq_len > 0, "train.seq_len", "must be positive")
@@ -425,7 +477,7 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
           f"must be a positive standard deviation, got {m.init_std} (e.g. 0.02)")
     check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     check(
-        t.global_batch % t.grad_accum == 0,
+        t.grad_accum < 1 or t.global_batch % t.grad_accum == 0,
         "train.global_batch",
         f"{t.global_batch} is not divisible by train.grad_accum={t.grad_accum}",
     )
@@ -433,7 +485,7 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check(m.z_loss >= 0, "model.z_loss", "must be >= 0 (0 disables the z-loss)")
     check(t.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0 (0: train.grad_accum)")
     check(
-        t.global_batch % (t.eval_microbatches or t.grad_accum) == 0,
+        (t.eval_microbatches or t.grad_accum) < 1 or t.global_batch % (t.eval_microbatches or t.grad_accum) == 0,
         "train.eval_microbatches",
         f"{t.eval_microbatches or t.grad_accum} does not divide train.global_batch={t.global_batch}",
     )

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the field and the fix."""
+    """A configuration value that cannot work; the message names the field and the fix. Several found
+    at once (`problems`, boost_jax/config.py every_problem) are one line each."""
+
+    def __init__(self, message: str = "", problems=None):
+        self.problems = list(problems) if problems else [message]
+        super().__init__("\n".join(self.problems) if problems else message)
+
+
+def error_lines(e: Exception) -> str:
+    """What an entry point prints for an error it reports: `error: ` and its message, or one such
+    line per problem of a ConfigError listing several."""
+    return "\n".join(f"error: {p}" for p in getattr(e, "problems", None) or [str(e)])
 
 
 class CheckpointError(RuntimeError):

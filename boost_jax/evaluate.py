@@ -5,11 +5,14 @@
 
 Restores the parameters only (not the optimizer state, so it needs about a third of the training
 memory) onto a mesh of the current devices: the run's `parallel.*` (with any overrides) when the
-devices fit it, else one device. Reports the mean next-token loss over N global batches of the run's
-held-out split (or over its first `--eval-tokens` tokens, read as CoLA's evaluation loop reads them),
-or of any dataset given with `--config.data.*` overrides, and exp(loss), in two forms side by side:
-per target token (the default), and CoLA's reported form (the sum of the per-batch mean losses over
-n+1 after n batches, as its code computes it: compare this one with the paper's tables).
+devices fit it, else one device; a run dir whose newest step is damaged is read from its newest
+intact step, as training resumes (one line says which). Reports the mean next-token loss over N
+global batches of the run's held-out split (all of a smaller split, each row once: its last batch
+partial, the padding rows masked), or over its first `--eval-tokens` tokens, read as CoLA's
+evaluation loop reads them, or of any dataset given with `--config.data.*` overrides, and exp(loss),
+in two forms side by side: per target token (the default), and CoLA's reported form (the sum of the
+per-batch mean losses over n+1 after n batches, as its code computes it: compare this one with the
+paper's tables).
 """
 from __future__ import annotations
 
@@ -25,11 +28,11 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from boost_jax.data import build_loaders
-from boost_jax.errors import CheckpointError, ConfigError
+from boost_jax.errors import CheckpointError, ConfigError, error_lines
 from boost_jax.parallel.mesh import ONE_DEVICE
 from boost_jax.runtime.build import Built, build
 from boost_jax.runtime.checkpoint import read_newest, restore
-from boost_jax.runtime.evaluation import eval_loss
+from boost_jax.runtime.evaluation import eval_loss, plan_eval
 from boost_jax.validate import validate
 
 
@@ -46,21 +49,22 @@ def build_for_eval(cfg, devices=None) -> Built:
 
 
 def perplexity(built: Built, params, *, split: str = "eval", batches: int | None = None,
-               tokens: int | None = None) -> dict:
-    """Mean next-token loss (and exp of it) over `batches` global batches of a split, or over the
-    first `tokens` input tokens that are not padding (whole batches; runtime/evaluation.py)."""
+               tokens: int | None = None, say=None) -> dict:
+    """Mean next-token loss (and exp of it) over `batches` global batches of a split (all of a
+    smaller split, once, said to `say`: default stderr), or over its first `tokens` input tokens that
+    are not padding, as CoLA's loop reads them (runtime/evaluation.py)."""
     cfg = built.cfg
-    t = cfg.train
-    batches = t.eval_batches if batches is None else batches
+    say = say or (lambda text: print(text, file=sys.stderr))
     train_data, eval_data, _ = build_loaders(cfg)  # one process: it feeds the whole batch
     data = eval_data if split == "eval" else train_data
-    if not (tokens if tokens is not None else t.eval_tokens) and batches * t.global_batch > data.n:
-        print(f"note: {batches} batches x {t.global_batch} sequences exceed the {data.n} rows of the "
-              f"{split} split; rows repeat", file=sys.stderr)
-    result = eval_loss(built, data, params, batches=batches, tokens=tokens,
-                       field="--eval-tokens" if tokens else "train.eval_tokens")
+    field = "--eval-tokens" if tokens else "train.eval_tokens"
+    reading = plan_eval(cfg, data, batches=batches, tokens=tokens, split=split, tokens_field=field,
+                        batches_field="--batches" if batches is not None else "train.eval_batches")
+    if reading.note:
+        say(reading.note)
+    result = eval_loss(built, data, params, plan=reading)
     return {**result, "perplexity": _exp(result["loss"]), "cola_perplexity": _exp(result["cola_loss"]),
-            "split": split, "batching": cfg.data.batching}
+            "split": split, "split_rows": reading.split_rows, "batching": cfg.data.batching}
 
 
 def _exp(loss: float) -> float:
@@ -151,11 +155,14 @@ def main(argv=None) -> int:
             check_json_target(args.json)
         result = evaluate(args.checkpoint, overrides, split=args.split, batches=args.batches, tokens=args.eval_tokens)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_lines(e), file=sys.stderr)
         return 1
+    rows = f"{result['rows']} rows, " if "rows" in result else ""
+    if result.get("padding_rows"):
+        rows = f"{result['rows']} rows (the last batch partial: {result['padding_rows']} padding rows masked), "
     print(f"{result['checkpoint']}: {result['split']} loss {result['loss']:.4f}, perplexity "
-          f"{result['perplexity']:.2f} per target token ({result['batches']} batches, {result['tokens']} tokens, "
-          f"mesh {result['mesh']}); CoLA's reported form: loss {result['cola_loss']:.4f}, perplexity "
+          f"{result['perplexity']:.2f} per target token ({result['batches']} batches, {rows}{result['tokens']} "
+          f"tokens, mesh {result['mesh']}); CoLA's reported form: loss {result['cola_loss']:.4f}, perplexity "
           f"{result['cola_perplexity']:.2f} (the sum of {result['batches']} per-batch means of "
           f"{result['cola_batch_rows']} rows over {result['cola_denominator']}, its code's n+1)")
     if args.json:

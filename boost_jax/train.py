@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from boost_jax.data import build_loaders
 from boost_jax.data.mapped import check_sizes, mapped_since, mark
 from boost_jax.errors import (CheckpointError, ConfigError, DistributedError, RunDirBusy,  # noqa: F401 - re-exported
-                              TrainingDiverged)
+                              TrainingDiverged, error_lines)
 from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.model import autos, flops_per_token
 from boost_jax.model.kinds import kind_class
@@ -26,7 +26,7 @@ from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
 from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
-from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss
+from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss, plan_eval
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.report import Profiler, Reporter
 from boost_jax.runtime.runlock import note_config_change, open_run_dir
@@ -88,14 +88,16 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
     main_process = jax.process_index() == 0
     built = build(cfg, validated=True)  # `run` validated it before JAX started
     say(_startup_line(cfg, built, config_file, planned))
+    # The data, and what they make of the config (the eval split's size), before anything compiles.
+    train_data, eval_data = _load_data(cfg, built, cfg.data.shuffle)
+    reading = _eval_plan(cfg, eval_data, say)
     # This process group holds run_dir's lock: the checkpointer may clean up unfinished saves.
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
                         owner=True)
     state, position, skipped, meta = _restore_or_init(cfg, built, ckpt, run_dir, say)
     order = _data_order(cfg, meta, say)
-    before = mark()
-    train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch), order=order)
-    train_data.mapped = mapped_since(before)  # the token files this run reads, with their sizes
+    if order != cfg.data.shuffle:  # the checkpoint's position refers to another permutation of the samples
+        train_data, eval_data = _load_data(cfg, built, order)
     changed = _check_data(cfg, meta, train_data, say)
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
@@ -106,7 +108,7 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
         report.write(step, {"plan": "auto", "plan_overrides": planned.plan.overrides, "plan_cluster": planned.cluster_file,
                             "planner_step_time_s": planned.plan.step_s,
                             "planner_memory_gb": planned.plan.memory["total"] / 1e9})
-    evaluate = _evaluator(built, eval_data)
+    evaluate = _evaluator(built, eval_data, reading)
     stop.committed = ckpt.committed_step
     if step < cfg.train.steps:
         say("compiling the train and eval steps (the first step waits for it; --config.compile_cache=DIR "
@@ -116,6 +118,15 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
             report.eval(step, evaluate(state["params"], stop=lambda: _stop_requested(stop)), say=False)
         except EvalInterrupted:  # the loop's first step sees the signal: it saves and stops there
             say(f"{stop.signal or 'a signal'}: the evaluation at step {step} was stopped between batches")
+    elif cfg.train.eval_every and _final_eval_cut(meta, run_dir, step):
+        say(f"the final evaluation (step {step}) was stopped before it finished when the run ended; running it now")
+        try:
+            result = evaluate(state["params"], stop=lambda: _stop_requested(stop))
+            report.eval(step, result, say=False)
+            say(f"step {step}: eval loss {result['loss']:.4f} (CoLA's reported form {result['cola_loss']:.4f})")
+        except EvalInterrupted:  # nothing to save: the checkpoint still says that this evaluation is due
+            report.write(step, {"eval_stopped": 1})
+            say(f"{stop.signal or 'a signal'}: the final evaluation was stopped again; a rerun runs it")
     loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir, order=order,
                  tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)),
                  predicted_s=planned.plan.step_s if planned is not None else None)
@@ -215,11 +226,58 @@ def _check_data(cfg, meta: dict, data, say) -> list[str]:
     return changed
 
 
-def _evaluator(built, eval_data):
+def _load_data(cfg, built, order: str):
+    """(train loader, eval loader) of this process's rows, the train samples in `order`; the train
+    loader records the token files it maps (checked at log and save points)."""
+    before = mark()
+    train_data, eval_data, _ = build_loaders(cfg, *_batch_slice(built.mesh, cfg.train.global_batch), order=order)
+    train_data.mapped = mapped_since(before)  # the token files this run reads, with their sizes
+    return train_data, eval_data
+
+
+def _eval_plan(cfg, eval_data, say):
+    """What each evaluation reads (runtime/evaluation.py plan_eval), settled at start-up: a token
+    budget the held-out split cannot meet is a ConfigError now, not after compiling; a split smaller
+    than train.eval_batches batches is read whole, once, and said so here. None: no evaluation."""
+    if not cfg.train.eval_every:
+        return None
+    reading = plan_eval(cfg, eval_data)
+    if reading.note:
+        say(reading.note)
+    return reading
+
+
+def _final_eval_cut(meta: dict, run_dir: Path, step: int) -> bool:
+    """Whether the checkpoint a finished run resumed from says that its step's evaluation was stopped
+    (a signal during the final evaluation) and no later start ran it (metrics.jsonl: an eval_loss row
+    of that step after its last eval_stopped row). Every process gets process 0's answer."""
+    if not meta.get("eval_stopped"):
+        return False
+    cut = True
+    if jax.process_index() == 0:
+        try:
+            with open(run_dir / "metrics.jsonl") as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if row.get("step") == step and ("eval_loss" in row or "eval_stopped" in row):
+                        cut = "eval_stopped" in row
+        except OSError:
+            pass
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        cut = bool(multihost_utils.broadcast_one_to_all(np.int32(cut)))
+    return cut
+
+
+def _evaluator(built, eval_data, reading):
     """params -> eval result (runtime/evaluation.py): the loss per target token over train.eval_batches
-    global batches of the held-out split, or with train.eval_tokens over whole batches as CoLA reads
-    them; and CoLA's reported form beside it (`cola_loss`)."""
-    return lambda params, stop=None: eval_loss(built, eval_data, params, stop=stop)
+    global batches of the held-out split (all of a smaller split, once), or with train.eval_tokens
+    over batches as CoLA reads them; and CoLA's reported form beside it (`cola_loss`)."""
+    return lambda params, stop=None: eval_loss(built, eval_data, params, stop=stop, plan=reading)
 
 
 def _stop_requested(stop: StopFlag) -> bool:
@@ -239,6 +297,7 @@ class _Loop:
         self.unchecked = []  # (step, metrics) not yet read back: checked together at the next log or save
         self.in_a_row = 0  # non-finite steps in a row
         self.last_saved, self.stopped = None, None
+        self.eval_stopped = None  # the step whose evaluation a signal stopped
         self.profiler = Profiler(cfg.profile_steps, str(run_dir / "tensorboard"), report.note)
         self.mapped = getattr(train_data, "mapped", {})  # {token file: its size}, checked at log and save points
         self.state, self.step = None, 0  # the newest state and its step (the exit path reads them)
@@ -293,8 +352,10 @@ class _Loop:
                 self.report.eval(step, self.evaluate(self.state["params"], stop=lambda: _stop_requested(self.stop)))
             except EvalInterrupted:  # a signal during a long evaluation: save and stop now, not after it
                 signalled = self.stop.signal or "SIGTERM"  # (another process's, when this one got none)
+                self.eval_stopped = step  # its checkpoint says so: a start from it evaluates this step
+                self.report.write(step, {"eval_stopped": 1})
                 self.report.note(f"{signalled}: the evaluation at step {step} was stopped between batches "
-                                 "(not reported); saving")
+                                 "(not reported; a rerun evaluates this step); saving")
                 if not (due_log or due_save):
                     seen, self.unchecked = jax.device_get(self.unchecked), []
                     self._check_finite(seen)
@@ -358,7 +419,7 @@ class _Loop:
 
     def _meta(self, step: int) -> dict:
         return {"data_position": self.position, "data_shuffle": self.order, "data_identity": self.data.identity,
-                "tokens_seen": self.tokens_seen,
+                "tokens_seen": self.tokens_seen, "eval_stopped": self.eval_stopped == step,
                 "step": step, "skipped_steps": self.skipped, "config": json.loads(self.cfg.to_json_best_effort())}
 
 
@@ -550,7 +611,7 @@ def main(argv=None) -> int:
         try:
             run(cfg, stop.__enter__(), _config_path(argv) or str(DEFAULT_CONFIG))  # stop: never uninstalled: a signal after the final save is absorbed too
         except ERRORS as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(error_lines(e), file=sys.stderr)
             sys.exit(1)
         finally:  # the interpreter's shutdown can drop the handlers: a late signal would end it with 143
             for sig in STOP_SIGNALS:

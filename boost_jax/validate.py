@@ -19,7 +19,9 @@ def _one_of(value, names, field: str) -> None:
 
 
 def validate(c):
-    """Reject configurations that cannot build, naming the field and what would work; returns c."""
+    """Reject configurations that cannot build, naming the field and what would work; returns c.
+    Every problem found is reported at once (one ConfigError, a line each: config.every_problem);
+    a check that needs another field to be right first runs once that one is."""
     from boost_jax import data
     from boost_jax.kernels import rmsnorm
     from boost_jax.model import attention, kinds, remat
@@ -27,29 +29,40 @@ def validate(c):
     from boost_jax.parallel import strategies
 
     m, p = c.model, c.parallel
-    _one_of(m.linear, kinds.names(), "model.linear")
-    config_lib.check_fields(c)
-    problem = kinds.kind_class(m.linear).validate(m, projection_widths(m))
-    if problem:
-        field, _, message = problem.partition(": ")
-        raise ConfigError(f"config field `{field}`: {message}")
-    _one_of(m.attention, attention.names(), "model.attention")
-    _one_of(c.remat.policy, ("auto",) + remat.POLICIES, "remat.policy")
-    for field in ("group_linears", "scan_unroll"):
-        if m[field] not in ("auto", True, False):
-            raise ConfigError(f"config field `model.{field}`: {m[field]!r} is not auto, true or false")
-    _one_of(c.data.source, data.SOURCES, "data.source")
-    _one_of(p.strategy, strategies.names(), "parallel.strategy")
-    _one_of(c.kernels.rmsnorm, ("auto",) + tuple(rmsnorm.IMPLS), "kernels.rmsnorm")
-    strategies.st_groups(p.linear_partition)
-    _check_documents(c, attention)
-    _check_context(c, attention, kinds)
-    if c.data.source != "embedded":
-        for field, spec in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path)):
-            try:
-                data.parse_mixture(spec, field) if spec else None
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+    with config_lib.every_problem():
+        known = {"linear": m.linear in kinds.names(), "attention": m.attention in attention.names(),
+                 "strategy": p.strategy in strategies.names()}
+        _one_of(m.linear, kinds.names(), "model.linear")
+        with config_lib.part():
+            config_lib.check_fields(c)
+        if known["linear"]:
+            with config_lib.part():
+                problem = kinds.kind_class(m.linear).validate(m, projection_widths(m))
+                if problem:
+                    field, _, message = problem.partition(": ")
+                    raise ConfigError(f"config field `{field}`: {message}")
+        _one_of(m.attention, attention.names(), "model.attention")
+        _one_of(c.remat.policy, ("auto",) + remat.POLICIES, "remat.policy")
+        for field in ("group_linears", "scan_unroll"):
+            check(m[field] in ("auto", True, False), f"model.{field}", f"{m[field]!r} is not auto, true or false")
+        _one_of(c.data.source, data.SOURCES, "data.source")
+        _one_of(p.strategy, strategies.names(), "parallel.strategy")
+        _one_of(c.kernels.rmsnorm, ("auto",) + tuple(rmsnorm.IMPLS), "kernels.rmsnorm")
+        with config_lib.part():
+            strategies.st_groups(p.linear_partition)
+        if known["attention"]:
+            with config_lib.part():
+                _check_documents(c, attention)
+        if all(known.values()):
+            with config_lib.part():
+                _check_context(c, attention, kinds)
+        if c.data.source != "embedded":
+            for field, spec in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path)):
+                with config_lib.part():
+                    try:
+                        data.parse_mixture(spec, field) if spec else None
+                    except ValueError as e:
+                        raise ConfigError(str(e)) from None
     return c
 
 
@@ -66,12 +79,11 @@ def _check_documents(c, attention) -> None:
 
 
 def _check_context(c, attention, kinds) -> None:
-    """parallel.context > 1: an attention implementation with a block form; the bottleneck ring needs
-    a factored kind whose projections are B·σ(A x) alone, and B's that keep whole heads."""
+    """parallel.context > 1: an attention implementation with a block form. parallel.context_kv=
+    bottleneck, whatever the context size (a setting that cannot work is refused even where it has
+    nothing to do yet): a factored kind whose projections are B·σ(A x) alone, and B's that keep whole heads."""
     p = c.parallel
-    if p.context == 1:
-        return
-    check(attention.takes_context(c.model.attention), "model.attention",
+    check(p.context == 1 or attention.takes_context(c.model.attention), "model.attention",
           f"{c.model.attention} cannot run with the sequence split over parallel.context={p.context}; use one of "
           f"{tuple(n for n in attention.names() if attention.takes_context(n))}")
     if p.context_kv != "bottleneck":

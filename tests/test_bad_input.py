@@ -1,5 +1,6 @@
 """Bad input ends in a one-line error naming the field, file or line (never a traceback)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,61 @@ def test_tool_arguments(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert export.main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "file")]) == 1
     assert "--out: " in capsys.readouterr().err and (tmp_path / "file").read_text() == "x"
+
+
+def test_every_config_error_comes_at_once(tmp_path):
+    """A short run of a zoo config (the CoLA recipe's 2,000 warmup steps and its token source without a
+    path) names both problems at once, one `error:` line each, before anything compiles; so does a
+    config with several broken fields, including checks that would divide by the broken ones."""
+    rc, out, err = cli("boost_jax.train", "--config", "cola_60m", "--config.train.steps=20",
+                       f"--config.run_dir={tmp_path / 'run'}")
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 2 and "compiling" not in out, err
+    assert lines[0].startswith("error: config field `train.warmup_steps`: must be in [0, train.steps=20]")
+    assert lines[1].startswith("error: config field `data.path`: data.source='tokens' needs a path")
+    from conftest import small_config
+    cfg = small_config(tmp_path / "run", **{"model.n_heads": 0, "train.grad_accum": 0, "model.linear": "dense2",
+                                            "model.attention": "flash", "parallel.linear_partition": "qkv=x",
+                                            "train.lr": -1.0})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    fields = [re.match(r"config field `([^`]+)`", p).group(1) for p in e.value.problems]
+    assert fields == ["model.linear", "model.n_heads", "train.grad_accum", "train.lr", "model.attention",
+                      "parallel.linear_partition"], e.value.problems
+    assert str(e.value).splitlines() == e.value.problems
+
+
+def test_the_eval_split_is_checked_with_the_data_before_anything_compiles(make_config, capsys, monkeypatch):
+    """train.eval_tokens beyond what the held-out split holds is a one-line error at start-up, beside
+    the data's other news (here the vocabulary warning), before the state is initialised or compiled;
+    the numbers are the split's and the advice names data.eval_fraction, never an impossible size."""
+    from boost_jax.data import build_loaders
+    from boost_jax.runtime.build import Built
+
+    def compiled(self):
+        raise AssertionError("the state was initialised (compiled) before the data were checked")
+
+    monkeypatch.setattr(Built, "init_state", compiled)
+    cfg = make_config(**{"data.batching": "document", "train.eval_tokens": 10_000_000, "model.vocab_size": 1024})
+    with pytest.raises(ConfigError) as e:
+        train.run(cfg)
+    _, held, _ = build_loaders(cfg)
+    rows, tokens = held.readable_once()
+    message = str(e.value)
+    assert message.startswith("config field `train.eval_tokens`: 10,000,000 tokens, but the eval split holds "
+                              f"{tokens:,} in {rows:,} rows") and "\n" not in message, message
+    assert f"at most {tokens - 1:,}" in message and "data.eval_fraction (now 0.05)" in message
+    assert "warning: model.vocab_size=1024 is much larger than the tokenizer's 256" in capsys.readouterr().err
+
+
+def test_context_kv_is_validated_at_any_context_size(make_config):
+    """parallel.context_kv=bottleneck needs a factored kind without an extra term, and a strategy that
+    keeps the rank whole, whatever parallel.context is (1 included)."""
+    for context in (1, 2):
+        with pytest.raises(ConfigError, match=r"`parallel\.context_kv`: .*model\.linear=dense has no bottleneck"):
+            validate(make_config(**{"model.linear": "dense", "parallel.context_kv": "bottleneck",
+                                    "parallel.context": context}))
+        with pytest.raises(ConfigError, match=r"`parallel\.context_kv`: .*sltrain adds a full-width term"):
+            validate(make_config(**{"model.linear": "sltrain", "parallel.context_kv": "bottleneck",
+                                    "parallel.context": context}))
+    validate(make_config(**{"parallel.context_kv": "bottleneck"}))  # cola under btp: fine at context 1

@@ -640,11 +640,12 @@ def test_evaluate_retries_on_the_newest_step_when_rotation_removes_its_step(tmp_
 # ---------------------------------------------------------------- preemption during a long evaluation
 
 def test_sigterm_during_a_long_first_eval_stops_between_batches(make_config, tmp_path):
-    """SIGTERM while the start-up evaluation runs (100000 batches: far longer than the test waits):
-    it stops between batches, the next step saves, exit 0."""
+    """SIGTERM while the start-up evaluation runs (over 20000 batches of the 3.6M-token held-out split:
+    far longer than the test waits): it stops between batches, the next step saves, exit 0."""
     from test_faults import cli_flags, long_config, saved_state, steps_on_disk
     cfg = long_config(make_config, tmp_path / "run", **{"train.eval_every": 4, "train.eval_batches": 100000,
-                                                        "checkpoint.every": 100000})
+                                                        "checkpoint.every": 100000, "data.eval_fraction": 0.9,
+                                                        "data.embedded_max_bytes": 4_000_000})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -690,6 +691,43 @@ def test_a_stop_during_an_eval_in_the_loop_saves_that_step(make_config, monkeypa
     assert len(asked) == 3  # asked before batches 0, 1 and 2, which saw the signal: 2 and later never ran
     assert [s for s, _ in out["evals"]] == [0]  # the interrupted evaluation is not reported
     assert sorted(p.name for p in (Path(cfg.run_dir) / "checkpoints").iterdir()) == ["4"]
+
+
+def test_a_final_evaluation_cut_off_is_run_by_the_rerun(make_config, monkeypatch, capsys):
+    """A stop signal during the final evaluation: the last step is saved and says that its evaluation
+    did not finish; rerunning the finished run runs that evaluation (and says so), with the loss
+    `evaluate` measures on that step; a rerun after that has nothing left to do."""
+    from boost_jax import evaluate as ev
+    from boost_jax.runtime.evaluation import eval_loss
+    from boost_jax.runtime.signals import StopFlag
+    from tests_support import metric_rows
+    cfg = make_config(**{"train.steps": 4, "train.eval_every": 4, "train.eval_batches": 3, "checkpoint.every": 100})
+    flag = StopFlag()
+    evals = []
+
+    def evaluating(built, data, params, stop=None, **kw):
+        evals.append(1)
+
+        def signal_in_the_last():  # the signal comes during the final (second) evaluation
+            if len(evals) == 2:
+                flag.signal = "SIGTERM"
+            return stop()
+        return eval_loss(built, data, params, stop=signal_in_the_last, **kw)
+
+    monkeypatch.setattr(train, "eval_loss", evaluating)
+    out = train.run(cfg, stop=flag)
+    assert out["step"] == 4 and out["stopped_by"] == "SIGTERM" and [s for s, _ in out["evals"]] == [0]
+    assert "the evaluation at step 4 was stopped between batches" in capsys.readouterr().out
+    monkeypatch.undo()
+    again = train.run(cfg)
+    printed = capsys.readouterr().out
+    assert "the final evaluation (step 4) was stopped before it finished when the run ended; running it now" \
+        in printed, printed
+    want = ev.evaluate(cfg.run_dir)["loss"]
+    assert [s for s, _ in again["evals"]] == [4] and again["evals"][0][1] == pytest.approx(want, rel=1e-6)
+    assert metric_rows(cfg.run_dir, "eval_loss")[4] == pytest.approx(want, rel=1e-6)
+    third = train.run(cfg)
+    assert third["evals"] == [] and "final evaluation" not in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- one input under two spellings

@@ -355,11 +355,14 @@ def test_corrupt_latest_falls_back_to_newest_good_step(reference, tmp_path, caps
 
 
 def test_tools_refuse_damaged_or_nonfinite_weights(reference, tmp_path, capsys):
+    """A damaged step named as DIR/STEP, or a run whose only step is not finite, is refused (a run dir
+    with an intact older step falls back to it: test_evaluate_falls_back_like_training)."""
     from boost_jax import evaluate, export, generate
     ref_dir, make = reference
     bad = tmp_path / "bad"
     shutil.copytree(ref_dir / "checkpoints", bad / "checkpoints")
     flip_bits(bad / "checkpoints" / "12", 97)
+    bad = bad / "checkpoints" / "12"
     nan = tmp_path / "nan"  # a checkpoint written without the finite check (as older versions could)
     state, meta = saved_state(ref_dir, 12, make(ref_dir))
     state = jax.tree.map(np.array, state)  # writable copies
@@ -380,6 +383,50 @@ def test_tools_refuse_damaged_or_nonfinite_weights(reference, tmp_path, capsys):
     assert not (tmp_path / "hf" / "model.safetensors").exists()
     # The intact run samples; a top-k larger than the vocabulary keeps every token instead of failing.
     assert generate.main(["--checkpoint", str(ref_dir), "--max_new_tokens", "2", "--top_k", "1000"]) == 0
+
+
+def test_evaluate_falls_back_like_training(reference, tmp_path, capsys):
+    """`evaluate` on a run whose newest step is damaged (its array files truncated) evaluates the newest
+    intact step, saying in one line which step is damaged and which one it used, with no TensorStore
+    or asyncio leftovers on stderr; a step whose `state/_METADATA` is gone is named so where training
+    falls back (not as a pytree structure error)."""
+    from boost_jax import evaluate
+    ref_dir, make = reference
+    run = tmp_path / "run"
+    shutil.copytree(ref_dir / "checkpoints", run / "checkpoints")
+    for f in (run / "checkpoints" / "12" / "state" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[:10])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "boost_jax.evaluate", "--checkpoint", str(run), "--batches", "1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: checkpoint {run / 'checkpoints'}/12 could not be restored")
+    assert err[0].endswith(f"; using step 8, the newest intact checkpoint in {run / 'checkpoints'}"), err
+    assert r.stdout.startswith(f"{run / 'checkpoints'}/8: eval loss"), r.stdout
+    want = evaluate.evaluate(str(run / "checkpoints" / "8"), batches=1)
+    assert f"eval loss {want['loss']:.4f}" in r.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12", "4", "8"]  # nothing renamed
+    for step in (4, 8):
+        for f in (run / "checkpoints" / str(step) / "state" / "d").iterdir():
+            f.write_bytes(f.read_bytes()[:10])
+    capsys.readouterr()
+    assert evaluate.main(["--checkpoint", str(run), "--batches", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: every checkpoint in {run / 'checkpoints'} is damaged "
+                                                    "(steps [4, 8, 12]; the newest: checkpoint"), err
+    shutil.rmtree(run / "checkpoints" / "4")
+    shutil.copytree(ref_dir / "checkpoints" / "8", run / "checkpoints" / "8", dirs_exist_ok=True)
+
+    (run / "checkpoints" / "12").rename(run / "12.truncated")
+    shutil.copytree(ref_dir / "checkpoints" / "12", run / "checkpoints" / "12")
+    (run / "checkpoints" / "12" / "state" / "_METADATA").unlink()
+    capsys.readouterr()
+    train.run(make(run))
+    out = capsys.readouterr().out
+    assert f"warning: checkpoint {run / 'checkpoints'}/12 could not be restored (its state/_METADATA is missing)" \
+        in out and "pytree" not in out, out
+    assert "falling back to step 8, the newest intact checkpoint" in out
 
 
 def test_disk_full_at_the_final_save_is_one_error_and_nothing_half_written(reference, tmp_path, monkeypatch,

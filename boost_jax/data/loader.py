@@ -104,11 +104,11 @@ class Loader:
         """Input tokens that are not padding in `units` (what train.eval_tokens counts)."""
         raise NotImplementedError
 
-    def whole_batches(self, global_batch: int) -> tuple[int, int]:
-        """(the global batches from sample 0 before any unit is read twice, the input tokens that are
-        not padding in them): what an evaluation may read without wrapping round."""
-        k = self.n // global_batch
-        return k, int(self.unit_tokens(self.units(np.arange(k * global_batch))))
+    def readable_once(self) -> tuple[int, int]:
+        """(the samples from sample 0 before any unit is read twice, the input tokens that are not
+        padding in them): all that an evaluation may read without wrapping round. Samples 0..n-1
+        read every unit once, in whatever order."""
+        return self.n, int(self.input_tokens())
 
 
 class TokenLoader(Loader):
@@ -376,15 +376,16 @@ class MixtureLoader:
         b, r = divmod(position, MIX_BLOCK)
         return b * self.quota + np.bincount(self._block(b)[0][:r], minlength=len(self.quota))
 
-    def whole_batches(self, global_batch: int) -> tuple[int, int]:
-        """As Loader.whole_batches: the most global batches before any source reads a unit twice."""
+    def readable_once(self) -> tuple[int, int]:
+        """As Loader.readable_once: the most samples before any source reads a unit twice."""
         n = np.array([loader.n for loader in self.loaders])
-        lo, hi = 0, int(n.sum()) // global_batch + 1  # hi batches would read more samples than there are
+        lo, hi = 0, int(n.sum()) + 1  # hi samples would read more than there are
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if (self._consumed(mid * global_batch) <= n).all() else (lo, mid)
-        used = self._consumed(lo * global_batch)
-        return lo, sum(int(loader.unit_tokens(loader.units(np.arange(c)))) for loader, c in zip(self.loaders, used))
+            lo, hi = (mid, hi) if (self._consumed(mid) <= n).all() else (lo, mid)
+        used = self._consumed(lo)
+        return lo, sum(int(loader.unit_tokens(loader.units(np.arange(c)))) if c else 0
+                       for loader, c in zip(self.loaders, used))
 
     def source_tokens(self, position: int) -> dict:
         """{"tokens/NAME": row slots (seq_len each) trained on from that source in the run's first

@@ -158,7 +158,7 @@ class Transformer(nnx.Module):
             t = tokens.shape[1] - 1
             if "segments" in batch:
                 positions, docs = batch["positions"][:, :-1], Documents.packed(batch["segments"][:, :-1])
-            else:
+            elif "lengths" in batch:  # (stream rows with a row mask attend as a stream batch)
                 docs = Documents.one_per_row(batch["lengths"], t)
         h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
         labels, mask = tokens[:, 1:], batch_lib.target_mask(batch)

@@ -40,7 +40,7 @@ class Built:
     spec: StateSpec  # abstract state, its shardings, the model's graph definition
     train_step: object  # jitted (state, batch [grad_accum, micro_batch, T+1]) -> (state, metrics); state donated
     batch_sharding: NamedSharding
-    eval_step: object  # jitted (params, tokens [B, T+1]) -> mean loss
+    eval_step: object  # jitted (params, eval batch) -> per slice (loss sum, targets, tokens); runtime/step.py
     eval_sharding: NamedSharding
 
     def _abstract(self, rows: tuple, sharding):
@@ -60,8 +60,13 @@ class Built:
         return self._abstract((t.grad_accum, t.global_batch // t.grad_accum), self.batch_sharding)
 
     def abstract_eval_batch(self):
-        """The eval step's batch as shapes: tokens [global_batch, T+1] (or its dict of documents)."""
-        return self._abstract((self.cfg.train.global_batch,), self.eval_sharding)
+        """The eval step's batch as shapes: its dict of documents, or for stream batches tokens
+        [global_batch, T+1] with the rows that count (runtime/evaluation.py pads a last, partial batch)."""
+        rows = (self.cfg.train.global_batch,)
+        batch = self._abstract(rows, self.eval_sharding)
+        if self.cfg.data.batching != "stream":
+            return batch
+        return {"tokens": batch, "rows": jax.ShapeDtypeStruct(rows, jnp.bool_, sharding=self.eval_sharding)}
 
     def lower_train(self):
         """The train step lowered from abstract shapes (`.compile()` it to read HLO and memory)."""

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -130,21 +131,116 @@ def read_run(checkpoint: str):
     return cfg, root, step
 
 
-def read_newest(checkpoint: str, read, tries: int = 5):
-    """read(cfg, root, step) for the step `checkpoint` names, or for a run dir its newest step. A
-    trainer running there with keep-K rotation may remove that step while it is being read: then
-    (the step gone from disk, not damaged) the newest step is read instead, up to `tries` times."""
-    named = resolve(checkpoint, "--checkpoint")[1] is not None
-    for attempt in range(tries):
-        root, step = None, None
+def read_newest(checkpoint: str, read, tries: int = 5, log=None):
+    """read(cfg, root, step) for the step `checkpoint` names, or for a run dir (or its checkpoints
+    dir) its newest intact step, as training resumes: a damaged newer step (unreadable, not matching
+    its checksums, not finite) is skipped, and `log` (default: stderr) gets one line naming it and
+    the step read instead; nothing is renamed (the run dir is its trainer's). A trainer running there
+    with keep-K rotation may remove a step while it is being read: then (the step gone from disk, not
+    damaged) the newest step is read instead, up to `tries` times. A named step is read or refused."""
+    root, named = resolve(checkpoint, "--checkpoint")
+    if named is not None:
+        cfg, root, step = read_run(checkpoint)
+        return read(cfg, root, step)
+    log = log or (lambda text: print(text, file=sys.stderr))
+    damaged: dict[int, CorruptCheckpoint] = {}
+    rotated = 0
+    while True:
+        step = None
+        if damaged:  # the newest step not known to be damaged
+            step = max((s for s in _listed(root) if s not in damaged), default=None)
+            if step is None:
+                raise _all_damaged(root, damaged)
         try:
-            cfg, root, step = read_run(checkpoint)
-            return read(cfg, root, step)
-        except CorruptCheckpoint:
-            gone = root is None or step is None or not (Path(root) / str(step)).exists()
-            if named or not gone or attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
+            if step is None:
+                cfg, root, step = read_run(checkpoint)
+            else:
+                cfg = config_from_meta(_read_meta(root, step))
+            result = read(cfg, root, step)
+        except CorruptCheckpoint as e:
+            if step is None:  # read_run could not read the newest step's record
+                step = max(_listed(root), default=None)
+            if step is None or not (Path(root) / str(step)).exists():  # rotated away under us
+                rotated += 1
+                if rotated >= tries:
+                    raise
+                continue
+            damaged[step] = e
+            continue
+        if damaged:
+            log(f"warning: {'; '.join(_what(damaged[s]) for s in sorted(damaged, reverse=True))}; using step "
+                f"{step}, the newest intact checkpoint in {root}")
+        return result
+
+
+def _listed(root) -> list[int]:
+    """The steps on disk under a checkpoint root (as Orbax lists them)."""
+    ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
+    try:
+        return ckpt.all_steps()
+    finally:
+        ckpt.close()
+
+
+def _read_meta(root, step: int) -> dict:
+    ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
+    try:
+        return ckpt.read_meta(step)
+    finally:
+        ckpt.close()
+
+
+def _what(e: CorruptCheckpoint) -> str:
+    """A damaged step's error without its advice (what the fallback line quotes)."""
+    return str(e).split("; it was left untouched")[0]
+
+
+def _all_damaged(root, damaged: dict) -> CheckpointError:
+    if len(damaged) == 1:
+        return next(iter(damaged.values()))
+    newest = max(damaged)
+    return CorruptCheckpoint(f"every checkpoint in {root} is damaged (steps {sorted(damaged)}; the newest: "
+                             f"{_what(damaged[newest])}); they were left untouched; give another run, or one step of "
+                             "it, with --checkpoint DIR/STEP")
+
+
+def _damage(step_dir: Path, e: Exception, parts) -> str:
+    """What a failed read of `step_dir` tells: the first of `parts` (paths in it) that is missing,
+    else Orbax's error in one line."""
+    missing = [part for part in parts if not (step_dir / part).exists()]
+    return f"its {missing[0]} is missing" if missing else f"{type(e).__name__}: {one_line(e)}"
+
+
+def _state_parts(step_dir: Path, whole: bool) -> list[str]:
+    """What reading a step's state needs besides the arrays: its directory, the tree's structure record
+    `_METADATA` (a whole-state restore reads it) and, in Orbax's OCDBT layout, the array database's root."""
+    state = step_dir / "state"
+    parts = ["state"] + (["state/_METADATA"] if whole else [])
+    if (state / "d").is_dir() or any(state.glob("ocdbt.process_*")):
+        parts.append("state/manifest.ocdbt")
+    return parts
+
+
+def _closed_loop_noise(unraisable) -> bool:
+    """A read that failed leaves TensorStore callbacks that run after Orbax closed their asyncio loop:
+    each raises 'Event loop is closed' where nobody can catch it (Python prints it as ignored)."""
+    e = unraisable.exc_value
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def quiet_closed_loop() -> None:
+    """Drop `_closed_loop_noise` from the unraisable-exception report (the failed read itself is
+    reported as one line); other unraisable exceptions are reported as before. Installed once."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_boost_jax", False):
+        return
+
+    def hook(unraisable):
+        if not _closed_loop_noise(unraisable):
+            previous(unraisable)
+
+    hook._boost_jax = True
+    sys.unraisablehook = hook
 
 
 class _OrbaxErrors(logging.Filter):
@@ -221,6 +317,7 @@ class Checkpointer:
         self.directory = Path(directory).resolve()
         self.hint, self.pending = hint, None
         self.failure = None  # the failed save already reported (its error is raised once)
+        quiet_closed_loop()  # a damaged step's failed read: one line, not Orbax's loop's leftovers
         self._renames = owner and jax.process_index() == 0  # one process renames and removes
         if owner:
             quiet_orbax_errors()  # a failed save is reported once, as one line (`_failed`)
@@ -260,7 +357,7 @@ class Checkpointer:
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
             raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} is unreadable "
-                                    f"({type(e).__name__}: {one_line(e)}); "
+                                    f"({_damage(self.directory / str(step), e, ['meta'])}); "
                                     f"it was left untouched; restore another step with {self.hint}") from e
 
     def check_compatible(self, step: int, abstract_state) -> dict:
@@ -293,9 +390,11 @@ class Checkpointer:
                 state = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state)))["state"]
         except Exception as e:  # noqa: BLE001
+            where = self.directory / str(step)
+            parts = _state_parts(where, whole=set(abstract_state) != {"params"})
             raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} could not be restored "
-                                    f"({type(e).__name__}: {one_line(e)}); it was left untouched; restore another step "
-                                    f"with {self.hint}") from e
+                                    f"({_damage(where, e, parts)}); it was left untouched; "
+                                    f"restore another step with {self.hint}") from e
         verify(state, meta, f"checkpoint {self.directory}/{step}", self.hint)
         return state, meta
 

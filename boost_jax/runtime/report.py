@@ -72,11 +72,13 @@ class Reporter:
 
     def eval(self, step: int, result, say: bool = True) -> None:
         """result: the eval loss, or runtime/evaluation.py's dict (then CoLA's reported form is logged
-        beside it as `eval_loss_cola`)."""
+        beside it as `eval_loss_cola`, and the rows and tokens read as `eval_rows`, `eval_tokens`)."""
         loss = result["loss"] if isinstance(result, dict) else result
-        cola = result.get("cola_loss") if isinstance(result, dict) else None
+        got = result if isinstance(result, dict) else {}
+        cola = got.get("cola_loss")
         self.evals.append((step, loss))
-        self.writer.write(step, {"eval_loss": loss, **({} if cola is None else {"eval_loss_cola": cola})})
+        counts = {f"eval_{k}": got[k] for k in ("rows", "tokens") if k in got}
+        self.writer.write(step, {"eval_loss": loss, **({} if cola is None else {"eval_loss_cola": cola}), **counts})
         if say and self.main:
             self.bar.write(f"step {step}: eval loss {loss:.4f}"
                            + ("" if cola is None else f" (CoLA's reported form {cola:.4f})"))

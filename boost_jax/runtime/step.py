@@ -100,7 +100,8 @@ def optimizer_update(tx, grads, opt_state, trained, loss):
 def make_eval_step(graphdef, microbatches: int = 1, mesh=None, strategy=None):
     """Cross-entropy (no z-loss) of a batch, run as `microbatches` sequential slices (as training
     runs its grad_accum micro-batches), so evaluation fits wherever training fits. A stream batch
-    (tokens [B, T+1]) gives its mean; a batch of documents (sum over the counted targets, counted
+    (tokens [B, T+1]) gives its mean; a batch of documents, or of stream rows with the rows that
+    count (model/batch.py: what the evaluator passes), (sum over the counted targets, counted
     targets, input tokens that are not padding), each a [microbatches] vector, one entry per slice:
     the evaluator sums them over batches, or averages the slices' means as CoLA reports its loss."""
     def eval_step(params, batch):
