@@ -287,7 +287,7 @@ def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None =
     from boost_jax.model import flops_per_token
     from boost_jax.tools.aot import peak_bytes
     sys.path.insert(0, HERE)
-    from step_time import build  # the benchmarks' one way to build a real, allocated train step
+    from step_time import build, timed_steps  # the benchmarks' one way to build and time a real train step
 
     cfg, batch, seq = variant_config(spec, smoke)
     flags = xla_gpu_flags.FLAGS
@@ -301,14 +301,7 @@ def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None =
         xla_gpu_flags.FLAGS = flags
     mem = step.memory_analysis()
     compiled_peak = peak_bytes(mem) if mem is not None else None
-    for _ in range(2):  # warm-up
-        state, metrics = step(state, tokens)
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, tokens)
-    jax.block_until_ready(metrics)
-    secs = (time.perf_counter() - t0) / steps
+    state, metrics, secs = timed_steps(step, state, tokens, 2, steps)
     tok_s = batch * seq / secs
     fpt = flops_per_token(cfg.model, seq)
     peak = peak_flops(jax.devices()[0].device_kind)

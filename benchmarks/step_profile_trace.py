@@ -23,7 +23,6 @@ import gzip
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,7 +37,7 @@ def trace_row(row: dict, out: Path, steps: int, warmup: int, size: dict | None =
     import jax
 
     from boost_jax.tools import step_profile as sp
-    from step_time import build
+    from step_time import build, timed_steps
 
     size = dict(size or {})
     row = {**row, "seq": size.pop("seq", row["seq"]), "batch": size.pop("batch", row["batch"])}
@@ -47,14 +46,7 @@ def trace_row(row: dict, out: Path, steps: int, warmup: int, size: dict | None =
         cfg.model.update(size)
     step, state, tokens = build(cfg, jax.devices()[:1])
     compiled = step.lower(state, tokens).compile()
-    for _ in range(warmup):
-        state, metrics = compiled(state, tokens)
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = compiled(state, tokens)
-    jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - t0) / steps
+    state, _, step_s = timed_steps(compiled, state, tokens, warmup, steps)
     found = trace_compiled(compiled, state, tokens, out, slug(row["name"]), steps, step_s)
     text = compiled.as_text()
     predicted = sp.profile(text, "h100")

@@ -39,6 +39,22 @@ def build(cfg, devices):
     return built.train_step, built.init_state(), jax.device_put(tokens, built.batch_sharding)
 
 
+def timed_steps(step, state, batch, warmup: int, steps: int):
+    """(state, metrics, seconds per step): `warmup` untimed steps, then the mean of `steps` timed ones,
+    each run ended by block_until_ready; the state is threaded through (a train step donates it)."""
+    import jax
+
+    metrics = None
+    for _ in range(warmup):
+        state, metrics = step(state, batch)
+    jax.block_until_ready((state, metrics))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    return state, metrics, (time.perf_counter() - t0) / steps
+
+
 def run(args) -> dict:
     import jax
 

@@ -67,6 +67,8 @@ def project_row(cfg, steps: int, warmup: int, bf16: bool) -> dict:
     from boost_jax.model import autos
     from boost_jax.runtime.build import build
     from boost_jax.tools.aot import peak_bytes
+    sys.path.insert(0, HERE)
+    from step_time import timed_steps
 
     if bf16:
         cfg.model.param_dtype = "bfloat16"
@@ -79,14 +81,7 @@ def project_row(cfg, steps: int, warmup: int, bf16: bool) -> dict:
     t0 = time.perf_counter()
     step = built.train_step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        state, metrics = step(state, tokens)
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, tokens)
-    jax.block_until_ready(metrics)
-    secs = (time.perf_counter() - t0) / steps
+    state, metrics, secs = timed_steps(step, state, tokens, warmup, steps)
     mem = step.memory_analysis()
     return {"step_s": secs, "compile_s": compile_s, "loss": float(metrics["loss"]),
             "peak_gib": peak_bytes(mem) / 2**30 if mem is not None else None,
