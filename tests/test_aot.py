@@ -168,7 +168,9 @@ def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
 
     from boost_jax.runtime.build import build
     n = math.prod(mesh)
-    cfg = _cola_1b_shaped(mesh, strategy, **{"model.dtype": "bfloat16", **extra})
+    # The same program on both: the fields `auto` decides by platform (model/autos.py) set as the CPU's.
+    same = {"remat.policy": "none", "kernels.rmsnorm": "xla", "model.scan_unroll": False}
+    cfg = _cola_1b_shaped(mesh, strategy, **{"model.dtype": "bfloat16", **same, **extra})
     rep = aot.compile_config(cfg, "h100", n, programs=("train",))
     _check_memory(rep["train"])
     assert rep["train"]["kernels"]["cudnn attention (fwd, padding_causal)"] >= 1
@@ -177,7 +179,8 @@ def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
     assert kinds <= set(gpu) and all(v > 0 for v in gpu.values())  # the ring's (or tensor's) collectives are there
     if tolerance is None:
         return
-    cpu_cfg = _cola_1b_shaped(mesh, strategy, **{"model.dtype": "bfloat16", "model.attention": "xla", **extra})
+    cpu_cfg = _cola_1b_shaped(mesh, strategy, **{"model.dtype": "bfloat16", "model.attention": "xla", **same,
+                                                  **extra})
     built = build(cpu_cfg, jax.devices("cpu")[:n])
     cpu = _executed(built.lower_train().compile().as_text(), built.mesh)
     assert sorted(gpu) == sorted(cpu), (gpu, cpu)
