@@ -1,0 +1,100 @@
+"""What a new user meets in the first hour, beyond `--help` (tests/test_cli.py): overrides in any
+order around `--config`, absl's help flags and parse errors answered with ours, `--help` into a pipe
+that closes early, a progress bar whose time left does not count the compile, a rerun of a finished
+run that says so, install hints that fit how the package was installed, and the mesh error's hint
+for emulating devices."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from boost_jax import train
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's boost_jax in the commands started
+
+
+def test_overrides_before_the_config_apply_to_it():
+    for argv in (["train", "--config.train.steps=3", "--config", "cola_60m", "--config.train.lr=0.5"],
+                 ["train", "--config.train.lr=0.5", "--config.train.steps=3", "--config=cola_60m"]):
+        cfg = train.parse_config(argv)
+        assert (cfg.name, cfg.train.steps, cfg.train.lr, cfg.data.batching) == ("cola_60m", 3, 0.5, "document"), argv
+
+
+@pytest.mark.parametrize("flag", ["--helpshort", "--helpfull", "--helpxml"])
+def test_absls_help_flags_print_ours(flag, capsys):
+    assert train.main(["train", flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(train.USAGE.splitlines()[0]) and "--config.train.steps=" in out
+    assert "absl" not in out and "flags_parser" not in out
+
+
+@pytest.mark.parametrize("argv, needle", [(["train", "--steps=3"], "Unknown command line flag 'steps'"),
+                                          (["train", "--config"], "--config")])
+def test_a_flag_absl_cannot_parse_is_one_line_pointing_at_our_help(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_config(argv)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "boost_jax.train --help" in err, err
+    assert "helpshort" not in err
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    """`boost-train --help | head -1`: the reader is gone before the help is written."""
+    read, write = os.pipe()
+    os.close(read)
+    proc = subprocess.run([sys.executable, "-m", "boost_jax.train", "--help"], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=300, env=ENV)
+    os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+
+
+def test_a_flag_absl_cannot_parse_on_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "boost_jax.train", "--config.train.steps=2", "--steps=3"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Unknown command line flag 'steps'" in proc.stderr and "helpshort" not in proc.stderr
+
+
+def test_the_time_left_does_not_count_the_compile(make_config, tmp_path, capsys):
+    """The first step waits for the compile (here: 2 s); the next ones take ~10 ms. The bar's rate and
+    time left come from those, and a line says what the first step took."""
+    from boost_jax.runtime.report import Reporter
+    cfg = make_config()
+    cfg.train.update(steps=400, progress=True)
+    rep = Reporter(cfg, tmp_path, main_process=True, flops_per_token=1.0)
+    rep.start_bar(0)
+    time.sleep(2.0)  # the compile
+    rep.step_done()
+    start = time.perf_counter()
+    for _ in range(5):
+        time.sleep(0.01)
+        rep.step_done()
+    per_step = (time.perf_counter() - start) / 5  # what the steps after the compile took (a loaded machine: more)
+    info = rep.bar.format_dict
+    rate = info["rate"] or (info["n"] - info["initial"]) / info["elapsed"]
+    left = (info["total"] - info["n"]) / rate
+    rep.close()
+    assert info["n"] == 6 and left < 3 * 394 * per_step + 1, (info, left, per_step)  # counting the compile: >= 400 s
+    out = capsys.readouterr().out
+    took = re.search(r"step 1 took (\d+\.\d) s with the compile", out)
+    assert took and float(took.group(1)) >= 2.0, out
+
+
+def test_rerunning_a_finished_run_says_it_is_complete(make_config, capsys):
+    cfg = make_config(**{"train.steps": 2, "train.eval_every": 0})
+    assert train.run(cfg)["step"] == 2
+    capsys.readouterr()
+    cfg.train.progress = True
+    summary = train.run(cfg)
+    out, err = capsys.readouterr()
+    assert summary["step"] == 2 and "the run is complete: step 2 of 2" in out and "--config.train.steps" in out
+    assert "compiling" not in out and "step/s" not in err and "s/step" not in err, err  # no progress bar
+    cfg.train.update(steps=8, stop_at_step=2)
+    train.run(cfg)
+    assert "at or past --config.train.stop_at_step=2" in capsys.readouterr().out
