@@ -98,3 +98,62 @@ def test_rerunning_a_finished_run_says_it_is_complete(make_config, capsys):
     cfg.train.update(steps=8, stop_at_step=2)
     train.run(cfg)
     assert "at or past --config.train.stop_at_step=2" in capsys.readouterr().out
+
+
+def test_a_mesh_larger_than_the_machine_says_how_to_emulate_it():
+    """The README's context example on one CPU device: the error names every axis that may be -1 and
+    the XLA_FLAGS that emulate the devices it asks for."""
+    import jax
+
+    from boost_jax.errors import ConfigError
+    from boost_jax.parallel.mesh import make_mesh
+    cfg = train.parse_config(["train", "--config.parallel.context=2", "--config.parallel.tensor=2",
+                              "--config.parallel.data=2"])
+    with pytest.raises(ConfigError) as e:
+        make_mesh(cfg.parallel, jax.devices()[:1])
+    text = str(e.value)
+    assert "JAX sees 1 device;" in text and "pipeline/data/fsdp/context/tensor to -1" in text, text
+    assert text.endswith("XLA_FLAGS=--xla_force_host_platform_device_count=8"), text
+
+
+def test_install_hints_fit_how_the_package_was_installed(tmp_path):
+    """From a checkout: an editable install of that checkout, by its path (it works from any
+    directory); from an installed wheel: the extra's own requirements, from the package metadata."""
+    from boost_jax.errors import install_hint
+    assert install_hint("hf") == f"pip install -e '{ROOT}[hf]'"
+    site = tmp_path / "site-packages" / "boost_jax"  # what a wheel installs: no pyproject.toml above it
+    site.mkdir(parents=True)
+    hint = install_hint("hf", package_dir=site)
+    assert hint.startswith("pip install 'safetensors") and "-e" not in hint and "[hf]" not in hint, hint
+    aot = install_hint("aot", package_dir=site)
+    assert "'jax-cuda13-plugin" in aot and "'nvidia-cudnn-cu13" in aot, aot
+
+
+def test_ticking_shows_a_long_step_is_alive():
+    import io
+
+    from boost_jax.tools.progress import ticking
+    out = io.StringIO()
+    with ticking("plan: searching", every=0.05, file=out):
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "plan: searching..." and lines[-1] == "plan: searching: done in 0:00", lines
+    assert len(lines) >= 4 and all(ln == "plan: searching... 0:00" for ln in lines[1:-1]), lines
+
+
+def test_plan_speaks_before_it_searches(monkeypatch, capsys):
+    """`plan` prints the model and cluster line, and that it is searching, before the search (which
+    takes minutes for the README's larger commands)."""
+    from boost_jax import plan, planner
+    seen = {}
+
+    def search(*args, **kwargs):
+        seen["out"], seen["err"] = capsys.readouterr()
+        raise ValueError("stopped here by the test")
+
+    monkeypatch.setattr(planner, "search", search)
+    with pytest.raises(SystemExit, match="stopped here by the test"):
+        plan.main(["--config", str(ROOT / "configs" / "cola_7b.py"), "--devices", "32", "--cluster",
+                   str(ROOT / "configs" / "clusters" / "a100_4x.py")])
+    assert seen["out"].startswith("cola_7b (cola,") and "on 32 GPUs" in seen["out"], seen
+    assert seen["err"].startswith("plan: searching plans for 32 GPUs..."), seen
