@@ -16,7 +16,7 @@ executions through loops, bytes) and the compile time. Memory, kernels and the c
 of a deviceless compile are the GPU's; its run-time estimates are not (no GEMM autotuning without a
 device), so no time is printed.
 
-Needs the `aot` extra (`pip install -e '.[aot]'`: jax's CUDA plugin and the NVIDIA compilers as
+Needs the `aot` extra (`pip install -e '.[aot]'` in a checkout: jax's CUDA plugin and the NVIDIA compilers as
 wheels; no GPU, driver or CUDA toolkit). Nothing here imports jax at module level.
 """
 from __future__ import annotations
@@ -31,8 +31,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from boost_jax.errors import install_hint
+
 TARGETS_DIR = Path(__file__).with_name("targets")
-INSTALL = "pip install -e '.[aot]'"
+INSTALL = install_hint("aot")  # for how this package was installed
 USABLE = 0.9  # share of a GPU's memory a run may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)
 # (distribution, what it brings): jax's CUDA plugin, ptxas, libdevice, and cuDNN (jax checks its version)
 _NEEDED = (("jax-cuda13-plugin", "jax's CUDA plugin"), ("jax-cuda13-pjrt", "jax's CUDA PJRT"),
@@ -328,8 +330,11 @@ def main(argv=None) -> dict:
                 raise AotError(f"--mesh {args.mesh}: {math.prod(sizes)} devices, but --devices {args.devices}; "
                                "make the product equal --devices")
             cfg.parallel.update(mesh_fields(sizes))
-        rep = compile_config(cfg, args.target, args.devices,
-                             programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable)
+        from boost_jax.tools.progress import ticking
+        steps = "train step" if args.train_only else "train and eval steps"
+        with ticking(f"aot: compiling the {steps} for {args.devices} x {args.target}"):
+            rep = compile_config(cfg, args.target, args.devices,
+                                 programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable)
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
