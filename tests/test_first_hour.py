@@ -157,3 +157,21 @@ def test_plan_speaks_before_it_searches(monkeypatch, capsys):
                    str(ROOT / "configs" / "clusters" / "a100_4x.py")])
     assert seen["out"].startswith("cola_7b (cola,") and "on 32 GPUs" in seen["out"], seen
     assert seen["err"].startswith("plan: searching plans for 32 GPUs..."), seen
+
+
+def test_first_command_benchmark(tmp_path, capsys):
+    """`python benchmarks/first_command.py` (the README's timing of its first command), on a short
+    schedule: the table and JSON hold wall and CPU time, the first step's time with the compile, the
+    time left shown at the first log point beside what the rest took, and the load average."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("first_command", ROOT / "benchmarks" / "first_command.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "first.json"
+    assert bench.main(["--json", str(out), "--", "--config.train.steps=6", "--config.train.warmup_steps=1",
+                       "--config.train.log_every=2", "--config.train.eval_every=0"]) == 0
+    row = __import__("json").loads(out.read_text())
+    assert row["wall_s"] > row["first_step_s"] > 0 and row["cpu_s"] > 0, row
+    assert row["bar_at_first_log"]["step"] == 2 and row["bar_at_first_log"]["time_left_shown_s"] is not None, row
+    assert row["load_avg"]["max"] >= row["load_avg"]["min"] >= 0
+    assert "| first step (with the compile) |" in capsys.readouterr().out

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
     "pip install -e . && python -m boost_jax.train": "tiny",
     "pip install -e '.[test]' && pytest": "the suite itself (.ci/run)",
+    "python benchmarks/first_command.py": "test_first_hour.py::test_first_command_benchmark",
     "python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_tok "
     "--config.data.eval_path=/data/c4_val_tok --config.run_dir=runs/cola_60m": "compile",
     "python -m boost_jax.data.prepare /data/c4/en/c4-train.*.json.gz --out /data/c4_tok --tokenizer t5.model": "tool",

@@ -32,8 +32,11 @@ class Reporter:
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def start_bar(self, step: int) -> None:
+        # smoothing=0: the rate is the steps since the compile over the time since (see _compiled). Steps
+        # are dispatched ahead of the device and the loop waits for them at log points, so a smoothed
+        # rate of recent updates would show the dispatch's speed, not the steps'.
         self.bar = tqdm(total=self.total, initial=step, disable=not (self.main and self.progress),
-                        dynamic_ncols=True, desc=self.name, unit="step")
+                        dynamic_ncols=True, desc=self.name, unit="step", smoothing=0)
         self.first_step = step + 1  # this process's first step: its call traces and compiles the program
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
