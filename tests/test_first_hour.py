@@ -139,6 +139,10 @@ def test_ticking_shows_a_long_step_is_alive():
     lines = out.getvalue().splitlines()
     assert lines[0] == "plan: searching..." and lines[-1] == "plan: searching: done in 0:00", lines
     assert len(lines) >= 4 and all(ln == "plan: searching... 0:00" for ln in lines[1:-1]), lines
+    out = io.StringIO()
+    with pytest.raises(ValueError), ticking("plan: searching", every=10, file=out):
+        raise ValueError("the command's one-line error says what happened")
+    assert out.getvalue() == "plan: searching...\n"
 
 
 def test_plan_speaks_before_it_searches(monkeypatch, capsys):

@@ -17,7 +17,8 @@ def _clock(seconds: float) -> str:
 @contextlib.contextmanager
 def ticking(what: str, every: float = 15.0, file=None):
     """`with ticking("searching 32-GPU plans"):` prints `what...` at once, the elapsed time while the
-    body runs, and `what: done in M:SS` after it (or `what: stopped after M:SS` on an exception)."""
+    body runs, and `what: done in M:SS` after it. When the body raises, nothing more (on a terminal
+    the line is cleared): the command's one-line error says what happened."""
     out = file if file is not None else sys.stderr
     tty = hasattr(out, "isatty") and out.isatty()
     start, done = time.perf_counter(), threading.Event()
@@ -44,5 +45,7 @@ def ticking(what: str, every: float = 15.0, file=None):
     finally:
         done.set()
         thread.join()
-        ended = "done in" if ok else "stopped after"
-        write(f"{chr(13) if tty else ''}{what}: {ended} {_clock(time.perf_counter() - start)}\n")
+        if ok:
+            write(f"{chr(13) if tty else ''}{what}: done in {_clock(time.perf_counter() - start)}\n")
+        elif tty:
+            write("\r\033[K")
