@@ -1,6 +1,7 @@
 """Progress on stderr for a command's long steps that have no count to show (a plan search, an XLA
-compile): a line when the step starts, then its elapsed time, updated in place on a terminal (every
-second) or as a new line every `every` seconds in a log, and the time it took when it ends."""
+compile): once a step has run for `after` seconds, its name and elapsed time, updated in place on a
+terminal (every second) or as a new line every `every` seconds in a log, and the time it took when it
+ends. A step shorter than `after` prints nothing."""
 from __future__ import annotations
 
 import contextlib
@@ -15,13 +16,14 @@ def _clock(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def ticking(what: str, every: float = 15.0, file=None):
-    """`with ticking("searching 32-GPU plans"):` prints `what...` at once, the elapsed time while the
-    body runs, and `what: done in M:SS` after it. When the body raises, nothing more (on a terminal
-    the line is cleared): the command's one-line error says what happened."""
+def ticking(what: str, after: float = 5.0, every: float = 15.0, file=None):
+    """`with ticking("plan: searching plans for 32 GPUs"):` prints `what... 0:05` once the body has run
+    for `after` seconds, then the elapsed time, and `what: done in M:SS` when it ends. When the body
+    raises, nothing more (on a terminal the line is cleared): the command's one-line error says what
+    happened."""
     out = file if file is not None else sys.stderr
     tty = hasattr(out, "isatty") and out.isatty()
-    start, done = time.perf_counter(), threading.Event()
+    start, done, shown = time.perf_counter(), threading.Event(), []
 
     def write(text: str) -> None:
         try:
@@ -31,11 +33,13 @@ def ticking(what: str, every: float = 15.0, file=None):
             pass
 
     def tick() -> None:
-        while not done.wait(1.0 if tty else every):
+        wait = after
+        while not done.wait(wait):
             elapsed = _clock(time.perf_counter() - start)
             write(f"\r{what}... {elapsed}" if tty else f"{what}... {elapsed}\n")
+            shown.append(1)
+            wait = 1.0 if tty else every
 
-    write(f"{what}..." if tty else f"{what}...\n")
     thread = threading.Thread(target=tick, daemon=True)
     thread.start()
     ok = False
@@ -45,7 +49,7 @@ def ticking(what: str, every: float = 15.0, file=None):
     finally:
         done.set()
         thread.join()
-        if ok:
+        if shown and ok:
             write(f"{chr(13) if tty else ''}{what}: done in {_clock(time.perf_counter() - start)}\n")
-        elif tty:
+        elif shown and tty:
             write("\r\033[K")
