@@ -48,3 +48,26 @@ class PrepareError(ValueError):
 
 class ExportError(ValueError):
     """A model that cannot be exported or imported as asked."""
+
+
+def install_hint(extra: str, package_dir=None) -> str:
+    """The command that installs the optional dependencies of `extra`, for the way boost_jax was
+    installed: from a checkout (installed editable, or run in place) `pip install -e 'CHECKOUT[extra]'`
+    (its absolute path: the hint works from any directory); from a wheel, the extra's own requirements as
+    the installed package's metadata lists them (`pip install 'safetensors>=0.4'`), since a path to
+    the sources is not there. `package_dir`: the boost_jax package directory (default: this one's)."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    package = Path(package_dir or Path(__file__).parent).resolve()
+    root = package.parent
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e '{root}[{extra}]'"
+    try:
+        requires = importlib.metadata.requires("boost_jax") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    wanted = [r.split(";")[0].strip() for r in requires
+              if re.search(rf"""extra\s*==\s*['"]{re.escape(extra)}['"]""", r)]
+    return "pip install " + " ".join(f"'{r}'" for r in wanted) if wanted else f"pip install 'boost_jax[{extra}]'"

@@ -3,7 +3,8 @@
     python -m boost_jax.export --checkpoint RUN_DIR --out HF_DIR      # latest step (or give a step dir)
     python -m boost_jax.export --import-hf HF_DIR --out RUN_DIR       # -> RUN_DIR/checkpoints/0
 
-Needs `safetensors` (`pip install -e '.[hf]'`); torch is needed only to load the result in PyTorch.
+Needs `safetensors` (the `hf` extra: `pip install -e '.[hf]'` in a checkout, `pip install safetensors`
+elsewhere); transformers and torch are needed only to load the result in PyTorch.
 
 Neither direction overwrites what is there: an import's RUN_DIR must be new or empty (a run there
 is refused; `--supersede` renames its steps to N.superseded), and an export's HF_DIR new, empty or
@@ -82,7 +83,8 @@ def _safetensors():
     try:
         import safetensors.numpy as st
     except ImportError as e:  # optional dependency
-        raise ExportError("export/import needs safetensors: pip install -e '.[hf]'") from e
+        from boost_jax.errors import install_hint
+        raise ExportError(f"export/import needs safetensors: {install_hint('hf')}") from e
     return st
 
 
@@ -300,14 +302,35 @@ def _why(e: OSError) -> str:
     return f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]" if e.strerror else (str(e) or type(e).__name__)
 
 
+def _save_safetensors(st, tensors: dict, path: Path) -> None:
+    """safetensors' writer, its I/O errors (a full disk: SafetensorError "... I/O error: No space left on
+    device (os error 28)") raised as the OSError they are, so that they are reported like every other write's."""
+    import errno
+    import os
+    import re
+
+    from safetensors import SafetensorError
+    try:
+        st.save_file(tensors, str(path), metadata={"format": "pt"})  # transformers refuses files without it
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number) if code else " ".join(str(e).split()), str(path)) from None
+
+
 def _write_all(out: Path, files: dict) -> None:
     """Write {name: callable(path)} into `out` whole or not at all: each into NAME.tmp, renamed only
-    once every one is written, so a failure (a full disk, a read-only mount) leaves `out` as it was."""
+    once every one is written, so a failure (a full disk, a read-only mount) leaves `out` as it was.
+    Every file gets the mode a new file gets here (0666 less the umask; safetensors writes 0600)."""
+    import os
     tmps = {name: out / f"{name}.tmp" for name in files}
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, write in files.items():
             write(tmps[name])
+            os.chmod(tmps[name], 0o666 & ~umask)
         for name, tmp in tmps.items():
             tmp.replace(out / name)
     except OSError as e:
@@ -349,11 +372,10 @@ def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
                           "choose a new or empty --out, or pass --supersede to rename them to NAME.superseded")
     tensors = to_hf(nnx.to_pure_dict(nnx.state(model)), cfg.model)
     hf = json.dumps(hf_config(cfg.model, tok.eos_id), indent=2) + "\n"
-    files = {"model.safetensors": lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}),
+    files = {"model.safetensors": lambda p: _save_safetensors(st, tensors, p),
              "config.json": lambda p: p.write_text(hf)}
     if tok_name:  # the byte tokenizer needs no file: token id = UTF-8 byte
         files[tok_name] = lambda p: shutil.copyfile(spec, p)
-    # {"format": "pt"}: transformers refuses safetensors files without it.
     _write_all(out, files)
     for name in stale:
         print(f"moved {out / name} (not part of this export) aside to {_supersede(out / name)}")

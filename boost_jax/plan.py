@@ -221,16 +221,18 @@ def main(argv=None) -> int:
                    context_attention=tuple(x.strip() for x in args.context_attention.split(",") if x.strip()),
                    context_kv=tuple(x.strip() for x in args.context_kv.split(",") if x.strip()))
     fpt = model_flops_per_token(cfg, seq)
-    try:
-        res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
-
     print(f"{cfg.name} ({cfg.model.linear}, d={cfg.model.d_model}, r={cfg.model.rank}, L={cfg.model.n_layers}) on "
           f"{args.devices} GPUs of {cluster.name} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB); "
           f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention} (priced as "
           f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py; "
-          f"plans with context > 1 run {under_context(args.attention)})")
+          f"plans with context > 1 run {under_context(args.attention)})", flush=True)
+    from boost_jax.tools.progress import ticking
+    try:
+        with ticking(f"plan: searching plans for {args.devices} GPUs"):
+            res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+
     print(f"search: {res.considered} plans, {res.priced} priced in full (the others' lower bounds cannot enter the "
           f"top {opts.top}), {res.rejected_memory} of those over the usable {cluster.usable_hbm / GB:.0f} GB/GPU, in "
           f"{res.seconds:.2f} s")

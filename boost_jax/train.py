@@ -110,10 +110,13 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
                             "planner_memory_gb": planned.plan.memory["total"] / 1e9})
     evaluate = _evaluator(built, eval_data, reading)
     stop.committed = ckpt.committed_step
-    if step < cfg.train.steps:
+    end = min(cfg.train.stop_at_step or cfg.train.steps, cfg.train.steps)
+    if step >= end:
+        say(_complete_line(cfg, step, ckpt))
+    else:
         say("compiling the train and eval steps (the first step waits for it; --config.compile_cache=DIR "
             "keeps them for the next start)")
-    if step < cfg.train.steps and cfg.train.eval_every:  # eval_every=0: no evaluation at all
+    if step < end and cfg.train.eval_every:  # eval_every=0: no evaluation at all
         try:
             report.eval(step, evaluate(state["params"], stop=lambda: _stop_requested(stop)), say=False)
         except EvalInterrupted:  # the loop's first step sees the signal: it saves and stops there
@@ -156,6 +159,16 @@ def _startup_line(cfg, built, config_file: str, planned=None) -> str:
             f"{p.strategy}{auto}; batch {t.global_batch} x "
             f"{t.seq_len} ({cfg.data.batching}, grad_accum {t.grad_accum}), {t.steps} steps; config "
             f"{config_file or 'given as a ConfigDict'}")
+
+
+def _complete_line(cfg, step: int, ckpt: Checkpointer) -> str:
+    """What a rerun of a run that already reached its last (or its stop_at_step) step says."""
+    t = cfg.train
+    if step >= t.steps:
+        return (f"the run is complete: step {step} of {t.steps} is saved in {ckpt.directory}; nothing to train "
+                "(raise --config.train.steps to train on, or choose a new --config.run_dir)")
+    return (f"the run is at step {step}, at or past --config.train.stop_at_step={t.stop_at_step} (of "
+            f"{t.steps}); nothing to train (raise or drop train.stop_at_step to continue)")
 
 
 def _close(loop, report: Reporter, ckpt: Checkpointer, say) -> None:
@@ -308,9 +321,11 @@ class _Loop:
         t = self.cfg.train
         end, first = min(t.stop_at_step or t.steps, t.steps), step
         self.last_saved = step
+        self.state, self.step = state, step
+        if step >= end:  # nothing to train (said at the start): no progress bar
+            return state, step
         self.report.start_bar(step)
         kernels_used()  # start the record afresh: the first train step below traces the model
-        self.state, self.step = state, step
         while step < end:
             self.ckpt.check()  # a background save that failed stops the run here, not at the next save
             local = jax.tree.map(lambda x: x.reshape(t.grad_accum, -1, *x.shape[1:]), self.data.batch(self.position))
@@ -499,15 +514,20 @@ def _config_path(argv) -> str | None:
 
 def _packaged_config(argv) -> list:
     """argv with a `--config NAME` of a packaged config (`cola_60m`, or `configs/cola_60m.py` where
-    no such file is: an installed wheel) replaced by its file (boost_jax/config.py config_path)."""
+    no such file is: an installed wheel) replaced by its file (boost_jax/config.py config_path), and
+    moved in front of the `--config.KEY=VALUE` overrides: they apply to the file, in any order given."""
     from boost_jax.config import config_path
-    out = list(argv)
-    for i, arg in enumerate(out):
+    out, picked = [argv[0]] if argv else [], []
+    rest = iter(argv[1:])
+    for arg in rest:
         if arg.startswith("--config="):
-            out[i] = "--config=" + config_path(arg.split("=", 1)[1])
-        elif arg == "--config" and i + 1 < len(out):
-            out[i + 1] = config_path(out[i + 1])
-    return out
+            picked = ["--config=" + config_path(arg.split("=", 1)[1])]
+        elif arg == "--config":
+            value = next(rest, None)
+            picked = ["--config"] + ([] if value is None else [config_path(value)])
+        else:
+            out.append(arg)
+    return out[:1] + picked + out[1:]
 
 
 def _define_config(argv, flag_values=None):
@@ -544,6 +564,8 @@ def parse_config(argv):
         cfg.name  # noqa: B018 - a config file that failed to load raises on first use
     except (AttributeError, KeyError, OSError) as e:
         _flag_error(e, argv)
+    except flags.Error as e:
+        _flags_error(e)
     return cfg
 
 
@@ -561,15 +583,13 @@ Config keys, their defaults (boost_jax/config.py; a config file changes some) an
 
 def _help(argv) -> bool:
     """--help / --print_config: print and return True (the command exits 0)."""
-    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+    if any(a in HELP_FLAGS for a in argv[1:]):
         from boost_jax.config import describe_config
-        print(USAGE)
-        print(describe_config())
+        _print(USAGE + "\n" + describe_config())
         return True
     if "--print_config" in argv[1:]:
         cfg = parse_config([a for a in argv if a != "--print_config"])
-        print(cfg)
-        print(_autos_here(cfg))
+        _print(str(cfg) + "\n" + _autos_here(cfg))
         return True
     return False
 
@@ -586,6 +606,27 @@ def _autos_here(cfg) -> str:
     return f"# auto, on {where}: " + (autos.describe(picks) or "nothing left to resolve")
 
 
+HELP_FLAGS = ("--help", "-h", "--helpfull", "--helpshort", "--helpxml", "-?")  # absl's too: all print ours
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader that closed the pipe early (`| head`) ends it quietly, not with a
+    BrokenPipeError traceback."""
+    import os
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush goes nowhere
+
+
+def _flags_error(e: Exception) -> None:
+    """A command line absl cannot parse (a flag that is not ours, a flag without its value) as one line
+    pointing at our --help, not at absl's."""
+    print(f"error: {str(e).splitlines()[0]}; python -m boost_jax.train --help lists the flags and every config key",
+          file=sys.stderr)
+    sys.exit(1)
+
+
 def main(argv=None) -> int:
     from absl import app, flags
 
@@ -596,9 +637,11 @@ def main(argv=None) -> int:
 
     def parse(args):
         try:
-            return app.parse_flags_with_usage(args)
+            return flags.FLAGS(args)
         except (AttributeError, KeyError, OSError) as e:
             _flag_error(e, args)
+        except flags.Error as e:  # (absl's own parse_flags_with_usage would suggest absl's --helpshort)
+            _flags_error(e)
 
     stop = StopFlag()
 

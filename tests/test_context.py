@@ -159,7 +159,9 @@ def test_comm_report_cli_shows_the_context_exchange(tmp_path, capsys):
                             "--seq", "64", "--no-memory"])
     col = rep["strategies"]["btp"]["context"]
     assert col["compiled"] == col["formula"] and col["compiled"]["collective-permute"]["count"] > 0
-    assert "train step, context (attention)" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "train step, context (attention)" in out
+    assert "comm_report: compiling btp forward at 1 layer (1 of 6; 0:" in err  # a line before each compile
 
 
 def test_resume_under_another_context_size_continues_the_curve(make_config, tmp_path, tmp_path_factory):

@@ -1,6 +1,7 @@
 """The wheel a user installs: built from a copy of this checkout, installed into a fresh virtual
-environment (its dependencies from this environment's site-packages, `--system-site-packages`; the
-wheel itself `--no-deps`, so nothing but the build backend comes from the package index), and the
+environment (its dependencies from this interpreter's site-packages, in a venv or not:
+tests_support.fresh_venv; the wheel itself `--no-deps`, so nothing but the build backend comes from
+the package index), and the
 README's first command run there from a directory that is not a checkout: the packaged configs, the
 console scripts and `python -m` all work without the repository."""
 import os
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests_support import fresh_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +32,7 @@ def venv(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"), str(src)], tmp, env)
     wheel = next((tmp / "dist").glob("boost_jax-*.whl"))
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp / "venv")], tmp, env)
-    python = tmp / "venv" / "bin" / "python"
+    python = fresh_venv(tmp / "venv", env)
     _run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], tmp, env)
     work = tmp / "work"  # not a checkout: no configs/ here
     work.mkdir()

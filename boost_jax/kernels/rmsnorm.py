@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.errors import install_hint
 from boost_jax.kernels import platform
 
 try:  # Pallas's Triton backend (deprecated in jax 0.11): without it, impl="pallas" falls back loudly
@@ -283,8 +284,8 @@ def _triton_runs(x2, scale, block_rows):
 
     return _probe("triton", x2, scale, block_rows, compile_probe, lambda backend, reason: (
         f"boost_jax rmsnorm: kernels.rmsnorm=triton cannot run on backend {backend!r} ({reason}); falling back "
-        "to the XLA implementation. It needs an NVIDIA GPU with triton and jax-triton (pip install -e "
-        "'.[gpu]'); elsewhere set kernels.rmsnorm=pallas or xla."))
+        "to the XLA implementation. It needs an NVIDIA GPU with triton and jax-triton "
+        f"({install_hint('gpu')}); elsewhere set kernels.rmsnorm=pallas or xla."))
 
 
 def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):

@@ -26,7 +26,9 @@ ONE_DEVICE = dict(pipeline=1, data=1, fsdp=1, context=1, tensor=1, num_devices=0
                   pipeline_repeats=1)
 
 
-def mesh_shape(p, n_devices: int) -> tuple[int, ...]:
+def mesh_shape(p, n_devices: int, platform: str = "") -> tuple[int, ...]:
+    """The mesh's axis sizes on `n_devices` devices (one axis may be -1: inferred). `platform`: the
+    devices' platform, for the error's hint on emulating more CPU devices."""
     sizes = [int(p[a]) for a in AXES]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -35,8 +37,12 @@ def mesh_shape(p, n_devices: int) -> tuple[int, ...]:
                               f"{n_devices} devices ({known} does not divide {n_devices})")
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
-        raise ConfigError(f"config field `parallel`: pipeline*data*fsdp*context*tensor = {math.prod(sizes)} but there "
-                          f"are {n_devices} devices; set one of parallel.data/fsdp/tensor to -1 to infer it")
+        want = math.prod(sizes)
+        emulate = (f", or emulate {want} CPU devices by starting the command with XLA_FLAGS="
+                   f"--xla_force_host_platform_device_count={want}") if platform == "cpu" and want > n_devices else ""
+        raise ConfigError(f"config field `parallel`: pipeline*data*fsdp*context*tensor = {want} but JAX sees "
+                          f"{n_devices} device{'s' if n_devices != 1 else ''}; set one of parallel.pipeline/data/fsdp/context/tensor to -1 to "
+                          f"infer it{emulate}")
     return tuple(sizes)
 
 
@@ -55,7 +61,7 @@ def make_mesh(p, devices=None) -> Mesh:
     """The mesh of a `parallel` config section on `devices` (default: all). Whether the model fits
     it is checked by boost_jax/validate.py `check_mesh` (the runtime's builder calls both)."""
     devices = mesh_devices(p, devices)
-    shape = mesh_shape(p, len(devices))
+    shape = mesh_shape(p, len(devices), devices[0].platform if devices else "")
     # Auto axes: GSPMD propagates shardings from our parameter specs and activation constraints.
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 

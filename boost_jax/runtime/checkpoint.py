@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -72,6 +73,17 @@ def fingerprint(tree) -> tuple[dict[str, int], list[str]]:
 def one_line(e: Exception, width: int = 300) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= width else text[:width] + " ..."
+
+
+def os_reason(e: Exception) -> str | None:
+    """The operating system's reason inside a write's exception, e.g. "No space left on device
+    [ENOSPC]": tensorstore reports it deep in a long message (`[os_error_code='28']`) that a one-line
+    report would cut off."""
+    code = re.search(r"os_error_code='(\d+)'", str(e))
+    if code is None:
+        return None
+    number = int(code.group(1))
+    return f"{os.strerror(number)} [{errno.errorcode.get(number, number)}]"
 
 
 def _names(paths: list[str], n: int = 4) -> str:
@@ -256,12 +268,32 @@ class _OrbaxErrors(logging.Filter):
 
 def quiet_orbax_errors() -> None:
     """Install `_OrbaxErrors` where Orbax's records pass: absl's logger and the handlers of the root
-    logger and of absl (records of child loggers skip their parents' logger filters), once each."""
+    logger and of absl (records of child loggers skip their parents' logger filters), once each; and
+    `_closed_loop_is_quiet` as the hook for exceptions nothing can catch."""
     from absl import logging as absl_logging
     targets = [logging.getLogger("absl"), *logging.getLogger().handlers, absl_logging.get_absl_handler()]
     for target in targets:
         if not any(isinstance(f, _OrbaxErrors) for f in target.filters):
             target.addFilter(_OrbaxErrors())
+    if getattr(sys.unraisablehook, "__wrapped__", None) is None:
+        sys.unraisablehook = _closed_loop_is_quiet(sys.unraisablehook)
+
+
+def _closed_loop_is_quiet(previous):
+    """A hook for unraisable exceptions that drops one kind: "Event loop is closed" raised in asyncio's
+    `call_soon_threadsafe`, which tensorstore's writer threads call to complete the futures of a save
+    whose event loop Orbax closed when the save failed (a full disk: their traceback, printed with no
+    context, would follow the failure's one-line report). Every other exception goes to `previous`."""
+    def hook(unraisable):
+        tb, frames = unraisable.exc_traceback, []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+                and "call_soon_threadsafe" in frames):
+            previous(unraisable)
+    hook.__wrapped__ = previous
+    return hook
 
 
 def move_aside(step_dir: Path, why: str) -> Path:
@@ -466,7 +498,9 @@ class Checkpointer:
         removed = self._remove_partial()
         latest = self.committed_step()
         last = f"step {latest} in {self.directory}" if latest is not None else f"none (nothing in {self.directory})"
-        self.failure = CheckpointError(f"saving step {step} failed ({type(e).__name__}: {one_line(e)}); "
+        reason = "" if isinstance(e, OSError) else os_reason(e)  # an OSError's text starts with it
+        self.failure = CheckpointError(f"saving step {step} failed{f': {reason}' if reason else ''} "
+                                       f"({type(e).__name__}: {one_line(e)}); "
                                        f"{'its partial files were removed; ' if removed else ''}"
                                        f"the last good checkpoint is {last}. Fix the cause (disk space, "
                                        "permissions) and rerun to resume from it")
@@ -499,6 +533,25 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - Orbax re-raising the failed save that was reported
                 if self.failure is None:
                     raise
+            finally:
+                if self.failure is not None:
+                    self._settle()
+
+    def _settle(self, quiet_s: float = 0.5, limit_s: float = 10.0) -> None:
+        """After a failed save: tensorstore's writer threads may still be finishing its other writes
+        (each failing like the first) and recreate its `*.orbax-checkpoint-tmp` directories after they
+        were removed. Remove them until none has reappeared for `quiet_s` (at most `limit_s`), and once
+        more at exit; the coroutines of the abandoned writes are never awaited, which is expected."""
+        import atexit
+        import time
+        import warnings
+        warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+        start = quiet = time.monotonic()
+        while time.monotonic() - quiet < quiet_s and time.monotonic() - start < limit_s:
+            if self._remove_partial():
+                quiet = time.monotonic()
+            time.sleep(0.05)
+        atexit.register(self._remove_partial)
 
 
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)

@@ -32,8 +32,12 @@ class Reporter:
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def start_bar(self, step: int) -> None:
+        # smoothing=0: the rate is the steps since the compile over the time since (see _compiled). Steps
+        # are dispatched ahead of the device and the loop waits for them at log points, so a smoothed
+        # rate of recent updates would show the dispatch's speed, not the steps'.
         self.bar = tqdm(total=self.total, initial=step, disable=not (self.main and self.progress),
-                        dynamic_ncols=True, desc=self.name, unit="step")
+                        dynamic_ncols=True, desc=self.name, unit="step", smoothing=0)
+        self.first_step = step + 1  # this process's first step: its call traces and compiles the program
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def note(self, text: str) -> None:
@@ -46,6 +50,18 @@ class Reporter:
     def step_done(self) -> None:
         self.bar.update(1)
         self.window_steps += 1
+        if self.bar.n == self.first_step:
+            self._compiled()
+
+    def _compiled(self) -> None:
+        """After the first step, which waited for the compile: say how long it took and restart the
+        bar's clock, so that its rate and time left count only the steps that follow (a 20 s compile
+        read as a step's time would predict hours for a run of minutes)."""
+        took, n = time.perf_counter() - self.window_start, self.bar.n
+        self.note(f"step {n} took {took:.1f} s with the compile; the progress bar times the steps after it")
+        self.bar.reset()  # the clock and the smoothed rate start afresh (and the count at 0)
+        self.bar.n = self.bar.initial = self.bar.last_print_n = n
+        self.bar.refresh()
 
     def count_tokens(self, n: int) -> None:
         """Input tokens of a finished step that are not padding (what tokens/s and MFU count)."""

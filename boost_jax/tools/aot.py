@@ -17,7 +17,7 @@ of a deviceless compile are the GPU's; its run-time estimates are not (no GEMM a
 device), so XLA's times are not printed: `--profile` prices the train step's kernels on the target's
 numbers instead (tools/step_profile.py: a step-time table by category, fitted to measured H100 steps).
 
-Needs the `aot` extra (`pip install -e '.[aot]'`: jax's CUDA plugin and the NVIDIA compilers as
+Needs the `aot` extra (`pip install -e '.[aot]'` in a checkout: jax's CUDA plugin and the NVIDIA compilers as
 wheels; no GPU, driver or CUDA toolkit). Nothing here imports jax at module level.
 """
 from __future__ import annotations
@@ -32,8 +32,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from boost_jax.errors import install_hint
+
 TARGETS_DIR = Path(__file__).with_name("targets")
-INSTALL = "pip install -e '.[aot]'"
+INSTALL = install_hint("aot")  # for how this package was installed
 USABLE = 0.9  # share of a GPU's memory a run may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)
 # (distribution, what it brings): jax's CUDA plugin, ptxas, libdevice, and cuDNN (jax checks its version)
 _NEEDED = (("jax-cuda13-plugin", "jax's CUDA plugin"), ("jax-cuda13-pjrt", "jax's CUDA PJRT"),
@@ -368,9 +370,12 @@ def main(argv=None) -> dict:
                 raise AotError(f"--mesh {args.mesh}: {math.prod(sizes)} devices, but --devices {args.devices}; "
                                "make the product equal --devices")
             cfg.parallel.update(mesh_fields(sizes))
-        rep = compile_config(cfg, args.target, args.devices,
-                             programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable,
-                             profile=args.profile)
+        from boost_jax.tools.progress import ticking
+        steps = "train step" if args.train_only else "train and eval steps"
+        with ticking(f"aot: compiling the {steps} for {args.devices} x {args.target}"):
+            rep = compile_config(cfg, args.target, args.devices,
+                                 programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable,
+                                 profile=args.profile)
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -217,8 +217,9 @@ def _memory(compiled) -> dict | None:
 
 # ---------------------------------------------------------------- one strategy
 
-def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
-    """Every number for one strategy column (cfg from `variant_config`)."""
+def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> dict:
+    """Every number for one strategy column (cfg from `variant_config`). `log(what)`, if given, is
+    called before each compile."""
     from boost_jax.model import flops_per_token
     from boost_jax.model.transformer import compute_dtype
     from boost_jax.tools.hlo_comm import parse_collectives
@@ -234,6 +235,8 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
     for program in programs:
         tallies = []
         for layers in (1, 2):
+            if log:
+                log(f"{program} at {layers} layer{'s' if layers > 1 else ''}")
             compiled, mesh, seconds, text = compile_program(cfg, program, devices, layers, unroll=True,
                                                             partitioned=True)
             cs = parse_collectives(compiled.as_text(), mesh)  # the layer scan is unrolled; other loops
@@ -271,6 +274,8 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS) -> dict:
 
     res["memory"] = None
     if memory:  # the program that runs: full depth, layers scanned
+        if log:
+            log(f"train_step at {depth} layers, scanned (peak memory)")
         compiled, _, seconds = compile_program(cfg, "train_step", devices, depth, unroll=False)
         res["compile_s"][f"train_step@{depth}(scan)"] = round(seconds, 2)
         res["memory"] = _memory(compiled)
@@ -293,10 +298,10 @@ def context_section(cfg, total: dict) -> dict | None:
 def report(cfg_or_path, mesh=(1, 1, 4), strategies=None, batch: int = 4,
            seq: int = 4096, dtype: str = "bfloat16", memory: bool = True, programs=PROGRAMS,
            remat: str | None = None, context: int = 1, context_attention: str | None = None,
-           context_kv: str | None = None) -> dict:
+           context_kv: str | None = None, progress: bool = False) -> dict:
     """All numbers for each strategy (see the module docstring); JSON-serialisable. mesh = (data,
     fsdp, tensor); `context` > 1 splits the sequence too (its attention and kv modes: the config's
-    unless given)."""
+    unless given). `progress`: a line on stderr before each compile (the command line's)."""
     if "forward" not in programs:
         raise ValueError(f"programs={programs!r}: 'forward' is needed (backward = forward_backward - forward)")
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else tuple(mesh)
@@ -304,11 +309,20 @@ def report(cfg_or_path, mesh=(1, 1, 4), strategies=None, batch: int = 4,
     base = load_config(cfg_or_path)
     base.parallel.update({k: v for k, v in (("context_attention", context_attention), ("context_kv", context_kv))
                           if v is not None})
-    columns = {}
-    for name, linear in parse_strategies(strategies):
+    columns, chosen = {}, parse_strategies(strategies)
+    count, start, total = 0, time.perf_counter(), len(chosen) * (2 * len(programs) + bool(memory))
+    for name, linear in chosen:
         cfg = variant_config(base, name, linear, mesh, batch, seq, dtype, remat, context)
         label = name if linear is None else f"{name}:{linear}"
-        columns[label] = measure(cfg, devices, memory=memory, programs=programs)
+
+        def log(what, label=label):
+            nonlocal count
+            count += 1
+            took = int(time.perf_counter() - start)
+            print(f"comm_report: compiling {label} {what} ({count} of {total}; {took // 60}:{took % 60:02d} so far)",
+                  file=sys.stderr, flush=True)
+
+        columns[label] = measure(cfg, devices, memory=memory, programs=programs, log=log if progress else None)
     return {"config": base.name, "mesh": {**dict(zip(("data", "fsdp", "tensor"), mesh)), "context": context},
             "batch": batch,
             "seq": seq, "dtype": dtype, "remat": remat or base.remat.policy, "platform": devices[0].platform,
@@ -465,9 +479,11 @@ def main(argv=None) -> dict:
         if pipeline > 1 and context > 1:
             raise SystemExit("--mesh: the pipeline report runs without context; give pipeline 1 to report context")
     if len(mesh) == 4:
+        from boost_jax.tools.progress import ticking
         try:
-            rep = pipeline_report(args.config, mesh, args.strategy and args.strategy.split(",")[0], args.batch,
-                                  args.seq, args.dtype)
+            with ticking(f"comm_report: compiling the pipelined train step on mesh {args.mesh}"):
+                rep = pipeline_report(args.config, mesh, args.strategy and args.strategy.split(",")[0], args.batch,
+                                      args.seq, args.dtype)
         except ConfigError as e:
             raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy)") from e
         print(pipeline_markdown(rep))
@@ -478,7 +494,7 @@ def main(argv=None) -> dict:
 
     try:
         rep = report(args.config, mesh, args.strategy, args.batch, args.seq, args.dtype,
-                     memory=not args.no_memory, remat=args.remat, context=context)
+                     memory=not args.no_memory, remat=args.remat, context=context, progress=True)
     except ConfigError as e:
         raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy/--remat)") from e
     text = to_markdown(rep)

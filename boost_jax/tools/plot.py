@@ -2,7 +2,7 @@
 
 Reads RUN_DIR/metrics.jsonl and draws three panels: train and eval loss, tokens/s, and MFU (TFLOP/s
 per device where MFU is unknown, e.g. on CPU). Writes RUN_DIR/curves.png unless --out says otherwise.
-Needs matplotlib: `pip install matplotlib` (or `pip install -e '.[bench]'`).
+Needs matplotlib: `pip install matplotlib` (the `bench` extra).
 """
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def plot(run_dir, out=None) -> Path:
         matplotlib.use("Agg")  # files only; no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("boost_jax.tools.plot needs matplotlib: pip install matplotlib "
-                         "(or pip install -e '.[bench]')") from None
+        from boost_jax.errors import install_hint
+        raise SystemExit(f"boost_jax.tools.plot needs matplotlib: {install_hint('bench')}") from None
     m = read_metrics(run_dir)
     if not m.get("loss") and not m.get("eval_loss"):
         raise SystemExit(f"{Path(run_dir) / 'metrics.jsonl'} has no loss or eval_loss rows yet")

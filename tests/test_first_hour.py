@@ -1,0 +1,188 @@
+"""What a new user meets in the first hour, beyond `--help` (tests/test_cli.py): overrides in any
+order around `--config`, absl's help flags and parse errors answered with ours, `--help` into a pipe
+that closes early, a progress bar whose time left does not count the compile, a rerun of a finished
+run that says so, install hints that fit how the package was installed, and the mesh error's hint
+for emulating devices."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from boost_jax import train
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's boost_jax in the commands started
+
+
+def test_overrides_before_the_config_apply_to_it():
+    for argv in (["train", "--config.train.steps=3", "--config", "cola_60m", "--config.train.lr=0.5"],
+                 ["train", "--config.train.lr=0.5", "--config.train.steps=3", "--config=cola_60m"]):
+        cfg = train.parse_config(argv)
+        assert (cfg.name, cfg.train.steps, cfg.train.lr, cfg.data.batching) == ("cola_60m", 3, 0.5, "document"), argv
+
+
+@pytest.mark.parametrize("flag", ["--helpshort", "--helpfull", "--helpxml"])
+def test_absls_help_flags_print_ours(flag, capsys):
+    assert train.main(["train", flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(train.USAGE.splitlines()[0]) and "--config.train.steps=" in out
+    assert "absl" not in out and "flags_parser" not in out
+
+
+@pytest.mark.parametrize("argv, needle", [(["train", "--steps=3"], "Unknown command line flag 'steps'"),
+                                          (["train", "--config"], "--config")])
+def test_a_flag_absl_cannot_parse_is_one_line_pointing_at_our_help(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_config(argv)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "boost_jax.train --help" in err, err
+    assert "helpshort" not in err
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    """`boost-train --help | head -1`: the reader is gone before the help is written."""
+    read, write = os.pipe()
+    os.close(read)
+    proc = subprocess.run([sys.executable, "-m", "boost_jax.train", "--help"], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=300, env=ENV)
+    os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+
+
+def test_a_flag_absl_cannot_parse_on_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "boost_jax.train", "--config.train.steps=2", "--steps=3"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Unknown command line flag 'steps'" in proc.stderr and "helpshort" not in proc.stderr
+
+
+def test_the_time_left_does_not_count_the_compile(make_config, tmp_path, capsys):
+    """The first step waits for the compile (here: 2 s); the next ones take ~10 ms. The bar's rate and
+    time left come from those, and a line says what the first step took."""
+    from boost_jax.runtime.report import Reporter
+    cfg = make_config()
+    cfg.train.update(steps=400, progress=True)
+    rep = Reporter(cfg, tmp_path, main_process=True, flops_per_token=1.0)
+    rep.start_bar(0)
+    time.sleep(2.0)  # the compile
+    rep.step_done()
+    start = time.perf_counter()
+    for _ in range(5):
+        time.sleep(0.01)
+        rep.step_done()
+    per_step = (time.perf_counter() - start) / 5  # what the steps after the compile took (a loaded machine: more)
+    info = rep.bar.format_dict
+    rate = info["rate"] or (info["n"] - info["initial"]) / info["elapsed"]
+    left = (info["total"] - info["n"]) / rate
+    rep.close()
+    assert info["n"] == 6 and left < 3 * 394 * per_step + 1, (info, left, per_step)  # counting the compile: >= 400 s
+    out = capsys.readouterr().out
+    took = re.search(r"step 1 took (\d+\.\d) s with the compile", out)
+    assert took and float(took.group(1)) >= 2.0, out
+
+
+def test_rerunning_a_finished_run_says_it_is_complete(make_config, capsys):
+    cfg = make_config(**{"train.steps": 2, "train.eval_every": 0})
+    assert train.run(cfg)["step"] == 2
+    capsys.readouterr()
+    cfg.train.progress = True
+    summary = train.run(cfg)
+    out, err = capsys.readouterr()
+    assert summary["step"] == 2 and "the run is complete: step 2 of 2" in out and "--config.train.steps" in out
+    assert "compiling" not in out and "step/s" not in err and "s/step" not in err, err  # no progress bar
+    cfg.train.update(steps=8, stop_at_step=2)
+    train.run(cfg)
+    assert "at or past --config.train.stop_at_step=2" in capsys.readouterr().out
+
+
+def test_a_mesh_larger_than_the_machine_says_how_to_emulate_it():
+    """The README's context example on one CPU device: the error names every axis that may be -1 and
+    the XLA_FLAGS that emulate the devices it asks for."""
+    import jax
+
+    from boost_jax.errors import ConfigError
+    from boost_jax.parallel.mesh import make_mesh
+    cfg = train.parse_config(["train", "--config.parallel.context=2", "--config.parallel.tensor=2",
+                              "--config.parallel.data=2"])
+    with pytest.raises(ConfigError) as e:
+        make_mesh(cfg.parallel, jax.devices()[:1])
+    text = str(e.value)
+    assert "JAX sees 1 device;" in text and "pipeline/data/fsdp/context/tensor to -1" in text, text
+    assert text.endswith("XLA_FLAGS=--xla_force_host_platform_device_count=8"), text
+
+
+def test_install_hints_fit_how_the_package_was_installed(tmp_path):
+    """From a checkout: an editable install of that checkout, by its path (it works from any
+    directory); from an installed wheel: the extra's own requirements, from the package metadata."""
+    from boost_jax.errors import install_hint
+    assert install_hint("hf") == f"pip install -e '{ROOT}[hf]'"
+    site = tmp_path / "site-packages" / "boost_jax"  # what a wheel installs: no pyproject.toml above it
+    site.mkdir(parents=True)
+    hint = install_hint("hf", package_dir=site)
+    assert hint.startswith("pip install 'safetensors") and "-e" not in hint and "[hf]" not in hint, hint
+    aot = install_hint("aot", package_dir=site)
+    assert "'jax-cuda13-plugin" in aot and "'nvidia-cudnn-cu13" in aot, aot
+
+
+def test_ticking_shows_a_long_step_is_alive():
+    """Past `after` seconds, the step's name and elapsed time, then how long it took; a shorter step
+    prints nothing, and one that fails nothing after its progress (the command's error is the last line)."""
+    import io
+
+    from boost_jax.tools.progress import ticking
+    out = io.StringIO()
+    with ticking("plan: searching", after=0.05, every=0.05, file=out):
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert lines[-1] == "plan: searching: done in 0:00" and len(lines) >= 3, lines
+    assert all(ln == "plan: searching... 0:00" for ln in lines[:-1]), lines
+    out = io.StringIO()
+    with ticking("plan: searching", after=10, file=out):
+        time.sleep(0.05)
+    assert out.getvalue() == ""
+    out = io.StringIO()
+    with pytest.raises(ValueError), ticking("plan: searching", after=0.05, every=10, file=out):
+        time.sleep(0.2)
+        raise ValueError("the command's one-line error says what happened")
+    assert out.getvalue() == "plan: searching... 0:00\n"
+
+
+def test_plan_speaks_before_it_searches(monkeypatch, capsys):
+    """`plan` prints the model and cluster line, and that it is searching, before the search (which
+    takes minutes for the README's larger commands)."""
+    from boost_jax import plan, planner
+    seen = {}
+
+    def search(*args, **kwargs):
+        seen["out"], seen["err"] = capsys.readouterr()
+        raise ValueError("stopped here by the test")
+
+    monkeypatch.setattr(planner, "search", search)
+    with pytest.raises(SystemExit, match="stopped here by the test"):
+        plan.main(["--config", str(ROOT / "configs" / "cola_7b.py"), "--devices", "32", "--cluster",
+                   str(ROOT / "configs" / "clusters" / "a100_4x.py")])
+    assert seen["out"].startswith("cola_7b (cola,") and "on 32 GPUs" in seen["out"], seen
+    assert seen["err"] == "", seen  # the search's progress starts after 5 s
+
+
+def test_first_command_benchmark(tmp_path, capsys):
+    """`python benchmarks/first_command.py` (the README's timing of its first command), on a short
+    schedule: the table and JSON hold wall and CPU time, the first step's time with the compile, the
+    time left shown at the first log point beside what the rest took, and the load average."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("first_command", ROOT / "benchmarks" / "first_command.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "first.json"
+    assert bench.main(["--json", str(out), "--", "--config.train.steps=6", "--config.train.warmup_steps=1",
+                       "--config.train.log_every=2", "--config.train.eval_every=0"]) == 0
+    row = __import__("json").loads(out.read_text())
+    assert row["wall_s"] > row["first_step_s"] > 0 and row["cpu_s"] > 0, row
+    assert row["bar_at_first_log"]["step"] == 2 and row["bar_at_first_log"]["time_left_shown_s"] is not None, row
+    assert row["load_avg"]["max"] >= row["load_avg"]["min"] >= 0
+    assert "| first step (with the compile) |" in capsys.readouterr().out
