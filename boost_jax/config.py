@@ -79,6 +79,23 @@ BATCHINGS = ("stream", "packed", "document")  # data.batching (boost_jax/data/lo
 SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
 
 
+AUTO_OR_BOOL = ("group_linears", "scan_unroll")  # model fields holding "auto" or a bool
+
+
+class _ModelSection(ml_collections.ConfigDict):
+    """The `model` section: its `auto | bool` fields stay untyped in every copy (ConfigDict's
+    copy_and_resolve_references would otherwise type them by their value, so `"auto"` would refuse the
+    bool it resolves to, and a resolved bool would refuse `"auto"`)."""
+
+    def copy_and_resolve_references(self, visit_map=None):
+        out = super().copy_and_resolve_references(visit_map)
+        for name in AUTO_OR_BOOL:
+            if name in out:
+                with out.unlocked(), out.ignore_type():
+                    out[name] = config_dict.FieldReference(out[name], field_type=object)
+        return out
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Every key the code reads, with its default: the schema below plus the `model` fields the
     registered linear kinds declare (`model_fields`), right after `model.linear`."""
@@ -103,7 +120,7 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # (flags already in XLA_FLAGS keep their values); false leaves XLA_FLAGS alone.
     c.xla_gpu_flags = True
 
-    m = c.model = ml_collections.ConfigDict()
+    m = c.model = _ModelSection()
     m.vocab_size = 256  # byte-level tokenizer for the embedded corpus
     m.d_model = 128  # hidden width d
     m.n_layers = 4  # transformer blocks L
