@@ -203,7 +203,7 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
     Without batch axes to defer (`once_per_pass_axes` empty) this is the plain accumulation loop."""
     axes = once_per_pass_axes(mesh, strategy)
     a = jax.tree.leaves(batch)[0].shape[0]
-    repeats = repeats if schedule == "circular" else None
+    repeats = repeats if schedule == "circular" or (schedule == ONE_F_ONE_B and repeats > 1) else None
     if not axes:
         copies_f = None
     else:
@@ -440,3 +440,252 @@ def _circular(run_stages, staged, x, stages, microbatches, unroll, rows=None, *,
     (_, loop), _ = jax.lax.scan(tick, (inputs, loop), jnp.arange(ticks(stages, microbatches, repeats)),
                                 unroll=unroll)
     return from_microbatches(loop[0])
+
+
+# ------------------------------------------------------------------------------------------- 1F1B
+#
+# One jitted program, the pipeline axis (and the batch axes the stage weights' gradient is reduced
+# over once per pass) manual in a `shard_map`: each device runs its own stage's branch of a tick
+# (`lax.cond` on its stage index, so a stage with nothing to do at a tick skips it) and the stages
+# hand their activations forward and their gradients backward by collective-permute, one each way
+# per tick. The backward is driven by the schedule (`jax.vjp` per stage and tick), not by autodiff
+# of the tick loop, so a stage keeps only the micro-batches it has run forward and not yet backward,
+# in a ring buffer whose size depends on S and V, never on M. The head and loss run at the last
+# stage, per micro-batch, in the tick that finishes its forward, which also starts its backward.
+#
+# Ticks (lockstep: every stage does at most one forward and one backward per tick). Items are
+# (micro-batch, chunk) pairs, V per micro-batch (V = 1 without interleaving). Forward item k runs at
+# stage s at tick k + s; in the interleaved order micro-batches go in groups of S: item k is group
+# g = k // (S V), chunk v = (k mod S V) // S, micro-batch g S + k mod S, so the item stage S-1
+# finishes at tick t is the one stage 0 starts at tick t + 1 (the ring wraps, no buffer in between;
+# hence M divisible by S when V > 1). Backward item j (the same order, chunks reversed) runs at
+# stage s at tick j + D - s, D = V S + S - 2: a micro-batch's last chunk is run forward and backward
+# at stage S-1 in the same tick, and each backward hand-over arrives the tick its stage needs it.
+# V M + D ticks in all: the first V S - 1 run forwards only, the last V S - 1 backwards only, so a
+# pass takes (S - 1 + V M) (f + b) for chunk times f, b: bubble (S-1)/(V M + S-1), as the stages
+# only wait for work the dependencies forbid. Lockstep ticks make a hand-over take a whole tick each
+# way, so stage s holds a forward item for 2(S-1-s) + 2(V-1-v)S ticks (interleaved) before its
+# backward: the ring keeps `ring_slots` items, at most 2 V S - 1, where 1F1B run asynchronously keeps
+# about S (V = 1); stage 0's first chunk is re-read from the pass's input instead of kept.
+
+ONE_F_ONE_B = "1f1b"
+
+
+def delay(stages: int, repeats: int = 1) -> int:
+    """D: backward item j runs at stage s at tick j + D - s."""
+    return repeats * stages + stages - 2
+
+
+def ticks_1f1b(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Ticks of a 1F1B pass (forward and backward): V M + V S + S - 2."""
+    return repeats * microbatches + delay(stages, repeats)
+
+
+def lifetime(stages: int, repeats: int, stage: int, chunk: int) -> int:
+    """Ticks from an item's forward to its backward at `stage`, for its `chunk` (0..V-1)."""
+    return (repeats - 1 - 2 * chunk) * stages + delay(stages, repeats) - 2 * stage
+
+
+def ring_slots(stages: int, repeats: int = 1, reread_first: bool = True) -> int:
+    """Slots of a stage's ring of forward items (indexed by item mod slots): one more than the longest
+    lifetime of a kept item, so an item's slot is rewritten only after its backward. `reread_first`:
+    stage 0's first chunk is read from the pass's input again, not kept."""
+    return 1 + max([lifetime(stages, repeats, s, v) for s in range(stages) for v in range(repeats)
+                    if not (reread_first and s == 0 and v == 0)] + [0])
+
+
+def _decode(item, stages: int, repeats: int, backward: bool = False):
+    """(micro-batch, chunk) of forward item `item` (backward: chunks in reverse order)."""
+    per_group = stages * repeats
+    within = item % per_group
+    v = within // stages
+    return (item // per_group) * stages + within % stages, (repeats - 1 - v) if backward else v
+
+
+def _forward_item(item, stages: int, repeats: int):
+    """The forward index of backward item `item` (same micro-batch and chunk)."""
+    per_group = stages * repeats
+    within = item % per_group
+    return (item // per_group) * per_group + (repeats - 1 - within // stages) * stages + within % stages
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _put(tree, value, i):
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0), tree, value)
+
+
+def _add_at(tree, value, i):
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(
+        a, jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + v.astype(a.dtype), i, 0), tree, value)
+
+
+def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stages, microbatches, repeats, manual,
+               inner, scale, reduce_dtype, backward, unroll):
+    """One stage's program (inside the `shard_map`): the loss of its pass (and with `backward`, the
+    gradients of its stage weights [1, V, ...], of `head_params` and of x). staged: this stage's
+    weights [1, V, L/(S V), ...]; x [rows, ...] this replica's rows of the pass's input; rows and
+    targets: pytrees of per-row arrays [rows, ...] (targets: (labels, mask or None))."""
+    S, V, M = stages, repeats, microbatches
+    s = jax.lax.axis_index("pipeline")
+    here = rules.traced_mesh(inner[0])
+    weights = jax.tree.map(lambda a: a[0], staged)  # [V, L/(S V), ...]
+    micro = to_microbatches(x, M)  # [M, b, ...]
+    micro_rows = jax.tree.map(lambda a: to_microbatches(a, M), rows)
+    micro_targets = jax.tree.map(lambda a: to_microbatches(a, M), targets)
+    items = V * M
+    slots = ring_slots(S, V) if backward else 0
+    D = delay(S, V)
+    n_ticks = items + D if backward else items + S - 1
+    forward_perm = [(i, (i + 1) % S) for i in range(S)]
+    backward_perm = [(i, (i - 1) % S) for i in range(S)]
+
+    def run(w, h, r):
+        return stage_fn(w, h) if r is None else stage_fn(w, h, r)
+
+    with rules.use_rules(here, inner[1]):
+        act = jnp.zeros(micro.shape[1:], micro.dtype)
+        carry = {"fwd": act, "loss": jnp.zeros((), jnp.float32)}
+        if backward:
+            f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
+            carry.update(bwd=act, ring=jnp.zeros((slots,) + act.shape, act.dtype), grad_w=f32(weights),
+                         grad_h=f32(head_params), dx=jnp.zeros(micro.shape, micro.dtype))
+
+        def head(hp, h, tgt):
+            labels, mask = tgt
+            return head_fn(hp, h, labels, mask) * scale
+
+        def tick(c, t):
+            c = dict(c)
+            k = t - s
+            f_ok = (k >= 0) & (k < items)
+            m_f, v_f = _decode(jnp.clip(k, 0, items - 1), S, V)
+            inp = jnp.where((s == 0) & (v_f == 0), micro[m_f], c["fwd"])
+            rows_f = _index(micro_rows, m_f)
+            tgt_f = _index(micro_targets, m_f)
+            last = (s == S - 1) & (v_f == V - 1)
+
+            def forward(c):
+                c = dict(c)
+                y = run(_index(weights, v_f), inp, rows_f)
+                if not backward:
+                    loss = jax.lax.cond(last, lambda: head(head_params, y, tgt_f), lambda: c["loss"] * 0)
+                    c["loss"] = c["loss"] + loss
+                    return y, c, act
+                c["ring"] = jax.lax.dynamic_update_index_in_dim(c["ring"], inp, jnp.mod(k, slots), 0)
+
+                def at_head(c):
+                    c = dict(c)
+                    loss, pull = jax.vjp(lambda hp, h: head(hp, h, tgt_f), head_params, y)
+                    g_h, g_y = pull(jnp.ones((), jnp.float32))
+                    c["loss"] = c["loss"] + loss
+                    c["grad_h"] = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["grad_h"], g_h)
+                    return c, g_y.astype(act.dtype)
+
+                c, g_y = jax.lax.cond(last, at_head, lambda c: (c, act), c)
+                return y, c, g_y
+
+            y, c, g_y = jax.lax.cond(f_ok, forward, lambda c: (act, c, act), c)
+            if backward:
+                j = t - D + s
+                b_ok = (j >= 0) & (j < items)
+                jc = jnp.clip(j, 0, items - 1)
+                m_b, v_b = _decode(jc, S, V, backward=True)
+                first = (s == 0) & (v_b == 0)
+                kept = jax.lax.dynamic_index_in_dim(c["ring"], jnp.mod(_forward_item(jc, S, V), slots),
+                                                    keepdims=False)
+                inp_b = jnp.where(first, micro[m_b], kept)
+                cot = jnp.where((s == S - 1) & (v_b == V - 1), g_y, c["bwd"])
+                rows_b = _index(micro_rows, m_b)
+
+                def backward_step(c):
+                    c = dict(c)
+                    _, pull = jax.vjp(lambda w, h: run(w, h, rows_b), _index(weights, v_b), inp_b)
+                    g_w, g_x = pull(cot)
+                    c["grad_w"] = _add_at(c["grad_w"], g_w, v_b)
+                    slot = jax.lax.dynamic_index_in_dim(c["dx"], m_b, keepdims=False)
+                    c["dx"] = jax.lax.dynamic_update_index_in_dim(c["dx"], jnp.where(first, g_x, slot), m_b, 0)
+                    return g_x.astype(act.dtype), c
+
+                g_x, c = jax.lax.cond(b_ok, backward_step, lambda c: (act, c), c)
+                c["bwd"] = jax.lax.ppermute(g_x, "pipeline", backward_perm)
+            c["fwd"] = jax.lax.ppermute(y, "pipeline", forward_perm)
+            return c, None
+
+        carry, _ = jax.lax.scan(tick, carry, jnp.arange(n_ticks), unroll=unroll)
+    loss = jax.lax.psum(carry["loss"], manual)
+    if not backward:
+        return loss
+    grad_h = jax.tree.map(lambda g, a: jax.lax.psum(g.astype(reduce_dtype), manual).astype(a.dtype),
+                          carry["grad_h"], head_params)
+    dx = from_microbatches(jax.lax.psum(carry["dx"], "pipeline"))
+    grad_w = jax.tree.map(lambda g, a: g.astype(a.dtype)[None], carry["grad_w"], weights)
+    return loss, grad_w, grad_h, dx
+
+
+def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *, stages: int, microbatches: int,
+               mesh, strategy, repeats: int = 1, unroll: bool = False) -> jax.Array:
+    """The 1F1B pass: the loss of `head_fn(head_params, h, labels, mask)` on the layer stack's output h,
+    summed over the micro-batches and batch replicas (a masked sum) or averaged (mask None: means).
+
+    `stage_fn(chunk_state, x_micro[, rows_micro]) -> x_micro` runs one chunk of L/(S V) layers;
+    layer_state: leaves [L, ...]; x [B, ...] the stack's input; rows: per-row inputs [B, ...] handed
+    to stage_fn (or None); targets: (labels [B, ...], mask [B, ...] or None) for head_fn. Its
+    gradient comes from the 1F1B schedule (the module's section above), computed when the loss's
+    forward runs under autodiff (a custom VJP: the forward pass computes the gradients, the backward
+    scales them by the loss's cotangent); evaluated without autodiff it runs the forward ticks only.
+    The stack's gradient is reduced over data x fsdp once per pass, or once per step through the
+    train step's copies (`accumulate`), as the GPipe path does."""
+    axes = once_per_pass_axes(mesh, strategy)
+    manual = ("pipeline",) + axes
+    n = math.prod(mesh.shape[a] for a in axes)
+    V = repeats if repeats > 1 else None
+    reduce_dtype = jnp.dtype(strategy.grad_reduce_dtype)
+    given = _GIVEN.get()
+    if axes:
+        def replicas(a):
+            return _replicas(a, stages, n, NamedSharding(mesh, _copy_spec(manual, a.ndim, V)), reduce_dtype, V)
+
+        if given is not None:
+            leaves, treedef = jax.tree.flatten(layer_state)
+            copies = jax.tree.leaves(given, is_leaf=lambda c: c is None)
+            assert len(copies) == len(leaves), "the train step's stage copies do not match the layer stack"
+            staged = treedef.unflatten([replicas(a) if c is None else c for c, a in zip(copies, leaves)])
+        else:
+            staged = jax.tree.map(replicas, layer_state)
+    else:
+        staged = jax.tree.map(lambda a: stage_layout(a, stages, V), layer_state)
+    # every stage's weights as [S n, V, L/(S V), ...]
+    staged = jax.tree.map(lambda a: a if V is not None else a[:, None], staged)
+    mask = targets[1]
+    scale = 1.0 if mask is not None else 1.0 / (microbatches * n)
+    local = functools.partial(_f1b_local, stage_fn=stage_fn, head_fn=head_fn, stages=stages,
+                              microbatches=microbatches, repeats=repeats, manual=manual,
+                              inner=(mesh, without_axis(strategy, *axes)), scale=scale, reduce_dtype=reduce_dtype,
+                              unroll=unroll)
+    rows_spec = P(axes) if axes else P()
+    in_specs = (P(manual), P(), rows_spec, rows_spec, rows_spec)
+
+    def program(backward):
+        out = (P(), P(manual), P(), rows_spec) if backward else P()
+        return jax.shard_map(functools.partial(local, backward=backward), mesh=mesh, in_specs=in_specs,
+                             out_specs=out, axis_names=set(manual), check_vma=False)
+
+    @jax.custom_vjp
+    def loss(staged, head_params, x, rows, targets):
+        return program(False)(staged, head_params, x, rows, targets)
+
+    def loss_fwd(staged, head_params, x, rows, targets):
+        value, grad_w, grad_h, dx = program(True)(staged, head_params, x, rows, targets)
+        return value, (grad_w, grad_h, dx, rows, targets)
+
+    def loss_bwd(res, ct):
+        grad_w, grad_h, dx, rows, targets = res
+        times = lambda g: (g * ct).astype(g.dtype)  # noqa: E731
+        return (jax.tree.map(times, grad_w), jax.tree.map(times, grad_h), times(dx),
+                jax.tree.map(lambda _: None, rows), jax.tree.map(lambda _: None, targets))
+
+    loss.defvjp(loss_fwd, loss_bwd)
+    return loss(staged, head_params, x, rows, targets)

@@ -60,6 +60,16 @@ def current() -> tuple[Mesh, Strategy] | None:
     return _CURRENT.get()
 
 
+def traced_mesh(mesh: Mesh):
+    """`mesh` as the current trace sees it: inside a `shard_map` that made some of its axes manual (the
+    1F1B pipeline's stages), the context's abstract mesh with those axes manual, which a sharding or a
+    nested `shard_map` must name; elsewhere `mesh` itself."""
+    here = jax.sharding.get_abstract_mesh()
+    if here.empty or not here.manual_axes or tuple(here.axis_names) != tuple(mesh.axis_names):
+        return mesh
+    return here
+
+
 def _as_tuple(axes) -> tuple[str, ...]:
     if axes is None:
         return ()
@@ -109,7 +119,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if ctx is None:
         return x
     mesh, strategy = ctx
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, x.shape, mesh, strategy.rules)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(traced_mesh(mesh),
+                                                             spec_for(names, x.shape, mesh, strategy.rules)))
 
 
 def gathered(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
@@ -126,8 +137,8 @@ def gathered(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array
     if ctx is None:
         return w.astype(dtype)
     mesh, strategy = ctx
-    stored = NamedSharding(mesh, spec_for(names, w.shape, mesh, strategy.rules))
-    compute = NamedSharding(mesh, spec_for(names, w.shape, mesh, strategy.compute_rules))
+    stored = NamedSharding(traced_mesh(mesh), spec_for(names, w.shape, mesh, strategy.rules))
+    compute = NamedSharding(traced_mesh(mesh), spec_for(names, w.shape, mesh, strategy.compute_rules))
     if not jnp.issubdtype(w.dtype, jnp.floating):  # integer indices: no gradient, no cast
         return jax.lax.with_sharding_constraint(w, compute)
     return _gather(w, stored, compute, dtype, jnp.dtype(strategy.grad_reduce_dtype))
