@@ -523,11 +523,13 @@ def _add_at(tree, value, i):
 
 
 def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stages, microbatches, repeats, manual,
-               inner, scale, reduce_dtype, backward, unroll):
+               inner, scale, reduce_dtype, backward, remat, unroll):
     """One stage's program (inside the `shard_map`): the loss of its pass (and with `backward`, the
     gradients of its stage weights [1, V, ...], of `head_params` and of x). staged: this stage's
     weights [1, V, L/(S V), ...]; x [rows, ...] this replica's rows of the pass's input; rows and
-    targets: pytrees of per-row arrays [rows, ...] (targets: (labels, mask or None))."""
+    targets: pytrees of per-row arrays [rows, ...] (targets: (labels, mask or None)). `remat`: keep
+    each item's stage input and run its forward again in its backward; otherwise keep what the
+    backward reads (`_Residuals`)."""
     S, V, M = stages, repeats, microbatches
     s = jax.lax.axis_index("pipeline")
     here = rules.traced_mesh(inner[0])
@@ -536,7 +538,6 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
     micro_rows = jax.tree.map(lambda a: to_microbatches(a, M), rows)
     micro_targets = jax.tree.map(lambda a: to_microbatches(a, M), targets)
     items = V * M
-    slots = ring_slots(S, V) if backward else 0
     D = delay(S, V)
     n_ticks = items + D if backward else items + S - 1
     forward_perm = [(i, (i + 1) % S) for i in range(S)]
@@ -549,9 +550,11 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
         act = jnp.zeros(micro.shape[1:], micro.dtype)
         carry = {"fwd": act, "loss": jnp.zeros((), jnp.float32)}
         if backward:
+            keep = _Inputs(run, act) if remat else _Residuals(run, weights, act, _index(micro_rows, 0), V)
+            slots = ring_slots(S, V, reread_first=remat)
             f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
-            carry.update(bwd=act, ring=jnp.zeros((slots,) + act.shape, act.dtype), grad_w=f32(weights),
-                         grad_h=f32(head_params), dx=jnp.zeros(micro.shape, micro.dtype))
+            carry.update(bwd=act, ring=[jnp.zeros((slots,) + a.shape, a.dtype) for a in keep.avals],
+                         grad_w=f32(weights), grad_h=f32(head_params), dx=jnp.zeros(micro.shape, micro.dtype))
 
         def head(hp, h, tgt):
             labels, mask = tgt
@@ -569,12 +572,14 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
 
             def forward(c):
                 c = dict(c)
-                y = run(_index(weights, v_f), inp, rows_f)
                 if not backward:
+                    y = run(_index(weights, v_f), inp, rows_f)
                     loss = jax.lax.cond(last, lambda: head(head_params, y, tgt_f), lambda: c["loss"] * 0)
                     c["loss"] = c["loss"] + loss
                     return y, c, act
-                c["ring"] = jax.lax.dynamic_update_index_in_dim(c["ring"], inp, jnp.mod(k, slots), 0)
+                y, kept = keep.forward(_index(weights, v_f), inp, rows_f)
+                c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, a, jnp.mod(k, slots), 0)
+                             for r, a in zip(c["ring"], kept)]
 
                 def at_head(c):
                     c = dict(c)
@@ -594,19 +599,19 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
                 jc = jnp.clip(j, 0, items - 1)
                 m_b, v_b = _decode(jc, S, V, backward=True)
                 first = (s == 0) & (v_b == 0)
-                kept = jax.lax.dynamic_index_in_dim(c["ring"], jnp.mod(_forward_item(jc, S, V), slots),
-                                                    keepdims=False)
-                inp_b = jnp.where(first, micro[m_b], kept)
+                slot = jnp.mod(_forward_item(jc, S, V), slots)
+                kept = [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in c["ring"]]
+                if remat:  # stage 0's first chunk: the pass's input again
+                    kept = [jnp.where(first, micro[m_b], kept[0])]
                 cot = jnp.where((s == S - 1) & (v_b == V - 1), g_y, c["bwd"])
                 rows_b = _index(micro_rows, m_b)
 
                 def backward_step(c):
                     c = dict(c)
-                    _, pull = jax.vjp(lambda w, h: run(w, h, rows_b), _index(weights, v_b), inp_b)
-                    g_w, g_x = pull(cot)
+                    g_w, g_x = keep.backward(_index(weights, v_b), v_b, kept, rows_b, cot)
                     c["grad_w"] = _add_at(c["grad_w"], g_w, v_b)
-                    slot = jax.lax.dynamic_index_in_dim(c["dx"], m_b, keepdims=False)
-                    c["dx"] = jax.lax.dynamic_update_index_in_dim(c["dx"], jnp.where(first, g_x, slot), m_b, 0)
+                    done = jax.lax.dynamic_index_in_dim(c["dx"], m_b, keepdims=False)
+                    c["dx"] = jax.lax.dynamic_update_index_in_dim(c["dx"], jnp.where(first, g_x, done), m_b, 0)
                     return g_x.astype(act.dtype), c
 
                 g_x, c = jax.lax.cond(b_ok, backward_step, lambda c: (act, c), c)
@@ -625,8 +630,72 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
     return loss, grad_w, grad_h, dx
 
 
+class _Inputs:
+    """What a stage keeps per item under stage remat: its input; the backward runs the forward again
+    (`jax.vjp` of the stage at the kept input)."""
+
+    def __init__(self, run, h):
+        self.run = run
+        self.avals = [h]
+
+    def forward(self, w, h, r):
+        return self.run(w, h, r), [h]
+
+    def backward(self, w, v, kept, r, cot):
+        _, pull = jax.vjp(lambda w, h: self.run(w, h, r), w, kept[0])
+        return pull(cot)
+
+
+class _Residuals:
+    """What a stage keeps per item without stage remat: the residuals its `jax.vjp` reads in the
+    backward that depend on the item (its input and rows): the forward is not run again. Those that
+    depend on the stage's weights alone (their compute-dtype casts, the weights themselves) are the
+    same for every item: computed once per chunk before the tick loop, not kept per item. Which are
+    which is read from the stage's residual program by JAX's partial evaluation (weights known, the
+    item unknown); where that is unavailable every residual is kept per item."""
+
+    def __init__(self, run, weights, h, r, repeats):
+        self.run = run
+        w0 = _index(weights, 0)
+        _, pull = jax.vjp(lambda w, x: run(w, x, r), w0, h)
+        leaves = jax.tree.leaves(pull)
+        self.per_item = _item_dependent(lambda w, x, r: jax.tree.leaves(jax.vjp(
+            lambda w, x: run(w, x, r), w, x)[1]), (w0, h, r), len(jax.tree.leaves(w0)), len(leaves))
+        self.avals = [a for a, k in zip(leaves, self.per_item) if k]
+        shared = []
+        for v in range(repeats):  # the weight-only residuals of each chunk, once
+            _, pull = jax.vjp(lambda w, x: run(w, x, r), _index(weights, v), h)
+            shared.append([a for a, k in zip(jax.tree.leaves(pull), self.per_item) if not k])
+        self.shared = [jnp.stack(parts) for parts in zip(*shared)]  # [V, ...] each
+
+    def forward(self, w, h, r):
+        y, pull = jax.vjp(lambda w, x: self.run(w, x, r), w, h)
+        return y, [a for a, k in zip(jax.tree.leaves(pull), self.per_item) if k]
+
+    def backward(self, w, v, kept, r, cot):
+        # The pullback's structure (its linear program) from a trace here; its values from the ring
+        # and the shared residuals (the trace's own forward is dead code).
+        _, like = jax.vjp(lambda w, x: self.run(w, x, r), w, jnp.zeros(cot.shape, cot.dtype))
+        kept, shared = iter(kept), iter([jax.lax.dynamic_index_in_dim(a, v, keepdims=False) for a in self.shared])
+        leaves = [next(kept) if k else next(shared) for k in self.per_item]
+        return jax.tree.unflatten(jax.tree.structure(like), leaves)(cot)
+
+
+def _item_dependent(residuals, args, n_known: int, n_out: int) -> list[bool]:
+    """Which outputs of `residuals(*args)` depend on the arguments after the first `n_known` leaves."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+        closed = jax.make_jaxpr(residuals)(*args)
+        n_in = len(closed.in_avals)
+        _, _, unknown, _ = pe.partial_eval_jaxpr_nounits(closed, [i >= n_known for i in range(n_in)], False)
+        assert len(unknown) == n_out
+        return list(unknown)
+    except Exception:  # noqa: BLE001 - an internal API: keep every residual per item instead
+        return [True] * n_out
+
+
 def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *, stages: int, microbatches: int,
-               mesh, strategy, repeats: int = 1, unroll: bool = False) -> jax.Array:
+               mesh, strategy, repeats: int = 1, remat: bool = False, unroll: bool = False) -> jax.Array:
     """The 1F1B pass: the loss of `head_fn(head_params, h, labels, mask)` on the layer stack's output h,
     summed over the micro-batches and batch replicas (a masked sum) or averaged (mask None: means).
 
@@ -664,7 +733,7 @@ def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *,
     local = functools.partial(_f1b_local, stage_fn=stage_fn, head_fn=head_fn, stages=stages,
                               microbatches=microbatches, repeats=repeats, manual=manual,
                               inner=(mesh, without_axis(strategy, *axes)), scale=scale, reduce_dtype=reduce_dtype,
-                              unroll=unroll)
+                              remat=remat, unroll=unroll)
     rows_spec = P(axes) if axes else P()
     in_specs = (P(manual), P(), rows_spec, rows_spec, rows_spec)
 

@@ -143,7 +143,7 @@ class Pipeline:
 
         return pipeline.fused_loss(stage, head, layer_state, head_params(), x, rows, (labels, mask),
                                    stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
-                                   strategy=self.strategy, repeats=self.repeats, unroll=unroll)
+                                   strategy=self.strategy, repeats=self.repeats, remat=remat_stage, unroll=unroll)
 
     def _stage(self, layer, x, positions, docs, unroll):
         """(stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro running the stage's layers in order,
