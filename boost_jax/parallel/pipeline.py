@@ -623,11 +623,11 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
     loss = jax.lax.psum(carry["loss"], manual)
     if not backward:
         return loss
-    grad_h = jax.tree.map(lambda g, a: jax.lax.psum(g.astype(reduce_dtype), manual).astype(a.dtype),
-                          carry["grad_h"], head_params)
-    dx = from_microbatches(jax.lax.psum(carry["dx"], "pipeline"))
+    # Per device: summed over the stages and replicas (the head's) and taken from stage 0 (x's) by
+    # the caller, outside the manual region (a bf16 all-reduce inside it does not compile on XLA:CPU).
+    grad_h = jax.tree.map(lambda g: g[None], carry["grad_h"])
     grad_w = jax.tree.map(lambda g, a: g.astype(a.dtype)[None], carry["grad_w"], weights)
-    return loss, grad_w, grad_h, dx
+    return loss, grad_w, grad_h, from_microbatches(carry["dx"])[None]
 
 
 class _Inputs:
@@ -738,7 +738,7 @@ def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *,
     in_specs = (P(manual), P(), rows_spec, rows_spec, rows_spec)
 
     def program(backward):
-        out = (P(), P(manual), P(), rows_spec) if backward else P()
+        out = (P(), P(manual), P(manual), P(manual)) if backward else P()
         return jax.shard_map(functools.partial(local, backward=backward), mesh=mesh, in_specs=in_specs,
                              out_specs=out, axis_names=set(manual), check_vma=False)
 
@@ -748,6 +748,10 @@ def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *,
 
     def loss_fwd(staged, head_params, x, rows, targets):
         value, grad_w, grad_h, dx = program(True)(staged, head_params, x, rows, targets)
+        # the head's gradient: every stage's and replica's part (zero but at the last stage), summed
+        # once in the reduction dtype; x's: stage 0's rows [S, n, B/n, ...] of every replica
+        grad_h = jax.tree.map(lambda g, a: g.astype(reduce_dtype).sum(0).astype(a.dtype), grad_h, head_params)
+        dx = dx.reshape(stages, n, *dx.shape[1:])[0].reshape(x.shape)
         return value, (grad_w, grad_h, dx, rows, targets)
 
     def loss_bwd(res, ct):
