@@ -550,7 +550,7 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
         act = jnp.zeros(micro.shape[1:], micro.dtype)
         carry = {"fwd": act, "loss": jnp.zeros((), jnp.float32)}
         if backward:
-            keep = _Inputs(run, act) if remat else _Residuals(run, weights, act, _index(micro_rows, 0), V)
+            keep = _Inputs(run, act) if remat else _Residuals(run, weights, act, _index(micro_rows, 0))
             slots = ring_slots(S, V, reread_first=remat)
             f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
             carry.update(bwd=act, ring=[jnp.zeros((slots,) + a.shape, a.dtype) for a in keep.avals],
@@ -560,6 +560,12 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
             labels, mask = tgt
             return head_fn(hp, h, labels, mask) * scale
 
+        def zeros(tree):
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+        # The branches compute one item's values; the carry (ring, accumulators) is updated outside
+        # them, in place (a buffer passed through a branch is copied). Writes of a skipped tick
+        # are harmless: zeros added, and ring slot k mod slots rewritten only after its item's backward.
         def tick(c, t):
             c = dict(c)
             k = t - s
@@ -570,52 +576,56 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
             tgt_f = _index(micro_targets, m_f)
             last = (s == S - 1) & (v_f == V - 1)
 
-            def forward(c):
-                c = dict(c)
-                if not backward:
+            if not backward:
+                def forward(_):
                     y = run(_index(weights, v_f), inp, rows_f)
-                    loss = jax.lax.cond(last, lambda: head(head_params, y, tgt_f), lambda: c["loss"] * 0)
-                    c["loss"] = c["loss"] + loss
-                    return y, c, act
+                    return y, jax.lax.cond(last, lambda: head(head_params, y, tgt_f), lambda: jnp.zeros((), jnp.float32))
+
+                y, loss = jax.lax.cond(f_ok, forward, lambda _: (act, jnp.zeros((), jnp.float32)), None)
+                c["loss"] = c["loss"] + loss
+                c["fwd"] = jax.lax.ppermute(y, "pipeline", forward_perm)
+                return c, None
+
+            def at_head(y):
+                loss, pull = jax.vjp(lambda hp, h: head(hp, h, tgt_f), head_params, y)
+                g_h, g_y = pull(jnp.ones((), jnp.float32))
+                return loss, jax.tree.map(lambda g: g.astype(jnp.float32), g_h), g_y.astype(act.dtype)
+
+            no_head = (jnp.zeros((), jnp.float32), zeros(c["grad_h"]), act)
+
+            def forward(_):
                 y, kept = keep.forward(_index(weights, v_f), inp, rows_f)
-                c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, a, jnp.mod(k, slots), 0)
-                             for r, a in zip(c["ring"], kept)]
+                return (y, kept) + jax.lax.cond(last, at_head, lambda _: no_head, y)
 
-                def at_head(c):
-                    c = dict(c)
-                    loss, pull = jax.vjp(lambda hp, h: head(hp, h, tgt_f), head_params, y)
-                    g_h, g_y = pull(jnp.ones((), jnp.float32))
-                    c["loss"] = c["loss"] + loss
-                    c["grad_h"] = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["grad_h"], g_h)
-                    return c, g_y.astype(act.dtype)
+            y, kept, loss, g_h, g_y = jax.lax.cond(
+                f_ok, forward, lambda _: (act, zeros(keep.avals)) + no_head, None)
+            c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, a, jnp.mod(k, slots), 0) for r, a in zip(c["ring"], kept)]
+            c["loss"] = c["loss"] + loss
+            c["grad_h"] = jax.tree.map(jnp.add, c["grad_h"], g_h)
 
-                c, g_y = jax.lax.cond(last, at_head, lambda c: (c, act), c)
-                return y, c, g_y
+            j = t - D + s
+            b_ok = (j >= 0) & (j < items)
+            jc = jnp.clip(j, 0, items - 1)
+            m_b, v_b = _decode(jc, S, V, backward=True)
+            first = (s == 0) & (v_b == 0)
+            slot = jnp.mod(_forward_item(jc, S, V), slots)
+            kept = [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in c["ring"]]
+            if remat:  # stage 0's first chunk: the pass's input again
+                kept = [jnp.where(first, micro[m_b], kept[0])]
+            cot = jnp.where((s == S - 1) & (v_b == V - 1), g_y, c["bwd"])
+            rows_b = _index(micro_rows, m_b)
+            w_b = _index(weights, v_b)
 
-            y, c, g_y = jax.lax.cond(f_ok, forward, lambda c: (act, c, act), c)
-            if backward:
-                j = t - D + s
-                b_ok = (j >= 0) & (j < items)
-                jc = jnp.clip(j, 0, items - 1)
-                m_b, v_b = _decode(jc, S, V, backward=True)
-                first = (s == 0) & (v_b == 0)
-                slot = jnp.mod(_forward_item(jc, S, V), slots)
-                kept = [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in c["ring"]]
-                if remat:  # stage 0's first chunk: the pass's input again
-                    kept = [jnp.where(first, micro[m_b], kept[0])]
-                cot = jnp.where((s == S - 1) & (v_b == V - 1), g_y, c["bwd"])
-                rows_b = _index(micro_rows, m_b)
+            def backward_step(_):
+                g_w, g_x = keep.backward(w_b, v_b, kept, rows_b, cot)
+                return jax.tree.map(lambda g: g.astype(jnp.float32), g_w), g_x.astype(act.dtype)
 
-                def backward_step(c):
-                    c = dict(c)
-                    g_w, g_x = keep.backward(_index(weights, v_b), v_b, kept, rows_b, cot)
-                    c["grad_w"] = _add_at(c["grad_w"], g_w, v_b)
-                    done = jax.lax.dynamic_index_in_dim(c["dx"], m_b, keepdims=False)
-                    c["dx"] = jax.lax.dynamic_update_index_in_dim(c["dx"], jnp.where(first, g_x, done), m_b, 0)
-                    return g_x.astype(act.dtype), c
-
-                g_x, c = jax.lax.cond(b_ok, backward_step, lambda c: (act, c), c)
-                c["bwd"] = jax.lax.ppermute(g_x, "pipeline", backward_perm)
+            no_grad = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), c["grad_w"])
+            g_w, g_x = jax.lax.cond(b_ok, backward_step, lambda _: (no_grad, act), None)
+            c["grad_w"] = _add_at(c["grad_w"], g_w, v_b)
+            done = jax.lax.dynamic_index_in_dim(c["dx"], m_b, keepdims=False)
+            c["dx"] = jax.lax.dynamic_update_index_in_dim(c["dx"], jnp.where(first & b_ok, g_x, done), m_b, 0)
+            c["bwd"] = jax.lax.ppermute(g_x, "pipeline", backward_perm)
             c["fwd"] = jax.lax.ppermute(y, "pipeline", forward_perm)
             return c, None
 
@@ -650,34 +660,27 @@ class _Residuals:
     """What a stage keeps per item without stage remat: the residuals its `jax.vjp` reads in the
     backward that depend on the item (its input and rows): the forward is not run again. Those that
     depend on the stage's weights alone (their compute-dtype casts, the weights themselves) are the
-    same for every item: computed once per chunk before the tick loop, not kept per item. Which are
-    which is read from the stage's residual program by JAX's partial evaluation (weights known, the
-    item unknown); where that is unavailable every residual is kept per item."""
+    same for every item: the backward takes them from a trace of the stage's forward on its weights
+    (whose item-dependent part is dead code), not from the ring. Which are which is read from the
+    stage's residual program by JAX's partial evaluation (weights known, the item unknown); where that
+    is unavailable every residual is kept per item."""
 
-    def __init__(self, run, weights, h, r, repeats):
+    def __init__(self, run, weights, h, r):
         self.run = run
         w0 = _index(weights, 0)
-        _, pull = jax.vjp(lambda w, x: run(w, x, r), w0, h)
-        leaves = jax.tree.leaves(pull)
+        leaves = jax.tree.leaves(jax.vjp(lambda w, x: run(w, x, r), w0, h)[1])
         self.per_item = _item_dependent(lambda w, x, r: jax.tree.leaves(jax.vjp(
             lambda w, x: run(w, x, r), w, x)[1]), (w0, h, r), len(jax.tree.leaves(w0)), len(leaves))
         self.avals = [a for a, k in zip(leaves, self.per_item) if k]
-        shared = []
-        for v in range(repeats):  # the weight-only residuals of each chunk, once
-            _, pull = jax.vjp(lambda w, x: run(w, x, r), _index(weights, v), h)
-            shared.append([a for a, k in zip(jax.tree.leaves(pull), self.per_item) if not k])
-        self.shared = [jnp.stack(parts) for parts in zip(*shared)]  # [V, ...] each
 
     def forward(self, w, h, r):
         y, pull = jax.vjp(lambda w, x: self.run(w, x, r), w, h)
         return y, [a for a, k in zip(jax.tree.leaves(pull), self.per_item) if k]
 
     def backward(self, w, v, kept, r, cot):
-        # The pullback's structure (its linear program) from a trace here; its values from the ring
-        # and the shared residuals (the trace's own forward is dead code).
         _, like = jax.vjp(lambda w, x: self.run(w, x, r), w, jnp.zeros(cot.shape, cot.dtype))
-        kept, shared = iter(kept), iter([jax.lax.dynamic_index_in_dim(a, v, keepdims=False) for a in self.shared])
-        leaves = [next(kept) if k else next(shared) for k in self.per_item]
+        kept = iter(kept)
+        leaves = [next(kept) if k else a for a, k in zip(jax.tree.leaves(like), self.per_item)]
         return jax.tree.unflatten(jax.tree.structure(like), leaves)(cot)
 
 
