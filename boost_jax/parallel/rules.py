@@ -113,6 +113,24 @@ def logical_spec(names: Sequence[str | None], shape: Sequence[int]) -> P | None:
     return spec_for(names, shape, mesh, strategy.rules)
 
 
+def per_shard(fn, args: Sequence[jax.Array], names: Sequence[Sequence[str | None]], out_names: Sequence[str | None]):
+    """`fn(*args)` -> one array laid out as `out_names`, where XLA cannot partition `fn` inside a region
+    manual over some mesh axes (the 1F1B pipeline's stages): jax's custom partitioning (cuDNN's fused
+    attention) needs the whole mesh there. Then `fn` runs on each device's shard, in a `shard_map`
+    over the axes left automatic, its arguments laid out as `names` say under the current rules (fn
+    must treat shards independently: attention over a head shard). Elsewhere: `fn(*args)` as XLA
+    partitions it."""
+    ctx = _CURRENT.get()
+    here = jax.sharding.get_abstract_mesh()
+    if ctx is None or here.empty or not here.manual_axes:
+        return fn(*args)
+    mesh, strategy = ctx
+    specs = tuple(spec_for(n, a.shape, mesh, strategy.rules) for n, a in zip(names, args))
+    out = jax.eval_shape(fn, *args)
+    return jax.shard_map(fn, mesh=traced_mesh(mesh), in_specs=specs, check_vma=False,
+                         out_specs=spec_for(out_names, out.shape, mesh, strategy.rules))(*args)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation to the current strategy's layout (no-op without one)."""
     ctx = _CURRENT.get()
