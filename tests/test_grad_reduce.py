@@ -124,7 +124,8 @@ PIPELINE_CASES = {"gpipe": {},
                                      "train.grad_accum": 2, "train.global_batch": 32}}
 
 
-@pytest.fixture(scope="module", params=list(PIPELINE_CASES))
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c.startswith("1f1b") else c
+                                        for c in PIPELINE_CASES])
 def pipelined(tmp_path_factory, request):
     from conftest import small_config
     make = lambda **kw: small_config(tmp_path_factory.mktemp("pipe") / "run", **kw)  # noqa: E731
