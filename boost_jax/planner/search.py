@@ -25,6 +25,8 @@ from boost_jax.planner.cluster import Cluster
 
 # GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
 MICROBATCHES_PER_STAGE = (1, 2, 4)
+# ... and for 1F1B alone, whose kept activations do not grow with M: more micro-batches, less bubble.
+MICROBATCHES_PER_STAGE_1F1B = (8, 16)
 SEGMENTS = (("qkv", "attention", "o"), ("mlp_in", "act", "mlp_out"))
 BUILDERS = {"edge": P.edge, "norm": P.norm, "group": P.group_op, "attention": P.attention, "act": P.activation,
             "add": P.residual_add}
@@ -663,17 +665,20 @@ def stage_counts(devices: int, layers: int, opts: Options) -> list[int]:
 
 def microbatch_counts(stages: int, rows: int, opts: Options) -> list[int]:
     """GPipe micro-batches per pass that split `rows` (sequences per data x fsdp shard of one
-    accumulation micro-batch) evenly: S, 2S, 4S or opts.microbatches. 1 without pipelining."""
+    accumulation micro-batch) evenly: S, 2S, 4S (and for 1f1b 8S, 16S) or opts.microbatches. 1 without
+    pipelining."""
     if stages == 1:
         return [1]
-    wanted = [opts.microbatches] if opts.microbatches else [k * stages for k in MICROBATCHES_PER_STAGE]
+    deep = MICROBATCHES_PER_STAGE_1F1B if "1f1b" in opts.schedules else ()
+    wanted = [opts.microbatches] if opts.microbatches else [k * stages for k in MICROBATCHES_PER_STAGE + deep]
     return [m for m in wanted if rows % m == 0]
 
 
 def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options) -> list[tuple[str, int, str]]:
     """(schedule, repeats V, remat.pipeline) to search on `stages` stages: gpipe, and circular with
-    every V > 1 dividing the L/S layers per stage (or opts.repeats) where M >= S, each with and without
-    stage remat (as opts allow). Unpipelined: [("gpipe", 1, "none")]."""
+    every V > 1 dividing the L/S layers per stage (or opts.repeats) where M >= S, 1f1b with V 1 and
+    those V where S divides M, each with and without stage remat (as opts allow); at the M searched for
+    1f1b alone (more than 4S), 1f1b only. Unpipelined: [("gpipe", 1, "none")]."""
     if stages == 1:
         return [("gpipe", 1, "none")]
     bad = [x for x in opts.schedules if x not in C.PIPELINE_SCHEDULES] + [
@@ -682,7 +687,10 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
         raise ValueError(f"--schedule / --stage-remat: {bad} not in {C.PIPELINE_SCHEDULES} / {C.STAGE_REMAT}")
     out = []
     per_stage = layers // stages
+    deep = not opts.microbatches and microbatches > MICROBATCHES_PER_STAGE[-1] * stages  # searched for 1f1b only
     for schedule in opts.schedules:
+        if deep and schedule != "1f1b":
+            continue
         if schedule == "gpipe":
             reps = [1]
         elif microbatches < stages:
