@@ -1,5 +1,6 @@
-"""Pipeline parallelism over the `pipeline` mesh axis, written for GSPMD: GPipe, or the circular
-(interleaved) schedule (`parallel.pipeline_schedule`).
+"""Pipeline parallelism over the `pipeline` mesh axis (`parallel.pipeline_schedule`): GPipe or the
+circular (interleaved) schedule, written for GSPMD; or 1F1B (interleaved with V > 1), one jitted
+program with the pipeline axis manual in a `shard_map` (its section below, `fused_loss`).
 
 The layer stack [L, ...] is cut into S stages of L/S consecutive layers (the `layers` dim is split
 over `pipeline`). The batch is cut into M micro-batches. At every tick all S stages run at once
@@ -466,7 +467,15 @@ def _circular(run_stages, staged, x, stages, microbatches, unroll, rows=None, *,
 # only wait for work the dependencies forbid. Lockstep ticks make a hand-over take a whole tick each
 # way, so stage s holds a forward item for 2(S-1-s) + 2(V-1-v)S ticks (interleaved) before its
 # backward: the ring keeps `ring_slots` items, at most 2 V S - 1, where 1F1B run asynchronously keeps
-# about S (V = 1); stage 0's first chunk is re-read from the pass's input instead of kept.
+# about S (V = 1); under stage remat stage 0's first chunk is re-read from the pass's input instead.
+# What an item is: its stage input under stage remat (the backward runs its forward again), else
+# the residuals of its forward's `jax.vjp` that depend on it (`_Inputs`, `_Residuals`).
+#
+# The map runs unchecked (check_vma=False): nested in it, jax 0.10's checked partial evaluation of a
+# layer's own shard_map island gives its residuals the outer map's axes, which Shardy rejects. Its
+# autodiff is ours, so no implicit psum is needed; the islands and shardings inside name the traced
+# (partly manual) mesh (`rules.traced_mesh`), and kernels XLA cannot partition there run per shard
+# (`rules.per_shard`: cuDNN attention).
 
 ONE_F_ONE_B = "1f1b"
 
@@ -511,10 +520,6 @@ def _forward_item(item, stages: int, repeats: int):
 
 def _index(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
-def _put(tree, value, i):
-    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0), tree, value)
 
 
 def _add_at(tree, value, i):

@@ -406,7 +406,7 @@ def handover_ticks(stages: int, microbatches: int, repeats: int = 1, schedule: s
 
 def ring_slots(stages: int, repeats: int = 1, reread_first: bool = True) -> int:
     """1F1B's kept items per stage (= boost_jax.parallel.pipeline.ring_slots): one more than the longest
-    wait of an item between its forward and its backward, 2(S-1-s) + 2(V-1-2v)... ticks at stage s for
+    wait of an item between its forward and its backward, 2(S-1-s) + 2(V-1-v)S ticks at stage s for
     chunk v; `reread_first` (stage remat): stage 0's first chunk is read from the pass's input again."""
     delay = repeats * stages + stages - 2
     waits = [(repeats - 1 - 2 * v) * stages + delay - 2 * s for s in range(stages) for v in range(repeats)

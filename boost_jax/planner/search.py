@@ -678,7 +678,7 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
     """(schedule, repeats V, remat.pipeline) to search on `stages` stages: gpipe, and circular with
     every V > 1 dividing the L/S layers per stage (or opts.repeats) where M >= S, 1f1b with V 1 and
     those V where S divides M, each with and without stage remat (as opts allow); at the M searched for
-    1f1b alone (more than 4S), 1f1b only. Unpipelined: [("gpipe", 1, "none")]."""
+    1f1b alone (more than 4S), 1f1b with V 1 only. Unpipelined: [("gpipe", 1, "none")]."""
     if stages == 1:
         return [("gpipe", 1, "none")]
     bad = [x for x in opts.schedules if x not in C.PIPELINE_SCHEDULES] + [
@@ -699,7 +699,8 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
             reps = [opts.repeats] if opts.repeats else [v for v in _divisors(per_stage) if v > 1]
             reps = [v for v in reps if v > 1 and per_stage % v == 0]
         if schedule == "1f1b":  # V = 1, and interleaved (V > 1) where the micro-batches go in groups of S
-            reps = ([1] if opts.repeats in (0, 1) else []) + [v for v in reps if microbatches % stages == 0]
+            # (not at the deep M: its bubble is at most 1/9 there, and interleaving costs V x the hand-overs)
+            reps = ([1] if opts.repeats in (0, 1) else []) + [v for v in reps if microbatches % stages == 0 and not deep]
         out += [(schedule, v, staged) for v in reps for staged in opts.stage_remat]
     return out
 
