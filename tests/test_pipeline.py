@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax import train
 from boost_jax.parallel import pipeline
@@ -102,7 +103,8 @@ F1B_CASES = [("p2_d2_t2", 2, "packed", 2, "none"), ("p2_d2_t2", 1, "stream", 1, 
                                                id="-".join(map(str, c))) for i, c in enumerate(F1B_CASES)])
 def test_1f1b_train_step_matches_one_device(make_config, case):
     """The compiled train step (SGD at lr 1: new params = params - grads) under 1F1B: its loss and every
-    gradient within 1e-5 of the one-device, unpipelined model's on the same batch (float32), and its
+    gradient within 1e-5 of the one-device, unpipelined model's on the same batch (float32; the eval
+    step's loss, its forward ticks alone, too), and its
     tick loop hands over once each way per lockstep tick, V M + V S + S - 2 of them per accumulation
     micro-batch."""
     mesh_name, v, batching, accum, remat = case
@@ -112,12 +114,19 @@ def test_1f1b_train_step_matches_one_device(make_config, case):
         "parallel.pipeline_repeats": v, "data.batching": batching, "model.attention": "chunked",
         "train.grad_accum": accum, "train.global_batch": 8 * accum, "remat.pipeline": remat})
     params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
+    built = build(cfg, optimizer=(optax.sgd(1.0), lambda s: 1.0))
+    spec = built.spec
+    # the eval step (1F1B's forward ticks alone, no gradient): the reference's loss (a sum for documents)
+    from boost_jax.runtime.step import make_eval_step
+    evaluate = jax.jit(make_eval_step(spec.graphdef, 1, built.mesh, built.strategy))
+    rows = NamedSharding(built.mesh, P(("data", "fsdp")))
+    got = evaluate(jax.device_put(params_host, spec.shardings["params"]), jax.device_put(tokens, rows))
+    got = float((got[0] if batching != "stream" else got).sum())
+    assert abs(got - ref_loss) <= 1e-5 * abs(ref_loss), (got, ref_loss)
     if batching != "stream":  # the reference is the sum over the counted targets; the step their mean
         from boost_jax.model import batch as batch_lib
         count = float(np.asarray(batch_lib.target_mask(tokens)).sum())
         ref_loss, ref_grads = ref_loss / count, jax.tree.map(lambda g: g / count, ref_grads)
-    built = build(cfg, optimizer=(optax.sgd(1.0), lambda s: 1.0))
-    spec = built.spec
     compiled = built.lower_train().compile()
     state = {"params": jax.device_put(params_host, spec.shardings["params"]),
              "opt_state": jax.device_put(optax.sgd(1.0).init(trainable(params_host)), spec.shardings["opt_state"]),
