@@ -9,9 +9,10 @@ modules keep them as fields, where a reader sees them:
 - `group(name, factored)`: how a projection group's GEMMs run: the model's own grouped GEMMs
   (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
   PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
-- `pipeline(stack)`: None (the model scans its layers), or the pipeline schedule (gpipe | circular)
-  over the `pipeline` axis for the model's stacked layers (`stack`: their parameters' key), which
-  also accumulates the train step's gradient (`Pipeline.accumulate`);
+- `pipeline(stack)`: None (the model scans its layers), or the pipeline schedule (gpipe | circular |
+  1f1b) over the `pipeline` axis for the model's stacked layers (`stack`: their parameters' key),
+  which runs the model's loss on them (`Pipeline.train_loss`: 1f1b runs the head and loss inside its
+  schedule) and accumulates the train step's gradient (`Pipeline.accumulate`);
 - `context()`: None, or the sequence split over the `context` axis (boost_jax/parallel/context.py:
   the load-balanced layout and the attention island).
 
@@ -96,8 +97,8 @@ class SpatialTemporal(Grouped):
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """The layer stack as a pipeline schedule over the `pipeline` axis (boost_jax/parallel/pipeline.py):
-    gpipe, or circular with `repeats` layer chunks per stage. `stack`: the key of the stacked layers'
-    parameters in the model's parameter tree."""
+    gpipe, circular with `repeats` layer chunks per stage, or 1f1b (interleaved with repeats > 1).
+    `stack`: the key of the stacked layers' parameters in the model's parameter tree."""
     mesh: Mesh
     strategy: Strategy
     stages: int
