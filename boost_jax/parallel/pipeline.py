@@ -568,9 +568,11 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
         def zeros(tree):
             return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
-        # The branches compute one item's values; the carry (ring, accumulators) is updated outside
-        # them, in place (a buffer passed through a branch is copied). Writes of a skipped tick
-        # are harmless: zeros added, and ring slot k mod slots rewritten only after its item's backward.
+        # The forward's branch computes one item's values and the ring is updated outside it, in place
+        # (a ring passed through the branch is copied: +5.6 GB on cola_13b's 32-H100 pick); a skipped
+        # tick writes zeros to slot k mod slots, rewritten only after its item's backward. The
+        # gradient accumulators go through the branches and are updated there, in place (returned as
+        # a tick's gradient, a stage-sized float32 array would be one more buffer: +1.0 GB there).
         def tick(c, t):
             c = dict(c)
             k = t - s
@@ -591,22 +593,22 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
                 c["fwd"] = jax.lax.ppermute(y, "pipeline", forward_perm)
                 return c, None
 
-            def at_head(y):
+            def at_head(y, acc):
                 loss, pull = jax.vjp(lambda hp, h: head(hp, h, tgt_f), head_params, y)
                 g_h, g_y = pull(jnp.ones((), jnp.float32))
-                return loss, jax.tree.map(lambda g: g.astype(jnp.float32), g_h), g_y.astype(act.dtype)
+                return loss, jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, g_h), g_y.astype(act.dtype)
 
-            no_head = (jnp.zeros((), jnp.float32), zeros(c["grad_h"]), act)
+            no_loss = jnp.zeros((), jnp.float32)
 
-            def forward(_):
+            def forward(acc):
                 y, kept = keep.forward(_index(weights, v_f), inp, rows_f)
-                return (y, kept) + jax.lax.cond(last, at_head, lambda _: no_head, y)
+                return (y, kept) + jax.lax.cond(last, at_head, lambda y, acc: (no_loss, acc, act), y, acc)
 
-            y, kept, loss, g_h, g_y = jax.lax.cond(
-                f_ok, forward, lambda _: (act, zeros(keep.avals)) + no_head, None)
-            c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, a, jnp.mod(k, slots), 0) for r, a in zip(c["ring"], kept)]
+            y, kept, loss, c["grad_h"], g_y = jax.lax.cond(
+                f_ok, forward, lambda acc: (act, zeros(keep.avals), no_loss, acc, act), c["grad_h"])
+            c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, a, jnp.mod(k, slots), 0)
+                         for r, a in zip(c["ring"], kept)]
             c["loss"] = c["loss"] + loss
-            c["grad_h"] = jax.tree.map(jnp.add, c["grad_h"], g_h)
 
             j = t - D + s
             b_ok = (j >= 0) & (j < items)
@@ -621,13 +623,11 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
             rows_b = _index(micro_rows, m_b)
             w_b = _index(weights, v_b)
 
-            def backward_step(_):
+            def backward_step(acc):
                 g_w, g_x = keep.backward(w_b, v_b, kept, rows_b, cot)
-                return jax.tree.map(lambda g: g.astype(jnp.float32), g_w), g_x.astype(act.dtype)
+                return _add_at(acc, g_w, v_b), g_x.astype(act.dtype)
 
-            no_grad = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), c["grad_w"])
-            g_w, g_x = jax.lax.cond(b_ok, backward_step, lambda _: (no_grad, act), None)
-            c["grad_w"] = _add_at(c["grad_w"], g_w, v_b)
+            c["grad_w"], g_x = jax.lax.cond(b_ok, backward_step, lambda acc: (acc, act), c["grad_w"])
             done = jax.lax.dynamic_index_in_dim(c["dx"], m_b, keepdims=False)
             c["dx"] = jax.lax.dynamic_update_index_in_dim(c["dx"], jnp.where(first & b_ok, g_x, done), m_b, 0)
             c["bwd"] = jax.lax.ppermute(g_x, "pipeline", backward_perm)

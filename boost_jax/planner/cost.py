@@ -78,13 +78,16 @@ STAGE_COPY = 1.0
 # GPU program's (bf16 compute) per-tick chunk copies are priced as they are kept there (search.py,
 # `tick_weights`).
 CIRCULAR_COPIES = 3.0
-# 1F1B (boost_jax/parallel/pipeline.py) keeps C.ring_slots items per stage, and a tick holds two more:
+# 1F1B (boost_jax/parallel/pipeline.py) keeps C.ring_slots items per stage, and a tick holds more:
 # the one its forward produces before it is filed in the ring and the one its backward reads out of
-# it (a slice the branch takes as an operand). Counted, not fitted: the compiled steps of
-# tests/test_planner_pipeline.py (pipeline 2 x data 2 x tensor 2 and pipeline 2 x fsdp 2 x tensor 2,
-# 2 layers per stage, remat none) keep 3 items of 1.5 MB in the ring and fit in XLA's temporaries
-# like GPipe's 5 ticks.
+# it (a slice the branch takes as an operand). The float32 CPU program: 2, counted (the compiled steps
+# of tests/test_planner_pipeline.py, pipeline 2 x data 2 x tensor 2 and pipeline 2 x fsdp 2 x tensor 2,
+# 2 layers per stage, remat none, keep 3 items of 1.5 MB in the ring and fit in XLA's temporaries
+# like GPipe's 5 ticks). The GPU program (bf16): FITTED 3, which puts the deviceless H100 compiles of
+# the planner's 1F1B picks for cola_13b and llama_13b on 32 and 64 H100s (benchmarks/RESULTS.md
+# 2026-11-27 (sixth)) within 6% (0.94-1.00; with 2, 0.90-0.97).
 F1B_IN_FLIGHT = 2
+F1B_IN_FLIGHT_GPU = 3
 # XLA's collective pipeliner (boost_jax/runtime/xla_gpu_flags.py PIPELINED: the project's GPU flags
 # turn it on; jaxlib >= 0.11 has retired it) on an unpipelined FSDP plan of a σ(A·x) bottleneck kind
 # (cola) without remat: the deviceless H100 compiles of benchmarks/aot_fit.py peak 8-39% higher than

@@ -485,6 +485,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py:
     # llama_7b p4 x f8 x t2 GPipe M 16 keeps bf16[8 layers, ...] stage copies, 1.62 GB; llama_1b
     # p4 x f8 x t2 circular V 2 M 8 keeps bf16[19 ticks, 3 layers, ...], 2.87 GB per GPU).
+    # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
+    f1b_items = C.ring_slots(stages, repeats, staged) + (C.F1B_IN_FLIGHT_GPU if gpu else C.F1B_IN_FLIGHT)
     tick_weights = 0.0
     if stages > 1 and gpu and not staged and policy == "none":
         tick_weights = (runs if schedule == "circular" else per_stage) * weights * opts.act_bytes
@@ -517,8 +519,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
               # under autodiff the tick loop keeps every tick's stage activations (the scan's residuals);
               # remat.pipeline=stage keeps only each tick's stage input
               # 1F1B keeps C.ring_slots items per stage whatever M is
-              "activations": ((C.ring_slots(stages, repeats, staged) + C.F1B_IN_FLIGHT) * (
-                  ctx.local(layer.residual, b.d) * opts.act_bytes if staged else per_tick * s.saved) if f1b else
+              "activations": (f1b_items * (ctx.local(layer.residual, b.d) * opts.act_bytes if staged else
+                                           per_tick * s.saved) if f1b else
                               ticks * ctx.local(layer.residual, b.d) * opts.act_bytes if staged else runs * s.saved),
               # the peak's transient part: the loss's float32 logits chunk with the embedding table and
               # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
@@ -700,7 +702,8 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
             reps = [v for v in reps if v > 1 and per_stage % v == 0]
         if schedule == "1f1b":  # V = 1, and interleaved (V > 1) where the micro-batches go in groups of S
             # (not at the deep M: its bubble is at most 1/9 there, and interleaving costs V x the hand-overs)
-            reps = ([1] if opts.repeats in (0, 1) else []) + [v for v in reps if microbatches % stages == 0 and not deep]
+            reps = ([1] if opts.repeats in (0, 1) else []) + [
+                v for v in reps if microbatches % stages == 0 and not deep]
         out += [(schedule, v, staged) for v in reps for staged in opts.stage_remat]
     return out
 
