@@ -1,16 +1,20 @@
-"""Pipeline schedules (gpipe, circular): analytic bubble, compiled temp memory per micro-batch count,
-and executed collective elements per step; with --time, a measured step-time sanity check.
+"""Pipeline schedules (gpipe, circular, 1f1b): analytic bubble, compiled temp memory per micro-batch
+count, and executed collective elements per step; with --time, a measured step-time sanity check.
 
-    python benchmarks/pipeline_bubble.py [--microbatches 4,16] [--json benchmarks/pipeline_schedules.json]
+    python benchmarks/pipeline_bubble.py [--shape cola_1b|d1024] [--microbatches 4,16] [--json PATH]
     python benchmarks/pipeline_bubble.py --time [--stages 2] [--microbatches 2,4,8]
     python benchmarks/pipeline_bubble.py --smoke [--time]   # tiny widths: checks the command runs
 
-Default: cola_1b widths with 8 layers, seq 2048, bf16, mesh pipeline 2 x data 2 x tensor 2 (btp) on
-emulated CPU devices, one row per micro-batch and data replica (global batch 2 M); for each schedule
-(gpipe; circular with V = 2 and 4 chunks of 2 and 1 layers per stage) x remat.pipeline (none, stage)
-x M: ticks V M + S - 1, bubble (S-1)/(V M + S-1), the compiled train step's temp memory, and the
-elements its collectives execute per step (in-loop ones x trip count), by axis: `pipeline` (the
-stage hand-overs, the stage-0 input gradient, circular's weight reorder), `data` (gradients),
+--shape cola_1b (default): cola_1b widths with 8 layers, seq 2048, bf16, mesh pipeline 2 x data 2 x
+tensor 2 (btp) on emulated CPU devices, one row per micro-batch and data replica (global batch 2 M);
+for each schedule (gpipe; circular and 1f1b with V = 2 and 4 chunks of 2 and 1 layers per stage;
+1f1b with V = 1) x remat.pipeline (none, stage) x M. --shape d1024: cola_350m widths (d 1024) with 4
+layers, seq 2048, bf16, mesh pipeline 2 x tensor 2 (btp), one row per micro-batch; gpipe, circular
+V 2, 1f1b V 1 and 2. Per row: ticks (gpipe and circular V M + S - 1; 1f1b its V M + V S + S - 2
+lockstep ticks of at most one forward and one backward, whose compute adds up to V M + S - 1), bubble
+(S-1)/(V M + S-1), the compiled train step's temp memory, and the elements its collectives execute
+per step (in-loop ones x trip count; 1f1b's branches are counted every tick), by axis: `pipeline`
+(the stage hand-overs, the stage-0 input gradient, circular's weight reorder), `data` (gradients),
 `tensor`. Compile-only (memory_analysis, HLO): nothing is allocated.
 
 --time: the pipelined train step against the same model with pipeline=1 on the same devices; on
@@ -47,9 +51,14 @@ def step_seconds(cfg, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("circular", 4))
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("circular", 4), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4))
 CASES = tuple((schedule, repeats, remat) for schedule, repeats in SCHEDULES for remat in ("none", "stage"))
-SMOKE_CASES = (("circular", 2, "stage"),)
+# --shape d1024: 2 layers per stage, V at most 2
+D1024_CASES = tuple(c for c in CASES if c[1] <= 2)
+# (config size, layers, mesh, rows per micro-batch and data replica, cases, JSON name)
+SHAPES = {"cola_1b": ("1b", 8, dict(pipeline=2, data=2, tensor=2), CASES, "pipeline_schedules"),
+          "d1024": ("350m", 4, dict(pipeline=2, data=1, tensor=2), D1024_CASES, "pipeline_schedules_d1024")}
+SMOKE_CASES = (("circular", 2, "stage"), ("1f1b", 2, "none"))
 # --smoke: widths small enough to compile in seconds, 4 layers (circular V = 2: a layer a chunk)
 SMOKE = dict(d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, rank=16, vocab_size=256, max_seq_len=64, n_layers=4)
 SMOKE_SEQ = 32
@@ -65,28 +74,33 @@ def executed(compiled, mesh) -> dict:
     return out
 
 
-def schedules(microbatches: list[int], path: str, smoke: bool = False) -> int:
+def schedules(microbatches: list[int], path: str, smoke: bool = False, shape: str = "cola_1b") -> int:
+    import math
+
     import jax
 
     from boost_jax.config import sized_config
-    from boost_jax.parallel.pipeline import bubble_fraction, ticks
+    from boost_jax.parallel.pipeline import bubble_fraction, ticks, ticks_1f1b
     from boost_jax.runtime.build import build
     rows = []
-    cases = SMOKE_CASES if smoke else CASES
+    size, layers, mesh, cases, _ = SHAPES[shape]
+    cases = SMOKE_CASES if smoke else cases
+    devices = math.prod(mesh.values())
     for schedule, repeats, remat_pipeline in cases:
         for m in microbatches:
-            cfg = sized_config("1b", "cola")
+            cfg = sized_config(size, "cola")
             cfg.data.update(source="embedded", batching="stream")
-            cfg.model.update(n_layers=8, dtype="bfloat16")
+            cfg.model.update(n_layers=layers, dtype="bfloat16")
             cfg.model.update(SMOKE if smoke else {})
-            cfg.train.update(seq_len=SMOKE_SEQ if smoke else 2048, global_batch=2 * m, grad_accum=1)
-            cfg.parallel.update(num_devices=8, pipeline=2, data=2, tensor=2, microbatches=m, strategy="btp",
-                                pipeline_schedule=schedule, pipeline_repeats=repeats)
+            cfg.train.update(seq_len=SMOKE_SEQ if smoke else 2048, global_batch=mesh["data"] * m, grad_accum=1)
+            cfg.parallel.update(num_devices=devices, fsdp=1, microbatches=m, strategy="btp", pipeline_schedule=schedule,
+                                pipeline_repeats=repeats, **mesh)
             cfg.remat.update(pipeline=remat_pipeline)
-            built = build(cfg, jax.devices()[:8])
+            built = build(cfg, jax.devices()[:devices])
             compiled = built.lower_train().compile()
+            n_ticks = ticks_1f1b(2, m, repeats) if schedule == "1f1b" else ticks(2, m, repeats)
             rows.append({"schedule": schedule, "repeats": repeats, "remat.pipeline": remat_pipeline,
-                         "microbatches": m, "ticks": ticks(2, m, repeats), "bubble": bubble_fraction(2, m, repeats),
+                         "microbatches": m, "ticks": n_ticks, "bubble": bubble_fraction(2, m, repeats),
                          "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
                          "executed_elements": executed(compiled, built.mesh)})
             print(f"  {schedule} V={repeats} {remat_pipeline} M={m}: "
@@ -106,14 +120,17 @@ def schedules(microbatches: list[int], path: str, smoke: bool = False) -> int:
                if (r["schedule"], r["repeats"], r["remat.pipeline"]) == (schedule, repeats, remat_pipeline)]
         print(f"  {schedule} V={repeats} remat.pipeline={remat_pipeline}: {got[-1] / got[0]:.2f}x")
     with open(path, "w") as f:
-        shape = f"--smoke model {SMOKE}, seq {SMOKE_SEQ}" if smoke else "cola_1b widths, 8 layers, seq 2048"
-        json.dump({"shape": f"{shape}, bf16, pipeline 2 x data 2 x tensor 2 (btp), "
-                   "1 row per micro-batch and data replica", "smoke": smoke, "rows": rows}, f, indent=2)
+        widths = f"--smoke model {SMOKE}, seq {SMOKE_SEQ}" if smoke else (
+            f"{'cola_1b' if size == '1b' else 'cola_350m'} widths, {layers} layers, seq 2048")
+        grid = " x ".join(f"{k} {v}" for k, v in mesh.items())
+        json.dump({"shape": f"{widths}, bf16, {grid} (btp), 1 row per micro-batch and data replica", "smoke": smoke,
+                   "rows": rows}, f, indent=2)
     return 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="cola_1b", choices=sorted(SHAPES), help="compile-only mode's model and mesh")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--microbatches", default=None, help="default 4,16 (--time: 2,4,8)")
     ap.add_argument("--steps", type=int, default=3)
@@ -126,7 +143,7 @@ def main(argv=None):
     if not args.time:
         emulate_cpu_devices(8)
         return schedules([int(x) for x in (args.microbatches or ("2" if args.smoke else "4,16")).split(",")],
-                         args.json or os.path.join(here, name.format("pipeline_schedules")), args.smoke)
+                         args.json or os.path.join(here, name.format(SHAPES[args.shape][4])), args.smoke, args.shape)
     args.json = args.json or os.path.join(here, name.format("pipeline_bubble"))
     emulate_cpu_devices(args.stages)
     from boost_jax.config import base_config

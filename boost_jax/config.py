@@ -71,7 +71,7 @@ PROJECTION_GROUPS = ("qkv", "o", "mlp_in", "mlp_out")
 ST = "st"  # parallel.linear_partition: a group run as PrimePar's spatial-temporal P(n x n)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NONFINITE = ("stop", "skip")
-PIPELINE_SCHEDULES = ("gpipe", "circular")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 PLANS = ("explicit", "auto")  # parallel.plan
 CONTEXT_ATTENTION = ("ring", "all_gather")  # parallel.context_attention (boost_jax/parallel/context.py)
 CONTEXT_KV = ("full", "bottleneck")  # parallel.context_kv
@@ -234,8 +234,11 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # gpipe | circular. gpipe: stage s holds layers [s L/S, (s+1) L/S), bubble (S-1)/(M+S-1).
     # circular (interleaved): stage s holds the V chunks s, S+s, 2S+s, ... of L/(S V) layers and the
     # micro-batches go round the ring V times, bubble (S-1)/(V M + S-1); needs microbatches >= pipeline.
+    # 1f1b: each stage alternates one micro-batch's forward and one's backward, so it keeps a number of
+    # micro-batches set by the stages, not by microbatches; with pipeline_repeats V > 1 interleaved
+    # (circular's chunks), bubble (S-1)/(V M + S-1), microbatches a multiple of pipeline.
     p.pipeline_schedule = "gpipe"
-    p.pipeline_repeats = 1  # V, circular only: the layer chunks per stage
+    p.pipeline_repeats = 1  # V, circular and 1f1b: the layer chunks per stage
     p.data = -1  # data-parallel replicas; one mesh axis may be -1 (all remaining devices)
     p.fsdp = 1  # parameters, gradients and optimizer state sharded over this axis (ZeRO-3)
     p.tensor = 1  # tensor parallelism: each projection split over this axis by parallel.strategy
@@ -549,8 +552,8 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
           f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
     check(p.pipeline_repeats >= 1, "parallel.pipeline_repeats", f"must be >= 1, got {p.pipeline_repeats}")
-    check(p.pipeline_repeats == 1 or p.pipeline_schedule == "circular", "parallel.pipeline_repeats",
-          f"{p.pipeline_repeats} chunks per stage need parallel.pipeline_schedule=circular (gpipe holds one)")
+    check(p.pipeline_repeats == 1 or p.pipeline_schedule in ("circular", "1f1b"), "parallel.pipeline_repeats",
+          f"{p.pipeline_repeats} chunks per stage need parallel.pipeline_schedule=circular or 1f1b (gpipe holds one)")
     check(p.pipeline_schedule == "gpipe" or p.pipeline != 1, "parallel.pipeline_schedule",
           f"{p.pipeline_schedule} interleaves layer chunks over pipeline stages, but parallel.pipeline=1; set "
           "parallel.pipeline > 1 or parallel.pipeline_schedule=gpipe")

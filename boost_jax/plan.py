@@ -1,12 +1,12 @@
 """Plan the parallel layout of a training run: search mesh (pipeline x data x fsdp x tensor) x pipeline
-schedule (gpipe, circular) and micro-batches x per-group partition choices x remat x micro-batching with an α-β / GEMM-efficiency /
+schedule (gpipe, circular, 1f1b) and micro-batches x per-group partition choices x remat x micro-batching with an α-β / GEMM-efficiency /
 memory cost model (boost_jax/planner), print the top plans and the --config overrides that run the
 best one.
 
     python -m boost_jax.plan --config configs/cola_7b.py --devices 32 \
         --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \
         [--attention auto|xla|chunked|cudnn|pallas] [--remat none,lowrank,full] [--grad-accum N] \
-        [--pipeline 1,2,4] [--microbatches M] [--schedule gpipe,circular] [--repeats V]
+        [--pipeline 1,2,4] [--microbatches M] [--schedule gpipe,circular,1f1b] [--repeats V]
         [--stage-remat none,stage] [--context 1,2,4] [--context-attention ring,all_gather]
         [--context-kv full,bottleneck] [--verify [--target h100|a100|a100_40gb|h200]]
 
@@ -55,7 +55,7 @@ def table(plans, batch: int) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans, 1):
         cp = (f"| {p.mesh.context}: {p.context_attention} / {p.context_kv} " if p.mesh.context > 1 else "| 1 ") if context else ""
-        pipe = (f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''}{' +stage' if p.stage_remat == 'stage' else ''}"
+        pipe = (f"{p.schedule}{f' V{p.repeats}' if p.repeats > 1 else ''}{' +stage' if p.stage_remat == 'stage' else ''}"
                 f" M{p.microbatches} ({100 * p.bubble:.0f}%)" if p.mesh.pipeline > 1 else "-")
         lines.append(
             f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {pipe} | {p.remat} | {p.layer.residual} "
@@ -73,8 +73,12 @@ def breakdown(p, layers: int) -> str:
     stages = p.mesh.pipeline
     if stages > 1:
         ticks = p.repeats * p.microbatches + stages - 1
-        path = (f"per accumulation micro-batch: {ticks} {p.schedule} ticks ({p.repeats * p.microbatches} chunk passes + "
-                f"{stages - 1} bubble, {100 * p.bubble:.0f}%) x {layers // (stages * p.repeats)} layers x {layer}"
+        from boost_jax.planner.cost import handover_ticks
+        lockstep = (f" (in {handover_ticks(stages, p.microbatches, p.repeats, p.schedule)} lockstep ticks of at most "
+                    "one forward and one backward)" if p.schedule == "1f1b" else "")
+        path = (f"per accumulation micro-batch: {ticks} {p.schedule} ticks{lockstep} ({p.repeats * p.microbatches} "
+                f"chunk passes + {stages - 1} bubble, {100 * p.bubble:.0f}%) x {layers // (stages * p.repeats)} layers x "
+                f"{layer}"
                 + (" + the stage's forward again (remat.pipeline=stage)" if p.stage_remat == "stage" else "")
                 + f" + stage hand-overs {1e3 * p.shift_s:.2f} ms")
     else:
@@ -105,9 +109,11 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
             raise SystemExit(f"--verify: {why} (compile it with the overrides above instead)")
         mesh, vseq = verify.shrink_pipeline(plan.mesh, seq)
         micro = max(2, min(plan.microbatches, 4))
-        circular = plan.schedule == "circular"
-        reps, per_chunk = (verify.verify_repeats(plan), 1) if circular else (1, 2)
-        shape = f"V {reps} chunks of 1 layer per stage" if circular else "2 layers per stage"
+        chunked = plan.repeats > 1  # circular, interleaved 1f1b
+        reps, per_chunk = (verify.verify_repeats(plan), 1) if chunked else (1, 2)
+        if plan.schedule == "1f1b" and chunked:  # interleaved: the micro-batches go in groups of S = 2
+            micro -= micro % 2
+        shape = f"V {reps} chunks of 1 layer per stage" if chunked else "2 layers per stage"
         print(f"\n--verify: {plan.strategy}, mesh {mesh}, {plan.schedule}, {micro} micro-batches, {shape}, "
               f"seq {vseq}, remat {plan.remat}, remat.pipeline {plan.stage_remat}, compiled on emulated CPU devices "
               f"(the scanned train step, whole step per device; memory in {verify.COMPILE_DTYPE})")
@@ -163,10 +169,11 @@ def main(argv=None) -> int:
                     "that divides --devices and the layers)")
     ap.add_argument("--microbatches", type=int, default=0,
                     help="fix the micro-batches per pass of pipelined plans (default: search S, 2S, 4S)")
-    ap.add_argument("--schedule", default="gpipe,circular",
-                    help="comma list of parallel.pipeline_schedule values to search (default gpipe,circular)")
+    ap.add_argument("--schedule", default="gpipe,circular,1f1b",
+                    help="comma list of parallel.pipeline_schedule values to search (default gpipe,circular,1f1b)")
     ap.add_argument("--repeats", type=int, default=0,
-                    help="fix the circular schedule's chunks per stage V (default: search every divisor > 1 of L/S)")
+                    help="fix the chunks per stage V of circular and interleaved 1f1b (default: search every divisor "
+                    "> 1 of L/S; 1f1b also V 1)")
     ap.add_argument("--stage-remat", default="none,stage",
                     help="comma list of remat.pipeline values to search (default none,stage)")
     ap.add_argument("--context", default="", help="comma list of parallel.context sizes to search (default: every "

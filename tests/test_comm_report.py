@@ -130,6 +130,12 @@ def test_pipeline_report_shows_collective_permutes():
     permutes = [c for c in rep["collectives"] if c["kind"] == "collective-permute" and c["axes"] == ["pipeline"]]
     assert permutes and permutes[0]["count"] >= rep["ticks"] - 1  # stage outputs shift at least once a tick
     assert rep["bubble"] == (2 - 1) / (4 + 2 - 1)
+    # 1F1B: one hand-over each way per lockstep tick (4 + 2 of them; unrolled, XLA drops the last tick's
+    # forward one, which nothing reads, and the first tick's backward one, which sends zeros), the same bubble
+    rep = pipeline_report(cfg, (2, 1, 1, 2), "btp", batch=8, seq=16, dtype="float32", schedule="1f1b")
+    permutes = [c for c in rep["collectives"] if c["kind"] == "collective-permute" and c["axes"] == ["pipeline"]]
+    assert (rep["schedule"], rep["ticks"], rep["bubble"]) == ("1f1b", 6, (2 - 1) / (4 + 2 - 1))
+    assert len(permutes) == 1 and 2 * rep["ticks"] - 2 <= permutes[0]["count"] <= 2 * rep["ticks"]
 
 
 def test_collectives_in_loops_count_once_per_trip():

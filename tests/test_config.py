@@ -114,6 +114,18 @@ def test_circular_schedule_shapes_name_the_field(make_config, overrides, needle)
         build(cfg)
 
 
+@pytest.mark.parametrize("overrides,needle", [
+    ({"parallel.pipeline_repeats": 3}, "parallel.pipeline_repeats"),  # 3 does not divide 4 layers / 2 stages
+    ({"parallel.microbatches": 3, "train.global_batch": 12}, "parallel.microbatches"),  # groups of S = 2
+    ({"parallel.context": 2, "parallel.data": 2}, "parallel.pipeline_schedule"),  # no context parallelism
+])
+def test_1f1b_shapes_name_the_field(make_config, overrides, needle):
+    cfg = make_config(**{"parallel.pipeline": 2, "parallel.data": 4, "model.n_layers": 4,
+                         "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_repeats": 2, **overrides})
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        build(cfg)
+
+
 def test_cli_rejects_unknown_override(tmp_path):
     import subprocess
     import sys

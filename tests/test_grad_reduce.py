@@ -114,14 +114,18 @@ def stage_and_rest_elements(spec, stages):
     return layers // stages, rest
 
 
-# gpipe in one pass, and circular (V = 2) under grad_accum 2: the stage weights' gradient is reduced
-# once per optimizer step either way (parallel/pipeline.py `accumulate`).
+# gpipe in one pass, circular (V = 2) under grad_accum 2 and 1F1B (interleaved, V = 2) under grad_accum
+# 2: the stage weights' gradient is reduced once per optimizer step either way (parallel/pipeline.py
+# `accumulate`).
 PIPELINE_CASES = {"gpipe": {},
                   "circular_accum2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
-                                      "train.grad_accum": 2, "train.global_batch": 32}}
+                                      "train.grad_accum": 2, "train.global_batch": 32},
+                  "1f1b_v2_accum2": {"parallel.pipeline_schedule": "1f1b", "parallel.pipeline_repeats": 2,
+                                     "train.grad_accum": 2, "train.global_batch": 32}}
 
 
-@pytest.fixture(scope="module", params=list(PIPELINE_CASES))
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c.startswith("1f1b") else c
+                                        for c in PIPELINE_CASES])
 def pipelined(tmp_path_factory, request):
     from conftest import small_config
     make = lambda **kw: small_config(tmp_path_factory.mktemp("pipe") / "run", **kw)  # noqa: E731
@@ -173,11 +177,11 @@ def test_pipeline_reduces_stage_gradients_once_per_pass(pipelined):
 
 
 def test_circular_reorders_the_stage_weights_once_each_way(pipelined):
-    """Circular: the stored [L] stacks reach the stages' chunk layout through all-to-alls over
+    """Circular and interleaved 1F1B: the stored [L] stacks reach the stages' chunk layout through all-to-alls over
     `pipeline` outside the tick loop (each stage's weights forward, their gradient back, both in their
     stored fsdp split), and nothing else over `pipeline` moves weights (no gather)."""
     cfg, (spec, compiled, _, _, mesh) = pipelined
-    if cfg.parallel.pipeline_schedule != "circular":
+    if cfg.parallel.pipeline_repeats == 1:
         pytest.skip("gpipe keeps the stored layout")
     stage, _ = stage_and_rest_elements(spec, cfg.parallel.pipeline)
     ops = [c for c in parse_collectives(compiled.as_text(), mesh) if c.axes == ("pipeline",) and not c.in_loop]

@@ -1,4 +1,4 @@
-"""The planner's pipelined plans (issue 21): GPipe and circular schedules, remat.pipeline=stage, their
+"""The planner's pipelined plans (issue 21): GPipe, circular and 1F1B schedules, remat.pipeline=stage, their
 search space and flags, and `--verify` of pipelined plans against the compiled, scanned train step
 (collectives by class and kind, peak memory), or its one-line refusal."""
 import math
@@ -39,6 +39,39 @@ def test_ticks_bubble_and_what_a_tick_runs():
         assert all(c.kind == ("all-to-all" if v == 2 else "all-gather") for c in moves)  # S 4: V 2 divides it, 5 not
 
 
+def test_1f1b_keeps_items_set_by_the_stages_and_hands_over_every_lockstep_tick():
+    """1F1B: V M + V S + S - 2 lockstep ticks hand over (one permute each way) and compute V M + S - 1
+    ticks' worth (circular's bubble); no per-tick stage-0 all-reduce; its kept activations do not
+    grow with M (ring_slots + 2 items, as pipeline.py keeps them) where GPipe's do; the interleaved
+    plan reorders its weights like circular."""
+    from boost_jax.parallel import pipeline
+    for s_, v in ((2, 1), (4, 1), (4, 2), (2, 4)):
+        for reread in (True, False):
+            assert cost.ring_slots(s_, v, reread) == pipeline.ring_slots(s_, v, reread)
+        assert cost.handover_ticks(s_, 8, v, "1f1b") == pipeline.ticks_1f1b(s_, 8, v) == v * 8 + v * s_ + s_ - 2
+    cfg = sized_config("13b", "cola")
+    plans = {}
+    for m in (4, 16):  # micro-batches of 16 rows per data replica: the global batch grows with M
+        opts = Options(batch=32 * m, seq=256, check_memory=False)
+        for schedule, v, staged in (("gpipe", 1, "stage"), ("1f1b", 1, "stage"), ("1f1b", 1, "none"),
+                                    ("1f1b", 2, "none"), ("circular", 2, "none")):
+            plans[schedule, v, staged, m] = plan_for(cfg, H100, Mesh(2, 1, 4, 4), 1, "none", BTP, opts, 1.0, m,
+                                                     schedule, v, staged)
+    for m in (4, 16):
+        p = plans["1f1b", 2, "none", m]
+        assert p.bubble == plans["circular", 2, "none", m].bubble == pytest.approx(3 / (2 * m + 3))
+        handovers = [t for c, t in p.step_colls if c.axis == "pipeline" and c.kind == "collective-permute"]
+        assert handovers == [2 * m + 2 * 4 + 2] * 2
+        assert not [c for c, t in p.step_colls if c.axis == "pipeline" and c.kind == "all-reduce" and t > 1]
+        assert len([c for c, _ in p.step_colls if c.axis == "pipeline_weights" and c.kind == "all-to-all"]) == 2
+    for key in (("1f1b", 1, "stage"), ("1f1b", 1, "none"), ("1f1b", 2, "none")):
+        assert plans[key + (16,)].memory["activations"] == plans[key + (4,)].memory["activations"]
+    gpipe = [plans["gpipe", 1, "stage", m].memory["activations"] for m in (4, 16)]
+    assert gpipe[1] / gpipe[0] == pytest.approx((16 + 3) / (4 + 3))  # a stage input per tick
+    per_token = {m: plans["1f1b", 1, "stage", m].step_s / m for m in (4, 16)}
+    assert per_token[16] < per_token[4]  # the bubble shrinks
+
+
 def test_stage_remat_keeps_one_input_per_tick_and_pays_a_forward():
     """remat.pipeline=stage: kept activations are one stage input per tick (they no longer grow with the
     layers per stage), the step re-runs every layer's forward (time and forward collectives), and the
@@ -61,18 +94,24 @@ def test_search_covers_schedules_repeats_and_stage_remat():
     assert pipeline_variants(40, 1, 1, Options(batch=1, seq=1)) == [("gpipe", 1, "none")]
     got = pipeline_variants(40, 4, 8, Options(batch=1, seq=1))
     assert got == [("gpipe", 1, "none"), ("gpipe", 1, "stage")] + [
-        ("circular", v, r) for v in (2, 5, 10) for r in ("none", "stage")]
-    assert all(s == "gpipe" for s, _, _ in pipeline_variants(40, 4, 2, Options(batch=1, seq=1)))  # M < S
+        ("circular", v, r) for v in (2, 5, 10) for r in ("none", "stage")] + [
+        ("1f1b", v, r) for v in (1, 2, 5, 10) for r in ("none", "stage")]
+    # M < S: gpipe and 1f1b V 1; 1f1b interleaves groups of S micro-batches (M 6 on 4 stages: V 1 only)
+    assert {(s, v) for s, v, _ in pipeline_variants(40, 4, 2, Options(batch=1, seq=1))} == {("gpipe", 1), ("1f1b", 1)}
+    assert {(s, v) for s, v, _ in pipeline_variants(40, 4, 6, Options(batch=1, seq=1)) if s == "1f1b"} == {("1f1b", 1)}
     only = Options(batch=1, seq=1, schedules=("circular",), repeats=5, stage_remat=("stage",))
     assert pipeline_variants(40, 4, 8, only) == [("circular", 5, "stage")]
     res = search(sized_config("13b", "cola"), H100, 32, Options(batch=512, seq=256, top=200, pipeline=(4,)),
                  flops_per_token=1.0)
-    kinds = {(p.schedule, p.stage_remat) for p in res.plans}
-    assert {("gpipe", "none"), ("circular", "none")} <= {k for k in kinds} and res.best_runnable is not None
-    circular = next(p for p in res.plans if p.schedule == "circular" and p.runnable == "yes")
-    assert (f"--config.parallel.pipeline_schedule=circular --config.parallel.pipeline_repeats={circular.repeats} "
-            in circular.overrides)
-    for msg, args in (("divide", (40, 4, 8, "circular", 3, "none")), ("one micro-batch per stage",
+    kinds = {(p.schedule, p.stage_remat) for p in res.plans}  # each partitioning at its best schedule
+    assert {("circular", "none"), ("1f1b", "none")} <= {k for k in kinds} and res.best_runnable is not None
+    for schedule, v in (("circular", 5), ("1f1b", 2), ("1f1b", 1)):
+        p = plan_for(sized_config("13b", "cola"), H100, Mesh(2, 1, 4, 4), 1, "none", BTP,
+                     Options(batch=512, seq=256, check_memory=False), 1.0, 8, schedule, v)
+        assert p.runnable == "yes" and (f"--config.parallel.pipeline_schedule={schedule} " + (
+            f"--config.parallel.pipeline_repeats={v} " if v > 1 else "--config.parallel.data")) in p.overrides
+    for msg, args in (("groups of 4", (40, 4, 6, "1f1b", 2, "none")), ("divide", (40, 4, 8, "1f1b", 3, "none")),
+                      ("divide", (40, 4, 8, "circular", 3, "none")), ("one micro-batch per stage",
                       (40, 4, 2, "circular", 2, "none")), ("need pipeline > 1", (40, 1, 1, "gpipe", 1, "stage"))):
         with pytest.raises(ValueError, match=msg):
             check_pipeline(*args)
@@ -145,6 +184,25 @@ def test_verify_circular_plans_agree_with_the_compiled_step(name):
     assert by["pipeline (whole step): collective-permute"]["counts"] == (2 * (v * 4 + 1),) * 2
     assert by["pipeline weights (whole step)"]["measured"] > 0
     assert by["tensor (whole step): all-gather"]["counts"] == (1, 1)  # the head's; the copies keep the tensor split
+
+
+# (mesh p, d, f, t; remat policy; V; remat.pipeline). F1B_IN_FLIGHT was counted on the first (and the
+# fsdp one without stage remat); the others are held out.
+F1B = {"data_none": ((2, 2, 1, 2), "none", 1, "none"), "fsdp_lowrank_stage": ((2, 1, 2, 2), "lowrank", 1, "stage"),
+       "data_none_v2": ((2, 2, 1, 2), "none", 2, "none"), "fsdp_none": ((2, 1, 2, 2), "none", 1, "none")}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "data_none_v2" else n for n in F1B])
+def test_verify_1f1b_plans_agree_with_the_compiled_step(name):
+    """`plan --verify` on a 1F1B plan: two hand-overs per lockstep tick, x's gradient from stage 0 once, the
+    head's gradient summed over stages and replicas once, tensor traffic counted by the ticks its branches
+    run (verify._executions), once-per-pass data/fsdp within 5%, the peak memory within 15%."""
+    (p, d, f, t), remat, v, stage = F1B[name]
+    rows = compare_pipeline(small_config(), A100, Mesh(d, f, t, p), "btp", remat=remat, microbatches=4, seq=32,
+                            schedule="1f1b", repeats=v, stage_remat=stage, layers_per_chunk=2 if v == 1 else 1)
+    check_rows(rows)
+    by = {r["traffic"]: r for r in rows}
+    assert by["pipeline (whole step): collective-permute"]["counts"] == (2 * (v * 4 + v * 2 + 2 - 2),) * 2
 
 
 def test_circular_reorder_kinds():

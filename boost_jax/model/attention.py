@@ -58,7 +58,7 @@ from boost_jax.kernels import platform
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.linear import Projection, project
 from boost_jax.parallel.placement import LOCAL
-from boost_jax.parallel.rules import constrain
+from boost_jax.parallel.rules import constrain, per_shard
 
 IMPLEMENTATIONS: dict = {}  # name -> Implementation
 AUTO_XLA_MAX_KEYS = 1024  # auto: below this many keys the one-einsum reference is cheaper
@@ -649,14 +649,18 @@ def cudnn_attention(q, k, v, offset, *, docs: Documents | None = None):
                           f"{q.dtype}; set model.dtype=bfloat16 (or model.attention=chunked)")
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"cudnn attention needs as many keys as queries, got {q.shape[1]} and {k.shape[1]}")
+    # per_shard: per head shard where XLA cannot partition the call (inside the 1F1B pipeline's stages)
+    heads, kv_heads = ("act_batch", "act_seq", "act_heads", None), ("act_batch", "act_seq", "act_kv_heads", None)
     if docs is None:
-        return checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
-                               "attn_out")
+        out = per_shard(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+                        (q, k, v), (heads, kv_heads, kv_heads), heads)
+        return checkpoint_name(out, "attn_out")
     if docs.lengths is None:
         raise ConfigError("config field `model.attention`: cudnn takes one document per row only "
                           "(data.batching=document), not packed rows; use chunked, xla or auto")
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
-                                       query_seq_lengths=docs.lengths, key_value_seq_lengths=docs.lengths)
+    out = per_shard(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn", query_seq_lengths=n, key_value_seq_lengths=n),
+        (q, k, v, docs.lengths), (heads, kv_heads, kv_heads, ("act_batch",)), heads)
     return checkpoint_name(out, "attn_out")
 
 

@@ -106,6 +106,19 @@ class Transformer(nnx.Module):
         """Final-norm hidden states [B, T, d] (and the updated cache, or None). `docs`
         (attention.Documents): attention stays inside each row's documents. Under context parallelism
         the states come in the context layout (`self.context.layout` of the positions)."""
+        x, positions, given_positions, docs = self._embedded(tokens, positions, cache, docs)
+        layer, layer_state = self._layer_stack()
+        if self.pipeline is not None and cache is None:
+            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs,
+                              remat_stage=self.remat_stage)
+        else:
+            x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions, docs), x, (layer_state, cache),
+                                    unroll=self.n_layers if self.unroll else 1)
+        return _final(self.final_norm, x), cache
+
+    def _embedded(self, tokens, positions, cache, docs):
+        """(the stack's input x [B, T, d], positions, the positions as given (None: 0..T-1), docs), in the
+        context layout under context parallelism."""
         self.placement.require_rules()
         b, t = tokens.shape
         given_positions = positions
@@ -117,22 +130,16 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
         x = constrain(take_rows(gathered(self.embed[...], ("vocab_in", "embed"), self.dtype), tokens), RESIDUAL)
+        return x, positions, given_positions, docs
+
+    def _layer_stack(self):
+        """(layer(h, state, cache, positions[, docs]) -> (h, cache), the stacked layers' state [L, ...])."""
         graphdef, layer_state = nnx.split(self.layers)
 
         def layer(x, state, layer_cache, pos, docs=None):
             return nnx.merge(graphdef, state)(x, pos, layer_cache, docs)
 
-        layer = remat.wrap(layer, self.remat_policy)
-        if self.pipeline is not None and cache is None:
-            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs,
-                              remat_stage=self.remat_stage)
-        else:
-            x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions, docs), x, (layer_state, cache),
-                                    unroll=self.n_layers if self.unroll else 1)
-        # One gather of the hidden state (BTP keeps it split along d; sequence parallelism along T),
-        # then the final norm and a vocab-parallel head run without further collectives.
-        whole_rows = ("act_batch", "act_seq", None)
-        return self.final_norm(constrain(x, whole_rows), whole_rows), cache
+        return remat.wrap(layer, self.remat_policy), layer_state
 
     def head_weight(self):
         if self.tie_embeddings:
@@ -160,7 +167,6 @@ class Transformer(nnx.Module):
                 positions, docs = batch["positions"][:, :-1], Documents.packed(batch["segments"][:, :-1])
             elif "lengths" in batch:  # (stream rows with a row mask attend as a stream batch)
                 docs = Documents.one_per_row(batch["lengths"], t)
-        h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
         labels, mask = tokens[:, 1:], batch_lib.target_mask(batch)
         # Pipelined, the head and loss run one pipeline micro-batch (and chunk of positions) at a time,
         # so their live logits block does not grow with the micro-batch count.
@@ -170,8 +176,22 @@ class Transformer(nnx.Module):
             labels, mask = self.context.layout(labels), None if mask is None else self.context.layout(mask)
             loss = functools.partial(loss, seq_groups=self.context.size)
         if self.pipeline is not None:  # ... and once per batch replica (the head gradient reduced once)
-            loss = self.pipeline.loss(functools.partial(loss, row_groups=self.pipeline.microbatches))
+            x, _, given_positions, docs = self._embedded(tokens[:, :-1], positions, None, docs)
+            layer, layer_state = self._layer_stack()
+            norm_graph, norm_state = nnx.split(self.final_norm)
+            return self.pipeline.train_loss(
+                layer, layer_state, x, given_positions, docs=docs, unroll=self.unroll, remat_stage=self.remat_stage,
+                final=lambda state, h: _final(nnx.merge(norm_graph, state), h), loss=loss,
+                head_params=lambda: (norm_state, self.head_weight()), labels=labels, mask=mask)
+        h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
         return loss(h, self.head_weight(), labels, mask=mask)
+
+
+def _final(norm, x):
+    """One gather of the hidden state (BTP keeps it split along d; sequence parallelism along T), then
+    the final norm: a vocab-parallel head runs on it without further collectives."""
+    whole_rows = ("act_batch", "act_seq", None)
+    return norm(constrain(x, whole_rows), whole_rows)
 
 
 def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla",

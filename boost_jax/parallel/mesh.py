@@ -115,7 +115,21 @@ def check_batch(cfg, sizes: dict[str, int]) -> None:
             raise ConfigError(f"config field `parallel.pipeline`: {stages} stages do not divide "
                               f"model.n_layers={m.n_layers}")
         chunks = int(cfg.parallel.microbatches) or 2 * stages
-        if cfg.parallel.pipeline_schedule == "circular":
+        schedule = cfg.parallel.pipeline_schedule
+        if schedule == "1f1b":
+            if sizes.get("context", 1) > 1 or cfg.parallel.linear_partition.strip():
+                raise ConfigError("config field `parallel.pipeline_schedule`: 1f1b does not run with context "
+                                  "parallelism or spatial-temporal projections; use gpipe or circular there")
+            repeats = int(cfg.parallel.pipeline_repeats)
+            if m.n_layers % (stages * repeats):
+                raise ConfigError(f"config field `parallel.pipeline_repeats`: {repeats} chunks per stage on {stages} "
+                                  f"stages do not divide model.n_layers={m.n_layers} (V must divide n_layers/pipeline "
+                                  f"= {m.n_layers // stages})")
+            if repeats > 1 and chunks % stages:
+                raise ConfigError(f"config field `parallel.microbatches`: interleaved 1f1b (pipeline_repeats="
+                                  f"{repeats}) runs the micro-batches in groups of pipeline={stages}; {chunks} is not "
+                                  f"a multiple of {stages}")
+        if schedule == "circular":
             repeats = int(cfg.parallel.pipeline_repeats)
             if m.n_layers % (stages * repeats):
                 raise ConfigError(f"config field `parallel.pipeline_repeats`: {repeats} chunks per stage on {stages} "

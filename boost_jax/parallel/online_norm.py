@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -27,7 +28,12 @@ from boost_jax.parallel.rules import logical_spec, weight_einsum
 def _sum_parts(parts: jax.Array) -> jax.Array:
     """Σ over the leading (tensor-split) axis in the parts' own dtype: the all-reduce moves bf16 under
     bf16 compute, as Megatron's activation all-reduces do (jnp.sum would accumulate, and so
-    all-reduce, in float32: twice the bytes). Its transpose broadcasts the cotangent back."""
+    all-reduce, in float32: twice the bytes). Its transpose broadcasts the cotangent back.
+    Inside a shard_map over other axes (the 1F1B pipeline's stages) the sum is JAX's reduce_sum
+    (a constant zero): the general reduce's traced adder carries a sharding annotation there, and
+    XLA:CPU's bf16 all-reduce promotion fails on the copy it becomes."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return jax.lax.reduce(parts, np.zeros((), parts.dtype), jax.lax.add, (0,))
     return jax.lax.reduce(parts, jnp.zeros((), parts.dtype), jax.lax.add, (0,))
 
 

@@ -9,9 +9,10 @@ modules keep them as fields, where a reader sees them:
 - `group(name, factored)`: how a projection group's GEMMs run: the model's own grouped GEMMs
   (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
   PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
-- `pipeline(stack)`: None (the model scans its layers), or the pipeline schedule (gpipe | circular)
-  over the `pipeline` axis for the model's stacked layers (`stack`: their parameters' key), which
-  also accumulates the train step's gradient (`Pipeline.accumulate`);
+- `pipeline(stack)`: None (the model scans its layers), or the pipeline schedule (gpipe | circular |
+  1f1b) over the `pipeline` axis for the model's stacked layers (`stack`: their parameters' key),
+  which runs the model's loss on them (`Pipeline.train_loss`: 1f1b runs the head and loss inside its
+  schedule) and accumulates the train step's gradient (`Pipeline.accumulate`);
 - `context()`: None, or the sequence split over the `context` axis (boost_jax/parallel/context.py:
   the load-balanced layout and the attention island).
 
@@ -53,7 +54,8 @@ class PerShardNorm:
             return rows(x, scale)
         if len(spec) == x.ndim and spec[-1] is not None:
             return rows(x, scale, "xla")
-        return jax.shard_map(lambda v, w: rows(v, w), mesh=self.mesh, in_specs=(spec, P()), out_specs=spec,
+        return jax.shard_map(lambda v, w: rows(v, w), mesh=rules.traced_mesh(self.mesh), in_specs=(spec, P()),
+                             out_specs=spec,
                              check_vma=False)(x, scale)  # a pallas_call has no vma types
 
 
@@ -76,7 +78,7 @@ class OnlineNorm(Grouped):
 
     def norm_first_stage(self, x, scale, a_stack, *, eps, impl):
         from boost_jax.parallel.online_norm import online_norm_matmul
-        return online_norm_matmul(x, scale, a_stack, eps=eps, mesh=self.mesh, impl=impl,
+        return online_norm_matmul(x, scale, a_stack, eps=eps, mesh=rules.traced_mesh(self.mesh), impl=impl,
                                   reduce_dtype=self.reduce_dtype)
 
 
@@ -95,8 +97,8 @@ class SpatialTemporal(Grouped):
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """The layer stack as a pipeline schedule over the `pipeline` axis (boost_jax/parallel/pipeline.py):
-    gpipe, or circular with `repeats` layer chunks per stage. `stack`: the key of the stacked layers'
-    parameters in the model's parameter tree."""
+    gpipe, circular with `repeats` layer chunks per stage, or 1f1b (interleaved with repeats > 1).
+    `stack`: the key of the stacked layers' parameters in the model's parameter tree."""
     mesh: Mesh
     strategy: Strategy
     stages: int
@@ -114,22 +116,39 @@ class Pipeline:
                                    stages=self.stages, schedule=self.schedule, repeats=self.repeats,
                                    specs=None if param_specs is None else param_specs[self.stack])
 
-    def loss(self, loss_fn):
-        """`loss_fn(h, w, labels, mask)` (the head and loss on the pipeline's output) run per batch
-        replica, its head gradient reduced once per pass (parallel/pipeline.py `per_replica_loss`)."""
+    @property
+    def fused(self) -> bool:
+        """1F1B: the head and loss run inside the schedule, at the last stage (`train_loss`)."""
         from boost_jax.parallel import pipeline
-        return pipeline.per_replica_loss(loss_fn, mesh=self.mesh, strategy=self.strategy)
+        return self.schedule == pipeline.ONE_F_ONE_B
 
-    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None,
-                 remat_stage: bool = False):
-        """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...].
-        remat_stage (`remat.pipeline=stage`): each stage is one jax.checkpoint, so the tick loop keeps
-        only the stage's input per micro-batch and recomputes the stage in the backward (the layer remat
-        policy, applied inside `layer`, decides what that recompute keeps)."""
+    def train_loss(self, layer, layer_state, x, positions=None, *, docs=None, unroll: bool = False,
+                   remat_stage: bool = False, final, loss, head_params, labels, mask=None):
+        """The pipelined model's loss: `loss(final(norm_state, h), head_weight, labels, mask=mask)` of the
+        stack's output h, `head_params() -> (norm_state, head_weight)` (called where the head's weight
+        is first needed: after the stack under GPipe and circular). GPipe and circular run the stack
+        (`__call__`), then the final norm, then the head and loss one micro-batch's rows at a time, per
+        batch replica (parallel/pipeline.py `per_replica_loss`); 1F1B runs the final norm, head and loss
+        per micro-batch at the last stage inside its schedule (`pipeline.fused_loss`)."""
         from boost_jax.parallel import pipeline
-        run = functools.partial(pipeline.run, stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
-                                strategy=self.strategy, schedule=self.schedule, repeats=self.repeats, unroll=unroll,
-                                remat=remat_stage)
+        if not self.fused:
+            h = self(layer, layer_state, x, positions, unroll=unroll, docs=docs, remat_stage=remat_stage)
+            norm_state, head_weight = head_params()
+            run = pipeline.per_replica_loss(functools.partial(loss, row_groups=self.microbatches), mesh=self.mesh,
+                                            strategy=self.strategy)
+            return run(final(norm_state, h), head_weight, labels, mask=mask)
+        stage, rows = self._stage(layer, x, positions, docs, unroll)
+
+        def head(params, h, labels, mask):
+            return loss(final(params[0], h), params[1], labels, mask=mask)
+
+        return pipeline.fused_loss(stage, head, layer_state, head_params(), x, rows, (labels, mask),
+                                   stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
+                                   strategy=self.strategy, repeats=self.repeats, remat=remat_stage, unroll=unroll)
+
+    def _stage(self, layer, x, positions, docs, unroll):
+        """(stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro running the stage's layers in order,
+        the per-row inputs it takes: None, or the micro-batch's document rows and positions)."""
         if docs is not None:
             # Rows of documents: their segments (and positions) travel with each micro-batch's rows,
             # and every stage rebuilds the micro-batch's document spans from them.
@@ -143,7 +162,7 @@ class Pipeline:
                 return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos, micro_docs)[0], None), x_micro,
                                     stage_state, unroll=unroll)[0]
 
-            return run(stage_docs, layer_state, x, rows=rows)
+            return stage_docs, rows
         # Training positions are the same for every row. A fresh iota of the micro-batch's shape (the
         # rows gpipe hands the stage) is built on every device; slicing the batch-sharded positions
         # would move rows between devices.
@@ -154,6 +173,25 @@ class Pipeline:
             return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
                                 unroll=unroll)[0]
 
+        return stage, None
+
+    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None,
+                 remat_stage: bool = False):
+        """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...].
+        remat_stage (`remat.pipeline=stage`): each stage is one jax.checkpoint, so the tick loop keeps
+        only the stage's input per micro-batch and recomputes the stage in the backward (the layer remat
+        policy, applied inside `layer`, decides what that recompute keeps). 1F1B's hidden states alone
+        (no loss: logits, evaluation by logits) run the same layers as gpipe (V = 1) or circular."""
+        from boost_jax.parallel import pipeline
+        schedule = self.schedule
+        if self.fused:
+            schedule = "circular" if self.repeats > 1 else "gpipe"
+        run = functools.partial(pipeline.run, stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
+                                strategy=self.strategy, schedule=schedule, repeats=self.repeats, unroll=unroll,
+                                remat=remat_stage)
+        stage, rows = self._stage(layer, x, positions, docs, unroll)
+        if rows is not None:
+            return run(stage, layer_state, x, rows=rows)
         return run(stage, layer_state, x)
 
 

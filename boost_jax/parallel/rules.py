@@ -60,6 +60,16 @@ def current() -> tuple[Mesh, Strategy] | None:
     return _CURRENT.get()
 
 
+def traced_mesh(mesh: Mesh):
+    """`mesh` as the current trace sees it: inside a `shard_map` that made some of its axes manual (the
+    1F1B pipeline's stages), the context's abstract mesh with those axes manual, which a sharding or a
+    nested `shard_map` must name; elsewhere `mesh` itself."""
+    here = jax.sharding.get_abstract_mesh()
+    if here.empty or not here.manual_axes or tuple(here.axis_names) != tuple(mesh.axis_names):
+        return mesh
+    return here
+
+
 def _as_tuple(axes) -> tuple[str, ...]:
     if axes is None:
         return ()
@@ -103,13 +113,32 @@ def logical_spec(names: Sequence[str | None], shape: Sequence[int]) -> P | None:
     return spec_for(names, shape, mesh, strategy.rules)
 
 
+def per_shard(fn, args: Sequence[jax.Array], names: Sequence[Sequence[str | None]], out_names: Sequence[str | None]):
+    """`fn(*args)` -> one array laid out as `out_names`, where XLA cannot partition `fn` inside a region
+    manual over some mesh axes (the 1F1B pipeline's stages): jax's custom partitioning (cuDNN's fused
+    attention) needs the whole mesh there. Then `fn` runs on each device's shard, in a `shard_map`
+    over the axes left automatic, its arguments laid out as `names` say under the current rules (fn
+    must treat shards independently: attention over a head shard). Elsewhere: `fn(*args)` as XLA
+    partitions it."""
+    ctx = _CURRENT.get()
+    here = jax.sharding.get_abstract_mesh()
+    if ctx is None or here.empty or not here.manual_axes:
+        return fn(*args)
+    mesh, strategy = ctx
+    specs = tuple(spec_for(n, a.shape, mesh, strategy.rules) for n, a in zip(names, args))
+    out = jax.eval_shape(fn, *args)
+    return jax.shard_map(fn, mesh=traced_mesh(mesh), in_specs=specs, check_vma=False,
+                         out_specs=spec_for(out_names, out.shape, mesh, strategy.rules))(*args)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation to the current strategy's layout (no-op without one)."""
     ctx = _CURRENT.get()
     if ctx is None:
         return x
     mesh, strategy = ctx
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, x.shape, mesh, strategy.rules)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(traced_mesh(mesh),
+                                                             spec_for(names, x.shape, mesh, strategy.rules)))
 
 
 def gathered(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
@@ -126,8 +155,8 @@ def gathered(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array
     if ctx is None:
         return w.astype(dtype)
     mesh, strategy = ctx
-    stored = NamedSharding(mesh, spec_for(names, w.shape, mesh, strategy.rules))
-    compute = NamedSharding(mesh, spec_for(names, w.shape, mesh, strategy.compute_rules))
+    stored = NamedSharding(traced_mesh(mesh), spec_for(names, w.shape, mesh, strategy.rules))
+    compute = NamedSharding(traced_mesh(mesh), spec_for(names, w.shape, mesh, strategy.compute_rules))
     if not jnp.issubdtype(w.dtype, jnp.floating):  # integer indices: no gradient, no cast
         return jax.lax.with_sharding_constraint(w, compute)
     return _gather(w, stored, compute, dtype, jnp.dtype(strategy.grad_reduce_dtype))

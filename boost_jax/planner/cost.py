@@ -83,6 +83,16 @@ STAGE_COPY = 1.0
 # GPU program's (bf16 compute) per-tick chunk copies are priced as they are kept there (search.py,
 # `tick_weights`).
 CIRCULAR_COPIES = 3.0
+# 1F1B (boost_jax/parallel/pipeline.py) keeps C.ring_slots items per stage, and a tick holds more:
+# the one its forward produces before it is filed in the ring and the one its backward reads out of
+# it (a slice the branch takes as an operand). The float32 CPU program: 2, counted (the compiled steps
+# of tests/test_planner_pipeline.py, pipeline 2 x data 2 x tensor 2 and pipeline 2 x fsdp 2 x tensor 2,
+# 2 layers per stage, remat none, keep 3 items of 1.5 MB in the ring and fit in XLA's temporaries
+# like GPipe's 5 ticks). The GPU program (bf16): FITTED 3, which puts the deviceless H100 compiles of
+# the planner's 1F1B picks for cola_13b and llama_13b on 32 and 64 H100s (benchmarks/RESULTS.md
+# 2026-11-27 (sixth)) within 6% (0.94-1.00; with 2, 0.90-0.97).
+F1B_IN_FLIGHT = 2
+F1B_IN_FLIGHT_GPU = 3
 # XLA's collective pipeliner (boost_jax/runtime/xla_gpu_flags.py PIPELINED: the project's GPU flags
 # turn it on; jaxlib >= 0.11 has retired it) on an unpipelined FSDP plan of a σ(A·x) bottleneck kind
 # (cola) without remat: the deviceless H100 compiles of benchmarks/aot_fit.py peak 8-39% higher than
@@ -385,7 +395,7 @@ def loss_bytes(rows: float, seq: int, chunk: int, vocab_local: float, gpu: bool 
     return (GPU_LOGIT_BUFFERS if gpu else LOGIT_BUFFERS) * rows * positions * vocab_local * 4
 
 
-PIPELINE_SCHEDULES = ("gpipe", "circular")  # parallel.pipeline_schedule
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")  # parallel.pipeline_schedule
 STAGE_REMAT = ("none", "stage")  # remat.pipeline
 
 
@@ -395,8 +405,28 @@ def pipeline_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
     return repeats * microbatches + stages - 1 if stages > 1 else 1
 
 
+def handover_ticks(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> int:
+    """Ticks that hand over (one collective-permute each way per tick): the pass's ticks; 1F1B's lockstep
+    ticks each run at most one forward and one backward, V M + V S + S - 2 of them, whose compute adds
+    up to V M + S - 1 ticks of both (its warm-up ticks run forwards only, its last ones backwards only;
+    = boost_jax.parallel.pipeline.ticks_1f1b)."""
+    if schedule == "1f1b" and stages > 1:
+        return repeats * microbatches + repeats * stages + stages - 2
+    return pipeline_ticks(stages, microbatches, repeats)
+
+
+def ring_slots(stages: int, repeats: int = 1, reread_first: bool = True) -> int:
+    """1F1B's kept items per stage (= boost_jax.parallel.pipeline.ring_slots): one more than the longest
+    wait of an item between its forward and its backward, 2(S-1-s) + 2(V-1-v)S ticks at stage s for
+    chunk v; `reread_first` (stage remat): stage 0's first chunk is read from the pass's input again."""
+    delay = repeats * stages + stages - 2
+    waits = [(repeats - 1 - 2 * v) * stages + delay - 2 * s for s in range(stages) for v in range(repeats)
+             if not (reread_first and s == 0 and v == 0)]
+    return 1 + max(waits + [0])
+
+
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The idle share of the ticks, (S-1)/(V M + S-1) (V = 1: GPipe's (S-1)/(M+S-1);
+    """The idle share of the ticks, (S-1)/(V M + S-1) (V = 1: GPipe's (S-1)/(M+S-1); 1F1B's as well,
     = boost_jax.parallel.pipeline.bubble_fraction, which imports jax)."""
     return (stages - 1) / (repeats * microbatches + stages - 1)
 

@@ -719,18 +719,21 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
     return op
 
 
-def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int) -> list[Coll]:
+def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int, schedule: str = "gpipe") -> list[Coll]:
     """One tick's pipeline traffic (boost_jax/parallel/pipeline.py): every stage's output, the residual
     stream of one pipeline micro-batch in its layout, moves one stage on (a roll over the `pipeline`
-    axis: one collective-permute); the backward sends its gradient back, and sums the gradient of the
-    micro-batch entering stage 0 over the pipeline axis (the micro-batch buffer it is read from is
-    replicated over it: one all-reduce per tick, as the compiled scan runs it). `stride`: devices per
-    stage (the pipeline axis is outermost)."""
+    axis: one collective-permute); the backward sends its gradient back, and (GPipe, circular) sums the
+    gradient of the micro-batch entering stage 0 over the pipeline axis (the micro-batch buffer it is
+    read from is replicated over it: one all-reduce per tick, as the compiled scan runs it; 1F1B files
+    it at stage 0 and hands it over once per pass). `stride`: devices per stage (the pipeline axis is
+    outermost)."""
     if stages <= 1:
         return []
     elements = ctx.local(residual, ctx.block.d)
-    return [Coll("collective-permute", elements, stages, stride, phase, "pipeline") for phase in ("fwd", "bwd")] + [
-        Coll("all-reduce", elements, stages, stride, "bwd", "pipeline")]
+    permutes = [Coll("collective-permute", elements, stages, stride, phase, "pipeline") for phase in ("fwd", "bwd")]
+    if schedule == "1f1b":
+        return permutes
+    return permutes + [Coll("all-reduce", elements, stages, stride, "bwd", "pipeline")]
 
 
 def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int,
@@ -738,10 +741,14 @@ def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatche
     """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline.py: the
     last stage hands the M finished micro-batches to every stage for the head (GPipe: a permute and
     an all-reduce, a permute back in the backward; circular: the all-reduce alone, its outputs are
-    filed where they are reduced)."""
+    filed where they are reduced; 1F1B runs the head at the last stage inside its ticks, and the
+    gradient of the M micro-batches' inputs, filed at stage 0, reaches every stage for the embedding's
+    in one all-reduce)."""
     if stages <= 1:
         return []
     done = microbatches * ctx.local(residual, ctx.block.d)
+    if schedule == "1f1b":
+        return [Coll("all-reduce", done, stages, stride, "bwd", "pipeline")]
     reduce = [Coll("all-reduce", done, stages, stride, "fwd", "pipeline")]
     if schedule == "circular":
         return reduce

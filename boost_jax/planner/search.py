@@ -26,6 +26,8 @@ from boost_jax.planner.cluster import Cluster
 
 # GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
 MICROBATCHES_PER_STAGE = (1, 2, 4)
+# ... and for 1F1B alone, whose kept activations do not grow with M: more micro-batches, less bubble.
+MICROBATCHES_PER_STAGE_1F1B = (8, 16)
 SEGMENTS = (("qkv", "attention", "o"), ("mlp_in", "act", "mlp_out"))
 BUILDERS = {"edge": P.edge, "norm": P.norm, "group": P.group_op, "attention": P.attention, "act": P.activation,
             "add": P.residual_add}
@@ -331,6 +333,21 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, C.Cost
     return pr._rest[key]
 
 
+def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: list, rest: list):
+    """1F1B's embedding and head traffic (boost_jax/parallel/pipeline.py `fused_loss`): the head and loss
+    run per micro-batch at the last stage (the head op of one micro-batch's rows, M times), and the
+    head's gradient (each stage and replica's float32 part) is all-reduced over pipeline x data x fsdp
+    once per pass, the embedding's over data x fsdp as GPipe's. -> (dp_rest, [(coll, times)])."""
+    head_w = rest[1].weights  # d V/t + the final norm's d
+    ways = mesh.data * mesh.fsdp
+    dp_rest = [dataclasses.replace(c, elements=c.elements - head_w) if c.kind == "all-reduce" else c
+               for c in dp_rest]
+    dp_rest.append(P.Coll("all-reduce", head_w, mesh.pipeline * ways, mesh.tensor, "bwd",
+                          "pipeline_weights" if ways > 1 else "pipeline"))
+    one = P.head(pr.ctx, residual, 1)
+    return dp_rest, [(c, 1) for c in rest[0].colls] + [(c, microbatches) for c in one.colls]
+
+
 def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
                pipelined: bool = False, grid_weights: float = 0.0) -> tuple[list[P.Coll], list[P.Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
@@ -441,30 +458,40 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     ticks, per_stage = C.pipeline_ticks(stages, m, repeats), b.layers // stages
     per_tick = per_stage // repeats  # layers one stage runs per tick (one chunk)
     runs = ticks * per_tick  # layer passes per device per accumulation micro-batch (bubble ticks included)
+    # 1F1B's lockstep ticks run a forward and a backward each: V M + V S + S - 2 of them hand over, and
+    # their compute adds up to the V M + S - 1 ticks above (C.handover_ticks)
+    f1b = schedule == "1f1b"
+    handovers = C.handover_ticks(stages, m, repeats, schedule)
+    # layer passes a device runs: every tick's (bubble ticks compute on nothing), but 1F1B skips the
+    # ticks a stage has no item for (its time still waits for them: `path` counts `runs`)
+    executed = repeats * m * per_tick if f1b else runs
     rest, rest_cost = rest_ops(pr, layer.residual, m)
     rest_fsdp_w = sum(op.weights for op in rest) - b.d  # the final norm is not fsdp-sharded
-    shift = P.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor)
+    shift = P.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, schedule)
     ends = P.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, m, schedule)
-    if schedule == "circular":
+    if schedule == "circular" or (f1b and repeats > 1):  # interleaved 1F1B: circular's chunk layout
         ends += P.circular_reorder(per_stage * ((s.fsdp_w + s.grid_w) / mesh.fsdp + s.norm_w), stages, repeats,
                                    mesh.data * mesh.fsdp * mesh.tensor)
     # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
     # but the scanned step runs it).
-    shifts = [(c, ticks) for c in shift]
+    shifts = [(c, handovers) for c in shift]
     shift_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in shifts) + sum(
         C.coll_seconds(c, cl, opts.act_bytes) for c in ends)
 
     dp_once, dp = data_colls(mesh, s.fsdp_w, s.norm_w, policy, pipelined=stages > 1, grid_weights=s.grid_w)
     # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
     dp_rest = sum(data_colls(mesh, rest_fsdp_w, b.d, "none", pipelined=stages > 1), [])
+    rest_colls = [(c, 1) for op in rest for c in op.colls]
+    if f1b:  # the head runs per micro-batch at the last stage, its gradient summed over stages and replicas
+        dp_rest, rest_colls = f1b_rest(pr, layer.residual, mesh, m, dp_rest, rest)
     # Every collective of one accumulation micro-batch but the layers' tensor-axis ones, with how often
     # it runs.
     redo = s.forward_colls if staged else []  # remat.pipeline=stage: the stage's forward, again
     # Pipelined (but st), the stage's gather and gradient reduction run once per optimizer step, not
     # per accumulation micro-batch (boost_jax/parallel/pipeline.py): 1/grad_accum of them per micro-batch.
     once = per_stage / grad_accum if stages > 1 and not s.grid_w else per_stage
-    counted = ([(c, runs) for c in dp + redo] + [(c, once) for c in dp_once] + shifts
-               + [(c, 1) for c in [c for op in rest for c in op.colls] + dp_rest + ends])
+    counted = ([(c, executed) for c in dp + redo] + [(c, once) for c in dp_once] + shifts + rest_colls
+               + [(c, 1) for c in dp_rest + ends])
     dp_s = sum(times * C.coll_seconds(c, cl, opts.act_bytes) for c, times in counted if c.axis == "data_fsdp")
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
     # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
@@ -495,6 +522,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py:
     # llama_7b p4 x f8 x t2 GPipe M 16 keeps bf16[8 layers, ...] stage copies, 1.62 GB; llama_1b
     # p4 x f8 x t2 circular V 2 M 8 keeps bf16[19 ticks, 3 layers, ...], 2.87 GB per GPU).
+    # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
+    f1b_items = C.ring_slots(stages, repeats, staged) + (C.F1B_IN_FLIGHT_GPU if gpu else C.F1B_IN_FLIGHT)
     tick_weights = 0.0
     if stages > 1 and gpu and not staged and policy == "none":
         tick_weights = (runs if schedule == "circular" else per_stage) * weights * opts.act_bytes
@@ -526,7 +555,10 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
               "gathered": replica,
               # under autodiff the tick loop keeps every tick's stage activations (the scan's residuals);
               # remat.pipeline=stage keeps only each tick's stage input
-              "activations": ticks * ctx.local(layer.residual, b.d) * opts.act_bytes if staged else runs * s.saved,
+              # 1F1B keeps C.ring_slots items per stage whatever M is
+              "activations": (f1b_items * (ctx.local(layer.residual, b.d) * opts.act_bytes if staged else
+                                           per_tick * s.saved) if f1b else
+                              ticks * ctx.local(layer.residual, b.d) * opts.act_bytes if staged else runs * s.saved),
               # the peak's transient part: the loss's float32 logits chunk with the embedding table and
               # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
               # or one layer's backward (its recomputed activations under remat, st's and the context ring's buffers), or
@@ -554,7 +586,7 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
     memory["total"] = sum(memory.values())
 
     # Bytes on each GPU's links per step, recomputed collectives included.
-    links = {k: v * runs for k, v in s.tensor_links.items()}
+    links = {k: v * executed for k, v in s.tensor_links.items()}
     for c, times in counted:
         where = "inter" if cl.spans_nodes(c.stride, c.size) else "intra"
         links[where] += times * C.link_bytes(c.kind, C.coll_bytes(c, opts.act_bytes), c.size)
@@ -575,6 +607,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
         flags = ((f"--config.parallel.pipeline={stages} --config.parallel.microbatches={m} " if stages > 1 else "")
                  + (f"--config.parallel.pipeline_schedule=circular --config.parallel.pipeline_repeats={repeats} "
                     if schedule == "circular" else "")
+                 + ("--config.parallel.pipeline_schedule=1f1b " if f1b else "")
+                 + (f"--config.parallel.pipeline_repeats={repeats} " if f1b and repeats > 1 else "")
                  + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} " + context
                  + f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
                  + ("--config.parallel.sequence_parallel=true " if sp else "")
@@ -591,10 +625,10 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
                 memory=memory, link_bytes=links, layer_cost=s.cost, rest_cost=rest_cost,
                 exposed_dp_s=exposed, optimizer_s=optimizer_s, layer_colls=s.tensor_colls + dp_once + dp,
                 redo_colls=s.recomputed,
-                rest_colls=[c for op in rest for c in op.colls] + dp_rest, tokens=ctx.tokens,
+                rest_colls=[c for c, _ in rest_colls] + dp_rest, tokens=ctx.tokens,
                 runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags,
                 microbatches=m, bubble=C.bubble_fraction(stages, m, repeats), shift_s=shift_s, pipeline_colls=shift,
-                step_colls=[(c, runs) for c in s.tensor_colls + s.recomputed] + counted,
+                step_colls=[(c, executed) for c in s.tensor_colls + s.recomputed] + counted,
                 schedule=schedule, repeats=repeats, stage_remat=stage_remat,
                 context_attention=ctx.context_attention if mesh.context > 1 else "",
                 context_kv=ctx.context_kv if mesh.context > 1 else "")
@@ -670,17 +704,20 @@ def stage_counts(devices: int, layers: int, opts: Options) -> list[int]:
 
 def microbatch_counts(stages: int, rows: int, opts: Options) -> list[int]:
     """GPipe micro-batches per pass that split `rows` (sequences per data x fsdp shard of one
-    accumulation micro-batch) evenly: S, 2S, 4S or opts.microbatches. 1 without pipelining."""
+    accumulation micro-batch) evenly: S, 2S, 4S (and for 1f1b 8S, 16S) or opts.microbatches. 1 without
+    pipelining."""
     if stages == 1:
         return [1]
-    wanted = [opts.microbatches] if opts.microbatches else [k * stages for k in MICROBATCHES_PER_STAGE]
+    deep = MICROBATCHES_PER_STAGE_1F1B if "1f1b" in opts.schedules else ()
+    wanted = [opts.microbatches] if opts.microbatches else [k * stages for k in MICROBATCHES_PER_STAGE + deep]
     return [m for m in wanted if rows % m == 0]
 
 
 def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options) -> list[tuple[str, int, str]]:
     """(schedule, repeats V, remat.pipeline) to search on `stages` stages: gpipe, and circular with
-    every V > 1 dividing the L/S layers per stage (or opts.repeats) where M >= S, each with and without
-    stage remat (as opts allow). Unpipelined: [("gpipe", 1, "none")]."""
+    every V > 1 dividing the L/S layers per stage (or opts.repeats) where M >= S, 1f1b with V 1 and
+    those V where S divides M, each with and without stage remat (as opts allow); at the M searched for
+    1f1b alone (more than 4S), 1f1b with V 1 only. Unpipelined: [("gpipe", 1, "none")]."""
     if stages == 1:
         return [("gpipe", 1, "none")]
     bad = [x for x in opts.schedules if x not in C.PIPELINE_SCHEDULES] + [
@@ -688,15 +725,22 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
     if bad:
         raise ValueError(f"--schedule / --stage-remat: {bad} not in {C.PIPELINE_SCHEDULES} / {C.STAGE_REMAT}")
     out = []
+    per_stage = layers // stages
+    deep = not opts.microbatches and microbatches > MICROBATCHES_PER_STAGE[-1] * stages  # searched for 1f1b only
     for schedule in opts.schedules:
+        if deep and schedule != "1f1b":
+            continue
         if schedule == "gpipe":
             reps = [1]
         elif microbatches < stages:
             reps = []
         else:
-            per_stage = layers // stages
             reps = [opts.repeats] if opts.repeats else [v for v in _divisors(per_stage) if v > 1]
             reps = [v for v in reps if v > 1 and per_stage % v == 0]
+        if schedule == "1f1b":  # V = 1, and interleaved (V > 1) where the micro-batches go in groups of S
+            # (not at the deep M: its bubble is at most 1/9 there, and interleaving costs V x the hand-overs)
+            reps = ([1] if opts.repeats in (0, 1) else []) + [
+                v for v in reps if microbatches % stages == 0 and not deep]
         out += [(schedule, v, staged) for v in reps for staged in opts.stage_remat]
     return out
 
@@ -774,7 +818,13 @@ def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, r
             raise ValueError("pipeline_schedule, pipeline_repeats and remat.pipeline=stage need pipeline > 1")
         return
     if repeats < 1 or (schedule == "gpipe" and repeats != 1):
-        raise ValueError(f"{repeats} chunks per stage need the circular schedule (gpipe holds one)")
+        raise ValueError(f"{repeats} chunks per stage need the circular or 1f1b schedule (gpipe holds one)")
+    if schedule == "1f1b" and repeats > 1:
+        if layers % (stages * repeats):
+            raise ValueError(f"pipeline_repeats {repeats} does not divide the {layers // stages} layers per stage")
+        if microbatches % stages:
+            raise ValueError(f"interleaved 1f1b runs the micro-batches in groups of {stages} stages ({microbatches} "
+                             f"micro-batches)")
     if schedule == "circular":
         if layers % (stages * repeats):
             raise ValueError(f"pipeline_repeats {repeats} does not divide the {layers // stages} layers per stage")

@@ -21,6 +21,8 @@ dtype whose bytes it reports as a GPU would), priced with the attention the CPU 
 """
 from __future__ import annotations
 
+import re
+
 from boost_jax.planner import partitions as P
 from boost_jax.planner.cost import STATE_BYTES
 from boost_jax.planner.search import Layer, Mesh, Options, linear_partition, plan_for
@@ -304,10 +306,30 @@ def measured_pipeline(c) -> tuple[dict, dict]:
             continue
         if col.trips is None:
             raise ValueError(f"a {col.kind} runs in a loop without a known trip count")
+        trips = _executions(col, c)
         slot = out.setdefault(_pipeline_class(col.axes, col.kind), {}).setdefault(col.kind, [0, 0])
-        slot[0] += col.trips
-        slot[1] += col.elements * col.trips
+        slot[0] += trips
+        slot[1] += col.elements * trips
     return out, _memory(compiled)
+
+
+_TICK_BRANCHES = re.compile(r"shard_map/while/body/(?:closed_call/)?((?:cond/branch_\d+_fun/)+)")
+
+
+def _executions(col, c) -> int:
+    """How often a collective of the compiled step runs. 1F1B's tick loop (parallel/pipeline.py) runs its
+    forward and backward in `lax.cond` branches a stage takes V M of the V M + V S + S - 2 ticks, and
+    the head (a branch in the forward's) M of them at the last stage: the HLO's trip count is the
+    ticks', so a collective in those branches is counted by the branch's runs (the last stage's)."""
+    p = c.parallel
+    branch = _TICK_BRANCHES.search(col.op_name) if p.pipeline_schedule == "1f1b" else None
+    if branch is None:
+        return col.trips
+    from boost_jax.parallel.pipeline import ticks_1f1b
+    stages, m, v = int(p.pipeline), int(p.microbatches), int(p.pipeline_repeats)
+    ticks = ticks_1f1b(stages, m, v)
+    runs = m * v if branch.group(1).count("cond/") == 1 else m
+    return col.trips // ticks * runs
 
 
 def predicted_pipeline(plan) -> dict:

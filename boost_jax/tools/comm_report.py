@@ -467,6 +467,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--no-memory", action="store_true", help="skip the full-depth compile for peak memory")
     ap.add_argument("--remat", help="remat.policy for every column (default: the config's)")
+    ap.add_argument("--schedule", choices=("gpipe", "circular", "1f1b"),
+                    help="a pipeline mesh's parallel.pipeline_schedule (default: the config's)")
+    ap.add_argument("--repeats", type=int, default=1, help="with --schedule circular or 1f1b: chunks per stage V")
     args = ap.parse_args(argv)
     mesh = parse_mesh(args.mesh)
     emulate_cpu_devices(math.prod(mesh))  # before report() imports jax
@@ -483,7 +486,7 @@ def main(argv=None) -> dict:
         try:
             with ticking(f"comm_report: compiling the pipelined train step on mesh {args.mesh}"):
                 rep = pipeline_report(args.config, mesh, args.strategy and args.strategy.split(",")[0], args.batch,
-                                      args.seq, args.dtype)
+                                      args.seq, args.dtype, schedule=args.schedule, repeats=args.repeats)
         except ConfigError as e:
             raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy)") from e
         print(pipeline_markdown(rep))
@@ -509,12 +512,15 @@ def main(argv=None) -> dict:
 
 
 def pipeline_report(cfg_or_path, mesh, strategy: str | None = None, batch: int = 8, seq: int = 256,
-                    dtype: str = "bfloat16", remat: str | None = None) -> dict:
+                    dtype: str = "bfloat16", remat: str | None = None, schedule: str | None = None,
+                    repeats: int = 1) -> dict:
     """A pipelined step's collectives by kind and mesh axis (whole step, every loop unrolled, so the
     pipeline's collective-permutes are counted once per tick). mesh = (pipeline, data, fsdp, tensor);
-    strategy None: the first registered. The per-layer method of `report` does not apply: layers only
-    exist in whole stages."""
-    from boost_jax.parallel.pipeline import bubble_fraction
+    strategy None: the first registered; schedule None: the config's (with `repeats` chunks per stage
+    for circular and 1f1b). The per-layer method of `report` does not apply: layers only exist in
+    whole stages. 1f1b's forward and backward sit in branches its stages take V M of its lockstep
+    ticks: the counts are the unrolled program's operations, the branches' in every tick."""
+    from boost_jax.parallel.pipeline import bubble_fraction, ticks, ticks_1f1b
     from boost_jax.parallel.strategies import names
     from boost_jax.tools.hlo_comm import parse_collectives, summarize
 
@@ -525,12 +531,17 @@ def pipeline_report(cfg_or_path, mesh, strategy: str | None = None, batch: int =
     base = load_config(cfg_or_path)
     cfg = variant_config(base, strategy, base.model.linear, tuple(rest), batch, seq, dtype, remat)
     cfg.parallel.update(pipeline=pipeline, num_devices=math.prod(mesh))
+    if schedule is not None:
+        cfg.parallel.update(pipeline_schedule=schedule, pipeline_repeats=repeats)
+    schedule, repeats = str(cfg.parallel.pipeline_schedule), int(cfg.parallel.pipeline_repeats)
     compiled, mesh_obj, seconds = compile_program(cfg, "train_step", devices, cfg.model.n_layers, unroll=True)
     table = summarize(parse_collectives(compiled.as_text(), mesh_obj), by=("kind", "axes"))
     micro = cfg.parallel.microbatches or 2 * pipeline
+    n_ticks = ticks_1f1b(pipeline, micro, repeats) if schedule == "1f1b" else ticks(pipeline, micro, repeats)
     return {"config": base.name, "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)),
             "strategy": strategy, "batch": batch, "seq": seq, "dtype": dtype, "n_layers": int(cfg.model.n_layers),
-            "microbatches": micro, "ticks": micro + pipeline - 1, "bubble": bubble_fraction(pipeline, micro),
+            "schedule": schedule, "repeats": repeats, "microbatches": micro, "ticks": n_ticks,
+            "bubble": bubble_fraction(pipeline, micro, repeats),
             "compile_s": round(seconds, 2),
             "collectives": [{"kind": k, "axes": list(a), **v} for (k, a), v in sorted(table.items())]}
 
@@ -539,8 +550,10 @@ def pipeline_markdown(rep: dict) -> str:
     m = rep["mesh"]
     lines = [f"**{rep['config']}** ({rep['strategy']}), mesh pipeline={m['pipeline']} data={m['data']} "
              f"fsdp={m['fsdp']} tensor={m['tensor']}, batch {rep['batch']} x seq {rep['seq']}, {rep['dtype']}: "
-             f"GPipe, {rep['microbatches']} micro-batches, {rep['ticks']} ticks, bubble {100 * rep['bubble']:.1f}%. "
-             "Whole train step per device, every loop unrolled.", "",
+             f"{rep.get('schedule', 'gpipe')}{' V ' + str(rep['repeats']) if rep.get('repeats', 1) > 1 else ''}, "
+             f"{rep['microbatches']} micro-batches, {rep['ticks']} ticks"
+             f"{' (lockstep: at most one forward and one backward each)' if rep.get('schedule') == '1f1b' else ''}, "
+             f"bubble {100 * rep['bubble']:.1f}%. Whole train step per device, every loop unrolled.", "",
              "| kind | mesh axes | count | elements |", "|---|---|---|---|"]
     for c in rep["collectives"]:
         lines.append(f"| {c['kind']} | {','.join(c['axes']) or '-'} | {c['count']} | {c['elements']} |")
