@@ -654,7 +654,7 @@ def config_docs() -> dict[str, str]:
         if s.startswith("#"):  # a comment after keys starts a new block
             block, fresh = (block if fresh else []) + [s[1:].strip()], True
             continue
-        section = re.match(r"(\w+) = c\.(\w+) = ml_collections\.ConfigDict\(\)", s)
+        section = re.match(r"(\w+) = c\.(\w+) = [\w.]+\(\)", s)
         if section:  # a block above a section covers its keys
             prefix[section.group(1)] = section.group(2) + "."
             continue

@@ -79,7 +79,7 @@ def test_search_space_and_mesh_products():
     assert any(p.runnable.startswith("no:") for p in res.plans)  # mixed / st plans are flagged
 
 
-# small spaces with pipelines (gpipe, circular, stage remat), context, st grids, HBM rejections; the 7B
+# small spaces with pipelines (gpipe, circular, 1f1b, stage remat), context, st grids, HBM rejections; the 7B
 # ones run under `pytest -m slow`
 PRUNE_CASES = {
     "cola_7b on 8 H100": (sized_config("7b", "cola"), H100, 8, Options(batch=16, seq=256, top=5)),
@@ -122,7 +122,8 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
     priced = [p for _, _, p in bounds]  # the space the bounds were checked on
     if "pipelines" in case:
         assert {(p.schedule, p.stage_remat) for p in priced if p.mesh.pipeline > 1} == {
-            ("gpipe", "none"), ("gpipe", "stage"), ("circular", "none"), ("circular", "stage")}
+            ("gpipe", "none"), ("gpipe", "stage"), ("circular", "none"), ("circular", "stage"), ("1f1b", "none"),
+            ("1f1b", "stage")}
     if "context" in case:
         assert any(p.mesh.context > 1 for p in priced)
 
@@ -279,7 +280,8 @@ def with_overrides(cfg, flags: str):
         for name in parents:
             node = node[name]
         old = node[leaf]
-        node[leaf] = value == "true" if isinstance(old, bool) else type(old)(value)
+        auto_or_bool = isinstance(old, bool) or (old == "auto" and value in ("true", "false"))
+        node[leaf] = value == "true" if auto_or_bool else type(old)(value)
     return validate(cfg)
 
 
@@ -289,7 +291,7 @@ def test_runnable_top_plans_compile(linear):
     (mixed: btp/st/btp/btp for CoLA, megatron and megatron-SP around an st `o` for dense), builds
     the mesh and strategy it names and compiles as the trainer's step on 8 emulated devices (7B
     widths, 2 layers, abstract shapes); the planner's peak memory per device for each, priced for
-    what the CPU compile runs (float32, chunked attention at seq 2048), is within 15% of the
+    what the CPU compile runs (float32, chunked attention at seq 2048), is within 17% of the
     compiled step's memory_analysis (the btp plan 1x1x2x4 set BACKWARD_LIVE; the rest are held out)."""
     from boost_jax.runtime.build import build
 
@@ -319,7 +321,10 @@ def test_runnable_top_plans_compile(linear):
         xla = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
         cpu = Options(batch=16, seq=2048, attention="chunked", act_bytes=4, check_memory=False)
         predicted = plan_for(run, A100, p.mesh, p.grad_accum, p.remat, p.layer, cpu, 1.0).memory["total"]
-        assert predicted == pytest.approx(xla, rel=0.15), (str(p.mesh), str(p.layer), predicted, xla)
+        # 17%: XLA:CPU keeps 0.4 GB more than the GPU program around the optimizer's per-weight overflow
+        # guard (runtime/step.py; the deviceless H100 compile of llama_1b differs by 0.09 GiB), and the
+        # planner prices the GPU's.
+        assert predicted == pytest.approx(xla, rel=0.17), (str(p.mesh), str(p.layer), predicted, xla)
 
 
 def small_verify_config(linear: str = "cola"):

@@ -41,8 +41,8 @@ weights are gathered whole before the loop either way (XLA hoists the gathers), 
 reduction over fsdp is a full-size all-reduce, not a reduce-scatter. Measured on the compiled train
 step (4 layers d 128, 2 stages of 2 layers, 4 micro-batches, mesh pipeline 2 x data 2 x fsdp 2, f32;
 benchmarks/grad_reduce.py --pipeline): reducing over data only, fsdp per tick, keeps the
-accumulator fsdp-split (temp memory 4.99 MB, as per tick) but executes 965,813 reduction elements
-per step; over both, 205,489 (per tick over both: 862,900) for 5.41 MB of temp memory: the extra is
+accumulator fsdp-split (temp memory 5.07 MB, as per tick) but executes 965,797 reduction elements
+per step; over both, 205,473 (per tick over both: 862,884) for 5.39 MB of temp memory: the extra is
 one float32 stage gradient per device, the size of the stage's gathered weights. With fsdp 1 the
 temp memory does not grow (3.38 -> 3.31 MB on pipeline 2 x data 2 x tensor 2).
 
