@@ -26,6 +26,7 @@ import dataclasses
 
 from boost_jax.planner.cluster import Cluster
 from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.runtime import xla_gpu_flags
 
 STATE_BYTES = 4  # parameters, gradients and their reductions are float32 in the trainer
 ADAM_STATE_BYTES = 16  # fp32 param + fp32 grad + Adam m and v
@@ -127,9 +128,7 @@ def pipeliner(pipelined: bool | None = None) -> bool:
     this process's GPU steps get (the project's flags, XLA_FLAGS' overrides, the installed jaxlib)."""
     if pipelined is not None:
         return pipelined
-    from boost_jax.runtime.xla_gpu_flags import pipelined as options_on
-
-    return set(PIPELINER_NEEDS) <= options_on()
+    return set(PIPELINER_NEEDS) <= xla_gpu_flags.pipelined()
 
 
 def double_buffering(on: bool | None = None) -> bool:
@@ -138,9 +137,7 @@ def double_buffering(on: bool | None = None) -> bool:
     process's GPU steps get (the project's flags, XLA_FLAGS' override)."""
     if on is not None:
         return on
-    from boost_jax.runtime.xla_gpu_flags import double_buffered
-
-    return double_buffered()
+    return xla_gpu_flags.double_buffered()
 
 
 def buffer_overhead(gpu: bool, mixed: bool) -> float:

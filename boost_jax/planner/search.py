@@ -594,7 +594,8 @@ def evaluate(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_to
 
     tokens = opts.batch * opts.seq
     status, strategy, sp = runnable(b, mesh, layer)
-    from boost_jax.parallel.strategies import registered
+    from boost_jax.parallel.strategies import registered  # imports jax: not at the planner's import
+
     if status == "yes" and ctx.context_kv == "bottleneck" and not registered(strategy).keeps_whole_rank:
         status, strategy, sp = (f"no: context_kv=bottleneck rebuilds K/V from the whole r-wide activations, which "
                                 f"{strategy} splits over tensor"), "", False
@@ -661,7 +662,7 @@ def context_sizes(devices: int, seq: int, opts: Options, attention: str) -> list
     place where the rows run out: long sequences, few of them per step. Context needs an attention
     implementation with a block form (`auto` runs chunked there); pipelined plans run without it here
     (the comm report, which --verify compiles with, runs context without a pipeline)."""
-    from boost_jax.model.attention import names, takes_context
+    from boost_jax.model.attention import names, takes_context  # imports jax: not at the planner's import
 
     for c in opts.context:
         if c < 1 or devices % c:
