@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from boost_jax.planner import partitions as P
+from boost_jax.planner import partitions
 from boost_jax.planner.cost import STATE_BYTES
 from boost_jax.planner.search import Layer, Mesh, Options, linear_partition, plan_for
 from boost_jax.tools.comm_report import axis_group, compile_program, memory_breakdown, report, variant_config
@@ -178,8 +178,8 @@ def _row(name: str, p: float, m: float, tolerance: float, counts=None) -> dict:
 def uniform_layer(cfg, strategy: str, sequence_parallel: bool = False) -> Layer:
     """The layer a trainer strategy runs for this config's model (its kind factored or not, and
     parallel.online_norm): partitions.uniform_plan's."""
-    b = P.Block.from_config(cfg)
-    return Layer(*P.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
+    b = partitions.Block.from_config(cfg)
+    return Layer(*partitions.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
 
 
 def on_cpu(cfg):
@@ -238,7 +238,7 @@ def pipeline_refusal(plan) -> str:
     """Why --verify does not compare this pipelined plan ("" when it does): what the compiled step
     does there that the planner does not price (seen at the test shapes). GPipe and circular plans
     (stage remat included) are compared."""
-    if P.ST in plan.layer.choices:
+    if partitions.ST in plan.layer.choices:
         return ("pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
                 "the tick loop, which the planner prices per tick")
     if plan.layer.residual != "H" and plan.mesh.tensor > 1:
@@ -356,7 +356,7 @@ def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel:
     m = microbatches or 2 * mesh.pipeline
     if layer is None:
         layer = (uniform_layer(cfg, strategy, sequence_parallel) if mesh.tensor > 1 else
-                 Layer("R", ("none",) * len(P.GROUPS), "R", "R"))
+                 Layer("R", ("none",) * len(partitions.GROUPS), "R", "R"))
     c, batch = pipeline_config(cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats,
                                stage_remat, layers_per_chunk)
     kw = dict(flops_per_token=0.0, microbatches=m, schedule=schedule, repeats=repeats, stage_remat=stage_remat)
