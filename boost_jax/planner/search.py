@@ -598,9 +598,9 @@ def memory_bytes(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary:
                      if stages == 1 and gpu and policy == "none" and opts.double_buffered else 0.0)
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups); its
     # GPU count is the unpipelined program's only (cost.GPU_LOGIT_BUFFERS)
-    m = sched.microbatches
-    rest_tokens = ctx.tokens * m
-    loss = (cost.loss_bytes(rest_tokens / ctx.local_seq / m, ctx.local_seq, block.loss_chunk,
+    microbatches = sched.microbatches
+    rest_tokens = ctx.tokens * microbatches
+    loss = (cost.loss_bytes(rest_tokens / ctx.local_seq / microbatches, ctx.local_seq, block.loss_chunk,
                             block.vocab / mesh.tensor, gpu and stages == 1)
             + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes))
     residual = ctx.local(layer.residual, block.d)  # one stage input
@@ -624,7 +624,7 @@ def memory_bytes(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary:
               # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
               "transient": 0.0,
               # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
-              "pipeline": 2 * residual * m * opts.act_bytes if stages > 1 else 0.0,
+              "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 else 0.0,
               # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
               "pipeliner": pipeliner,
               # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
