@@ -52,7 +52,7 @@ def measure(case) -> dict:
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner import partitions as P
     from boost_jax.planner.search import linear_partition
-    from boost_jax.tools.comm_report import _memory, compile_program, variant_config
+    from boost_jax.tools.comm_report import compile_program, memory_breakdown, variant_config
     from boost_jax.tools.devices import pick_devices
 
     strategy, linear, mesh, choices, remat, attention = case
@@ -66,7 +66,7 @@ def measure(case) -> dict:
     start = time.perf_counter()
     compiled, _, _ = compile_program(cfg, "train_step", pick_devices(DEVICES)[:mesh[0] * mesh[1] * mesh[2]],
                                      cfg.model.n_layers, unroll=False)
-    xla = _memory(compiled)
+    xla = memory_breakdown(compiled)
     cluster = load_cluster(ROOT / "configs/clusters/a100_4x.py")  # memory does not depend on the cluster
     plan = plan_for(cfg, cluster, Mesh(*mesh), 1, remat, layer,
                     Options(batch=BATCH, seq=SEQ, attention=attention, act_bytes=4, check_memory=False), 0.0)

@@ -101,14 +101,14 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
     cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), opts.seq)
     pruned = search(cfg, cluster, devices, opts, flops_per_token=1.0)
     bounds = []
-    evaluate = S.evaluate
+    price_plan = S.price_plan
 
     def checked(pr, mesh, accum, layer, fpt, *pipeline):
-        plan = evaluate(pr, mesh, accum, layer, fpt, *pipeline)
+        plan = price_plan(pr, mesh, accum, layer, fpt, *pipeline)
         bounds.append((S.lower_bound(pr, mesh, accum, layer, *pipeline), plan.step_s, plan))
         return plan
 
-    monkeypatch.setattr(S, "evaluate", checked)
+    monkeypatch.setattr(S, "price_plan", checked)
     every = search(cfg, cluster, devices, dataclasses.replace(opts, prune=False), flops_per_token=1.0)
 
     def key(p):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from boost_jax.config import base_config
 from boost_jax.errors import ConfigError
 from boost_jax.planner.cluster import Cluster, load_cluster
 from boost_jax.planner.search import Options, Plan, search
@@ -96,7 +97,6 @@ def apply(cfg, overrides: str):
     """A copy of cfg with the fields a plan decides reset to their defaults and the plan's
     `--config.KEY=VALUE` overrides set (each value as the field's type): the explicit config of the
     plan (parallel.plan=explicit, parallel.cluster unset), what the run records in its config.json."""
-    from boost_jax.config import base_config
 
     out = cfg.copy_and_resolve_references()
     out.parallel.plan, out.parallel.cluster = "explicit", ""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from boost_jax.config import load_config_file
+
 
 @dataclasses.dataclass(frozen=True)
 class Link:
@@ -99,7 +101,6 @@ def from_dict(c) -> Cluster:
 
 def load_cluster(path) -> Cluster:
     """The Cluster of a configs/clusters/*.py file (its `get_config()`)."""
-    from boost_jax.config import load_config_file
     try:
         fields = load_config_file(path, "--cluster")
     except FileNotFoundError as e:

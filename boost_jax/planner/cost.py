@@ -8,7 +8,7 @@ Communication (per device; p = group size, B = payload bytes, β/α from the gro
 β and α are the cluster's intra-node link when the group fits in one node, else the inter-node one.
 Tensor-axis collectives sit on the critical path (their result feeds the next GEMM); P(n x n)'s
 permutes overlap the step's GEMM (Σ_t max(compute, comm)); data/fsdp collectives hide behind the
-whole micro-batch (see search.evaluate). Pipeline stage hand-overs (one collective-permute of the
+whole micro-batch (see search.step_seconds). Pipeline stage hand-overs (one collective-permute of the
 residual per GPipe tick, each way) sit on the critical path too: the next tick's stage reads them.
 
 Kept activations: every byte an operator keeps for the backward (saved_bytes, by the remat policy)
@@ -26,98 +26,45 @@ import dataclasses
 
 from boost_jax.planner.cluster import Cluster
 from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.runtime import xla_gpu_flags
 
-STATE_BYTES = 4  # parameters, gradients and their reductions are float32 in the trainer
-ADAM_STATE_BYTES = 16  # fp32 param + fp32 grad + Adam m and v
-ACCUM_BYTES = 4  # the fp32 gradient accumulator of grad_accum > 1
-OPTIMIZER_TRAFFIC = 32  # HBM bytes per parameter per AdamW update (read/write p, m, v; read g, norm)
-# The compiled step's transient buffers, read from its memory report (tests/test_planner.py):
-LOGIT_BUFFERS = 3  # float32 [rows, chunk, V/t] arrays live in the loss (logits, exp, gradient)
-# The GPU program (bf16 compute) holds one float32 [rows, chunk, V/t] array of the loss at a time, and
-# per element of the embedding table and LM head their float32 gradient and the bf16 cast it gathers
-# (llama_1b fsdp 8 on 8 H100 and cola_7b fsdp 8 remat lowrank on 8 A100 40GB, deviceless, read from
-# XLA's buffer assignment: f32[16384, 32000], benchmarks/RESULTS.md 2026-11-27 (third)). Unpipelined
-# steps only: the pipelined plans stay priced with LOGIT_BUFFERS, as their terms were fitted (the
-# circular llama_1b step of tests/test_aot.py stacks 6.0 GB of tick-loop activations against the 4.5
-# priced, which the three buffers make up for: 0.87 of its compile with one, 0.93 with three).
+# The cost model's constants, one a line: its value, what it prices, where it was set ("§": that section of
+# benchmarks/RESULTS.md). How each came to its value: RESULTS.md "2026-11-28: the planner's constants, their history".
+#
+# name                value       prices                                                  set on
+# STATE_BYTES         4           bytes of a parameter, gradient, gradient reduction      the trainer's float32
+# ADAM_STATE_BYTES    16          bytes per parameter: fp32 param + grad + Adam m, v      the trainer's float32
+# ACCUM_BYTES         4           bytes per parameter of the grad_accum > 1 accumulator   the trainer's float32
+# OPTIMIZER_TRAFFIC   32          HBM bytes per parameter per AdamW update                counted (p, m, v r/w; g)
+# LOGIT_BUFFERS       3           f32 [rows, chunk, V/t] loss arrays (CPU, pipelined)     tests/test_planner.py
+# GPU_LOGIT_BUFFERS   1           the same, unpipelined GPU steps                         § 2026-11-27 (third)
+# BUFFER_OVERHEAD     1.10        XLA:CPU's packed temporaries over the live ones         benchmarks/planner_memory.py
+# GPU_BUFFER_OVERHEAD (1.0, 1.15) XLA:GPU's packing: one kind of parallelism, several     § 2026-11-27 (fifth)
+# OPTIMIZER_TEMP      9           bytes per local parameter the update holds beyond g     compiled cola_7b steps
+# BACKWARD_LIVE       0.7         a backward's activation gradients, x its kept set       tests/test_planner.py
+# STAGE_COPY          1.0         kept sets a stage-remat tick's backward holds more      tests/test_planner_pipeline.py
+# CIRCULAR_COPIES     3.0         f32 stage-weight copies, circular, no stage remat, CPU  tests/test_planner_pipeline.py
+# F1B_IN_FLIGHT       2           1F1B items a stage holds beyond its ring (float32 CPU)  tests/test_planner_pipeline.py
+# F1B_IN_FLIGHT_GPU   3           the same in the GPU (bf16) program                      H100 1F1B compiles (history)
+# PIPELINED_SIGMA     3.0         stacked σ(A·x) arrays per A output the pipeliner adds   § 2026-11-27 (fifth)
+# SCAN_DOUBLE_BUFFER  1.0         [layers, T, ff/t] arrays the double-buffered scan adds  § 2026-11-27 (third)
+# PIPELINER_NEEDS     (2 flags)   the XLA options under which PIPELINED_SIGMA applies     § 2026-11-27
+STATE_BYTES = 4
+ADAM_STATE_BYTES = 16
+ACCUM_BYTES = 4
+OPTIMIZER_TRAFFIC = 32
+LOGIT_BUFFERS = 3
 GPU_LOGIT_BUFFERS = 1
-# XLA packs the step's temporaries into one allocation (memory_analysis().temp_size_in_bytes), which
-# exceeds the bytes live at its peak (its live-range report: 1.11-1.25x over the plans of
-# benchmarks/planner_memory.py). FITTED: 1.10 x the live temporaries this model counts puts that
-# benchmark's btp cola plan (d 256, 3 layers, mesh 1x2x2, CPU compiler, float32) on its
-# memory_analysis. Parameters and optimizer state are arguments, allocated as they are.
 BUFFER_OVERHEAD = 1.10
-# XLA:GPU's packing, (one kind of parallelism, several): with every array counted, a step that shards
-# one way (batch over data x fsdp, or tensor, or pipeline, or context alone) allocates what is live
-# (llama_1b fsdp 8 on 8 H100: 58.9 GB allocated, 59.8 in the live-range report's sum; llama_7b megatron
-# and cola_7b btp on tensor 8 at batch 8 x seq 2048 and BOOST's LLaMA-7B-shaped BTP on tensor 4 are
-# within 6% of the planner's count without an overhead); where two meet, the many differently shaped
-# buffers leave gaps (llama_1b megatron-SP fsdp 16 x tensor 4 on 64 A100 40GB: 9.6 GB allocated, 7.9
-# live; cola_7b btp f16 x t4 remat lowrank: 8.4 against 5.1, benchmarks/RESULTS.md 2026-11-27 (third)).
-# FITTED 1.15 for those with the GPU counts of partitions.py, over the 47 deviceless rows of
-# benchmarks/aot_fit{,_a100,_nopipe,_fixed}.json (2026-11-27 (fifth)).
-GPU_BUFFER_OVERHEAD = (1.0, 1.15)
-# The optimizer update: the step checks that every updated weight is finite before it keeps any, so
-# the new parameters and moments live next to the gradient and the old state. FITTED: 9 bytes per
-# local parameter beyond the gradient puts the compiled cola_7b step (32 layers, batch 4 x seq 128,
-# mesh 2x2x2 or 1x2x2, where this phase is the peak) within 6% of its memory_analysis.
+GPU_BUFFER_OVERHEAD = (1.0, 1.15)  # indexed by whether the step mixes kinds of parallelism
 OPTIMIZER_TEMP = 9
-# A layer's backward (without remat) holds gradients of its activations next to what is kept: FITTED:
-# 0.7 x the layer's kept set puts the compiled btp step at 7B widths (tests/test_planner.py's top
-# plan, 1x1x2x4) within 1%; its other plans are held out.
 BACKWARD_LIVE = 0.7
-# remat.pipeline=stage under remat.policy=none: a tick's backward holds the recomputed chunk's kept
-# activations, one layer's backward and, when the chunk has more than one layer (its layers run as a
-# scan), one more layer's kept set. FITTED: 1 layer puts the compiled
-# 2-stage steps of tests/test_planner_pipeline.py (btp, pipeline 2 x data 2 x tensor 2 and pipeline 2 x
-# fsdp 2 x tensor 2, 2 layers per stage) within 6% of memory_analysis; their other policies are held out.
 STAGE_COPY = 1.0
-# The circular schedule without stage remat holds more than GPipe at the same layers per stage (the
-# stage copies in both layouts, their gradient before it is reordered back, the per-tick chunk
-# selections XLA keeps around the loop): FITTED 3.0 stage-weight copies (float32, gathered size) put
-# the compiled circular steps (V 2, pipeline 2 x data 2 x tensor 2 and pipeline 2 x data 2 x fsdp 2,
-# remat none) within 1% and 7% of memory_analysis; held out: pipeline 2 x fsdp 2 x tensor 2 (V 2) and
-# pipeline 2 x data 2 x tensor 2 (V 3), within 6% and 1% (tests/test_planner_pipeline.py). Under stage
-# remat the compiled circular step holds less than GPipe (lowrank + stage, p2 x f2 x t2: 7.8 MB against
-# GPipe's 10.1 MB at 2 layers per stage), and no such term is added. The float32 program's only: the
-# GPU program's (bf16 compute) per-tick chunk copies are priced as they are kept there (search.py,
-# `tick_weights`).
 CIRCULAR_COPIES = 3.0
-# 1F1B (boost_jax/parallel/pipeline.py) keeps C.ring_slots items per stage, and a tick holds more:
-# the one its forward produces before it is filed in the ring and the one its backward reads out of
-# it (a slice the branch takes as an operand). The float32 CPU program: 2, counted (the compiled steps
-# of tests/test_planner_pipeline.py, pipeline 2 x data 2 x tensor 2 and pipeline 2 x fsdp 2 x tensor 2,
-# 2 layers per stage, remat none, keep 3 items of 1.5 MB in the ring and fit in XLA's temporaries
-# like GPipe's 5 ticks). The GPU program (bf16): FITTED 3, which puts the deviceless H100 compiles of
-# the planner's 1F1B picks for cola_13b and llama_13b on 32 and 64 H100s (benchmarks/RESULTS.md
-# 2026-11-27 (sixth)) within 6% (0.94-1.00; with 2, 0.90-0.97).
 F1B_IN_FLIGHT = 2
 F1B_IN_FLIGHT_GPU = 3
-# XLA's collective pipeliner (boost_jax/runtime/xla_gpu_flags.py PIPELINED: the project's GPU flags
-# turn it on; jaxlib >= 0.11 has retired it) on an unpipelined FSDP plan of a σ(A·x) bottleneck kind
-# (cola) without remat: the deviceless H100 compiles of benchmarks/aot_fit.py peak 8-39% higher than
-# with its options off (benchmarks/aot_fit_nopipe.md); llama's move by at most 1%, pipelined plans are 1-8% lower.
-# Switching the options off one at a time (cola_1b fsdp 8): all-gather off 57.1 GB, all-reduce off
-# 58.5, against 62.6 with all on and 57.3 with all off; reduce-scatter off changes nothing (62.6). What
-# it is, read from XLA's buffer assignment (benchmarks/RESULTS.md 2026-11-27): cola_7b fsdp 8 keeps 16
-# more stacked r-wide arrays [L, T, r] of the bottleneck (2.3 per A output) and the stacked gathered
-# bf16 weights twice; cola_1b fsdp 8 and cola_7b fsdp 16 x tensor 4 keep the same arrays live at their
-# peaks as without the options (55.8 vs 55.3 GB; 43.6 vs 43.5 GB), but XLA packs them into 12% and 35%
-# more memory than is live (at the top of the latter's allocation: the backward's transposed copies of
-# the stacked residuals). Priced as more stacked arrays of the bottleneck's A outputs: FITTED 3.0
-# arrays per A output, the count that puts the most of the 47 deviceless rows of
-# benchmarks/aot_fit{,_a100,_nopipe,_fixed}.json within 10% with the GPU counts of partitions.py,
-# GPU_LOGIT_BUFFERS, SCAN_DOUBLE_BUFFER and GPU_BUFFER_OVERHEAD (re-fitted with them, 2026-11-27 (fifth);
-# 2.0 before, when the GPU counts left out the replicated norm's float32 arrays).
 PIPELINED_SIGMA = 3.0
-# XLA's while-loop double buffering (the project's GPU flags: the layer scan unrolled x2) keeps one more
-# copy of a stacked residual of the unpipelined layer scan without remat: llama_1b fsdp 8 on 8 H100
-# holds a double_buffer_clone of the SwiGLU product bf16[24, T, 5472] beside the 5 it stacks, llama_1b
-# fsdp 16 x tensor 4 (sequence parallel) on 64 A100 40GB one of bf16[24, T, 5472/4] (benchmarks/
-# RESULTS.md 2026-11-27 (third)). Priced as one [layers, T, ff/t] array in the compute dtype, on GPU
-# steps compiled with the flag (double_buffering()).
 SCAN_DOUBLE_BUFFER = 1.0
-# the options it takes (all-gather or all-reduce off removes the extra; see above)
 PIPELINER_NEEDS = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_all_reduce")
 
 
@@ -127,9 +74,7 @@ def pipeliner(pipelined: bool | None = None) -> bool:
     this process's GPU steps get (the project's flags, XLA_FLAGS' overrides, the installed jaxlib)."""
     if pipelined is not None:
         return pipelined
-    from boost_jax.runtime.xla_gpu_flags import pipelined as options_on
-
-    return set(PIPELINER_NEEDS) <= options_on()
+    return set(PIPELINER_NEEDS) <= xla_gpu_flags.pipelined()
 
 
 def double_buffering(on: bool | None = None) -> bool:
@@ -138,9 +83,7 @@ def double_buffering(on: bool | None = None) -> bool:
     process's GPU steps get (the project's flags, XLA_FLAGS' override)."""
     if on is not None:
         return on
-    from boost_jax.runtime.xla_gpu_flags import double_buffered
-
-    return double_buffered()
+    return xla_gpu_flags.double_buffered()
 
 
 def buffer_overhead(gpu: bool, mixed: bool) -> float:

@@ -24,8 +24,11 @@ collective-permute count their operand, all-gather its result.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from boost_jax.config import PROJECTION_GROUPS as GROUPS, ST  # noqa: F401 - the trainer's group names
+from boost_jax.errors import ConfigError
+from boost_jax.model.kinds import kind_class
 
 # Arrays each operator keeps for the backward without remat, as counted in the compiled train step's
 # buffer assignment (XLA's memory-usage report of the scanned layer's stacked residuals; float32 on
@@ -93,8 +96,6 @@ class Block:
 
     @classmethod
     def from_config(cls, cfg) -> Block:
-        from boost_jax.errors import ConfigError
-        from boost_jax.model.kinds import kind_class
         m = cfg.model
         kind = kind_class(m.linear)
         if kind.has_extra:  # e.g. sltrain's sparse S·x: a term with its own traffic, not priced yet
@@ -350,7 +351,7 @@ class Split:
     def split_axes(self, group: str, factored: bool) -> list[str]:
         """The logical axes this split divides over `tensor` (see PROJECTION_AXES): "rank" for the
         bottleneck."""
-        from boost_jax.model.transformer import PROJECTION_AXES
+        from boost_jax.model.transformer import PROJECTION_AXES  # imports jax: not at the planner's import
 
         in_axis, out_axes = PROJECTION_AXES[group]
         stage = {"in": [in_axis], "out": list(out_axes), "rank": ["rank"], "": []}
@@ -384,7 +385,7 @@ def strategy_layers(factored: bool, online_norm: bool = True) -> tuple[TableLaye
     only split axis is `tensor`, the way the trainer lays out weights and pins activations. Sizes are
     left out (whether a mesh divides a split is the planner's check: `group_choices`, `layouts`).
     `online_norm`: parallel.online_norm, which the strategy's own flag must also allow."""
-    from boost_jax.parallel import strategies
+    from boost_jax.parallel import strategies  # imports jax: not at the planner's import
 
     registry = tuple(strategies.REGISTRY.values())
     if _TABLES.get("registry") != registry:  # a strategy was registered since: derive again
@@ -397,10 +398,8 @@ def strategy_layers(factored: bool, online_norm: bool = True) -> tuple[TableLaye
 
 
 def _table_layer(entry, sp: bool, factored: bool, online_norm: bool) -> TableLayer:
-    import types
-
-    from boost_jax.model.linear import RESIDUAL
-    from boost_jax.model.transformer import CORE_AXES, PROJECTION_AXES
+    from boost_jax.model.linear import RESIDUAL  # imports jax: memoised, off the DP's path
+    from boost_jax.model.transformer import CORE_AXES, PROJECTION_AXES  # imports jax, as above
     from boost_jax.parallel.rules import spec_for  # imports jax: memoised, off the DP's path
 
     rules = entry.sequence_parallel if sp else entry.rules
@@ -536,9 +535,7 @@ def stored_grid_axes(strategy: str, names: tuple[str, str], shape: tuple[int, in
     on an n x n (fsdp, tensor) grid (boost_jax.parallel.rules.spec_for on that table)."""
     key = (strategy, names, shape, n)
     if key not in _STORED:
-        import types
-
-        from boost_jax.parallel import strategies
+        from boost_jax.parallel import strategies  # imports jax: memoised, off the DP's path
         from boost_jax.parallel.rules import spec_for  # imports jax: memoised, off the DP's path
 
         table = strategies.registered(strategy).rules
@@ -557,7 +554,7 @@ def st_stored(ctx: Ctx, group: str, strategy: str) -> tuple[list[Coll], float]:
     `grid_weights` convention: per tensor shard, before the fsdp split)."""
     b, n = ctx.block, ctx.n
     din, douts = b.projections(group)
-    from boost_jax.model.transformer import PROJECTION_AXES  # the model's logical axes of each group
+    from boost_jax.model.transformer import PROJECTION_AXES  # imports jax: the model's axes of each group
 
     in_axis, out_axes = PROJECTION_AXES[group]
     weights = ([((in_axis, "rank"), (din, b.rank))] * len(douts) + [(("rank", o), (b.rank, w))
@@ -780,7 +777,7 @@ def uniform_plan(strategy: str, sequence_parallel: bool = False, factored: bool 
                  online_norm: bool = True) -> tuple[str, tuple[str, ...], str, str]:
     """(residual layout, group choices, attention layout, act layout) of a trainer strategy, as its
     rule table lays it out (boost_jax/parallel/strategies.py; see `strategy_layers`)."""
-    from boost_jax.parallel.strategies import registered
+    from boost_jax.parallel.strategies import registered  # imports jax: not at the planner's import
 
     registered(strategy)  # an unknown name: the ConfigError naming the registered ones
     for table in strategy_layers(factored, online_norm):

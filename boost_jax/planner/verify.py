@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import re
 
-from boost_jax.planner import partitions as P
+from boost_jax.planner import partitions
 from boost_jax.planner.cost import STATE_BYTES
 from boost_jax.planner.search import Layer, Mesh, Options, linear_partition, plan_for
+from boost_jax.tools.comm_report import axis_group, compile_program, memory_breakdown, report, variant_config
+from boost_jax.tools.devices import pick_devices
+from boost_jax.tools.hlo_comm import parse_collectives
 
 TOLERANCE = 0.05  # collective bytes (and counts)
 MEMORY_TOLERANCE = 0.15
@@ -81,7 +84,7 @@ def _bytes(axis: str, elements: float) -> float:
 
 def cpu_attention(cfg, seq: int, context: int = 1) -> str:
     """The model.attention the CPU compile runs (what `auto` resolves to there, or under context)."""
-    from boost_jax.model.attention import auto_impl, under_context
+    from boost_jax.model.attention import auto_impl, under_context  # imports jax: not at the planner's import
 
     name = cfg.model.attention
     if context > 1:
@@ -108,8 +111,6 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
              partition: str = "", memory: bool = False, context_attention: str = "ring",
              context_kv: str = "full") -> tuple[dict, float | None]:
     """The same from comm_report (compiled in COMPILE_DTYPE; bytes from elements as above)."""
-    from boost_jax.tools.comm_report import _axis_group, report
-
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.update(sequence_parallel=sequence_parallel, linear_partition=partition)
     if mesh.context > 1:
@@ -124,7 +125,7 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
     for key in set(fwd["per_layer"]) | set(fb["per_layer"]):
         if _moves_nothing(key):
             continue
-        kind, axis = key.split("@")[0], _axis_group(key)
+        kind, axis = key.split("@")[0], axis_group(key)
         f, b = fwd["per_layer"].get(key, {}), fb["per_layer"].get(key, {})
         parts = ((("fwd", f), ("bwd", None)) if axis == "tensor" else (("fwd+bwd", None),))
         for direction, program in parts:
@@ -138,8 +139,8 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
                 slot = layer.setdefault((axis, direction, kind), [0, 0.0])
                 slot[0] += count
                 slot[1] += elements
-    whole = sum(_bytes(_axis_group(k), v["elements"]) for k, v in fb["rest"].items() if not _moves_nothing(k)) + 2 * sum(
-        _bytes(_axis_group(k), v["elements"]) for k, v in fb["per_layer"].items() if not _moves_nothing(k))
+    whole = sum(_bytes(axis_group(k), v["elements"]) for k, v in fb["rest"].items() if not _moves_nothing(k)) + 2 * sum(
+        _bytes(axis_group(k), v["elements"]) for k, v in fb["per_layer"].items() if not _moves_nothing(k))
     peak = col["memory"]["total_bytes"] if memory and col.get("memory") else None
     return {"layer": layer, "whole": whole}, peak
 
@@ -177,8 +178,8 @@ def _row(name: str, p: float, m: float, tolerance: float, counts=None) -> dict:
 def uniform_layer(cfg, strategy: str, sequence_parallel: bool = False) -> Layer:
     """The layer a trainer strategy runs for this config's model (its kind factored or not, and
     parallel.online_norm): partitions.uniform_plan's."""
-    b = P.Block.from_config(cfg)
-    return Layer(*P.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
+    b = partitions.Block.from_config(cfg)
+    return Layer(*partitions.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
 
 
 def on_cpu(cfg):
@@ -237,7 +238,7 @@ def pipeline_refusal(plan) -> str:
     """Why --verify does not compare this pipelined plan ("" when it does): what the compiled step
     does there that the planner does not price (seen at the test shapes). GPipe and circular plans
     (stage remat included) are compared."""
-    if P.ST in plan.layer.choices:
+    if partitions.ST in plan.layer.choices:
         return ("pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
                 "the tick loop, which the planner prices per tick")
     if plan.layer.residual != "H" and plan.mesh.tensor > 1:
@@ -278,8 +279,6 @@ def pipeline_config(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, rem
                     seq: int, layer: Layer, schedule: str, repeats: int, stage_remat: str, layers_per_chunk: int):
     """(config, batch) the pipelined plan is compiled at: S x V x layers_per_chunk layers, one row per
     micro-batch per data x fsdp shard, the plan's schedule, remat and st groups."""
-    from boost_jax.tools.comm_report import variant_config
-
     batch = mesh.data * mesh.fsdp * microbatches
     c = variant_config(cfg, strategy, cfg.model.linear, (mesh.data, mesh.fsdp, mesh.tensor), batch, seq,
                        COMPILE_DTYPE, remat)
@@ -295,9 +294,6 @@ def pipeline_config(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, rem
 def measured_pipeline(c) -> tuple[dict, dict]:
     """({class: {kind: [executions, elements]}} of the compiled train step (the trainer's program: the
     tick loop scanned, each collective counted once per trip), its memory_analysis)."""
-    from boost_jax.tools.comm_report import _memory, compile_program, pick_devices
-    from boost_jax.tools.hlo_comm import parse_collectives
-
     compiled, mesh, _ = compile_program(c, "train_step", pick_devices(int(c.parallel.num_devices)),
                                         int(c.model.n_layers), unroll=False)
     out: dict = {}
@@ -310,7 +306,7 @@ def measured_pipeline(c) -> tuple[dict, dict]:
         slot = out.setdefault(_pipeline_class(col.axes, col.kind), {}).setdefault(col.kind, [0, 0])
         slot[0] += trips
         slot[1] += col.elements * trips
-    return out, _memory(compiled)
+    return out, memory_breakdown(compiled)
 
 
 _TICK_BRANCHES = re.compile(r"shard_map/while/body/(?:closed_call/)?((?:cond/branch_\d+_fun/)+)")
@@ -325,7 +321,7 @@ def _executions(col, c) -> int:
     branch = _TICK_BRANCHES.search(col.op_name) if p.pipeline_schedule == "1f1b" else None
     if branch is None:
         return col.trips
-    from boost_jax.parallel.pipeline import ticks_1f1b
+    from boost_jax.parallel.pipeline import ticks_1f1b  # imports jax: not at the planner's import
     stages, m, v = int(p.pipeline), int(p.microbatches), int(p.pipeline_repeats)
     ticks = ticks_1f1b(stages, m, v)
     runs = m * v if branch.group(1).count("cond/") == 1 else m
@@ -360,7 +356,7 @@ def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel:
     m = microbatches or 2 * mesh.pipeline
     if layer is None:
         layer = (uniform_layer(cfg, strategy, sequence_parallel) if mesh.tensor > 1 else
-                 Layer("R", ("none",) * len(P.GROUPS), "R", "R"))
+                 Layer("R", ("none",) * len(partitions.GROUPS), "R", "R"))
     c, batch = pipeline_config(cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats,
                                stage_remat, layers_per_chunk)
     kw = dict(flops_per_token=0.0, microbatches=m, schedule=schedule, repeats=repeats, stage_remat=stage_remat)

@@ -70,7 +70,8 @@ def with_frozen(trained, params):
     return jax.tree.map(lambda t, p: p if t is None else t, trained, params, is_leaf=lambda x: x is None)
 
 
-def _is_axes(x) -> bool:
+def is_axes(x) -> bool:
+    """A leaf of a logical-axes tree: a tuple of axis names (None for an unsharded dimension)."""
     return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
 
@@ -82,7 +83,7 @@ def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
     params = nnx.to_pure_dict(params)
     axes = logical_axes(model)
     param_specs = jax.tree.map(lambda names, p: spec_for(names, p.shape, mesh, strategy.rules), axes, params,
-                               is_leaf=_is_axes)
+                               is_leaf=is_axes)
     opt_abstract = jax.eval_shape(tx.init, trainable(params))
     # Optimizer moments mirror their parameter's layout; scalars (counts) are replicated.
     opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, opt_abstract, trainable(params, param_specs),

@@ -90,7 +90,7 @@ def _combine(a: dict, b: dict, wa: int = 1, wb: int = 1) -> dict:
     return out
 
 
-def _axis_group(key: str) -> str:
+def axis_group(key: str) -> str:
     """'tensor' (activations), 'grid' (the spatial-temporal groups' permutes on the fsdp x tensor
     grid: activations and compute-dtype weight blocks), 'context' (the attention's K/V exchange over
     the sequence split) or 'data_fsdp' (gradients, parameters; anything else touching data/fsdp/context)."""
@@ -205,7 +205,9 @@ def _cost_flops(compiled) -> float | None:
     return float(cost.get("flops", 0.0)) if cost else None
 
 
-def _memory(compiled) -> dict | None:
+def memory_breakdown(compiled) -> dict | None:
+    """A compiled program's memory_analysis() per device: arguments, outputs, temporaries, aliased
+    (donated) bytes and their total, the peak; None where the backend reports none."""
     m = compiled.memory_analysis()
     if m is None:
         return None
@@ -253,7 +255,7 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> d
     fwd = progs["forward"]["per_layer"]
     bwd = _combine(progs["forward_backward"]["per_layer"], fwd, 1, -1) if "forward_backward" in progs else {}
     for name, tally in (("forward", fwd), ("backward", bwd)):
-        by_axis = _sum_by(tally, _axis_group)
+        by_axis = _sum_by(tally, axis_group)
         res[f"per_layer_{name}"] = {
             g: {**v, "elements_per_token": v["elements"] / tokens} for g, v in sorted(by_axis.items())}
     fwd_t = res["per_layer_forward"].get("tensor", {}).get("elements_per_token", 0.0)
@@ -261,7 +263,7 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> d
     if "train_step" in progs:
         total = progs["train_step"]["total"]
         res["step_by_kind"] = _sum_by(total, lambda k: k.split("@")[0])
-        res["step_by_axis"] = _sum_by(total, _axis_group)
+        res["step_by_axis"] = _sum_by(total, axis_group)
         res["context"] = context_section(cfg, total)
 
     fpt = flops_per_token(m, cfg.train.seq_len, training=True)
@@ -278,7 +280,7 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> d
             log(f"train_step at {depth} layers, scanned (peak memory)")
         compiled, _, seconds = compile_program(cfg, "train_step", devices, depth, unroll=False)
         res["compile_s"][f"train_step@{depth}(scan)"] = round(seconds, 2)
-        res["memory"] = _memory(compiled)
+        res["memory"] = memory_breakdown(compiled)
     return res
 
 
@@ -291,7 +293,7 @@ def context_section(cfg, total: dict) -> dict | None:
     if not formula:
         return None
     compiled = {k.split("@")[0]: {f: v[f] for f in ("count", "elements")}
-                for k, v in total.items() if _axis_group(k) == "context"}
+                for k, v in total.items() if axis_group(k) == "context"}
     return {"attention": formula["attention"], "kv": formula["kv"], "compiled": compiled, "formula": formula["step"]}
 
 
@@ -347,7 +349,7 @@ def _fmt_by_kind(c: dict, group: str) -> str:
     """'AG 0.123 (2.0), AR 0.456 (4.0)': one traffic class's train-step bytes by collective kind."""
     kinds: dict = {}
     for key, v in _get(c, "programs", "train_step", "total", default={}).items():
-        if _axis_group(key) == group:
+        if axis_group(key) == group:
             slot = kinds.setdefault(key.split("@")[0], [0, 0.0])
             slot[0] += v["elements"]
             slot[1] += v["bytes"]

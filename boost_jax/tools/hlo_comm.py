@@ -108,7 +108,8 @@ def _split_top(s: str) -> tuple[list[str], str]:
 _COMMENT = re.compile(r"/\*.*?\*/")
 
 
-def _operand_shape(operand: str, symbols: dict[str, str]) -> str:
+def operand_shape(operand: str, symbols: dict[str, str]) -> str:
+    """An operand's shape text (`f32[4]{0}`), printed inline or looked up in the computation's symbols."""
     # Operands print either bare (`%x`) or with their shape (`f32[4]{0} %x`), depending on options;
     # long operand lists carry `/*index=5*/` comments (XLA:GPU's combined collectives).
     shape, _, name = _COMMENT.sub("", operand).strip().rpartition(" ")
@@ -125,7 +126,8 @@ def _iota(dims: Sequence[int], reshape: Sequence[int], perm: Sequence[int] | Non
     return a.reshape(dims)
 
 
-def _ints(s: str | None) -> list[int]:
+def parse_ints(s: str | None) -> list[int]:
+    """Every integer in an HLO attribute's text, in order ([] for None)."""
     return [int(x) for x in _INTS.findall(s or "")]
 
 
@@ -144,10 +146,10 @@ def _mesh_axes_groups(text: str) -> list[list[int]]:
         devices = np.arange(n).reshape(sizes)
     elif ids_text.startswith("["):  # iota form `[reshape]T(perm)` (dims are the mesh's)
         it = re.match(r"\[([\d,]*)\](?:<=\[([\d,]*)\])?(?:T\(([\d,]*)\))?", ids_text)
-        reshape = _ints(it.group(2)) or _ints(it.group(1))
-        devices = _iota(sizes, reshape, _ints(it.group(3)) or None)
+        reshape = parse_ints(it.group(2)) or parse_ints(it.group(1))
+        devices = _iota(sizes, reshape, parse_ints(it.group(3)) or None)
     else:
-        devices = np.asarray(_ints(ids_text)).reshape(sizes)
+        devices = np.asarray(parse_ints(ids_text)).reshape(sizes)
     coords = np.indices(sizes).reshape(len(sizes), -1).T  # row-major coords of each position
     # For each grouped (sub-)axis: (mesh axis index, stride inside that axis, size).
     grouped = []
@@ -179,11 +181,11 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
         m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
         if m is None:
             raise ValueError(f"unrecognised iota replica groups: {text[:120]!r}")
-        dims = _ints(m.group(1))
-        arr = _iota(dims, _ints(m.group(2)), _ints(m.group(3)) or None)
+        dims = parse_ints(m.group(1))
+        arr = _iota(dims, parse_ints(m.group(2)), parse_ints(m.group(3)) or None)
         return arr.reshape(dims[0], -1).tolist()
     if text.startswith("{"):
-        groups = [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", text[1:])]
+        groups = [parse_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", text[1:])]
         groups = [g for g in groups if g]
         if groups:
             return groups
@@ -204,7 +206,7 @@ def _braced(s: str) -> str:
     return s
 
 
-def _attr(attrs: str, key: str) -> str | None:
+def hlo_attribute(attrs: str, key: str) -> str | None:
     """Raw value of `key=`; the mesh form contains a space, so it is cut at its closing `}`."""
     m = re.search(rf"\b{key}=", attrs)
     if m is None:
@@ -364,15 +366,15 @@ def collective_of(ins: Instruction, symbols: dict[str, str], num_devices: int, m
     kind = _OPCODES[ins.opcode]
     operands, attrs = ins.operands_attrs()
     shape = ins.shape
-    op_shapes = [_operand_shape(o, symbols) for o in operands]
+    op_shapes = [operand_shape(o, symbols) for o in operands]
     if kind == "collective-permute":
-        if _attr(attrs, "slice_sizes") is not None:  # the in-place form: output buffer and offsets follow
+        if hlo_attribute(attrs, "slice_sizes") is not None:  # the in-place form: output buffer and offsets follow
             op_shapes = op_shapes[:1]  # (XLA:GPU combines permutes of one pairing into one tuple op: all count)
-        pairs = (_attr(attrs, "source_target_pairs") or "{}")[1:]
-        groups = [_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
+        pairs = (hlo_attribute(attrs, "source_target_pairs") or "{}")[1:]
+        groups = [parse_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
         group_size = _permute_group_size(groups)
     else:
-        groups = parse_replica_groups(_attr(attrs, "replica_groups") or "{}", num_devices)
+        groups = parse_replica_groups(hlo_attribute(attrs, "replica_groups") or "{}", num_devices)
         group_size = len(groups[0])
     if all(op_shapes):
         elements = sum(_shape_elements(s) for s in op_shapes)

@@ -33,11 +33,11 @@ def _param_table(cfg, devices):
     import jax
 
     from boost_jax.runtime.build import build
-    from boost_jax.runtime.state import _is_axes
+    from boost_jax.runtime.state import is_axes
 
     built = build(cfg, devices)
     spec, mesh = built.spec, built.mesh
-    axes = {_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(spec.axes, is_leaf=_is_axes)[0]}
+    axes = {_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(spec.axes, is_leaf=is_axes)[0]}
     rows, shardings, dtypes = [], {}, {}
     for p, leaf in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]:
         path = _path(p)

@@ -48,7 +48,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from boost_jax.tools.hlo_comm import HloModule, Instruction, _attr, _operand_shape, collective_of, parse_module
+from boost_jax.tools.hlo_comm import (HloModule, Instruction, collective_of, hlo_attribute, operand_shape, parse_ints,
+                                      parse_module, parse_replica_groups)
 
 CATEGORIES = ("gemm", "attention", "norm", "elementwise", "copies/layout", "optimizer", "loss", "collectives",
               "launch")
@@ -214,7 +215,7 @@ def _operand_names(operands: list[str]) -> list[str]:
 def _dot_shape(ins: Instruction, symbols: dict[str, str]) -> tuple:
     """(batch, m, n, k, lhs dtype) of a dot instruction."""
     operands, attrs = ins.operands_attrs()
-    lhs, rhs = (_operand_shape(o, symbols) for o in operands[:2])
+    lhs, rhs = (operand_shape(o, symbols) for o in operands[:2])
     ld, rd = shape_dims(lhs), shape_dims(rhs)
 
     def dims(key):
@@ -232,7 +233,7 @@ def _dot_shape(ins: Instruction, symbols: dict[str, str]) -> tuple:
 def _cublas_shape(ins: Instruction, symbols: dict[str, str]) -> tuple:
     """(batch, m, n, k, dtype) of a cuBLAS custom call, from its dot_dimension_numbers."""
     operands, _ = ins.operands_attrs()
-    lhs, rhs = (_operand_shape(o, symbols) for o in operands[:2])
+    lhs, rhs = (operand_shape(o, symbols) for o in operands[:2])
     ld, rd = shape_dims(lhs), shape_dims(rhs)
 
     def dims(key):
@@ -324,7 +325,7 @@ class _Reader:
         instrs = self.module.computations.get(comp or "", [])
         symbols = self.module.symbols[ins.computation]
         operands, _ = ins.operands_attrs()
-        op_shapes = [_operand_shape(o, symbols) for o in operands]
+        op_shapes = [operand_shape(o, symbols) for o in operands]
         if not instrs:
             return sum(shape_bytes(s) for s in op_shapes) + shape_bytes(ins.shape)
         params = self._params(comp)
@@ -349,7 +350,7 @@ class _Reader:
             return self._written(local[n], comp) if n in local else shape_bytes(root.shape)
         if root.opcode == "dynamic-update-slice":
             operands, _ = root.operands_attrs()
-            return shape_bytes(_operand_shape(operands[1], self.module.symbols[comp]))
+            return shape_bytes(operand_shape(operands[1], self.module.symbols[comp]))
         return shape_bytes(root.shape)
 
     def fused_opcodes(self, comp: str | None, depth: int = 0) -> set[str]:
@@ -464,7 +465,7 @@ def _kernel(ins: Instruction, reader: _Reader, symbols: dict[str, str], count: i
     k = Kernel(ins.name, op, "op", count, computation=ins.computation, op_name=meta.group(1) if meta else "",
                source=source, sources=chain, remat_clone=remat_clone(ins.name))
     operands, _ = ins.operands_attrs()
-    op_shapes = [_operand_shape(o, symbols) for o in operands]
+    op_shapes = [operand_shape(o, symbols) for o in operands]
     if op in COLLECTIVE_OPS:
         c = collective_of(ins, symbols, num_devices if mesh is None else mesh.devices.size, mesh)
         size = c.elements * _BYTES.get(c.dtype, 4)
@@ -535,14 +536,13 @@ def _kernel(ins: Instruction, reader: _Reader, symbols: dict[str, str], count: i
 
 def _crosses_nodes(ins: Instruction, num_devices: int, gpus_per_node: int) -> bool:
     """Whether a collective's groups span GPUs of more than one node (ids are mesh positions, 8 a node)."""
-    from boost_jax.tools.hlo_comm import _ints, parse_replica_groups
     _, attrs = ins.operands_attrs()
-    text = _attr(attrs, "replica_groups")
+    text = hlo_attribute(attrs, "replica_groups")
     if text is not None:
         groups = parse_replica_groups(text, num_devices)
     else:
-        pairs = (_attr(attrs, "source_target_pairs") or "{}")[1:]
-        groups = [_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
+        pairs = (hlo_attribute(attrs, "source_target_pairs") or "{}")[1:]
+        groups = [parse_ints(p) for p in re.findall(r"\{([\d,\s]*)\}", pairs)]
     return any(len({d // gpus_per_node for d in g}) > 1 for g in groups)
 
 
