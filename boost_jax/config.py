@@ -145,7 +145,7 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # unroll the layer scan. auto: unrolled on GPUs where only parallel.data splits the mesh (18% faster
     # on one H100), scanned elsewhere (compile time does not grow with depth).
     m.scan_unroll = config_dict.FieldReference("auto", field_type=object)  # auto | true | false
-    # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention.py). auto: cudnn on a GPU in
+    # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention/). auto: cudnn on a GPU in
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
     m.attention = "auto"
     m.loss_chunk = 512  # positions per chunk of the head + cross-entropy (no f32 [B,T,V]); 0: one piece

@@ -13,6 +13,9 @@ from boost_jax.model import remat
 from boost_jax.errors import ConfigError
 from boost_jax.generate import generate
 from boost_jax.model import attention as A
+from boost_jax.model.attention import chunked as chunked_impl
+from boost_jax.model.attention import pallas as pallas_impl
+from boost_jax.model.attention import registry
 from boost_jax.model import build_model
 
 from test_parallel import assert_close_tree, loss_and_grads, par_config, reference
@@ -116,7 +119,7 @@ def test_cudnn_is_a_clear_error_on_cpu():
 
 @pytest.mark.parametrize("impl", ["chunked", "pallas"])
 def test_cached_generation_matches_xla(make_config, monkeypatch, impl):
-    monkeypatch.setattr(A, "CHUNK", 4)
+    monkeypatch.setattr(chunked_impl, "CHUNK", 4)
     prompt = np.random.default_rng(1).integers(0, 256, (2, 6)).astype(np.int32)
     ref_model = build_model(make_config(**{"model.attention": "xla"}).model, seed=5)
     model = build_model(make_config(**{"model.attention": impl}).model, seed=5)
@@ -138,7 +141,7 @@ SHARDED = {"chunked_btp": ("chunked", "btp", (2, 1, 4), {}),
 def test_sharded_matches_single_device_xla(make_config, monkeypatch, case):
     """8 emulated devices, GQA, 2 chunks of 8: loss and grads as the one-device xla run."""
     impl, strategy, mesh, kw = SHARDED[case]
-    monkeypatch.setattr(A, "CHUNK", 8)
+    monkeypatch.setattr(chunked_impl, "CHUNK", 8)
     cfg = par_config(make_config, strategy, "cola", mesh, **{"model.n_kv_heads": 4, **kw})
     params, tokens, (ref_loss, ref_grads) = reference(cfg)  # model.attention=auto: xla at this length
     cfg.model.attention = impl
@@ -160,8 +163,8 @@ def test_pallas_attention_lowers_to_triton_for_cuda():
 def test_pallas_runs_the_public_mha_when_the_private_backward_changed(monkeypatch):
     """A jax whose private _mha_backward has another signature gets the module's public mha (its own
     custom_vjp), with a warning; value and gradients still match xla."""
-    mod = A._pallas_mha_module()
-    assert A._private_backward_ok(mod)  # this jax: the fused path with the remat residuals
+    mod = pallas_impl._pallas_mha_module()
+    assert pallas_impl._private_backward_ok(mod)  # this jax: the fused path with the remat residuals
     monkeypatch.setattr(mod, "_mha_backward", lambda sm_scale, causal, block_q, block_k, res, do: None)
     q, k, v, w = _qkv(2, 13, 4, 2, 8, jnp.float32, seed=3)
     with pytest.warns(UserWarning, match="public mha"):
@@ -176,7 +179,7 @@ def test_chunked_adds_no_collective_under_btp(make_config, monkeypatch):
     elements) are those of the xla attention (data 2 x tensor 4, GQA, 4 chunks of 64)."""
     from boost_jax.tools.comm_report import compile_program
     from boost_jax.tools.hlo_comm import parse_collectives, summarize
-    monkeypatch.setattr(A, "CHUNK", 64)
+    monkeypatch.setattr(chunked_impl, "CHUNK", 64)
     found = {}
     for impl in ("xla", "chunked"):
         cfg = par_config(make_config, "btp", "cola", (2, 1, 4), **{
@@ -250,7 +253,7 @@ DOC_IMPLS = {"xla": lambda q, k, v, docs: A.xla_attention(q, k, v, 0, docs=docs)
 
 @pytest.mark.parametrize("impl", list(DOC_IMPLS))
 def test_packed_rows_match_documents_alone(impl, monkeypatch):
-    monkeypatch.setattr(A, "CHUNK", 8)
+    monkeypatch.setattr(chunked_impl, "CHUNK", 8)
     seg = _segments(PACKED, 40)
     docs = A.Documents.packed(seg)
     _assert_documents_alone(lambda q, k, v: DOC_IMPLS[impl](q, k, v, docs), seg)
@@ -271,7 +274,7 @@ def test_pallas_packed_rows_match_documents_alone():
 
 
 def test_pallas_public_mha_takes_the_segment_ids(monkeypatch):
-    monkeypatch.setattr(A, "_private_backward_ok", lambda mod: False)
+    monkeypatch.setattr(pallas_impl, "_private_backward_ok", lambda mod: False)
     seg = _segments([[5, 9, 2], [3, 17]], 20)
     docs = A.Documents.packed(seg)
     with pytest.warns(UserWarning, match="public mha"):
@@ -280,7 +283,7 @@ def test_pallas_public_mha_takes_the_segment_ids(monkeypatch):
 
 @pytest.mark.parametrize("impl", ["xla", "chunked"])
 def test_one_document_per_row_is_packed_with_one_document(impl, monkeypatch):
-    monkeypatch.setattr(A, "CHUNK", 4)
+    monkeypatch.setattr(chunked_impl, "CHUNK", 4)
     lengths = np.array([7, 16, 1, 10], np.int32)
     one = A.Documents.one_per_row(jnp.asarray(lengths), 16)
     packed = A.Documents.packed(_segments([[n] for n in lengths], 16))
@@ -328,7 +331,7 @@ def test_chunked_visits_exactly_the_key_blocks_some_row_needs(t, block):
     layouts.append([[t // 2, t - t // 2]] * 2)  # one boundary shared by every row
     for rows in layouts:
         seg = _segments(rows, t)
-        bq, nq = A._blocks(t, block)
+        bq, nq = chunked_impl._blocks(t, block)
         bk, nk = bq, nq
         pos = np.arange(t)
         visible = (pos[:, None] >= pos[None, :]) & (seg[:, :, None] == seg[:, None, :])  # [B, T, S]
@@ -336,10 +339,10 @@ def test_chunked_visits_exactly_the_key_blocks_some_row_needs(t, block):
         for i in range(nq):
             for j in range(nk):
                 needed[i, j] = visible[:, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
-        first_k, end_q = (np.asarray(x) for x in A._document_bounds(A.Documents.packed(seg), bq, nq, bk, nk))
+        first_k, end_q = (np.asarray(x) for x in chunked_impl._document_bounds(A.Documents.packed(seg), bq, nq, bk, nk))
         ii, jj = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
-        n_k = np.array([A._n_visible_k_blocks(i, bq, bk, 0, nk) for i in range(nq)])
-        first_q = np.array([A._first_visible_q_block(j, bq, bk, 0) for j in range(nk)])
+        n_k = np.array([chunked_impl._n_visible_k_blocks(i, bq, bk, 0, nk) for i in range(nq)])
+        first_q = np.array([chunked_impl._first_visible_q_block(j, bq, bk, 0) for j in range(nk)])
         causal = jj < n_k[:, None]
         by_query = (jj >= first_k[:, None]) & causal
         by_key = (ii >= first_q[None, :]) & (ii < end_q[None, :])
@@ -378,12 +381,12 @@ def test_resolve_with_documents(monkeypatch):
     long_k = jnp.zeros((2, A.AUTO_XLA_MAX_KEYS + 1, 2, 8))
     packed = A.Documents.packed(_segments([[3, 5], [8]], 8))
     one = A.Documents.one_per_row(jnp.array([5, 8]), 8)
-    monkeypatch.setattr(A, "_WARNED", set())
+    monkeypatch.setattr(registry, "_WARNED", set())
     with warnings.catch_warnings(record=True) as rec:  # on CPU auto runs xla anyway: nothing to say
         warnings.simplefilter("always")
         assert A.resolve("auto", q, q, 0, packed) == "xla"
     assert not rec
-    monkeypatch.setattr(A.jax, "default_backend", lambda: "gpu")  # where auto would pick cudnn
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where auto would pick cudnn
     half = q.astype(jnp.bfloat16)
     assert A.resolve("auto", half, half, 0) == "cudnn"
     with warnings.catch_warnings(record=True) as rec:
@@ -414,7 +417,7 @@ def test_resolve_with_documents(monkeypatch):
 def test_an_implementation_without_documents(monkeypatch):
     """Registered without `documents`: called with four arguments when there are none, a config
     error when there are."""
-    monkeypatch.setattr(A, "IMPLEMENTATIONS", dict(A.IMPLEMENTATIONS))
+    monkeypatch.setattr(registry, "IMPLEMENTATIONS", dict(registry.IMPLEMENTATIONS))
     A.implementation("toy", cost="materialized")(lambda q, k, v, offset: A.xla_attention(q, k, v, offset))
     q, k, v, _ = _qkv(2, 8, 4, 2, 8, jnp.float32, seed=1)
     np.testing.assert_array_equal(A.attend(q, k, v, impl="toy"), A.attend(q, k, v, impl="xla"))

@@ -12,7 +12,7 @@ chunked loss scans each device's own positions (`seq_groups` of boost_jax/model/
 
 Attention is the one place tokens meet, run here in a `shard_map` island over the whole mesh
 (`Context.attend`), on the model's block form of its attention implementation
-(boost_jax/model/attention.py `Blockwise`: a query block against a key block with its log-sum-exp):
+(boost_jax/model/attention/registry.py `Blockwise`: a query block against a key block with its log-sum-exp):
 
 - ring (`parallel.context_attention=ring`): each device keeps its queries and passes its K/V block
   around the ring of C devices (K and V in one collective-permute per step, C-1 steps); the partial

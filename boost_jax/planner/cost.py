@@ -175,7 +175,7 @@ def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, f
 
 
 def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
-    """The cost class (boost_jax/model/attention.py COST_CLASSES) that `model.attention = name`
+    """The cost class (boost_jax/model/attention/registry.py COST_CLASSES) that `model.attention = name`
     registered, i.e. how it runs on a GPU of the cluster: `auto` resolves as the trainer does
     (`auto_impl`) for a GPU in the compute dtype act_bytes stands for."""
     from boost_jax.model import attention  # imports jax: once per search, not per plan
@@ -189,7 +189,7 @@ def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
 
 def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) of causal attention on this device, as its cost class `kind` (a name of
-    boost_jax/model/attention.py COST_CLASSES) describes it."""
+    boost_jax/model/attention/registry.py COST_CLASSES) describes it."""
     c = attention_class(kind)
     flops = 4 * a.queries * a.keys * a.head_dim * a.heads  # q·kᵀ and p·v over every key
     if c.fused:  # skips masked blocks; the busiest token block sets the pace

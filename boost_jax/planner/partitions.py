@@ -38,7 +38,7 @@ SAVED_NORM = (1, 2)  # RMSNorm: (compute dtype, float32) arrays of its width: ou
 SAVED_SIGMA = 4  # a nonlinear bottleneck σ(A·x): A's output, σ's internals and its output, per A output
 SAVED_LINEAR = 1  # an identity bottleneck (lowrank): A's output
 SAVED_ONLINE_NORM = 2  # more arrays of the A output when the norm statistics ride in its all-reduce
-# (what attention keeps: its cost class's counts, boost_jax/model/attention.py CostClass)
+# (what attention keeps: its cost class's counts, boost_jax/model/attention/registry.py CostClass)
 SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
 # The same counted in the GPU program (a bf16/fp16 step compiled for H100s without them,
 # boost_jax/tools/aot.py with XLA_FLAGS=--xla_dump_to: the distinct stacked residuals of its scanned layer
@@ -660,7 +660,7 @@ def context_exchange(ctx: Ctx, op: Op, fs: int) -> None:
 
 
 def attention_class(name: str):
-    """The attention cost class registered as `name` (boost_jax/model/attention.py COST_CLASSES)."""
+    """The attention cost class registered as `name` (boost_jax/model/attention/registry.py COST_CLASSES)."""
     from boost_jax.model.attention import COST_CLASSES  # imports jax: once, then a dict lookup
 
     if name not in COST_CLASSES:

@@ -862,7 +862,7 @@ def model_flops_per_token(cfg, seq: int) -> float:
 
 def plan_attention(opts: Options, block: partitions.Block, context: int) -> str:
     """The attention cost class a plan at this context size runs: opts.attention's
-    (cost.attention_kind), under context as it runs there (model/attention.py under_context)."""
+    (cost.attention_kind), under context as it runs there (model/attention/registry.py under_context)."""
     from boost_jax.model.attention import under_context  # imports jax: once per search
 
     return cost.attention_kind(under_context(opts.attention) if context > 1 else opts.attention, block, opts.seq,

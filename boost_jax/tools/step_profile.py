@@ -568,7 +568,7 @@ def categorize(k) -> str:
         return "attention"
     if kind == "gemm":
         fn = source.split(":")[1] if source.count(":") >= 2 else ""
-        if source.startswith("boost_jax/model/attention.py") and fn in ("xla_attention", "_block_scores",
+        if source.startswith("boost_jax/model/attention/") and fn in ("xla_attention", "_block_scores",
                                                                          "_chunked_fwd", "_chunked_bwd", "attend"):
             return "attention"
         return "gemm"
@@ -588,7 +588,7 @@ def categorize(k) -> str:
         return "copies/layout"
     if backend == "__custom_fusion":  # XLA's dynamic-slice fusions: address arithmetic around a copy
         return "copies/layout"
-    if source.startswith("boost_jax/model/attention.py") and any(
+    if source.startswith("boost_jax/model/attention/") and any(
             f in where for f in (":xla_attention", ":_chunked", ":_block_scores", ":cudnn_attention")):
         return "attention"
     return "elementwise"
