@@ -116,7 +116,7 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # "A,B": a jax.profiler trace of train steps A to B (1-based, inclusive) into RUN_DIR/tensorboard,
     # where TensorBoard's profile tab (pip install tensorboard-plugin-profile) shows it. "": none.
     c.profile_steps = ""
-    # Add the XLA GPU flags of boost_jax/runtime/xla_gpu_flags.py to XLA_FLAGS when a CUDA jax is installed
+    # Add the XLA GPU flags of boost_jax/xla_gpu_flags.py to XLA_FLAGS when a CUDA jax is installed
     # (flags already in XLA_FLAGS keep their values); false leaves XLA_FLAGS alone.
     c.xla_gpu_flags = True
 

@@ -23,7 +23,7 @@ from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.model import autos, flops_per_token
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import BATCH_AXES
-from boost_jax.runtime import xla_gpu_flags
+from boost_jax import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
 from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
 from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss, plan_eval
@@ -52,7 +52,7 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
     main_process = jax.process_index() == 0
     say = print if main_process else (lambda *a, **k: None)
     if gpu_flags:
-        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/runtime/xla_gpu_flags.py; xla_gpu_flags=false "
+        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/xla_gpu_flags.py; xla_gpu_flags=false "
             "leaves XLA_FLAGS alone)")
     planned = None
     if cfg.parallel.plan == "auto":

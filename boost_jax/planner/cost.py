@@ -93,7 +93,7 @@ CIRCULAR_COPIES = 3.0
 # 2026-11-27 (sixth)) within 6% (0.94-1.00; with 2, 0.90-0.97).
 F1B_IN_FLIGHT = 2
 F1B_IN_FLIGHT_GPU = 3
-# XLA's collective pipeliner (boost_jax/runtime/xla_gpu_flags.py PIPELINED: the project's GPU flags
+# XLA's collective pipeliner (boost_jax/xla_gpu_flags.py PIPELINED: the project's GPU flags
 # turn it on; jaxlib >= 0.11 has retired it) on an unpipelined FSDP plan of a σ(A·x) bottleneck kind
 # (cola) without remat: the deviceless H100 compiles of benchmarks/aot_fit.py peak 8-39% higher than
 # with its options off (benchmarks/aot_fit_nopipe.md); llama's move by at most 1%, pipelined plans are 1-8% lower.
@@ -123,22 +123,22 @@ PIPELINER_NEEDS = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipeli
 
 def pipeliner(pipelined: bool | None = None) -> bool:
     """Whether the GPU program compiles with the collective pipeliner PIPELINED_SIGMA prices:
-    `pipelined` when given (Options.pipelined), else what boost_jax/runtime/xla_gpu_flags.py says
+    `pipelined` when given (Options.pipelined), else what boost_jax/xla_gpu_flags.py says
     this process's GPU steps get (the project's flags, XLA_FLAGS' overrides, the installed jaxlib)."""
     if pipelined is not None:
         return pipelined
-    from boost_jax.runtime.xla_gpu_flags import pipelined as options_on
+    from boost_jax.xla_gpu_flags import pipelined as options_on
 
     return set(PIPELINER_NEEDS) <= options_on()
 
 
 def double_buffering(on: bool | None = None) -> bool:
     """Whether the GPU program's layer scan is double-buffered (SCAN_DOUBLE_BUFFER prices it): `on`
-    when given (Options.double_buffered), else what boost_jax/runtime/xla_gpu_flags.py says this
+    when given (Options.double_buffered), else what boost_jax/xla_gpu_flags.py says this
     process's GPU steps get (the project's flags, XLA_FLAGS' override)."""
     if on is not None:
         return on
-    from boost_jax.runtime.xla_gpu_flags import double_buffered
+    from boost_jax.xla_gpu_flags import double_buffered
 
     return double_buffered()
 
