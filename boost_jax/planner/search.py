@@ -808,7 +808,7 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
 
 
 def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, repeats: int, stage_remat: str):
-    """The trainer's rules for a pipeline schedule (boost_jax/config.py, parallel/mesh.py), as ValueError."""
+    """The trainer's rules for a pipeline schedule (boost_jax/config/checks.py, parallel/mesh.py), as ValueError."""
     if schedule not in C.PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {C.PIPELINE_SCHEDULES}")
     if stage_remat not in C.STAGE_REMAT:
