@@ -143,7 +143,7 @@ def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's 
 
 def _pipelined() -> list[str]:
     """The collective pipeliner's options these compiles (and the planner) take (xla_gpu_flags.pipelined)."""
-    from boost_jax.runtime.xla_gpu_flags import pipelined
+    from boost_jax.xla_gpu_flags import pipelined
     return sorted(pipelined())
 
 

@@ -87,7 +87,7 @@ def train_variants(smoke: bool) -> list[dict]:
     # seq 256 x batch 32 (CoLA's per-GPU micro-batch for 1B; ../shared/reference/gpu-h100.md) and seq 4096 x 4:
     # the defaults (`auto`, model/autos.py) against the defaults before them ("before": grouped, scanned,
     # remat none, XLA's norm, CUDA graphs off) and one change at a time. "xla:--NAME" entries set a flag of
-    # boost_jax/runtime/xla_gpu_flags.py FLAGS for that variant only (None: left out).
+    # boost_jax/xla_gpu_flags.py FLAGS for that variant only (None: left out).
     before = {"model.group_linears": True, "model.scan_unroll": False, "remat.policy": "none",
               "kernels.rmsnorm": "xla", "xla:--xla_gpu_enable_command_buffer": ""}
     at256 = {"train.seq_len": 256, "train.global_batch": 32}
@@ -267,9 +267,9 @@ def variant_config(spec: dict, smoke: bool):
 
 
 def xla_flags(spec: dict) -> tuple:
-    """boost_jax/runtime/xla_gpu_flags.py FLAGS as the variant sets them: `xla:--NAME` overrides give the
+    """boost_jax/xla_gpu_flags.py FLAGS as the variant sets them: `xla:--NAME` overrides give the
     flag's value (None: the flag is left out, so XLA's own default holds)."""
-    from boost_jax.runtime import xla_gpu_flags
+    from boost_jax import xla_gpu_flags
 
     changed = {k[4:]: v for k, v in spec["overrides"].items() if k.startswith("xla:")}
     flags = [(f, why) for f, why in xla_gpu_flags.FLAGS if f.split("=", 1)[0] not in changed]
@@ -282,7 +282,7 @@ def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None =
     trace PROFILE_STEPS more (`profile`)."""
     import jax
 
-    from boost_jax.runtime import xla_gpu_flags
+    from boost_jax import xla_gpu_flags
     from boost_jax.runtime.metrics import peak_flops
     from boost_jax.model import flops_per_token
     from boost_jax.tools.aot import peak_bytes

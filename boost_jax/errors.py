@@ -9,7 +9,7 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field and the fix. Several found
-    at once (`problems`, boost_jax/config.py every_problem) are one line each."""
+    at once (`problems`, boost_jax/config/checks.py every_problem) are one line each."""
 
     def __init__(self, message: str = "", problems=None):
         self.problems = list(problems) if problems else [message]

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                 why = why.args[0]
             why = str(why) if isinstance(e, flags.Error) else "unknown key " + str(why).replace("\n", "; ")
             raise ConfigError(f"overrides {rest}: {why} (the keys are those of "
-                                         "boost_jax/config.py)") from e
+                                         "boost_jax/config/schema.py)") from e
 
     try:
         if args.json:

@@ -23,7 +23,7 @@ from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.model import autos, flops_per_token
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import BATCH_AXES
-from boost_jax.runtime import xla_gpu_flags
+from boost_jax import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
 from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
 from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss, plan_eval
@@ -52,7 +52,7 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
     main_process = jax.process_index() == 0
     say = print if main_process else (lambda *a, **k: None)
     if gpu_flags:
-        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/runtime/xla_gpu_flags.py; xla_gpu_flags=false "
+        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/xla_gpu_flags.py; xla_gpu_flags=false "
             "leaves XLA_FLAGS alone)")
     planned = None
     if cfg.parallel.plan == "auto":
@@ -497,7 +497,7 @@ def _flag_error(e: Exception, argv) -> None:
         print(f"error: --config: {lines[0] if lines else why}; give a config file or a packaged config's name "
               f"({', '.join(n for n in packaged_configs() if '/' not in n)})", file=sys.stderr)
     else:
-        print(f"error: {' '.join(argv[1:])}: unknown key {why} (the keys are those of boost_jax/config.py)",
+        print(f"error: {' '.join(argv[1:])}: unknown key {why} (the keys are those of boost_jax/config/schema.py)",
               file=sys.stderr)
     sys.exit(1)
 
@@ -514,7 +514,7 @@ def _config_path(argv) -> str | None:
 
 def _packaged_config(argv) -> list:
     """argv with a `--config NAME` of a packaged config (`cola_60m`, or `configs/cola_60m.py` where
-    no such file is: an installed wheel) replaced by its file (boost_jax/config.py config_path), and
+    no such file is: an installed wheel) replaced by its file (boost_jax/config/files.py config_path), and
     moved in front of the `--config.KEY=VALUE` overrides: they apply to the file, in any order given."""
     from boost_jax.config import config_path
     out, picked = [argv[0]] if argv else [], []
@@ -578,7 +578,7 @@ USAGE = """Pre-train a model: python -m boost_jax.train [--config FILE|NAME] [--
   --print_config       print the resolved config (file + overrides) and exit
   --help               this text
 
-Config keys, their defaults (boost_jax/config.py; a config file changes some) and meaning:"""
+Config keys, their defaults (boost_jax/config/schema.py; a config file changes some) and meaning:"""
 
 
 def _help(argv) -> bool:

@@ -1,17 +1,225 @@
-"""Print the XLA GPU flags the trainer adds (`boost_jax/runtime/xla_gpu_flags.py`):
+"""The XLA flags for GPU training, in one place: the trainer applies them, the SLURM template exports them,
+and this module's command prints them.
 
-    python -m boost_jax.xla_gpu_flags              # XLA_FLAGS with them merged in (your values win)
-    python -m boost_jax.xla_gpu_flags --explain    # each flag and why, and the ones worth an A/B run
+    python -m boost_jax.xla_gpu_flags            # $XLA_FLAGS plus every flag below it does not set
+    python -m boost_jax.xla_gpu_flags --explain  # the flags with what each is for
+
+They overlap communication with compute (the latency-hiding scheduler; FSDP's gathers and gradient
+reduce-scatters pipelined across the layer scan; collectives combined up to 128 MiB); CUDA graphs stay
+on (XLA's default). A flag already named in `XLA_FLAGS` is left as the user set it. `MEASURE` lists flags
+worth an A/B run that are not applied. XLA aborts at start-up on a flag it does not know, whatever
+the backend, so `tests/test_launch.py` checks every name against the installed jaxlib (checked with
+jaxlib 0.10.2; the GPU machines run jax 0.11: run that test there after an upgrade).
+
+It sits at the bottom of the layers (no project imports), beside the config. A step built for GPU
+devices (runtime/build.py) carries them as compiler options (`compiler_options()`),
+so a program compiled for GPUs on a host without one (`python -m boost_jax.tools.aot`) is compiled as
+the GPU run compiles it. `train.run` also calls `apply()` before JAX initialises its backends, when `xla_gpu_flags` is true (the
+default), a CUDA plugin of jax is installed and JAX_PLATFORMS does not exclude GPUs: a GPU run gets
+these flags whether it was started by the SLURM template, by hand or from a notebook. Nothing here
+imports jax (XLA reads XLA_FLAGS once, when its backends start).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
-from boost_jax.runtime.xla_gpu_flags import FLAGS, MEASURE, merged
+FLAGS = (  # (flag, what it is for)
+    ("--xla_gpu_enable_latency_hiding_scheduler=true", "schedule async collectives to overlap compute"),
+    ("--xla_gpu_enable_highest_priority_async_stream=true", "collectives' stream runs first when ready"),
+    ("--xla_gpu_enable_pipelined_all_gather=true", "FSDP: the next layer's gather during this layer (scan)"),
+    ("--xla_gpu_enable_pipelined_reduce_scatter=true", "FSDP: the previous layer's grad reduce-scatter likewise"),
+    ("--xla_gpu_enable_pipelined_all_reduce=true", "the same for data-parallel gradient all-reduces"),
+    ("--xla_gpu_enable_while_loop_double_buffering=true", "unroll the layer scan x2: room to overlap"),
+    ("--xla_gpu_all_reduce_combine_threshold_bytes=134217728", "merge small all-reduces up to 128 MiB"),
+    ("--xla_gpu_all_gather_combine_threshold_bytes=134217728", "merge small all-gathers up to 128 MiB"),
+    ("--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728", "merge small reduce-scatters up to 128 MiB"),
+)
+MEASURE = (  # worth an A/B run; not applied
+    ("--xla_gpu_enable_command_buffer=", "empty: no CUDA graphs (XLA's default runs them: one H100, cola_1b at "
+                                         "seq 256 x 32 is 3% faster with them, at the same peak memory)"),
+    ("--xla_gpu_enable_triton_gemm=false", "cuBLAS for every GEMM: the low-rank GEMMs are skinny and "
+                                           "either may win (one H100, 1B steps: 4-6% slower)"),
+)
+# what `pip install jax[cuda13|cuda12]` installs (the plugins register under jax_plugins; older
+# releases shipped top-level modules)
+CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin", "jax_cuda12_plugin")
+NVIDIA_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl")  # a driver is loaded (a GPU host)
+
+
+def _name(flag: str) -> str:
+    return flag.split("=", 1)[0]
+
+
+def merged(xla_flags: str = "") -> tuple[str, list[str]]:
+    """(xla_flags followed by every FLAGS entry it does not name, the entries added)."""
+    have = {_name(f) for f in xla_flags.split()}
+    added = [flag for flag, _ in FLAGS if _name(flag) not in have]
+    return " ".join([xla_flags.strip(), *added]).strip(), added
+
+
+def _option_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    return int(text) if text.isdigit() else text
+
+
+def compiler_options(environ=os.environ) -> dict:
+    """FLAGS as per-program XLA compiler options (`jax.jit(..., compiler_options=...)`), less the
+    flags XLA_FLAGS names (the user's values win): how a step built for GPU devices carries them,
+    also when it is compiled on a host whose backends started without them (runtime/build.py)."""
+    _, added = merged(environ.get("XLA_FLAGS", ""))
+    return {_name(flag).lstrip("-"): _option_value(flag.split("=", 1)[1]) for flag in added}
+
+
+_ACCEPTED: dict = {}  # (platform, device kind, option names) -> the names this jaxlib's XLA takes
+DROPPED: set = set()  # options some program here was built without (reported once, by warning)
+
+
+def accepted(options: dict, device) -> dict:
+    """`options` less the ones this jaxlib's XLA has no DebugOptions field for. XLA keeps a retired
+    flag parsing in XLA_FLAGS as a no-op, but a per-program option it no longer has fails the compile
+    ("No such compile option: 'xla_gpu_enable_pipelined_all_reduce'", jax 0.11.2). Probed once per
+    device kind and option set by compiling a one-op program for `device` (deviceless devices too;
+    imports jax, unlike the rest of this module). A probe that fails for any other reason keeps them all:
+    the real compile then says what is wrong."""
+    if not options:
+        return options
+    key = (device.platform, device.device_kind, tuple(sorted(options)))
+    if key not in _ACCEPTED:
+        import re
+        import warnings
+
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import SingleDeviceSharding
+
+        keep = dict(options)
+        one = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=SingleDeviceSharding(device))
+        while keep:
+            try:
+                jax.jit(lambda a: a + 1, compiler_options=keep).lower(one).compile()
+                break
+            except Exception as e:  # noqa: BLE001 - only an unknown option is acted on
+                m = re.search(r"No such compile option: '([^']+)'", str(e))
+                if not m or m.group(1) not in keep:
+                    break
+                keep.pop(m.group(1))
+        _ACCEPTED[key] = set(keep)
+        gone = sorted(set(options) - set(keep) - DROPPED)
+        if gone:
+            DROPPED.update(gone)
+            warnings.warn(f"this jaxlib's XLA has no compile option {', '.join(gone)}: GPU steps are built "
+                          f"without (boost_jax/xla_gpu_flags.py)", stacklevel=2)
+    return {k: v for k, v in options.items() if k in _ACCEPTED[key]}
+
+
+# XLA's collective pipeliner: the FSDP gathers and gradient reductions of the layer scan moved one
+# iteration ahead/behind. jaxlib 0.11's XLA has none of these options: a per-program option names one
+# and the compile fails ("No such compile option: 'xla_gpu_enable_pipelined_all_reduce'", jax 0.11.2
+# on an H100, benchmarks/RESULTS.md 2026-11-26), and in XLA_FLAGS they parse as no-ops. `accepted()`
+# probes that with a compile for the target device; the planner cannot (it prices plans without
+# devices), so it reads the installed jaxlib's version instead: `pipelined()`.
+PIPELINED = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_reduce_scatter",
+             "xla_gpu_enable_pipelined_all_reduce")
+PIPELINED_RETIRED = (0, 11)  # the first jaxlib without them
+
+
+def _jaxlib_version() -> tuple[int, ...] | None:
+    import importlib.metadata
+    try:
+        text = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in text.split(".")[:2] if x.isdigit())
+
+
+_JAXLIB: list = []  # the installed jaxlib's (major, minor), read once
+
+
+def pipelined(environ=os.environ, jaxlib=None) -> frozenset:
+    """The collective pipeliner's options (PIPELINED names) a GPU step built in this process compiles
+    with: FLAGS' value, or the user's where XLA_FLAGS names the option (as `compiler_options()` and
+    `apply()` give them), none where the installed jaxlib's XLA has retired them (>= 0.11: see
+    PIPELINED_RETIRED) and none without jaxlib. `jaxlib`: a (major, minor) to ask about instead. The
+    one place the planner learns whether the program it prices gets them."""
+    if jaxlib is None:
+        if not _JAXLIB:
+            _JAXLIB.append(_jaxlib_version())
+        jaxlib = _JAXLIB[0]
+    if jaxlib is None or tuple(jaxlib) >= PIPELINED_RETIRED:
+        return frozenset()
+    return frozenset(k for k, v in switches(environ).items() if k in PIPELINED and v)
+
+
+# XLA's while-loop double buffering (FLAGS: the layer scan unrolled x2), which keeps one more stacked
+# residual of the scan (planner/cost.py SCAN_DOUBLE_BUFFER)
+DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
+
+
+def double_buffered(environ=os.environ) -> bool:
+    """Whether a GPU step built in this process compiles with XLA's while-loop double buffering:
+    FLAGS' value, or the user's where XLA_FLAGS names it. The planner's one source for it."""
+    return switches(environ).get(DOUBLE_BUFFERING, False)
+
+
+def switches(environ=os.environ) -> dict:
+    """{option: on} for every flag of XLA_FLAGS plus the FLAGS it does not name (what a GPU step built
+    here compiles with), read as XLA reads a boolean flag: `--name`, `=true` or `=1` is on, anything
+    else off, and a later repeat of a flag wins."""
+    value, _ = merged(environ.get("XLA_FLAGS", ""))
+    on = {}
+    for flag in value.split():
+        name, eq, v = flag.partition("=")
+        on[name.lstrip("-")] = (not eq) or v.lower() in ("true", "1")
+    return on
+
+
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is absent
+        return False
+
+
+def gpu_expected(environ=os.environ) -> bool:
+    """A CUDA plugin of jax is installed, an NVIDIA driver is loaded (not only the plugin, as the
+    `aot` extra installs it on CPU hosts) and JAX_PLATFORMS (if set) allows GPUs. Never starts a backend."""
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    return any(_found(name) for name in CUDA_PLUGINS) and any(os.path.exists(p) for p in NVIDIA_DRIVER)
+
+
+def _backends_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge  # private: guarded, and only asked once jax is imported
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
+
+
+def apply(environ=os.environ) -> tuple[list[str], str]:
+    """Add the missing FLAGS to XLA_FLAGS when a GPU run is expected: (flags added, why none were)."""
+    if not gpu_expected(environ):
+        return [], "no CUDA jax plugin or NVIDIA driver, or JAX_PLATFORMS excludes GPUs"
+    value, added = merged(environ.get("XLA_FLAGS", ""))
+    if not added:
+        return [], "XLA_FLAGS already names every flag"
+    if _backends_started():
+        return [], ("jax started its backends before the flags could be set (export them first: "
+                    "`export XLA_FLAGS=\"$(python -m boost_jax.xla_gpu_flags)\"`)")
+    environ["XLA_FLAGS"] = value
+    return added, ""
 
 
 def main(argv=None) -> int:
+    """`python -m boost_jax.xla_gpu_flags [--explain]`: XLA_FLAGS with FLAGS merged in (the user's values
+    win), or each flag with what it is for and the MEASURE flags worth an A/B run."""
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--explain"]:
         for flag, why in FLAGS:

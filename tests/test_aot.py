@@ -414,7 +414,7 @@ def test_planner_peak_of_a_cola_fsdp_plan_under_the_collective_pipeliner_within_
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner import cost as C
     from boost_jax.planner import partitions as P
-    from boost_jax.runtime import xla_gpu_flags
+    from boost_jax import xla_gpu_flags
 
     if not set(C.PIPELINER_NEEDS) <= xla_gpu_flags.pipelined({}):
         pytest.skip("this jaxlib's XLA has no collective pipeliner options (jaxlib >= 0.11)")

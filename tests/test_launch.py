@@ -30,7 +30,7 @@ def test_local_launcher_rejects_a_bad_process_count():
 
 def test_xla_gpu_flags_are_known_to_xla():
     # XLA aborts on an unknown flag in XLA_FLAGS, whatever the backend: a renamed flag fails here.
-    from boost_jax.runtime import xla_gpu_flags as G
+    from boost_jax import xla_gpu_flags as G
     flags = [f for f, _ in G.FLAGS + G.MEASURE]
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags and len(flags) >= 8
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
@@ -46,7 +46,7 @@ def test_sbatch_takes_its_xla_flags_from_the_one_module():
 
 
 def test_xla_gpu_flags_keep_the_users_values_and_apply_only_for_a_gpu(monkeypatch):
-    from boost_jax.runtime import xla_gpu_flags as G
+    from boost_jax import xla_gpu_flags as G
     user = "--xla_dump_to=/tmp/d --xla_gpu_enable_latency_hiding_scheduler=false"
     value, added = G.merged(user)
     assert value.startswith(user) and "--xla_gpu_enable_latency_hiding_scheduler=true" not in value
@@ -81,7 +81,7 @@ def test_compiler_options_this_xla_lacks_are_dropped_not_fatal():
     import jax
     import jax.numpy as jnp
 
-    from boost_jax.runtime import xla_gpu_flags as G
+    from boost_jax import xla_gpu_flags as G
     dev = jax.devices("cpu")[0]
     real = G.compiler_options({})
     retired = {"xla_gpu_enable_no_such_option_a": True, "xla_gpu_no_such_option_b": 7}

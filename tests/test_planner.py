@@ -423,10 +423,10 @@ if __name__ == "__main__":  # the 16-device subprocess of grid4_results
 
 
 def test_whether_the_gpu_program_gets_the_collective_pipeliner_is_read_from_the_flags_and_jaxlib():
-    """runtime/xla_gpu_flags.pipelined(): the project's flags turn the pipeliner's options on, the
+    """boost_jax/xla_gpu_flags.pipelined(): the project's flags turn the pipeliner's options on, the
     user's XLA_FLAGS win, and a jaxlib whose XLA retired them (0.11) gets none; the planner's
     cost.pipeliner() needs both the all-gather and the all-reduce one."""
-    from boost_jax.runtime import xla_gpu_flags as X
+    from boost_jax import xla_gpu_flags as X
 
     assert X.pipelined({}, jaxlib=(0, 10)) == set(X.PIPELINED)
     assert X.pipelined({}, jaxlib=(0, 11)) == set()
@@ -440,9 +440,9 @@ def test_whether_the_gpu_program_gets_the_collective_pipeliner_is_read_from_the_
 
 
 def test_whether_the_gpu_layer_scan_is_double_buffered_is_read_from_the_flags():
-    """runtime/xla_gpu_flags.double_buffered(): on with the project's flags, off where the user's
+    """boost_jax/xla_gpu_flags.double_buffered(): on with the project's flags, off where the user's
     XLA_FLAGS turn it off (a later repeat wins); the planner prices the double buffer only then."""
-    from boost_jax.runtime import xla_gpu_flags as X
+    from boost_jax import xla_gpu_flags as X
 
     assert X.double_buffered({})
     assert not X.double_buffered({"XLA_FLAGS": f"--{X.DOUBLE_BUFFERING}=false"})

@@ -497,17 +497,19 @@ def _kind_literals(path: Path, skip=()) -> list[str]:
 def test_export_and_config_name_no_kind():
     """Export knows kinds only through their layouts and the config schema only through the declared
     fields: no string in export.py, the comm report or the trainer is a kind's name or field, and no
-    code of config.py names a kind or a kind's field, except the zoo presets (sized_config, tt_config,
+    code of boost_jax/config/ names a kind or a kind's field, except the zoo presets (sized_config, tt_config,
     sltrain_config and their tables: recipes that pick a kind and set its fields, as configs/*.py do)
     and model.linear's default value."""
     found = []
     for path in ("export.py", "tools/comm_report.py", "train.py"):
         found += _kind_literals(ROOT / "boost_jax" / path)
     assert not found, found
-    config = ROOT / "boost_jax" / "config.py"
+    config = ROOT / "boost_jax" / "config" / "schema.py"
     default = [i + 1 for i, line in enumerate(config.read_text().splitlines()) if line.strip().startswith("m.linear = ")]
     assert len(default) == 1
-    schema = [f for f in _kind_literals(config, skip=("sized_config", "tt_config", "sltrain_config", "TT_SIZES",
-                                                       "SLTRAIN_RECIPE"))
-              if int(f.split(":")[1]) != default[0]]
+    schema = [f for f in _kind_literals(config) if int(f.split(":")[1]) != default[0]]
+    for other in ("checks.py", "files.py", "__init__.py"):
+        schema += _kind_literals(ROOT / "boost_jax" / "config" / other)
+    schema += _kind_literals(ROOT / "boost_jax" / "config" / "presets.py", skip=(
+        "sized_config", "tt_config", "sltrain_config", "TT_SIZES", "SLTRAIN_RECIPE"))
     assert not schema, schema

@@ -26,7 +26,7 @@ import dataclasses
 
 from boost_jax.planner.cluster import Cluster
 from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_class
-from boost_jax.runtime import xla_gpu_flags
+from boost_jax import xla_gpu_flags
 
 # The cost model's constants, one a line: its value, what it prices, where it was set ("§": that section of
 # benchmarks/RESULTS.md). How each came to its value: RESULTS.md "2026-11-28: the planner's constants, their history".
@@ -70,7 +70,7 @@ PIPELINER_NEEDS = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipeli
 
 def pipeliner(pipelined: bool | None = None) -> bool:
     """Whether the GPU program compiles with the collective pipeliner PIPELINED_SIGMA prices:
-    `pipelined` when given (Options.pipelined), else what boost_jax/runtime/xla_gpu_flags.py says
+    `pipelined` when given (Options.pipelined), else what boost_jax/xla_gpu_flags.py says
     this process's GPU steps get (the project's flags, XLA_FLAGS' overrides, the installed jaxlib)."""
     if pipelined is not None:
         return pipelined
@@ -79,7 +79,7 @@ def pipeliner(pipelined: bool | None = None) -> bool:
 
 def double_buffering(on: bool | None = None) -> bool:
     """Whether the GPU program's layer scan is double-buffered (SCAN_DOUBLE_BUFFER prices it): `on`
-    when given (Options.double_buffered), else what boost_jax/runtime/xla_gpu_flags.py says this
+    when given (Options.double_buffered), else what boost_jax/xla_gpu_flags.py says this
     process's GPU steps get (the project's flags, XLA_FLAGS' override)."""
     if on is not None:
         return on

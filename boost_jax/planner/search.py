@@ -88,10 +88,10 @@ class Options:
     context_attention: tuple = CONTEXT_ATTENTION  # parallel.context_attention values searched
     context_kv: tuple = CONTEXT_KV  # parallel.context_kv values searched (bottleneck: factored kinds)
     # the GPU program compiles with XLA's collective pipeliner (the pipelined all-gather and all-reduce;
-    # see cost.PIPELINED_SIGMA); None: as boost_jax/runtime/xla_gpu_flags.py pipelined() says here
+    # see cost.PIPELINED_SIGMA); None: as boost_jax/xla_gpu_flags.py pipelined() says here
     pipelined: bool | None = None
     # the GPU program's layer scan is double-buffered (XLA's while-loop double buffering; see
-    # cost.SCAN_DOUBLE_BUFFER); None: as boost_jax/runtime/xla_gpu_flags.py double_buffered() says here
+    # cost.SCAN_DOUBLE_BUFFER); None: as boost_jax/xla_gpu_flags.py double_buffered() says here
     double_buffered: bool | None = None
 
 
@@ -904,7 +904,7 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
 
 
 def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, repeats: int, stage_remat: str):
-    """The trainer's rules for a pipeline schedule (boost_jax/config.py, parallel/mesh.py), as ValueError."""
+    """The trainer's rules for a pipeline schedule (boost_jax/config/checks.py, parallel/mesh.py), as ValueError."""
     if schedule not in cost.PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {cost.PIPELINE_SCHEDULES}")
     if stage_remat not in cost.STAGE_REMAT:

@@ -23,7 +23,7 @@ from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
 from boost_jax.model import autos
-from boost_jax.runtime import xla_gpu_flags
+from boost_jax import xla_gpu_flags
 from boost_jax.runtime.optim import make_optimizer
 from boost_jax.runtime.state import StateSpec, init_state, state_spec
 from boost_jax.runtime.step import bind, make_eval_step, make_train_step, next_token_loss

@@ -330,7 +330,7 @@ def load(config: str, overrides: list[str]):
         while isinstance(why, (AttributeError, KeyError)) and why.args:
             why = why.args[0]
         raise AotError(f"{' '.join(overrides)}: {str(why).splitlines()[0]} (the keys are those of "
-                       "boost_jax/config.py)") from e
+                       "boost_jax/config/schema.py)") from e
 
 
 def main(argv=None) -> dict:
