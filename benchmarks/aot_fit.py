@@ -13,9 +13,11 @@ applied to the config and its train step is compiled for that many H100s without
 (`boost_jax.tools.aot`): the compiled peak per GPU, whether it fits 90% of the 80 GB
 (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), and the planner's own peak for the
 same plan, with their ratio. `--target` and `--cluster` pick another GPU and the cluster the planner
-plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have 40 GB). `--smallest` also finds, per model, the fewest GPUs (powers of two) on
+plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have 40 GB). `--smallest` also finds,
+per model, the fewest GPUs (powers of two) on
 which the planner's best plan compiles within the usable memory. Needs the aot extra.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +43,13 @@ def plan(config: Path, devices: int, batch: int | None = None, seq: int | None =
 
     cfg = load_config(str(config))
     batch, seq = batch or int(cfg.train.global_batch), seq or int(cfg.train.seq_len)
-    res = search(cfg, load_cluster(str(cluster)), devices, Options(batch=batch, seq=seq),
-                 flops_per_token=model_flops_per_token(cfg, seq))
+    res = search(
+        cfg,
+        load_cluster(str(cluster)),
+        devices,
+        Options(batch=batch, seq=seq),
+        flops_per_token=model_flops_per_token(cfg, seq),
+    )
     return res.best_runnable
 
 
@@ -50,8 +57,14 @@ def overrides_of(plan) -> list[str]:
     return [a for a in plan.overrides.split() if a.startswith("--config.")]
 
 
-def row(config: Path, devices: int, batch: int | None = None, seq: int | None = None,
-        target: str = TARGET, cluster: Path = CLUSTER) -> dict:
+def row(
+    config: Path,
+    devices: int,
+    batch: int | None = None,
+    seq: int | None = None,
+    target: str = TARGET,
+    cluster: Path = CLUSTER,
+) -> dict:
     from boost_jax.tools import aot
 
     best = plan(config, devices, batch, seq, cluster)
@@ -63,23 +76,46 @@ def row(config: Path, devices: int, batch: int | None = None, seq: int | None = 
     t0 = time.perf_counter()
     rep = aot.compile_config(cfg, target, devices, programs=("train",))
     train = rep["train"]
-    return {**out, "device_kind": rep["device_kind"], "planner_parts": best.memory, "plan": " ".join(f.removeprefix("--config.") for f in flags), "mesh": rep["mesh"],
-            "planner_bytes": best.memory["total"], "peak_bytes": train["peak_bytes"],
-            "argument_bytes": train["argument_bytes"], "temp_bytes": train["temp_bytes"],
-            "usable_bytes": train["usable_bytes"], "fits": train["fits"],
-            "ratio": best.memory["total"] / train["peak_bytes"], "compile_s": time.perf_counter() - t0,
-            "kernels": train["kernels"]}
+    return {
+        **out,
+        "device_kind": rep["device_kind"],
+        "planner_parts": best.memory,
+        "plan": " ".join(f.removeprefix("--config.") for f in flags),
+        "mesh": rep["mesh"],
+        "planner_bytes": best.memory["total"],
+        "peak_bytes": train["peak_bytes"],
+        "argument_bytes": train["argument_bytes"],
+        "temp_bytes": train["temp_bytes"],
+        "usable_bytes": train["usable_bytes"],
+        "fits": train["fits"],
+        "ratio": best.memory["total"] / train["peak_bytes"],
+        "compile_s": time.perf_counter() - t0,
+        "kernels": train["kernels"],
+    }
 
 
 # Fixed plans at long sequences (seq 2048, global batch 8, bf16, cuDNN attention, the Pallas norm, one
 # document per row, no remat): (config, pipeline x data x fsdp x tensor, strategy).
-FIXED = (("cola_1b", (1, 1, 1, 1), "btp"), ("cola_7b", (1, 1, 1, 8), "btp"), ("cola_7b", (1, 1, 2, 4), "btp"),
-         ("llama_7b", (1, 1, 1, 8), "megatron"), ("cola_1b", (1, 1, 8, 1), "btp"), ("llama_1b", (1, 1, 1, 1), "btp"))
+FIXED = (
+    ("cola_1b", (1, 1, 1, 1), "btp"),
+    ("cola_7b", (1, 1, 1, 8), "btp"),
+    ("cola_7b", (1, 1, 2, 4), "btp"),
+    ("llama_7b", (1, 1, 1, 8), "megatron"),
+    ("cola_1b", (1, 1, 8, 1), "btp"),
+    ("llama_1b", (1, 1, 1, 1), "btp"),
+)
 FIXED_BATCH, FIXED_SEQ = 8, 2048
 
 
-def fixed_row(name: str, mesh: tuple, strategy: str, batch: int = FIXED_BATCH, seq: int = FIXED_SEQ,
-              target: str = TARGET, cluster: Path = CLUSTER) -> dict:
+def fixed_row(
+    name: str,
+    mesh: tuple,
+    strategy: str,
+    batch: int = FIXED_BATCH,
+    seq: int = FIXED_SEQ,
+    target: str = TARGET,
+    cluster: Path = CLUSTER,
+) -> dict:
     """One FIXED plan: the planner's price of exactly this trainer plan next to its H100 compile."""
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner import partitions as P
@@ -87,28 +123,64 @@ def fixed_row(name: str, mesh: tuple, strategy: str, batch: int = FIXED_BATCH, s
 
     config = ROOT / "configs" / f"{name}.py"
     p, d, f, t = mesh
-    flags = [f"--config.parallel.pipeline={p}", f"--config.parallel.data={d}", f"--config.parallel.fsdp={f}",
-             f"--config.parallel.tensor={t}", f"--config.parallel.strategy={strategy}",
-             f"--config.train.global_batch={batch}", "--config.train.grad_accum=1", f"--config.train.seq_len={seq}",
-             f"--config.model.max_seq_len={max(seq, 4096)}", "--config.model.attention=cudnn",
-             "--config.kernels.rmsnorm=pallas", "--config.model.dtype=bfloat16", "--config.remat.policy=none"]
+    flags = [
+        f"--config.parallel.pipeline={p}",
+        f"--config.parallel.data={d}",
+        f"--config.parallel.fsdp={f}",
+        f"--config.parallel.tensor={t}",
+        f"--config.parallel.strategy={strategy}",
+        f"--config.train.global_batch={batch}",
+        "--config.train.grad_accum=1",
+        f"--config.train.seq_len={seq}",
+        f"--config.model.max_seq_len={max(seq, 4096)}",
+        "--config.model.attention=cudnn",
+        "--config.kernels.rmsnorm=pallas",
+        "--config.model.dtype=bfloat16",
+        "--config.remat.policy=none",
+    ]
     cfg = aot.load(str(config), flags)
-    layer = (Layer(*P.uniform_plan(strategy, False)) if t > 1 else  # one tensor shard: nothing is split
-             Layer("R", ("none",) * len(P.GROUPS), "R", "R"))
-    priced = plan_for(cfg, load_cluster(str(cluster)), Mesh(d, f, t, pipeline=p), 1, "none", layer,
-                      Options(batch=batch, seq=seq, attention="cudnn", check_memory=False))
+    layer = (
+        Layer(*P.uniform_plan(strategy, False))
+        if t > 1
+        # one tensor shard: nothing is split
+        else Layer("R", ("none",) * len(P.GROUPS), "R", "R")
+    )
+    priced = plan_for(
+        cfg,
+        load_cluster(str(cluster)),
+        Mesh(d, f, t, pipeline=p),
+        1,
+        "none",
+        layer,
+        Options(batch=batch, seq=seq, attention="cudnn", check_memory=False),
+    )
     t0 = time.perf_counter()
     train = aot.compile_config(cfg, target, p * d * f * t, programs=("train",))["train"]
-    return {"model": name, "devices": p * d * f * t, "plan": " ".join(a.removeprefix("--config.") for a in flags),
-            "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)), "planner_bytes": priced.memory["total"],
-            "planner_parts": priced.memory, "peak_bytes": train["peak_bytes"],
-            "argument_bytes": train["argument_bytes"], "temp_bytes": train["temp_bytes"],
-            "usable_bytes": train["usable_bytes"], "fits": train["fits"],
-            "ratio": priced.memory["total"] / train["peak_bytes"], "compile_s": time.perf_counter() - t0}
+    return {
+        "model": name,
+        "devices": p * d * f * t,
+        "plan": " ".join(a.removeprefix("--config.") for a in flags),
+        "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)),
+        "planner_bytes": priced.memory["total"],
+        "planner_parts": priced.memory,
+        "peak_bytes": train["peak_bytes"],
+        "argument_bytes": train["argument_bytes"],
+        "temp_bytes": train["temp_bytes"],
+        "usable_bytes": train["usable_bytes"],
+        "fits": train["fits"],
+        "ratio": priced.memory["total"] / train["peak_bytes"],
+        "compile_s": time.perf_counter() - t0,
+    }
 
 
-def smallest(config: Path, most: int = 64, batch: int | None = None, seq: int | None = None,
-             target: str = TARGET, cluster: Path = CLUSTER) -> dict | None:
+def smallest(
+    config: Path,
+    most: int = 64,
+    batch: int | None = None,
+    seq: int | None = None,
+    target: str = TARGET,
+    cluster: Path = CLUSTER,
+) -> dict | None:
     """The fewest GPUs (1, 2, 4, ...) whose best plan compiles within the usable memory."""
     n = 1
     while n <= most:
@@ -122,28 +194,37 @@ def smallest(config: Path, most: int = 64, batch: int | None = None, seq: int | 
 
 def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's pick)", gpu: str = "H100") -> str:
     usable = next((r["usable_bytes"] for r in rows if r.get("plan")), 0) / GB
-    lines = [f"| model | {gpu}s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB "
-             "| planner / compiled |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| model | {gpu}s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB | planner / compiled |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("plan") is None:
             lines.append(f"| {r['model']} | {r['devices']} | no plan fits (planner) | - | no | - | - |")
             continue
         mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
-        lines.append(f"| {r['model']} | {r['devices']} | mesh {mesh}, {_short(r['plan'])} | {r['peak_bytes'] / GB:.1f} "
-                     f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |")
+        lines.append(
+            f"| {r['model']} | {r['devices']} | mesh {mesh}, {_short(r['plan'])} | {r['peak_bytes'] / GB:.1f} "
+            f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |"
+        )
     if small:
-        lines += ["", f"| model | fewest {gpu}s that fit | mesh p x d x f x t | compiled peak GB/GPU | plan |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"| model | fewest {gpu}s that fit | mesh p x d x f x t | compiled peak GB/GPU | plan |",
+            "|---|---|---|---|---|",
+        ]
         for r in small:
             mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
-            lines.append(f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |")
+            lines.append(
+                f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |"
+            )
     return "\n".join(lines)
 
 
 def _pipelined() -> list[str]:
     """The collective pipeliner's options these compiles (and the planner) take (xla_gpu_flags.pipelined)."""
     from boost_jax.xla_gpu_flags import pipelined
+
     return sorted(pipelined())
 
 
@@ -158,14 +239,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--devices", default=",".join(map(str, DEVICES)), help="comma list of GPU counts")
     ap.add_argument("--smallest", action="store_true", help="also the fewest GPUs each model fits on")
     ap.add_argument("--smoke", action="store_true", help="the tiny config on 2 GPUs")
-    ap.add_argument("--fixed", action="store_true", help="the FIXED plans at seq 2048 instead (the memory model's check)")
-    ap.add_argument("--target", default=TARGET, help=f"the GPU compiled for (default {TARGET}; boost_jax/tools/targets)")
-    ap.add_argument("--cluster", default=str(CLUSTER.relative_to(ROOT)),
-                    help="the cluster config the planner plans for (default configs/clusters/h100_8x.py)")
+    ap.add_argument(
+        "--fixed", action="store_true", help="the FIXED plans at seq 2048 instead (the memory model's check)"
+    )
+    ap.add_argument(
+        "--target", default=TARGET, help=f"the GPU compiled for (default {TARGET}; boost_jax/tools/targets)"
+    )
+    ap.add_argument(
+        "--cluster",
+        default=str(CLUSTER.relative_to(ROOT)),
+        help="the cluster config the planner plans for (default configs/clusters/h100_8x.py)",
+    )
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
     from boost_jax.tools import aot
+
     if not aot.available():
         raise SystemExit(f"benchmarks/aot_fit.py compiles for GPUs without them: {aot.INSTALL} ({aot.missing()})")
     aot.target_config(args.target)  # an unknown target: one line naming the known ones
@@ -193,11 +282,22 @@ def main(argv=None) -> dict:
             s = smallest(config, max(devices), batch, seq, args.target, cluster)
             if s is not None:
                 small.append(s)
-    text = markdown(rows, small, f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)"
-                    if args.fixed else "plan (planner's pick)", LABELS.get(args.target, args.target))
+    text = markdown(
+        rows,
+        small,
+        f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)"
+        if args.fixed
+        else "plan (planner's pick)",
+        LABELS.get(args.target, args.target),
+    )
     print(text)
-    out = {"target": args.target, "cluster": cluster.stem, "pipelined_collectives": _pipelined(),
-           "rows": rows, "smallest": small}
+    out = {
+        "target": args.target,
+        "cluster": cluster.stem,
+        "pipelined_collectives": _pipelined(),
+        "rows": rows,
+        "smallest": small,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.markdown:

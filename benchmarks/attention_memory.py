@@ -10,6 +10,7 @@ working set) and the total with arguments (parameters, optimizer state, batch). 
 float32 scores [heads, T, S] of every layer are kept for the backward (quadratic in T); `chunked`
 keeps only the output and log-sum-exp (linear). Prints a Markdown table, writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 
 from boost_jax.config import load_config_file  # noqa: E402
-from boost_jax.validate import validate  # noqa: E402
 from boost_jax.tools.comm_report import compile_program  # noqa: E402
+from boost_jax.validate import validate  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def measure(name: str, seq: int, attention: str, tensor: int, devices: int, remat: str) -> dict:
@@ -44,8 +45,14 @@ def measure(name: str, seq: int, attention: str, tensor: int, devices: int, rema
     compiled, _, _ = compile_program(cfg, "train_step", jax.devices()[:devices], cfg.model.n_layers, False)
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return {"config": name, "seq": seq, "attention": attention, "temp_gib": m.temp_size_in_bytes / GIB,
-            "total_gib": total / GIB, "compile_s": time.perf_counter() - start}
+    return {
+        "config": name,
+        "seq": seq,
+        "attention": attention,
+        "temp_gib": m.temp_size_in_bytes / GIB,
+        "total_gib": total / GIB,
+        "compile_s": time.perf_counter() - start,
+    }
 
 
 def main(argv=None) -> int:
@@ -64,21 +71,33 @@ def main(argv=None) -> int:
         for attention in args.attention.split(","):
             for seq in seqs:
                 rows.append(measure(name, seq, attention, args.tensor, args.devices, args.remat))
-                print(f"  {name} seq {seq} {attention}: temp {rows[-1]['temp_gib']:.2f} GiB "
-                      f"({rows[-1]['compile_s']:.0f} s to compile)", file=sys.stderr)
-    print(f"btp tensor {args.tensor} on {args.devices} devices, micro-batch 1 per data replica, bf16, remat "
-          f"{args.remat}; per device, XLA CPU memory_analysis (compiled, not run); {jax.__version__}\n")
-    print("| config | attention | " + " | ".join(f"temp GiB @ {s}" for s in seqs)
-          + f" | growth {seqs[0]}->{seqs[-1]} |")
+                print(
+                    f"  {name} seq {seq} {attention}: temp {rows[-1]['temp_gib']:.2f} GiB "
+                    f"({rows[-1]['compile_s']:.0f} s to compile)",
+                    file=sys.stderr,
+                )
+    print(
+        f"btp tensor {args.tensor} on {args.devices} devices, micro-batch 1 per data replica, bf16, remat "
+        f"{args.remat}; per device, XLA CPU memory_analysis (compiled, not run); {jax.__version__}\n"
+    )
+    print(
+        "| config | attention | " + " | ".join(f"temp GiB @ {s}" for s in seqs) + f" | growth {seqs[0]}->{seqs[-1]} |"
+    )
     print("|---|---|" + "---|" * (len(seqs) + 1))
     for name in args.configs.split(","):
         for attention in args.attention.split(","):
             temps = [r["temp_gib"] for r in rows if r["config"] == name and r["attention"] == attention]
-            print(f"| {name} | {attention} | " + " | ".join(f"{t:.2f}" for t in temps)
-                  + f" | {temps[-1] / temps[0]:.2f}x |")
+            print(
+                f"| {name} | {attention} | "
+                + " | ".join(f"{t:.2f}" for t in temps)
+                + f" | {temps[-1] / temps[0]:.2f}x |"
+            )
     with open(args.json, "w") as f:
-        json.dump({"tensor": args.tensor, "devices": args.devices, "remat": args.remat, "jax": jax.__version__,
-                   "rows": rows}, f, indent=2)
+        json.dump(
+            {"tensor": args.tensor, "devices": args.devices, "remat": args.remat, "jax": jax.__version__, "rows": rows},
+            f,
+            indent=2,
+        )
     return 0
 
 

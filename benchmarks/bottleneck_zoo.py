@@ -13,6 +13,7 @@
    Megatron (its natural plan; BTP is for bottlenecks).
 Prints one Markdown table and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,14 @@ KINDS = {
     "dense": ({}, {}),
     "lowrank": ({}, {}),
     "cola": ({}, {}),
-    "tt": ({"tt_cores": 4, "tt_inner_rank": 8, "tt_activation": "silu"},
-           {"tt_cores": 6, "tt_inner_rank": 256, "tt_activation": "silu"}),
-    "sltrain": ({"sparse_block": 4, "sparse_density": 0.03, "sltrain_alpha": 32.0},
-                {"sparse_block": 16, "sparse_density": 0.03, "sltrain_alpha": 32.0}),
+    "tt": (
+        {"tt_cores": 4, "tt_inner_rank": 8, "tt_activation": "silu"},
+        {"tt_cores": 6, "tt_inner_rank": 256, "tt_activation": "silu"},
+    ),
+    "sltrain": (
+        {"sparse_block": 4, "sparse_density": 0.03, "sltrain_alpha": 32.0},
+        {"sparse_block": 16, "sparse_density": 0.03, "sltrain_alpha": 32.0},
+    ),
 }
 
 
@@ -50,8 +55,14 @@ def train_row(kind: str, fields: dict, steps: int, layers: int | None = None) ->
     cfg.model.update(linear=kind, only_lr_act=False, **fields)
     if layers:
         cfg.model.n_layers = layers
-    cfg.train.update(steps=steps, warmup_steps=steps // 10, eval_every=steps, eval_batches=8,
-                     log_every=max(steps // 20, 1), progress=False)
+    cfg.train.update(
+        steps=steps,
+        warmup_steps=steps // 10,
+        eval_every=steps,
+        eval_batches=8,
+        log_every=max(steps // 20, 1),
+        progress=False,
+    )
     cfg.checkpoint.update(every=steps, async_save=False)
     cfg.parallel.num_devices = 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,10 +72,15 @@ def train_row(kind: str, fields: dict, steps: int, layers: int | None = None) ->
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][1:]  # the first window holds the compile
     state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg.model))))
     trained = sum(math.prod(x.shape) for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.inexact))
-    return {"kind": kind, "fields": fields, "tokens": steps * cfg.train.global_batch * cfg.train.seq_len,
-            "final_eval_loss": out["evals"][-1][1], "params": trained,
-            "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
-            "step_time_s": statistics.median(times)}
+    return {
+        "kind": kind,
+        "fields": fields,
+        "tokens": steps * cfg.train.global_batch * cfg.train.seq_len,
+        "final_eval_loss": out["evals"][-1][1],
+        "params": trained,
+        "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
+        "step_time_s": statistics.median(times),
+    }
 
 
 def comm_row(kind: str, fields: dict, seq: int = 4096) -> dict:
@@ -74,11 +90,23 @@ def comm_row(kind: str, fields: dict, seq: int = 4096) -> dict:
     cfg = sized_config("7b", kind)
     cfg.model.update(only_lr_act=False, **fields)
     strategy = "megatron" if kind == "dense" else "btp"
-    rep = comm_report.report(cfg, strategies=strategy, programs=("forward",), mesh=(1, 1, 4), batch=1, seq=seq,
-                             dtype="bfloat16", memory=False)
+    rep = comm_report.report(
+        cfg,
+        strategies=strategy,
+        programs=("forward",),
+        mesh=(1, 1, 4),
+        batch=1,
+        seq=seq,
+        dtype="bfloat16",
+        memory=False,
+    )
     fwd = rep["strategies"][strategy]["per_layer_forward"]["tensor"]
-    return {"strategy": strategy, "tp_fwd_elements_per_token": fwd["elements_per_token"],
-            "tp_fwd_in_r": fwd["elements_per_token"] / cfg.model.rank, "tp_fwd_collectives": fwd["count"]}
+    return {
+        "strategy": strategy,
+        "tp_fwd_elements_per_token": fwd["elements_per_token"],
+        "tp_fwd_in_r": fwd["elements_per_token"] / cfg.model.rank,
+        "tp_fwd_collectives": fwd["count"],
+    }
 
 
 def main(argv=None):
@@ -87,14 +115,19 @@ def main(argv=None):
     ap.add_argument("--no-comm", action="store_true", help="skip the 7B comm report")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of the kinds")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "bottleneck_zoo.json"))
-    ap.add_argument("--smoke", action="store_true", help="2 steps of 1-layer models and the comm report at seq "
-                    "128: checks the command (JSON to the temp directory unless --json)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 steps of 1-layer models and the comm report at seq "
+        "128: checks the command (JSON to the temp directory unless --json)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps = 2 if args.steps == ap.get_default("steps") else args.steps
         if args.json == ap.get_default("json"):
             args.json = os.path.join(tempfile.gettempdir(), "bottleneck_zoo_smoke.json")
     from boost_jax.tools.devices import emulate_cpu_devices
+
     emulate_cpu_devices(4)  # before jax is imported; training runs on the first device
     import jax
 
@@ -109,20 +142,30 @@ def main(argv=None):
             row.update(comm_row(kind, big, 128 if args.smoke else 4096))
         rows.append(row)
         print(f"{kind}: done", file=sys.stderr)
-    print(f"tiny (d 128, L {1 if args.smoke else 4}, r 32), {rows[0]['tokens']:,} tokens each, one "
-          f"{jax.devices()[0].platform} device; 7B traffic: comm report, tensor 4, seq {128 if args.smoke else 4096}, "
-          "per layer forward\n")
-    print("| kind | final eval loss | params | FLOPs/token | step time (ms) | 7B plan | TP traffic/token/layer | "
-          "in r | collectives |")
+    print(
+        f"tiny (d 128, L {1 if args.smoke else 4}, r 32), {rows[0]['tokens']:,} tokens each, one "
+        f"{jax.devices()[0].platform} device; 7B traffic: comm report, tensor 4, seq {128 if args.smoke else 4096}, "
+        "per layer forward\n"
+    )
+    print(
+        "| kind | final eval loss | params | FLOPs/token | step time (ms) | 7B plan | TP traffic/token/layer | "
+        "in r | collectives |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        comm = ("| {strategy} | {tp_fwd_elements_per_token:,.0f} | {tp_fwd_in_r:.2f} | {tp_fwd_collectives} |"
-                .format(**r) if "strategy" in r else "| - | - | - | - |")
-        print(f"| {r['kind']} | {r['final_eval_loss']:.3f} | {r['params'] / 1e6:.2f}M | "
-              f"{r['flops_per_token'] / 1e6:.2f}M | {1e3 * r['step_time_s']:.0f} " + comm)
+        comm = (
+            "| {strategy} | {tp_fwd_elements_per_token:,.0f} | {tp_fwd_in_r:.2f} | {tp_fwd_collectives} |".format(**r)
+            if "strategy" in r
+            else "| - | - | - | - |"
+        )
+        print(
+            f"| {r['kind']} | {r['final_eval_loss']:.3f} | {r['params'] / 1e6:.2f}M | "
+            f"{r['flops_per_token'] / 1e6:.2f}M | {1e3 * r['step_time_s']:.0f} " + comm
+        )
     with open(args.json, "w") as f:
-        json.dump({"steps": args.steps, "smoke": args.smoke, "backend": jax.default_backend(), "rows": rows}, f,
-                  indent=2)
+        json.dump(
+            {"steps": args.steps, "smoke": args.smoke, "backend": jax.default_backend(), "rows": rows}, f, indent=2
+        )
     print(f"\nwrote {args.json}")
 
 

@@ -6,6 +6,7 @@ Runs `boost_jax.tools.comm_report.report` (no memory analysis) for configs/cola_
 1,1,<tensor>; the megatron column is the full-rank llama_<size> twin. Writes comm.json, comm.md
 and comm.png (needs matplotlib: `pip install -e .[bench]`) next to this file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from boost_jax.tools.devices import emulate_cpu_devices  # imports no jax: XLA_F
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def sweep(sizes, tensors, strategies, batch, seq) -> list[dict]:
@@ -32,17 +33,26 @@ def sweep(sizes, tensors, strategies, batch, seq) -> list[dict]:
             print(f"{size} tensor={tp}: {time.perf_counter() - start:.0f} s", flush=True)
             for name, c in rep["strategies"].items():
                 fwd, bwd = c["per_layer_forward"].get("tensor", {}), c["per_layer_backward"].get("tensor", {})
-                rows.append({
-                    "size": size, "tensor": tp, "strategy": name, "config": c["config"], "linear": c["linear"],
-                    "d_model": rep["d_model"], "rank": rep["rank"], "n_layers": rep["n_layers"],
-                    "fwd_elements_per_token": fwd.get("elements_per_token", 0.0),
-                    "fwd_collectives": fwd.get("count", 0),
-                    "fwd_r": c["per_layer_forward_units"]["r"], "fwd_d": c["per_layer_forward_units"]["d"],
-                    "fwd_gib": fwd.get("bytes", 0) / GIB,
-                    "fwd_bwd_gib": (fwd.get("bytes", 0) + bwd.get("bytes", 0)) / GIB,
-                    "step_tensor_gib": c["step_by_axis"].get("tensor", {}).get("bytes", 0) / GIB,
-                    "compile_s": sum(c["compile_s"].values()),
-                })
+                rows.append(
+                    {
+                        "size": size,
+                        "tensor": tp,
+                        "strategy": name,
+                        "config": c["config"],
+                        "linear": c["linear"],
+                        "d_model": rep["d_model"],
+                        "rank": rep["rank"],
+                        "n_layers": rep["n_layers"],
+                        "fwd_elements_per_token": fwd.get("elements_per_token", 0.0),
+                        "fwd_collectives": fwd.get("count", 0),
+                        "fwd_r": c["per_layer_forward_units"]["r"],
+                        "fwd_d": c["per_layer_forward_units"]["d"],
+                        "fwd_gib": fwd.get("bytes", 0) / GIB,
+                        "fwd_bwd_gib": (fwd.get("bytes", 0) + bwd.get("bytes", 0)) / GIB,
+                        "step_tensor_gib": c["step_by_axis"].get("tensor", {}).get("bytes", 0) / GIB,
+                        "compile_s": sum(c["compile_s"].values()),
+                    }
+                )
     return rows
 
 
@@ -50,24 +60,30 @@ def markdown(rows, args, seconds: float) -> str:
     lines = [
         "# Tensor-parallel communication per layer: BTP vs vanilla low-rank TP vs Megatron",
         "",
-        (f"Measured with `boost_jax.tools.comm_report` (`benchmarks/comm_sweep.py`, {seconds / 60:.0f} min on a "
-        f"2-core CPU): each model is lowered and compiled for {args.tensor_list} emulated CPU devices (mesh "
-        f"data=1, fsdp=1, tensor=p) from abstract shapes, batch {args.batch} x seq {args.seq}, bfloat16; the "
-        "collectives are read from the optimized HLO of the forward loss, forward+backward and train step, "
-        "each lowered at 1 and 2 layers with the layer scan unrolled (per layer = difference), scaled to L. "
-        "Numbers are tensor-axis payloads per device: elements x 2 bytes (bf16; XLA:CPU carries bf16 "
-        "all-reduces as f32, so the HLO's bytes are not used). An all-reduce's payload does not depend on p; "
-        "a ring all-reduce puts 2(p-1)/p times it on each device's links. The megatron rows are the full-rank "
-        "(llama_*) twins; BTP and vanilla run the CoLA (r = d/4) models."),
+        (
+            f"Measured with `boost_jax.tools.comm_report` (`benchmarks/comm_sweep.py`, {seconds / 60:.0f} min on a "
+            f"2-core CPU): each model is lowered and compiled for {args.tensor_list} emulated CPU devices (mesh "
+            f"data=1, fsdp=1, tensor=p) from abstract shapes, batch {args.batch} x seq {args.seq}, bfloat16; the "
+            "collectives are read from the optimized HLO of the forward loss, forward+backward and train step, "
+            "each lowered at 1 and 2 layers with the layer scan unrolled (per layer = difference), scaled to L. "
+            "Numbers are tensor-axis payloads per device: elements x 2 bytes (bf16; XLA:CPU carries bf16 "
+            "all-reduces as f32, so the HLO's bytes are not used). An all-reduce's payload does not depend on p; "
+            "a ring all-reduce puts 2(p-1)/p times it on each device's links. The megatron rows are the full-rank "
+            "(llama_*) twins; BTP and vanilla run the CoLA (r = d/4) models."
+        ),
         "",
-        ("| model | p | strategy | fwd elements/token/layer | in r / in d | fwd collectives/layer "
-        "| fwd GiB/layer | fwd+bwd GiB/layer | train step GiB (L layers) |"),
+        (
+            "| model | p | strategy | fwd elements/token/layer | in r / in d | fwd collectives/layer "
+            "| fwd GiB/layer | fwd+bwd GiB/layer | train step GiB (L layers) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['tensor']} | {r['strategy']} | {r['fwd_elements_per_token']:.0f} "
-                     f"| {r['fwd_r']:.2f} r / {r['fwd_d']:.2f} d | {r['fwd_collectives']} | {r['fwd_gib']:.3f} "
-                     f"| {r['fwd_bwd_gib']:.3f} | {r['step_tensor_gib']:.2f} |")
+        lines.append(
+            f"| {r['config']} | {r['tensor']} | {r['strategy']} | {r['fwd_elements_per_token']:.0f} "
+            f"| {r['fwd_r']:.2f} r / {r['fwd_d']:.2f} d | {r['fwd_collectives']} | {r['fwd_gib']:.3f} "
+            f"| {r['fwd_bwd_gib']:.3f} | {r['step_tensor_gib']:.2f} |"
+        )
     lines += ["", "![per-layer forward GiB vs tensor size](comm.png)", ""]
     return "\n".join(lines)
 
@@ -82,12 +98,16 @@ def plot(rows, path: Path, batch: int, seq: int) -> None:
     markers = ["o", "s", "^", "D", "v"]
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (size, strategy) in dict.fromkeys((r["size"], r["strategy"]) for r in rows):
+    for size, strategy in dict.fromkeys((r["size"], r["strategy"]) for r in rows):
         pts = [r for r in rows if r["size"] == size and r["strategy"] == strategy]
-        ax.plot([r["tensor"] for r in pts], [r["fwd_gib"] for r in pts],
-                color=colors.get(strategy.split(":")[0]), marker=markers[sizes.index(size) % len(markers)],
-                linestyle="-" if strategy.startswith("btp") else "--",
-                label=f"{strategy} ({pts[0]['config']})")
+        ax.plot(
+            [r["tensor"] for r in pts],
+            [r["fwd_gib"] for r in pts],
+            color=colors.get(strategy.split(":")[0]),
+            marker=markers[sizes.index(size) % len(markers)],
+            linestyle="-" if strategy.startswith("btp") else "--",
+            label=f"{strategy} ({pts[0]['config']})",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(sorted({r["tensor"] for r in rows}), [str(t) for t in sorted({r["tensor"] for r in rows})])
@@ -123,8 +143,11 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         rows = sweep(sizes, tensors, args.strategy, args.batch, args.seq)
         seconds = time.perf_counter() - start
-        (out / "comm.json").write_text(json.dumps({"batch": args.batch, "seq": args.seq, "dtype": "bfloat16",
-                                                   "seconds": seconds, "rows": rows}, indent=1))
+        (out / "comm.json").write_text(
+            json.dumps(
+                {"batch": args.batch, "seq": args.seq, "dtype": "bfloat16", "seconds": seconds, "rows": rows}, indent=1
+            )
+        )
     text = markdown(rows, args, seconds)
     (out / "comm.md").write_text(text)
     print(text)

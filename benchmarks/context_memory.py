@@ -14,6 +14,7 @@ gradients, workspace) bytes per device. The exchange per step is `boost_jax.para
 (checked against compiled programs by tests/test_context.py) for ring and all_gather, full and
 bottleneck K/V.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,12 @@ MODES = [("ring", "full"), ("ring", "bottleneck"), ("all_gather", "full"), ("all
 
 def config(model: str, seq: int, c: int, layers: int):
     from boost_jax.config import sized_config
+
     family, size = model.split("_")
     cfg = sized_config(size, "dense" if family == "llama" else "cola")
-    cfg.model.update(n_layers=layers, max_seq_len=max(seq, cfg.model.max_seq_len), dtype="bfloat16",
-                     attention="chunked")
+    cfg.model.update(
+        n_layers=layers, max_seq_len=max(seq, cfg.model.max_seq_len), dtype="bfloat16", attention="chunked"
+    )
     cfg.train.update(seq_len=seq, global_batch=1, grad_accum=1)
     cfg.remat.policy = "none"
     cfg.data.update(source="embedded", batching="stream")
@@ -46,21 +49,28 @@ def measure(cfg, target: str) -> dict:
     import jax
 
     from boost_jax.runtime.build import build
+
     if target == "cpu":
-        devices = jax.devices("cpu")[:cfg.parallel.context]
+        devices = jax.devices("cpu")[: cfg.parallel.context]
     else:
         from boost_jax.tools import aot
+
         devices = aot.devices(target, cfg.parallel.context)
     t0 = time.perf_counter()
     m = build(cfg, devices).lower_train().compile().memory_analysis()
-    return {"argument_bytes": m.argument_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
-            "output_bytes": m.output_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
-            "peak_bytes": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes, "compile_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "argument_bytes": m.argument_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
+        "peak_bytes": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes,
+        "compile_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def exchange(cfg) -> dict:
     from boost_jax.parallel.context import traffic
+
     out = {}
     for attention, kv in MODES:
         if kv == "bottleneck" and cfg.model.linear == "dense":
@@ -73,23 +83,36 @@ def exchange(cfg) -> dict:
 
 
 def to_markdown(rows, layers: int) -> str:
-    gib = 2 ** 30
-    lines = [f"Per device, one row of seq tokens split over C devices (context = C), {layers} layers of the "
-             "model's widths, bf16, remat none, chunked attention; temp = activations + gradients + workspace, "
-             "arg = parameters + optimizer state + batch.", "",
-             "| model | seq | C | target | arg GiB | temp GiB | temp / temp(C=1) | ring full | ring bottleneck | "
-             "all_gather full | all_gather bottleneck |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gib = 2**30
+    lines = [
+        f"Per device, one row of seq tokens split over C devices (context = C), {layers} layers of the "
+        "model's widths, bf16, remat none, chunked attention; temp = activations + gradients + workspace, "
+        "arg = parameters + optimizer state + batch.",
+        "",
+        "| model | seq | C | target | arg GiB | temp GiB | temp / temp(C=1) | ring full | ring bottleneck | "
+        "all_gather full | all_gather bottleneck |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     base = {(r["model"], r["seq"], r["target"]): r["temp_bytes"] for r in rows if r["context"] == 1}
     for r in rows:
         ref = base.get((r["model"], r["seq"], r["target"]))
         ex = r["exchange"]
-        cell = lambda key: "-" if key not in ex or not ex[key] else ", ".join(  # noqa: E731
-            f"{v / 1e6:.1f}M {k.replace('collective-permute', 'CP').replace('all-gather', 'AG').replace('reduce-scatter', 'RS')}"
-            for k, v in ex[key].items())
+        cell = lambda key: (
+            "-"
+            if key not in ex or not ex[key]
+            else ", ".join(  # noqa: E731
+                f"{v / 1e6:.1f}M {k.replace('collective-permute', 'CP').replace('all-gather', 'AG').replace('reduce-scatter', 'RS')}"  # noqa: E501
+                for k, v in ex[key].items()
+            )
+        )
         ratio = f"{r['temp_bytes'] / ref:.3f}" if ref else "-"
-        cells = " | ".join(cell(k) for k in ("ring/full", "ring/bottleneck", "all_gather/full", "all_gather/bottleneck"))
-        lines.append(f"| {r['model']} | {r['seq']} | {r['context']} | {r['target']} | {r['argument_bytes'] / gib:.2f} | "
-                     f"{r['temp_bytes'] / gib:.2f} | {ratio} | {cells} |")
+        cells = " | ".join(
+            cell(k) for k in ("ring/full", "ring/bottleneck", "all_gather/full", "all_gather/bottleneck")
+        )
+        lines.append(
+            f"| {r['model']} | {r['seq']} | {r['context']} | {r['target']} | {r['argument_bytes'] / gib:.2f} | "
+            f"{r['temp_bytes'] / gib:.2f} | {ratio} | {cells} |"
+        )
     return "\n".join(lines)
 
 
@@ -106,6 +129,7 @@ def main(argv=None) -> dict:
     contexts = [int(x) for x in args.contexts.split(",")]
     emulate_cpu_devices(max(contexts))
     import jax
+
     jax.config.update("jax_platforms", "cpu")
     rows = []
     for model in args.models.split(","):
@@ -113,8 +137,15 @@ def main(argv=None) -> dict:
             for c in contexts:
                 cfg = config(model, seq, c, args.layers)
                 for target in args.targets.split(","):
-                    row = {"model": model, "seq": seq, "context": c, "target": target, "layers": args.layers,
-                           **measure(cfg, target), "exchange": exchange(cfg)}
+                    row = {
+                        "model": model,
+                        "seq": seq,
+                        "context": c,
+                        "target": target,
+                        "layers": args.layers,
+                        **measure(cfg, target),
+                        "exchange": exchange(cfg),
+                    }
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     out = {"rows": rows, "method": __doc__.split("\n\n")[2].replace("\n", " ")}

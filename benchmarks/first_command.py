@@ -7,6 +7,7 @@ writes JSON.
 
     python benchmarks/first_command.py [--json benchmarks/first_command.json] [-- TRAIN FLAGS...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,14 @@ def measure(flags: list[str], workdir: Path) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     loads.append(os.getloadavg()[0])
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "boost_jax.train", *flags], cwd=workdir, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "boost_jax.train", *flags],
+        cwd=workdir,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     threading.Thread(target=sample, daemon=True).start()
     reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
     reader.start()
@@ -74,23 +81,32 @@ def measure(flags: list[str], workdir: Path) -> dict:
     done.set()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
-        raise SystemExit(f"python -m boost_jax.train {' '.join(flags)} failed ({proc.returncode}):\n"
-                         + "\n".join(text for _, text in segments[-20:]))
+        raise SystemExit(
+            f"python -m boost_jax.train {' '.join(flags)} failed ({proc.returncode}):\n"
+            + "\n".join(text for _, text in segments[-20:])
+        )
     first = re.search(r"step (\d+) took ([\d.]+) s with the compile", out)
     # The bar at the first log point (its postfix shows the loss): the steps before it have finished
     # there (the loop reads their metrics back), while between log points it counts steps dispatched.
     bars = [(t, *BAR.search(text).groups()) for t, text in segments if BAR.search(text) and "loss=" in text]
     after_compile = [b for b in bars if int(b[1]) >= 2]
     last = max((t for t, text in segments if BAR.search(text)), default=None)
-    row = {"command": " ".join(["python -m boost_jax.train", *flags]), "wall_s": round(wall, 1),
-           "cpu_s": round(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, 1),
-           "first_step_s": float(first.group(2)) if first else None,
-           "load_avg": {"min": min(loads), "mean": round(sum(loads) / len(loads), 2), "max": max(loads)},
-           "cpus": os.cpu_count()}
+    row = {
+        "command": " ".join(["python -m boost_jax.train", *flags]),
+        "wall_s": round(wall, 1),
+        "cpu_s": round(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, 1),
+        "first_step_s": float(first.group(2)) if first else None,
+        "load_avg": {"min": min(loads), "mean": round(sum(loads) / len(loads), 2), "max": max(loads)},
+        "cpus": os.cpu_count(),
+    }
     if after_compile and last is not None:
         t, n, total, _, left = after_compile[0]
-        row["bar_at_first_log"] = {"step": int(n), "of": int(total), "time_left_shown_s": seconds(left),
-                                    "time_the_rest_took_s": round(last - t, 1)}
+        row["bar_at_first_log"] = {
+            "step": int(n),
+            "of": int(total),
+            "time_left_shown_s": seconds(left),
+            "time_the_rest_took_s": round(last - t, 1),
+        }
     return row
 
 
@@ -106,12 +122,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         row = measure(args.flags, Path(workdir))
     bar = row.get("bar_at_first_log", {})
-    print("| command | wall | CPU | first step (with the compile) | time left shown at the first log | the rest took | "
-          "load average (min / mean / max) |\n|---|---|---|---|---|---|---|")
-    print(f"| `{row['command']}` | {fmt(row['wall_s'])} | {fmt(row['cpu_s'])} | {fmt(row['first_step_s'])} | "
-          f"{fmt(bar.get('time_left_shown_s'))} | {fmt(bar.get('time_the_rest_took_s'))} | "
-          f"{row['load_avg']['min']:.1f} / {row['load_avg']['mean']:.1f} / {row['load_avg']['max']:.1f} "
-          f"({row['cpus']} CPUs) |")
+    print(
+        "| command | wall | CPU | first step (with the compile) | time left shown at the first log | the rest took | "
+        "load average (min / mean / max) |\n|---|---|---|---|---|---|---|"
+    )
+    print(
+        f"| `{row['command']}` | {fmt(row['wall_s'])} | {fmt(row['cpu_s'])} | {fmt(row['first_step_s'])} | "
+        f"{fmt(bar.get('time_left_shown_s'))} | {fmt(bar.get('time_the_rest_took_s'))} | "
+        f"{row['load_avg']['min']:.1f} / {row['load_avg']['mean']:.1f} / {row['load_avg']['max']:.1f} "
+        f"({row['cpus']} CPUs) |"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
     return 0

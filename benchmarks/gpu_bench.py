@@ -41,6 +41,7 @@ kernels it holds (cuDNN attention, Triton/Pallas kernels), a train variant's pea
 GPU's, or the one-line reason it failed (a kernel that fell back to XLA or a step that does not fit
 counts as failed). So time on a GPU goes to timing, never to debugging.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,10 +64,22 @@ TARGETS = {"rmsnorm": 0.80, "cola_over_llama_1b": 0.70, "llama_1b_mfu": 0.45}
 def shapes(smoke: bool) -> dict:
     """Every shape the parts use; --smoke shrinks them to run anywhere in seconds."""
     if smoke:
-        return {"norm": (64, 256), "attention": (1, 64, 4, 16), "seq": 32, "batch1b": 2, "batch7b": 2,
-                "size": dict(d_model=64, d_ff=128, n_heads=4, n_kv_heads=4, rank=16, vocab_size=256, n_layers=2)}
-    return {"norm": (16384, 4096), "attention": (1, 4096, 32, 128), "seq": 4096, "batch1b": 4, "batch7b": 2,
-            "size": None}
+        return {
+            "norm": (64, 256),
+            "attention": (1, 64, 4, 16),
+            "seq": 32,
+            "batch1b": 2,
+            "batch7b": 2,
+            "size": dict(d_model=64, d_ff=128, n_heads=4, n_kv_heads=4, rank=16, vocab_size=256, n_layers=2),
+        }
+    return {
+        "norm": (16384, 4096),
+        "attention": (1, 4096, 32, 128),
+        "seq": 4096,
+        "batch1b": 4,
+        "batch7b": 2,
+        "size": None,
+    }
 
 
 def train_variants(smoke: bool) -> list[dict]:
@@ -88,37 +101,50 @@ def train_variants(smoke: bool) -> list[dict]:
     # the defaults (`auto`, model/autos.py) against the defaults before them ("before": grouped, scanned,
     # remat none, XLA's norm, CUDA graphs off) and one change at a time. "xla:--NAME" entries set a flag of
     # boost_jax/xla_gpu_flags.py FLAGS for that variant only (None: left out).
-    before = {"model.group_linears": True, "model.scan_unroll": False, "remat.policy": "none",
-              "kernels.rmsnorm": "xla", "xla:--xla_gpu_enable_command_buffer": ""}
+    before = {
+        "model.group_linears": True,
+        "model.scan_unroll": False,
+        "remat.policy": "none",
+        "kernels.rmsnorm": "xla",
+        "xla:--xla_gpu_enable_command_buffer": "",
+    }
     at256 = {"train.seq_len": 256, "train.global_batch": 32}
     at4096 = {"train.seq_len": 4096, "train.global_batch": 4}
     bf16 = {"model.param_dtype": "bfloat16"}
-    rows += [(p, n, c, {**at256, **o}) for p, n, c, o in (
-        ("train256", "cola_1b before", "cola_1b", before),
-        ("train256", "cola_1b auto", "cola_1b", {}),
-        ("train256", "llama_1b before", "llama_1b", before),
-        ("train256", "llama_1b auto", "llama_1b", {}),
-        ("train256", "cola_1b auto bf16 params", "cola_1b", bf16),
-        ("train256", "llama_1b auto bf16 params", "llama_1b", bf16),
-        ("train256", "cola_1b auto seq 4096", "cola_1b", at4096),
-        ("train256", "cola_1b auto grouped", "cola_1b", {"model.group_linears": True}),
-        ("train256", "llama_1b auto grouped", "llama_1b", {"model.group_linears": True}),
-        ("train256", "cola_1b auto scanned", "cola_1b", {"model.scan_unroll": False}),
-        ("train256", "cola_1b auto xla norm", "cola_1b", {"kernels.rmsnorm": "xla"}),
-        ("train256", "cola_1b auto no cuda graphs", "cola_1b", {"xla:--xla_gpu_enable_command_buffer": ""}),
-        ("train256", "cola_1b auto attention xla", "cola_1b", {"model.attention": "xla"}),
-        ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
-    )]
+    rows += [
+        (p, n, c, {**at256, **o})
+        for p, n, c, o in (
+            ("train256", "cola_1b before", "cola_1b", before),
+            ("train256", "cola_1b auto", "cola_1b", {}),
+            ("train256", "llama_1b before", "llama_1b", before),
+            ("train256", "llama_1b auto", "llama_1b", {}),
+            ("train256", "cola_1b auto bf16 params", "cola_1b", bf16),
+            ("train256", "llama_1b auto bf16 params", "llama_1b", bf16),
+            ("train256", "cola_1b auto seq 4096", "cola_1b", at4096),
+            ("train256", "cola_1b auto grouped", "cola_1b", {"model.group_linears": True}),
+            ("train256", "llama_1b auto grouped", "llama_1b", {"model.group_linears": True}),
+            ("train256", "cola_1b auto scanned", "cola_1b", {"model.scan_unroll": False}),
+            ("train256", "cola_1b auto xla norm", "cola_1b", {"kernels.rmsnorm": "xla"}),
+            ("train256", "cola_1b auto no cuda graphs", "cola_1b", {"xla:--xla_gpu_enable_command_buffer": ""}),
+            ("train256", "cola_1b auto attention xla", "cola_1b", {"model.attention": "xla"}),
+            ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
+        )
+    ]
     if smoke:  # one of each kind of row: a 1B baseline, a kernel toggle, a 7B layer
-        rows = [r for r in rows if r[1] in ("llama_1b", "cola_1b triton norm", "cola_7b, 1 layer",
-                                            "cola_1b before", "cola_1b auto")]
+        rows = [
+            r
+            for r in rows
+            if r[1] in ("llama_1b", "cola_1b triton norm", "cola_7b, 1 layer", "cola_1b before", "cola_1b auto")
+        ]
     return [dict(part=p, name=n, config=c, overrides=o) for p, n, c, o in rows]
 
 
 # ------------------------------------------------------------------------------------------ timing
 
+
 def timed(fn, *args, steps: int) -> float:
     import jax
+
     jax.block_until_ready(fn(*args))  # compile + warm up
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -133,10 +159,12 @@ def _error(e: BaseException) -> str:
 
 # ------------------------------------------------------------------------------------------- parts
 
+
 def device_info() -> dict:
     import importlib.metadata as md
 
     import jax
+
     versions = {}
     for pkg in ("jax", "jaxlib", "triton", "jax-triton"):
         try:
@@ -144,8 +172,13 @@ def device_info() -> dict:
         except md.PackageNotFoundError:
             versions[pkg] = None
     dev = jax.devices()[0]
-    return {"device_kind": dev.device_kind, "platform": dev.platform, "device_count": jax.device_count(),
-            "date": time.strftime("%Y-%m-%d"), "versions": versions}
+    return {
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "device_count": jax.device_count(),
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": versions,
+    }
 
 
 def norm_programs(impl: str) -> tuple:
@@ -161,6 +194,7 @@ def norm_programs(impl: str) -> tuple:
     def loss(x, w, dy):
         y, s = rmsnorm(x, w, 1e-6, impl=impl)
         return jnp.sum((y * dy).astype(jnp.float32)) + jnp.sum(s)
+
     # The loss's value too: jax.grad alone lets XLA drop the forward kernel (the backward does not
     # read y), and the pass would time the backward's 3 x.nbytes under fwd+bwd's 5.
     return (("fwd", fwd, 2), ("fwd+bwd", jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), 5))
@@ -170,6 +204,7 @@ def copy_program():
     """The bandwidth reference the norms are measured against: x + 1 (reads x, writes y)."""
     import jax
     import jax.numpy as jnp
+
     return jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
 
 
@@ -186,8 +221,9 @@ def rmsnorm_rows(steps: int, smoke: bool) -> list[dict]:
     gy = jax.random.normal(jax.random.key(1), (rows, d), dtype)
     copy_s = timed(copy_program(), x, steps=steps)
     copy_gbs = 2 * x.nbytes / copy_s / 1e9
-    out = [{"impl": "copy (x + 1)", "pass": "-", "ms": 1e3 * copy_s, "gb_per_s": copy_gbs, "fraction": 1.0,
-            "ran": "xla"}]
+    out = [
+        {"impl": "copy (x + 1)", "pass": "-", "ms": 1e3 * copy_s, "gb_per_s": copy_gbs, "fraction": 1.0, "ran": "xla"}
+    ]
     for impl in NORM_IMPLS:
         for name, fn, moved in norm_programs(impl):
             try:
@@ -195,8 +231,16 @@ def rmsnorm_rows(steps: int, smoke: bool) -> list[dict]:
                 secs = timed(fn, *((x, w) if name == "fwd" else (x, w, gy)), steps=steps)
                 ran = kernels_used()["rmsnorm"]
                 gbs = moved * x.nbytes / secs / 1e9
-                out.append({"impl": impl, "pass": name, "ms": 1e3 * secs, "gb_per_s": gbs,
-                            "fraction": gbs / copy_gbs, "ran": ran})
+                out.append(
+                    {
+                        "impl": impl,
+                        "pass": name,
+                        "ms": 1e3 * secs,
+                        "gb_per_s": gbs,
+                        "fraction": gbs / copy_gbs,
+                        "ran": ran,
+                    }
+                )
             except Exception as e:  # noqa: BLE001 - the row says what failed; the others run
                 out.append({"impl": impl, "pass": name, "error": _error(e)})
     return out
@@ -273,8 +317,7 @@ def xla_flags(spec: dict) -> tuple:
 
     changed = {k[4:]: v for k, v in spec["overrides"].items() if k.startswith("xla:")}
     flags = [(f, why) for f, why in xla_gpu_flags.FLAGS if f.split("=", 1)[0] not in changed]
-    return tuple(flags + [(f"{name}={value}", "this variant") for name, value in changed.items()
-                          if value is not None])
+    return tuple(flags + [(f"{name}={value}", "this variant") for name, value in changed.items() if value is not None])
 
 
 def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None = None) -> dict:
@@ -283,9 +326,10 @@ def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None =
     import jax
 
     from boost_jax import xla_gpu_flags
-    from boost_jax.runtime.metrics import peak_flops
     from boost_jax.model import flops_per_token
+    from boost_jax.runtime.metrics import peak_flops
     from boost_jax.tools.aot import peak_bytes
+
     sys.path.insert(0, HERE)
     from step_time import build, timed_steps  # the benchmarks' one way to build and time a real train step
 
@@ -307,14 +351,24 @@ def train_variant(spec: dict, steps: int, smoke: bool, profile_dir: str | None =
     peak = peak_flops(jax.devices()[0].device_kind)
     stats = jax.devices()[0].memory_stats() or {}
     from boost_jax.kernels.rmsnorm import kernels_used
+
     extra = {}
     if profile_dir:
         extra["profile"] = profile(step, state, tokens, profile_dir, spec["name"], secs)
-    return {**extra, "step_ms": 1e3 * secs, "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
-            "mfu": fpt * tok_s / peak if peak else None, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
-            "compiled_peak_gib": compiled_peak / 2**30 if compiled_peak is not None else None, "compile_s": compile_s,
-            "norm_ran": kernels_used()["rmsnorm"], "seq": seq, "batch": batch,
-            "compiler_options_dropped": sorted(xla_gpu_flags.DROPPED)}
+    return {
+        **extra,
+        "step_ms": 1e3 * secs,
+        "tokens_per_s": tok_s,
+        "tflops": fpt * tok_s / 1e12,
+        "mfu": fpt * tok_s / peak if peak else None,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "compiled_peak_gib": compiled_peak / 2**30 if compiled_peak is not None else None,
+        "compile_s": compile_s,
+        "norm_ran": kernels_used()["rmsnorm"],
+        "seq": seq,
+        "batch": batch,
+        "compiler_options_dropped": sorted(xla_gpu_flags.DROPPED),
+    }
 
 
 PROFILE_STEPS = 2
@@ -332,16 +386,24 @@ def profile(step, state, tokens, out_dir: str, name: str, step_s: float) -> dict
     deviceless prediction. Returns the measured time by category (tools/step_profile.py `measured`)."""
     from pathlib import Path
 
-    from boost_jax.tools import step_profile as sp
     from step_profile_trace import trace_compiled
+
+    from boost_jax.tools import step_profile as sp
 
     found = trace_compiled(step, state, tokens, Path(out_dir), _slug(name), PROFILE_STEPS, step_s)
     got = sp.measured(found["events"], step.as_text())
     return {"kernels": sum(e["count"] for e in found["events"]["events"]), **got}
 
 
-def run_variants(specs: list[dict], steps: int, smoke: bool, one_process: bool = False, profile_dir=None,
-                 on_row=None, profile_only: str | None = None) -> list[dict]:
+def run_variants(
+    specs: list[dict],
+    steps: int,
+    smoke: bool,
+    one_process: bool = False,
+    profile_dir=None,
+    on_row=None,
+    profile_only: str | None = None,
+) -> list[dict]:
     """Each variant in a fresh process (its own peak memory); --smoke and `one_process` run them all in
     one (compiles share XLA's in-process autotuning cache: faster when GPU time is short; each row's
     compiled peak is still its own, the measured peak is the process's so far). Rows are reported to
@@ -357,8 +419,11 @@ def run_variants(specs: list[dict], steps: int, smoke: bool, one_process: bool =
         cmd += ["--smoke"] if smoke else []
         cmd += ["--profile", profile_dir] if profile_dir else []
         cmd += ["--profile-only", profile_only] if profile_only else []
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", str(USABLE))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", str(USABLE)),
+        }
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         done = set()
         for line in proc.stdout:
@@ -388,17 +453,34 @@ def kernel_tests(smoke: bool) -> dict:
     if not smoke:
         env["JAX_PLATFORMS"] = "cuda"
     # one process (-n 0): xdist's workers would each take JAX's share of the one GPU's memory
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "--tb=short", "-p", "no:cacheprovider",
-           os.path.join(ROOT, "tests", "test_gpu_kernels.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-n",
+        "0",
+        "--tb=short",
+        "-p",
+        "no:cacheprovider",
+        os.path.join(ROOT, "tests", "test_gpu_kernels.py"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
     failures = [ln for ln in r.stdout.splitlines() if ln.startswith("FAILED")]
-    return {"command": "JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py" if not smoke else
-            "pytest tests/test_gpu_kernels.py", "returncode": r.returncode, "summary": summary,
-            "failed": failures[:20], "output_tail": r.stdout[-6000:] if r.returncode else ""}
+    return {
+        "command": "JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py"
+        if not smoke
+        else "pytest tests/test_gpu_kernels.py",
+        "returncode": r.returncode,
+        "summary": summary,
+        "failed": failures[:20],
+        "output_tail": r.stdout[-6000:] if r.returncode else "",
+    }
 
 
 # ------------------------------------------------------------------------- compiling for a GPU: --aot
+
 
 def _compiled_row(part: str, name: str, compile_fn) -> dict:
     """compile_fn() -> (compiled, extra fields); the row says compiled OK with what the program holds,
@@ -410,12 +492,19 @@ def _compiled_row(part: str, name: str, compile_fn) -> dict:
         compiled, extra = compile_fn()
     except Exception as e:  # noqa: BLE001 - the row says what failed; the others compile
         return {"part": part, "name": name, "ok": False, "error": _error(e)}
-    row = {"part": part, "name": name, "ok": True, "compile_s": time.perf_counter() - t0,
-           "kernels": aot.kernels(compiled.as_text()), **extra}
+    row = {
+        "part": part,
+        "name": name,
+        "ok": True,
+        "compile_s": time.perf_counter() - t0,
+        "kernels": aot.kernels(compiled.as_text()),
+        **extra,
+    }
     if row.get("fits") is False:
         row["ok"] = False
-        row["error"] = (f"does not fit: peak {row['peak_bytes'] / 2**30:.1f} GiB of "
-                        f"{row['usable_bytes'] / 2**30:.1f} GiB usable")
+        row["error"] = (
+            f"does not fit: peak {row['peak_bytes'] / 2**30:.1f} GiB of {row['usable_bytes'] / 2**30:.1f} GiB usable"
+        )
     if "ran" in row and row["ran"] != row["impl"]:  # a kernel that fell back would be timed as XLA
         row["ok"] = False
         row["error"] = f"kernels.rmsnorm={row['impl']} fell back: {row['ran']}"
@@ -446,26 +535,41 @@ def aot_rows(target: str, parts: list[str], smoke: bool) -> list[dict]:
 
     for part in parts:
         if part == "device":
-            rows.append({"part": part, "name": f"{dev.device_kind} (deviceless {target})", "ok": True,
-                         "device_kind": dev.device_kind})
+            rows.append(
+                {
+                    "part": part,
+                    "name": f"{dev.device_kind} (deviceless {target})",
+                    "ok": True,
+                    "device_kind": dev.device_kind,
+                }
+            )
         elif part == "rmsnorm":
             x, w = (sh["norm"], jnp.bfloat16), ((sh["norm"][1],), jnp.float32)
             rows.append(_compiled_row(part, "copy (x + 1)", lambda: (lowered(copy_program(), x), {})))
             for impl in NORM_IMPLS:
                 for name, fn, _ in norm_programs(impl):
+
                     def norm(fn=fn, name=name, impl=impl):
                         kernels_used()
                         compiled = lowered(fn, *((x, w) if name == "fwd" else (x, w, x)))
                         return compiled, {"impl": impl, "ran": kernels_used()["rmsnorm"]}
+
                     rows.append(_compiled_row(part, f"{impl} {name}", norm))
         elif part == "attention":
             qkv = (sh["attention"], jnp.bfloat16)
             for impl in IMPLEMENTATIONS:
-                rows.append(_compiled_row(part, impl, lambda impl=impl: (
-                    lowered(attention_program(impl), qkv, qkv, qkv), {})))
+                rows.append(
+                    _compiled_row(part, impl, lambda impl=impl: (lowered(attention_program(impl), qkv, qkv, qkv), {}))
+                )
         elif part == "tests":
-            rows.append({"part": part, "name": "tests/test_gpu_kernels.py", "ok": True,
-                         "note": "nothing to compile here: the tests run the kernels on the GPU"})
+            rows.append(
+                {
+                    "part": part,
+                    "name": "tests/test_gpu_kernels.py",
+                    "ok": True,
+                    "note": "nothing to compile here: the tests run the kernels on the GPU",
+                }
+            )
     memory = aot.target_memory(target)
     for spec in train_variants(smoke):
         if spec["part"] not in parts:
@@ -478,7 +582,11 @@ def aot_rows(target: str, parts: list[str], smoke: bool) -> list[dict]:
             compiled = built.lower_train().compile()
             found = aot.analyze(compiled, built.mesh, memory)
             return compiled, {k: found[k] for k in ("peak_bytes", "usable_bytes", "fits")} | {
-                "norm_ran": kernels_used()["rmsnorm"], "seq": seq, "batch": batch}
+                "norm_ran": kernels_used()["rmsnorm"],
+                "seq": seq,
+                "batch": batch,
+            }
+
         rows.append(_compiled_row(spec["part"], spec["name"], step))
     return rows
 
@@ -514,17 +622,25 @@ def aot_main(target: str, parts: list[str], smoke: bool, path: str | None) -> in
     for r in rows:
         print(aot_line(r), flush=True)
     failed = [r for r in rows if not r["ok"]]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} compiled for {target}"
-          + (f"; {len(failed)} FAILED" if failed else "") + (" [--smoke: tiny shapes]" if smoke else ""))
+    print(
+        f"\n{len(rows) - len(failed)} of {len(rows)} compiled for {target}"
+        + (f"; {len(failed)} FAILED" if failed else "")
+        + (" [--smoke: tiny shapes]" if smoke else "")
+    )
     path = path or os.path.join(tempfile.gettempdir(), f"gpu_bench_aot_{target}.json")
     with open(path, "w") as f:
-        json.dump({"aot": target, "smoke": smoke, "parts": parts, "shapes": shapes(smoke), "rows": rows}, f,
-                  indent=2, default=str)
+        json.dump(
+            {"aot": target, "smoke": smoke, "parts": parts, "shapes": shapes(smoke), "rows": rows},
+            f,
+            indent=2,
+            default=str,
+        )
     print(f"wrote {path}")
     return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------- printing
+
 
 def _gib(x):
     return "n/a" if x is None else f"{x:.1f}"
@@ -540,22 +656,31 @@ def print_tables(res: dict) -> None:
         print(f"device: error: {dev['error']}\n")
     elif dev:
         v = dev["versions"]
-        print(f"device: {dev['device_kind']} ({dev['platform']} x{dev['device_count']}), jax {v['jax']}, jaxlib "
-              f"{v['jaxlib']}, triton {v['triton']}, jax-triton {v['jax-triton']}, {dev['date']}"
-              + ("  [--smoke: tiny shapes, not a measurement]" if res["smoke"] else "") + "\n")
+        print(
+            f"device: {dev['device_kind']} ({dev['platform']} x{dev['device_count']}), jax {v['jax']}, jaxlib "
+            f"{v['jaxlib']}, triton {v['triton']}, jax-triton {v['jax-triton']}, {dev['date']}"
+            + ("  [--smoke: tiny shapes, not a measurement]" if res["smoke"] else "")
+            + "\n"
+        )
     if "rmsnorm" in res:
         rows = res["rmsnorm"]
-        print(f"rmsnorm {res['shapes']['norm']} | pass | ms | GB/s | of copy (target >= "
-              f"{100 * TARGETS['rmsnorm']:.0f}%) | ran\n|---|---|---|---|---|---|")
+        print(
+            f"rmsnorm {res['shapes']['norm']} | pass | ms | GB/s | of copy (target >= "
+            f"{100 * TARGETS['rmsnorm']:.0f}%) | ran\n|---|---|---|---|---|---|"
+        )
         for r in rows:
             if "error" in r:
                 print(f"| {r['impl']} | {r.get('pass', '')} | failed: {r['error']} ||||")
             else:
-                print(f"| {r['impl']} | {r['pass']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | "
-                      f"{100 * r['fraction']:.0f}% | {r['ran']} |")
+                print(
+                    f"| {r['impl']} | {r['pass']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | "
+                    f"{100 * r['fraction']:.0f}% | {r['ran']} |"
+                )
         print()
     if "attention" in res:
-        print(f"attention fwd+bwd {res['shapes']['attention']} (B, T, H, Dh) | ms | TFLOP/s | vs xla\n|---|---|---|---|")
+        print(
+            f"attention fwd+bwd {res['shapes']['attention']} (B, T, H, Dh) | ms | TFLOP/s | vs xla\n|---|---|---|---|"
+        )
         for r in res["attention"]:
             if "error" in r:
                 print(f"| {r['impl']} | failed: {r['error']} |||")
@@ -563,22 +688,31 @@ def print_tables(res: dict) -> None:
                 speed = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else "n/a"
                 print(f"| {r['impl']} | {r['ms']:.2f} | {r['tflops']:.1f} | {speed} |")
         print()
-    for part, title in (("layer7b", "7B-shaped single layer"), ("train1b", "1B models"),
-                        ("train256", "1B models at seq 256 x batch 32, one change at a time")):
+    for part, title in (
+        ("layer7b", "7B-shaped single layer"),
+        ("train1b", "1B models"),
+        ("train256", "1B models at seq 256 x batch 32, one change at a time"),
+    ):
         rows = [r for r in res.get("train", []) if r["part"] == part]
         if not rows:
             continue
-        base = next((r for r in rows if r["variant"].startswith("llama") and "step_ms" in r
-                     and "remat" not in r["variant"]), None)
-        print(f"{title}: train step | seq x batch | step ms | tokens/s | TFLOP/s | MFU | peak GiB | compiled peak GiB | vs llama | norm ran")
+        base = next(
+            (r for r in rows if r["variant"].startswith("llama") and "step_ms" in r and "remat" not in r["variant"]),
+            None,
+        )
+        print(
+            f"{title}: train step | seq x batch | step ms | tokens/s | TFLOP/s | MFU | peak GiB | compiled peak GiB | vs llama | norm ran"  # noqa: E501
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
                 print(f"| {r['variant']} | failed: {r['error']} |||||||||")
                 continue
             ratio = f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "n/a"
-            print(f"| {r['variant']} | {r['seq']} x {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-                  f"{r['tflops']:.1f} | {_pct(r['mfu'])} | {r['peak_gib']:.1f} | {_gib(r.get('compiled_peak_gib'))} | {ratio} | {r['norm_ran']} |")
+            print(
+                f"| {r['variant']} | {r['seq']} x {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+                f"{r['tflops']:.1f} | {_pct(r['mfu'])} | {r['peak_gib']:.1f} | {_gib(r.get('compiled_peak_gib'))} | {ratio} | {r['norm_ran']} |"  # noqa: E501
+            )
         print()
     if "targets" in res:
         print("targets | value | target | met\n|---|---|---|---|")
@@ -594,51 +728,91 @@ def print_tables(res: dict) -> None:
 
 def targets(res: dict) -> list[dict]:
     out = []
-    norms = [r for r in res.get("rmsnorm", []) if r.get("pass") == "fwd+bwd" and "fraction" in r
-             and r["ran"] == r["impl"]]
+    norms = [
+        r for r in res.get("rmsnorm", []) if r.get("pass") == "fwd+bwd" and "fraction" in r and r["ran"] == r["impl"]
+    ]
     for r in norms:
         if r["impl"] != "xla":
-            out.append({"name": f"rmsnorm {r['impl']} fwd+bwd of copy bandwidth", "value": _pct(r["fraction"]),
-                        "target": f">= {100 * TARGETS['rmsnorm']:.0f}%", "met": r["fraction"] >= TARGETS["rmsnorm"]})
+            out.append(
+                {
+                    "name": f"rmsnorm {r['impl']} fwd+bwd of copy bandwidth",
+                    "value": _pct(r["fraction"]),
+                    "target": f">= {100 * TARGETS['rmsnorm']:.0f}%",
+                    "met": r["fraction"] >= TARGETS["rmsnorm"],
+                }
+            )
     train = {r["variant"]: r for r in res.get("train", []) if "step_ms" in r}
     if "llama_1b" in train and "cola_1b" in train:
         ratio = train["cola_1b"]["step_ms"] / train["llama_1b"]["step_ms"]
-        out.append({"name": "cola_1b step / llama_1b step", "value": f"{ratio:.2f}x",
-                    "target": f"<= {TARGETS['cola_over_llama_1b']:.2f}x", "met": ratio <= TARGETS["cola_over_llama_1b"]})
+        out.append(
+            {
+                "name": "cola_1b step / llama_1b step",
+                "value": f"{ratio:.2f}x",
+                "target": f"<= {TARGETS['cola_over_llama_1b']:.2f}x",
+                "met": ratio <= TARGETS["cola_over_llama_1b"],
+            }
+        )
     if "llama_1b" in train:
         mfu = train["llama_1b"]["mfu"]
-        out.append({"name": "llama_1b MFU", "value": _pct(mfu), "target": f">= {100 * TARGETS['llama_1b_mfu']:.0f}%",
-                    "met": None if mfu is None else mfu >= TARGETS["llama_1b_mfu"]})
+        out.append(
+            {
+                "name": "llama_1b MFU",
+                "value": _pct(mfu),
+                "target": f">= {100 * TARGETS['llama_1b_mfu']:.0f}%",
+                "met": None if mfu is None else mfu >= TARGETS["llama_1b_mfu"],
+            }
+        )
     return out
 
 
 # -------------------------------------------------------------------------------------------- main
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps/calls after the warm-up")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any backend (checks the command)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    ap.add_argument("--json", default=None, help="output file (default benchmarks/gpu_bench.json; "
-                                                 "--smoke: gpu_bench_smoke.json in the temp directory)")
-    ap.add_argument("--aot", metavar="TARGET", help="compile every part it would time for TARGET GPUs (h100, "
-                    "a100, h200) on this host, deviceless, instead of timing: one line per program, compiled OK or "
-                    "why not; exit 1 if any failed (default JSON: gpu_bench_aot_TARGET.json in the temp directory)")
+    ap.add_argument(
+        "--json",
+        default=None,
+        help="output file (default benchmarks/gpu_bench.json; --smoke: gpu_bench_smoke.json in the temp directory)",
+    )
+    ap.add_argument(
+        "--aot",
+        metavar="TARGET",
+        help="compile every part it would time for TARGET GPUs (h100, "
+        "a100, h200) on this host, deviceless, instead of timing: one line per program, compiled OK or "
+        "why not; exit 1 if any failed (default JSON: gpu_bench_aot_TARGET.json in the temp directory)",
+    )
     ap.add_argument("--only", help="comma-separated train variant names (e.g. 'llama_1b,cola_1b'): only these")
-    ap.add_argument("--one-process", action="store_true", help="run the train variants in one process (compiles "
-                    "share XLA's autotuning: faster; the measured peak is then the process's)")
-    ap.add_argument("--profile", metavar="DIR", help="after timing, trace each train variant's steps with "
-                    "jax.profiler: DIR/NAME.kernels.json (per-kernel device time) and DIR/NAME.hlo.txt.gz")
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run the train variants in one process (compiles "
+        "share XLA's autotuning: faster; the measured peak is then the process's)",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after timing, trace each train variant's steps with "
+        "jax.profiler: DIR/NAME.kernels.json (per-kernel device time) and DIR/NAME.hlo.txt.gz",
+    )
     ap.add_argument("--profile-only", help="comma-separated train variant names: profile only these")
     ap.add_argument("--variants", help=argparse.SUPPRESS)  # internal: run these train variants, print JSON
     args = ap.parse_args(argv)
     if args.variants is not None:
         for spec in json.loads(args.variants):
             try:
-                traced = args.profile if args.profile and (not args.profile_only or spec["name"] in
-                                                          args.profile_only.split(",")) else None
-                print(json.dumps({"name": spec["name"], **train_variant(spec, args.steps, args.smoke, traced)}),
-                      flush=True)
+                traced = (
+                    args.profile
+                    if args.profile and (not args.profile_only or spec["name"] in args.profile_only.split(","))
+                    else None
+                )
+                print(
+                    json.dumps({"name": spec["name"], **train_variant(spec, args.steps, args.smoke, traced)}),
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001 - reported in the variant's row
                 traceback.print_exc()
                 print(json.dumps({"name": spec["name"], "error": _error(e)}), flush=True)
@@ -650,20 +824,33 @@ def main(argv=None):
     if args.aot:
         return aot_main(args.aot, parts, args.smoke, args.json)
     import jax
+
     if jax.default_backend() == "cpu" and not args.smoke:
-        print("gpu_bench measures a GPU, and jax.default_backend() is 'cpu': run it on a GPU, or pass --smoke "
-              "to check the command with tiny shapes here", file=sys.stderr)
+        print(
+            "gpu_bench measures a GPU, and jax.default_backend() is 'cpu': run it on a GPU, or pass --smoke "
+            "to check the command with tiny shapes here",
+            file=sys.stderr,
+        )
         return 1
     steps = 2 if args.smoke and args.steps == 10 else args.steps
-    res: dict = {"smoke": args.smoke, "steps": steps, "parts": parts, "shapes": shapes(args.smoke), "targets_set": TARGETS}
+    res: dict = {
+        "smoke": args.smoke,
+        "steps": steps,
+        "parts": parts,
+        "shapes": shapes(args.smoke),
+        "targets_set": TARGETS,
+    }
     runners = {
         "device": lambda: device_info(),
         "rmsnorm": lambda: rmsnorm_rows(steps, args.smoke),
         "attention": lambda: attention_rows(steps, args.smoke),
         "tests": lambda: kernel_tests(args.smoke),
     }
-    path = args.json or (os.path.join(tempfile.gettempdir(), "gpu_bench_smoke.json") if args.smoke
-                         else os.path.join(HERE, "gpu_bench.json"))
+    path = args.json or (
+        os.path.join(tempfile.gettempdir(), "gpu_bench_smoke.json")
+        if args.smoke
+        else os.path.join(HERE, "gpu_bench.json")
+    )
 
     def save():  # after every part and variant: a run cut short (a lease running out) keeps what it measured
         res["targets"] = targets(res)
@@ -689,11 +876,14 @@ def main(argv=None):
     def row_done(row):
         res["train"].append(row)
         save()
-        print(f"  {row['variant']}: " + (f"{row['step_ms']:.1f} ms" if "step_ms" in row else row.get("error", "")),
-              flush=True)
+        print(
+            f"  {row['variant']}: " + (f"{row['step_ms']:.1f} ms" if "step_ms" in row else row.get("error", "")),
+            flush=True,
+        )
 
-    run_variants(specs, steps, args.smoke, args.one_process, args.profile, on_row=row_done,
-                 profile_only=args.profile_only)
+    run_variants(
+        specs, steps, args.smoke, args.one_process, args.profile, on_row=row_done, profile_only=args.profile_only
+    )
     print_tables(res)
     print(f"\nwrote {path}")
     return 0

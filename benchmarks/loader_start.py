@@ -17,6 +17,7 @@ touch of a page faults and the kernel reads ahead around it (the block device's 
 a batch's read time depends on the machine and on what an earlier run left in the page cache.
 Prints a Markdown table, writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,16 +47,37 @@ def sparse_corpus(root: Path, tokens: int) -> Path:
     out = root / f"tokens_{tokens}"
     sizes = [min(SHARD_TOKENS, tokens - lo) for lo in range(0, tokens, SHARD_TOKENS)]
     shards = [{"file": f"shard_{i:05d}.bin", "documents": 1, "tokens": n, "bytes": n} for i, n in enumerate(sizes)]
-    index = {"format": FORMAT, "tokenizer": "byte", "tokenizer_id": tokenizer_id("byte"), "vocab_size": 256,
-             "eos_id": None, "dtype": "uint16", "field": "text", "documents": len(shards), "tokens": tokens,
-             "bytes": tokens, "shards": shards}
-    if (out / INDEX).exists() and json.loads((out / INDEX).read_text()) == index and all(
-            (out / s["file"]).stat().st_size == 2 * s["tokens"] for s in shards if (out / s["file"]).exists()):
+    index = {
+        "format": FORMAT,
+        "tokenizer": "byte",
+        "tokenizer_id": tokenizer_id("byte"),
+        "vocab_size": 256,
+        "eos_id": None,
+        "dtype": "uint16",
+        "field": "text",
+        "documents": len(shards),
+        "tokens": tokens,
+        "bytes": tokens,
+        "shards": shards,
+    }
+    if (
+        (out / INDEX).exists()
+        and json.loads((out / INDEX).read_text()) == index
+        and all((out / s["file"]).stat().st_size == 2 * s["tokens"] for s in shards if (out / s["file"]).exists())
+    ):
         return out
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX).unlink(missing_ok=True)
-    (out / "plan.json").write_text(json.dumps({"format": FORMAT, "tokenizer": "byte", "dtype": "uint16",
-                                               "benchmark": "sparse zero shards (benchmarks/loader_start.py)"}))
+    (out / "plan.json").write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "tokenizer": "byte",
+                "dtype": "uint16",
+                "benchmark": "sparse zero shards (benchmarks/loader_start.py)",
+            }
+        )
+    )
     for s in shards:
         with open(out / s["file"], "wb") as f:
             f.truncate(2 * s["tokens"])
@@ -99,8 +121,12 @@ def measure(path: str, shuffle: str) -> dict:
 def run(path: Path, tokens: int, shuffle: str) -> dict:
     """`measure` in a child process (its own peak RSS); an error becomes the row's `error`."""
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", str(path), shuffle], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", str(path), shuffle],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     row = {"tokens": tokens, "shuffle": shuffle, "process_s": time.perf_counter() - t}
     if proc.returncode:
         row["error"] = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
@@ -114,15 +140,20 @@ def table(rows: list[dict]) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = ["| tokens | windows | shuffle | build s | first batch s | epoch-1 batch s | of which order s | total s "
-             "| RSS after import GiB | peak RSS GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| tokens | windows | shuffle | build s | first batch s | epoch-1 batch s | of which order s | total s "
+        "| RSS after import GiB | peak RSS GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['tokens']:.0e} | - | {r['shuffle']} | error: {r['error']} | | | | | | |")
             continue
-        lines.append(f"| {r['tokens']:.0e} | {f(r['samples_per_epoch'], ',')} | {r['shuffle']} | {r['build_s']:.3f} "
-                     f"| {r['first_batch_s']:.3f} | {f(r['epoch1_batch_s'], '.3f')} | {f(r['order_s'], '.3f')} "
-                     f"| {r['total_s']:.3f} | {r['import_rss_gib']:.2f} | {r['peak_rss_gib']:.2f} |")
+        lines.append(
+            f"| {r['tokens']:.0e} | {f(r['samples_per_epoch'], ',')} | {r['shuffle']} | {r['build_s']:.3f} "
+            f"| {r['first_batch_s']:.3f} | {f(r['epoch1_batch_s'], '.3f')} | {f(r['order_s'], '.3f')} "
+            f"| {r['total_s']:.3f} | {r['import_rss_gib']:.2f} | {r['peak_rss_gib']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -145,10 +176,19 @@ def main(argv=None) -> list[dict]:
             print(f"{tokens:.0e} tokens, {shuffle}: {rows[-1].get('total_s', rows[-1].get('error'))}", file=sys.stderr)
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "seq_len": SEQ_LEN, "global_batch": GLOBAL_BATCH, "shard_tokens": SHARD_TOKENS,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-            "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "seq_len": SEQ_LEN,
+                    "global_batch": GLOBAL_BATCH,
+                    "shard_tokens": SHARD_TOKENS,
+                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+                    "rows": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return rows
 
 

@@ -23,6 +23,7 @@ Prints a table and writes JSON. `--smoke`: a 4-layer model of width 64 at seq 32
 count unless given, and (compile-only mode) circular V = 2 with stage remat only; JSON
 to the temp directory unless --json: checks the command, measures nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,10 @@ CASES = tuple((schedule, repeats, remat) for schedule, repeats in SCHEDULES for 
 # --shape d1024: 2 layers per stage, V at most 2
 D1024_CASES = tuple(c for c in CASES if c[1] <= 2)
 # (config size, layers, mesh, rows per micro-batch and data replica, cases, JSON name)
-SHAPES = {"cola_1b": ("1b", 8, dict(pipeline=2, data=2, tensor=2), CASES, "pipeline_schedules"),
-          "d1024": ("350m", 4, dict(pipeline=2, data=1, tensor=2), D1024_CASES, "pipeline_schedules_d1024")}
+SHAPES = {
+    "cola_1b": ("1b", 8, dict(pipeline=2, data=2, tensor=2), CASES, "pipeline_schedules"),
+    "d1024": ("350m", 4, dict(pipeline=2, data=1, tensor=2), D1024_CASES, "pipeline_schedules_d1024"),
+}
 SMOKE_CASES = (("circular", 2, "stage"), ("1f1b", 2, "none"))
 # --smoke: widths small enough to compile in seconds, 4 layers (circular V = 2: a layer a chunk)
 SMOKE = dict(d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, rank=16, vocab_size=256, max_seq_len=64, n_layers=4)
@@ -67,6 +70,7 @@ SMOKE_SEQ = 32
 def executed(compiled, mesh) -> dict:
     """Elements the program's collectives execute per step, by the axes they run over."""
     from boost_jax.tools.hlo_comm import parse_collectives
+
     out: dict = {}
     for c in parse_collectives(compiled.as_text(), mesh):
         key = "+".join(c.axes)
@@ -82,6 +86,7 @@ def schedules(microbatches: list[int], path: str, smoke: bool = False, shape: st
     from boost_jax.config import sized_config
     from boost_jax.parallel.pipeline import bubble_fraction, ticks, ticks_1f1b
     from boost_jax.runtime.build import build
+
     rows = []
     size, layers, mesh, cases, _ = SHAPES[shape]
     cases = SMOKE_CASES if smoke else cases
@@ -93,38 +98,74 @@ def schedules(microbatches: list[int], path: str, smoke: bool = False, shape: st
             cfg.model.update(n_layers=layers, dtype="bfloat16")
             cfg.model.update(SMOKE if smoke else {})
             cfg.train.update(seq_len=SMOKE_SEQ if smoke else 2048, global_batch=mesh["data"] * m, grad_accum=1)
-            cfg.parallel.update(num_devices=devices, fsdp=1, microbatches=m, strategy="btp", pipeline_schedule=schedule,
-                                pipeline_repeats=repeats, **mesh)
+            cfg.parallel.update(
+                num_devices=devices,
+                fsdp=1,
+                microbatches=m,
+                strategy="btp",
+                pipeline_schedule=schedule,
+                pipeline_repeats=repeats,
+                **mesh,
+            )
             cfg.remat.update(pipeline=remat_pipeline)
             built = build(cfg, jax.devices()[:devices])
             compiled = built.lower_train().compile()
             n_ticks = ticks_1f1b(2, m, repeats) if schedule == "1f1b" else ticks(2, m, repeats)
-            rows.append({"schedule": schedule, "repeats": repeats, "remat.pipeline": remat_pipeline,
-                         "microbatches": m, "ticks": n_ticks, "bubble": bubble_fraction(2, m, repeats),
-                         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-                         "executed_elements": executed(compiled, built.mesh)})
-            print(f"  {schedule} V={repeats} {remat_pipeline} M={m}: "
-                  f"{rows[-1]['temp_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "repeats": repeats,
+                    "remat.pipeline": remat_pipeline,
+                    "microbatches": m,
+                    "ticks": n_ticks,
+                    "bubble": bubble_fraction(2, m, repeats),
+                    "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                    "executed_elements": executed(compiled, built.mesh),
+                }
+            )
+            print(
+                f"  {schedule} V={repeats} {remat_pipeline} M={m}: {rows[-1]['temp_bytes'] / 2**30:.2f} GiB",
+                file=sys.stderr,
+            )
     axes = ("pipeline", "data", "tensor")
-    print("| schedule | V | remat.pipeline | M | ticks | bubble | temp GiB | "
-          + " | ".join(f"{a} elements/step" for a in axes) + " |")
+    print(
+        "| schedule | V | remat.pipeline | M | ticks | bubble | temp GiB | "
+        + " | ".join(f"{a} elements/step" for a in axes)
+        + " |"
+    )
     print("|---|---|---|---|---|---|---|" + "---|" * len(axes))
     for r in rows:
         e = r["executed_elements"]
-        print(f"| {r['schedule']} | {r['repeats']} | {r['remat.pipeline']} | {r['microbatches']} | {r['ticks']} | "
-              f"{100 * r['bubble']:.1f}% | {r['temp_bytes'] / 2**30:.2f} | "
-              + " | ".join(f"{e.get(a, 0) / 1e6:.1f}M" for a in axes) + " |")
+        print(
+            f"| {r['schedule']} | {r['repeats']} | {r['remat.pipeline']} | {r['microbatches']} | {r['ticks']} | "
+            f"{100 * r['bubble']:.1f}% | {r['temp_bytes'] / 2**30:.2f} | "
+            + " | ".join(f"{e.get(a, 0) / 1e6:.1f}M" for a in axes)
+            + " |"
+        )
     print("\ntemp memory M = {1} / M = {0}:".format(microbatches[0], microbatches[-1]))
     for schedule, repeats, remat_pipeline in cases:
-        got = [r["temp_bytes"] for r in rows
-               if (r["schedule"], r["repeats"], r["remat.pipeline"]) == (schedule, repeats, remat_pipeline)]
+        got = [
+            r["temp_bytes"]
+            for r in rows
+            if (r["schedule"], r["repeats"], r["remat.pipeline"]) == (schedule, repeats, remat_pipeline)
+        ]
         print(f"  {schedule} V={repeats} remat.pipeline={remat_pipeline}: {got[-1] / got[0]:.2f}x")
     with open(path, "w") as f:
-        widths = f"--smoke model {SMOKE}, seq {SMOKE_SEQ}" if smoke else (
-            f"{'cola_1b' if size == '1b' else 'cola_350m'} widths, {layers} layers, seq 2048")
+        widths = (
+            f"--smoke model {SMOKE}, seq {SMOKE_SEQ}"
+            if smoke
+            else (f"{'cola_1b' if size == '1b' else 'cola_350m'} widths, {layers} layers, seq 2048")
+        )
         grid = " x ".join(f"{k} {v}" for k, v in mesh.items())
-        json.dump({"shape": f"{widths}, bf16, {grid} (btp), 1 row per micro-batch and data replica", "smoke": smoke,
-                   "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "shape": f"{widths}, bf16, {grid} (btp), 1 row per micro-batch and data replica",
+                "smoke": smoke,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     return 0
 
 
@@ -142,8 +183,12 @@ def main(argv=None):
     name = "{}_smoke.json" if args.smoke else "{}.json"
     if not args.time:
         emulate_cpu_devices(8)
-        return schedules([int(x) for x in (args.microbatches or ("2" if args.smoke else "4,16")).split(",")],
-                         args.json or os.path.join(here, name.format(SHAPES[args.shape][4])), args.smoke, args.shape)
+        return schedules(
+            [int(x) for x in (args.microbatches or ("2" if args.smoke else "4,16")).split(",")],
+            args.json or os.path.join(here, name.format(SHAPES[args.shape][4])),
+            args.smoke,
+            args.shape,
+        )
     args.json = args.json or os.path.join(here, name.format("pipeline_bubble"))
     emulate_cpu_devices(args.stages)
     from boost_jax.config import base_config
@@ -160,13 +205,22 @@ def main(argv=None):
         piped = step_seconds(cfg, args.steps)
         cfg.parallel.update(pipeline=1, data=args.stages)
         flat = step_seconds(cfg, args.steps)
-        rows.append({"stages": args.stages, "microbatches": m, "bubble": bubble_fraction(args.stages, m),
-                     "pipelined_s": piped, "data_parallel_s": flat})
+        rows.append(
+            {
+                "stages": args.stages,
+                "microbatches": m,
+                "bubble": bubble_fraction(args.stages, m),
+                "pipelined_s": piped,
+                "data_parallel_s": flat,
+            }
+        )
     print("| stages | micro-batches | bubble (analytic) | pipelined step s | same devices as DP s |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['stages']} | {r['microbatches']} | {100 * r['bubble']:.1f}% | {r['pipelined_s']:.3f} | "
-              f"{r['data_parallel_s']:.3f} |")
+        print(
+            f"| {r['stages']} | {r['microbatches']} | {100 * r['bubble']:.1f}% | {r['pipelined_s']:.3f} | "
+            f"{r['data_parallel_s']:.3f} |"
+        )
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=2)
     return 0

@@ -8,6 +8,7 @@ circular + stage remat. Prints markdown (benchmarks/planner.md, "cola_13b: where
     python benchmarks/planner_pipelines.py
     python benchmarks/planner_pipelines.py --smoke   # h100_8x on 8 GPUs only: checks the command
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,21 +20,31 @@ from boost_jax.planner.search import model_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, pipeline stage counts, schedules, remat.pipeline): one restricted search each
-KINDS = (("no pipeline", (1,), ("gpipe",), ("none",)),
-         ("gpipe", (2, 4, 8), ("gpipe",), ("none",)),
-         ("gpipe + stage remat", (2, 4, 8), ("gpipe",), ("stage",)),
-         ("circular", (2, 4, 8), ("circular",), ("none",)),
-         ("circular + stage remat", (2, 4, 8), ("circular",), ("stage",)))
+KINDS = (
+    ("no pipeline", (1,), ("gpipe",), ("none",)),
+    ("gpipe", (2, 4, 8), ("gpipe",), ("none",)),
+    ("gpipe + stage remat", (2, 4, 8), ("gpipe",), ("stage",)),
+    ("circular", (2, 4, 8), ("circular",), ("none",)),
+    ("circular + stage remat", (2, 4, 8), ("circular",), ("stage",)),
+)
 
 
 def row(name, p, best) -> str:
     if p is None:
         return f"| {name} | - | | | | | | | | |"
-    sched = "-" if p.mesh.pipeline == 1 else (f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''}"
-                                              f" M{p.microbatches} ({100 * p.bubble:.0f}%)")
-    return (f"| {name} | {p.mesh} | {sched} | {p.remat} x {p.grad_accum} | {p.layer.residual}: {' / '.join(p.layer.choices)} "
-            f"| {p.step_s:.3f} | {p.step_s / best - 1:+.1%} | {100 * p.mfu:.1f}% | {p.memory['total'] / 1e9:.1f} "
-            f"| {p.runnable} |")
+    sched = (
+        "-"
+        if p.mesh.pipeline == 1
+        else (
+            f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''}"
+            f" M{p.microbatches} ({100 * p.bubble:.0f}%)"
+        )
+    )
+    return (
+        f"| {name} | {p.mesh} | {sched} | {p.remat} x {p.grad_accum} | {p.layer.residual}: {' / '.join(p.layer.choices)} "  # noqa: E501
+        f"| {p.step_s:.3f} | {p.step_s / best - 1:+.1%} | {100 * p.mfu:.1f}% | {p.memory['total'] / 1e9:.1f} "
+        f"| {p.runnable} |"
+    )
 
 
 def main(argv=None) -> None:
@@ -45,15 +56,26 @@ def main(argv=None) -> None:
     for cluster_name in ("h100_8x",) if args.smoke else ("h100_8x", "a100_4x"):
         cluster = load_cluster(ROOT / f"configs/clusters/{cluster_name}.py")
         for devices in (8,) if args.smoke else (16, 32):
-            found = {name: search(cfg, cluster, devices, Options(batch=512, seq=256, pipeline=stages, schedules=sched,
-                                                                 stage_remat=remat), flops_per_token=fpt)
-                     for name, stages, sched, remat in KINDS}
+            found = {
+                name: search(
+                    cfg,
+                    cluster,
+                    devices,
+                    Options(batch=512, seq=256, pipeline=stages, schedules=sched, stage_remat=remat),
+                    flops_per_token=fpt,
+                )
+                for name, stages, sched, remat in KINDS
+            }
             best = min(r.plans[0].step_s for r in found.values() if r.plans)
-            print(f"\n**cola_13b on {devices} x {cluster_name}** (batch 512 x seq 256; "
-                  f"{sum(r.considered for r in found.values())} plans priced, "
-                  f"{sum(r.rejected_memory for r in found.values())} over {cluster.usable_hbm / 1e9:.0f} GB)\n")
-            print("| best of | mesh p x d x f x t | schedule, M (bubble) | remat x accum | residual: qkv / o / mlp_in / "
-                  "mlp_out | step s | vs best | MFU | GB/GPU | trainer |")
+            print(
+                f"\n**cola_13b on {devices} x {cluster_name}** (batch 512 x seq 256; "
+                f"{sum(r.considered for r in found.values())} plans priced, "
+                f"{sum(r.rejected_memory for r in found.values())} over {cluster.usable_hbm / 1e9:.0f} GB)\n"
+            )
+            print(
+                "| best of | mesh p x d x f x t | schedule, M (bubble) | remat x accum | residual: qkv / o / mlp_in / "
+                "mlp_out | step s | vs best | MFU | GB/GPU | trainer |"
+            )
             print("|---|---|---|---|---|---|---|---|---|---|")
             for name, *_ in KINDS:
                 plans = found[name].plans

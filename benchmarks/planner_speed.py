@@ -11,6 +11,7 @@ shared machine the CPU time says what the search costs, the wall time what a use
 plans considered and priced, and whether the two return the same plans (top plans, best runnable).
 Target: <= 10 s for the pruned search alone on the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,27 @@ TARGET_S = 10.0
 
 def plan_key(p) -> tuple:
     """What identifies a priced plan (and its price) for the pruned/exhaustive comparison."""
-    return (str(p.mesh), str(p.layer), p.remat, p.grad_accum, p.microbatches, p.schedule, p.repeats, p.stage_remat,
-            p.context_attention, p.context_kv, p.step_s, p.memory["total"], p.runnable)
+    return (
+        str(p.mesh),
+        str(p.layer),
+        p.remat,
+        p.grad_accum,
+        p.microbatches,
+        p.schedule,
+        p.repeats,
+        p.stage_remat,
+        p.context_attention,
+        p.context_kv,
+        p.step_s,
+        p.memory["total"],
+        p.runnable,
+    )
 
 
 def same_result(a, b) -> bool:
-    return ([plan_key(p) for p in a.plans] == [plan_key(p) for p in b.plans]
-            and (a.best_runnable and plan_key(a.best_runnable)) == (b.best_runnable and plan_key(b.best_runnable)))
+    return [plan_key(p) for p in a.plans] == [plan_key(p) for p in b.plans] and (
+        a.best_runnable and plan_key(a.best_runnable)
+    ) == (b.best_runnable and plan_key(b.best_runnable))
 
 
 def timed_search(cfg, cluster, devices: int, opts, repeat: int) -> tuple:
@@ -66,27 +81,52 @@ def main(argv=None) -> int:
     search(cfg, cluster, 8, opts)  # warm-up: imports, the strategy tables
     runs = {"pruned": timed_search(cfg, cluster, args.devices, opts, args.repeat)}
     if not args.no_exhaustive:
-        runs["exhaustive"] = timed_search(cfg, cluster, args.devices, dataclasses.replace(opts, prune=False),
-                                          args.repeat)
+        runs["exhaustive"] = timed_search(
+            cfg, cluster, args.devices, dataclasses.replace(opts, prune=False), args.repeat
+        )
     same = same_result(runs["pruned"][2], runs["exhaustive"][2]) if "exhaustive" in runs else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    print(f"{cfg.name} on {args.devices} GPUs of {cluster.name}, batch {opts.batch} x seq {opts.seq}, top {opts.top}; "
-          f"{os.cpu_count()} CPUs, load average {load:.1f} at the end\n")
-    print("| search | wall s | CPU s | plans considered | priced in full | over HBM | best plan | within target |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print(
+        f"{cfg.name} on {args.devices} GPUs of {cluster.name}, batch {opts.batch} x seq {opts.seq}, top {opts.top}; "
+        f"{os.cpu_count()} CPUs, load average {load:.1f} at the end\n"
+    )
+    print(
+        "| search | wall s | CPU s | plans considered | priced in full | over HBM | best plan | within target |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     for name, (wall, cpu, res) in runs.items():
         best = res.plans[0]
         ok = "yes" if cpu <= TARGET_S else "NO"
-        print(f"| {name} | {wall:.2f} | {cpu:.2f} | {res.considered:,} | {res.priced:,} | {res.rejected_memory:,} "
-              f"| {best.mesh} {best.remat} accum {best.grad_accum}, {best.step_s:.4f} s | "
-              f"{ok if name == 'pruned' else '-'} |")
+        print(
+            f"| {name} | {wall:.2f} | {cpu:.2f} | {res.considered:,} | {res.priced:,} | {res.rejected_memory:,} "
+            f"| {best.mesh} {best.remat} accum {best.grad_accum}, {best.step_s:.4f} s | "
+            f"{ok if name == 'pruned' else '-'} |"
+        )
     if same is not None:
         print(f"\nThe pruned search returns the exhaustive one's plans: {'yes' if same else 'NO'}")
-    out = {"config": cfg.name, "devices": args.devices, "cluster": cluster.name, "batch": opts.batch, "seq": opts.seq,
-           "top": opts.top, "cpus": os.cpu_count(), "load_average": load, "target_s": TARGET_S, "same_plans": same,
-           "runs": {name: {"wall_s": wall, "cpu_s": cpu, "considered": res.considered, "priced": res.priced,
-                           "over_memory": res.rejected_memory, "best": plan_key(res.plans[0])}
-                    for name, (wall, cpu, res) in runs.items()}}
+    out = {
+        "config": cfg.name,
+        "devices": args.devices,
+        "cluster": cluster.name,
+        "batch": opts.batch,
+        "seq": opts.seq,
+        "top": opts.top,
+        "cpus": os.cpu_count(),
+        "load_average": load,
+        "target_s": TARGET_S,
+        "same_plans": same,
+        "runs": {
+            name: {
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "considered": res.considered,
+                "priced": res.priced,
+                "over_memory": res.rejected_memory,
+                "best": plan_key(res.plans[0]),
+            }
+            for name, (wall, cpu, res) in runs.items()
+        },
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0 if same is not False and runs["pruned"][1] <= TARGET_S else 1

@@ -22,6 +22,7 @@ datasheet constants (no fit), with the cluster file as it is and with the new fi
 cluster file (a block between FIT_BEGIN and FIT_END that overrides the datasheet values above it):
 after new measurements, add the rows to the JSON file and run this with --write.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,18 +40,32 @@ sys.path.insert(0, str(ROOT))
 MEASURED = ROOT / "benchmarks/h100_measured.json"
 CLUSTER = ROOT / "configs/clusters/h100_8x.py"
 # (constant, True when the time is linear in its inverse): what the fit may set
-FITTABLE = (("gemm_efficiency", True), ("flash_efficiency", True), ("elementwise_passes", False),
-            ("kept_passes", False))
+FITTABLE = (
+    ("gemm_efficiency", True),
+    ("flash_efficiency", True),
+    ("elementwise_passes", False),
+    ("kept_passes", False),
+)
 ROLES = ("fit", "held_out", "unmodelled")
 TOLERANCE = 0.15  # the planner's step time against the measured one (tests/test_planner_time.py)
 LOO_SLACK = 0.01  # a bigger subset of constants must beat the smallest by this much leave-one-out RMS
 FIT_BEGIN = "    # planner_time_fit: begin"
 FIT_END = "    # planner_time_fit: end"
-ROW_FIELDS = {"config": str, "seq": int, "batch": int, "overrides": dict, "step_ms": (int, float),
-              "device_kind": str, "date": str, "source": str, "role": str}
+ROW_FIELDS = {
+    "config": str,
+    "seq": int,
+    "batch": int,
+    "overrides": dict,
+    "step_ms": (int, float),
+    "device_kind": str,
+    "date": str,
+    "source": str,
+    "role": str,
+}
 
 
 # ---------------------------------------------------------------- the measured rows
+
 
 def load_rows(path=MEASURED) -> list[dict]:
     """The rows of a measured-steps file, checked (a bad row: one line naming the file, the row and
@@ -127,6 +142,7 @@ def price(row: dict, cluster):
 
 
 # ---------------------------------------------------------------- the constants
+
 
 def theta(cluster, names) -> list[float]:
     inverse = dict(FITTABLE)
@@ -208,10 +224,16 @@ def candidates(feats, measured, fit_rows, cluster) -> list[dict]:
                 loo.append(None if v is None else predict(feats[i], cluster, names, v) / measured[i] - 1)
             ok = values is not None and None not in loo
             ins = [predict(feats[i], cluster, names, values) / measured[i] - 1 for i in fit_rows] if ok else []
-            out.append({"constants": list(names), "values": values, "feasible": ok,
-                        "in_sample_max": max(map(abs, ins)) if ok else None,
-                        "loo_rms": float(np.sqrt(np.mean(np.square(loo)))) if ok else None,
-                        "loo_max": max(map(abs, loo)) if ok else None})
+            out.append(
+                {
+                    "constants": list(names),
+                    "values": values,
+                    "feasible": ok,
+                    "in_sample_max": max(map(abs, ins)) if ok else None,
+                    "loo_rms": float(np.sqrt(np.mean(np.square(loo)))) if ok else None,
+                    "loo_max": max(map(abs, loo)) if ok else None,
+                }
+            )
     return out
 
 
@@ -235,6 +257,7 @@ def constant_values(names, values) -> dict:
 
 # ---------------------------------------------------------------- the cluster file
 
+
 def strip_fit(text: str) -> str:
     """The cluster file without its fitted block (its datasheet values)."""
     if FIT_BEGIN not in text:
@@ -257,15 +280,21 @@ def fit_block(constants: dict, rows: list[dict], chosen: dict, measured_path) ->
     dates = sorted({r["date"] for r in rows})
     path = Path(measured_path).resolve()
     name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
-    lines = [FIT_BEGIN + " (written by `python benchmarks/planner_time_fit.py --write`; it overrides the",
-             "    # values above with the constants fitted to the measured steps)"]
+    lines = [
+        FIT_BEGIN + " (written by `python benchmarks/planner_time_fit.py --write`; it overrides the",
+        "    # values above with the constants fitted to the measured steps)",
+    ]
     for n, v in constants.items():
         lines.append(f"    c.{n} = {v:.4g}")
     lines.append("    c.fitted = {")
     for n, v in constants.items():
-        lines.append(f"        \"{n}\": \"{v:.4g}: least squares of the relative step-time error over the {len(rows)} fit \"")
-        lines.append(f"                \"rows of {name} ({dates[0]} to {dates[-1]}; leave-one-out RMS "
-                     f"{100 * chosen['loo_rms']:.1f}%)\",")
+        lines.append(
+            f'        "{n}": "{v:.4g}: least squares of the relative step-time error over the {len(rows)} fit "'
+        )
+        lines.append(
+            f'                "rows of {name} ({dates[0]} to {dates[-1]}; leave-one-out RMS '
+            f'{100 * chosen["loo_rms"]:.1f}%)",'
+        )
     lines += ["    }", FIT_END]
     return "\n".join(lines)
 
@@ -279,6 +308,7 @@ def write_cluster(path, block: str) -> None:
 
 
 # ---------------------------------------------------------------- remat picks
+
 
 def remat_picks(rows: list[dict], cluster) -> list[dict]:
     """Per plan measured under two or more remat policies (the other overrides equal): the measured
@@ -298,57 +328,78 @@ def remat_picks(rows: list[dict], cluster) -> list[dict]:
             continue
         r = next(iter(by_policy.values()))
         cfg = row_config(r)
-        res = search(cfg, cluster, 1, Options(batch=batch, seq=seq, attention=cfg.model.attention, grad_accum=1,
-                                              top=1))
+        res = search(cfg, cluster, 1, Options(batch=batch, seq=seq, attention=cfg.model.attention, grad_accum=1, top=1))
         pick = res.best_runnable.remat if res.best_runnable else None
         fastest = min(by_policy, key=lambda p: by_policy[p]["step_ms"])
-        out.append({"config": config, "seq": seq, "batch": batch, "overrides": json.loads(rest),
-                    "measured_ms": {p: by_policy[p]["step_ms"] for p in by_policy}, "measured_fastest": fastest,
-                    "planner_pick": pick, "agrees": pick == fastest})
+        out.append(
+            {
+                "config": config,
+                "seq": seq,
+                "batch": batch,
+                "overrides": json.loads(rest),
+                "measured_ms": {p: by_policy[p]["step_ms"] for p in by_policy},
+                "measured_fastest": fastest,
+                "planner_pick": pick,
+                "agrees": pick == fastest,
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------- the table
+
 
 def overrides_text(o: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in o.items()) or "defaults"
 
 
 def table(report: dict) -> str:
-    lines = ["| config | seq x batch | overrides | role | measured ms | datasheet ms | file now ms | fitted ms "
-             "| fitted / measured | within 15% | planner GB | measured peak GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | seq x batch | overrides | role | measured ms | datasheet ms | file now ms | fitted ms "
+        "| fitted / measured | within 15% | planner GB | measured peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["rows"]:
         ok = abs(r["fitted_error"]) <= TOLERANCE
         peak = "-" if r.get("peak_gb") is None else f"{r['peak_gb']:.1f}"
-        lines.append(f"| {r['config']} | {r['seq']} x {r['batch']} | {overrides_text(r['overrides'])} | {r['role']} "
-                     f"| {r['step_ms']:.1f} | {r['datasheet_ms']:.1f} ({r['datasheet_error']:+.0%}) "
-                     f"| {r['file_ms']:.1f} ({r['file_error']:+.0%}) | {r['fitted_ms']:.1f} "
-                     f"| {1 + r['fitted_error']:.3f} | {'yes' if ok else 'NO'} | {r['planner_gb']:.1f} | {peak} |")
+        lines.append(
+            f"| {r['config']} | {r['seq']} x {r['batch']} | {overrides_text(r['overrides'])} | {r['role']} "
+            f"| {r['step_ms']:.1f} | {r['datasheet_ms']:.1f} ({r['datasheet_error']:+.0%}) "
+            f"| {r['file_ms']:.1f} ({r['file_error']:+.0%}) | {r['fitted_ms']:.1f} "
+            f"| {1 + r['fitted_error']:.3f} | {'yes' if ok else 'NO'} | {r['planner_gb']:.1f} | {peak} |"
+        )
     return "\n".join(lines)
 
 
 def picks_table(picks: list[dict]) -> str:
-    lines = ["| config | seq x batch | overrides | measured ms by remat | measured fastest | planner's pick | agrees |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | seq x batch | overrides | measured ms by remat | measured fastest | planner's pick | agrees |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p in picks:
         ms = ", ".join(f"{k} {v:.1f}" for k, v in p["measured_ms"].items())
-        lines.append(f"| {p['config']} | {p['seq']} x {p['batch']} | {overrides_text(p['overrides'])} | {ms} "
-                     f"| {p['measured_fastest']} | {p['planner_pick']} | {'yes' if p['agrees'] else 'NO'} |")
+        lines.append(
+            f"| {p['config']} | {p['seq']} x {p['batch']} | {overrides_text(p['overrides'])} | {ms} "
+            f"| {p['measured_fastest']} | {p['planner_pick']} | {'yes' if p['agrees'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
 def candidates_table(cands: list[dict], chosen: dict) -> str:
-    lines = ["| constants fitted | values | in-sample max error | leave-one-out RMS | leave-one-out max |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| constants fitted | values | in-sample max error | leave-one-out RMS | leave-one-out max |",
+        "|---|---|---|---|---|",
+    ]
     for c in cands:
         if not c["feasible"]:
             lines.append(f"| {', '.join(c['constants'])} | outside the physical range | - | - | - |")
             continue
         vals = ", ".join(f"{n} {v:.3g}" for n, v in constant_values(c["constants"], c["values"]).items())
         mark = " (taken)" if c is chosen else ""
-        lines.append(f"| {', '.join(c['constants'])}{mark} | {vals} | {c['in_sample_max']:.1%} | {c['loo_rms']:.1%} "
-                     f"| {c['loo_max']:.1%} |")
+        lines.append(
+            f"| {', '.join(c['constants'])}{mark} | {vals} | {c['in_sample_max']:.1%} | {c['loo_rms']:.1%} "
+            f"| {c['loo_max']:.1%} |"
+        )
     return "\n".join(lines)
 
 
@@ -380,32 +431,58 @@ def run(measured=MEASURED, cluster_path=CLUSTER, fit: tuple = ()) -> dict:
         linear = predict(feat, base, chosen["constants"], chosen["values"])
         assert abs(plan.step_s - linear) <= 1e-6 * linear, (plan.step_s, linear)
         d, f = price(r, base).step_s, price(r, now).step_s
-        out_rows.append({**r, "datasheet_ms": 1e3 * d, "datasheet_error": 1e3 * d / r["step_ms"] - 1,
-                         "file_ms": 1e3 * f, "file_error": 1e3 * f / r["step_ms"] - 1,
-                         "fitted_ms": 1e3 * plan.step_s, "fitted_error": 1e3 * plan.step_s / r["step_ms"] - 1,
-                         "planner_gb": plan.memory["total"] / 1e9,
-                         "peak_gb": r["peak_gib"] * 2**30 / 1e9 if "peak_gib" in r else None,
-                         "parts_ms": {"layers": 1e3 * plan.layer_cost.total * int(row_config(r).model.n_layers),
-                                      "layers_kept": 1e3 * plan.layer_cost.kept * int(row_config(r).model.n_layers),
-                                      "layers_recompute": 1e3 * plan.layer_cost.recompute
-                                      * int(row_config(r).model.n_layers),
-                                      "embedding_head": 1e3 * plan.rest_cost.total,
-                                      "optimizer": 1e3 * plan.optimizer_s}})
-    return {"date": datetime.date.today().isoformat(), "measured": str(Path(measured).relative_to(ROOT))
-            if Path(measured).resolve().is_relative_to(ROOT) else str(measured),
-            "cluster": base.name, "datasheet": {n: getattr(base, n) for n, _ in FITTABLE},
-            "file_now": {n: getattr(now, n) for n, _ in FITTABLE}, "fitted": constants,
-            "chosen": chosen, "candidates": cands, "rows": out_rows, "remat_picks": remat_picks(rows, fitted),
-            "remat_picks_datasheet": remat_picks(rows, base), "tolerance": TOLERANCE}
+        out_rows.append(
+            {
+                **r,
+                "datasheet_ms": 1e3 * d,
+                "datasheet_error": 1e3 * d / r["step_ms"] - 1,
+                "file_ms": 1e3 * f,
+                "file_error": 1e3 * f / r["step_ms"] - 1,
+                "fitted_ms": 1e3 * plan.step_s,
+                "fitted_error": 1e3 * plan.step_s / r["step_ms"] - 1,
+                "planner_gb": plan.memory["total"] / 1e9,
+                "peak_gb": r["peak_gib"] * 2**30 / 1e9 if "peak_gib" in r else None,
+                "parts_ms": {
+                    "layers": 1e3 * plan.layer_cost.total * int(row_config(r).model.n_layers),
+                    "layers_kept": 1e3 * plan.layer_cost.kept * int(row_config(r).model.n_layers),
+                    "layers_recompute": 1e3 * plan.layer_cost.recompute * int(row_config(r).model.n_layers),
+                    "embedding_head": 1e3 * plan.rest_cost.total,
+                    "optimizer": 1e3 * plan.optimizer_s,
+                },
+            }
+        )
+    return {
+        "date": datetime.date.today().isoformat(),
+        "measured": str(Path(measured).relative_to(ROOT))
+        if Path(measured).resolve().is_relative_to(ROOT)
+        else str(measured),
+        "cluster": base.name,
+        "datasheet": {n: getattr(base, n) for n, _ in FITTABLE},
+        "file_now": {n: getattr(now, n) for n, _ in FITTABLE},
+        "fitted": constants,
+        "chosen": chosen,
+        "candidates": cands,
+        "rows": out_rows,
+        "remat_picks": remat_picks(rows, fitted),
+        "remat_picks_datasheet": remat_picks(rows, base),
+        "tolerance": TOLERANCE,
+    }
 
 
 def failures(report: dict, roles=("fit", "held_out")) -> list[str]:
     """Rows outside TOLERANCE (of `roles`) and remat picks that are not the measured fastest."""
-    out = [f"{r['config']} {r['seq']}x{r['batch']} {overrides_text(r['overrides'])}: planner {r['fitted_ms']:.1f} ms, "
-           f"measured {r['step_ms']:.1f} ({r['fitted_error']:+.1%})"
-           for r in report["rows"] if r["role"] in roles and abs(r["fitted_error"]) > TOLERANCE]
-    out += [f"{p['config']} {p['seq']}x{p['batch']}: planner picks remat {p['planner_pick']}, measured fastest "
-            f"{p['measured_fastest']}" for p in report["remat_picks"] if not p["agrees"]]
+    out = [
+        f"{r['config']} {r['seq']}x{r['batch']} {overrides_text(r['overrides'])}: planner {r['fitted_ms']:.1f} ms, "
+        f"measured {r['step_ms']:.1f} ({r['fitted_error']:+.1%})"
+        for r in report["rows"]
+        if r["role"] in roles and abs(r["fitted_error"]) > TOLERANCE
+    ]
+    out += [
+        f"{p['config']} {p['seq']}x{p['batch']}: planner picks remat {p['planner_pick']}, measured fastest "
+        f"{p['measured_fastest']}"
+        for p in report["remat_picks"]
+        if not p["agrees"]
+    ]
     return out
 
 
@@ -424,20 +501,29 @@ def main(argv=None) -> int:
         raise SystemExit(str(e)) from None
     rows = newest(load_rows(args.measured))
     block = fit_block(report["fitted"], [r for r in rows if r["role"] == "fit"], report["chosen"], args.measured)
-    text = (f"Measured steps: {report['measured']} ({len(report['rows'])} plans); cluster {report['cluster']} "
-            f"({args.cluster}).\n\nCandidate fits (relative least squares over the {sum(r['role'] == 'fit' for r in rows)}"
-            f" fit rows; leave-one-out: each row predicted from the others):\n\n"
-            + candidates_table(report["candidates"], report["chosen"])
-            + "\n\nFitted: " + ", ".join(f"{n} = {v:.4g}" for n, v in report["fitted"].items())
-            + " (the other constants keep the cluster file's datasheet values: "
-            + ", ".join(f"{n} {v:.4g}" for n, v in report["datasheet"].items() if n not in report["fitted"]) + ")\n\n"
-            + table(report) + "\n\nRemat picks (the planner's one-device search, no accumulation), fitted constants:\n\n"
-            + picks_table(report["remat_picks"]) + "\n\nWith the datasheet constants:\n\n"
-            + picks_table(report["remat_picks_datasheet"]))
+    text = (
+        f"Measured steps: {report['measured']} ({len(report['rows'])} plans); cluster {report['cluster']} "
+        f"({args.cluster}).\n\nCandidate fits (relative least squares over the {sum(r['role'] == 'fit' for r in rows)}"
+        f" fit rows; leave-one-out: each row predicted from the others):\n\n"
+        + candidates_table(report["candidates"], report["chosen"])
+        + "\n\nFitted: "
+        + ", ".join(f"{n} = {v:.4g}" for n, v in report["fitted"].items())
+        + " (the other constants keep the cluster file's datasheet values: "
+        + ", ".join(f"{n} {v:.4g}" for n, v in report["datasheet"].items() if n not in report["fitted"])
+        + ")\n\n"
+        + table(report)
+        + "\n\nRemat picks (the planner's one-device search, no accumulation), fitted constants:\n\n"
+        + picks_table(report["remat_picks"])
+        + "\n\nWith the datasheet constants:\n\n"
+        + picks_table(report["remat_picks_datasheet"])
+    )
     fails = failures(report)
-    text += "\n\n" + ("PASS: every fit and held-out row within 15%, every remat pick the measured fastest."
-                      if not fails else "FAIL: " + "; ".join(fails))
-    text += f"\n\nThe cluster file's fitted block ({'written' if args.write else 'paste it, or run with --write'}):\n\n{block}"
+    text += "\n\n" + (
+        "PASS: every fit and held-out row within 15%, every remat pick the measured fastest."
+        if not fails
+        else "FAIL: " + "; ".join(fails)
+    )
+    text += f"\n\nThe cluster file's fitted block ({'written' if args.write else 'paste it, or run with --write'}):\n\n{block}"  # noqa: E501
     print(text)
     if args.write:
         write_cluster(args.cluster, block)

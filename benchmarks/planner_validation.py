@@ -18,6 +18,7 @@ attention (model.attention=cudnn; Megatron-LM and BOOST run FlashAttention) and 
 checkpointing. Passes when the ordering matches
 and each time's ratio to BTP is within 30% of the reported ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from boost_jax.planner.cluster import Cluster  # noqa: E402
+
 REPORTED = {"megatron": 1.06, "vanilla": 1.64, "btp": 0.72}  # seconds per iteration
 # Per-layer forward TP-4 all-reduce time at batch 4 x seq 4096 (seconds): what intra_* were fitted to.
 REPORTED_TP_COMM = {"megatron": 2.01e-3, "vanilla": 9.87e-3, "btp": 1.85e-3}
@@ -66,8 +68,16 @@ def forward_tp_collectives(strategy: str) -> list:
     cfg = sized_config("7b", LINEAR[strategy])
     cfg.model.max_seq_len = SEQ
     cluster = load_cluster(ROOT / "configs/clusters/a100_4x.py")  # only the collectives are read
-    plan = plan_for(cfg, cluster, Mesh(*MESH), 1, "none", Layer(*uniform_plan(strategy)),
-                    Options(batch=COMM_BATCH, seq=SEQ, check_memory=False), flops_per_token=1.0)
+    plan = plan_for(
+        cfg,
+        cluster,
+        Mesh(*MESH),
+        1,
+        "none",
+        Layer(*uniform_plan(strategy)),
+        Options(batch=COMM_BATCH, seq=SEQ, check_memory=False),
+        flops_per_token=1.0,
+    )
     return [c for c in plan.layer_colls if c.axis == "tensor" and c.phase == "fwd"]
 
 
@@ -83,12 +93,24 @@ def fitted_rows(cluster=ROOT / "configs/clusters/a100_4x.py") -> list[dict]:
         colls = forward_tp_collectives(k)
         got = sum(C.coll_seconds(c, cluster, 2) for c in colls)
         gib = sum(C.coll_bytes(c, 2) for c in colls) / 2**30
-        rows.append({"quantity": f"{k}: forward TP all-reduce per layer, ms ({len(colls)} all-reduces, {gib:.3f} GiB)",
-                     "predicted": 1e3 * got, "reported": 1e3 * want, "fits": "intra_bandwidth, intra_latency"})
+        rows.append(
+            {
+                "quantity": f"{k}: forward TP all-reduce per layer, ms ({len(colls)} all-reduces, {gib:.3f} GiB)",
+                "predicted": 1e3 * got,
+                "reported": 1e3 * want,
+                "fits": "intra_bandwidth, intra_latency",
+            }
+        )
     m, d, r = COMM_BATCH * SEQ, 4096, 1024  # vanilla's A: (m, d, r/4); BTP's: (m, d/4, r)
     ratio = C.gemm_efficiency(m, d, r / 4, cluster) / C.gemm_efficiency(m, d, r, cluster)
-    rows.append({"quantity": "GEMM efficiency r/4 = 256 over r = 1024 (vanilla TP-4 / BTP)", "predicted": ratio,
-                 "reported": REPORTED_GEMM_RATIO, "fits": "gemm_half_dim"})
+    rows.append(
+        {
+            "quantity": "GEMM efficiency r/4 = 256 over r = 1024 (vanilla TP-4 / BTP)",
+            "predicted": ratio,
+            "reported": REPORTED_GEMM_RATIO,
+            "fits": "gemm_half_dim",
+        }
+    )
     for r in rows:
         r["error"] = r["predicted"] / r["reported"] - 1
     return rows
@@ -96,8 +118,11 @@ def fitted_rows(cluster=ROOT / "configs/clusters/a100_4x.py") -> list[dict]:
 
 def check_fit(rows: list[dict], tolerance: float = FIT_TOLERANCE) -> list[str]:
     """Failures of the fitted comparisons (empty when every one is within `tolerance`)."""
-    return [f"{r['quantity']}: predicted {r['predicted']:.3g}, reported {r['reported']:.3g} ({r['error']:+.1%})"
-            for r in rows if abs(r["error"]) > tolerance]
+    return [
+        f"{r['quantity']}: predicted {r['predicted']:.3g}, reported {r['reported']:.3g} ({r['error']:+.1%})"
+        for r in rows
+        if abs(r["error"]) > tolerance
+    ]
 
 
 def fit() -> tuple[float, float]:
@@ -110,8 +135,12 @@ def fit() -> tuple[float, float]:
     rows, times = [], []
     for k, want in REPORTED_TP_COMM.items():
         colls = forward_tp_collectives(k)
-        rows.append([sum(C.link_bytes(c.kind, C.coll_bytes(c, 2), c.size) for c in colls),
-                     sum(C._steps(c.kind, c.size) for c in colls)])
+        rows.append(
+            [
+                sum(C.link_bytes(c.kind, C.coll_bytes(c, 2), c.size) for c in colls),
+                sum(C._steps(c.kind, c.size) for c in colls),
+            ]
+        )
         times.append(want)
     (inv_bw, latency), *_ = np.linalg.lstsq(np.asarray(rows, float), np.asarray(times), rcond=None)
     return 1.0 / inv_bw, float(latency)
@@ -120,14 +149,20 @@ def fit() -> tuple[float, float]:
 def fitted_markdown(rows: list[dict]) -> str:
     lines = ["| fitted quantity | predicted | reported | error | constants fitted to it |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['quantity']} | {r['predicted']:.3g} | {r['reported']:.3g} | {r['error']:+.1%} "
-                     f"| {r['fits']} |")
+        lines.append(
+            f"| {r['quantity']} | {r['predicted']:.3g} | {r['reported']:.3g} | {r['error']:+.1%} | {r['fits']} |"
+        )
     return "\n".join(lines)
 
 
 # (field, values) varied one at a time around the cluster file for --sensitivity
-SENSITIVITY = (("elementwise_passes", (0, 10)), ("gemm_half_dim", (1, 192)), ("intra_bandwidth", (150e9, 300e9)),
-               ("intra_latency", (2e-6, 20e-6)), ("flash_efficiency", (0.45, 0.75)))
+SENSITIVITY = (
+    ("elementwise_passes", (0, 10)),
+    ("gemm_half_dim", (1, 192)),
+    ("intra_bandwidth", (150e9, 300e9)),
+    ("intra_latency", (2e-6, 20e-6)),
+    ("flash_efficiency", (0.45, 0.75)),
+)
 
 
 def sensitivity(cluster) -> list[dict]:
@@ -146,9 +181,15 @@ def sensitivity(cluster) -> list[dict]:
             else:
                 changed = dataclasses.replace(cluster, **{field: value})
             plans = predict(changed)
-            rows.append({"field": field, "value": value,
-                         "megatron/btp": plans["megatron"].step_s / plans["btp"].step_s,
-                         "vanilla/btp": plans["vanilla"].step_s / plans["btp"].step_s, "pass": not check(plans)})
+            rows.append(
+                {
+                    "field": field,
+                    "value": value,
+                    "megatron/btp": plans["megatron"].step_s / plans["btp"].step_s,
+                    "vanilla/btp": plans["vanilla"].step_s / plans["btp"].step_s,
+                    "pass": not check(plans),
+                }
+            )
     return rows
 
 
@@ -166,16 +207,22 @@ def check(plans: dict) -> list[str]:
 
 
 def markdown(plans: dict, usable_gb: float) -> str:
-    lines = [("| method | predicted s/iter | reported s/iter | predicted / BTP | reported / BTP | ratio error "
-              "| layer: compute / TP comm ms (per micro-batch) | MFU | memory GB/GPU |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| method | predicted s/iter | reported s/iter | predicted / BTP | reported / BTP | ratio error "
+            "| layer: compute / TP comm ms (per micro-batch) | MFU | memory GB/GPU |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     names = {"megatron": "full-rank Megatron TP", "vanilla": "vanilla low-rank TP", "btp": "BTP (BOOST)"}
     for k, p in plans.items():
         ratio, want = p.step_s / plans["btp"].step_s, REPORTED[k] / REPORTED["btp"]
         mem = p.memory["total"] / 1e9
-        lines.append(f"| {names[k]} | {p.step_s:.3f} | {REPORTED[k]:.2f} | {ratio:.2f} | {want:.2f} "
-                     f"| {ratio / want - 1:+.0%} | {1e3 * p.layer_cost.compute:.2f} / {1e3 * p.layer_cost.comm:.2f} "
-                     f"| {100 * p.mfu:.1f}% | {mem:.1f}{' (over ' + f'{usable_gb:.0f})' if mem > usable_gb else ''} |")
+        lines.append(
+            f"| {names[k]} | {p.step_s:.3f} | {REPORTED[k]:.2f} | {ratio:.2f} | {want:.2f} "
+            f"| {ratio / want - 1:+.0%} | {1e3 * p.layer_cost.compute:.2f} / {1e3 * p.layer_cost.comm:.2f} "
+            f"| {100 * p.mfu:.1f}% | {mem:.1f}{' (over ' + f'{usable_gb:.0f})' if mem > usable_gb else ''} |"
+        )
     return "\n".join(lines)
 
 
@@ -191,43 +238,76 @@ def main(argv=None) -> int:
 
     cluster = load_cluster(args.cluster)
     rows = fitted_rows(args.cluster)
-    text = (f"Fitted (in-sample; {cluster.name}'s `fitted` constants were set from these numbers):\n\n"
-            + fitted_markdown(rows))
+    text = (
+        f"Fitted (in-sample; {cluster.name}'s `fitted` constants were set from these numbers):\n\n"
+        + fitted_markdown(rows)
+    )
     fit_fails = check_fit(rows)
-    text += "\n\n" + ("PASS: every fitted quantity is within 10% of the number it was fitted to." if not fit_fails
-                       else "FAIL (the fit drifted): " + "; ".join(fit_fails))
+    text += "\n\n" + (
+        "PASS: every fitted quantity is within 10% of the number it was fitted to."
+        if not fit_fails
+        else "FAIL (the fit drifted): " + "; ".join(fit_fails)
+    )
     refit = None
     if args.fit:
         refit = fit()
-        text += (f"\n\nLeast-squares refit: intra_bandwidth {refit[0] / 1e9:.1f} GB/s, intra_latency "
-                 f"{refit[1] * 1e6:.2f} µs (the cluster file: {cluster.intra.bandwidth / 1e9:.0f} GB/s, "
-                 f"{cluster.intra.latency * 1e6:.0f} µs).")
+        text += (
+            f"\n\nLeast-squares refit: intra_bandwidth {refit[0] / 1e9:.1f} GB/s, intra_latency "
+            f"{refit[1] * 1e6:.2f} µs (the cluster file: {cluster.intra.bandwidth / 1e9:.0f} GB/s, "
+            f"{cluster.intra.latency * 1e6:.0f} µs)."
+        )
     plans = predict(args.cluster)
-    text += ("\n\nNot fitted (held out: no cluster constant is fitted to these times; "
-             f"{cluster.name}'s `fitted` lists every one that is):\n\n")
+    text += (
+        "\n\nNot fitted (held out: no cluster constant is fitted to these times; "
+        f"{cluster.name}'s `fitted` lists every one that is):\n\n"
+    )
     text += markdown(plans, cluster.usable_hbm / 1e9)
     xla = predict(args.cluster, attention="xla")
-    text += ("\n\nWith model.attention=xla (scores materialised in HBM) instead of a fused kernel: "
-             + ", ".join(f"{k} {p.step_s:.3f} s" for k, p in xla.items()) + ".")
+    text += (
+        "\n\nWith model.attention=xla (scores materialised in HBM) instead of a fused kernel: "
+        + ", ".join(f"{k} {p.step_s:.3f} s" for k, p in xla.items())
+        + "."
+    )
     sens = sensitivity(cluster) if args.sensitivity else None
     if sens:
-        text += ("\n\nSensitivity (one constant changed at a time; ratios Megatron/BTP, vanilla/BTP, reported "
-                 f"{REPORTED['megatron'] / REPORTED['btp']:.2f}, {REPORTED['vanilla'] / REPORTED['btp']:.2f}): "
-                 + "; ".join(f"{r['field']} {r['value']:g} -> {r['megatron/btp']:.2f}, {r['vanilla/btp']:.2f}"
-                             + ("" if r["pass"] else " (outside 30%)") for r in sens) + ".")
+        text += (
+            "\n\nSensitivity (one constant changed at a time; ratios Megatron/BTP, vanilla/BTP, reported "
+            f"{REPORTED['megatron'] / REPORTED['btp']:.2f}, {REPORTED['vanilla'] / REPORTED['btp']:.2f}): "
+            + "; ".join(
+                f"{r['field']} {r['value']:g} -> {r['megatron/btp']:.2f}, {r['vanilla/btp']:.2f}"
+                + ("" if r["pass"] else " (outside 30%)")
+                for r in sens
+            )
+            + "."
+        )
     fails = check(plans)
-    text += "\n\n" + ("PASS: ordering matches and every ratio to BTP is within 30% of the reported one."
-                      if not fails else "FAIL: " + "; ".join(fails))
+    text += "\n\n" + (
+        "PASS: ordering matches and every ratio to BTP is within 30% of the reported one."
+        if not fails
+        else "FAIL: " + "; ".join(fails)
+    )
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     if args.json:
-        out = {"cluster": cluster.name, "fitted_constants": dict(cluster.fitted), "fitted": rows,
-               "refit": None if refit is None else {"intra_bandwidth": refit[0], "intra_latency": refit[1]},
-               "held_out": {k: {"predicted_s": p.step_s, "reported_s": REPORTED[k], "mfu": p.mfu,
-                                "memory_gb": p.memory["total"] / 1e9} for k, p in plans.items()},
-               "held_out_materialized_attention_s": {k: p.step_s for k, p in xla.items()}, "sensitivity": sens,
-               "pass": not fails and not fit_fails}
+        out = {
+            "cluster": cluster.name,
+            "fitted_constants": dict(cluster.fitted),
+            "fitted": rows,
+            "refit": None if refit is None else {"intra_bandwidth": refit[0], "intra_latency": refit[1]},
+            "held_out": {
+                k: {
+                    "predicted_s": p.step_s,
+                    "reported_s": REPORTED[k],
+                    "mfu": p.mfu,
+                    "memory_gb": p.memory["total"] / 1e9,
+                }
+                for k, p in plans.items()
+            },
+            "held_out_materialized_attention_s": {k: p.step_s for k, p in xla.items()},
+            "sensitivity": sens,
+            "pass": not fails and not fit_fails,
+        }
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 1 if fails or fit_fails else 0
 

@@ -14,6 +14,7 @@ and written to boost_jax/tools/targets/step_costs.json (unless --check, which on
 constants there); every row is then priced, its ratio printed with F (fitted) or H (held out), and
 the orders the measured file lists (a variant slower than another) checked.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,8 +99,14 @@ def _portable(text: str) -> str:
 def costs_of(x, fitted_on=(), share: float = REMAT_CLONE_SHARE) -> sp.Costs:
     n = len(sp.GEMM_CLASSES)
     eff = dict(zip(sp.GEMM_CLASSES, (float(v) for v in x[:n])))
-    return sp.Costs(eff, ATTENTION_EFFICIENCY, float(x[n]) * 1e-6, share, tuple(fitted_on),
-                    note="fitted by benchmarks/step_profile_fit.py")
+    return sp.Costs(
+        eff,
+        ATTENTION_EFFICIENCY,
+        float(x[n]) * 1e-6,
+        share,
+        tuple(fitted_on),
+        note="fitted by benchmarks/step_profile_fit.py",
+    )
 
 
 def predict(programs: dict, target: str, c: sp.Costs) -> dict:
@@ -117,13 +124,19 @@ def fit(programs: dict, rows: list[dict], target: str) -> sp.Costs:
 
     def loss(x):
         c = costs_of(np.clip(x, lo, hi))
-        return sum(math.log(sp.price(programs[r["name"]], target, c)["predicted_step_s"] * 1e3 / r["step_ms"]) ** 2
-                   for r in fitted)
+        return sum(
+            math.log(sp.price(programs[r["name"]], target, c)["predicted_step_s"] * 1e3 / r["step_ms"]) ** 2
+            for r in fitted
+        )
 
     best = None
     for start in ([0.7, 0.5, 0.5, 5.0], [0.9, 0.7, 0.7, 2.0], [0.5, 0.4, 0.3, 8.0]):
-        res = minimize(loss, np.array(start), method="Nelder-Mead",
-                       options={"xatol": 1e-4, "fatol": 1e-8, "maxiter": 4000, "maxfev": 4000})
+        res = minimize(
+            loss,
+            np.array(start),
+            method="Nelder-Mead",
+            options={"xatol": 1e-4, "fatol": 1e-8, "maxiter": 4000, "maxfev": 4000},
+        )
         if best is None or res.fun < best.fun:
             best = res
     return costs_of(np.clip(best.x, lo, hi), [r["name"] for r in fitted])
@@ -136,11 +149,20 @@ def table(rows: list[dict], predicted: dict) -> list[dict]:
         ms = p["predicted_step_s"] * 1e3
         clones = p["remat_clones"]
         with_clones = ms + (1 - p["remat_clone_share"]) * clones["time_s"] * 1e3
-        out.append({"name": r["name"], "set": "fitted" if r.get("fit") else "held out", "measured_ms": r["step_ms"],
-                    "predicted_ms": ms, "ratio": ms / r["step_ms"], "launches": p["launches"],
-                    "time_by_category_ms": {k: v * 1e3 for k, v in p["time_by_category"].items()},
-                    "remat_clones": clones["kernels"], "ratio_with_clones": with_clones / r["step_ms"],
-                    "source": r.get("source", "")})
+        out.append(
+            {
+                "name": r["name"],
+                "set": "fitted" if r.get("fit") else "held out",
+                "measured_ms": r["step_ms"],
+                "predicted_ms": ms,
+                "ratio": ms / r["step_ms"],
+                "launches": p["launches"],
+                "time_by_category_ms": {k: v * 1e3 for k, v in p["time_by_category"].items()},
+                "remat_clones": clones["kernels"],
+                "ratio_with_clones": with_clones / r["step_ms"],
+                "source": r.get("source", ""),
+            }
+        )
     return out
 
 
@@ -148,32 +170,52 @@ def orders(spec: list, predicted: dict, measured: dict) -> list[dict]:
     out = []
     for a, op, b, what in spec:
         pa, pb = predicted[a]["predicted_step_s"], predicted[b]["predicted_step_s"]
-        out.append({"slower": a, "faster": b, "what": what, "measured_ms": [measured[a], measured[b]],
-                    "predicted_ms": [pa * 1e3, pb * 1e3], "kept": pa > pb if op == ">" else pa < pb})
+        out.append(
+            {
+                "slower": a,
+                "faster": b,
+                "what": what,
+                "measured_ms": [measured[a], measured[b]],
+                "predicted_ms": [pa * 1e3, pb * 1e3],
+                "kept": pa > pb if op == ">" else pa < pb,
+            }
+        )
     return out
 
 
 def markdown(result: dict) -> str:
     c = result["costs"]
     cats = [k for k in sp.CATEGORIES]
-    lines = [f"# Step-time table vs measured {result['device']} steps",
-             "", f"`{result['command']}`", "",
-             "Fitted constants: GEMM efficiency " + ", ".join(f"{k} {v:.3f}" for k, v in c["gemm_efficiency"].items())
-             + f", launch {c['launch_s'] * 1e6:.2f} µs; not fitted: attention {c['attention_efficiency']:.3f} "
-             f"(the measured cuDNN kernel), XLA's rematerialized clones priced at {c['remat_clone_share']:.0%}.", "",
-             "Milliseconds per step; the categories are the predicted table; `clones`: XLA's rematerialized "
-             "clones in the deviceless program, and the ratio were they priced in full.", "",
-             "| row | set | measured ms | predicted ms | ratio | " + " | ".join(cats) + " | clones | ratio with clones |",
-             "|---|---|---|---|---|" + "---|" * len(cats) + "---|---|"]
+    lines = [
+        f"# Step-time table vs measured {result['device']} steps",
+        "",
+        f"`{result['command']}`",
+        "",
+        "Fitted constants: GEMM efficiency "
+        + ", ".join(f"{k} {v:.3f}" for k, v in c["gemm_efficiency"].items())
+        + f", launch {c['launch_s'] * 1e6:.2f} µs; not fitted: attention {c['attention_efficiency']:.3f} "
+        f"(the measured cuDNN kernel), XLA's rematerialized clones priced at {c['remat_clone_share']:.0%}.",
+        "",
+        "Milliseconds per step; the categories are the predicted table; `clones`: XLA's rematerialized "
+        "clones in the deviceless program, and the ratio were they priced in full.",
+        "",
+        "| row | set | measured ms | predicted ms | ratio | " + " | ".join(cats) + " | clones | ratio with clones |",
+        "|---|---|---|---|---|" + "---|" * len(cats) + "---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['name']} | {r['set']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{r['ratio']:.3f} | " + " | ".join(f"{r['time_by_category_ms'][k]:.1f}" for k in cats)
-                     + f" | {r['remat_clones']} | {r['ratio_with_clones']:.3f} |")
+        lines.append(
+            f"| {r['name']} | {r['set']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
+            f"{r['ratio']:.3f} | "
+            + " | ".join(f"{r['time_by_category_ms'][k]:.1f}" for k in cats)
+            + f" | {r['remat_clones']} | {r['ratio_with_clones']:.3f} |"
+        )
     lines += ["", "| order | measured ms | predicted ms | kept |", "|---|---|---|---|"]
     for o in result["orders"]:
-        lines.append(f"| {o['what']}: {o['slower']} > {o['faster']} | {o['measured_ms'][0]:.1f} > "
-                     f"{o['measured_ms'][1]:.1f} | {o['predicted_ms'][0]:.1f} > {o['predicted_ms'][1]:.1f} | "
-                     f"{'yes' if o['kept'] else 'NO'} |")
+        lines.append(
+            f"| {o['what']}: {o['slower']} > {o['faster']} | {o['measured_ms'][0]:.1f} > "
+            f"{o['measured_ms'][1]:.1f} | {o['predicted_ms'][0]:.1f} > {o['predicted_ms'][1]:.1f} | "
+            f"{'yes' if o['kept'] else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -196,16 +238,25 @@ def main(argv=None) -> dict:
     else:
         c = fit(programs, rows, args.target)
         table_ = json.loads(sp.COSTS_FILE.read_text()) if sp.COSTS_FILE.is_file() else {}
-        table_[args.target] = {**sp.costs_dict(c), "fitted_on": list(c.fitted_on),
-                               "measured": str(Path(args.measured).resolve().relative_to(ROOT))
-                               if Path(args.measured).resolve().is_relative_to(ROOT) else args.measured}
+        table_[args.target] = {
+            **sp.costs_dict(c),
+            "fitted_on": list(c.fitted_on),
+            "measured": str(Path(args.measured).resolve().relative_to(ROOT))
+            if Path(args.measured).resolve().is_relative_to(ROOT)
+            else args.measured,
+        }
         sp.COSTS_FILE.write_text(json.dumps(table_, indent=1) + "\n")
     predicted = predict(programs, args.target, c)
     measured = {r["name"]: r["step_ms"] for r in rows}
-    result = {"device": spec.get("device", args.target), "target": args.target,
-              "command": "python benchmarks/step_profile_fit.py" + (" --check" if args.check else ""),
-              "costs": sp.costs_dict(c), "rows": table(rows, predicted),
-              "orders": orders(spec.get("orders", []), predicted, measured), "tolerance": TOLERANCE}
+    result = {
+        "device": spec.get("device", args.target),
+        "target": args.target,
+        "command": "python benchmarks/step_profile_fit.py" + (" --check" if args.check else ""),
+        "costs": sp.costs_dict(c),
+        "rows": table(rows, predicted),
+        "orders": orders(spec.get("orders", []), predicted, measured),
+        "tolerance": TOLERANCE,
+    }
     result["within_tolerance"] = all(abs(r["ratio"] - 1) <= TOLERANCE for r in result["rows"])
     result["orders_kept"] = all(o["kept"] for o in result["orders"])
     text = markdown(result)

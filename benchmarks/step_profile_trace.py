@@ -15,6 +15,7 @@ measured step, the predicted and the measured table by category (step_profile.me
 side by side. On a CPU it runs too (the host's events), which is how tests/test_step_profile.py
 checks it; its times then say nothing about a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,9 @@ from step_profile_fit import MEASURED, row_config, slug  # noqa: E402
 def trace_row(row: dict, out: Path, steps: int, warmup: int, size: dict | None = None) -> dict:
     """Compile, time and trace one row's step on the first local device; write its HLO, events and trace."""
     import jax
+    from step_time import build, timed_steps
 
     from boost_jax.tools import step_profile as sp
-    from step_time import build, timed_steps
 
     size = dict(size or {})
     row = {**row, "seq": size.pop("seq", row["seq"]), "batch": size.pop("batch", row["batch"])}
@@ -53,9 +54,13 @@ def trace_row(row: dict, out: Path, steps: int, warmup: int, size: dict | None =
     got = sp.measured(found["events"], text)
     print(f"{row['name']}: measured step {step_s * 1e3:.1f} ms ({len(found['events']['events'])} kernels traced)")
     print(sp.side_by_side(predicted, got))
-    return {"name": row["name"], "step_s": step_s, "device_kind": jax.devices()[0].device_kind,
-            "predicted": {k: predicted[k] for k in ("predicted_step_s", "time_by_category", "launches")},
-            "measured": got}
+    return {
+        "name": row["name"],
+        "step_s": step_s,
+        "device_kind": jax.devices()[0].device_kind,
+        "predicted": {k: predicted[k] for k in ("predicted_step_s", "time_by_category", "launches")},
+        "measured": got,
+    }
 
 
 def trace_compiled(compiled, state, tokens, out: Path, name: str, steps: int, step_s: float) -> dict:

@@ -11,6 +11,7 @@ round-robin, one step each per round, each ended by block_until_ready, so slow d
 machine hits all of them alike. Ratios are between columns of this run only. Not a test: on a CPU
 the emulated devices share cores, so the times say little about an accelerator.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,15 +88,31 @@ def run(args) -> dict:
             jax.block_until_ready((col["state"], metrics))
             col["times_s"].append(time.perf_counter() - start)
     tokens = args.batch * args.seq
-    out = {"config": base.name, "layers": args.layers, "batch": args.batch, "seq": args.seq,
-           "mesh": dict(zip(("data", "fsdp", "tensor"), sizes)), "platform": devices[0].platform,
-           "device_kind": devices[0].device_kind, "warmup": args.warmup, "steps": args.steps, "strategies": {}}
+    out = {
+        "config": base.name,
+        "layers": args.layers,
+        "batch": args.batch,
+        "seq": args.seq,
+        "mesh": dict(zip(("data", "fsdp", "tensor"), sizes)),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "strategies": {},
+    }
     for label, col in cols.items():
         median = statistics.median(col["times_s"])
         out["strategies"][label] = {
-            "config": col["cfg"].name, "linear": col["cfg"].model.linear, "dtype": str(col["cfg"].model.dtype),
-            "median_s": median, "min_s": min(col["times_s"]), "mean_s": statistics.mean(col["times_s"]),
-            "tokens_per_s": tokens / median, "warmup_s": col["warmup_s"], "times_s": col["times_s"]}
+            "config": col["cfg"].name,
+            "linear": col["cfg"].model.linear,
+            "dtype": str(col["cfg"].model.dtype),
+            "median_s": median,
+            "min_s": min(col["times_s"]),
+            "mean_s": statistics.mean(col["times_s"]),
+            "tokens_per_s": tokens / median,
+            "warmup_s": col["warmup_s"],
+            "times_s": col["times_s"],
+        }
     first = next(iter(out["strategies"].values()))["median_s"]
     for s in out["strategies"].values():
         s["ratio_to_first"] = s["median_s"] / first
@@ -104,15 +121,21 @@ def run(args) -> dict:
 
 def table(out: dict) -> str:
     first = next(iter(out["strategies"]))
-    lines = [(f"{out['config']} at {out['layers']} layers, batch {out['batch']} x seq {out['seq']}, mesh "
-             f"{out['mesh']}, {out['platform']} ({out['device_kind']}); median of {out['steps']} steps "
-             f"after {out['warmup']} warm-up"),
-             "",
-             f"| strategy | model | ms/step (median) | ms/step (min) | tokens/s | time / {first} |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"{out['config']} at {out['layers']} layers, batch {out['batch']} x seq {out['seq']}, mesh "
+            f"{out['mesh']}, {out['platform']} ({out['device_kind']}); median of {out['steps']} steps "
+            f"after {out['warmup']} warm-up"
+        ),
+        "",
+        f"| strategy | model | ms/step (median) | ms/step (min) | tokens/s | time / {first} |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, s in out["strategies"].items():
-        lines.append(f"| {label} | {s['config']} ({s['linear']}) | {1e3 * s['median_s']:.1f} | "
-                     f"{1e3 * s['min_s']:.1f} | {s['tokens_per_s']:.0f} | {s['ratio_to_first']:.2f} |")
+        lines.append(
+            f"| {label} | {s['config']} ({s['linear']}) | {1e3 * s['median_s']:.1f} | "
+            f"{1e3 * s['min_s']:.1f} | {s['tokens_per_s']:.0f} | {s['ratio_to_first']:.2f} |"
+        )
     return "\n".join(lines)
 
 

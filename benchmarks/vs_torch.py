@@ -22,6 +22,7 @@ accumulation. MFU counts the same model FLOPs for every row (`boost_jax.model.fl
 Needs torch and transformers for the torch rows (`pip install torch transformers`; on a CPU host
 `pip install torch==2.13.0` takes the CPU build); the project rows need nothing more.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,23 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ROWS = ("project", "project_bf16", "cola", "cola_compile", "hf", "hf_compile")
-FAMILY = {"project": None, "project_bf16": None, "cola": "cola", "cola_compile": "cola", "hf": "llama",
-          "hf_compile": "llama"}
+FAMILY = {
+    "project": None,
+    "project_bf16": None,
+    "cola": "cola",
+    "cola_compile": "cola",
+    "hf": "llama",
+    "hf_compile": "llama",
+}
 SMOKE = dict(d_model=64, d_ff=128, n_heads=4, n_kv_heads=4, rank=16, vocab_size=256, n_layers=2)
-PRECISION = {"project": "fp32 params + AdamW state, bf16 compute (on GPU)",
-             "project_bf16": "bf16 params + AdamW state",
-             "cola": "bf16 params + AdamW state", "cola_compile": "bf16 params + AdamW state",
-             "hf": "bf16 params + AdamW state", "hf_compile": "bf16 params + AdamW state"}
+PRECISION = {
+    "project": "fp32 params + AdamW state, bf16 compute (on GPU)",
+    "project_bf16": "bf16 params + AdamW state",
+    "cola": "bf16 params + AdamW state",
+    "cola_compile": "bf16 params + AdamW state",
+    "hf": "bf16 params + AdamW state",
+    "hf_compile": "bf16 params + AdamW state",
+}
 
 
 def model_config(name: str, seq: int, batch: int, smoke: bool):
@@ -51,14 +62,14 @@ def model_config(name: str, seq: int, batch: int, smoke: bool):
     if smoke:
         cfg.model.update(SMOKE)
     cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), seq)
-    cfg.train.update(seq_len=seq, global_batch=batch, grad_accum=1, grad_clip=0.5, b1=0.9, b2=0.999,
-                     weight_decay=0.01)
+    cfg.train.update(seq_len=seq, global_batch=batch, grad_accum=1, grad_clip=0.5, b1=0.9, b2=0.999, weight_decay=0.01)
     cfg.parallel.update(data=1, fsdp=1, tensor=1, num_devices=1)
     cfg.data.source, cfg.data.batching = "embedded", "stream"
     return cfg
 
 
 # ------------------------------------------------------------------------------------------ the rows
+
 
 def project_row(cfg, steps: int, warmup: int, bf16: bool) -> dict:
     import jax
@@ -67,6 +78,7 @@ def project_row(cfg, steps: int, warmup: int, bf16: bool) -> dict:
     from boost_jax.model import autos
     from boost_jax.runtime.build import build
     from boost_jax.tools.aot import peak_bytes
+
     sys.path.insert(0, HERE)
     from step_time import timed_steps
 
@@ -75,35 +87,50 @@ def project_row(cfg, steps: int, warmup: int, bf16: bool) -> dict:
     built = build(cfg, jax.devices()[:1])
     rng = np.random.default_rng(0)
     t = cfg.train
-    tokens = jax.device_put(rng.integers(0, cfg.model.vocab_size, (1, t.global_batch, t.seq_len + 1), np.int32),
-                            built.batch_sharding)
+    tokens = jax.device_put(
+        rng.integers(0, cfg.model.vocab_size, (1, t.global_batch, t.seq_len + 1), np.int32), built.batch_sharding
+    )
     state = built.init_state()
     t0 = time.perf_counter()
     step = built.train_step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - t0
     state, metrics, secs = timed_steps(step, state, tokens, warmup, steps)
     mem = step.memory_analysis()
-    return {"step_s": secs, "compile_s": compile_s, "loss": float(metrics["loss"]),
-            "peak_gib": peak_bytes(mem) / 2**30 if mem is not None else None,
-            "device": jax.devices()[0].device_kind,
-            "auto": {k: str(v) for k, v in autos.chosen(cfg, built.mesh).items()}}
+    return {
+        "step_s": secs,
+        "compile_s": compile_s,
+        "loss": float(metrics["loss"]),
+        "peak_gib": peak_bytes(mem) / 2**30 if mem is not None else None,
+        "device": jax.devices()[0].device_kind,
+        "auto": {k: str(v) for k, v in autos.chosen(cfg, built.mesh).items()},
+    }
 
 
 def _torch_model(row: str, cfg, cola_repo: str | None):
     """The PyTorch model of a torch row, at cfg's widths (None, why: when it cannot be built)."""
     m = cfg.model
-    common = dict(hidden_size=int(m.d_model), intermediate_size=int(m.d_ff), num_hidden_layers=int(m.n_layers),
-                  num_attention_heads=int(m.n_heads), num_key_value_heads=int(m.n_kv_heads),
-                  vocab_size=int(m.vocab_size), max_position_embeddings=int(m.max_seq_len),
-                  rms_norm_eps=float(m.norm_eps), rope_theta=float(m.rope_theta), tie_word_embeddings=False)
+    common = dict(
+        hidden_size=int(m.d_model),
+        intermediate_size=int(m.d_ff),
+        num_hidden_layers=int(m.n_layers),
+        num_attention_heads=int(m.n_heads),
+        num_key_value_heads=int(m.n_kv_heads),
+        vocab_size=int(m.vocab_size),
+        max_position_embeddings=int(m.max_seq_len),
+        rms_norm_eps=float(m.norm_eps),
+        rope_theta=float(m.rope_theta),
+        tie_word_embeddings=False,
+    )
     if FAMILY[row] == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
+
         return LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa")), None
     if not cola_repo:
         return None, "needs --cola-repo PATH (a checkout of the official CoLA code)"
     sys.path.insert(0, os.path.abspath(cola_repo))
     from cola.configuration_cola import ColaConfig
     from cola.modeling_cola import ColaForCausalLM
+
     path = os.path.join(cola_repo, "cola_configs", f"{cfg.name}.json")
     hf = ColaConfig.from_json_file(path) if os.path.isfile(path) else ColaConfig()
     for key, value in {**common, "rank": int(m.rank), "only_lr_act": bool(m.only_lr_act)}.items():
@@ -149,9 +176,14 @@ def torch_row(row: str, cfg, steps: int, warmup: int, cola_repo: str | None) -> 
         loss = step()
     sync()
     secs = (time.perf_counter() - t0) / steps
-    return {"step_s": secs, "compile_s": compile_s, "loss": float(loss),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    return {
+        "step_s": secs,
+        "compile_s": compile_s,
+        "loss": float(loss),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
 
 
 def one_row(row: str, name: str, args) -> dict:
@@ -163,6 +195,7 @@ def one_row(row: str, name: str, args) -> dict:
 
 # -------------------------------------------------------------------------------------------- driving
 
+
 def rows_for(name: str, rows: list[str]) -> list[str]:
     """The rows that apply to a model: the project's, and the torch code of its family."""
     family = "llama" if name.startswith("llama") else "cola"
@@ -171,12 +204,27 @@ def rows_for(name: str, rows: list[str]) -> list[str]:
 
 def run_row(row: str, name: str, args) -> dict:
     """One row in a fresh process: its JSON, or the last line it printed on failure."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{row}:{name}", "--seq", str(args.seq),
-           "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--one",
+        f"{row}:{name}",
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--cola-repo", args.cola_repo] if args.cola_repo else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-           "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"),
+    }
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.row_timeout)
     except subprocess.TimeoutExpired:
@@ -191,8 +239,10 @@ def run_row(row: str, name: str, args) -> dict:
 def table(res: dict) -> str:
     from boost_jax.runtime.metrics import peak_flops
 
-    lines = [f"seq {res['seq']} x batch {res['batch']} | row | precision | step ms | tokens/s | MFU | peak GiB | vs project",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"seq {res['seq']} x batch {res['batch']} | row | precision | step ms | tokens/s | MFU | peak GiB | vs project",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, rows in res["models"].items():
         base = rows.get("project", {}).get("step_s")
         for row, r in rows.items():
@@ -204,8 +254,10 @@ def table(res: dict) -> str:
             mfu = f"{100 * r['flops_per_token'] * tok_s / peak:.1f}%" if peak else "n/a"
             gib = "n/a" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
             ratio = f"{r['step_s'] / base:.2f}x" if base else "n/a"
-            lines.append(f"| {name} | {row} | {PRECISION[row]} | {1e3 * r['step_s']:.1f} | {tok_s:,.0f} | {mfu} | "
-                         f"{gib} | {ratio} |")
+            lines.append(
+                f"| {name} | {row} | {PRECISION[row]} | {1e3 * r['step_s']:.1f} | {tok_s:,.0f} | {mfu} | "
+                f"{gib} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -219,8 +271,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     ap.add_argument("--cola-repo", help="a checkout of the official CoLA code (its cola/ package)")
     ap.add_argument("--row-timeout", type=int, default=900, help="seconds one row may take")
-    ap.add_argument("--smoke", action="store_true", help="tiny widths, seq 32 x batch 2, 2 steps: checks the "
-                                                         "command on any backend (not a measurement)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny widths, seq 32 x batch 2, 2 steps: checks the command on any backend (not a measurement)",
+    )
     ap.add_argument("--json", help="output (default benchmarks/vs_torch.json; --smoke: in the temp directory)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: ROW:MODEL in this process, print its JSON
     args = ap.parse_args(argv)
@@ -229,6 +284,7 @@ def main(argv=None) -> int:
     if args.one:
         row, name = args.one.split(":")
         from boost_jax.model import flops_per_token
+
         out = one_row(row, name, args)
         out["flops_per_token"] = flops_per_token(model_config(name, args.seq, args.batch, args.smoke).model, args.seq)
         print(json.dumps(out), flush=True)
@@ -237,10 +293,20 @@ def main(argv=None) -> int:
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         ap.error(f"--rows: unknown {unknown}; choose from {','.join(ROWS)}")
-    path = args.json or (os.path.join(tempfile.gettempdir(), "vs_torch_smoke.json") if args.smoke
-                         else os.path.join(HERE, "vs_torch.json"))
-    res = {"date": time.strftime("%Y-%m-%d"), "seq": args.seq, "batch": args.batch, "steps": args.steps,
-           "smoke": args.smoke, "precision": PRECISION, "models": {}}
+    path = args.json or (
+        os.path.join(tempfile.gettempdir(), "vs_torch_smoke.json")
+        if args.smoke
+        else os.path.join(HERE, "vs_torch.json")
+    )
+    res = {
+        "date": time.strftime("%Y-%m-%d"),
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "smoke": args.smoke,
+        "precision": PRECISION,
+        "models": {},
+    }
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         res["models"][name] = {}
         for row in rows_for(name, rows):

@@ -4,6 +4,7 @@ The entry points catch these (and only these, plus FileNotFoundError/ValueError 
 library) and print `error: ...` with exit status 1 instead of a traceback. This module is the
 ground floor: it imports nothing of ours, and every layer may import it.
 """
+
 from __future__ import annotations
 
 
@@ -68,6 +69,7 @@ def install_hint(extra: str, package_dir=None) -> str:
         requires = importlib.metadata.requires("boost_jax") or []
     except importlib.metadata.PackageNotFoundError:
         requires = []
-    wanted = [r.split(";")[0].strip() for r in requires
-              if re.search(rf"""extra\s*==\s*['"]{re.escape(extra)}['"]""", r)]
+    wanted = [
+        r.split(";")[0].strip() for r in requires if re.search(rf"""extra\s*==\s*['"]{re.escape(extra)}['"]""", r)
+    ]
     return "pip install " + " ".join(f"'{r}'" for r in wanted) if wanted else f"pip install 'boost_jax[{extra}]'"

@@ -14,6 +14,7 @@ in two forms side by side: per target token (the default), and CoLA's reported f
 per-batch mean losses over n+1 after n batches, as its code computes it: compare this one with the
 paper's tables).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ def build_for_eval(cfg, devices=None) -> Built:
         return build(cfg, devices[:1])
 
 
-def perplexity(built: Built, params, *, split: str = "eval", batches: int | None = None,
-               tokens: int | None = None, say=None) -> dict:
+def perplexity(
+    built: Built, params, *, split: str = "eval", batches: int | None = None, tokens: int | None = None, say=None
+) -> dict:
     """Mean next-token loss (and exp of it) over `batches` global batches of a split (all of a
     smaller split, once, said to `say`: default stderr), or over its first `tokens` input tokens that
     are not padding, as CoLA's loop reads them (runtime/evaluation.py)."""
@@ -58,13 +60,26 @@ def perplexity(built: Built, params, *, split: str = "eval", batches: int | None
     train_data, eval_data, _ = build_loaders(cfg)  # one process: it feeds the whole batch
     data = eval_data if split == "eval" else train_data
     field = "--eval-tokens" if tokens else "train.eval_tokens"
-    reading = plan_eval(cfg, data, batches=batches, tokens=tokens, split=split, tokens_field=field,
-                        batches_field="--batches" if batches is not None else "train.eval_batches")
+    reading = plan_eval(
+        cfg,
+        data,
+        batches=batches,
+        tokens=tokens,
+        split=split,
+        tokens_field=field,
+        batches_field="--batches" if batches is not None else "train.eval_batches",
+    )
     if reading.note:
         say(reading.note)
     result = eval_loss(built, data, params, plan=reading)
-    return {**result, "perplexity": _exp(result["loss"]), "cola_perplexity": _exp(result["cola_loss"]),
-            "split": split, "split_rows": reading.split_rows, "batching": cfg.data.batching}
+    return {
+        **result,
+        "perplexity": _exp(result["loss"]),
+        "cola_perplexity": _exp(result["cola_loss"]),
+        "split": split,
+        "split_rows": reading.split_rows,
+        "batching": cfg.data.batching,
+    }
 
 
 def _exp(loss: float) -> float:
@@ -72,26 +87,39 @@ def _exp(loss: float) -> float:
     return math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
 
 
-def evaluate(checkpoint: str, overrides=lambda cfg: None, *, split="eval", batches=None, tokens=None,
-             devices=None) -> dict:
+def evaluate(
+    checkpoint: str, overrides=lambda cfg: None, *, split="eval", batches=None, tokens=None, devices=None
+) -> dict:
     """Restore a checkpoint's params, apply `overrides(cfg)` (data, batch, mesh) and measure perplexity."""
+
     def read(cfg, root, step):
         cfg.lock()  # a misspelt override fails instead of adding a key
         overrides(cfg)
         validate(cfg)
         built = build_for_eval(cfg, devices)
         # Parameters only: the optimizer moments stay on disk (a third of the training memory).
-        params = restore(root, {"params": built.spec.abstract["params"]}, step=step, hint="--checkpoint DIR/STEP",
-                         field="--checkpoint").state["params"]
+        params = restore(
+            root,
+            {"params": built.spec.abstract["params"]},
+            step=step,
+            hint="--checkpoint DIR/STEP",
+            field="--checkpoint",
+        ).state["params"]
         return cfg, root, step, built, params
 
     # A trainer running with keep-K may rotate the step away while it is read: then the newest one.
     cfg, root, step, built, params = read_newest(checkpoint, read)
     result = perplexity(built, params, split=split, batches=batches, tokens=tokens)
     d = cfg.data
-    return {"checkpoint": str(root / str(step)), "step": step, **result,
-            "data": {"source": d.source, "path": d.path, "eval_path": d.eval_path},
-            "mesh": dict(built.mesh.shape), "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len}
+    return {
+        "checkpoint": str(root / str(step)),
+        "step": step,
+        **result,
+        "data": {"source": d.source, "path": d.path, "eval_path": d.eval_path},
+        "mesh": dict(built.mesh.shape),
+        "global_batch": cfg.train.global_batch,
+        "seq_len": cfg.train.seq_len,
+    }
 
 
 def check_json_target(path: str) -> None:
@@ -117,14 +145,19 @@ def _finite_or_none(x):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 epilog="Any other argument must be a --config.KEY=VALUE override.")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="Any other argument must be a --config.KEY=VALUE override."
+    )
     ap.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or one step dir")
     ap.add_argument("--split", choices=("eval", "train"), default="eval")
     ap.add_argument("--batches", type=int, default=None, help="global batches to average (default train.eval_batches)")
-    ap.add_argument("--eval-tokens", type=int, default=None,
-                    help="evaluate over whole batches until this many input tokens that are not padding are read "
-                         "(CoLA: 10000000; default train.eval_tokens, 0: --batches)")
+    ap.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=None,
+        help="evaluate over whole batches until this many input tokens that are not padding are read "
+        "(CoLA: 10000000; default train.eval_tokens, 0: --batches)",
+    )
     ap.add_argument("--json", default="", help="also write the result to this JSON file")
     args, rest = ap.parse_known_args(argv)
     if args.batches is not None and args.batches < 1:
@@ -147,8 +180,7 @@ def main(argv=None) -> int:
             while isinstance(why, (AttributeError, KeyError)) and why.args:  # unwrap to ml_collections' text
                 why = why.args[0]
             why = str(why) if isinstance(e, flags.Error) else "unknown key " + str(why).replace("\n", "; ")
-            raise ConfigError(f"overrides {rest}: {why} (the keys are those of "
-                                         "boost_jax/config/schema.py)") from e
+            raise ConfigError(f"overrides {rest}: {why} (the keys are those of boost_jax/config/schema.py)") from e
 
     try:
         if args.json:
@@ -160,28 +192,37 @@ def main(argv=None) -> int:
     rows = f"{result['rows']} rows, " if "rows" in result else ""
     if result.get("padding_rows"):
         rows = f"{result['rows']} rows (the last batch partial: {result['padding_rows']} padding rows masked), "
-    print(f"{result['checkpoint']}: {result['split']} loss {result['loss']:.4f}, perplexity "
-          f"{result['perplexity']:.2f} per target token ({result['batches']} batches, {rows}{result['tokens']} "
-          f"tokens, mesh {result['mesh']}); CoLA's reported form: loss {result['cola_loss']:.4f}, perplexity "
-          f"{result['cola_perplexity']:.2f} (the sum of {result['batches']} per-batch means of "
-          f"{result['cola_batch_rows']} rows over {result['cola_denominator']}, its code's n+1)")
+    print(
+        f"{result['checkpoint']}: {result['split']} loss {result['loss']:.4f}, perplexity "
+        f"{result['perplexity']:.2f} per target token ({result['batches']} batches, {rows}{result['tokens']} "
+        f"tokens, mesh {result['mesh']}); CoLA's reported form: loss {result['cola_loss']:.4f}, perplexity "
+        f"{result['cola_perplexity']:.2f} (the sum of {result['batches']} per-batch means of "
+        f"{result['cola_batch_rows']} rows over {result['cola_denominator']}, its code's n+1)"
+    )
     if args.json:
         try:
             with open(args.json, "w") as f:
                 json.dump(_finite_or_none(result), f, indent=2, allow_nan=False)
         except OSError as e:
-            print(f"error: --json {args.json}: cannot write the result ({e.strerror or e}); "
-                  "give a writable file path", file=sys.stderr)
+            print(
+                f"error: --json {args.json}: cannot write the result ({e.strerror or e}); give a writable file path",
+                file=sys.stderr,
+            )
             return 1
     if result.get("targets") == 0:
-        print(f"error: the {result['batches']} evaluated batches hold no target (no document is longer than one "
-              f"token under data.batching={result['batching']}): there is no loss to measure; evaluate other data",
-              file=sys.stderr)
+        print(
+            f"error: the {result['batches']} evaluated batches hold no target (no document is longer than one "
+            f"token under data.batching={result['batching']}): there is no loss to measure; evaluate other data",
+            file=sys.stderr,
+        )
         return 1
     if not math.isfinite(result["loss"]):
         steps = Path(result["checkpoint"]).parent
-        print(f"error: eval loss is {result['loss']} at step {result['step']}: the checkpoint's weights do not "
-              f"compute a finite loss; evaluate an earlier step (--checkpoint {steps}/STEP)", file=sys.stderr)
+        print(
+            f"error: eval loss is {result['loss']} at step {result['step']}: the checkpoint's weights do not "
+            f"compute a finite loss; evaluate an earlier step (--checkpoint {steps}/STEP)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -48,6 +48,7 @@ at zero, get zero gradients (their activations and the weights reading them are 
 zero under AdamW, clipping and weight decay; the model computes and trains exactly as the unpadded one
 (an export of it writes the padded width, which loads and computes the same).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,13 +60,20 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from boost_jax.errors import ExportError
 from boost_jax.model import kinds
 
 LLAMA_FIELDS = {  # HF Llama config key -> our model.* field
-    "vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "d_ff",
-    "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-    "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings",
+    "vocab_size": "vocab_size",
+    "hidden_size": "d_model",
+    "intermediate_size": "d_ff",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "max_position_embeddings": "max_seq_len",
+    "rms_norm_eps": "norm_eps",
+    "tie_word_embeddings": "tie_embeddings",
 }
 
 
@@ -84,11 +92,13 @@ def _safetensors():
         import safetensors.numpy as st
     except ImportError as e:  # optional dependency
         from boost_jax.errors import install_hint
+
         raise ExportError(f"export/import needs safetensors: {install_hint('hf')}") from e
     return st
 
 
 # ---------------------------------------------------------------- names
+
 
 def tensor_names(m):
     """(our param path, layer index or None, HF name, transposed) for every tensor of model config m."""
@@ -152,8 +162,12 @@ def kv_heads_repeated(tensors: dict[str, np.ndarray], m) -> bool:
 
 def _ff_padded(name: str, have, want, file_ff: int | None, d_ff: int) -> bool:
     """An MLP tensor whose intermediate axis the import zero-pads from file_ff to d_ff."""
-    return (file_ff is not None and ".mlp." in name and len(have) == len(want)
-            and all(h == w or (h == file_ff and w == d_ff) for h, w in zip(have, want)))
+    return (
+        file_ff is not None
+        and ".mlp." in name
+        and len(have) == len(want)
+        and all(h == w or (h == file_ff and w == d_ff) for h, w in zip(have, want))
+    )
 
 
 def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m, file_d_ff: int | None = None) -> dict:
@@ -178,8 +192,11 @@ def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m, file_d_ff:
         (dst if layer is None else dst[layer])[tuple(slice(0, n) for n in x.shape)] = x
         used.add(name)
     # Old HF checkpoints store the RoPE table; a tied model may still carry its head.
-    extra = [f"unexpected {k}" for k in sorted(set(tensors) - used)
-             if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight"]
+    extra = [
+        f"unexpected {k}"
+        for k in sorted(set(tensors) - used)
+        if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight"
+    ]
     if wrong or extra:
         raise ExportError("safetensors do not fit the config: " + "; ".join(wrong[:8] + extra[:8]))
     return params
@@ -187,18 +204,33 @@ def from_hf(tensors: dict[str, np.ndarray], abstract_params: dict, m, file_d_ff:
 
 # ---------------------------------------------------------------- configs
 
+
 def hf_config(m, eos_id=None) -> dict:
     """config.json for model config m: the LlamaForCausalLM frame, completed by its kind's layout
     (e.g. an official-layout ColaForCausalLM)."""
     c = {hf: m[ours] for hf, ours in LLAMA_FIELDS.items()}
     c.update(
-        architectures=["LlamaForCausalLM"], model_type="llama", head_dim=m.d_model // m.n_heads,
-        hidden_act="silu", attention_bias=False, mlp_bias=False, rope_theta=float(m.rope_theta),
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        head_dim=m.d_model // m.n_heads,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        rope_theta=float(m.rope_theta),
         # transformers >= 5 reads rope_parameters, older versions rope_theta; both say the same.
-        rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)}, rope_scaling=None,
-        torch_dtype="float32", dtype="float32", bos_token_id=None, eos_token_id=eos_id, pad_token_id=None,
-        tie_word_embeddings=bool(m.tie_embeddings), rms_norm_eps=float(m.norm_eps),
-        attention_dropout=0.0, pretraining_tp=1, initializer_range=float(m.init_std), use_cache=True,
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
+        rope_scaling=None,
+        torch_dtype="float32",
+        dtype="float32",
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=None,
+        tie_word_embeddings=bool(m.tie_embeddings),
+        rms_norm_eps=float(m.norm_eps),
+        attention_dropout=0.0,
+        pretraining_tp=1,
+        initializer_range=float(m.init_std),
+        use_cache=True,
     )
     c.update(layout(m).config(m))
     return c
@@ -216,8 +248,10 @@ def model_fields(hf: dict, source: str = "config.json") -> dict:
         raise ExportError(f"{source}: holds {type(hf).__name__}, not a JSON object of config fields")
     for key in REQUIRED_FIELDS:
         if key not in hf:
-            raise ExportError(f"{source}: required field `{key}` is missing; add it (the model's "
-                              "config.json from where it was trained has it)")
+            raise ExportError(
+                f"{source}: required field `{key}` is missing; add it (the model's "
+                "config.json from where it was trained has it)"
+            )
         if isinstance(hf[key], bool) or not isinstance(hf[key], int) or hf[key] < 1:
             raise ExportError(f"{source}: field `{key}` must be a positive integer, got {hf[key]!r}")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
@@ -239,13 +273,21 @@ def model_fields(hf: dict, source: str = "config.json") -> dict:
         (hf.get("head_dim") not in (None, d // h), f"head_dim={hf.get('head_dim')} != hidden_size/heads={d // h}"),
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (only silu)"),
         (bool(hf.get("attention_bias") or hf.get("mlp_bias")), "attention/mlp biases"),
-        (rope.get("rope_type", "default") != "default" or scaling.get("rope_type", scaling.get("type", "default"))
-         not in ("default", None), "RoPE scaling"),
+        (
+            rope.get("rope_type", "default") != "default"
+            or scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None),
+            "RoPE scaling",
+        ),
     ]
     if family and chosen is None:  # a model_type several kinds share, told apart by a field none matches
         first = next(iter(family.values()))
-        problems.append((True, f"{first.select[0]}={first.selected(hf)!r} "
-                               f"({' or '.join(str(lay.select[1]) for lay in family.values())})"))
+        problems.append(
+            (
+                True,
+                f"{first.select[0]}={first.selected(hf)!r} "
+                f"({' or '.join(str(lay.select[1]) for lay in family.values())})",
+            )
+        )
     problems += [(True, why) for why in (chosen.problems(hf, fields) if chosen else [])]
     bad = [why for cond, why in problems if cond]
     if bad:
@@ -255,11 +297,13 @@ def model_fields(hf: dict, source: str = "config.json") -> dict:
 
 # ---------------------------------------------------------------- files
 
+
 def load_safetensors(path) -> dict[str, np.ndarray]:
     """One .safetensors file as numpy; bfloat16 (which safetensors.numpy cannot read) via ml_dtypes.
     A truncated or damaged file is an ExportError naming it."""
     st = _safetensors()
     from safetensors import SafetensorError
+
     try:
         try:
             return st.load_file(str(path))
@@ -267,22 +311,28 @@ def load_safetensors(path) -> dict[str, np.ndarray]:
             return _load_via_ml_dtypes(path)
     except (SafetensorError, ValueError, KeyError, TypeError, OSError) as e:
         why = str(e).replace("\n", "; ") or type(e).__name__
-        raise ExportError(f"{path}: not a readable safetensors file ({why}); it may be truncated "
-                          "(an interrupted download or copy): fetch or export it again") from e
+        raise ExportError(
+            f"{path}: not a readable safetensors file ({why}); it may be truncated "
+            "(an interrupted download or copy): fetch or export it again"
+        ) from e
 
 
 def _load_via_ml_dtypes(path) -> dict[str, np.ndarray]:
     """The safetensors layout read by hand: 8-byte header length, JSON header, then the raw tensors."""
     import ml_dtypes
+
     raw = Path(path).read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header.pop("__metadata__", None)
     dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
     # np.frombuffer raises ValueError when the file ends before a tensor does.
-    return {k: np.frombuffer(raw, dtypes[v["dtype"]], count=int(np.prod(v["shape"])),
-                             offset=8 + n + v["data_offsets"][0]).reshape(v["shape"])
-            for k, v in header.items()}
+    return {
+        k: np.frombuffer(
+            raw, dtypes[v["dtype"]], count=int(np.prod(v["shape"])), offset=8 + n + v["data_offsets"][0]
+        ).reshape(v["shape"])
+        for k, v in header.items()
+    }
 
 
 EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer.model")  # what an export writes
@@ -299,6 +349,7 @@ def _supersede(path: Path) -> Path:
 
 def _why(e: OSError) -> str:
     import errno
+
     return f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]" if e.strerror else (str(e) or type(e).__name__)
 
 
@@ -310,6 +361,7 @@ def _save_safetensors(st, tensors: dict, path: Path) -> None:
     import re
 
     from safetensors import SafetensorError
+
     try:
         st.save_file(tensors, str(path), metadata={"format": "pt"})  # transformers refuses files without it
     except SafetensorError as e:
@@ -323,6 +375,7 @@ def _write_all(out: Path, files: dict) -> None:
     once every one is written, so a failure (a full disk, a read-only mount) leaves `out` as it was.
     Every file gets the mode a new file gets here (0666 less the umask; safetensors writes 0600)."""
     import os
+
     tmps = {name: out / f"{name}.tmp" for name in files}
     umask = os.umask(0)
     os.umask(umask)
@@ -340,8 +393,10 @@ def _write_all(out: Path, files: dict) -> None:
             except OSError:
                 pass
         where = e.filename or out
-        raise ExportError(f"--out: cannot write {where} ({_why(e)}); nothing in {out} was changed: free some "
-                          "space or choose a writable --out") from None
+        raise ExportError(
+            f"--out: cannot write {where} ({_why(e)}); nothing in {out} was changed: free some "
+            "space or choose a writable --out"
+        ) from None
 
 
 def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
@@ -359,21 +414,33 @@ def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
         raise ExportError(f"--out: {out} is a file; give a directory to write the model into")
     model, cfg, tok = load_model(checkpoint)  # refuses damaged or non-finite weights
     if layout(cfg.model) is None:
-        raise ExportError(f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports "
-                          f"{', '.join(layouts())}")
+        raise ExportError(
+            f"model.linear={cfg.model.linear} has no Hugging Face layout; export supports {', '.join(layouts())}"
+        )
     spec = cfg.data.tokenizer
     tok_name = None if spec in ("", "byte") else ("tokenizer.json" if spec.endswith(".json") else "tokenizer.model")
     ours = {"config.json", "model.safetensors", *([tok_name] if tok_name else [])}
-    stale = sorted(p.name for p in out.iterdir() if p.name not in ours and ".superseded" not in p.name
-                   and not p.name.endswith(".tmp")) if out.is_dir() else []
+    stale = (
+        sorted(
+            p.name
+            for p in out.iterdir()
+            if p.name not in ours and ".superseded" not in p.name and not p.name.endswith(".tmp")
+        )
+        if out.is_dir()
+        else []
+    )
     if stale and not supersede:
-        raise ExportError(f"--out: {out} holds files this export does not write ({', '.join(stale[:6])}"
-                          f"{' ...' if len(stale) > 6 else ''}), which a loader would read beside the new model; "
-                          "choose a new or empty --out, or pass --supersede to rename them to NAME.superseded")
+        raise ExportError(
+            f"--out: {out} holds files this export does not write ({', '.join(stale[:6])}"
+            f"{' ...' if len(stale) > 6 else ''}), which a loader would read beside the new model; "
+            "choose a new or empty --out, or pass --supersede to rename them to NAME.superseded"
+        )
     tensors = to_hf(nnx.to_pure_dict(nnx.state(model)), cfg.model)
     hf = json.dumps(hf_config(cfg.model, tok.eos_id), indent=2) + "\n"
-    files = {"model.safetensors": lambda p: _save_safetensors(st, tensors, p),
-             "config.json": lambda p: p.write_text(hf)}
+    files = {
+        "model.safetensors": lambda p: _save_safetensors(st, tensors, p),
+        "config.json": lambda p: p.write_text(hf),
+    }
     if tok_name:  # the byte tokenizer needs no file: token id = UTF-8 byte
         files[tok_name] = lambda p: shutil.copyfile(spec, p)
     _write_all(out, files)
@@ -394,23 +461,30 @@ def _check_import_out(run_dir: Path, supersede: bool) -> None:
     held = [n for n in names if n not in (".lock", "checkpoints")] + (["checkpoints"] if steps else [])
     if not held or supersede:
         return
-    what = (f"a run with checkpoints (steps {steps}) that the imported step 0 would mix with" if steps
-            else f"files ({', '.join(held[:6])}{' ...' if len(held) > 6 else ''})")
-    raise ExportError(f"--out: {run_dir} already holds {what}; choose a new or empty --out, or pass --supersede "
-                      "to move its checkpoints aside as N.superseded")
+    what = (
+        f"a run with checkpoints (steps {steps}) that the imported step 0 would mix with"
+        if steps
+        else f"files ({', '.join(held[:6])}{' ...' if len(held) > 6 else ''})"
+    )
+    raise ExportError(
+        f"--out: {run_dir} already holds {what}; choose a new or empty --out, or pass --supersede "
+        "to move its checkpoints aside as N.superseded"
+    )
 
 
 def _tokenizer_file(path: Path) -> None:
     """Load a tokenizer file once (a truncated download or a corrupt model fails here, naming it)."""
     from boost_jax.data.tokenizer import load_tokenizer
+
     try:
         load_tokenizer(str(path), field="--import-hf")
     except (ValueError, ImportError) as e:
         raise ExportError(str(e)) from None
 
 
-def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: int = 1,
-              supersede: bool = False) -> tuple[Path, object]:
+def import_hf(
+    hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: int = 1, supersede: bool = False
+) -> tuple[Path, object]:
     """HF Llama or CoLA dir -> RUN_DIR/checkpoints/0 with fresh optimizer state; intermediate_size is
     zero-padded up to a multiple of `intermediate_multiple`. RUN_DIR must be new or empty, unless
     `supersede`: then its checkpoints (and a tokenizer file the import replaces) are renamed aside.
@@ -431,8 +505,9 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     # The small config.json first: a bad one fails before gigabytes of tensors are read.
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
-        raise ExportError(f"{config_path} does not exist: --import-hf needs the model's config.json "
-                          "beside its *.safetensors")
+        raise ExportError(
+            f"{config_path} does not exist: --import-hf needs the model's config.json beside its *.safetensors"
+        )
     try:
         hf = json.loads(config_path.read_text())
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -461,12 +536,13 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     one.parallel.update(data=1, fsdp=1, tensor=1)
     built = build(one, jax.devices()[:1])
     spec, tx = built.spec, built.tx
-    params = jax.device_put(from_hf(tensors, spec.abstract["params"], cfg.model, file_d_ff),
-                            spec.shardings["params"])
-    state = {"params": params,
-             "opt_state": jax.jit(tx.init, out_shardings=spec.shardings["opt_state"])(params),
-             "step": jnp.zeros((), jnp.int32),
-             "rng": jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32)}
+    params = jax.device_put(from_hf(tensors, spec.abstract["params"], cfg.model, file_d_ff), spec.shardings["params"])
+    state = {
+        "params": params,
+        "opt_state": jax.jit(tx.init, out_shardings=spec.shardings["opt_state"])(params),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
+    }
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(run_dir).acquire()  # a trainer running in --out refuses the import
@@ -475,8 +551,9 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
     try:
         _check_import_out(run_dir, supersede)  # again, under the lock
         # owner: a failed save's partial files are removed, and Orbax's own tracebacks are not printed.
-        ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=False, owner=True,
-                            hint="--import-hf again")
+        ckpt = Checkpointer(
+            run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=False, owner=True, hint="--import-hf again"
+        )
         try:
             ckpt.move_newer_aside(None, why="superseded by --import-hf")
             if tok_name and (run_dir / tok_name).exists():
@@ -485,10 +562,13 @@ def import_hf(hf_dir: str, run_dir: str, seed: int = 0, intermediate_multiple: i
                 try:
                     shutil.copyfile(hf_dir / tok_name, run_dir / tok_name)
                 except OSError as e:
-                    raise ExportError(f"--out: cannot write {run_dir / tok_name} ({_why(e)}); free some space "
-                                      "or choose a writable --out") from None
-            ckpt.save(0, state, {"data_position": 0, "step": 0, "config": json.loads(cfg.to_json_best_effort())},
-                      force=True)
+                    raise ExportError(
+                        f"--out: cannot write {run_dir / tok_name} ({_why(e)}); free some space "
+                        "or choose a writable --out"
+                    ) from None
+            ckpt.save(
+                0, state, {"data_position": 0, "step": 0, "config": json.loads(cfg.to_json_best_effort())}, force=True
+            )
         finally:
             ckpt.close()
     finally:
@@ -502,24 +582,37 @@ def train_flags(cfg) -> str:
     from boost_jax.config import base_config
 
     base = base_config()
-    return " ".join(f"--config.{section}.{k}={cfg[section][k]}" for section in ("model", "data", "train")
-                    for k in sorted(cfg[section].keys()) if cfg[section][k] != base[section][k])
+    return " ".join(
+        f"--config.{section}.{k}={cfg[section][k]}"
+        for section in ("model", "data", "train")
+        for k in sorted(cfg[section].keys())
+        if cfg[section][k] != base[section][k]
+    )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="export: a run dir, its checkpoints/ dir, or one step dir")
     src.add_argument("--import-hf", metavar="HF_DIR", help="import: a HF Llama or CoLA (model_type cola) dir")
     ap.add_argument("--out", required=True, help="export: the HF dir to write; import: the run dir to write")
     ap.add_argument("--format", default="hf", choices=("hf",), help="export format (only hf)")
-    ap.add_argument("--supersede", action="store_true",
-                    help="import: --out may hold a run, whose checkpoints move aside as N.superseded; export: "
-                         "files in --out this export does not write move aside as NAME.superseded")
-    ap.add_argument("--intermediate-multiple", type=int, default=1, metavar="M",
-                    help="import: zero-pad intermediate_size up to a multiple of M (inert) so that "
-                         "parallel.tensor sizes dividing M can split the MLP")
+    ap.add_argument(
+        "--supersede",
+        action="store_true",
+        help="import: --out may hold a run, whose checkpoints move aside as N.superseded; export: "
+        "files in --out this export does not write move aside as NAME.superseded",
+    )
+    ap.add_argument(
+        "--intermediate-multiple",
+        type=int,
+        default=1,
+        metavar="M",
+        help="import: zero-pad intermediate_size up to a multiple of M (inert) so that "
+        "parallel.tensor sizes dividing M can split the MLP",
+    )
     args = ap.parse_args(argv)
     from absl import logging as absl_logging
 
@@ -531,14 +624,19 @@ def main(argv=None) -> int:
             out = export(args.checkpoint, args.out, supersede=args.supersede)
             print(f"wrote {out}/config.json and {out}/model.safetensors")
         else:
-            step_dir, cfg = import_hf(args.import_hf, args.out, intermediate_multiple=args.intermediate_multiple,
-                                      supersede=args.supersede)
+            step_dir, cfg = import_hf(
+                args.import_hf, args.out, intermediate_multiple=args.intermediate_multiple, supersede=args.supersede
+            )
             if cfg.model.d_ff % 2:
-                print(f"note: model.d_ff={cfg.model.d_ff} is odd, so parallel.tensor > 1 cannot split the MLP; "
-                      "--intermediate-multiple M zero-pads it (inert) to a multiple of M")
-            print(f"wrote {step_dir} (step 0, fresh optimizer state)\n"
-                  f"sample: python -m boost_jax.generate --checkpoint {args.out}\n"
-                  f"train:  python -m boost_jax.train --config.run_dir={args.out} {train_flags(cfg)}")
+                print(
+                    f"note: model.d_ff={cfg.model.d_ff} is odd, so parallel.tensor > 1 cannot split the MLP; "
+                    "--intermediate-multiple M zero-pads it (inert) to a multiple of M"
+                )
+            print(
+                f"wrote {step_dir} (step 0, fresh optimizer state)\n"
+                f"sample: python -m boost_jax.generate --checkpoint {args.out}\n"
+                f"train:  python -m boost_jax.train --config.run_dir={args.out} {train_flags(cfg)}"
+            )
     except (ExportError, ConfigError, CheckpointError, RunDirBusy, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

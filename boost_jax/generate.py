@@ -3,6 +3,7 @@
 Prefills the prompt once into a KV cache, then decodes one token per jitted step (greedy when
 --temperature 0, else temperature and top-k sampling).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ def sample_next(logits, rng, temperature: float, top_k: int):
     return jax.random.categorical(rng, logits, axis=-1)
 
 
-def generate(model, prompt: np.ndarray, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0) -> np.ndarray:
+def generate(
+    model, prompt: np.ndarray, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0
+) -> np.ndarray:
     """prompt: [B, P] int tokens -> [B, P + max_new_tokens]."""
     graphdef, params = nnx.split(model)
     b, p = prompt.shape
@@ -86,12 +88,18 @@ def main(argv=None) -> int:
     args.top_k = min(args.top_k, cfg.model.vocab_size)  # top-k of the whole vocabulary keeps every token
     room = cfg.model.max_seq_len - ids.shape[1]  # the model's context bounds the KV cache (and memory)
     if room < 1:
-        print(f"error: --prompt: its {ids.shape[1]} tokens fill the model's context (model.max_seq_len="
-              f"{cfg.model.max_seq_len}); shorten it", file=sys.stderr)
+        print(
+            f"error: --prompt: its {ids.shape[1]} tokens fill the model's context (model.max_seq_len="
+            f"{cfg.model.max_seq_len}); shorten it",
+            file=sys.stderr,
+        )
         return 1
     if args.max_new_tokens > room:
-        print(f"note: --max_new_tokens {args.max_new_tokens} runs past the model's context (model.max_seq_len="
-              f"{cfg.model.max_seq_len}, prompt {ids.shape[1]} tokens): generating {room}", file=sys.stderr)
+        print(
+            f"note: --max_new_tokens {args.max_new_tokens} runs past the model's context (model.max_seq_len="
+            f"{cfg.model.max_seq_len}, prompt {ids.shape[1]} tokens): generating {room}",
+            file=sys.stderr,
+        )
         args.max_new_tokens = room
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(tok.decode(out[0]))

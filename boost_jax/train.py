@@ -3,6 +3,7 @@
 Without flags it trains the tiny CoLA model on the embedded corpus on whatever devices JAX sees.
 Read top-down: `run` (set-up), `_train` (build, restore, loop, finish), then the loop's parts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,21 +14,28 @@ from pathlib import Path
 
 import jax
 from absl import logging as absl_logging
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from boost_jax import xla_gpu_flags
 from boost_jax.data import build_loaders
 from boost_jax.data.mapped import check_sizes, mapped_since, mark
-from boost_jax.errors import (CheckpointError, ConfigError, DistributedError, RunDirBusy,  # noqa: F401 - re-exported
-                              TrainingDiverged, error_lines)
+from boost_jax.errors import (
+    CheckpointError,
+    ConfigError,
+    DistributedError,
+    RunDirBusy,  # noqa: F401 - re-exported
+    TrainingDiverged,
+    error_lines,
+)
 from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.model import autos, flops_per_token
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import BATCH_AXES
-from boost_jax import xla_gpu_flags
 from boost_jax.runtime.build import build, to_global
 from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
-from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss, plan_eval
 from boost_jax.runtime.distributed import maybe_initialize
+from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss, plan_eval
 from boost_jax.runtime.report import Profiler, Reporter
 from boost_jax.runtime.runlock import note_config_change, open_run_dir
 from boost_jax.runtime.signals import STOP_SIGNALS, StopFlag, agree
@@ -52,8 +60,10 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
     main_process = jax.process_index() == 0
     say = print if main_process else (lambda *a, **k: None)
     if gpu_flags:
-        say(f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/xla_gpu_flags.py; xla_gpu_flags=false "
-            "leaves XLA_FLAGS alone)")
+        say(
+            f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/xla_gpu_flags.py; xla_gpu_flags=false "
+            "leaves XLA_FLAGS alone)"
+        )
     planned = None
     if cfg.parallel.plan == "auto":
         cfg, planned = _auto_plan(cfg, say)
@@ -92,8 +102,9 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
     train_data, eval_data = _load_data(cfg, built, cfg.data.shuffle)
     reading = _eval_plan(cfg, eval_data, say)
     # This process group holds run_dir's lock: the checkpointer may clean up unfinished saves.
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
-                        owner=True)
+    ckpt = Checkpointer(
+        run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, owner=True
+    )
     state, position, skipped, meta = _restore_or_init(cfg, built, ckpt, run_dir, say)
     order = _data_order(cfg, meta, say)
     if order != cfg.data.shuffle:  # the checkpoint's position refers to another permutation of the samples
@@ -102,20 +113,30 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     step = int(jax.device_get(state["step"]))
-    report = Reporter(cfg, run_dir, main_process=main_process,
-                      flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len))
+    report = Reporter(
+        cfg, run_dir, main_process=main_process, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len)
+    )
     if planned is not None:  # what parallel.plan=auto ran, and what the planner predicted for it
-        report.write(step, {"plan": "auto", "plan_overrides": planned.plan.overrides, "plan_cluster": planned.cluster_file,
-                            "planner_step_time_s": planned.plan.step_s,
-                            "planner_memory_gb": planned.plan.memory["total"] / 1e9})
+        report.write(
+            step,
+            {
+                "plan": "auto",
+                "plan_overrides": planned.plan.overrides,
+                "plan_cluster": planned.cluster_file,
+                "planner_step_time_s": planned.plan.step_s,
+                "planner_memory_gb": planned.plan.memory["total"] / 1e9,
+            },
+        )
     evaluate = _evaluator(built, eval_data, reading)
     stop.committed = ckpt.committed_step
     end = min(cfg.train.stop_at_step or cfg.train.steps, cfg.train.steps)
     if step >= end:
         say(_complete_line(cfg, step, ckpt))
     else:
-        say("compiling the train and eval steps (the first step waits for it; --config.compile_cache=DIR "
-            "keeps them for the next start)")
+        say(
+            "compiling the train and eval steps (the first step waits for it; --config.compile_cache=DIR "
+            "keeps them for the next start)"
+        )
     if step < end and cfg.train.eval_every:  # eval_every=0: no evaluation at all
         try:
             report.eval(step, evaluate(state["params"], stop=lambda: _stop_requested(stop)), say=False)
@@ -130,9 +151,21 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
         except EvalInterrupted:  # nothing to save: the checkpoint still says that this evaluation is due
             report.write(step, {"eval_stopped": 1})
             say(f"{stop.signal or 'a signal'}: the final evaluation was stopped again; a rerun runs it")
-    loop = _Loop(cfg, built, ckpt, report, stop, train_data, evaluate, position, skipped, run_dir, order=order,
-                 tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)),
-                 predicted_s=planned.plan.step_s if planned is not None else None)
+    loop = _Loop(
+        cfg,
+        built,
+        ckpt,
+        report,
+        stop,
+        train_data,
+        evaluate,
+        position,
+        skipped,
+        run_dir,
+        order=order,
+        tokens_seen=int(meta.get("tokens_seen", position * cfg.train.seq_len)),
+        predicted_s=planned.plan.step_s if planned is not None else None,
+    )
     if changed:
         report.write(step, {"data_changed": 1, "data_changed_sources": ", ".join(changed)})
     try:
@@ -146,37 +179,49 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
 def _startup_line(cfg, built, config_file: str, planned=None) -> str:
     """One line: the model, its parameters, the devices and mesh, the strategy, the batching, the config."""
     import math
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(built.spec.abstract["params"])
-                 if jax.numpy.issubdtype(x.dtype, jax.numpy.floating))
+
+    params = sum(
+        math.prod(x.shape)
+        for x in jax.tree.leaves(built.spec.abstract["params"])
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    )
     m, t, p = cfg.model, cfg.train, cfg.parallel
     mesh = "x".join(f"{k} {v}" for k, v in built.mesh.shape.items() if v > 1) or "one device"
     devices = built.mesh.devices.size
     picks = autos.chosen(cfg, built.mesh)
     auto = f" (auto: {autos.describe(picks)})" if picks else ""
-    return (f"{cfg.name}: {m.linear} model, {params / 1e6:.2f}M parameters (d {m.d_model}, {m.n_layers} layers"
-            f"{f', rank {m.rank}' if kind_class(m.linear).factored else ''}); {devices} {jax.default_backend()} device"
-            f"{'s' if devices > 1 else ''}, mesh {mesh}{' (parallel.plan=auto)' if planned else ''}, strategy "
-            f"{p.strategy}{auto}; batch {t.global_batch} x "
-            f"{t.seq_len} ({cfg.data.batching}, grad_accum {t.grad_accum}), {t.steps} steps; config "
-            f"{config_file or 'given as a ConfigDict'}")
+    return (
+        f"{cfg.name}: {m.linear} model, {params / 1e6:.2f}M parameters (d {m.d_model}, {m.n_layers} layers"
+        f"{f', rank {m.rank}' if kind_class(m.linear).factored else ''}); {devices} {jax.default_backend()} device"
+        f"{'s' if devices > 1 else ''}, mesh {mesh}{' (parallel.plan=auto)' if planned else ''}, strategy "
+        f"{p.strategy}{auto}; batch {t.global_batch} x "
+        f"{t.seq_len} ({cfg.data.batching}, grad_accum {t.grad_accum}), {t.steps} steps; config "
+        f"{config_file or 'given as a ConfigDict'}"
+    )
 
 
 def _complete_line(cfg, step: int, ckpt: Checkpointer) -> str:
     """What a rerun of a run that already reached its last (or its stop_at_step) step says."""
     t = cfg.train
     if step >= t.steps:
-        return (f"the run is complete: step {step} of {t.steps} is saved in {ckpt.directory}; nothing to train "
-                "(raise --config.train.steps to train on, or choose a new --config.run_dir)")
-    return (f"the run is at step {step}, at or past --config.train.stop_at_step={t.stop_at_step} (of "
-            f"{t.steps}); nothing to train (raise or drop train.stop_at_step to continue)")
+        return (
+            f"the run is complete: step {step} of {t.steps} is saved in {ckpt.directory}; nothing to train "
+            "(raise --config.train.steps to train on, or choose a new --config.run_dir)"
+        )
+    return (
+        f"the run is at step {step}, at or past --config.train.stop_at_step={t.stop_at_step} (of "
+        f"{t.steps}); nothing to train (raise or drop train.stop_at_step to continue)"
+    )
 
 
 def _close(loop, report: Reporter, ckpt: Checkpointer, say) -> None:
     """The exit path, each part guarded on its own: the profiler trace, the metrics writer (a full
     disk can fail its flush) and the checkpointer, which waits for the save in flight and, if that
     save failed, removes its partial files and raises its one-line error (which wins)."""
-    for what, close in (("the profiler trace", lambda: loop.profiler.stop(loop.state, loop.step)),
-                        ("the metrics writer", report.close)):
+    for what, close in (
+        ("the profiler trace", lambda: loop.profiler.stop(loop.state, loop.step)),
+        ("the metrics writer", report.close),
+    ):
         try:
             close()
         except Exception as e:  # noqa: BLE001 - reported, never allowed to skip the checkpoint's own close
@@ -195,9 +240,11 @@ def _restore_or_init(cfg, built, ckpt: Checkpointer, run_dir: Path, say) -> tupl
         restored = restore(ckpt, built.spec.abstract, log=say)
     elif ckpt.all_steps():  # resume=false on a run_dir with checkpoints: never mix two runs' steps
         if not cfg.checkpoint.supersede:
-            raise ConfigError(f"config field `checkpoint.resume`: false, but {ckpt.directory} holds checkpoints "
-                              f"(steps {ckpt.all_steps()}) that a new run would mix with; choose a new run_dir, "
-                              "or set checkpoint.supersede=true to move them aside as N.superseded")
+            raise ConfigError(
+                f"config field `checkpoint.resume`: false, but {ckpt.directory} holds checkpoints "
+                f"(steps {ckpt.all_steps()}) that a new run would mix with; choose a new run_dir, "
+                "or set checkpoint.supersede=true to move them aside as N.superseded"
+            )
         ckpt.move_newer_aside(None, log=say)
     if restored is None:
         return built.init_state(), 0, 0, {}
@@ -215,8 +262,10 @@ def _data_order(cfg, meta: dict, say) -> str:
         return cfg.data.shuffle
     used = meta.get("data_shuffle", "numpy")
     if used != cfg.data.shuffle:
-        say(f"note: the checkpoint's data position was reached with data.shuffle={used}; continuing with it "
-            f"(data.shuffle={cfg.data.shuffle} applies to new runs)")
+        say(
+            f"note: the checkpoint's data position was reached with data.shuffle={used}; continuing with it "
+            f"(data.shuffle={cfg.data.shuffle} applies to new runs)"
+        )
     return used
 
 
@@ -224,18 +273,23 @@ def _check_data(cfg, meta: dict, data, say) -> list[str]:
     """A resumed run's data must be what its checkpoint's position refers to (data.allow_changed=true
     continues on changed data, saying so); returns what changed."""
     from boost_jax.data import changed_sources
+
     recorded = meta.get("data_identity")
     if not recorded:  # a fresh run, or a checkpoint written before data identities were recorded
         return []
     changed = changed_sources(recorded, data.identity)
     if changed and not cfg.data.allow_changed:
-        raise ConfigError(f"config field `data.allow_changed`: the data changed since the checkpoint was written "
-                          f"({', '.join(changed)}), so its data position (sample {meta['data_position']:,}) would "
-                          "read other batches; restore the data it trained on, or set data.allow_changed=true to "
-                          "continue on the new data from that position")
+        raise ConfigError(
+            f"config field `data.allow_changed`: the data changed since the checkpoint was written "
+            f"({', '.join(changed)}), so its data position (sample {meta['data_position']:,}) would "
+            "read other batches; restore the data it trained on, or set data.allow_changed=true to "
+            "continue on the new data from that position"
+        )
     if changed:
-        say(f"note: the data changed since the checkpoint ({', '.join(changed)}); continuing on the new data "
-            "from the same position (data.allow_changed=true)")
+        say(
+            f"note: the data changed since the checkpoint ({', '.join(changed)}); continuing on the new data "
+            "from the same position (data.allow_changed=true)"
+        )
     return changed
 
 
@@ -282,6 +336,7 @@ def _final_eval_cut(meta: dict, run_dir: Path, step: int) -> bool:
     if jax.process_count() > 1:
         import numpy as np
         from jax.experimental import multihost_utils
+
         cut = bool(multihost_utils.broadcast_one_to_all(np.int32(cut)))
     return cut
 
@@ -302,8 +357,23 @@ class _Loop:
     """The training loop: a step per batch; at each log or save point the health checks (non-finite
     steps, signals), the report, evaluation and the checkpoint."""
 
-    def __init__(self, cfg, built, ckpt, report, stop, train_data, evaluate, position: int, skipped: int,
-                 run_dir: Path, *, order: str, tokens_seen: int, predicted_s: float | None = None):
+    def __init__(
+        self,
+        cfg,
+        built,
+        ckpt,
+        report,
+        stop,
+        train_data,
+        evaluate,
+        position: int,
+        skipped: int,
+        run_dir: Path,
+        *,
+        order: str,
+        tokens_seen: int,
+        predicted_s: float | None = None,
+    ):
         self.cfg, self.built, self.ckpt, self.report, self.stop = cfg, built, ckpt, report, stop
         self.data, self.evaluate, self.position, self.skipped = train_data, evaluate, position, skipped
         self.order, self.tokens_seen = order, tokens_seen  # the data order; input tokens that were not padding
@@ -359,8 +429,12 @@ class _Loop:
             self._check_finite(seen)
             self._count_tokens(seen)
             if due_log:
-                record = self.report.log(step, seen[-1][1], self.skipped, {"tokens_seen": self.tokens_seen,
-                                                                            **self.data.source_tokens(self.position)})
+                record = self.report.log(
+                    step,
+                    seen[-1][1],
+                    self.skipped,
+                    {"tokens_seen": self.tokens_seen, **self.data.source_tokens(self.position)},
+                )
                 self._against_prediction(step, record["step_time_s"])
         if t.eval_every and (step % t.eval_every == 0 or step == end):
             try:
@@ -369,8 +443,10 @@ class _Loop:
                 signalled = self.stop.signal or "SIGTERM"  # (another process's, when this one got none)
                 self.eval_stopped = step  # its checkpoint says so: a start from it evaluates this step
                 self.report.write(step, {"eval_stopped": 1})
-                self.report.note(f"{signalled}: the evaluation at step {step} was stopped between batches "
-                                 "(not reported; a rerun evaluates this step); saving")
+                self.report.note(
+                    f"{signalled}: the evaluation at step {step} was stopped between batches "
+                    "(not reported; a rerun evaluates this step); saving"
+                )
                 if not (due_log or due_save):
                     seen, self.unchecked = jax.device_get(self.unchecked), []
                     self._check_finite(seen)
@@ -391,8 +467,10 @@ class _Loop:
         self.windows += 1
         ratio = measured_s / self.predicted_s
         self.report.write(step, {"planner_step_time_s": self.predicted_s, "measured_over_planner": ratio})
-        self.report.note(f"step {step}: {measured_s:.3g} s per step, {ratio:.3g}x the planner's {self.predicted_s:.3g} s"
-                         + (" (this window includes compiling the step)" if self.windows == 1 else ""))
+        self.report.note(
+            f"step {step}: {measured_s:.3g} s per step, {ratio:.3g}x the planner's {self.predicted_s:.3g} s"
+            + (" (this window includes compiling the step)" if self.windows == 1 else "")
+        )
 
     def _count_tokens(self, seen) -> None:
         """Input tokens that are not padding (all of them in stream batches), for tokens/s, MFU and
@@ -422,38 +500,66 @@ class _Loop:
             # The state saved after step `source` computed the first non-finite step of this run of them:
             # that checkpoint (and any later one) is set aside as N.diverged, never deleted.
             source = bad - self.in_a_row
-            self.ckpt.move_newer_aside(source - 1, log=self.report.note, suffix="diverged",
-                                       why=f"its state gave the non-finite step {source + 1}")
+            self.ckpt.move_newer_aside(
+                source - 1,
+                log=self.report.note,
+                suffix="diverged",
+                why=f"its state gave the non-finite step {source + 1}",
+            )
             last = self.ckpt.committed_step()
             raise TrainingDiverged(
                 f"step {bad}: {what}; stopping (train.nonfinite={t.nonfinite}). "
-                + (f"The last good checkpoint (its state's next step was finite) is step {last} in "
-                   f"{self.ckpt.directory}" if last is not None else "No good checkpoint is left")
+                + (
+                    f"The last good checkpoint (its state's next step was finite) is step {last} in "
+                    f"{self.ckpt.directory}"
+                    if last is not None
+                    else "No good checkpoint is left"
+                )
                 + "; lower train.lr or raise train.warmup_steps"
-                + (", or set train.nonfinite=skip to skip such steps" if t.nonfinite == "stop" else ""))
+                + (", or set train.nonfinite=skip to skip such steps" if t.nonfinite == "stop" else "")
+            )
 
     def _meta(self, step: int) -> dict:
-        return {"data_position": self.position, "data_shuffle": self.order, "data_identity": self.data.identity,
-                "tokens_seen": self.tokens_seen, "eval_stopped": self.eval_stopped == step,
-                "step": step, "skipped_steps": self.skipped, "config": json.loads(self.cfg.to_json_best_effort())}
+        return {
+            "data_position": self.position,
+            "data_shuffle": self.order,
+            "data_identity": self.data.identity,
+            "tokens_seen": self.tokens_seen,
+            "eval_stopped": self.eval_stopped == step,
+            "step": step,
+            "skipped_steps": self.skipped,
+            "config": json.loads(self.cfg.to_json_best_effort()),
+        }
 
 
 def _finish(run_dir: Path, ckpt, report: Reporter, loop: _Loop, step: int, main_process: bool) -> dict:
     """The run's summary, printed by process 0."""
     evals, writer = report.evals, report.writer
-    summary = {"run_dir": str(run_dir), "checkpoints": str(ckpt.directory), "last_checkpoint_step": loop.last_saved,
-               "metrics": writer.path, "tensorboard": writer.tb_dir, "step": step, "evals": evals,
-               "stopped_by": loop.stopped, "skipped_steps": loop.skipped}
+    summary = {
+        "run_dir": str(run_dir),
+        "checkpoints": str(ckpt.directory),
+        "last_checkpoint_step": loop.last_saved,
+        "metrics": writer.path,
+        "tensorboard": writer.tb_dir,
+        "step": step,
+        "evals": evals,
+        "stopped_by": loop.stopped,
+        "skipped_steps": loop.skipped,
+    }
     if main_process:
         if evals:
-            print(f"eval loss: first {evals[0][1]:.4f} (step {evals[0][0]}) -> last {evals[-1][1]:.4f} "
-                  f"(step {evals[-1][0]})")
+            print(
+                f"eval loss: first {evals[0][1]:.4f} (step {evals[0][0]}) -> last {evals[-1][1]:.4f} "
+                f"(step {evals[-1][0]})"
+            )
         if loop.skipped:
             print(f"{loop.skipped} step(s) were skipped as not finite (train.nonfinite=skip)")
         if loop.stopped:
             print(f"stopped by {loop.stopped} at step {step}; checkpoint saved")
-        print(f"run dir:      {run_dir}\ncheckpoints:  {ckpt.directory} (last step {loop.last_saved})\n"
-              f"metrics:      {writer.path}\ntensorboard:  tensorboard --logdir {writer.tb_dir}")
+        print(
+            f"run dir:      {run_dir}\ncheckpoints:  {ckpt.directory} (last step {loop.last_saved})\n"
+            f"metrics:      {writer.path}\ntensorboard:  tensorboard --logdir {writer.tb_dir}"
+        )
     return summary
 
 
@@ -466,24 +572,27 @@ def _batch_slice(mesh, global_batch: int) -> tuple[int, int]:
     return lo // (hi - lo), global_batch // (hi - lo)
 
 
-
 def _use_compile_cache(directory: str) -> None:
     """Point JAX's persistent compilation cache at `directory` (created if missing); "" leaves it."""
     if not directory:
         return
     from jax.experimental.compilation_cache import compilation_cache as cc
+
     path = Path(directory).expanduser().resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"config field `compile_cache`: cannot create {path} ({e.strerror or e}); "
-                          "choose a writable directory or \"\" for no cache") from e
+        raise ConfigError(
+            f"config field `compile_cache`: cannot create {path} ({e.strerror or e}); "
+            'choose a writable directory or "" for no cache'
+        ) from e
     if jax.config.jax_compilation_cache_dir != str(path):
         cc.set_cache_dir(str(path))
         cc.reset_cache()  # JAX decides once whether to use a cache: ask again with the new directory
 
 
 # ---------------------------------------------------------------- the command line
+
 
 def _flag_error(e: Exception, argv) -> None:
     """A misspelt --config.KEY or a missing --config file as a one-line error, not a traceback."""
@@ -494,11 +603,17 @@ def _flag_error(e: Exception, argv) -> None:
     if isinstance(e, OSError):
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("[Errno")]
         from boost_jax.config import packaged_configs
-        print(f"error: --config: {lines[0] if lines else why}; give a config file or a packaged config's name "
-              f"({', '.join(n for n in packaged_configs() if '/' not in n)})", file=sys.stderr)
+
+        print(
+            f"error: --config: {lines[0] if lines else why}; give a config file or a packaged config's name "
+            f"({', '.join(n for n in packaged_configs() if '/' not in n)})",
+            file=sys.stderr,
+        )
     else:
-        print(f"error: {' '.join(argv[1:])}: unknown key {why} (the keys are those of boost_jax/config/schema.py)",
-              file=sys.stderr)
+        print(
+            f"error: {' '.join(argv[1:])}: unknown key {why} (the keys are those of boost_jax/config/schema.py)",
+            file=sys.stderr,
+        )
     sys.exit(1)
 
 
@@ -517,6 +632,7 @@ def _packaged_config(argv) -> list:
     no such file is: an installed wheel) replaced by its file (boost_jax/config/files.py config_path), and
     moved in front of the `--config.KEY=VALUE` overrides: they apply to the file, in any order given."""
     from boost_jax.config import config_path
+
     out, picked = [argv[0]] if argv else [], []
     rest = iter(argv[1:])
     for arg in rest:
@@ -534,6 +650,7 @@ def _define_config(argv, flag_values=None):
     from ml_collections import config_flags
 
     from boost_jax.config import load_config_file
+
     path = _config_path(argv)
     if path:  # a broken file as one line naming it (ml_collections would raise from inside its parser)
         try:
@@ -545,8 +662,9 @@ def _define_config(argv, flag_values=None):
             sys.exit(1)
     kw = {} if flag_values is None else {"flag_values": flag_values}
     try:  # the config file is loaded and the overrides resolved already here and in parsing
-        config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Run config file (configs/*.py)",
-                                        lock_config=True, sys_argv=argv, **kw)
+        config_flags.DEFINE_config_file(
+            "config", str(DEFAULT_CONFIG), "Run config file (configs/*.py)", lock_config=True, sys_argv=argv, **kw
+        )
     except (AttributeError, KeyError, OSError) as e:
         _flag_error(e, argv)
 
@@ -555,6 +673,7 @@ def parse_config(argv):
     """The config `python -m boost_jax.train ARGV...` would run (argv[0] is the program name), parsed
     exactly as the command line does it, on private flags (so it may be called many times)."""
     from absl import flags
+
     fv = flags.FlagValues()
     argv = _packaged_config(argv)
     _define_config(argv, fv)
@@ -585,6 +704,7 @@ def _help(argv) -> bool:
     """--help / --print_config: print and return True (the command exits 0)."""
     if any(a in HELP_FLAGS for a in argv[1:]):
         from boost_jax.config import describe_config
+
         _print(USAGE + "\n" + describe_config())
         return True
     if "--print_config" in argv[1:]:
@@ -597,6 +717,7 @@ def _help(argv) -> bool:
 def _autos_here(cfg) -> str:
     """What the config's `auto` fields resolve to on the devices JAX sees here (model/autos.py)."""
     from boost_jax.parallel.mesh import mesh_devices
+
     try:
         devices = mesh_devices(cfg.parallel)
         picks = autos.chosen(cfg, len(devices), devices)
@@ -613,6 +734,7 @@ def _print(text: str) -> None:
     """Print to stdout; a reader that closed the pipe early (`| head`) ends it quietly, not with a
     BrokenPipeError traceback."""
     import os
+
     try:
         print(text, flush=True)
     except BrokenPipeError:
@@ -622,8 +744,10 @@ def _print(text: str) -> None:
 def _flags_error(e: Exception) -> None:
     """A command line absl cannot parse (a flag that is not ours, a flag without its value) as one line
     pointing at our --help, not at absl's."""
-    print(f"error: {str(e).splitlines()[0]}; python -m boost_jax.train --help lists the flags and every config key",
-          file=sys.stderr)
+    print(
+        f"error: {str(e).splitlines()[0]}; python -m boost_jax.train --help lists the flags and every config key",
+        file=sys.stderr,
+    )
     sys.exit(1)
 
 
@@ -652,7 +776,9 @@ def main(argv=None) -> int:
         except OSError as e:
             _flag_error(e, argv)
         try:
-            run(cfg, stop.__enter__(), _config_path(argv) or str(DEFAULT_CONFIG))  # stop: never uninstalled: a signal after the final save is absorbed too
+            run(
+                cfg, stop.__enter__(), _config_path(argv) or str(DEFAULT_CONFIG)
+            )  # stop: never uninstalled: a signal after the final save is absorbed too
         except ERRORS as e:
             print(error_lines(e), file=sys.stderr)
             sys.exit(1)

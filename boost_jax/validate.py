@@ -7,6 +7,7 @@ from the strategy's rule table and the logical axes the model and its kinds decl
 `ConfigError`s naming the field. This module sits above the model, parallel and data layers and
 below the runtime, whose builder calls both functions.
 """
+
 from __future__ import annotations
 
 from boost_jax import config as config_lib
@@ -30,8 +31,11 @@ def validate(c):
 
     m, p = c.model, c.parallel
     with config_lib.every_problem():
-        known = {"linear": m.linear in kinds.names(), "attention": m.attention in attention.names(),
-                 "strategy": p.strategy in strategies.names()}
+        known = {
+            "linear": m.linear in kinds.names(),
+            "attention": m.attention in attention.names(),
+            "strategy": p.strategy in strategies.names(),
+        }
         _one_of(m.linear, kinds.names(), "model.linear")
         with config_lib.part():
             config_lib.check_fields(c)
@@ -73,9 +77,12 @@ def _check_documents(c, attention) -> None:
         return
     kind = "segments" if batching == "packed" else "lengths"  # (Documents.kind of such rows)
     ok = lambda name: attention.masks(name, kind)  # noqa: E731
-    check(ok(c.model.attention), "model.attention",
-          f"{c.model.attention} cannot keep attention inside documents (data.batching={batching}); use one of "
-          f"{tuple(n for n in attention.names() if ok(n))}")
+    check(
+        ok(c.model.attention),
+        "model.attention",
+        f"{c.model.attention} cannot keep attention inside documents (data.batching={batching}); use one of "
+        f"{tuple(n for n in attention.names() if ok(n))}",
+    )
 
 
 def _check_context(c, attention, kinds) -> None:
@@ -83,21 +90,31 @@ def _check_context(c, attention, kinds) -> None:
     bottleneck, whatever the context size (a setting that cannot work is refused even where it has
     nothing to do yet): a factored kind whose projections are B·σ(A x) alone, and B's that keep whole heads."""
     p = c.parallel
-    check(p.context == 1 or attention.takes_context(c.model.attention), "model.attention",
-          f"{c.model.attention} cannot run with the sequence split over parallel.context={p.context}; use one of "
-          f"{tuple(n for n in attention.names() if attention.takes_context(n))}")
+    check(
+        p.context == 1 or attention.takes_context(c.model.attention),
+        "model.attention",
+        f"{c.model.attention} cannot run with the sequence split over parallel.context={p.context}; use one of "
+        f"{tuple(n for n in attention.names() if attention.takes_context(n))}",
+    )
     if p.context_kv != "bottleneck":
         return
     kind = kinds.kind_class(c.model.linear)
-    check(kind.factored and not kind.has_extra, "parallel.context_kv",
-          f"bottleneck passes the r-wide σ(A x) of a factored projection, but model.linear={c.model.linear} "
-          + ("has no bottleneck" if not kind.factored else "adds a full-width term (S·x) to it")
-          + "; use parallel.context_kv=full")
+    check(
+        kind.factored and not kind.has_extra,
+        "parallel.context_kv",
+        f"bottleneck passes the r-wide σ(A x) of a factored projection, but model.linear={c.model.linear} "
+        + ("has no bottleneck" if not kind.factored else "adds a full-width term (S·x) to it")
+        + "; use parallel.context_kv=full",
+    )
     from boost_jax.parallel import strategies
+
     whole = [n for n in strategies.names() if strategies.registered(n).keeps_whole_rank]
-    check(strategies.registered(p.strategy).keeps_whole_rank, "parallel.context_kv",
-          f"bottleneck rebuilds K/V with each device's B's, which parallel.strategy={p.strategy} splits along the "
-          f"rank; use parallel.strategy {' or '.join(whole)}, or parallel.context_kv=full")
+    check(
+        strategies.registered(p.strategy).keeps_whole_rank,
+        "parallel.context_kv",
+        f"bottleneck rebuilds K/V with each device's B's, which parallel.strategy={p.strategy} splits along the "
+        f"rank; use parallel.strategy {' or '.join(whole)}, or parallel.context_kv=full",
+    )
 
 
 def check_mesh(cfg, mesh) -> None:

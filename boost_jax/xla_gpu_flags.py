@@ -14,11 +14,13 @@ jaxlib 0.10.2; the GPU machines run jax 0.11: run that test there after an upgra
 It sits at the bottom of the layers (no project imports), beside the config. A step built for GPU
 devices (runtime/build.py) carries them as compiler options (`compiler_options()`),
 so a program compiled for GPUs on a host without one (`python -m boost_jax.tools.aot`) is compiled as
-the GPU run compiles it. `train.run` also calls `apply()` before JAX initialises its backends, when `xla_gpu_flags` is true (the
+the GPU run compiles it. `train.run` also calls `apply()` before JAX initialises its backends, when `xla_gpu_flags`
+is true (the
 default), a CUDA plugin of jax is installed and JAX_PLATFORMS does not exclude GPUs: a GPU run gets
 these flags whether it was started by the SLURM template, by hand or from a notebook. Nothing here
 imports jax (XLA reads XLA_FLAGS once, when its backends start).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,10 +39,15 @@ FLAGS = (  # (flag, what it is for)
     ("--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728", "merge small reduce-scatters up to 128 MiB"),
 )
 MEASURE = (  # worth an A/B run; not applied
-    ("--xla_gpu_enable_command_buffer=", "empty: no CUDA graphs (XLA's default runs them: one H100, cola_1b at "
-                                         "seq 256 x 32 is 3% faster with them, at the same peak memory)"),
-    ("--xla_gpu_enable_triton_gemm=false", "cuBLAS for every GEMM: the low-rank GEMMs are skinny and "
-                                           "either may win (one H100, 1B steps: 4-6% slower)"),
+    (
+        "--xla_gpu_enable_command_buffer=",
+        "empty: no CUDA graphs (XLA's default runs them: one H100, cola_1b at "
+        "seq 256 x 32 is 3% faster with them, at the same peak memory)",
+    ),
+    (
+        "--xla_gpu_enable_triton_gemm=false",
+        "cuBLAS for every GEMM: the low-rank GEMMs are skinny and either may win (one H100, 1B steps: 4-6% slower)",
+    ),
 )
 # what `pip install jax[cuda13|cuda12]` installs (the plugins register under jax_plugins; older
 # releases shipped top-level modules)
@@ -111,8 +118,11 @@ def accepted(options: dict, device) -> dict:
         gone = sorted(set(options) - set(keep) - DROPPED)
         if gone:
             DROPPED.update(gone)
-            warnings.warn(f"this jaxlib's XLA has no compile option {', '.join(gone)}: GPU steps are built "
-                          f"without (boost_jax/xla_gpu_flags.py)", stacklevel=2)
+            warnings.warn(
+                f"this jaxlib's XLA has no compile option {', '.join(gone)}: GPU steps are built "
+                f"without (boost_jax/xla_gpu_flags.py)",
+                stacklevel=2,
+            )
     return {k: v for k, v in options.items() if k in _ACCEPTED[key]}
 
 
@@ -122,13 +132,17 @@ def accepted(options: dict, device) -> dict:
 # on an H100, benchmarks/RESULTS.md 2026-11-26), and in XLA_FLAGS they parse as no-ops. `accepted()`
 # probes that with a compile for the target device; the planner cannot (it prices plans without
 # devices), so it reads the installed jaxlib's version instead: `pipelined()`.
-PIPELINED = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_reduce_scatter",
-             "xla_gpu_enable_pipelined_all_reduce")
+PIPELINED = (
+    "xla_gpu_enable_pipelined_all_gather",
+    "xla_gpu_enable_pipelined_reduce_scatter",
+    "xla_gpu_enable_pipelined_all_reduce",
+)
 PIPELINED_RETIRED = (0, 11)  # the first jaxlib without them
 
 
 def _jaxlib_version() -> tuple[int, ...] | None:
     import importlib.metadata
+
     try:
         text = importlib.metadata.version("jaxlib")
     except importlib.metadata.PackageNotFoundError:
@@ -198,6 +212,7 @@ def _backends_started() -> bool:
         return False
     try:
         from jax._src import xla_bridge  # private: guarded, and only asked once jax is imported
+
         return bool(xla_bridge.backends_are_initialized())
     except (ImportError, AttributeError):
         return False
@@ -211,8 +226,10 @@ def apply(environ=os.environ) -> tuple[list[str], str]:
     if not added:
         return [], "XLA_FLAGS already names every flag"
     if _backends_started():
-        return [], ("jax started its backends before the flags could be set (export them first: "
-                    "`export XLA_FLAGS=\"$(python -m boost_jax.xla_gpu_flags)\"`)")
+        return [], (
+            "jax started its backends before the flags could be set (export them first: "
+            '`export XLA_FLAGS="$(python -m boost_jax.xla_gpu_flags)"`)'
+        )
     environ["XLA_FLAGS"] = value
     return added, ""
 

@@ -1,11 +1,13 @@
 """13B CoLA (B·σ(A·x), r = d/4), BOOST's shape; CoLA trains no 13B, so lr and steps are those of its 7B.
 
-Recipe: CoLA's recipe (CoLA trains no 13B: lr and steps interpolated / taken from its 7B), as its code runs it (boost_jax/config.py COLA_RECIPE, COLA_OFFICIAL):
+Recipe: CoLA's recipe (CoLA trains no 13B: lr and steps interpolated / taken from its 7B), as its code runs it
+(boost_jax/config/presets.py COLA_RECIPE, COLA_OFFICIAL):
 AdamW betas (0.9, 0.999), wd 0.01 on every parameter (norm scales too), clip 0.5, peak lr 0.001,
 150k steps, 15,000 warmup steps, cosine to 0.1x, seq 256, global batch 512, one document
 per row (data.batching=document), perplexity over the first 10M eval tokens. Not BOOST's AdamW (0.9, 0.95) at seq 4096.
 Point data.path at your tokenized corpus.
 """
+
 from boost_jax.config import sized_config
 
 

@@ -6,6 +6,7 @@ Recipe: SLTrain's (AdamW betas (0.9, 0.999), wd 0, clip 0, peak lr 3e-3, 22k ste
 2200 warmup steps, cosine to 0.1x, seq 256, global batch 512).
 Point data.path at your tokenized corpus.
 """
+
 from boost_jax.config import sltrain_config
 
 

@@ -1,12 +1,14 @@
-"""350M tensor-train LLaMA: the zoo's 350M shape (d 1024, I 2736, 16 heads, 24 layers) with 6 cores and tt_rank 256 (BOOST publishes no 350M TT);
+"""350M tensor-train LLaMA: the zoo's 350M shape (d 1024, I 2736, 16 heads, 24 layers)
+with 6 cores and tt_rank 256 (BOOST publishes no 350M TT);
 inner ranks tt_rank/4 (our choice), no bottleneck activation (BOOST's TT is linear through r_mid).
 
-Recipe: CoLA's official recipe, as its code runs it (boost_jax/config.py COLA_RECIPE, COLA_OFFICIAL):
+Recipe: CoLA's official recipe, as its code runs it (boost_jax/config/presets.py COLA_RECIPE, COLA_OFFICIAL):
 AdamW betas (0.9, 0.999), wd 0.01 on every parameter (norm scales too), clip 0.5, peak lr 0.003,
 60k steps, 6,000 warmup steps, cosine to 0.1x, seq 256, global batch 512, one document
 per row (data.batching=document), perplexity over the first 10M eval tokens. BOOST publishes no separate TT schedule.
 Point data.path at your tokenized corpus.
 """
+
 from boost_jax.config import tt_config
 
 

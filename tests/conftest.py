@@ -11,12 +11,16 @@ the suite's compiles cheap: compiling is most of its time.
   start), and a rerun compiles next to nothing. BOOST_TEST_COMPILE_CACHE=0 turns it off; =DIR puts
   it elsewhere.
 The variables reach the subprocesses the tests start."""
+
 import os
 from pathlib import Path
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           + ("" if os.environ.get("BOOST_TEST_XLA_OPT") == "default" else " " + FAST_COMPILE)).strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    + ("" if os.environ.get("BOOST_TEST_XLA_OPT") == "default" else " " + FAST_COMPILE)
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = os.environ.get("BOOST_TEST_COMPILE_CACHE", "")
 if _CACHE != "0":
@@ -34,8 +38,9 @@ def small_config(run_dir, **overrides):
     c = base_config()
     c.run_dir = str(run_dir)
     c.model.update(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8, max_seq_len=32)
-    c.train.update(seq_len=16, global_batch=8, steps=8, warmup_steps=2, log_every=2, eval_every=4,
-                   eval_batches=2, progress=False)
+    c.train.update(
+        seq_len=16, global_batch=8, steps=8, warmup_steps=2, log_every=2, eval_every=4, eval_batches=2, progress=False
+    )
     c.checkpoint.update(every=4, async_save=False)
     c.data.embedded_max_bytes = 200_000
     for key, value in overrides.items():
@@ -53,8 +58,11 @@ def pytest_collection_modifyitems(items):
     fixture run on one worker, so the fixture is built once; the rest spread over the workers."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
-        shared = sorted(name for name, defs in (info.name2fixturedefs.items() if info else ())
-                        if defs and defs[-1].scope in ("module", "session") and name != "tmp_path_factory")
+        shared = sorted(
+            name
+            for name, defs in (info.name2fixturedefs.items() if info else ())
+            if defs and defs[-1].scope in ("module", "session") and name != "tmp_path_factory"
+        )
         if shared:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))
 

@@ -6,15 +6,15 @@ its collectives move what the CPU-emulated program of the same mesh moves (so th
 numbers hold for GPUs), its memory report is consistent, and bad input is one line. Needs the `aot`
 extra (`.ci/run` installs it); elsewhere every test here skips, naming the install command.
 """
+
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from boost_jax.tools import aot
 
@@ -24,14 +24,26 @@ pytestmark = pytest.mark.skipif(not aot.available(), reason=f"needs the aot extr
 
 
 def _tiny(make_config, **kw):
-    c = make_config(**{"model.dtype": "auto", "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
-                       "model.d_ff": 128, "model.rank": 16, "train.seq_len": 64, "model.max_seq_len": 64, **kw})
+    c = make_config(
+        **{
+            "model.dtype": "auto",
+            "model.d_model": 64,
+            "model.n_heads": 4,
+            "model.n_kv_heads": 2,
+            "model.d_ff": 128,
+            "model.rank": 16,
+            "train.seq_len": 64,
+            "model.max_seq_len": 64,
+            **kw,
+        }
+    )
     return c
 
 
 def _cola_1b_shaped(mesh, strategy="btp", **kw):
     """cola_1b's widths (d 2048, I 5472, 32 heads, r 512) with 2 layers, at seq 256 and batch 8."""
     from boost_jax.config import sized_config
+
     c = sized_config("1b", "cola")
     c.model.n_layers = 2
     c.train.update(seq_len=256, global_batch=8, grad_accum=1)
@@ -69,6 +81,7 @@ def test_tiny_on_one_h100_takes_the_gpu_paths(make_config):
     import jax
 
     from boost_jax.runtime.build import build
+
     built = build(cfg, jax.devices()[:1])
     cpu = built.lower_train().compile().as_text()
     assert "__cudnn" not in cpu and "triton" not in cpu
@@ -81,6 +94,7 @@ def test_tiny_on_one_h100_takes_the_gpu_paths(make_config):
 def _dtype_of(built):
     import jax.numpy as jnp
     from flax import nnx
+
     model = nnx.merge(built.spec.graphdef, built.spec.abstract["params"])
     return jnp.dtype(model.dtype).name
 
@@ -102,10 +116,19 @@ def _called_params(hlo_text: str, op_name: str) -> list[str]:
     fusion's operand types live in its computation's header; a reduction after a batched GEMM is not
     a GEMM)."""
     import re
-    calls = {m.group(1) for line in hlo_text.splitlines() if f'op_name="{op_name}"' in line
-             for m in [re.search(r"calls=%([\w.\-]+)", line)] if m}
-    return [line.split(" -> ")[0] for line in hlo_text.splitlines()
-            if any(line.startswith(f"%{c} (") for c in calls if "gemm" in c)]
+
+    calls = {
+        m.group(1)
+        for line in hlo_text.splitlines()
+        if f'op_name="{op_name}"' in line
+        for m in [re.search(r"calls=%([\w.\-]+)", line)]
+        if m
+    }
+    return [
+        line.split(" -> ")[0]
+        for line in hlo_text.splitlines()
+        if any(line.startswith(f"%{c} (") for c in calls if "gemm" in c)
+    ]
 
 
 def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
@@ -116,14 +139,20 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
     pytest.importorskip("jax_triton", reason=f"the triton norm needs jax-triton: {aot.INSTALL}")
     cfg = _tiny(make_config, **{"model.attention": "auto"})
     rep = aot.compile_config(cfg, "h100", 1, programs=("train",))
-    assert rep["resolved"] == {"model.group_linears": False, "model.scan_unroll": True, "remat.policy": "none",
-                               "kernels.rmsnorm": "triton"}, rep["resolved"]
+    assert rep["resolved"] == {
+        "model.group_linears": False,
+        "model.scan_unroll": True,
+        "remat.policy": "none",
+        "kernels.rmsnorm": "triton",
+    }, rep["resolved"]
     k = rep["train"]["kernels"]
     layers = cfg.model.n_layers
     assert k["cudnn attention (fwd, causal)"] == layers and k["cudnn attention (bwd, causal)"] == layers, k
     assert k["triton kernel (jax-triton)"] >= 2 * (2 * layers + 1), k  # every norm, forward and backward
     import jax
+
     from boost_jax.runtime.build import build
+
     text = build(cfg, aot.devices("h100", 1)).lower_train().compile().as_text()
     assert " while(" not in text  # no layer scan (and no accumulation or loss-chunk loop at these shapes)
     for spec in ("btd,btv->dv", "btv,dv->btd"):  # model/loss.py's head backward
@@ -131,13 +160,21 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
         assert params and all("bf16[" in p and "f32[" not in p for p in params), (spec, params)
     fsdp = _tiny(make_config, **{"model.attention": "auto", "parallel.data": 1, "parallel.fsdp": 8})
     assert aot.compile_config(fsdp, "h100", 8, programs=("train",))["resolved"] == {
-        "model.group_linears": False, "model.scan_unroll": False, "remat.policy": "lowrank",
-        "kernels.rmsnorm": "triton"}
+        "model.group_linears": False,
+        "model.scan_unroll": False,
+        "remat.policy": "lowrank",
+        "kernels.rmsnorm": "triton",
+    }
     dense = _tiny(make_config, **{"model.linear": "dense"})
     from boost_jax.model import autos
+
     assert autos.chosen(dense, 1, aot.devices("h100", 1))["model.group_linears"] is True
     assert autos.chosen(dense, 1, jax.devices("cpu")[:1]) == {  # CPUs: the scan, XLA's norm, no remat
-        "model.group_linears": True, "model.scan_unroll": False, "remat.policy": "none", "kernels.rmsnorm": "xla"}
+        "model.group_linears": True,
+        "model.scan_unroll": False,
+        "remat.policy": "none",
+        "kernels.rmsnorm": "xla",
+    }
 
 
 def _executed(hlo_text, mesh) -> dict:
@@ -147,15 +184,25 @@ def _executed(hlo_text, mesh) -> dict:
 ST, PIPELINE = ((1, 1, 2, 2), "btp", {"parallel.linear_partition": "st"}), ((2, 1, 1, 4), "btp", {})
 
 
-@pytest.mark.parametrize("mesh,strategy,extra,tolerance", [
-    ((1, 1, 1, 8), "btp", {}, "scalars"),
-    ((1, 1, 2, 4), "megatron", {}, "scalars"),
-    (*ST, None),  # compiled for the GPU only here; against the CPU program in the slow run (the suite's time)
-    (*PIPELINE, None),
-    pytest.param(*ST, "fewer", marks=pytest.mark.slow),
-    pytest.param(*PIPELINE, "fewer", marks=pytest.mark.slow),
-], ids=["btp-tensor8", "megatron-fsdp2-tensor4", "st-2x2", "pipeline2-tensor4", "st-2x2-vs-cpu",
-        "pipeline2-tensor4-vs-cpu"])
+@pytest.mark.parametrize(
+    "mesh,strategy,extra,tolerance",
+    [
+        ((1, 1, 1, 8), "btp", {}, "scalars"),
+        ((1, 1, 2, 4), "megatron", {}, "scalars"),
+        (*ST, None),  # compiled for the GPU only here; against the CPU program in the slow run (the suite's time)
+        (*PIPELINE, None),
+        pytest.param(*ST, "fewer", marks=pytest.mark.slow),
+        pytest.param(*PIPELINE, "fewer", marks=pytest.mark.slow),
+    ],
+    ids=[
+        "btp-tensor8",
+        "megatron-fsdp2-tensor4",
+        "st-2x2",
+        "pipeline2-tensor4",
+        "st-2x2-vs-cpu",
+        "pipeline2-tensor4-vs-cpu",
+    ],
+)
 def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
     """cola_1b-shaped, 2 layers: what the H100 program's collectives move per step (through its loops'
     trip counts) equals the CPU-emulated program's, kind by kind, up to the scalars of the step's
@@ -167,6 +214,7 @@ def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
     import jax
 
     from boost_jax.runtime.build import build
+
     n = math.prod(mesh)
     # The same program on both: the fields `auto` decides by platform (model/autos.py) set as the CPU's.
     same = {"remat.policy": "none", "kernels.rmsnorm": "xla", "model.scan_unroll": False}
@@ -179,8 +227,7 @@ def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
     assert kinds <= set(gpu) and all(v > 0 for v in gpu.values())  # the ring's (or tensor's) collectives are there
     if tolerance is None:
         return
-    cpu_cfg = _cola_1b_shaped(mesh, strategy, **{"model.dtype": "bfloat16", "model.attention": "xla", **same,
-                                                  **extra})
+    cpu_cfg = _cola_1b_shaped(mesh, strategy, **{"model.dtype": "bfloat16", "model.attention": "xla", **same, **extra})
     built = build(cpu_cfg, jax.devices("cpu")[:n])
     cpu = _executed(built.lower_train().compile().as_text(), built.mesh)
     assert sorted(gpu) == sorted(cpu), (gpu, cpu)
@@ -193,12 +240,35 @@ def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
 
 def test_cli_json_and_one_line_errors(tmp_path, capsys, monkeypatch):
     out = tmp_path / "aot.json"
-    rep = aot.main(["--target", "h100", "--devices", "2", "--config", "tiny", "--mesh", "1,1,1,2",  # a name, as train takes
-                    "--json", str(out), "--train-only", "--config.train.global_batch=4"])
+    rep = aot.main(
+        [
+            "--target",
+            "h100",
+            "--devices",
+            "2",
+            "--config",
+            "tiny",
+            "--mesh",
+            "1,1,1,2",  # a name, as train takes
+            "--json",
+            str(out),
+            "--train-only",
+            "--config.train.global_batch=4",
+        ]
+    )
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
-    for key in ("peak_bytes", "argument_bytes", "temp_bytes", "output_bytes", "device_memory_bytes", "fits",
-                "kernels", "collectives", "compile_s"):
+    for key in (
+        "peak_bytes",
+        "argument_bytes",
+        "temp_bytes",
+        "output_bytes",
+        "device_memory_bytes",
+        "fits",
+        "kernels",
+        "collectives",
+        "compile_s",
+    ):
         assert key in saved["train"], key
     assert saved["train"]["peak_bytes"] == rep["train"]["peak_bytes"] and saved["mesh"]["tensor"] == 2
     assert "all-reduce" in saved["train"]["collectives"] and "peak" in text and "fits" in text
@@ -214,13 +284,22 @@ def test_cli_json_and_one_line_errors(tmp_path, capsys, monkeypatch):
     base = ["--devices", "1", "--config", TINY]
     assert "--target: unknown GPU 'h900'; one of a100, a100_40gb, h100, h200" in error(["--target", "h900", *base])
     assert "--mesh 1,1,2,2: 4 devices, but --devices 2" in error(
-        ["--target", "h100", "--devices", "2", "--config", TINY, "--mesh", "1,1,2,2"])
+        ["--target", "h100", "--devices", "2", "--config", TINY, "--mesh", "1,1,2,2"]
+    )
     assert "model.n_layres" in error(["--target", "h100", *base, "--config.model.n_layres=3"])
     assert "--config: no such file cola_8b" in error(["--target", "h100", "--devices", "1", "--config", "cola_8b"])
     # cuDNN refuses a head dim that is not a multiple of 8: named, with the field to change.
-    assert "model.attention" in error(["--target", "h100", *base, "--config.model.attention=cudnn",
-                                       "--config.model.d_model=48", "--config.model.n_heads=4",
-                                       "--config.model.n_kv_heads=4"])
+    assert "model.attention" in error(
+        [
+            "--target",
+            "h100",
+            *base,
+            "--config.model.attention=cudnn",
+            "--config.model.d_model=48",
+            "--config.model.n_heads=4",
+            "--config.model.n_kv_heads=4",
+        ]
+    )
     monkeypatch.setattr(aot, "missing", lambda: "jax-cuda13-plugin (jax's CUDA plugin)")
     assert aot.INSTALL in error(["--target", "h100", *base])
 
@@ -229,9 +308,29 @@ def test_plan_verify_target_compiles_the_plan_for_the_gpu(capsys):
     """`plan --verify --target h100`: the plan's own step at full size on its GPUs; the planner's peak
     next to the compiled one, and the exit code says whether they agree within 10% (and it fits)."""
     from boost_jax import plan
+
     cluster = str(Path(TINY).parents[0] / "clusters" / "h100_8x.py")
-    code = plan.main(["--config", TINY, "--devices", "2", "--cluster", cluster, "--batch", "8", "--seq", "64",
-                      "--remat", "none", "--pipeline", "1", "--verify", "--target", "h100"])
+    code = plan.main(
+        [
+            "--config",
+            TINY,
+            "--devices",
+            "2",
+            "--cluster",
+            cluster,
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--remat",
+            "none",
+            "--pipeline",
+            "1",
+            "--verify",
+            "--target",
+            "h100",
+        ]
+    )
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| peak |"))
     predicted, compiled, ratio, agrees = (c.strip() for c in row.strip("|").split("|")[1:])
@@ -247,6 +346,7 @@ def test_aot_fit_smoke(tmp_path):
     """benchmarks/aot_fit.py --smoke: the planner's pick for the tiny config on 2 H100s, compiled;
     every row has the planner's and the compiled peak and their ratio."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
     fit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit)
@@ -254,8 +354,11 @@ def test_aot_fit_smoke(tmp_path):
     rows = json.loads((tmp_path / "fit.json").read_text())["rows"]
     assert [r["devices"] for r in rows] == [2] and rows == out["rows"]
     for r in rows:
-        assert r["peak_bytes"] > 0 and r["planner_bytes"] > 0 and r["ratio"] == pytest.approx(
-            r["planner_bytes"] / r["peak_bytes"])
+        assert (
+            r["peak_bytes"] > 0
+            and r["planner_bytes"] > 0
+            and r["ratio"] == pytest.approx(r["planner_bytes"] / r["peak_bytes"])
+        )
         assert math.prod(r["mesh"].values()) == r["devices"]
     assert "| tiny | 2 |" in (tmp_path / "fit.md").read_text()
 
@@ -264,6 +367,7 @@ def test_aot_fit_smoke(tmp_path):
 def test_aot_fit_readme_command(tmp_path):
     """The README's "Will it fit?" command at its shapes (the zoo on 8 and 64 H100s, smallest meshes)."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
     fit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit)
@@ -276,15 +380,19 @@ def test_aot_fit_a100_readme_command(tmp_path):
     """The README's A100 "Will it fit?" command at its shapes (the zoo on 8 and 64 A100 40GB, the
     a100_4x cluster): every row compiled for the 40 GB part, or the planner finds no plan."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
     fit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit)
-    out = fit.main(["--target", "a100_40gb", "--cluster", "configs/clusters/a100_4x.py",
-                    "--json", str(tmp_path / "fit.json")])
+    out = fit.main(
+        ["--target", "a100_40gb", "--cluster", "configs/clusters/a100_4x.py", "--json", str(tmp_path / "fit.json")]
+    )
     assert len(out["rows"]) == len(fit.MODELS) * len(fit.DEVICES) and out["target"] == "a100_40gb"
     for r in out["rows"]:
-        assert r.get("plan") is None or (r["device_kind"] == "NVIDIA A100-SXM4-40GB"
-                                         and r["usable_bytes"] == int(0.9 * aot.target_memory("a100_40gb")))
+        assert r.get("plan") is None or (
+            r["device_kind"] == "NVIDIA A100-SXM4-40GB"
+            and r["usable_bytes"] == int(0.9 * aot.target_memory("a100_40gb"))
+        )
 
 
 @pytest.mark.slow  # six full-size compiles, about 1.5 minutes
@@ -294,6 +402,7 @@ def test_aot_fit_fixed_plans_within_10_percent(tmp_path):
     plans it was 29% over, 8% and 30% under before the GPU counts): the planner's peak per GPU within
     10% of the deviceless compile's on every plan."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
     fit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit)
@@ -303,10 +412,13 @@ def test_aot_fit_fixed_plans_within_10_percent(tmp_path):
         assert 0.9 <= r["ratio"] <= 1.1, (r["model"], r["mesh"], r["planner_parts"], r["peak_bytes"])
 
 
-README_AOT = ("python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 "
-              "--train-only")
-README_PLAN = ("python -m boost_jax.plan --config configs/cola_7b.py --devices 8 --cluster configs/clusters/h100_8x.py "
-               "--verify --target h100")
+README_AOT = (
+    "python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 --train-only"
+)
+README_PLAN = (
+    "python -m boost_jax.plan --config configs/cola_7b.py --devices 8 --cluster configs/clusters/h100_8x.py "
+    "--verify --target h100"
+)
 
 
 @pytest.mark.slow  # two full-size compiles and a search (about a minute): `pytest -m slow tests/test_aot.py`
@@ -314,6 +426,7 @@ def test_readme_commands(monkeypatch, capsys):
     """The README's aot and `plan --verify --target` commands at their shapes (the zoo's recipe: compiled
     for 8 H100s from abstract shapes), run from the repository root as the README runs them."""
     from boost_jax import plan
+
     monkeypatch.chdir(Path(TINY).parents[1])
     rep = aot.main(README_AOT.split()[3:])
     assert rep["mesh"]["fsdp"] == 8 and rep["train"]["kernels"]["cudnn attention (fwd, padding_causal)"] >= 1
@@ -327,8 +440,10 @@ def test_readme_commands(monkeypatch, capsys):
 # How jax 0.11.2 compiles for real GPUs: its XLA has none of the collective pipeliner's options
 # (benchmarks/RESULTS.md, "compiled as jax 0.11.2 compiles"). Named in XLA_FLAGS, the trainer leaves
 # them out of the step's compiler options, so XLA's defaults (off) apply.
-NOT_PIPELINED = ("--xla_gpu_enable_pipelined_all_gather=false --xla_gpu_enable_pipelined_reduce_scatter=false "
-                 "--xla_gpu_enable_pipelined_all_reduce=false")
+NOT_PIPELINED = (
+    "--xla_gpu_enable_pipelined_all_gather=false --xla_gpu_enable_pipelined_reduce_scatter=false "
+    "--xla_gpu_enable_pipelined_all_reduce=false"
+)
 
 
 def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(tmp_path):
@@ -340,22 +455,61 @@ def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(
     from boost_jax.planner import partitions as P
 
     root = Path(__file__).resolve().parents[1]
-    flags = ["--config.model.n_layers=8", "--config.parallel.pipeline=2", "--config.parallel.data=1",
-             "--config.parallel.fsdp=2", "--config.parallel.tensor=2", "--config.parallel.strategy=megatron",
-             "--config.parallel.sequence_parallel=true", "--config.parallel.microbatches=4",
-             "--config.parallel.pipeline_schedule=circular", "--config.parallel.pipeline_repeats=2",
-             "--config.train.global_batch=128", "--config.train.grad_accum=1", "--config.train.seq_len=256",
-             "--config.remat.policy=none"]
+    flags = [
+        "--config.model.n_layers=8",
+        "--config.parallel.pipeline=2",
+        "--config.parallel.data=1",
+        "--config.parallel.fsdp=2",
+        "--config.parallel.tensor=2",
+        "--config.parallel.strategy=megatron",
+        "--config.parallel.sequence_parallel=true",
+        "--config.parallel.microbatches=4",
+        "--config.parallel.pipeline_schedule=circular",
+        "--config.parallel.pipeline_repeats=2",
+        "--config.train.global_batch=128",
+        "--config.train.grad_accum=1",
+        "--config.train.seq_len=256",
+        "--config.remat.policy=none",
+    ]
     cfg = aot.load(str(root / "configs" / "llama_1b.py"), flags)
-    plan = plan_for(cfg, load_cluster(str(root / "configs" / "clusters" / "h100_8x.py")), Mesh(1, 2, 2, pipeline=2),
-                    1, "none", Layer(*P.uniform_plan("megatron", True)), Options(batch=128, seq=256, check_memory=False),
-                    microbatches=4, schedule="circular", repeats=2)
+    plan = plan_for(
+        cfg,
+        load_cluster(str(root / "configs" / "clusters" / "h100_8x.py")),
+        Mesh(1, 2, 2, pipeline=2),
+        1,
+        "none",
+        Layer(*P.uniform_plan("megatron", True)),
+        Options(batch=128, seq=256, check_memory=False),
+        microbatches=4,
+        schedule="circular",
+        repeats=2,
+    )
     # XLA reads XLA_FLAGS once per process: the compile runs in its own, as jax 0.11.2 compiles.
     out = tmp_path / "aot.json"
     env = {**os.environ, "XLA_FLAGS": NOT_PIPELINED, "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, "-m", "boost_jax.tools.aot", "--target", "h100", "--devices", "8", "--config",
-                    str(root / "configs" / "llama_1b.py"), "--mesh", "2,1,2,2", "--train-only", "--json", str(out),
-                    *flags], check=True, env=env, capture_output=True, cwd=root)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boost_jax.tools.aot",
+            "--target",
+            "h100",
+            "--devices",
+            "8",
+            "--config",
+            str(root / "configs" / "llama_1b.py"),
+            "--mesh",
+            "2,1,2,2",
+            "--train-only",
+            "--json",
+            str(out),
+            *flags,
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        cwd=root,
+    )
     train = json.loads(out.read_text())["train"]
     ratio = plan.memory["total"] / train["peak_bytes"]
     assert 0.9 <= ratio <= 1.1, (plan.memory, train["peak_bytes"], ratio)
@@ -374,16 +528,25 @@ def test_an_accumulation_step_keeps_one_micro_batch_and_counts_its_collectives(m
     d, f = mesh
 
     def train(accum):
-        flags = ["--config.model.n_layers=4", "--config.train.global_batch=256", f"--config.train.grad_accum={accum}",
-                 f"--config.parallel.data={d}", f"--config.parallel.fsdp={f}", "--config.parallel.tensor=1",
-                 "--config.parallel.strategy=megatron", "--config.remat.policy=none"]
+        flags = [
+            "--config.model.n_layers=4",
+            "--config.train.global_batch=256",
+            f"--config.train.grad_accum={accum}",
+            f"--config.parallel.data={d}",
+            f"--config.parallel.fsdp={f}",
+            "--config.parallel.tensor=1",
+            "--config.parallel.strategy=megatron",
+            "--config.remat.policy=none",
+        ]
         cfg = aot.load(str(root / "configs" / "llama_1b.py"), flags)
         return aot.compile_config(cfg, "a100_40gb", 8, programs=("train",))["train"]
 
     one, two = train(1), train(2)
     assert two["peak_bytes"] < 0.85 * one["peak_bytes"], (one["peak_bytes"], two["peak_bytes"])
     gathers = [r["collectives"]["all-gather"] for r in (one, two)]
-    assert gathers[1]["count"] == 2 * gathers[0]["count"] and gathers[1]["elements"] == 2 * gathers[0]["elements"], gathers
+    assert gathers[1]["count"] == 2 * gathers[0]["count"] and gathers[1]["elements"] == 2 * gathers[0]["elements"], (
+        gathers
+    )
 
 
 def _compile_in_process(tmp_path, target: str, devices: int, config: str, mesh: str, flags: list, xla_flags: str):
@@ -392,15 +555,42 @@ def _compile_in_process(tmp_path, target: str, devices: int, config: str, mesh: 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / f"aot_{target}.json"
     env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, "-m", "boost_jax.tools.aot", "--target", target, "--devices", str(devices),
-                    "--config", str(root / "configs" / config), "--mesh", mesh, "--train-only", "--json", str(out),
-                    *flags], check=True, env=env, capture_output=True, cwd=root)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boost_jax.tools.aot",
+            "--target",
+            target,
+            "--devices",
+            str(devices),
+            "--config",
+            str(root / "configs" / config),
+            "--mesh",
+            mesh,
+            "--train-only",
+            "--json",
+            str(out),
+            *flags,
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        cwd=root,
+    )
     return json.loads(out.read_text())["train"]
 
 
-COLA_FSDP = ["--config.parallel.data=1", "--config.parallel.fsdp=8", "--config.parallel.tensor=1",
-             "--config.parallel.strategy=btp", "--config.train.global_batch=256", "--config.train.grad_accum=1",
-             "--config.train.seq_len=256", "--config.remat.policy=none"]
+COLA_FSDP = [
+    "--config.parallel.data=1",
+    "--config.parallel.fsdp=8",
+    "--config.parallel.tensor=1",
+    "--config.parallel.strategy=btp",
+    "--config.train.global_batch=256",
+    "--config.train.grad_accum=1",
+    "--config.train.seq_len=256",
+    "--config.remat.policy=none",
+]
 
 
 @pytest.mark.parametrize("target,cluster", [("h100", "h100_8x"), ("a100_40gb", "a100_4x")])
@@ -411,19 +601,28 @@ def test_planner_peak_of_a_cola_fsdp_plan_under_the_collective_pipeliner_within_
     prices the pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA, fitted at the recipe's batch
     512 over benchmarks/aot_fit*.json). Without them the H100 peak is more than 10% under (0.87; the
     A100's 0.89)."""
+    from boost_jax import xla_gpu_flags
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner import cost as C
     from boost_jax.planner import partitions as P
-    from boost_jax import xla_gpu_flags
 
     if not set(C.PIPELINER_NEEDS) <= xla_gpu_flags.pipelined({}):
         pytest.skip("this jaxlib's XLA has no collective pipeliner options (jaxlib >= 0.11)")
     root = Path(__file__).resolve().parents[1]
     cfg = aot.load(str(root / "configs" / "cola_1b.py"), COLA_FSDP)
     layer = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
-    priced = {on: plan_for(cfg, load_cluster(str(root / "configs" / "clusters" / f"{cluster}.py")), Mesh(1, 8, 1), 1,
-                           "none", layer, Options(batch=256, seq=256, check_memory=False, pipelined=on)).memory
-              for on in (True, False)}
+    priced = {
+        on: plan_for(
+            cfg,
+            load_cluster(str(root / "configs" / "clusters" / f"{cluster}.py")),
+            Mesh(1, 8, 1),
+            1,
+            "none",
+            layer,
+            Options(batch=256, seq=256, check_memory=False, pipelined=on),
+        ).memory
+        for on in (True, False)
+    }
     assert priced[True]["pipeliner"] > 0 == priced[False]["pipeliner"]
     train = _compile_in_process(tmp_path, target, 8, "cola_1b.py", "1,1,8,1", COLA_FSDP, "")
     ratio = priced[True]["total"] / train["peak_bytes"]

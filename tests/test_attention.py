@@ -1,5 +1,6 @@
 """Every attention implementation that runs on CPU matches the `xla` reference (value and gradient):
 causal, GQA, odd lengths, float32 and bfloat16, offsets (KV cache), sharded under btp and megatron."""
+
 import itertools
 import warnings
 
@@ -8,23 +9,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
+from test_parallel import assert_close_tree, loss_and_grads, par_config, reference
 
-from boost_jax.model import remat
 from boost_jax.errors import ConfigError
 from boost_jax.generate import generate
 from boost_jax.model import attention as A
+from boost_jax.model import build_model, remat
 from boost_jax.model.attention import chunked as chunked_impl
 from boost_jax.model.attention import pallas as pallas_impl
 from boost_jax.model.attention import registry
-from boost_jax.model import build_model
-
-from test_parallel import assert_close_tree, loss_and_grads, par_config, reference
 
 # (batch, T, heads, kv heads, head dim, block): odd lengths over several blocks with a partial last
 # one, GQA groups of 2 and 3, and MHA.
 SHAPES = [(2, 13, 4, 2, 8, 4), (1, 37, 6, 2, 16, 8), (2, 16, 4, 4, 8, 16)]
-IMPLS = {"chunked": lambda q, k, v, off, blk: A.chunked_attention(q, k, v, off, block=blk),
-         "pallas": lambda q, k, v, off, blk: A.pallas_attention(q, k, v, off)}
+IMPLS = {
+    "chunked": lambda q, k, v, off, blk: A.chunked_attention(q, k, v, off, block=blk),
+    "pallas": lambda q, k, v, off, blk: A.pallas_attention(q, k, v, off),
+}
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 
@@ -56,8 +57,7 @@ def test_matches_xla(impl, shape, dtype):
     q, k, v, w = _qkv(b, t, h, kv, dh, dtype, seed=t)
     got = _value_and_grads(lambda q, k, v: IMPLS[impl](q, k, v, 0, blk), q, k, v, w)
     # The reference runs in float32 on the same (rounded) inputs.
-    ref = _value_and_grads(lambda q, k, v: A.xla_attention(q, k, v, 0),
-                           *(x.astype(jnp.float32) for x in (q, k, v)), w)
+    ref = _value_and_grads(lambda q, k, v: A.xla_attention(q, k, v, 0), *(x.astype(jnp.float32) for x in (q, k, v)), w)
     for name, g, r in zip(("value", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == (jnp.float32 if name == "value" else dtype)
         assert _rel(g, r) <= TOL[dtype], f"{name}: {_rel(g, r):.2e}"
@@ -94,8 +94,7 @@ def test_chunked_never_builds_the_score_matrix():
 def test_remat_policies_name_the_attention_residuals(capsys):
     q, k, v, _ = _qkv(1, 8, 2, 1, 4, jnp.float32, seed=0)
     for policy, kept in (("dots", True), ("lowrank", False)):
-        f = jax.checkpoint(lambda q, k, v: jnp.sum(A.attend(q, k, v, impl="chunked") ** 2),
-                           policy=remat.policy(policy))
+        f = jax.checkpoint(lambda q, k, v: jnp.sum(A.attend(q, k, v, impl="chunked") ** 2), policy=remat.policy(policy))
         print_saved_residuals(f, q, k, v)
         out = capsys.readouterr().out
         assert (("named 'attn_out'" in out) and ("named 'attn_lse'" in out)) == kept, (policy, out)
@@ -130,11 +129,17 @@ def test_cached_generation_matches_xla(make_config, monkeypatch, impl):
     assert _rel(full, want) <= 2e-5
 
 
-SHARDED = {"chunked_btp": ("chunked", "btp", (2, 1, 4), {}),
-           "chunked_megatron": ("chunked", "megatron", (2, 1, 4), {}),
-           "pallas_btp": ("pallas", "btp", (2, 1, 4), {}),
-           "chunked_pipeline_dots_remat": ("chunked", "btp", (2, 1, 2),
-                                           {"parallel.pipeline": 2, "model.n_layers": 4, "remat.policy": "dots"})}
+SHARDED = {
+    "chunked_btp": ("chunked", "btp", (2, 1, 4), {}),
+    "chunked_megatron": ("chunked", "megatron", (2, 1, 4), {}),
+    "pallas_btp": ("pallas", "btp", (2, 1, 4), {}),
+    "chunked_pipeline_dots_remat": (
+        "chunked",
+        "btp",
+        (2, 1, 2),
+        {"parallel.pipeline": 2, "model.n_layers": 4, "remat.policy": "dots"},
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(SHARDED))
@@ -179,12 +184,23 @@ def test_chunked_adds_no_collective_under_btp(make_config, monkeypatch):
     elements) are those of the xla attention (data 2 x tensor 4, GQA, 4 chunks of 64)."""
     from boost_jax.tools.comm_report import compile_program
     from boost_jax.tools.hlo_comm import parse_collectives, summarize
+
     monkeypatch.setattr(chunked_impl, "CHUNK", 64)
     found = {}
     for impl in ("xla", "chunked"):
-        cfg = par_config(make_config, "btp", "cola", (2, 1, 4), **{
-            "model.n_kv_heads": 4, "model.max_seq_len": 256, "train.seq_len": 256, "train.global_batch": 4,
-            "model.attention": impl})
+        cfg = par_config(
+            make_config,
+            "btp",
+            "cola",
+            (2, 1, 4),
+            **{
+                "model.n_kv_heads": 4,
+                "model.max_seq_len": 256,
+                "train.seq_len": 256,
+                "train.global_batch": 4,
+                "model.attention": impl,
+            },
+        )
         compiled, mesh, _ = compile_program(cfg, "train_step", jax.devices()[:8], 2, False)
         found[impl] = summarize(parse_collectives(compiled.as_text(), mesh), by=("kind", "axes"))
     assert found["chunked"] == found["xla"]
@@ -225,9 +241,10 @@ def _alone(seg):
     def fn(q, k, v):
         out = jnp.zeros(q.shape, jnp.float32)
         for b, s, e, _ in runs:
-            y = A.xla_attention(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], 0)
-            out = out.at[b:b + 1, s:e].set(y.astype(jnp.float32))
+            y = A.xla_attention(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], 0)
+            out = out.at[b : b + 1, s:e].set(y.astype(jnp.float32))
         return out
+
     return fn
 
 
@@ -246,9 +263,11 @@ def _assert_documents_alone(fn, seg, h=4, kv=2, dh=8, tol=2e-5, seed=0):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(_value_and_grads(fn, q, k, v, w)))
 
 
-DOC_IMPLS = {"xla": lambda q, k, v, docs: A.xla_attention(q, k, v, 0, docs=docs),
-             "chunked": lambda q, k, v, docs: A.chunked_attention(q, k, v, 0, block=8, docs=docs),
-             "attend_chunked": lambda q, k, v, docs: A.attend(q, k, v, impl="chunked", docs=docs).reshape(q.shape)}
+DOC_IMPLS = {
+    "xla": lambda q, k, v, docs: A.xla_attention(q, k, v, 0, docs=docs),
+    "chunked": lambda q, k, v, docs: A.chunked_attention(q, k, v, 0, block=8, docs=docs),
+    "attend_chunked": lambda q, k, v, docs: A.attend(q, k, v, impl="chunked", docs=docs).reshape(q.shape),
+}
 
 
 @pytest.mark.parametrize("impl", list(DOC_IMPLS))
@@ -292,6 +311,7 @@ def test_one_document_per_row_is_packed_with_one_document(impl, monkeypatch):
     for a, b in zip(jax.tree.leaves(one)[:3], jax.tree.leaves(packed)):
         np.testing.assert_array_equal(a, b)
     q, k, v, w = _qkv(4, 16, 4, 2, 8, jnp.float32, seed=4)
+
     def run(docs):
         return _value_and_grads(lambda q, k, v: A.attend(q, k, v, impl=impl, docs=docs).reshape(q.shape), q, k, v, w)
 
@@ -338,7 +358,7 @@ def test_chunked_visits_exactly_the_key_blocks_some_row_needs(t, block):
         needed = np.zeros((nq, nk), bool)
         for i in range(nq):
             for j in range(nk):
-                needed[i, j] = visible[:, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
+                needed[i, j] = visible[:, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any()
         first_k, end_q = (np.asarray(x) for x in chunked_impl._document_bounds(A.Documents.packed(seg), bq, nq, bk, nk))
         ii, jj = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
         n_k = np.array([chunked_impl._n_visible_k_blocks(i, bq, bk, 0, nk) for i in range(nq)])
@@ -435,6 +455,7 @@ def test_attention_module_keeps_documents_apart(make_config):
     from flax import nnx
 
     from boost_jax.model.linear import RMSNorm
+
     m = make_config(**{"model.attention": "xla"}).model
     attn = A.Attention(m, rngs=nnx.Rngs(params=0), param_dtype=jnp.float32)
     norm = RMSNorm(m.d_model, eps=m.norm_eps)
@@ -443,8 +464,8 @@ def test_attention_module_keeps_documents_apart(make_config):
     positions = jnp.asarray(np.concatenate([np.r_[0:6, 0:10][None], np.arange(16)[None]]))
     out, _ = attn(x, norm, positions, docs=A.Documents.packed(seg))
     for b, s, e, _ in _runs(seg):
-        alone, _ = attn(x[b:b + 1, s:e], norm, jnp.arange(e - s)[None])
-        assert _rel(out[b:b + 1, s:e], alone) <= 2e-5
+        alone, _ = attn(x[b : b + 1, s:e], norm, jnp.arange(e - s)[None])
+        assert _rel(out[b : b + 1, s:e], alone) <= 2e-5
     cache = {n: jnp.zeros((2, 16, m.n_kv_heads, m.d_model // m.n_heads)) for n in ("k", "v")}
     pos = jnp.broadcast_to(jnp.arange(4), (2, 4))
     with_docs, _ = attn(x[:, :4], norm, pos, cache, docs=A.Documents.packed(seg[:, :4]))

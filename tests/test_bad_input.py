@@ -1,4 +1,5 @@
 """Bad input ends in a one-line error naming the field, file or line (never a traceback)."""
+
 import os
 import re
 import subprocess
@@ -9,17 +10,18 @@ import numpy as np
 import pytest
 
 from boost_jax import train
+from boost_jax.data import build_loaders
 from boost_jax.errors import ConfigError
 from boost_jax.validate import validate
-from boost_jax.data import build_loaders
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(module, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
     return r.returncode, r.stdout, r.stderr
 
 
@@ -31,15 +33,20 @@ def test_train_cli_misspelt_key_and_missing_config_file(tmp_path):
     assert rc == 1 and err.count("\n") == 1 and "No such file or directory" in err and "nope.py" in err, err
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("def get_config(:\n    pass\n", r"cfg\.py:1: syntax error"),
-    ("x = 1\n", r"cfg\.py has no get_config\(\)"),
-    ("def get_config():\n    return {'train': {}}\n", r"returned a dict, not an ml_collections\.ConfigDict"),
-    ("def get_config():\n    return 1 / 0\n", r"cfg\.py:2: ZeroDivisionError"),
-], ids=["syntax", "no_get_config", "dict", "raises"])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("def get_config(:\n    pass\n", r"cfg\.py:1: syntax error"),
+        ("x = 1\n", r"cfg\.py has no get_config\(\)"),
+        ("def get_config():\n    return {'train': {}}\n", r"returned a dict, not an ml_collections\.ConfigDict"),
+        ("def get_config():\n    return 1 / 0\n", r"cfg\.py:2: ZeroDivisionError"),
+    ],
+    ids=["syntax", "no_get_config", "dict", "raises"],
+)
 def test_broken_config_files_are_one_line(tmp_path, capsys, text, needle):
     """A config file that cannot load names the file and line (the command line parses it so)."""
     import re
+
     (tmp_path / "cfg.py").write_text(text)
     with pytest.raises(SystemExit) as e:
         train.parse_config(["train", f"--config={tmp_path / 'cfg.py'}"])
@@ -48,17 +55,20 @@ def test_broken_config_files_are_one_line(tmp_path, capsys, text, needle):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("train.lr", float("nan"), "train.lr"),
-    ("train.lr", -1e-3, "train.lr"),
-    ("train.b1", 1.0, "train.b1"),
-    ("train.b2", -0.1, "train.b2"),
-    ("train.eps", 0.0, "train.eps"),
-    ("train.weight_decay", float("inf"), "train.weight_decay"),
-    ("train.nonfinite", "ignore", "train.nonfinite"),
-    ("train.stop_at_step", -3, "train.stop_at_step"),
-    ("train.eval_batches", 0, "train.eval_batches"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("train.lr", float("nan"), "train.lr"),
+        ("train.lr", -1e-3, "train.lr"),
+        ("train.b1", 1.0, "train.b1"),
+        ("train.b2", -0.1, "train.b2"),
+        ("train.eps", 0.0, "train.eps"),
+        ("train.weight_decay", float("inf"), "train.weight_decay"),
+        ("train.nonfinite", "ignore", "train.nonfinite"),
+        ("train.stop_at_step", -3, "train.stop_at_step"),
+        ("train.eval_batches", 0, "train.eval_batches"),
+    ],
+)
 def test_optimizer_and_loop_settings_are_validated(make_config, field, value, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         validate(make_config(**{field: value}))
@@ -71,12 +81,15 @@ def test_run_dir_that_is_a_file(make_config, tmp_path):
             train.run(make_config(run_dir=run_dir))
 
 
-@pytest.mark.parametrize("line,needle", [
-    ('{"txt": "hello"}', r"d\.jsonl:2: no field 'text' \(its fields: \['txt'\]\); set data\.jsonl_field"),
-    ('{"text": 17}', r"d\.jsonl:2: field 'text' is not a string but int"),
-    ('["text", "a"]', r"d\.jsonl:2: a JSON list, not an object"),
-    ('{"text": "a"', r"d\.jsonl:2: not JSON"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ('{"txt": "hello"}', r"d\.jsonl:2: no field 'text' \(its fields: \['txt'\]\); set data\.jsonl_field"),
+        ('{"text": 17}', r"d\.jsonl:2: field 'text' is not a string but int"),
+        ('["text", "a"]', r"d\.jsonl:2: a JSON list, not an object"),
+        ('{"text": "a"', r"d\.jsonl:2: not JSON"),
+    ],
+)
 def test_jsonl_errors_name_file_and_line(make_config, tmp_path, line, needle):
     (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
     with pytest.raises(ValueError, match=needle):
@@ -117,9 +130,12 @@ def test_token_files_of_the_wrong_length_shape_dtype_or_vocabulary(make_config, 
 
 def test_tool_arguments(tmp_path, capsys):
     from boost_jax import evaluate, export, generate
-    for args, needle in ((["--prompt", ""], "--prompt is empty"),
-                         (["--max_new_tokens", "-5"], "--max_new_tokens must be >= 1"),
-                         (["--top_k", "-1"], "--top_k and --temperature must be >= 0")):
+
+    for args, needle in (
+        (["--prompt", ""], "--prompt is empty"),
+        (["--max_new_tokens", "-5"], "--max_new_tokens must be >= 1"),
+        (["--top_k", "-1"], "--top_k and --temperature must be >= 0"),
+    ):
         with pytest.raises(SystemExit) as e:
             generate.main(["--checkpoint", str(tmp_path), *args])
         assert e.value.code == 2 and needle in capsys.readouterr().err
@@ -136,21 +152,37 @@ def test_every_config_error_comes_at_once(tmp_path):
     """A short run of a zoo config (the CoLA recipe's 2,000 warmup steps and its token source without a
     path) names both problems at once, one `error:` line each, before anything compiles; so does a
     config with several broken fields, including checks that would divide by the broken ones."""
-    rc, out, err = cli("boost_jax.train", "--config", "cola_60m", "--config.train.steps=20",
-                       f"--config.run_dir={tmp_path / 'run'}")
+    rc, out, err = cli(
+        "boost_jax.train", "--config", "cola_60m", "--config.train.steps=20", f"--config.run_dir={tmp_path / 'run'}"
+    )
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 2 and "compiling" not in out, err
     assert lines[0].startswith("error: config field `train.warmup_steps`: must be in [0, train.steps=20]")
     assert lines[1].startswith("error: config field `data.path`: data.source='tokens' needs a path")
     from conftest import small_config
-    cfg = small_config(tmp_path / "run", **{"model.n_heads": 0, "train.grad_accum": 0, "model.linear": "dense2",
-                                            "model.attention": "flash", "parallel.linear_partition": "qkv=x",
-                                            "train.lr": -1.0})
+
+    cfg = small_config(
+        tmp_path / "run",
+        **{
+            "model.n_heads": 0,
+            "train.grad_accum": 0,
+            "model.linear": "dense2",
+            "model.attention": "flash",
+            "parallel.linear_partition": "qkv=x",
+            "train.lr": -1.0,
+        },
+    )
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     fields = [re.match(r"config field `([^`]+)`", p).group(1) for p in e.value.problems]
-    assert fields == ["model.linear", "model.n_heads", "train.grad_accum", "train.lr", "model.attention",
-                      "parallel.linear_partition"], e.value.problems
+    assert fields == [
+        "model.linear",
+        "model.n_heads",
+        "train.grad_accum",
+        "train.lr",
+        "model.attention",
+        "parallel.linear_partition",
+    ], e.value.problems
     assert str(e.value).splitlines() == e.value.problems
 
 
@@ -171,8 +203,12 @@ def test_the_eval_split_is_checked_with_the_data_before_anything_compiles(make_c
     _, held, _ = build_loaders(cfg)
     rows, tokens = held.readable_once()
     message = str(e.value)
-    assert message.startswith("config field `train.eval_tokens`: 10,000,000 tokens, but the eval split holds "
-                              f"{tokens:,} in {rows:,} rows") and "\n" not in message, message
+    assert (
+        message.startswith(
+            f"config field `train.eval_tokens`: 10,000,000 tokens, but the eval split holds {tokens:,} in {rows:,} rows"
+        )
+        and "\n" not in message
+    ), message
     assert f"at most {tokens - 1:,}" in message and "data.eval_fraction (now 0.05)" in message
     assert "warning: model.vocab_size=1024 is much larger than the tokenizer's 256" in capsys.readouterr().err
 
@@ -182,9 +218,15 @@ def test_context_kv_is_validated_at_any_context_size(make_config):
     keeps the rank whole, whatever parallel.context is (1 included)."""
     for context in (1, 2):
         with pytest.raises(ConfigError, match=r"`parallel\.context_kv`: .*model\.linear=dense has no bottleneck"):
-            validate(make_config(**{"model.linear": "dense", "parallel.context_kv": "bottleneck",
-                                    "parallel.context": context}))
+            validate(
+                make_config(
+                    **{"model.linear": "dense", "parallel.context_kv": "bottleneck", "parallel.context": context}
+                )
+            )
         with pytest.raises(ConfigError, match=r"`parallel\.context_kv`: .*sltrain adds a full-width term"):
-            validate(make_config(**{"model.linear": "sltrain", "parallel.context_kv": "bottleneck",
-                                    "parallel.context": context}))
+            validate(
+                make_config(
+                    **{"model.linear": "sltrain", "parallel.context_kv": "bottleneck", "parallel.context": context}
+                )
+            )
     validate(make_config(**{"parallel.context_kv": "bottleneck"}))  # cola under btp: fine at context 1

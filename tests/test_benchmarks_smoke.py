@@ -9,6 +9,7 @@ Run elsewhere in the default suite, not repeated here: grad_reduce.py --pipeline
 (tests/test_readme.py), gpu_bench.py --smoke's kernel, attention and test parts (a subprocess,
 tests/test_gpu_bench.py).
 """
+
 import importlib.util
 import json
 import math
@@ -40,16 +41,37 @@ def test_every_script_has_a_smoke_run():
     """A new script in benchmarks/ gets its smoke run: here, or in a test of its own that names it."""
     here = Path(__file__).read_text()
     others = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py") if p.name != Path(__file__).name)
-    missing = [s.name for s in sorted(BENCH.glob("*.py"))
-               if f'load("{s.stem}")' not in here and f"benchmarks/{s.name}" not in others
-               and f'"benchmarks" / "{s.name}"' not in others]
+    missing = [
+        s.name
+        for s in sorted(BENCH.glob("*.py"))
+        if f'load("{s.stem}")' not in here
+        and f"benchmarks/{s.name}" not in others
+        and f'"benchmarks" / "{s.name}"' not in others
+    ]
     assert not missing, f"benchmarks/ scripts that no test runs: {missing}"
 
 
 def test_attention_memory(tmp_path):
     out = tmp_path / "attention_memory.json"
-    assert load("attention_memory").main(["--configs", "tiny", "--seqs", "64", "--attention", "chunked",
-                                          "--tensor", "2", "--devices", "2", "--json", str(out)]) == 0
+    assert (
+        load("attention_memory").main(
+            [
+                "--configs",
+                "tiny",
+                "--seqs",
+                "64",
+                "--attention",
+                "chunked",
+                "--tensor",
+                "2",
+                "--devices",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["config"], row["seq"], row["attention"]) == ("tiny", 64, "chunked")
     assert positive(row["temp_gib"], row["total_gib"]) and row["total_gib"] > row["temp_gib"], row
@@ -79,8 +101,9 @@ def test_bottleneck_zoo(tmp_path):
 
 
 def test_comm_sweep(tmp_path):
-    load("comm_sweep").main(["--sizes", "60m", "--tensor", "2", "--strategy", "btp", "--batch", "1", "--seq", "32",
-                             "--out", str(tmp_path)])
+    load("comm_sweep").main(
+        ["--sizes", "60m", "--tensor", "2", "--strategy", "btp", "--batch", "1", "--seq", "32", "--out", str(tmp_path)]
+    )
     rows = json.loads((tmp_path / "comm.json").read_text())["rows"]
     assert [(r["size"], r["tensor"], r["strategy"]) for r in rows] == [("60m", 2, "btp")]
     assert positive(rows[0]["fwd_elements_per_token"], rows[0]["fwd_collectives"], rows[0]["step_tensor_gib"])
@@ -112,6 +135,7 @@ def test_gpu_bench_aot_h100(tmp_path, capsys):
     """`gpu_bench.py --aot h100` compiles what it would time for an H100 without one: here the
     attention part and the one 7B-layer train variant at --smoke shapes."""
     from boost_jax.tools import aot
+
     if not aot.available():
         pytest.skip(f"needs the aot extra ({aot.missing()} missing): {aot.INSTALL}")
     out = tmp_path / "aot.json"
@@ -121,13 +145,16 @@ def test_gpu_bench_aot_h100(tmp_path, capsys):
     rows = {(r["part"], r["name"]): r for r in res["rows"]}
     assert rc == 0, text
     from boost_jax.model.attention import IMPLEMENTATIONS
+
     assert set(rows) == {("attention", impl) for impl in IMPLEMENTATIONS} | {("layer7b", "cola_7b, 1 layer")}
     for (part, name), r in rows.items():
         assert r["ok"] and positive(r["compile_s"]), r
         assert f"{part} {name}: compiled OK" in text
+
     # The programs took their GPU paths: cuDNN's fused attention, Pallas on Triton.
     def has(row, prefix):
         return any(k.startswith(prefix) for k in row["kernels"])
+
     cudnn = rows["attention", "cudnn"]
     assert has(cudnn, "cudnn attention (fwd") and has(cudnn, "cudnn attention (bwd")
     assert has(rows["attention", "pallas"], "triton kernel mha")
@@ -138,6 +165,7 @@ def test_gpu_bench_aot_h100(tmp_path, capsys):
 
 def test_gpu_bench_aot_without_the_extra(monkeypatch, capsys):
     from boost_jax.tools import aot
+
     monkeypatch.setattr(aot, "missing", lambda: "jax-cuda13-plugin (jax's CUDA plugin)")
     assert load("gpu_bench").main(["--aot", "h100", "--parts", "device"]) != 0
     err = capsys.readouterr().err.strip()
@@ -146,13 +174,15 @@ def test_gpu_bench_aot_without_the_extra(monkeypatch, capsys):
 
 def test_loader_start(tmp_path):
     out = tmp_path / "loader_start.json"
-    rows = load("loader_start").main(["--tokens", "1e6", "--shuffle", "feistel,numpy", "--dir", str(tmp_path / "c"),
-                                      "--json", str(out)])
+    rows = load("loader_start").main(
+        ["--tokens", "1e6", "--shuffle", "feistel,numpy", "--dir", str(tmp_path / "c"), "--json", str(out)]
+    )
     assert [r["shuffle"] for r in rows] == ["feistel", "numpy"]
     for r in rows:
         assert "error" not in r, r
-        assert positive(r["samples_per_epoch"], r["build_s"], r["first_batch_s"], r["epoch1_batch_s"],
-                        r["peak_rss_gib"]), r
+        assert positive(
+            r["samples_per_epoch"], r["build_s"], r["first_batch_s"], r["epoch1_batch_s"], r["peak_rss_gib"]
+        ), r
     assert json.loads(out.read_text())["rows"] == rows
 
 
@@ -219,8 +249,22 @@ def test_planner_validation(tmp_path):
 
 def test_remat_memory(tmp_path):
     out = tmp_path / "remat.json"
-    load("remat_memory").main(["--config", TINY, "--seq", "32", "--batch", "1", "--dtype", "float32",
-                               "--policies", "none", "--json", str(out)])
+    load("remat_memory").main(
+        [
+            "--config",
+            TINY,
+            "--seq",
+            "32",
+            "--batch",
+            "1",
+            "--dtype",
+            "float32",
+            "--policies",
+            "none",
+            "--json",
+            str(out),
+        ]
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["policy"] == "none" and row["activation_vs_none"] == 1 and row["recompute_overhead"] == 0
     assert positive(row["temp_bytes"], row["argument_bytes"], row["layer_flops"], row["step_flops"]), row
@@ -229,8 +273,26 @@ def test_remat_memory(tmp_path):
 
 def test_step_time(tmp_path):
     out = tmp_path / "step_time.json"
-    load("step_time").main(["--config", TINY, "--layers", "1", "--batch", "4", "--seq", "16",
-                            "--strategy", "btp", "--warmup", "1", "--steps", "1", "--json", str(out)])
+    load("step_time").main(
+        [
+            "--config",
+            TINY,
+            "--layers",
+            "1",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--strategy",
+            "btp",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     res = json.loads(out.read_text())
     assert set(res["strategies"]) == {"btp"} and res["mesh"]["tensor"] == 4
     assert all(positive(s["median_s"], s["tokens_per_s"]) for s in res["strategies"].values())
@@ -258,10 +320,15 @@ def test_gpu_bench_train256_one_process_profile(tmp_path):
     before and the `auto` defaults in one process, each traced (on a CPU the host's events stand in for
     the GPU's kernels) and its compiled program saved."""
     import gzip
+
     bench = load("gpu_bench")
     out, prof = tmp_path / "gpu.json", tmp_path / "prof"
-    assert bench.main(["--smoke", "--parts", "device,train256", "--one-process", "--profile", str(prof),
-                       "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            ["--smoke", "--parts", "device,train256", "--one-process", "--profile", str(prof), "--json", str(out)]
+        )
+        == 0
+    )
     rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
     assert set(rows) == {"cola_1b before", "cola_1b auto"}
     for name, row in rows.items():

@@ -1,5 +1,6 @@
 """The commands' first hour: `train --help` lists every config key with its default and meaning,
 `--print_config` prints the resolved config, `--config NAME` finds a packaged config."""
+
 from pathlib import Path
 
 import ml_collections
@@ -40,7 +41,8 @@ def test_print_config_shows_the_resolved_config(capsys):
     assert body.strip() == str(cfg).strip() and "  steps: 123" in out and "  batching: document" in out
     # The last line: what `auto` resolves to here (model/autos.py): CPUs keep XLA's norm and the scan.
     assert auto.startswith("# auto, on 8 x ") and auto.endswith(
-        "group_linears false, scan_unroll false, remat none, rmsnorm xla"), auto
+        "group_linears false, scan_unroll false, remat none, rmsnorm xla"
+    ), auto
     assert "  group_linears: auto" in body and "  policy: auto" in body
 
 
@@ -51,8 +53,10 @@ def test_packaged_config_names(tmp_path, monkeypatch, capsys):
     assert len(same) == 1 and same.pop().is_file()
     monkeypatch.chdir(tmp_path)  # not a checkout: configs/x.py is found in the package
     assert config_path("configs/cola_60m.py").endswith("boost_jax/configs/cola_60m.py")
-    (tmp_path / "mine.py").write_text("from boost_jax.config import base_config\n\ndef get_config():\n"
-                                      "    c = base_config()\n    c.name = 'mine'\n    return c\n")
+    (tmp_path / "mine.py").write_text(
+        "from boost_jax.config import base_config\n\ndef get_config():\n"
+        "    c = base_config()\n    c.name = 'mine'\n    return c\n"
+    )
     assert config_path("mine.py") == "mine.py"  # a file wins
     assert train.parse_config(["train", "--config", "mine.py"]).name == "mine"
     with pytest.raises(SystemExit):
@@ -64,17 +68,26 @@ def test_packaged_config_names(tmp_path, monkeypatch, capsys):
 def test_a_vocabulary_much_larger_than_the_tokenizers_is_warned(tmp_path, capsys):
     """A 52-piece tokenizer under model.vocab_size=32000 trains, but says which rows no id reaches."""
     tokenizers = pytest.importorskip("tokenizers")
-    from boost_jax.data import build_loaders
     from conftest import small_config
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({**{f"w{k}": k + 2 for k in range(50)},
-                                                            "<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+
+    from boost_jax.data import build_loaders
+
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({**{f"w{k}": k + 2 for k in range(50)}, "<unk>": 0, "</s>": 1}, unk_token="<unk>")
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tok.json"))
     (tmp_path / "t.txt").write_text(" ".join(f"w{k % 50}" for k in range(3000)))
     for vocab, warned in ((32000, True), (64, False)):
-        cfg = small_config(tmp_path / f"run{vocab}", **{"data.source": "text", "data.path": str(tmp_path / "t.txt"),
-                                                        "data.tokenizer": str(tmp_path / "tok.json"),
-                                                        "model.vocab_size": vocab})
+        cfg = small_config(
+            tmp_path / f"run{vocab}",
+            **{
+                "data.source": "text",
+                "data.path": str(tmp_path / "t.txt"),
+                "data.tokenizer": str(tmp_path / "tok.json"),
+                "model.vocab_size": vocab,
+            },
+        )
         build_loaders(cfg)
         err = capsys.readouterr().err
         assert ("model.vocab_size=32000 is much larger than the tokenizer's 52" in err) == warned, err
@@ -84,7 +97,10 @@ def test_a_vocabulary_much_larger_than_the_tokenizers_is_warned(tmp_path, capsys
 
 def test_prepare_names_the_eval_path_for_a_validation_split(tmp_path, capsys):
     from boost_jax.data import prepare
+
     (tmp_path / "val.jsonl").write_text('{"text": "a held-out document"}\n' * 5)
     assert prepare.main([str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "val_tok"), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert f"--config.data.eval_path={tmp_path / 'val_tok'}" in out and f"--config.data.path={tmp_path / 'val_tok'}" in out
+    assert (
+        f"--config.data.eval_path={tmp_path / 'val_tok'}" in out and f"--config.data.path={tmp_path / 'val_tok'}" in out
+    )

@@ -1,6 +1,7 @@
 """comm_report on a scaled-down MHA model (d=512, H=8, I=1376, r=128) on 4 emulated devices, and the
 shardings CLI. Targets are the BOOST traffic formulas per token per layer on the tensor axis
 (../shared/reference/boost.md): BTP 7r forward, 7r more backward; vanilla 5d+2I; Megatron 2d."""
+
 import pytest
 
 from boost_jax.config import base_config
@@ -22,8 +23,9 @@ def columns():
     common = {"mesh": MESH, "batch": 2, "seq": 64, "dtype": "bfloat16", "memory": False}
     btp = comm_report.report(model_config(), strategies="btp", **common)  # all three programs
     # The baselines only need the forward and forward+backward programs (keeps the file fast).
-    others = comm_report.report(model_config(), strategies="vanilla,megatron",
-                                programs=("forward", "forward_backward"), **common)
+    others = comm_report.report(
+        model_config(), strategies="vanilla,megatron", programs=("forward", "forward_backward"), **common
+    )
     return {**btp["strategies"], **others["strategies"]}
 
 
@@ -47,8 +49,10 @@ def test_btp_backward_mirrors_forward(columns):
 def test_btp_train_step_adds_nothing_per_layer(columns):
     step = columns["btp"]["programs"]["train_step"]
     per_layer = step["per_layer"]["all-reduce@tensor"]["elements"] / columns["btp"]["tokens_per_device"]
-    both = tensor(columns["btp"], "forward")["elements_per_token"] + tensor(columns["btp"], "backward")[
-        "elements_per_token"]
+    both = (
+        tensor(columns["btp"], "forward")["elements_per_token"]
+        + tensor(columns["btp"], "backward")["elements_per_token"]
+    )
     assert per_layer == pytest.approx(both)
     # Once per step: the residual stream, split along d, is gathered before the final norm and head.
     (gather,) = [v for k, v in step["rest"].items() if k.startswith("all-gather")]
@@ -59,12 +63,15 @@ def test_btp_train_step_adds_nothing_per_layer(columns):
 def bottleneck_kinds():
     """BTP forward traffic of the tensor-train (6 cores through r_mid = R) and sparse + low-rank kinds."""
     out = {}
-    for linear, fields in {"tt": dict(tt_cores=6, tt_inner_rank=R // 4, tt_activation="silu"),
-                           "sltrain": dict(sparse_block=16, sparse_density=0.03)}.items():
+    for linear, fields in {
+        "tt": dict(tt_cores=6, tt_inner_rank=R // 4, tt_activation="silu"),
+        "sltrain": dict(sparse_block=16, sparse_density=0.03),
+    }.items():
         c = model_config()
         c.model.update(linear=linear, **fields)
-        out[linear] = comm_report.report(c, strategies="btp", programs=("forward",), mesh=MESH, batch=2, seq=64,
-                                         dtype="bfloat16", memory=False)["strategies"]["btp"]
+        out[linear] = comm_report.report(
+            c, strategies="btp", programs=("forward",), mesh=MESH, batch=2, seq=64, dtype="bfloat16", memory=False
+        )["strategies"]["btp"]
     return out
 
 
@@ -105,11 +112,12 @@ def test_strategy_spec_parsing():
 
 def test_shardings_cli_puts_tensor_on_btp_a_input_dim(capsys, tmp_path):
     cfg_file = tmp_path / "small.py"
-    cfg_file.write_text("from boost_jax.config import base_config\n\ndef get_config():\n"
-                        f"    c = base_config()\n    c.model.update(d_model={D}, n_heads={H}, n_kv_heads={H}, "
-                        f"d_ff={I}, rank={R})\n    return c\n")
-    shardings.main(["--config", str(cfg_file), "--mesh", "1,1,4", "--strategy", "btp",
-                    "--show", "layers/attn/q/a"])
+    cfg_file.write_text(
+        "from boost_jax.config import base_config\n\ndef get_config():\n"
+        f"    c = base_config()\n    c.model.update(d_model={D}, n_heads={H}, n_kv_heads={H}, "
+        f"d_ff={I}, rank={R})\n    return c\n"
+    )
+    shardings.main(["--config", str(cfg_file), "--mesh", "1,1,4", "--strategy", "btp", "--show", "layers/attn/q/a"])
     out = capsys.readouterr().out
     table, drawing = out.split("\n\n", 1)
     rows = {line.split()[0]: line for line in table.splitlines()}

@@ -1,4 +1,5 @@
 """Config validation fails early and names the field; every shipped config loads and validates."""
+
 import ast
 import importlib.util
 import re
@@ -7,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from boost_jax.errors import ConfigError
-from boost_jax.validate import validate
 from boost_jax.parallel.mesh import make_mesh
 from boost_jax.runtime.build import build
+from boost_jax.validate import validate
 
 CONFIGS = sorted(p for p in (Path(__file__).parents[1] / "configs").glob("*.py"))
 
@@ -44,42 +45,49 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
     doc = ast.get_docstring(ast.parse(path.read_text()))
     t = load(path).train
     recipe = "SLTrain's"
-    found = re.search(r"Recipe: (.+?) \(AdamW betas \((\S+), (\S+)\), wd (\S+), clip (\S+), peak lr (\S+), (\d+)k steps,\s+"
-                      r"(10%|\d+) warmup(?: steps)?, cosine to 0\.1x, seq (\d+), global batch (\d+)\)", doc)
+    found = re.search(
+        r"Recipe: (.+?) \(AdamW betas \((\S+), (\S+)\), wd (\S+), clip (\S+), peak lr (\S+), (\d+)k steps,\s+"
+        r"(10%|\d+) warmup(?: steps)?, cosine to 0\.1x, seq (\d+), global batch (\d+)\)",
+        doc,
+    )
     assert found, doc
     name, b1, b2, wd, clip, lr, steps, warmup, seq, batch = found.groups()
     assert name == recipe
     assert (t.b1, t.b2, t.weight_decay, t.grad_clip, t.lr, t.steps) == tuple(map(float, (b1, b2, wd, clip, lr))) + (
-        int(steps) * 1000,)
+        int(steps) * 1000,
+    )
     assert t.warmup_steps == (int(steps) * 100 if warmup == "10%" else int(warmup))
     assert (t.min_lr_ratio, t.seq_len, t.global_batch) == (0.1, int(seq), int(batch))
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("model.n_heads", 5, "model.n_heads"),
-    ("model.n_kv_heads", 3, "model.n_kv_heads"),
-    ("model.rank", 128, "model.rank"),
-    ("model.rank", 0, "model.rank"),
-    ("model.linear", "sparse", "model.linear"),
-    ("train.seq_len", 4096, "train.seq_len"),
-    ("train.grad_accum", 3, "train.global_batch"),
-    ("remat.policy", "some", "remat.policy"),
-    ("parallel.strategy", "zero", "parallel.strategy"),
-    ("data.source", "text", "data.path"),
-    ("train.global_batch", 0, "train.global_batch"),
-    ("train.global_batch", -4, "train.global_batch"),
-    ("model.rope_theta", 0.0, "model.rope_theta"),
-    ("model.norm_eps", -1.0, "model.norm_eps"),
-    ("model.init_std", -5.0, "model.init_std"),
-    ("data.batching", "rows", "data.batching"),
-    ("data.shuffle", "random", "data.shuffle"),
-    ("train.eval_tokens", -1, "train.eval_tokens"),
-    ("remat.pipeline", "stage", "remat.pipeline"),  # without a pipeline
-    ("remat.pipeline", "layers", "remat.pipeline"),
-    ("parallel.pipeline_schedule", "1f1b", "parallel.pipeline_schedule"),
-    ("parallel.pipeline_repeats", 0, "parallel.pipeline_repeats"),
-    ("parallel.pipeline_repeats", 2, "parallel.pipeline_repeats"),  # under gpipe
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("model.n_heads", 5, "model.n_heads"),
+        ("model.n_kv_heads", 3, "model.n_kv_heads"),
+        ("model.rank", 128, "model.rank"),
+        ("model.rank", 0, "model.rank"),
+        ("model.linear", "sparse", "model.linear"),
+        ("train.seq_len", 4096, "train.seq_len"),
+        ("train.grad_accum", 3, "train.global_batch"),
+        ("remat.policy", "some", "remat.policy"),
+        ("parallel.strategy", "zero", "parallel.strategy"),
+        ("data.source", "text", "data.path"),
+        ("train.global_batch", 0, "train.global_batch"),
+        ("train.global_batch", -4, "train.global_batch"),
+        ("model.rope_theta", 0.0, "model.rope_theta"),
+        ("model.norm_eps", -1.0, "model.norm_eps"),
+        ("model.init_std", -5.0, "model.init_std"),
+        ("data.batching", "rows", "data.batching"),
+        ("data.shuffle", "random", "data.shuffle"),
+        ("train.eval_tokens", -1, "train.eval_tokens"),
+        ("remat.pipeline", "stage", "remat.pipeline"),  # without a pipeline
+        ("remat.pipeline", "layers", "remat.pipeline"),
+        ("parallel.pipeline_schedule", "1f1b", "parallel.pipeline_schedule"),
+        ("parallel.pipeline_repeats", 0, "parallel.pipeline_repeats"),
+        ("parallel.pipeline_repeats", 2, "parallel.pipeline_repeats"),  # under gpipe
+    ],
+)
 def test_invalid_values_name_the_field(make_config, field, value, needle):
     cfg = make_config(**{field: value})
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -103,25 +111,47 @@ def test_tensor_axis_must_divide_heads(make_config):
         build(cfg)
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    ({"parallel.pipeline_repeats": 3}, "parallel.pipeline_repeats"),  # 3 does not divide 4 layers / 2 stages
-    ({"parallel.microbatches": 1, "train.global_batch": 8}, "parallel.microbatches"),  # M = 1 < S = 2
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ({"parallel.pipeline_repeats": 3}, "parallel.pipeline_repeats"),  # 3 does not divide 4 layers / 2 stages
+        ({"parallel.microbatches": 1, "train.global_batch": 8}, "parallel.microbatches"),  # M = 1 < S = 2
+    ],
+)
 def test_circular_schedule_shapes_name_the_field(make_config, overrides, needle):
-    cfg = make_config(**{"parallel.pipeline": 2, "parallel.data": 4, "model.n_layers": 4,
-                         "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2, **overrides})
+    cfg = make_config(
+        **{
+            "parallel.pipeline": 2,
+            "parallel.data": 4,
+            "model.n_layers": 4,
+            "parallel.pipeline_schedule": "circular",
+            "parallel.pipeline_repeats": 2,
+            **overrides,
+        }
+    )
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         build(cfg)
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    ({"parallel.pipeline_repeats": 3}, "parallel.pipeline_repeats"),  # 3 does not divide 4 layers / 2 stages
-    ({"parallel.microbatches": 3, "train.global_batch": 12}, "parallel.microbatches"),  # groups of S = 2
-    ({"parallel.context": 2, "parallel.data": 2}, "parallel.pipeline_schedule"),  # no context parallelism
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ({"parallel.pipeline_repeats": 3}, "parallel.pipeline_repeats"),  # 3 does not divide 4 layers / 2 stages
+        ({"parallel.microbatches": 3, "train.global_batch": 12}, "parallel.microbatches"),  # groups of S = 2
+        ({"parallel.context": 2, "parallel.data": 2}, "parallel.pipeline_schedule"),  # no context parallelism
+    ],
+)
 def test_1f1b_shapes_name_the_field(make_config, overrides, needle):
-    cfg = make_config(**{"parallel.pipeline": 2, "parallel.data": 4, "model.n_layers": 4,
-                         "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_repeats": 2, **overrides})
+    cfg = make_config(
+        **{
+            "parallel.pipeline": 2,
+            "parallel.data": 4,
+            "model.n_layers": 4,
+            "parallel.pipeline_schedule": "1f1b",
+            "parallel.pipeline_repeats": 2,
+            **overrides,
+        }
+    )
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         build(cfg)
 
@@ -129,8 +159,13 @@ def test_1f1b_shapes_name_the_field(make_config, overrides, needle):
 def test_cli_rejects_unknown_override(tmp_path):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "boost_jax.train", "--config.model.hiden=3",
-                        f"--config.run_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "boost_jax.train", "--config.model.hiden=3", f"--config.run_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "hiden" in (r.stderr + r.stdout)
 
 
@@ -186,6 +221,7 @@ def test_lr_schedule_takes_any_steps_and_warmup(steps, warmup):
     import numpy as np
 
     from boost_jax.runtime.optim import lr_schedule
+
     t = SimpleNamespace(lr=3e-3, warmup_steps=warmup, steps=steps, min_lr_ratio=0.1)
     f = lr_schedule(t)
     w = max(warmup, 1)

@@ -4,10 +4,12 @@ bottleneck K/V. Loss and gradients equal one device's (float32) under btp, megat
 fsdp, data, a pipeline, packed and document rows; the compiled exchange equals its formula; a run
 resumed under another C continues the one-device loss curve on the same batches; the ring's permutes
 are asynchronous around the block's compute in the deviceless H100 program; bad input is one line."""
-import numpy as np
-import pytest
 
 import jax
+import numpy as np
+import pytest
+from test_documents import LAYOUTS, _packed
+from test_parallel import CURVE, assert_close_tree, loss_and_grads, par_config, reference, single_device_run
 
 from boost_jax import train
 from boost_jax.data import build_loaders
@@ -16,17 +18,25 @@ from boost_jax.parallel.context import chunk_order, layout, traffic, unlayout
 from boost_jax.parallel.mesh import ONE_DEVICE
 from boost_jax.runtime.build import build
 
-from test_documents import LAYOUTS, _packed
-from test_parallel import CURVE, assert_close_tree, loss_and_grads, par_config, reference, single_device_run
-
 
 def ctx_config(make_config, strategy, mesh, c, mode="ring", kv="full", **kw):
     """par_config's model (d 64, 8 heads, r 16, seq 16) on data x fsdp x tensor = mesh, context = c."""
     data, fsdp, tensor = mesh
     n = kw.get("parallel.pipeline", 1) * data * fsdp * tensor * c
-    return par_config(make_config, strategy, kw.pop("linear", "cola"), mesh,
-                      **{"parallel.context": c, "parallel.context_attention": mode, "parallel.context_kv": kv,
-                         "model.attention": "chunked", "parallel.num_devices": n, **kw})
+    return par_config(
+        make_config,
+        strategy,
+        kw.pop("linear", "cola"),
+        mesh,
+        **{
+            "parallel.context": c,
+            "parallel.context_attention": mode,
+            "parallel.context_kv": kv,
+            "model.attention": "chunked",
+            "parallel.num_devices": n,
+            **kw,
+        },
+    )
 
 
 @pytest.mark.parametrize("c", [1, 2, 3, 4])
@@ -57,16 +67,43 @@ SLOW_CASES = {
     "megatron_sp_tp2_c2_ring": ("megatron", (1, 1, 2), 2, "ring", "full", {"parallel.sequence_parallel": True}),
     "vanilla_tp2_c2_ring": ("vanilla", (1, 1, 2), 2, "ring", "full", {}),
     "btp_c8_ring": ("btp", (1, 1, 1), 8, "ring", "full", {}),
-    "btp_data2_c4_all_gather_bottleneck_accum2": ("btp", (2, 1, 1), 4, "all_gather", "bottleneck",
-                                                  {"train.grad_accum": 2}),
-    "lowrank_pipeline2_c2_ring_bottleneck": ("btp", (1, 1, 2), 2, "ring", "bottleneck",
-                                             {"parallel.pipeline": 2, "model.n_layers": 4, "linear": "lowrank"}),
-    "tt_tp2_c2_ring_bottleneck": ("btp", (1, 1, 2), 2, "ring", "bottleneck",
-                                  {"linear": "tt", "model.tt_cores": 4, "model.tt_inner_rank": 4,
-                                   "model.tt_activation": "silu"}),
-    "megatron_circular_c2_all_gather": ("megatron", (1, 1, 2), 2, "all_gather", "full",
-                                        {"parallel.pipeline": 2, "model.n_layers": 4,
-                                         "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2}),
+    "btp_data2_c4_all_gather_bottleneck_accum2": (
+        "btp",
+        (2, 1, 1),
+        4,
+        "all_gather",
+        "bottleneck",
+        {"train.grad_accum": 2},
+    ),
+    "lowrank_pipeline2_c2_ring_bottleneck": (
+        "btp",
+        (1, 1, 2),
+        2,
+        "ring",
+        "bottleneck",
+        {"parallel.pipeline": 2, "model.n_layers": 4, "linear": "lowrank"},
+    ),
+    "tt_tp2_c2_ring_bottleneck": (
+        "btp",
+        (1, 1, 2),
+        2,
+        "ring",
+        "bottleneck",
+        {"linear": "tt", "model.tt_cores": 4, "model.tt_inner_rank": 4, "model.tt_activation": "silu"},
+    ),
+    "megatron_circular_c2_all_gather": (
+        "megatron",
+        (1, 1, 2),
+        2,
+        "all_gather",
+        "full",
+        {
+            "parallel.pipeline": 2,
+            "model.n_layers": 4,
+            "parallel.pipeline_schedule": "circular",
+            "parallel.pipeline_repeats": 2,
+        },
+    ),
 }
 
 
@@ -91,7 +128,8 @@ DOC_CASES = {
 def test_packed_rows_under_context(make_config, case):
     """Packed rows (several documents per row, positions restarting): one device's loss and gradients."""
     strategy, mesh, c, mode, kv, extra = DOC_CASES.get(
-        case, ("btp", (1, 1, 2), 2, "ring", "full", {"parallel.pipeline": 2, "model.n_layers": 4}))
+        case, ("btp", (1, 1, 2), 2, "ring", "full", {"parallel.pipeline": 2, "model.n_layers": 4})
+    )
     cfg = ctx_config(make_config, strategy, mesh, c, mode, kv, **{"data.batching": "packed", **extra})
     single = cfg.copy_and_resolve_references()
     single.parallel.update(ONE_DEVICE, num_devices=1)
@@ -131,8 +169,10 @@ def _exchange(cfg):
     return context_section(cfg, total)
 
 
-@pytest.mark.parametrize("mode,kv,c", [("ring", "full", 4), ("ring", "bottleneck", 4), ("all_gather", "full", 2),
-                                       ("all_gather", "bottleneck", 2)])
+@pytest.mark.parametrize(
+    "mode,kv,c",
+    [("ring", "full", 4), ("ring", "bottleneck", 4), ("all_gather", "full", 2), ("all_gather", "bottleneck", 2)],
+)
 def test_exchange_equals_formula(make_config, mode, kv, c):
     """What the comm report shows for context (kind, count, elements per step, read from the compiled
     step with its layer scan and grad_accum loop) equals `traffic`; bottleneck moves r where full
@@ -154,9 +194,11 @@ def test_comm_report_cli_shows_the_context_exchange(tmp_path, capsys):
     from pathlib import Path
 
     from boost_jax.tools import comm_report
+
     tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.py")
-    rep = comm_report.main(["--config", tiny, "--mesh", "1,1,1,2,2", "--strategy", "btp", "--batch", "4",
-                            "--seq", "64", "--no-memory"])
+    rep = comm_report.main(
+        ["--config", tiny, "--mesh", "1,1,1,2,2", "--strategy", "btp", "--batch", "4", "--seq", "64", "--no-memory"]
+    )
     col = rep["strategies"]["btp"]["context"]
     assert col["compiled"] == col["formula"] and col["compiled"]["collective-permute"]["count"] > 0
     out, err = capsys.readouterr()
@@ -169,8 +211,9 @@ def test_resume_under_another_context_size_continues_the_curve(make_config, tmp_
     whatever C is, and the losses are the one-device run's, step by step."""
     one = single_device_run(make_config, tmp_path_factory)
     run_dir = str(tmp_path / "ctx")
-    first = ctx_config(make_config, "btp", (1, 1, 2), 2, run_dir=run_dir,
-                       **{**CURVE, "train.stop_at_step": 2, "checkpoint.every": 2})
+    first = ctx_config(
+        make_config, "btp", (1, 1, 2), 2, run_dir=run_dir, **{**CURVE, "train.stop_at_step": 2, "checkpoint.every": 2}
+    )
     second = ctx_config(make_config, "btp", (1, 1, 2), 4, run_dir=run_dir, **CURVE)
     for cfg in (first, second):  # the config par_config builds, on context
         cfg.model.attention = "auto"
@@ -180,6 +223,7 @@ def test_resume_under_another_context_size_continues_the_curve(make_config, tmp_
     train.run(first)
     train.run(second)
     from tests_support import metric_rows
+
     want, got = metric_rows(one), metric_rows(run_dir)
     np.testing.assert_allclose([got[s] for s in range(1, 5)], [want[s] for s in range(1, 5)], rtol=2e-5)
 
@@ -191,19 +235,36 @@ def _one_line_error(cfg, *needles):
     assert "\n" not in text and all(n in text for n in needles), text
 
 
-@pytest.mark.parametrize("change,needles", [
-    ({"train.seq_len": 12, "parallel.context": 4}, ("parallel.context", "multiple of 8")),
-    ({"model.attention": "xla"}, ("model.attention", "xla", "chunked")),
-    ({"parallel.context_kv": "bottleneck", "model.linear": "dense"}, ("parallel.context_kv", "dense")),
-    ({"parallel.context_kv": "bottleneck", "model.linear": "sltrain"}, ("parallel.context_kv", "sltrain")),
-    ({"parallel.context_kv": "bottleneck", "parallel.strategy": "vanilla"}, ("parallel.context_kv", "vanilla")),
-    ({"parallel.linear_partition": "st", "parallel.fsdp": 2}, ("parallel.linear_partition", "context")),
-    ({"parallel.context_attention": "ulysses"}, ("parallel.context_attention", "ring")),
-], ids=["seq_not_2c_chunks", "attention_without_blocks", "bottleneck_dense", "bottleneck_sltrain",
-        "bottleneck_vanilla", "spatial_temporal", "unknown_mode"])
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        ({"train.seq_len": 12, "parallel.context": 4}, ("parallel.context", "multiple of 8")),
+        ({"model.attention": "xla"}, ("model.attention", "xla", "chunked")),
+        ({"parallel.context_kv": "bottleneck", "model.linear": "dense"}, ("parallel.context_kv", "dense")),
+        ({"parallel.context_kv": "bottleneck", "model.linear": "sltrain"}, ("parallel.context_kv", "sltrain")),
+        ({"parallel.context_kv": "bottleneck", "parallel.strategy": "vanilla"}, ("parallel.context_kv", "vanilla")),
+        ({"parallel.linear_partition": "st", "parallel.fsdp": 2}, ("parallel.linear_partition", "context")),
+        ({"parallel.context_attention": "ulysses"}, ("parallel.context_attention", "ring")),
+    ],
+    ids=[
+        "seq_not_2c_chunks",
+        "attention_without_blocks",
+        "bottleneck_dense",
+        "bottleneck_sltrain",
+        "bottleneck_vanilla",
+        "spatial_temporal",
+        "unknown_mode",
+    ],
+)
 def test_bad_context_input_is_one_line(make_config, change, needles):
-    kw = {"parallel.context": 2, "parallel.data": 1, "parallel.tensor": 2, "parallel.num_devices": 0,
-          "model.attention": "chunked", **change}
+    kw = {
+        "parallel.context": 2,
+        "parallel.data": 1,
+        "parallel.tensor": 2,
+        "parallel.num_devices": 0,
+        "model.attention": "chunked",
+        **change,
+    }
     c = kw["parallel.context"]
     kw["parallel.num_devices"] = c * kw["parallel.tensor"] * kw.get("parallel.fsdp", 1)
     cfg = make_config(**kw)
@@ -217,12 +278,26 @@ def test_ring_permutes_overlap_the_block_compute_on_h100(make_config):
     import re
 
     from boost_jax.tools import aot
+
     if not aot.available():
         pytest.skip(f"needs the aot extra: {aot.INSTALL} ({aot.missing()})")
-    cfg = make_config(**{"model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 128,
-                         "model.rank": 16, "model.dtype": "bfloat16", "model.attention": "chunked",
-                         "train.seq_len": 256, "model.max_seq_len": 256, "train.global_batch": 2,
-                         "parallel.data": 1, "parallel.context": 4, "parallel.num_devices": 4})
+    cfg = make_config(
+        **{
+            "model.d_model": 64,
+            "model.n_heads": 4,
+            "model.n_kv_heads": 2,
+            "model.d_ff": 128,
+            "model.rank": 16,
+            "model.dtype": "bfloat16",
+            "model.attention": "chunked",
+            "train.seq_len": 256,
+            "model.max_seq_len": 256,
+            "train.global_batch": 2,
+            "parallel.data": 1,
+            "parallel.context": 4,
+            "parallel.num_devices": 4,
+        }
+    )
     built = build(cfg, aot.devices("h100", 4))
     lines = built.lower_train().compile().as_text().splitlines()
     starts, overlapped = {}, []
@@ -232,7 +307,7 @@ def test_ring_permutes_overlap_the_block_compute_on_h100(make_config):
             starts[m.group(1)] = i
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bcollective-permute-done\(%?([\w.\-]+)", line)
         if m and m.group(2) in starts:
-            between = " ".join(lines[starts[m.group(2)] + 1:i])
+            between = " ".join(lines[starts[m.group(2)] + 1 : i])
             overlapped.append(("conditional(" in between, " fusion(" in between))
     assert len(overlapped) >= 3 * (4 - 1), overlapped  # forward and backward sends of both layers
     assert sum(f for _, f in overlapped) >= len(overlapped) // 2, overlapped
@@ -244,13 +319,30 @@ def test_context_memory_benchmark_smoke(tmp_path):
     import importlib.util
     import json
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "context_memory.py"
     spec = importlib.util.spec_from_file_location("context_memory", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "cm.json"
-    bench.main(["--models", "cola_60m", "--seqs", "64", "--contexts", "1,2", "--layers", "1", "--targets", "cpu",
-                "--json", str(out), "--markdown", str(tmp_path / "cm.md")])
+    bench.main(
+        [
+            "--models",
+            "cola_60m",
+            "--seqs",
+            "64",
+            "--contexts",
+            "1,2",
+            "--layers",
+            "1",
+            "--targets",
+            "cpu",
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "cm.md"),
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["context"] for r in rows] == [1, 2] and all(r["temp_bytes"] > 0 for r in rows)
     ring = rows[1]["exchange"]

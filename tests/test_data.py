@@ -1,12 +1,13 @@
 """Data: determinism, resume by position, process sharding, file sources and their errors."""
+
 import json
 
 import numpy as np
 import pytest
 
-from boost_jax.validate import validate
 from boost_jax.data import TokenLoader, build_loaders
 from boost_jax.data.tokenizer import ByteTokenizer
+from boost_jax.validate import validate
 
 
 def loader(tokens, **kw):
@@ -66,7 +67,7 @@ def test_memmap_token_files(make_config, tmp_path):
     row = tr.batch(0)[0]
     # every window is a contiguous slice of the file
     starts = np.flatnonzero(tokens[: len(tokens) - 17] == row[0])
-    assert any(np.array_equal(tokens[s:s + 17], row) for s in starts)
+    assert any(np.array_equal(tokens[s : s + 17], row) for s in starts)
 
 
 def test_memmap_vocab_too_small(make_config, tmp_path):
@@ -112,23 +113,44 @@ def test_hf_tokenizers_json(make_config, tmp_path):
     tok.decoder = tokenizers.decoders.ByteLevel()
     tok.train_from_iterator(lines, tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
     tok.save(str(tmp_path / "tok.json"))
-    cfg = make_config(**{"data.source": "text", "data.path": str(path), "data.tokenizer": str(tmp_path / "tok.json"),
-                         "model.vocab_size": 300})
+    cfg = make_config(
+        **{
+            "data.source": "text",
+            "data.path": str(path),
+            "data.tokenizer": str(tmp_path / "tok.json"),
+            "model.vocab_size": 300,
+        }
+    )
     tr, _, loaded = build_loaders(cfg)
     assert loaded.vocab_size <= 300 and loaded.eos_id == 1
     assert any("def function_" in loaded.decode(row) for row in tr.batch(0))
     with pytest.raises(ValueError, match="model.vocab_size"):
-        build_loaders(make_config(**{"data.source": "text", "data.path": str(path),
-                                     "data.tokenizer": str(tmp_path / "tok.json"), "model.vocab_size": 100}))
+        build_loaders(
+            make_config(
+                **{
+                    "data.source": "text",
+                    "data.path": str(path),
+                    "data.tokenizer": str(tmp_path / "tok.json"),
+                    "model.vocab_size": 100,
+                }
+            )
+        )
 
 
 def test_sentencepiece_model(make_config, tmp_path):
     spm = pytest.importorskip("sentencepiece")
     path, _ = _corpus(tmp_path)
-    spm.SentencePieceTrainer.train(input=str(path), model_prefix=str(tmp_path / "sp"), vocab_size=200,
-                                   model_type="bpe", minloglevel=2)
-    cfg = make_config(**{"data.source": "text", "data.path": str(path), "data.tokenizer": str(tmp_path / "sp.model"),
-                         "model.vocab_size": 200})
+    spm.SentencePieceTrainer.train(
+        input=str(path), model_prefix=str(tmp_path / "sp"), vocab_size=200, model_type="bpe", minloglevel=2
+    )
+    cfg = make_config(
+        **{
+            "data.source": "text",
+            "data.path": str(path),
+            "data.tokenizer": str(tmp_path / "sp.model"),
+            "model.vocab_size": 200,
+        }
+    )
     tr, _, loaded = build_loaders(cfg)
     assert loaded.vocab_size == 200
     assert any("function" in loaded.decode(row) for row in tr.batch(0))
@@ -147,8 +169,10 @@ def mixture(weights=WEIGHTS, sizes=(3000, 2000, 1500), **kw):
     from boost_jax.data import MixtureLoader
 
     rng = np.random.default_rng(5)
-    subs = [loader((100 * k + rng.integers(0, 100, n)).astype(np.uint16), seed=(1, k))
-            for k, n in enumerate(sizes[: len(weights)])]
+    subs = [
+        loader((100 * k + rng.integers(0, 100, n)).astype(np.uint16), seed=(1, k))
+        for k, n in enumerate(sizes[: len(weights)])
+    ]
     args = dict(seed=1, global_batch=4)
     args.update(kw)
     return MixtureLoader(subs, weights, [f"s{k}" for k in range(len(weights))], **args), subs
@@ -182,7 +206,7 @@ def test_mixture_fractions_match_weights_and_every_batch_is_mixed():
     # long run: within 1/MIX_BLOCK of the weight per sample plus 2 samples of the partial block
     np.testing.assert_array_less(np.abs(counts - np.array(WEIGHTS) * n), n / MIX_BLOCK + 2)
     # and every batch of 16 holds each source's share to within 4 samples
-    per_batch = np.stack([np.bincount(source[i:i + 16], minlength=3) for i in range(0, n - 16, 16)])
+    per_batch = np.stack([np.bincount(source[i : i + 16], minlength=3) for i in range(0, n - 16, 16)])
     assert np.abs(per_batch - 16 * np.array(WEIGHTS)).max() <= 4
     # source_tokens counts what the batches held (identified by token value), times seq_len
     rows = np.concatenate([mix.batch(p) for p in range(0, 320, 16)])
@@ -240,13 +264,16 @@ def test_mixture_resumes_through_the_trainer_with_per_source_counts(make_config,
     assert logged[8][0] + logged[8][1] == 8 * 8 * 16 and logged[8][0] > logged[8][1]
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("{a}:0.7,{missing}:0.3", "data.path.*nothing found"),
-    ("{a}:0.7,{b}:0", "data.path.*weights must be positive"),
-    ("{a}:-1", "data.path.*weights must be positive"),
-    ("{a},,{b}", "data.path.*empty source"),
-    ("{a}:1,{a}:2", "data.path.*twice"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("{a}:0.7,{missing}:0.3", "data.path.*nothing found"),
+        ("{a}:0.7,{b}:0", "data.path.*weights must be positive"),
+        ("{a}:-1", "data.path.*weights must be positive"),
+        ("{a},,{b}", "data.path.*empty source"),
+        ("{a}:1,{a}:2", "data.path.*twice"),
+    ],
+)
 def test_bad_mixture_specs(make_config, tmp_path, spec, match):
     a, b = _token_files(tmp_path)
     path = spec.format(a=a, b=b, missing=tmp_path / "nope.bin")

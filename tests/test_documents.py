@@ -1,6 +1,7 @@
 """Training on documents (data.batching = packed | document): the loaders' rows against brute-force
 references, prepare's document index, and the model: a packed row gives the logits, loss and
 gradients of running each of its documents alone (one device, and btp / megatron on 8 devices)."""
+
 import json
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_parallel import assert_close_tree, loss_and_grads, par_config
 
 from boost_jax.data import DocumentLoader, PackedLoader, TokenLoader, build_loaders
 from boost_jax.data.loader import count_packed_rows, pack_rows
@@ -16,8 +18,6 @@ from boost_jax.errors import ConfigError
 from boost_jax.model.attention import Documents
 from boost_jax.runtime.build import build
 from boost_jax.validate import validate
-
-from test_parallel import assert_close_tree, loss_and_grads, par_config
 
 
 def _corpus(rng, n_docs, max_len, segments=2, vocab=50):
@@ -57,9 +57,9 @@ def test_packed_rows_hold_every_document_once(seq_len):
             at = np.flatnonzero(seg[r] == k)
             assert (np.diff(at) == 1).all() and (pos[r, at] == np.arange(len(at))).all()
             pieces.append(tuple(tokens[r, at]))
-        assert (seg[r, :np.count_nonzero(seg[r])] > 0).all()  # padding only at the end
+        assert (seg[r, : np.count_nonzero(seg[r])] > 0).all()  # padding only at the end
     # Every document is its pieces of seq_len tokens (and the rest), each exactly once per epoch.
-    want = sorted(tuple(d[i:i + seq_len]) for d in docs for i in range(0, len(d), seq_len))
+    want = sorted(tuple(d[i : i + seq_len]) for d in docs for i in range(0, len(d), seq_len))
     assert sorted(pieces) == want
     pad = 1 - (seg[:, :-1] > 0).mean()
     assert pad < 0.08, pad  # first fit over 16 open rows (next fit alone: ~0.2)
@@ -92,7 +92,7 @@ def _cola_row(doc, seq_len, eos):
     otherwise its first seq_len-1 ids, then `</s>`."""
     ids = list(doc[:-1]) if eos is not None else list(doc)
     if len(ids) + (eos is not None) > seq_len:
-        ids = ids[:seq_len - (eos is not None)]
+        ids = ids[: seq_len - (eos is not None)]
     return np.array(ids + ([eos] if eos is not None else []), np.int64)
 
 
@@ -100,7 +100,7 @@ def _cola_row(doc, seq_len, eos):
 def test_document_rows_are_colas_truncation(eos):
     """Fresh random documents ending with EOS (as prepare writes them), rows against CoLA's rule
     re-implemented on the ids: truncated ones keep seq_len-1 ids and their EOS, the rest are whole."""
-    rng_seed = int(np.random.SeedSequence().entropy % 2 ** 32)  # fresh inputs each run, named on failure
+    rng_seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh inputs each run, named on failure
     rng = np.random.default_rng(rng_seed)
     seq_len = 16
     lengths = rng.integers(1, 3 * seq_len, 60)
@@ -118,11 +118,18 @@ def test_document_rows_are_colas_truncation(eos):
         truncated += len(docs[j]) > seq_len
     assert truncated > 10  # the rule was exercised
     if eos is not None:  # a document that does not end with EOS keeps its first seq_len ids
-        plain = DocumentLoader([arrays[0][:-1]], [np.append(ends[0][:-1], len(arrays[0]) - 1)], seq_len=seq_len,
-                               name="t", eos_id=eos, shuffle=False, **LOADER)
+        plain = DocumentLoader(
+            [arrays[0][:-1]],
+            [np.append(ends[0][:-1], len(arrays[0]) - 1)],
+            seq_len=seq_len,
+            name="t",
+            eos_id=eos,
+            shuffle=False,
+            **LOADER,
+        )
         last = plain.samples([plain.n - 1])
         doc = docs[cut[0][-1]][:-1]
-        np.testing.assert_array_equal(last["tokens"][0, :last["lengths"][0]], doc[:seq_len])
+        np.testing.assert_array_equal(last["tokens"][0, : last["lengths"][0]], doc[:seq_len])
 
 
 def test_prepared_documents_keep_their_eos_when_truncated(tmp_path):
@@ -130,8 +137,11 @@ def test_prepared_documents_keep_their_eos_when_truncated(tmp_path):
     with it, as CoLA's rows do."""
     tokenizers = pytest.importorskip("tokenizers")
     texts = [" ".join(f"word{(i * 7 + k) % 50}" for k in range(3 + 9 * i)) for i in range(30)]
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({**{f"word{k}": k + 2 for k in range(50)},
-                                                            "<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel(
+            {**{f"word{k}": k + 2 for k in range(50)}, "<unk>": 0, "</s>": 1}, unk_token="<unk>"
+        )
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tok.json"))
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -141,8 +151,9 @@ def test_prepared_documents_keep_their_eos_when_truncated(tmp_path):
     c.model.vocab_size = 64
     train, held, _ = build_loaders(c)
     t = c.train.seq_len
-    got = sorted(tuple(r[:n].tolist()) for loader in (train, held)
-                 for r, n in zip(*loader.samples(range(loader.n)).values()))
+    got = sorted(
+        tuple(r[:n].tolist()) for loader in (train, held) for r, n in zip(*loader.samples(range(loader.n)).values())
+    )
     want = sorted(tuple(_cola_row(np.array(tok.encode(x).ids + [1]), t, 1).tolist()) for x in texts)
     assert got == want and sum(len(r) == t and r[-1] == 1 for r in got) > 5
 
@@ -155,7 +166,7 @@ def test_stream_with_numpy_order_is_the_old_permutation():
     for i in (0, 5, n - 1, n, 3 * n + 2):
         epoch, j = divmod(i, n)
         w = int(np.random.default_rng([3, epoch]).permutation(n)[j])
-        np.testing.assert_array_equal(loader.windows([i])[0], tokens[w * 16:(w + 1) * 16])
+        np.testing.assert_array_equal(loader.windows([i])[0], tokens[w * 16 : (w + 1) * 16])
 
 
 def test_prepare_records_document_boundaries(tmp_path):
@@ -166,13 +177,17 @@ def test_prepare_records_document_boundaries(tmp_path):
     c = _config(tmp_path, "document", source="tokens", path=str(tmp_path / "out"))
     c.data.eval_fraction = 0.2
     train, held, _ = build_loaders(c)
-    got = sorted(bytes(r[:n].astype(np.uint8)).decode()
-                 for loader in (train, held) for r, n in zip(*loader.samples(range(loader.n)).values()))
-    assert got == sorted(t[:c.train.seq_len] for t in texts)  # every document, whole, once; none split
+    got = sorted(
+        bytes(r[:n].astype(np.uint8)).decode()
+        for loader in (train, held)
+        for r, n in zip(*loader.samples(range(loader.n)).values())
+    )
+    assert got == sorted(t[: c.train.seq_len] for t in texts)  # every document, whole, once; none split
 
 
 def _config(tmp_path, batching, **data):
     from conftest import small_config
+
     c = small_config(tmp_path / "run")
     c.data.batching = batching
     for k, v in data.items():
@@ -199,6 +214,7 @@ def test_bad_input_names_the_field(tmp_path):
 
 # ------------------------------------------------------------------------------------------ model
 
+
 def _packed(rng, layouts, t, vocab):
     """A packed batch (rows of the given document lengths) and the documents."""
     b = len(layouts)
@@ -208,7 +224,7 @@ def _packed(rng, layouts, t, vocab):
         at = 0
         for k, n in enumerate(lengths):
             doc = rng.integers(0, vocab, n).astype(np.int32)
-            tokens[r, at:at + n], seg[r, at:at + n], pos[r, at:at + n] = doc, k + 1, np.arange(n)
+            tokens[r, at : at + n], seg[r, at : at + n], pos[r, at : at + n] = doc, k + 1, np.arange(n)
             docs.append((r, at, doc))
             at += n
     return {"tokens": tokens, "segments": seg, "positions": pos}, docs
@@ -220,8 +236,9 @@ LAYOUTS = [[5, 9, 2], [16], [3, 3, 3, 4], [7, 8]]  # each fits 16 inputs (the la
 def _alone(cfg, params, docs):
     """Loss sum and gradients of every document run alone (a stream batch of its own length)."""
     single = cfg.copy_and_resolve_references()
-    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe",
-                           pipeline_repeats=1)
+    single.parallel.update(
+        pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe", pipeline_repeats=1
+    )
     total, grads = 0.0, None
     for _, _, doc in docs:
         if len(doc) < 2:
@@ -238,8 +255,9 @@ def _alone(cfg, params, docs):
 
 @pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "chunked", "pallas"])
 def test_packed_row_equals_documents_alone(make_config, impl):
-    cfg = make_config(**{"model.attention": impl, "data.batching": "packed", "model.vocab_size": 256,
-                         "parallel.num_devices": 1})
+    cfg = make_config(
+        **{"model.attention": impl, "data.batching": "packed", "model.vocab_size": 256, "parallel.num_devices": 1}
+    )
     cfg.model.loss_chunk = 8  # the chunked loss with a mask
     built = build(cfg.copy_and_resolve_references())
     params = jax.device_get(built.init_state()["params"])
@@ -252,12 +270,17 @@ def test_packed_row_equals_documents_alone(make_config, impl):
     # Logits of every document's positions as when it runs alone.
     model = nnx.merge(built.spec.graphdef, params)
     t = cfg.train.seq_len
-    logits, _ = built.bind(lambda: model(jnp.asarray(batch["tokens"][:, :t]), jnp.asarray(batch["positions"][:, :t]),
-                                         docs=Documents.packed(jnp.asarray(batch["segments"][:, :t]))))()
+    logits, _ = built.bind(
+        lambda: model(
+            jnp.asarray(batch["tokens"][:, :t]),
+            jnp.asarray(batch["positions"][:, :t]),
+            docs=Documents.packed(jnp.asarray(batch["segments"][:, :t])),
+        )
+    )()
     for r, at, doc in docs:
         alone, _ = built.bind(lambda: model(jnp.asarray(doc[None])))()
         n = min(len(doc), t - at)
-        np.testing.assert_allclose(logits[r, at:at + n], alone[0, :n], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(logits[r, at : at + n], alone[0, :n], rtol=1e-4, atol=1e-5)
 
 
 PIPE = {"parallel.pipeline": 2, "model.n_layers": 4}
@@ -267,18 +290,33 @@ CIRCULAR = {**PIPE, "parallel.pipeline_schedule": "circular", "parallel.pipeline
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("strategy,mesh,extra", [
-    ("btp", (1, 1, 8), {}), pytest.param("megatron", (2, 1, 4), {}, marks=SLOW), pytest.param("btp", (2, 2, 2), {}, marks=SLOW),
-    ("btp", (1, 2, 2), PIPE), pytest.param("megatron", (2, 1, 2), PIPE, marks=SLOW),
-    pytest.param("btp", (1, 2, 2), CIRCULAR, marks=SLOW)],
-    ids=["btp_1x1x8", "megatron_2x1x4", "btp_2x2x2", "btp_pipeline2_1x2x2", "megatron_pipeline2_2x1x2",
-         "btp_circular2_1x2x2"])
+@pytest.mark.parametrize(
+    "strategy,mesh,extra",
+    [
+        ("btp", (1, 1, 8), {}),
+        pytest.param("megatron", (2, 1, 4), {}, marks=SLOW),
+        pytest.param("btp", (2, 2, 2), {}, marks=SLOW),
+        ("btp", (1, 2, 2), PIPE),
+        pytest.param("megatron", (2, 1, 2), PIPE, marks=SLOW),
+        pytest.param("btp", (1, 2, 2), CIRCULAR, marks=SLOW),
+    ],
+    ids=[
+        "btp_1x1x8",
+        "megatron_2x1x4",
+        "btp_2x2x2",
+        "btp_pipeline2_1x2x2",
+        "megatron_pipeline2_2x1x2",
+        "btp_circular2_1x2x2",
+    ],
+)
 def test_packed_rows_under_tensor_parallelism(make_config, strategy, mesh, extra):
-    cfg = par_config(make_config, strategy, "cola", mesh, **{"data.batching": "packed", "model.attention": "chunked",
-                                                              **extra})
+    cfg = par_config(
+        make_config, strategy, "cola", mesh, **{"data.batching": "packed", "model.attention": "chunked", **extra}
+    )
     single = cfg.copy_and_resolve_references()
-    single.parallel.update(pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe",
-                           pipeline_repeats=1)
+    single.parallel.update(
+        pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe", pipeline_repeats=1
+    )
     params = jax.device_get(build(single).init_state()["params"])
     layouts = LAYOUTS + [[16], [4, 4, 4, 4], [1, 15], [10]]  # 8 rows: every pipeline micro-batch holds some
     batch, docs = _packed(np.random.default_rng(11), layouts, cfg.train.seq_len, cfg.model.vocab_size)

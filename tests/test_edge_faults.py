@@ -2,6 +2,7 @@
 verified document indexes and tokenizer files, data with nothing to learn from, full disks and
 read-only mounts, killed jobs, preemption during evaluation. Each test injects the fault and checks
 the one-line message, the exit status and what is on disk."""
+
 import errno
 import json
 import os
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import small_config
 
 from boost_jax import train
 from boost_jax.errors import ConfigError
-from conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +34,7 @@ def one_error_line(err: str) -> str:
 
 # ---------------------------------------------------------------- import and export never overwrite
 
+
 def hf_model(tmp_path, name="hf", seed=0, tokenizer: bytes | None = None):
     """A HF Llama dir (config.json, model.safetensors, optionally tokenizer.json) of the small model,
     written from a freshly initialised model (no training needed)."""
@@ -42,11 +44,15 @@ def hf_model(tmp_path, name="hf", seed=0, tokenizer: bytes | None = None):
 
     from boost_jax import export
     from boost_jax.model.transformer import build_model
+
     m = small_config(tmp_path / "unused", **{"model.linear": "dense"}).model
     d = tmp_path / name
     d.mkdir()
-    save_file(export.to_hf(nnx.to_pure_dict(nnx.state(build_model(m, seed=seed))), m), str(d / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        export.to_hf(nnx.to_pure_dict(nnx.state(build_model(m, seed=seed))), m),
+        str(d / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (d / "config.json").write_text(json.dumps(export.hf_config(m)))
     if tokenizer is not None:
         (d / "tokenizer.json").write_bytes(tokenizer)
@@ -58,6 +64,7 @@ def test_import_never_writes_into_a_run(tmp_path, capsys):
     twice says what exists, and --supersede moves the old steps aside: the newest step is the import's."""
     from boost_jax import export
     from boost_jax.runtime.checkpoint import read_run
+
     first, second = hf_model(tmp_path, "a", seed=1), hf_model(tmp_path, "b", seed=2)
     run = tmp_path / "run"
     assert export.main(["--import-hf", str(first), "--out", str(run)]) == 0
@@ -79,10 +86,12 @@ def test_import_never_writes_into_a_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "0.superseded" in out
     moved = tree_bytes(run / "checkpoints" / "0.superseded")
-    assert moved == {k[len("0/"):]: v for k, v in before.items() if k.startswith("0/")}  # kept byte for byte
+    assert moved == {k[len("0/") :]: v for k, v in before.items() if k.startswith("0/")}  # kept byte for byte
     assert read_run(str(run))[2] == 0
-    from boost_jax.runtime.build import load_model
     from safetensors.numpy import load_file
+
+    from boost_jax.runtime.build import load_model
+
     embed = np.asarray(load_model(str(run))[0].embed[...])
     np.testing.assert_array_equal(embed, load_file(str(second / "model.safetensors"))["model.embed_tokens.weight"])
 
@@ -93,6 +102,7 @@ def test_export_refuses_another_models_files_and_writes_whole_or_not_at_all(tmp_
     import safetensors.numpy as stn
 
     from boost_jax import export
+
     run = tmp_path / "run"
     assert export.main(["--import-hf", str(hf_model(tmp_path)), "--out", str(run)]) == 0  # byte tokenizer
     hf = tmp_path / "out"
@@ -109,6 +119,7 @@ def test_export_refuses_another_models_files_and_writes_whole_or_not_at_all(tmp_
 
     real = stn.save_file
     for code in (errno.ENOSPC, errno.EROFS):
+
         def failing(tensors, path, metadata=None, code=code):
             real(tensors, path, metadata=metadata)
             with open(path, "r+b") as f:  # half written when the disk filled up
@@ -126,6 +137,7 @@ def test_import_on_a_full_disk_is_one_line_and_leaves_no_partial_step(tmp_path, 
     from orbax.checkpoint._src.path import async_path
 
     from boost_jax import export
+
     rename = async_path.rename
 
     async def disk_full(src, dst):
@@ -146,6 +158,7 @@ def test_import_on_a_full_disk_is_one_line_and_leaves_no_partial_step(tmp_path, 
 
 # ---------------------------------------------------------------- tokenizer files are loaded once, up front
 
+
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
     """(a valid tokenizers JSON, a truncated copy of it, a valid SentencePiece model, a corrupt one)."""
@@ -160,8 +173,9 @@ def tokenizer_files(tmp_path_factory):
     tok.save(str(d / "tok.json"))
     text = (d / "tok.json").read_bytes()
     (d / "cut.json").write_bytes(text[: len(text) // 2])  # an interrupted download
-    spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), vocab_size=120,
-                                   model_type="bpe", minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), vocab_size=120, model_type="bpe", minloglevel=2
+    )
     raw = bytearray((d / "sp.model").read_bytes())
     (d / "bad.model").write_bytes(bytes(raw[: len(raw) // 3]) + os.urandom(64))
     return d / "tok.json", d / "cut.json", d / "sp.model", d / "bad.model"
@@ -169,24 +183,59 @@ def tokenizer_files(tmp_path_factory):
 
 @pytest.mark.parametrize("which", [1, 3], ids=["truncated-json", "corrupt-sentencepiece"])
 def test_damaged_tokenizer_is_one_line_naming_it(tokenizer_files, make_config, tmp_path, capsys, which):
-    from boost_jax.data import build_loaders
-    from boost_jax.data import prepare
+    from boost_jax.data import build_loaders, prepare
+
     bad = tokenizer_files[which]
     (tmp_path / "c.txt").write_text("hello world\n" * 50)
     with pytest.raises(ConfigError, match=rf"config field `data\.tokenizer`: {bad} is not a readable"):
-        build_loaders(make_config(**{"data.source": "text", "data.path": str(tmp_path / "c.txt"),
-                                     "data.tokenizer": str(bad), "model.vocab_size": 512}))
-    assert prepare.main([str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"), "--tokenizer", str(bad),
-                         "--workers", "0", "--no-progress"]) == 1
+        build_loaders(
+            make_config(
+                **{
+                    "data.source": "text",
+                    "data.path": str(tmp_path / "c.txt"),
+                    "data.tokenizer": str(bad),
+                    "model.vocab_size": 512,
+                }
+            )
+        )
+    assert (
+        prepare.main(
+            [
+                str(tmp_path / "c.txt"),
+                "--out",
+                str(tmp_path / "p"),
+                "--tokenizer",
+                str(bad),
+                "--workers",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     assert f"--tokenizer: {bad} is not a readable" in one_error_line(capsys.readouterr().err)
     # The intact file of the same kind loads (the check refuses only the damage).
     good = tokenizer_files[which - 1]
-    assert prepare.main([str(tmp_path / "c.txt"), "--out", str(tmp_path / "q"), "--tokenizer", str(good),
-                         "--workers", "0", "--no-progress"]) == 0
+    assert (
+        prepare.main(
+            [
+                str(tmp_path / "c.txt"),
+                "--out",
+                str(tmp_path / "q"),
+                "--tokenizer",
+                str(good),
+                "--workers",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
 
 
 def test_import_checks_the_tokenizer_before_copying_it(tokenizer_files, tmp_path, capsys):
     from boost_jax import export
+
     hf = hf_model(tmp_path, tokenizer=tokenizer_files[1].read_bytes())
     assert export.main(["--import-hf", str(hf), "--out", str(tmp_path / "run")]) == 1
     err = one_error_line(capsys.readouterr().err)
@@ -204,31 +253,49 @@ def test_import_checks_the_tokenizer_before_copying_it(tokenizer_files, tmp_path
 
 # ---------------------------------------------------------------- prepared indexes are verified when opened
 
+
 @pytest.fixture
 def prepared(tmp_path):
     """A prepared dir (byte tokenizer, documents of random lengths, two shards) and a config reading it
     with document batching."""
     from boost_jax.data.prepare import prepare
+
     rng = np.random.default_rng(3)
     for k in range(2):
         with open(tmp_path / f"{k}.jsonl", "w") as f:
             for _ in range(60):
                 f.write(json.dumps({"text": "x" * int(rng.integers(5, 40))}) + "\n")
-    prepare([str(tmp_path / "0.jsonl"), str(tmp_path / "1.jsonl")], tmp_path / "p", unit_bytes=1500,
-            progress=False)
-    cfg = small_config(tmp_path / "run", **{"data.source": "tokens", "data.path": str(tmp_path / "p"),
-                                            "data.batching": "document", "data.token_dtype": "uint16"})
+    prepare([str(tmp_path / "0.jsonl"), str(tmp_path / "1.jsonl")], tmp_path / "p", unit_bytes=1500, progress=False)
+    cfg = small_config(
+        tmp_path / "run",
+        **{
+            "data.source": "tokens",
+            "data.path": str(tmp_path / "p"),
+            "data.batching": "document",
+            "data.token_dtype": "uint16",
+        },
+    )
     return tmp_path / "p", cfg
 
 
-@pytest.mark.parametrize("damage, needle", [
-    (lambda e: e.__setitem__([7, 8], e[[8, 7]]), r"entry 8 \(the end of document 8\) is \d+, below the previous end"),
-    (lambda e: e.__setitem__(3, e[-1] + 10),
-     r"entry 3 \(the end of document 3\) is \d+, beyond the shard's \d+ tokens"),
-    (lambda e: e.__setitem__(0, -5), r"entry 0 \(the end of document 0\) is -5, negative"),
-], ids=["swapped", "beyond", "negative"])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (
+            lambda e: e.__setitem__([7, 8], e[[8, 7]]),
+            r"entry 8 \(the end of document 8\) is \d+, below the previous end",
+        ),
+        (
+            lambda e: e.__setitem__(3, e[-1] + 10),
+            r"entry 3 \(the end of document 3\) is \d+, beyond the shard's \d+ tokens",
+        ),
+        (lambda e: e.__setitem__(0, -5), r"entry 0 \(the end of document 0\) is -5, negative"),
+    ],
+    ids=["swapped", "beyond", "negative"],
+)
 def test_damaged_document_index_names_file_and_entry(prepared, damage, needle):
     from boost_jax.data import build_loaders
+
     out, cfg = prepared
     build_loaders(cfg)  # intact: loads
     idx = out / "shard_00001.idx"
@@ -241,16 +308,26 @@ def test_damaged_document_index_names_file_and_entry(prepared, damage, needle):
     assert f"prepare {out} again" in str(e.value)
 
 
-@pytest.mark.parametrize("damage, needle", [
-    (lambda t: t[: len(t) // 2], r"index\.json is not readable JSON \(.*\); it may be truncated"),
-    (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "shards"}),
-     r"index\.json lacks the field\(s\) \['shards'\]"),
-    (lambda t: json.dumps({**json.loads(t), "shards": [{"file": "shard_00000.bin"}]}),
-     r"index\.json: shards\[0\] has no valid 'tokens'"),
-], ids=["truncated", "no-shards", "shard-without-tokens"])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda t: t[: len(t) // 2], r"index\.json is not readable JSON \(.*\); it may be truncated"),
+        (
+            lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "shards"}),
+            r"index\.json lacks the field\(s\) \['shards'\]",
+        ),
+        (
+            lambda t: json.dumps({**json.loads(t), "shards": [{"file": "shard_00000.bin"}]}),
+            r"index\.json: shards\[0\] has no valid 'tokens'",
+        ),
+    ],
+    ids=["truncated", "no-shards", "shard-without-tokens"],
+)
 def test_damaged_index_json_names_the_file(prepared, damage, needle):
-    from boost_jax.data import build_loaders
     import shutil
+
+    from boost_jax.data import build_loaders
+
     out, cfg = prepared
     shutil.copytree(out, out.with_name("intact"))
     (out / "index.json").write_text(damage((out / "index.json").read_text()))
@@ -263,19 +340,31 @@ def test_damaged_index_json_names_the_file(prepared, damage, needle):
 
 # ---------------------------------------------------------------- nothing to learn from
 
+
 @pytest.mark.parametrize("batching", ["document", "packed"])
 def test_data_without_targets_is_refused_at_start(tmp_path, batching):
     """Every document one token long (the byte tokenizer adds no EOS): no row holds a target."""
     from boost_jax.data import build_loaders
     from boost_jax.data.prepare import prepare
+
     with open(tmp_path / "c.jsonl", "w") as f:
         for i in range(400):
             f.write(json.dumps({"text": "abcdefgh"[i % 8]}) + "\n")
     prepare([str(tmp_path / "c.jsonl")], tmp_path / "p", progress=False)
-    cfg = small_config(tmp_path / "run", **{"data.source": "tokens", "data.path": str(tmp_path / "p"),
-                                            "data.batching": batching, "data.token_dtype": "uint16"})
-    with pytest.raises(ValueError, match=r"config field `data\.path`: every document of the train data .* is at "
-                                         r"most 1 token\(s\) long, so no row holds a target"):
+    cfg = small_config(
+        tmp_path / "run",
+        **{
+            "data.source": "tokens",
+            "data.path": str(tmp_path / "p"),
+            "data.batching": batching,
+            "data.token_dtype": "uint16",
+        },
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"config field `data\.path`: every document of the train data .* is at "
+        r"most 1 token\(s\) long, so no row holds a target",
+    ):
         build_loaders(cfg)
     with pytest.raises(ValueError, match="no row holds a target"):
         train.run(cfg)
@@ -288,13 +377,25 @@ def test_a_batch_without_targets_reports_no_loss(make_config, tmp_path):
     """A batch of documents whose rows hold no target sums its loss over nothing: the row written for
     it has no loss (nor perplexity 1); a batch with targets logs its loss."""
     from boost_jax.runtime.report import Reporter
+
     rep = Reporter(make_config(), tmp_path, main_process=True, flops_per_token=1.0)
     rep.start_bar(0)
     for step, targets in ((1, 0), (2, 5)):
         rep.step_done()
         rep.count_tokens(8)
-        rep.log(step, {"loss": np.float32(0.0 if targets == 0 else 2.5), "finite": True, "targets": targets,
-                       "tokens": 8, "grad_norm": 0.0, "lr": 1e-3}, 0, {})
+        rep.log(
+            step,
+            {
+                "loss": np.float32(0.0 if targets == 0 else 2.5),
+                "finite": True,
+                "targets": targets,
+                "tokens": 8,
+                "grad_norm": 0.0,
+                "lr": 1e-3,
+            },
+            0,
+            {},
+        )
     rep.close()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert "loss" not in rows[0] and "perplexity" not in rows[0]
@@ -303,11 +404,13 @@ def test_a_batch_without_targets_reports_no_loss(make_config, tmp_path):
 
 # ---------------------------------------------------------------- full disks under a running trainer
 
+
 def test_a_failed_save_is_reported_once_and_leaves_no_partial_step(tmp_path):
     """Orbax raises a failed save again at every later wait, and its other writer threads may still
     create files after the error: the one line names the step (never "step None") and no
     N.orbax-checkpoint-tmp is left."""
-    from boost_jax.runtime.checkpoint import CheckpointError, Checkpointer
+    from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError
+
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, async_save=True, owner=True)
     (tmp_path / "checkpoints" / "3").mkdir()  # a finished step
     ckpt.pending = 4
@@ -325,9 +428,12 @@ def test_a_failed_save_is_reported_once_and_leaves_no_partial_step(tmp_path):
 
     ckpt.manager.check_for_errors = fail
     ckpt.manager.wait_until_finished = straggling
-    with pytest.raises(CheckpointError, match=r"saving step 4 failed \(OSError: \[Errno 28\] No space left on "
-                                              r"device\); its partial files were removed; the last good checkpoint "
-                                              r"is step 3"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saving step 4 failed \(OSError: \[Errno 28\] No space left on "
+        r"device\); its partial files were removed; the last good checkpoint "
+        r"is step 3",
+    ):
         ckpt.check()
     ckpt.close()  # the same failure again from Orbax: not a second error ("saving step None")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
@@ -337,6 +443,7 @@ def test_a_write_failing_under_the_run_dir_is_one_line(tmp_path, monkeypatch):
     """metrics.jsonl cannot be written (a full disk): one line naming the last good checkpoint, which
     stays complete and restores."""
     from boost_jax.runtime.metrics import MetricsWriter
+
     write = MetricsWriter.write
 
     def full(self, step, record):
@@ -345,10 +452,14 @@ def test_a_write_failing_under_the_run_dir_is_one_line(tmp_path, monkeypatch):
         return write(self, step, record)
 
     monkeypatch.setattr(MetricsWriter, "write", full)
-    cfg = small_config(tmp_path / "run", **{"train.steps": 8, "train.eval_every": 0, "checkpoint.every": 4,
-                                            "train.log_every": 1})
-    with pytest.raises(train.ERRORS, match=rf"cannot write {tmp_path}/run/metrics\.jsonl \(No space left on device "
-                                           rf"\[ENOSPC\]\); the last good checkpoint is step 4 in "):
+    cfg = small_config(
+        tmp_path / "run", **{"train.steps": 8, "train.eval_every": 0, "checkpoint.every": 4, "train.log_every": 1}
+    )
+    with pytest.raises(
+        train.ERRORS,
+        match=rf"cannot write {tmp_path}/run/metrics\.jsonl \(No space left on device "
+        rf"\[ENOSPC\]\); the last good checkpoint is step 4 in ",
+    ):
         train.run(cfg)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4"]
     monkeypatch.undo()
@@ -386,8 +497,14 @@ if sys.argv[2] == "thread":  # the logger thread's own flush fails (its next one
 def test_tensorboard_on_a_full_disk_leaves_no_traceback_at_exit(tmp_path, how):
     """A full disk under TensorBoard's event file: at close, at exit, or in tensorboardX's logger
     thread (its periodic flush, which once printed "Exception in thread" at any moment)."""
-    r = subprocess.run([sys.executable, "-c", TB_EXIT, str(tmp_path), how], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", TB_EXIT, str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
     assert ("close failed: No space left on device" in r.stdout) == (how == "close")
     if how == "thread":
@@ -397,10 +514,12 @@ def test_tensorboard_on_a_full_disk_leaves_no_traceback_at_exit(tmp_path, how):
 
 # ---------------------------------------------------------------- the TensorBoard dir removed under a run
 
+
 def test_tensorboard_dir_removed_under_a_run_is_recreated(tmp_path):
     import shutil
 
     from boost_jax.runtime.metrics import MetricsWriter
+
     notes = []
     w = MetricsWriter(str(tmp_path), note=notes.append)
     w.write(1, {"loss": 1.0})
@@ -424,79 +543,129 @@ def test_tensorboard_dir_removed_under_a_run_is_recreated(tmp_path):
 
 # ---------------------------------------------------------------- a token file truncated under a running trainer
 
+
 def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path):
     """The mapped token file shrinks while the trainer reads it: one line naming it (not "Fatal
     Python error: Bus error"; the size check at a log point or, for a read before it, the SIGBUS
     handler), exit status 1, and the newest checkpoint restores complete."""
     from test_faults import long_config, saved_state, spawn, steps_on_disk, wait_for_rows
+
     tokens = tmp_path / "t.bin"
     (np.random.default_rng(0).integers(0, 256, 400_000).astype(np.uint16)).tofile(tokens)
-    cfg = long_config(make_config, tmp_path / "run", **{"data.source": "tokens", "data.path": str(tokens),
-                                                        "data.token_dtype": "uint16", "checkpoint.every": 2,
-                                                        "checkpoint.keep": 100})
+    cfg = long_config(
+        make_config,
+        tmp_path / "run",
+        **{
+            "data.source": "tokens",
+            "data.path": str(tokens),
+            "data.token_dtype": "uint16",
+            "checkpoint.every": 2,
+            "checkpoint.keep": 100,
+        },
+    )
     proc = spawn(cfg)
     wait_for_rows(proc, cfg.run_dir, 4)
     os.truncate(tokens, 4096)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
     lines = [ln for ln in out.splitlines() if ln.startswith("error:") or "Fatal" in ln or "Traceback" in ln]
-    assert lines == [f"error: {tokens}: this memory-mapped token file became shorter while the run read it "
-                     "(truncated or rewritten on disk); restore it (or prepare it again) and rerun: the run "
-                     "resumes from its last complete checkpoint"], out
+    assert lines == [
+        f"error: {tokens}: this memory-mapped token file became shorter while the run read it "
+        "(truncated or rewritten on disk); restore it (or prepare it again) and rerun: the run "
+        "resumes from its last complete checkpoint"
+    ], out
     last = max(steps_on_disk(cfg.run_dir))
     assert last >= 2 and saved_state(cfg.run_dir, last, cfg)[1]["step"] == last  # complete and verified
 
 
 # ---------------------------------------------------------------- values that mean nothing
 
+
 @pytest.mark.parametrize("source", ["jsonl", "text"])
 def test_text_sources_pointed_at_a_prepared_dir(prepared, source):
     from boost_jax.data import build_loaders
+
     out, cfg = prepared
     for path in (out, out / "index.json"):
         cfg.data.source, cfg.data.path, cfg.data.batching = source, str(path), "stream"
-        with pytest.raises(ValueError, match=rf"config field `data\.path`: {path} is a directory of token shards made "
-                                             r"by `python -m boost_jax\.data\.prepare`.*set data\.source=tokens"):
+        with pytest.raises(
+            ValueError,
+            match=rf"config field `data\.path`: {path} is a directory of token shards made "
+            r"by `python -m boost_jax\.data\.prepare`.*set data\.source=tokens",
+        ):
             build_loaders(cfg)
 
 
 def cluster_file(tmp_path, **changes):
     """configs/clusters/a100_4x.py with some fields' assignments rewritten."""
     import re
+
     text = (ROOT / "configs" / "clusters" / "a100_4x.py").read_text()
     for k, v in changes.items():
-        text, n = re.subn(rf"^(\s*c\.{k} = ).*$", lambda m: m.group(1) + (f"float('{v}')" if v != v else repr(v)),
-                          text, count=1, flags=re.M)
+        text, n = re.subn(
+            rf"^(\s*c\.{k} = ).*$",
+            lambda m: m.group(1) + (f"float('{v}')" if v != v else repr(v)),
+            text,
+            count=1,
+            flags=re.M,
+        )
         assert n == 1, k
     path = tmp_path / "cluster.py"
     path.write_text(text)
     return path
 
 
-@pytest.mark.parametrize("changes, needle", [
-    ({"usable_hbm_fraction": 1.5}, "usable_hbm_fraction is a fraction, at most 1, got 1.5"),
-    ({"gemm_efficiency": 2.0}, "gemm_efficiency is a fraction, at most 1"),
-    ({"gpus_per_node": 4.5}, "gpus_per_node must be a whole number, got 4.5"),
-    ({"peak_flops": "fast"}, "peak_flops must be a number, got 'fast'"),
-    ({"intra_latency": float("nan")}, "intra_latency must be a positive number"),
-], ids=["usable>1", "efficiency>1", "fractional-gpus", "not-a-number", "nan"])
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"usable_hbm_fraction": 1.5}, "usable_hbm_fraction is a fraction, at most 1, got 1.5"),
+        ({"gemm_efficiency": 2.0}, "gemm_efficiency is a fraction, at most 1"),
+        ({"gpus_per_node": 4.5}, "gpus_per_node must be a whole number, got 4.5"),
+        ({"peak_flops": "fast"}, "peak_flops must be a number, got 'fast'"),
+        ({"intra_latency": float("nan")}, "intra_latency must be a positive number"),
+    ],
+    ids=["usable>1", "efficiency>1", "fractional-gpus", "not-a-number", "nan"],
+)
 def test_cluster_files_with_values_that_mean_nothing(tmp_path, changes, needle):
     from boost_jax.planner import load_cluster
+
     path = cluster_file(tmp_path, **changes)
     with pytest.raises(ValueError, match=rf"--cluster {path}: " + needle.replace(".", r"\.").replace("(", r"\(")):
         load_cluster(path)
     assert load_cluster(cluster_file(tmp_path)).name  # the file unchanged loads
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--top", "-1"], "--top must be positive"),
-    (["--schedule", "circular", "--repeats", "5", "--pipeline", "2"],
-     "no plan to price: no layout of 24 layers on 16 GPUs meets --pipeline 2, --schedule circular, --repeats 5"),
-], ids=["top", "repeats"])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--top", "-1"], "--top must be positive"),
+        (
+            ["--schedule", "circular", "--repeats", "5", "--pipeline", "2"],
+            "no plan to price: no layout of 24 layers on 16 GPUs meets --pipeline 2, --schedule circular, --repeats 5",
+        ),
+    ],
+    ids=["top", "repeats"],
+)
 def test_plan_arguments_that_leave_nothing(args, needle):
-    r = subprocess.run([sys.executable, "-m", "boost_jax.plan", "--config", "configs/cola_1b.py", "--devices", "16",
-                        "--cluster", "configs/clusters/a100_4x.py", *args], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boost_jax.plan",
+            "--config",
+            "configs/cola_1b.py",
+            "--devices",
+            "16",
+            "--cluster",
+            "configs/clusters/a100_4x.py",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     err = "\n".join(ln for ln in r.stderr.splitlines() if not ln.startswith("plan: searching"))  # progress
     assert r.returncode == 1 and "Traceback" not in err and needle in err, r.stderr
     assert err.strip().count("\n") == 0, r.stderr
@@ -504,6 +673,7 @@ def test_plan_arguments_that_leave_nothing(args, needle):
 
 def test_generate_values_that_mean_nothing(tmp_path, capsys):
     from boost_jax import export, generate
+
     run = tmp_path / "run"
     assert export.main(["--import-hf", str(hf_model(tmp_path)), "--out", str(run)]) == 0  # max_seq_len 32
     capsys.readouterr()
@@ -512,17 +682,24 @@ def test_generate_values_that_mean_nothing(tmp_path, capsys):
             generate.main(["--checkpoint", str(run), "--temperature", t])
         assert e.value.code == 2 and "--temperature" in capsys.readouterr().err
     # Past the context: bounded by it, and said (the KV cache never outgrows the model's context).
-    assert generate.main(["--checkpoint", str(run), "--prompt", "abc", "--max_new_tokens", "10000000",
-                          "--temperature", "0"]) == 0
+    assert (
+        generate.main(
+            ["--checkpoint", str(run), "--prompt", "abc", "--max_new_tokens", "10000000", "--temperature", "0"]
+        )
+        == 0
+    )
     out = capsys.readouterr()
-    assert ("note: --max_new_tokens 10000000 runs past the model's context (model.max_seq_len=32, prompt 3 "
-            "tokens): generating 29") in out.err
+    assert (
+        "note: --max_new_tokens 10000000 runs past the model's context (model.max_seq_len=32, prompt 3 "
+        "tokens): generating 29"
+    ) in out.err
     assert len(out.out.rstrip("\n").encode("utf-8", errors="surrogateescape")) <= 32 * 3  # 32 tokens at most
     assert generate.main(["--checkpoint", str(run), "--prompt", "x" * 40]) == 1
     assert "--prompt: its 40 tokens fill the model's context" in one_error_line(capsys.readouterr().err)
 
 
 # ---------------------------------------------------------------- jobs killed halfway
+
 
 def _children(pid: int) -> list[int]:
     kids = []
@@ -548,10 +725,21 @@ def test_prepare_killed_with_sigkill_takes_its_workers_along(tmp_path):
     """kill -9 of data.prepare's main process: its workers exit with it, and the rerun resumes to the
     shards of an uninterrupted run."""
     from boost_jax.data import prepare as prep
+
     with open(tmp_path / "big.jsonl", "w") as f:  # ~25 MB of short documents: two units of seconds each
         f.writelines(f'{{"text": "document {i} of many"}}\n' for i in range(900_000))
-    command = [sys.executable, "-m", "boost_jax.data.prepare", str(tmp_path / "big.jsonl"), "--workers", "2",
-               "--unit-mb", "12", "--no-progress", "--out"]
+    command = [
+        sys.executable,
+        "-m",
+        "boost_jax.data.prepare",
+        str(tmp_path / "big.jsonl"),
+        "--workers",
+        "2",
+        "--unit-mb",
+        "12",
+        "--no-progress",
+        "--out",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = open(tmp_path / "log", "w")  # a file, not a pipe: no wait for the workers' end of it
     proc = subprocess.Popen([*command, str(tmp_path / "out")], stdout=log, stderr=log, env=env, cwd=ROOT)
@@ -566,10 +754,36 @@ def test_prepare_killed_with_sigkill_takes_its_workers_along(tmp_path):
     log.close()
     time.sleep(0.3)  # far less than a unit takes: workers left to finish theirs would still be alive
     assert not any(_alive(k) for k in workers)
-    assert prep.main([str(tmp_path / "big.jsonl"), "--workers", "0", "--unit-mb", "12", "--no-progress",
-                      "--out", str(tmp_path / "out")]) == 0
-    assert prep.main([str(tmp_path / "big.jsonl"), "--workers", "0", "--unit-mb", "12", "--no-progress",
-                      "--out", str(tmp_path / "whole")]) == 0
+    assert (
+        prep.main(
+            [
+                str(tmp_path / "big.jsonl"),
+                "--workers",
+                "0",
+                "--unit-mb",
+                "12",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        prep.main(
+            [
+                str(tmp_path / "big.jsonl"),
+                "--workers",
+                "0",
+                "--unit-mb",
+                "12",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "whole"),
+            ]
+        )
+        == 0
+    )
     index = json.loads((tmp_path / "out" / "index.json").read_text())
     assert index == json.loads((tmp_path / "whole" / "index.json").read_text())
     for shard in index["shards"]:
@@ -582,6 +796,7 @@ def test_a_rerun_waits_for_workers_of_an_earlier_run(tmp_path, capsys):
     import threading
 
     from boost_jax.data import prepare as prep
+
     out = tmp_path / "out"
     out.mkdir()
     fd = os.open(out / prep.WORKERS_LOCK, os.O_RDWR | os.O_CREAT)
@@ -609,8 +824,10 @@ def test_evaluate_retries_on_the_newest_step_when_rotation_removes_its_step(tmp_
     from boost_jax.runtime import checkpoint as ck
     from boost_jax.runtime.build import load_model
     from boost_jax.runtime.checkpoint import CorruptCheckpoint
-    cfg = small_config(tmp_path / "run", **{"train.steps": 4, "train.eval_every": 0, "checkpoint.every": 2,
-                                            "checkpoint.keep": 1})
+
+    cfg = small_config(
+        tmp_path / "run", **{"train.steps": 4, "train.eval_every": 0, "checkpoint.every": 2, "checkpoint.keep": 1}
+    )
     train.run(cfg)
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["4"]
@@ -640,16 +857,32 @@ def test_evaluate_retries_on_the_newest_step_when_rotation_removes_its_step(tmp_
 
 # ---------------------------------------------------------------- preemption during a long evaluation
 
+
 def test_sigterm_during_a_long_first_eval_stops_between_batches(make_config, tmp_path):
     """SIGTERM while the start-up evaluation runs (over 20000 batches of the 3.6M-token held-out split:
     far longer than the test waits): it stops between batches, the next step saves, exit 0."""
     from test_faults import cli_flags, long_config, saved_state, steps_on_disk
-    cfg = long_config(make_config, tmp_path / "run", **{"train.eval_every": 4, "train.eval_batches": 100000,
-                                                        "checkpoint.every": 100000, "data.eval_fraction": 0.9,
-                                                        "data.embedded_max_bytes": 4_000_000})
+
+    cfg = long_config(
+        make_config,
+        tmp_path / "run",
+        **{
+            "train.eval_every": 4,
+            "train.eval_batches": 100000,
+            "checkpoint.every": 100000,
+            "data.eval_fraction": 0.9,
+            "data.embedded_max_bytes": 4_000_000,
+        },
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -670,8 +903,16 @@ def test_a_stop_during_an_eval_in_the_loop_saves_that_step(make_config, monkeypa
     saved, the run stops there, and no eval loss is reported for it."""
     from boost_jax.runtime.evaluation import eval_loss
     from boost_jax.runtime.signals import StopFlag
-    cfg = make_config(**{"train.steps": 8, "train.eval_every": 4, "train.eval_batches": 50, "train.log_every": 1,
-                         "checkpoint.every": 100})
+
+    cfg = make_config(
+        **{
+            "train.steps": 8,
+            "train.eval_every": 4,
+            "train.eval_batches": 50,
+            "train.log_every": 1,
+            "checkpoint.every": 100,
+        }
+    )
     flag = StopFlag()
     asked = []
 
@@ -681,6 +922,7 @@ def test_a_stop_during_an_eval_in_the_loop_saves_that_step(make_config, monkeypa
             if len(evals) == 2 and len(asked) == 3:
                 flag.signal = "SIGTERM"
             return stop()
+
         evals.append(1)
         asked.clear()
         return eval_loss(built, data, params, stop=stop_after_three, **kw)
@@ -698,10 +940,12 @@ def test_a_final_evaluation_cut_off_is_run_by_the_rerun(make_config, monkeypatch
     """A stop signal during the final evaluation: the last step is saved and says that its evaluation
     did not finish; rerunning the finished run runs that evaluation (and says so), with the loss
     `evaluate` measures on that step; a rerun after that has nothing left to do."""
+    from tests_support import metric_rows
+
     from boost_jax import evaluate as ev
     from boost_jax.runtime.evaluation import eval_loss
     from boost_jax.runtime.signals import StopFlag
-    from tests_support import metric_rows
+
     cfg = make_config(**{"train.steps": 4, "train.eval_every": 4, "train.eval_batches": 3, "checkpoint.every": 100})
     flag = StopFlag()
     evals = []
@@ -713,6 +957,7 @@ def test_a_final_evaluation_cut_off_is_run_by_the_rerun(make_config, monkeypatch
             if len(evals) == 2:
                 flag.signal = "SIGTERM"
             return stop()
+
         return eval_loss(built, data, params, stop=signal_in_the_last, **kw)
 
     monkeypatch.setattr(train, "eval_loss", evaluating)
@@ -722,8 +967,9 @@ def test_a_final_evaluation_cut_off_is_run_by_the_rerun(make_config, monkeypatch
     monkeypatch.undo()
     again = train.run(cfg)
     printed = capsys.readouterr().out
-    assert "the final evaluation (step 4) was stopped before it finished when the run ended; running it now" \
-        in printed, printed
+    assert (
+        "the final evaluation (step 4) was stopped before it finished when the run ended; running it now" in printed
+    ), printed
     want = ev.evaluate(cfg.run_dir)["loss"]
     assert [s for s, _ in again["evals"]] == [4] and again["evals"][0][1] == pytest.approx(want, rel=1e-6)
     assert metric_rows(cfg.run_dir, "eval_loss")[4] == pytest.approx(want, rel=1e-6)
@@ -733,9 +979,11 @@ def test_a_final_evaluation_cut_off_is_run_by_the_rerun(make_config, monkeypatch
 
 # ---------------------------------------------------------------- one input under two spellings
 
+
 def test_one_input_under_two_spellings_is_refused(prepared, tmp_path, monkeypatch, capsys):
     from boost_jax.data import prepare as prep
     from boost_jax.data.sources import parse_mixture
+
     out, _ = prepared
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
@@ -756,12 +1004,27 @@ def test_circular_schedule_needs_stages_and_one_device_tools_read_such_runs(make
     from boost_jax import evaluate as ev
     from boost_jax.runtime.build import load_model
     from boost_jax.validate import validate
-    with pytest.raises(ConfigError, match=r"config field `parallel\.pipeline_schedule`: circular interleaves layer "
-                                          r"chunks over pipeline stages, but parallel\.pipeline=1"):
+
+    with pytest.raises(
+        ConfigError,
+        match=r"config field `parallel\.pipeline_schedule`: circular interleaves layer "
+        r"chunks over pipeline stages, but parallel\.pipeline=1",
+    ):
         validate(make_config(**{"parallel.pipeline_schedule": "circular"}))
-    cfg = make_config(**{"parallel.pipeline": 2, "parallel.data": 2, "parallel.tensor": 2, "model.n_layers": 4,
-                         "train.steps": 2, "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
-                         "remat.pipeline": "stage", "train.eval_every": 0, "checkpoint.every": 2})
+    cfg = make_config(
+        **{
+            "parallel.pipeline": 2,
+            "parallel.data": 2,
+            "parallel.tensor": 2,
+            "model.n_layers": 4,
+            "train.steps": 2,
+            "parallel.pipeline_schedule": "circular",
+            "parallel.pipeline_repeats": 2,
+            "remat.pipeline": "stage",
+            "train.eval_every": 0,
+            "checkpoint.every": 2,
+        }
+    )
     train.run(cfg)
     model, loaded, _ = load_model(cfg.run_dir)
     assert loaded.parallel.pipeline == 1 and loaded.parallel.pipeline_schedule == "gpipe"
@@ -780,20 +1043,36 @@ def test_an_evaluation_without_targets_reports_no_loss():
 
     from boost_jax.data import DocumentLoader
     from boost_jax.runtime.evaluation import eval_loss
+
     for length, per_target in ((1, None), (5, 2.0)):
         docs = np.arange(64 * length, dtype=np.uint16) % 200
-        data = DocumentLoader([docs], [np.arange(1, 65) * length], seq_len=8, name="t", global_batch=8, seed=0,
-                              vocab_size=256, shuffle=False)
+        data = DocumentLoader(
+            [docs],
+            [np.arange(1, 65) * length],
+            seq_len=8,
+            name="t",
+            global_batch=8,
+            seed=0,
+            vocab_size=256,
+            shuffle=False,
+        )
 
         def eval_step(params, batch):  # each target costs per_target (none here when length is 1)
             targets = np.maximum(np.asarray(batch["lengths"]) - 1, 0)
-            return (np.array([float(targets.sum()) * (per_target or 0.0)]), np.array([targets.sum()]),
-                    np.array([np.asarray(batch["lengths"]).sum()]))
+            return (
+                np.array([float(targets.sum()) * (per_target or 0.0)]),
+                np.array([targets.sum()]),
+                np.array([np.asarray(batch["lengths"]).sum()]),
+            )
 
-        cfg = types.SimpleNamespace(train=types.SimpleNamespace(global_batch=8, seq_len=8, eval_batches=2,
-                                                                eval_tokens=0, eval_microbatches=1, grad_accum=1))
-        built = types.SimpleNamespace(cfg=cfg, eval_step=eval_step,
-                                      eval_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        cfg = types.SimpleNamespace(
+            train=types.SimpleNamespace(
+                global_batch=8, seq_len=8, eval_batches=2, eval_tokens=0, eval_microbatches=1, grad_accum=1
+            )
+        )
+        built = types.SimpleNamespace(
+            cfg=cfg, eval_step=eval_step, eval_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        )
         got = eval_loss(built, data, None)
         if per_target is None:
             assert np.isnan(got["loss"]) and np.isnan(got["cola_loss"]) and got["targets"] == 0, got
@@ -803,11 +1082,22 @@ def test_an_evaluation_without_targets_reports_no_loss():
 
 def test_evaluate_says_when_there_is_nothing_to_measure(tmp_path, capsys, monkeypatch):
     from boost_jax import evaluate, export
+
     run = tmp_path / "run"
     assert export.main(["--import-hf", str(hf_model(tmp_path)), "--out", str(run)]) == 0
-    monkeypatch.setattr(evaluate, "eval_loss", lambda *a, **k: {
-        "loss": float("nan"), "batches": 2, "tokens": 16, "targets": 0, "cola_loss": float("nan"),
-        "cola_denominator": 3, "cola_batch_rows": 8})
+    monkeypatch.setattr(
+        evaluate,
+        "eval_loss",
+        lambda *a, **k: {
+            "loss": float("nan"),
+            "batches": 2,
+            "tokens": 16,
+            "targets": 0,
+            "cola_loss": float("nan"),
+            "cola_denominator": 3,
+            "cola_batch_rows": 8,
+        },
+    )
     capsys.readouterr()
     assert evaluate.main(["--checkpoint", str(run)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -817,10 +1107,18 @@ def test_evaluate_says_when_there_is_nothing_to_measure(tmp_path, capsys, monkey
 def test_a_sigbus_elsewhere_keeps_its_usual_handling(tmp_path):
     """The handler speaks only for the watched token files: another SIGBUS reaches the handler from
     before (faulthandler here) and ends the process as it would have."""
-    script = ("import os, signal, numpy as np\nfrom boost_jax.data.mapped import watch\n"
-              "watch(np.zeros(10, np.uint8), 'x')\nos.kill(os.getpid(), signal.SIGBUS)\nprint('survived')\n")
-    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    script = (
+        "import os, signal, numpy as np\nfrom boost_jax.data.mapped import watch\n"
+        "watch(np.zeros(10, np.uint8), 'x')\nos.kill(os.getpid(), signal.SIGBUS)\nprint('survived')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == -signal.SIGBUS and "Fatal Python error: Bus error" in r.stderr, r
     assert "survived" not in r.stdout and "token file" not in r.stderr
 
@@ -840,17 +1138,26 @@ print(int(tokens[300_000]))
 
 def test_a_read_past_a_truncated_token_file_is_one_line(tmp_path):
     """The SIGBUS of reading a mapped page that the file no longer has: one line naming the file."""
-    r = subprocess.run([sys.executable, "-c", SIGBUS_READ, str(tmp_path / "t.bin")], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", SIGBUS_READ, str(tmp_path / "t.bin")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 1 and r.stdout.split() == [str(300_000 % 256)], r
-    assert r.stderr == (f"error: {tmp_path / 't.bin'}: this memory-mapped token file became shorter while the run "
-                        "read it (truncated or rewritten on disk); restore it (or prepare it again) and rerun: the "
-                        "run resumes from its last complete checkpoint\n"), r.stderr
+    assert r.stderr == (
+        f"error: {tmp_path / 't.bin'}: this memory-mapped token file became shorter while the run "
+        "read it (truncated or rewritten on disk); restore it (or prepare it again) and rerun: the "
+        "run resumes from its last complete checkpoint\n"
+    ), r.stderr
 
 
 def test_size_check_of_the_mapped_files(tmp_path):
     from boost_jax.data import mapped
     from boost_jax.data.sources import token_files
+
     before = mapped.mark()
     for name in ("a.bin", "b.bin"):
         np.zeros(1000, np.uint16).tofile(tmp_path / name)

@@ -1,4 +1,5 @@
 """`python -m boost_jax.evaluate`: the trainer's eval loss from params alone, on any mesh or dataset."""
+
 import json
 import math
 import re
@@ -12,8 +13,10 @@ from boost_jax import evaluate, train
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from conftest import small_config
-    cfg = small_config(tmp_path_factory.mktemp("eval") / "run", **{"train.steps": 4, "train.eval_every": 4,
-                                                                    "checkpoint.every": 4})
+
+    cfg = small_config(
+        tmp_path_factory.mktemp("eval") / "run", **{"train.steps": 4, "train.eval_every": 4, "checkpoint.every": 4}
+    )
     return cfg.run_dir, train.run(cfg)["evals"][-1]
 
 
@@ -55,10 +58,13 @@ def colas_evaluation(rows, global_batch: int, slices: int, budget: int) -> dict:
     while True:
         if seen > budget:
             break
-        batch = rows[n * global_batch:(n + 1) * global_batch]
+        batch = rows[n * global_batch : (n + 1) * global_batch]
         assert batch, "CoLA's loop would need rows past the split's end"
-        means = [sum(r[0] for r in batch[j::slices]) / max(sum(r[1] for r in batch[j::slices]), 1)
-                 for j in range(slices) if batch[j::slices]]
+        means = [
+            sum(r[0] for r in batch[j::slices]) / max(sum(r[1] for r in batch[j::slices]), 1)
+            for j in range(slices)
+            if batch[j::slices]
+        ]
         cola.append(np.mean(means))
         total += sum(r[0] for r in batch)
         targets += sum(r[1] for r in batch)
@@ -81,13 +87,21 @@ def test_eval_rule_is_colas_on_fresh_random_rows():
     from boost_jax.errors import ConfigError
     from boost_jax.runtime.evaluation import eval_loss
 
-    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     seq_len, g, slices = 16, 8, 4
     lengths = rng.integers(1, 40, 203)
     docs = [np.append([j], rng.integers(0, 1000, n - 1)).astype(np.uint16) for j, n in enumerate(lengths)]
-    data = DocumentLoader([np.concatenate(docs)], [np.cumsum(lengths)], seq_len=seq_len, name="t", global_batch=g,
-                          seed=0, vocab_size=1024, shuffle=False)
+    data = DocumentLoader(
+        [np.concatenate(docs)],
+        [np.cumsum(lengths)],
+        seq_len=seq_len,
+        name="t",
+        global_batch=g,
+        seed=0,
+        vocab_size=1024,
+        shuffle=False,
+    )
     per_target = rng.uniform(0.5, 5.0, len(docs))  # the "model": a loss per target of each document
     kept = np.minimum(lengths, seq_len)
     rows = [(per_target[j] * max(kept[j] - 1, 0), max(kept[j] - 1, 0), kept[j]) for j in range(len(docs))]
@@ -100,16 +114,20 @@ def test_eval_rule_is_colas_on_fresh_random_rows():
         got = [[rows[j] for j in real[s::slices] if j is not None] for s in range(slices)]
         return tuple(np.array([sum(r[k] for r in part) for part in got]) for k in range(3))
 
-    cfg = types.SimpleNamespace(train=types.SimpleNamespace(global_batch=g, seq_len=seq_len, eval_batches=2,
-                                                            eval_tokens=0, eval_microbatches=slices, grad_accum=1),
-                                data=types.SimpleNamespace(eval_path="", eval_fraction=0.05))
-    built = types.SimpleNamespace(cfg=cfg, eval_step=eval_step,
-                                  eval_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    cfg = types.SimpleNamespace(
+        train=types.SimpleNamespace(
+            global_batch=g, seq_len=seq_len, eval_batches=2, eval_tokens=0, eval_microbatches=slices, grad_accum=1
+        ),
+        data=types.SimpleNamespace(eval_path="", eval_fraction=0.05),
+    )
+    built = types.SimpleNamespace(
+        cfg=cfg, eval_step=eval_step, eval_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    )
     whole = len(docs) // g
     have = int(sum(r[2] for r in rows))
     assert data.readable_once() == (len(docs), have)
-    boundary = int(sum(r[2] for r in rows[:3 * g]))
-    past = int(sum(r[2] for r in rows[:whole * g])) + 1  # into the split's last, partial batch
+    boundary = int(sum(r[2] for r in rows[: 3 * g]))
+    past = int(sum(r[2] for r in rows[: whole * g])) + 1  # into the split's last, partial batch
     for budget in (1, int(rng.integers(2, have - 1)), boundary, boundary - 1, past, have - 1):
         got = eval_loss(built, data, None, tokens=budget)
         want = colas_evaluation(rows, g, slices, budget)
@@ -130,19 +148,29 @@ def test_eval_tokens_reads_documents_the_paper_way(tmp_path, capsys):
     forms of the loss against `colas_evaluation` over each document run alone (its own length, no
     padding, no mask) on one device."""
     import jax
+    from conftest import small_config
 
     from boost_jax.data import build_loaders
     from boost_jax.runtime.build import load_model
-    from conftest import small_config
 
     rng = np.random.default_rng()
     words = ["def", "return", "value", "x", "lambda", "class", "import", "self"]
     texts = [" ".join(rng.choice(words, rng.integers(1, 12))) for _ in range(300)]  # many short documents
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    cfg = small_config(tmp_path / "run", **{"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2,
-                                            "data.batching": "document", "data.eval_fraction": 0.2,
-                                            "data.source": "jsonl", "data.path": str(tmp_path / "docs.jsonl"),
-                                            "parallel.num_devices": 1, "train.eval_microbatches": 2})
+    cfg = small_config(
+        tmp_path / "run",
+        **{
+            "train.steps": 2,
+            "train.eval_every": 0,
+            "checkpoint.every": 2,
+            "data.batching": "document",
+            "data.eval_fraction": 0.2,
+            "data.source": "jsonl",
+            "data.path": str(tmp_path / "docs.jsonl"),
+            "parallel.num_devices": 1,
+            "train.eval_microbatches": 2,
+        },
+    )
     train.run(cfg)
     _, held, _ = build_loaders(cfg)
     budget = min(held.input_tokens(), 2 * cfg.train.global_batch * cfg.train.seq_len + 3)  # over 2 batches
@@ -165,15 +193,27 @@ def test_eval_tokens_reads_documents_the_paper_way(tmp_path, capsys):
     assert result["cola_loss"] == pytest.approx(want["cola_loss"], rel=1e-5)
     assert result["cola_perplexity"] == pytest.approx(math.exp(want["cola_loss"]), rel=1e-4)
     assert result["batching"] == "document" and "CoLA's reported form" in printed and "n+1" in printed
-    assert evaluate.main(["--checkpoint", cfg.run_dir, "--eval-tokens", str(10 ** 9)]) == 1
+    assert evaluate.main(["--checkpoint", cfg.run_dir, "--eval-tokens", str(10**9)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: config field `--eval-tokens`") and err.count("\n") == 1 and "hold" in err
 
 
 def _fake_result(**kw):
-    return {"checkpoint": "/runs/x/checkpoints/4", "step": 4, "split": "eval", "loss": 3.0, "perplexity": 20.1,
-            "batches": 1, "tokens": 8, "mesh": {"data": 1}, "cola_loss": 1.5, "cola_perplexity": 4.5,
-            "cola_denominator": 2, "cola_batch_rows": 4, **kw}
+    return {
+        "checkpoint": "/runs/x/checkpoints/4",
+        "step": 4,
+        "split": "eval",
+        "loss": 3.0,
+        "perplexity": 20.1,
+        "batches": 1,
+        "tokens": 8,
+        "mesh": {"data": 1},
+        "cola_loss": 1.5,
+        "cola_perplexity": 4.5,
+        "cola_denominator": 2,
+        "cola_batch_rows": 4,
+        **kw,
+    }
 
 
 def test_json_target_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
@@ -195,9 +235,18 @@ def test_json_target_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
 
 def test_non_finite_loss_exits_1(run, tmp_path, capsys, monkeypatch):
     run_dir, (step, _) = run
-    monkeypatch.setattr(evaluate, "eval_loss", lambda *a, **k: {"loss": float("nan"), "batches": 2, "tokens": 64,
-                                                                "cola_loss": float("nan"), "cola_denominator": 3,
-                                                                "cola_batch_rows": 4})
+    monkeypatch.setattr(
+        evaluate,
+        "eval_loss",
+        lambda *a, **k: {
+            "loss": float("nan"),
+            "batches": 2,
+            "tokens": 64,
+            "cola_loss": float("nan"),
+            "cola_denominator": 3,
+            "cola_batch_rows": 4,
+        },
+    )
     out = tmp_path / "eval.json"
     assert evaluate.main(["--checkpoint", run_dir, "--json", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -217,8 +266,11 @@ def test_weights_that_overflow_exit_1(run, tmp_path, capsys):
     built = evaluate.build_for_eval(cfg)
     restored = restore(root, built.spec.abstract, step=step)
     params = restored.state["params"]
-    huge = {**params, "final_norm": jax.tree.map(lambda x: x * 1e37, params["final_norm"]),
-            "lm_head": params["lm_head"] * 1e10}
+    huge = {
+        **params,
+        "final_norm": jax.tree.map(lambda x: x * 1e37, params["final_norm"]),
+        "lm_head": params["lm_head"] * 1e10,
+    }
     state = dict(restored.state, params=huge)  # logits past float32's 3.4e38: inf - inf is nan
     meta = {k: v for k, v in restored.meta.items() if k not in ("checksums", "param_shapes")}
     ckpt = Checkpointer(tmp_path / "huge" / "checkpoints", keep=1, async_save=False)
@@ -231,10 +283,12 @@ def test_weights_that_overflow_exit_1(run, tmp_path, capsys):
 
 # ---------------------------------------------------------------- a held-out split smaller than one batch
 
+
 def _small_split_config(tmp_path, batching, **kw):
     """A run on random JSONL documents whose held-out file (data.eval_path) holds 5 short documents:
     fewer rows than one global batch of 8 under every batching (stream: at most 7 windows of 17)."""
     from conftest import small_config
+
     rng = np.random.default_rng()
     words = ["def", "return", "value", "x", "lambda", "class", "import", "self"]
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -243,13 +297,21 @@ def _small_split_config(tmp_path, batching, **kw):
         texts = []
         for _ in range(n):
             text = " ".join(rng.choice(words, rng.integers(2, 12)))
-            texts.append(text[:int(rng.integers(6, longest))])
+            texts.append(text[: int(rng.integers(6, longest))])
         (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         return str(tmp_path / name)
 
-    return small_config(tmp_path / "run", **{"data.source": "jsonl", "data.path": write("train.jsonl", 400, 60),
-                                             "data.eval_path": write("held.jsonl", 5, 24), "data.batching": batching,
-                                             "train.eval_microbatches": 2, **kw})
+    return small_config(
+        tmp_path / "run",
+        **{
+            "data.source": "jsonl",
+            "data.path": write("train.jsonl", 400, 60),
+            "data.eval_path": write("held.jsonl", 5, 24),
+            "data.batching": batching,
+            "train.eval_microbatches": 2,
+            **kw,
+        },
+    )
 
 
 def _pieces(batching, rows, n_tokens):
@@ -287,7 +349,9 @@ def test_a_split_smaller_than_one_batch_is_read_once_in_every_batching(tmp_path)
         assert 0 < n < g, (batching, n)
         split = held.samples(range(n))
         reading = plan_eval(cfg, held)
-        assert reading.rows == n and f"holds {n} rows ({have:,} tokens), fewer than train.eval_batches=3" in reading.note
+        assert (
+            reading.rows == n and f"holds {n} rows ({have:,} tokens), fewer than train.eval_batches=3" in reading.note
+        )
 
         if params is None:
             params = jax.device_get(build(cfg).init_state()["params"])
@@ -300,8 +364,9 @@ def test_a_split_smaller_than_one_batch_is_read_once_in_every_batching(tmp_path)
             tokens += len(piece) if batching != "stream" else cfg.train.seq_len
             if len(piece) >= 2:
                 if tuple(piece) not in alone:
-                    alone[tuple(piece)] = float(model.next_token_loss(jnp.asarray([piece], jnp.int32),
-                                                                      with_z_loss=False))
+                    alone[tuple(piece)] = float(
+                        model.next_token_loss(jnp.asarray([piece], jnp.int32), with_z_loss=False)
+                    )
                 sums += alone[tuple(piece)] * (len(piece) - 1)
                 targets += len(piece) - 1
 
@@ -316,8 +381,13 @@ def test_a_split_smaller_than_one_batch_is_read_once_in_every_batching(tmp_path)
 
             def spy(p, batch, step=step, read=read):
                 got = jax.device_get(batch)
-                real = (got["rows"] if batching == "stream" else got["lengths"] > 0 if batching == "document"
-                        else got["segments"].any(axis=1))
+                real = (
+                    got["rows"]
+                    if batching == "stream"
+                    else got["lengths"] > 0
+                    if batching == "document"
+                    else got["segments"].any(axis=1)
+                )
                 read.extend(bytes(np.asarray(r, np.int32)) for r in got["tokens"][real])
                 return step(p, batch)
 
@@ -334,14 +404,15 @@ def test_the_trainer_and_evaluate_read_a_small_split_once(tmp_path, capsys):
     (one document per row): both read its rows once, say so, log the counts and agree; more tokens
     than it holds is one line naming data.eval_path and the numbers, with no impossible size."""
     from boost_jax.data import build_loaders
-    cfg = _small_split_config(tmp_path, "document", **{"train.steps": 2, "train.eval_every": 2,
-                                                        "checkpoint.every": 2})
+
+    cfg = _small_split_config(tmp_path, "document", **{"train.steps": 2, "train.eval_every": 2, "checkpoint.every": 2})
     out = train.run(cfg)
     printed = capsys.readouterr().out
     _, held, _ = build_loaders(cfg)
     n, have = held.n, held.input_tokens()  # the split's rows and tokens
     assert n < cfg.train.global_batch and f"note: the eval split holds {n} rows ({have:,} tokens)" in printed
     from tests_support import metric_rows
+
     assert metric_rows(cfg.run_dir, "eval_rows") == {0: n, 2: n}
     assert metric_rows(cfg.run_dir, "eval_tokens") == {0: have, 2: have}
     result = tmp_path / "eval.json"
@@ -349,7 +420,7 @@ def test_the_trainer_and_evaluate_read_a_small_split_once(tmp_path, capsys):
     got = json.loads(result.read_text())
     assert got["loss"] == pytest.approx(out["evals"][-1][1], rel=1e-6) and got["rows"] == got["split_rows"] == n
     assert f"{n} rows (the last batch partial: {8 - n} padding rows masked)" in capsys.readouterr().out
-    assert evaluate.main(["--checkpoint", cfg.run_dir, "--eval-tokens", str(10 ** 11)]) == 1
+    assert evaluate.main(["--checkpoint", cfg.run_dir, "--eval-tokens", str(10**11)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: config field `--eval-tokens`: 100,000,000,000 tokens")
     assert f"holds {have:,} in {n} rows" in err and f"at most {have - 1:,}" in err and "data.eval_path" in err

@@ -2,6 +2,7 @@
 CoLA layout (checked against a written table, and, with torch installed, by a PyTorch model in that
 layout that loads strictly and reproduces our logits), and with transformers installed its Llama
 reproduces our logits."""
+
 import json
 
 import jax
@@ -10,23 +11,23 @@ import pytest
 
 pytest.importorskip("safetensors", reason="export needs safetensors: pip install -e '.[test]'")
 
+from conftest import small_config  # noqa: E402
+from flax import nnx  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from flax import nnx  # noqa: E402
-
 from boost_jax import export, train  # noqa: E402
-from boost_jax.model.kinds.lowrank import GQA_KEY  # noqa: E402 - the CoLA layout lives with its kinds
-from boost_jax.runtime.checkpoint import Checkpointer  # noqa: E402
 from boost_jax.errors import ConfigError  # noqa: E402
-from boost_jax.runtime.build import load_model  # noqa: E402
+from boost_jax.model.kinds.lowrank import GQA_KEY  # noqa: E402 - the CoLA layout lives with its kinds
 from boost_jax.model.transformer import build_model  # noqa: E402
-from conftest import small_config  # noqa: E402
+from boost_jax.runtime.build import load_model  # noqa: E402
+from boost_jax.runtime.checkpoint import Checkpointer  # noqa: E402
 
 
 def trained_run(run_dir, **overrides):
     """A run dir holding a checkpoint of a small model after 2 steps (so weights are not the init)."""
-    cfg = small_config(run_dir, **{"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2,
-                                   "model.n_kv_heads": 2, **overrides})
+    cfg = small_config(
+        run_dir, **{"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2, "model.n_kv_heads": 2, **overrides}
+    )
     train.run(cfg)
     return cfg
 
@@ -63,32 +64,61 @@ def test_dense_export_import_is_bit_identical(dense_export, tmp_path):
         np.testing.assert_array_equal(original[k], imported[k], err_msg=k)
 
     # Training resumes from the imported step 0 (fresh optimizer state) with the same model config.
-    resumed = small_config(tmp_path / "imported", **{"model.linear": "dense", "model.n_kv_heads": 2,
-                                                      "train.steps": 2, "train.eval_every": 0})
+    resumed = small_config(
+        tmp_path / "imported",
+        **{"model.linear": "dense", "model.n_kv_heads": 2, "train.steps": 2, "train.eval_every": 0},
+    )
     assert train.run(resumed)["step"] == 2
 
 
 # The official CoLA layout for the small test model (d=32, 4 heads of 8, 2 KV heads, I=64, r=8):
 # HF name suffix -> (our projection, shape in the file). k/v cola_b are n_heads*head_dim = 32 wide.
 COLA_TABLE = {
-    "self_attn.q_proj.cola_a": (("attn", "q", "a"), (32, 8)), "self_attn.q_proj.cola_b": (("attn", "q", "b"), (8, 32)),
-    "self_attn.k_proj.cola_a": (("attn", "k", "a"), (32, 8)), "self_attn.k_proj.cola_b": (("attn", "k", "b"), (8, 32)),
-    "self_attn.v_proj.cola_a": (("attn", "v", "a"), (32, 8)), "self_attn.v_proj.cola_b": (("attn", "v", "b"), (8, 32)),
-    "self_attn.o_proj.cola_a": (("attn", "o", "a"), (32, 8)), "self_attn.o_proj.cola_b": (("attn", "o", "b"), (8, 32)),
-    "mlp.gate_proj.cola_a": (("mlp", "gate", "a"), (32, 8)), "mlp.gate_proj.cola_b": (("mlp", "gate", "b"), (8, 64)),
-    "mlp.up_proj.cola_a": (("mlp", "up", "a"), (32, 8)), "mlp.up_proj.cola_b": (("mlp", "up", "b"), (8, 64)),
-    "mlp.down_proj.cola_a": (("mlp", "down", "a"), (64, 8)), "mlp.down_proj.cola_b": (("mlp", "down", "b"), (8, 32)),
+    "self_attn.q_proj.cola_a": (("attn", "q", "a"), (32, 8)),
+    "self_attn.q_proj.cola_b": (("attn", "q", "b"), (8, 32)),
+    "self_attn.k_proj.cola_a": (("attn", "k", "a"), (32, 8)),
+    "self_attn.k_proj.cola_b": (("attn", "k", "b"), (8, 32)),
+    "self_attn.v_proj.cola_a": (("attn", "v", "a"), (32, 8)),
+    "self_attn.v_proj.cola_b": (("attn", "v", "b"), (8, 32)),
+    "self_attn.o_proj.cola_a": (("attn", "o", "a"), (32, 8)),
+    "self_attn.o_proj.cola_b": (("attn", "o", "b"), (8, 32)),
+    "mlp.gate_proj.cola_a": (("mlp", "gate", "a"), (32, 8)),
+    "mlp.gate_proj.cola_b": (("mlp", "gate", "b"), (8, 64)),
+    "mlp.up_proj.cola_a": (("mlp", "up", "a"), (32, 8)),
+    "mlp.up_proj.cola_b": (("mlp", "up", "b"), (8, 64)),
+    "mlp.down_proj.cola_a": (("mlp", "down", "a"), (64, 8)),
+    "mlp.down_proj.cola_b": (("mlp", "down", "b"), (8, 32)),
     "input_layernorm.weight": (("attn_norm", "scale"), (32,)),
     "post_attention_layernorm.weight": (("mlp_norm", "scale"), (32,)),
 }
 # Every field the official config class reads (it defaults the missing ones silently).
 COLA_CONFIG = {
-    "model_type": "cola", "architectures": ["ColaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
-    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "head_dim": 8, "hidden_act": "silu", "lr_act_type": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "max_position_embeddings": 32, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-    "rank": 8, "only_lr_act": True, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-    "rope_scaling": None, "attention_dropout": 0.0, "pretraining_tp": 1, "boost_num_key_value_heads": 2,
+    "model_type": "cola",
+    "architectures": ["ColaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "lr_act_type": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rank": 8,
+    "only_lr_act": True,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "rope_scaling": None,
+    "attention_dropout": 0.0,
+    "pretraining_tp": 1,
+    "boost_num_key_value_heads": 2,
 }
 
 
@@ -133,8 +163,16 @@ def test_cola_import_is_bit_identical(cola_export, tmp_path):
 def test_cola_config_fields_round_trip():
     """Every model field the CoLA layout carries comes back; lowrank is CoLA with lr_act_type linear."""
     for linear, only_lr_act, kv in (("cola", False, 4), ("cola", True, 1), ("lowrank", False, 2)):
-        m = small_config("unused", **{"model.linear": linear, "model.only_lr_act": only_lr_act,
-                                      "model.n_kv_heads": kv, "model.rope_theta": 5e5, "model.norm_eps": 1e-5}).model
+        m = small_config(
+            "unused",
+            **{
+                "model.linear": linear,
+                "model.only_lr_act": only_lr_act,
+                "model.n_kv_heads": kv,
+                "model.rope_theta": 5e5,
+                "model.norm_eps": 1e-5,
+            },
+        ).model
         hf = json.loads(json.dumps(export.hf_config(m)))
         assert hf["lr_act_type"] == {"cola": "silu", "lowrank": "linear"}[linear]
         assert hf["num_key_value_heads"] == 4 and (GQA_KEY in hf) == (kv != 4)
@@ -152,13 +190,16 @@ def test_gqa_fold_checks_the_repeated_heads(cola_export):
     assert not export.kv_heads_repeated(drifted, cfg.model)
 
 
-@pytest.mark.parametrize("bad, why", [
-    ({"num_key_value_heads": 2}, "no GQA"),
-    ({"lr_act_type": "gelu"}, "lr_act_type"),
-    ({"lr_act_type": "linear", "only_lr_act": True}, "only_lr_act"),
-    ({"mlp_bias": True}, "biases"),
-    ({"model_type": "cola_llama"}, "llama or cola"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ({"num_key_value_heads": 2}, "no GQA"),
+        ({"lr_act_type": "gelu"}, "lr_act_type"),
+        ({"lr_act_type": "linear", "only_lr_act": True}, "only_lr_act"),
+        ({"mlp_bias": True}, "biases"),
+        ({"model_type": "cola_llama"}, "llama or cola"),
+    ],
+)
 def test_import_rejects_cola_variants(bad, why):
     hf = {**COLA_CONFIG, **bad}
     with pytest.raises(export.ExportError, match=why):
@@ -167,8 +208,11 @@ def test_import_rejects_cola_variants(bad, why):
 
 def test_cola_defaults_are_the_official_ones():
     """A config.json written by the official code without rank/only_lr_act/eps/theta reads as it does there."""
-    hf = {k: v for k, v in COLA_CONFIG.items()
-          if k not in ("rank", "only_lr_act", "lr_act_type", "rms_norm_eps", "rope_theta", "boost_num_key_value_heads")}
+    hf = {
+        k: v
+        for k, v in COLA_CONFIG.items()
+        if k not in ("rank", "only_lr_act", "lr_act_type", "rms_norm_eps", "rope_theta", "boost_num_key_value_heads")
+    }
     fields = export.model_fields(hf)
     assert (fields["rank"], fields["only_lr_act"], fields["linear"], fields["n_kv_heads"]) == (8, True, "cola", 4)
     assert fields["rope_theta"] == 10000.0 and fields.get("norm_eps", 1e-6) == 1e-6
@@ -183,11 +227,19 @@ def test_intermediate_padding_is_inert(tmp_path):
     save_file(export.to_hf(pure(model), m), str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "hf" / "config.json").write_text(json.dumps(export.hf_config(m)))
     assert export.main(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "plain")]) == 0
-    assert export.main(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "padded"),
-                        "--intermediate-multiple", "8"]) == 0
+    assert (
+        export.main(
+            ["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "padded"), "--intermediate-multiple", "8"]
+        )
+        == 0
+    )
     tokens = np.random.default_rng(1).integers(0, 256, (2, 16)).astype(np.int32)
-    np.testing.assert_allclose(np.asarray(load_model(str(tmp_path / "padded"))[0](tokens)[0]),
-                               np.asarray(model(tokens)[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(load_model(str(tmp_path / "padded"))[0](tokens)[0]),
+        np.asarray(model(tokens)[0]),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
     common = {"model.d_ff": 63, "train.steps": 2, "train.eval_every": 0, "model.n_kv_heads": 2}
     with pytest.raises(ConfigError, match="model.d_ff=63.*--intermediate-multiple"):
@@ -353,7 +405,7 @@ def _damaged(hf, tmp_path, damage):
 
 
 def _truncate(path):
-    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def _drop_field(path, key):
@@ -362,13 +414,17 @@ def _drop_field(path, key):
     path.write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("damage, names", [
-    (lambda d: _truncate(d / "model.safetensors"), ("model.safetensors", "truncated")),
-    (lambda d: _drop_field(d / "config.json", "hidden_size"), ("config.json", "`hidden_size`")),
-    (lambda d: _drop_field(d / "config.json", "num_hidden_layers"), ("config.json", "`num_hidden_layers`")),
-    (lambda d: (d / "config.json").write_text('{"hidden_size": 3'), ("config.json", "not readable JSON")),
-    (lambda d: (d / "config.json").unlink(), ("config.json", "does not exist")),
-], ids=["truncated-safetensors", "no-hidden_size", "no-num_hidden_layers", "config-not-json", "no-config"])
+@pytest.mark.parametrize(
+    "damage, names",
+    [
+        (lambda d: _truncate(d / "model.safetensors"), ("model.safetensors", "truncated")),
+        (lambda d: _drop_field(d / "config.json", "hidden_size"), ("config.json", "`hidden_size`")),
+        (lambda d: _drop_field(d / "config.json", "num_hidden_layers"), ("config.json", "`num_hidden_layers`")),
+        (lambda d: (d / "config.json").write_text('{"hidden_size": 3'), ("config.json", "not readable JSON")),
+        (lambda d: (d / "config.json").unlink(), ("config.json", "does not exist")),
+    ],
+    ids=["truncated-safetensors", "no-hidden_size", "no-num_hidden_layers", "config-not-json", "no-config"],
+)
 def test_import_names_a_damaged_file(dense_export, tmp_path, capsys, damage, names):
     """A truncated download or a config.json lacking a field: one line naming the file, no traceback."""
     _, hf = dense_export

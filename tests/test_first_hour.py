@@ -3,6 +3,7 @@ order around `--config`, absl's help flags and parse errors answered with ours, 
 that closes early, a progress bar whose time left does not count the compile, a rerun of a finished
 run that says so, install hints that fit how the package was installed, and the mesh error's hint
 for emulating devices."""
+
 import os
 import re
 import subprocess
@@ -19,8 +20,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's boost_jax in th
 
 
 def test_overrides_before_the_config_apply_to_it():
-    for argv in (["train", "--config.train.steps=3", "--config", "cola_60m", "--config.train.lr=0.5"],
-                 ["train", "--config.train.lr=0.5", "--config.train.steps=3", "--config=cola_60m"]):
+    for argv in (
+        ["train", "--config.train.steps=3", "--config", "cola_60m", "--config.train.lr=0.5"],
+        ["train", "--config.train.lr=0.5", "--config.train.steps=3", "--config=cola_60m"],
+    ):
         cfg = train.parse_config(argv)
         assert (cfg.name, cfg.train.steps, cfg.train.lr, cfg.data.batching) == ("cola_60m", 3, 0.5, "document"), argv
 
@@ -33,8 +36,9 @@ def test_absls_help_flags_print_ours(flag, capsys):
     assert "absl" not in out and "flags_parser" not in out
 
 
-@pytest.mark.parametrize("argv, needle", [(["train", "--steps=3"], "Unknown command line flag 'steps'"),
-                                          (["train", "--config"], "--config")])
+@pytest.mark.parametrize(
+    "argv, needle", [(["train", "--steps=3"], "Unknown command line flag 'steps'"), (["train", "--config"], "--config")]
+)
 def test_a_flag_absl_cannot_parse_is_one_line_pointing_at_our_help(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         train.parse_config(argv)
@@ -48,15 +52,27 @@ def test_help_into_a_closed_pipe_ends_quietly():
     """`boost-train --help | head -1`: the reader is gone before the help is written."""
     read, write = os.pipe()
     os.close(read)
-    proc = subprocess.run([sys.executable, "-m", "boost_jax.train", "--help"], stdout=write,
-                          stderr=subprocess.PIPE, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(
+        [sys.executable, "-m", "boost_jax.train", "--help"],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     os.close(write)
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
 
 
 def test_a_flag_absl_cannot_parse_on_the_command_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "boost_jax.train", "--config.train.steps=2", "--steps=3"],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "boost_jax.train", "--config.train.steps=2", "--steps=3"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "Unknown command line flag 'steps'" in proc.stderr and "helpshort" not in proc.stderr
 
@@ -65,6 +81,7 @@ def test_the_time_left_does_not_count_the_compile(make_config, tmp_path, capsys)
     """The first step waits for the compile (here: 2 s); the next ones take ~10 ms. The bar's rate and
     time left come from those, and a line says what the first step took."""
     from boost_jax.runtime.report import Reporter
+
     cfg = make_config()
     cfg.train.update(steps=400, progress=True)
     rep = Reporter(cfg, tmp_path, main_process=True, flops_per_token=1.0)
@@ -107,8 +124,10 @@ def test_a_mesh_larger_than_the_machine_says_how_to_emulate_it():
 
     from boost_jax.errors import ConfigError
     from boost_jax.parallel.mesh import make_mesh
-    cfg = train.parse_config(["train", "--config.parallel.context=2", "--config.parallel.tensor=2",
-                              "--config.parallel.data=2"])
+
+    cfg = train.parse_config(
+        ["train", "--config.parallel.context=2", "--config.parallel.tensor=2", "--config.parallel.data=2"]
+    )
     with pytest.raises(ConfigError) as e:
         make_mesh(cfg.parallel, jax.devices()[:1])
     text = str(e.value)
@@ -120,6 +139,7 @@ def test_install_hints_fit_how_the_package_was_installed(tmp_path):
     """From a checkout: an editable install of that checkout, by its path (it works from any
     directory); from an installed wheel: the extra's own requirements, from the package metadata."""
     from boost_jax.errors import install_hint
+
     assert install_hint("hf") == f"pip install -e '{ROOT}[hf]'"
     site = tmp_path / "site-packages" / "boost_jax"  # what a wheel installs: no pyproject.toml above it
     site.mkdir(parents=True)
@@ -135,6 +155,7 @@ def test_ticking_shows_a_long_step_is_alive():
     import io
 
     from boost_jax.tools.progress import ticking
+
     out = io.StringIO()
     with ticking("plan: searching", after=0.05, every=0.05, file=out):
         time.sleep(0.3)
@@ -156,6 +177,7 @@ def test_plan_speaks_before_it_searches(monkeypatch, capsys):
     """`plan` prints the model and cluster line, and that it is searching, before the search (which
     takes minutes for the README's larger commands)."""
     from boost_jax import plan, planner
+
     seen = {}
 
     def search(*args, **kwargs):
@@ -164,8 +186,16 @@ def test_plan_speaks_before_it_searches(monkeypatch, capsys):
 
     monkeypatch.setattr(planner, "search", search)
     with pytest.raises(SystemExit, match="stopped here by the test"):
-        plan.main(["--config", str(ROOT / "configs" / "cola_7b.py"), "--devices", "32", "--cluster",
-                   str(ROOT / "configs" / "clusters" / "a100_4x.py")])
+        plan.main(
+            [
+                "--config",
+                str(ROOT / "configs" / "cola_7b.py"),
+                "--devices",
+                "32",
+                "--cluster",
+                str(ROOT / "configs" / "clusters" / "a100_4x.py"),
+            ]
+        )
     assert seen["out"].startswith("cola_7b (cola,") and "on 32 GPUs" in seen["out"], seen
     assert seen["err"] == "", seen  # the search's progress starts after 5 s
 
@@ -175,12 +205,25 @@ def test_first_command_benchmark(tmp_path, capsys):
     schedule: the table and JSON hold wall and CPU time, the first step's time with the compile, the
     time left shown at the first log point beside what the rest took, and the load average."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("first_command", ROOT / "benchmarks" / "first_command.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "first.json"
-    assert bench.main(["--json", str(out), "--", "--config.train.steps=6", "--config.train.warmup_steps=1",
-                       "--config.train.log_every=2", "--config.train.eval_every=0"]) == 0
+    assert (
+        bench.main(
+            [
+                "--json",
+                str(out),
+                "--",
+                "--config.train.steps=6",
+                "--config.train.warmup_steps=1",
+                "--config.train.log_every=2",
+                "--config.train.eval_every=0",
+            ]
+        )
+        == 0
+    )
     row = __import__("json").loads(out.read_text())
     assert row["wall_s"] > row["first_step_s"] > 0 and row["cpu_s"] > 0, row
     assert row["bar_at_first_log"]["step"] == 2 and row["bar_at_first_log"]["time_left_shown_s"] is not None, row

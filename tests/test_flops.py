@@ -1,4 +1,5 @@
 """The analytic FLOP counter against XLA's own count of the compiled program."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -14,15 +15,27 @@ TOLERANCE = 0.05  # XLA also counts elementwise work (norms, softmax, σ, RoPE) 
 # with one layer: the per-layer formula is what is under test, depth only multiplies it.
 
 
-KIND_FIELDS = {"tt": {"model.tt_cores": 4, "model.tt_inner_rank": 8, "model.tt_activation": "silu"},
-               "sltrain": {"model.sparse_block": 16, "model.sparse_density": 0.05}}
+KIND_FIELDS = {
+    "tt": {"model.tt_cores": 4, "model.tt_inner_rank": 8, "model.tt_activation": "silu"},
+    "sltrain": {"model.sparse_block": 16, "model.sparse_density": 0.05},
+}
 
 
 @pytest.mark.parametrize("linear", ["dense", "lowrank", "cola", "tt", "sltrain"])
 def test_forward_and_training_flops_match_xla(make_config, linear):
-    cfg = make_config(**{"model.linear": linear, "model.d_model": 128, "model.d_ff": 352, "model.rank": 32,
-                         "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64,
-                         "model.n_layers": 1, **KIND_FIELDS.get(linear, {})})
+    cfg = make_config(
+        **{
+            "model.linear": linear,
+            "model.d_model": 128,
+            "model.d_ff": 352,
+            "model.rank": 32,
+            "model.n_heads": 4,
+            "model.n_kv_heads": 2,
+            "model.max_seq_len": 64,
+            "model.n_layers": 1,
+            **KIND_FIELDS.get(linear, {}),
+        }
+    )
     b, t = 2, 64
     model = build_model(cfg.model)
     graphdef, params = nnx.split(model)

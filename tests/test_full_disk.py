@@ -3,6 +3,7 @@ where mounting is not allowed), filled by the writes themselves or by a filler f
 failure ends in one line, with no traceback after it (tensorstore's writer threads completing the
 futures of a failed save once printed "RuntimeError: Event loop is closed" tracebacks) and no
 `*.orbax-checkpoint-tmp` or `*.tmp` left behind; the files that were there stay as they were."""
+
 import asyncio
 import errno
 import json
@@ -13,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +28,9 @@ def disk(tmp_path):
     def mount(size: str) -> Path:
         where = tmp_path / f"disk{len(mounted)}"
         where.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+        )
         if r.returncode:
             pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): run as root to test real full disks")
         mounted.append(where)
@@ -66,6 +67,7 @@ def small_run(tmp_path_factory):
     """A trained small dense run (export writes a HF Llama of it) and its HF export."""
     pytest.importorskip("safetensors")
     from boost_jax import export, train
+
     tmp = tmp_path_factory.mktemp("small")
     cfg = small_config(tmp / "run", **{"model.linear": "dense", "train.steps": 2, "train.eval_every": 0})
     train.run(cfg)
@@ -75,13 +77,16 @@ def small_run(tmp_path_factory):
 
 def test_export_on_a_full_disk_is_one_line_and_writes_nothing(small_run, disk, capfd):
     from boost_jax import export
+
     run, hf = small_run
     full = disk("16k")  # the model's safetensors is larger: safetensors' own writer hits ENOSPC
     assert (hf / "model.safetensors").stat().st_size > 32 * 1024
     assert export.main(["--checkpoint", str(run), "--out", str(full / "out")]) == 1
     (line,) = error_lines(capfd.readouterr().err)
-    assert line == (f"error: --out: cannot write {full}/out/model.safetensors.tmp (No space left on device "
-                    f"[ENOSPC]); nothing in {full}/out was changed: free some space or choose a writable --out"), line
+    assert line == (
+        f"error: --out: cannot write {full}/out/model.safetensors.tmp (No space left on device "
+        f"[ENOSPC]); nothing in {full}/out was changed: free some space or choose a writable --out"
+    ), line
     assert list((full / "out").iterdir()) == []
 
 
@@ -97,13 +102,21 @@ def test_import_on_a_full_disk_is_one_line_and_leaves_nothing_partial(small_run,
     """In a process of its own, as a user runs it: what the interpreter prints at exit counts too."""
     _, hf = small_run
     full = disk("64k")
-    r = subprocess.run([sys.executable, "-m", "boost_jax.export", "--import-hf", str(hf), "--out", str(full / "run")],
-                       capture_output=True, text=True, timeout=300, env=ENV)
+    r = subprocess.run(
+        [sys.executable, "-m", "boost_jax.export", "--import-hf", str(hf), "--out", str(full / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     lines = error_lines(r.stderr)
     assert len(lines) == 1, r.stderr
     line = lines[0]
-    assert r.returncode == 1 and line.startswith("error: saving step 0 failed: No space left on device [ENOSPC] (") \
-        and "its partial files were removed" in line, r.stderr
+    assert (
+        r.returncode == 1
+        and line.startswith("error: saving step 0 failed: No space left on device [ENOSPC] (")
+        and "its partial files were removed" in line
+    ), r.stderr
     assert leftovers(full) == [], leftovers(full)
 
 
@@ -112,11 +125,26 @@ def test_the_trainer_on_a_disk_that_fills_mid_run(disk):
     step-2 checkpoint. One line; no partial step on disk; after space is freed, a rerun resumes from the
     last good checkpoint, which restores."""
     full = disk("16m")
-    cfg = small_config(full / "run", **{"train.steps": 10_000, "checkpoint.every": 2, "checkpoint.async_save": True,
-                                        "train.eval_every": 0, "train.log_every": 2})
+    cfg = small_config(
+        full / "run",
+        **{
+            "train.steps": 10_000,
+            "checkpoint.every": 2,
+            "checkpoint.async_save": True,
+            "train.eval_every": 0,
+            "train.log_every": 2,
+        },
+    )
     from test_faults import cli_flags
-    proc = subprocess.Popen([sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "boost_jax.train", *cli_flags(cfg)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while not (full / "run" / "checkpoints" / "2").is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -133,6 +161,7 @@ def test_the_trainer_on_a_disk_that_fills_mid_run(disk):
     (full / "filler").unlink()
     cfg.train.steps = saved[-1] + 2
     from boost_jax import train
+
     assert train.run(cfg)["step"] == saved[-1] + 2  # resumed: the last good step restores
 
 

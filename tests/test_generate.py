@@ -1,4 +1,5 @@
 """KV-cache decoding matches the no-cache forward pass; the CLI samples from a saved run."""
+
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ def test_cached_decoding_matches_full_forward(make_config):
     logits, cache = model(jnp.asarray(out[:, :5]), jnp.broadcast_to(jnp.arange(5), (2, 5)), cache)
     steps = [logits[:, -1]]
     for i in range(5, 11):
-        logits, cache = model(jnp.asarray(out[:, i:i + 1]), jnp.full((2, 1), i), cache)
+        logits, cache = model(jnp.asarray(out[:, i : i + 1]), jnp.full((2, 1), i), cache)
         steps.append(logits[:, -1])
     np.testing.assert_allclose(np.stack(steps, 1), np.asarray(full[:, 4:11]), rtol=1e-4, atol=1e-4)
 
@@ -31,18 +32,43 @@ def test_cached_decoding_matches_full_forward(make_config):
 def test_generate_cli_from_checkpoint(make_config):
     cfg = make_config()
     train.run(cfg)
-    r = subprocess.run([sys.executable, "-m", "boost_jax.generate", "--checkpoint", cfg.run_dir, "--prompt",
-                        "import os", "--max_new_tokens", "12", "--temperature", "0.7"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boost_jax.generate",
+            "--checkpoint",
+            cfg.run_dir,
+            "--prompt",
+            "import os",
+            "--max_new_tokens",
+            "12",
+            "--temperature",
+            "0.7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("import os") and len(r.stdout.strip()) > len("import os")
 
 
 def test_generate_from_a_pipelined_tensor_parallel_run(make_config):
-    cfg = make_config(**{"parallel.pipeline": 2, "parallel.tensor": 2, "parallel.data": 2, "model.n_layers": 2,
-                         "train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2})
+    cfg = make_config(
+        **{
+            "parallel.pipeline": 2,
+            "parallel.tensor": 2,
+            "parallel.data": 2,
+            "model.n_layers": 2,
+            "train.steps": 2,
+            "train.eval_every": 0,
+            "checkpoint.every": 2,
+        }
+    )
     train.run(cfg)
     from boost_jax.runtime.build import load_model
+
     model, loaded, _ = load_model(cfg.run_dir)  # onto one device, whatever mesh saved it
     out = generate(model, np.zeros((1, 3), np.int32), 4)
     assert out.shape == (1, 7) and loaded.parallel.pipeline == 1

@@ -6,6 +6,7 @@ spatial-temporal GEMMs, and a kind with an extra term. The cases run in a subpro
 default flags and no compilation cache (the suite compiles faster code than it ships, see conftest.py):
 `python tests/test_golden.py` prints the values in RECORDED's format, `--json [CASE ...]` for the test.
 """
+
 import json
 import os
 import subprocess
@@ -20,21 +21,35 @@ if __name__ == "__main__":  # the subprocess: the trainer's own XLA flags, 8 emu
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
 from conftest import FAST_COMPILE, small_config  # noqa: E402
 
 STEPS = 3
 CASES = {
     "one_device": {"parallel.num_devices": 1, "parallel.data": 1},
     "btp_2x2x2_accum2": {"parallel.data": 2, "parallel.fsdp": 2, "parallel.tensor": 2, "train.grad_accum": 2},
-    "megatron_sp_pallas_norm": {"parallel.data": 4, "parallel.tensor": 2, "parallel.strategy": "megatron",
-                                "parallel.sequence_parallel": True, "kernels.rmsnorm": "pallas"},
-    "vanilla_pipeline_fsdp_lowrank_remat": {"parallel.pipeline": 2, "parallel.data": 1, "parallel.fsdp": 2,
-                                            "parallel.tensor": 2, "parallel.strategy": "vanilla",
-                                            "remat.policy": "lowrank"},
+    "megatron_sp_pallas_norm": {
+        "parallel.data": 4,
+        "parallel.tensor": 2,
+        "parallel.strategy": "megatron",
+        "parallel.sequence_parallel": True,
+        "kernels.rmsnorm": "pallas",
+    },
+    "vanilla_pipeline_fsdp_lowrank_remat": {
+        "parallel.pipeline": 2,
+        "parallel.data": 1,
+        "parallel.fsdp": 2,
+        "parallel.tensor": 2,
+        "parallel.strategy": "vanilla",
+        "remat.policy": "lowrank",
+    },
     "btp_st_2x2x2": {"parallel.data": 2, "parallel.fsdp": 2, "parallel.tensor": 2, "parallel.linear_partition": "st"},
-    "sltrain_btp_tp2": {"parallel.data": 4, "parallel.tensor": 2, "model.linear": "sltrain",
-                        "model.sparse_block": 4, "model.sparse_density": 0.1},
+    "sltrain_btp_tp2": {
+        "parallel.data": 4,
+        "parallel.tensor": 2,
+        "model.linear": "sltrain",
+        "model.sparse_block": 4,
+        "model.sparse_density": 0.1,
+    },
 }
 
 # float.hex of (loss, grad_norm) per step, recorded with jax/jaxlib 0.10.2 on an "Intel(R) Xeon(R) Processor"
@@ -46,12 +61,36 @@ RECORDED = {
     # Re-recorded when the head's backward GEMMs took the compute dtype and the optimizer's update became one
     # pass (model/loss.py _head, runtime/step.py optimizer_update): the third step's gradient norm moves in
     # its last bits (0x1.fa1088p+0 -> 0x1.fa107ep+0 on one device); the first two steps' numbers are unchanged.
-    'btp_2x2x2_accum2': [('0x1.6d18b00000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e860000000p+2', '0x1.bc08560000000p+0'), ('0x1.7520040000000p+2', '0x1.fa10800000000p+0')],
-    'btp_st_2x2x2': [('0x1.6d18ac0000000p+2', '0x1.2b1cfc0000000p+1'), ('0x1.725e860000000p+2', '0x1.bc085a0000000p+0'), ('0x1.7520040000000p+2', '0x1.fa10880000000p+0')],
-    'megatron_sp_pallas_norm': [('0x1.6d18ac0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e860000000p+2', '0x1.bc08580000000p+0'), ('0x1.7520020000000p+2', '0x1.fa10800000000p+0')],
-    'one_device': [('0x1.6d18bc0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e800000000p+2', '0x1.bc08580000000p+0'), ('0x1.751ffa0000000p+2', '0x1.fa107e0000000p+0')],
-    'sltrain_btp_tp2': [('0x1.73bdcc0000000p+2', '0x1.b2c9640000000p+1'), ('0x1.7423d00000000p+2', '0x1.79fc240000000p+1'), ('0x1.75da1a0000000p+2', '0x1.a21dd80000000p+1')],
-    'vanilla_pipeline_fsdp_lowrank_remat': [('0x1.6d18ac0000000p+2', '0x1.2b1d020000000p+1'), ('0x1.725e840000000p+2', '0x1.bc08580000000p+0'), ('0x1.7520040000000p+2', '0x1.fa108a0000000p+0')],
+    "btp_2x2x2_accum2": [
+        ("0x1.6d18b00000000p+2", "0x1.2b1d020000000p+1"),
+        ("0x1.725e860000000p+2", "0x1.bc08560000000p+0"),
+        ("0x1.7520040000000p+2", "0x1.fa10800000000p+0"),
+    ],
+    "btp_st_2x2x2": [
+        ("0x1.6d18ac0000000p+2", "0x1.2b1cfc0000000p+1"),
+        ("0x1.725e860000000p+2", "0x1.bc085a0000000p+0"),
+        ("0x1.7520040000000p+2", "0x1.fa10880000000p+0"),
+    ],
+    "megatron_sp_pallas_norm": [
+        ("0x1.6d18ac0000000p+2", "0x1.2b1d020000000p+1"),
+        ("0x1.725e860000000p+2", "0x1.bc08580000000p+0"),
+        ("0x1.7520020000000p+2", "0x1.fa10800000000p+0"),
+    ],
+    "one_device": [
+        ("0x1.6d18bc0000000p+2", "0x1.2b1d020000000p+1"),
+        ("0x1.725e800000000p+2", "0x1.bc08580000000p+0"),
+        ("0x1.751ffa0000000p+2", "0x1.fa107e0000000p+0"),
+    ],
+    "sltrain_btp_tp2": [
+        ("0x1.73bdcc0000000p+2", "0x1.b2c9640000000p+1"),
+        ("0x1.7423d00000000p+2", "0x1.79fc240000000p+1"),
+        ("0x1.75da1a0000000p+2", "0x1.a21dd80000000p+1"),
+    ],
+    "vanilla_pipeline_fsdp_lowrank_remat": [
+        ("0x1.6d18ac0000000p+2", "0x1.2b1d020000000p+1"),
+        ("0x1.725e840000000p+2", "0x1.bc08580000000p+0"),
+        ("0x1.7520040000000p+2", "0x1.fa108a0000000p+0"),
+    ],
 }
 
 
@@ -74,8 +113,9 @@ def run_case(name, tmp="/tmp/golden_unused"):
     out = []
     t = cfg.train
     for _ in range(STEPS):
-        tokens = rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1),
-                              dtype=np.int32)
+        tokens = rng.integers(
+            0, cfg.model.vocab_size, (t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), dtype=np.int32
+        )
         state, metrics = built.train_step(state, jax.device_put(tokens, built.batch_sharding))
         m = jax.device_get(metrics)
         out.append((float(m["loss"]).hex(), float(m["grad_norm"]).hex()))
@@ -91,10 +131,19 @@ SLOW_CASES = tuple(sorted(set(CASES) - set(DEFAULT_CASES)))
 def _run(cases):
     """{case: [(loss, grad_norm) hex per step]} from one subprocess with the default XLA flags."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != FAST_COMPILE
-                                and not f.startswith("--xla_force_host_platform_device_count"))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", *cases], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=os.path.dirname(os.path.abspath(__file__)))
+    env["XLA_FLAGS"] = " ".join(
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if f != FAST_COMPILE and not f.startswith("--xla_force_host_platform_device_count")
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--json", *cases],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     return {k: [tuple(row) for row in v] for k, v in json.loads(lines[-1]).items()}
@@ -115,8 +164,12 @@ def _check(got, name):
     if _environment() == RECORDED_ON:
         assert got == want, name
     else:
-        np.testing.assert_allclose([[float.fromhex(x) for x in row] for row in got],
-                                   [[float.fromhex(x) for x in row] for row in want], rtol=RTOL_ELSEWHERE, err_msg=name)
+        np.testing.assert_allclose(
+            [[float.fromhex(x) for x in row] for row in got],
+            [[float.fromhex(x) for x in row] for row in want],
+            rtol=RTOL_ELSEWHERE,
+            err_msg=name,
+        )
 
 
 @pytest.mark.parametrize("name", DEFAULT_CASES)

@@ -1,4 +1,5 @@
 """benchmarks/gpu_bench.py stays one working command: its --smoke mode (tiny shapes) on the CPU."""
+
 import json
 import os
 import subprocess
@@ -13,8 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def _smoke(tmp_path, parts):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--steps", "1",
-                          "--parts", parts, "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_bench.py"),
+            "--smoke",
+            "--steps",
+            "1",
+            "--parts",
+            parts,
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout, json.loads(out.read_text())
 

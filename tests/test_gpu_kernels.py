@@ -6,18 +6,19 @@ The suite's conftest pins JAX to the CPU, so these run only when asked for a GPU
 
 On a GPU they also check that nothing fell back: `kernels_used()` must name the kernel itself.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_rmsnorm_kernel import _fwd_and_grads
 
 from boost_jax.kernels import rmsnorm as K
 from boost_jax.model import attention as A
 
-from test_rmsnorm_kernel import _fwd_and_grads
-
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
-                                reason="needs an NVIDIA GPU: JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py")
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="needs an NVIDIA GPU: JAX_PLATFORMS=cuda pytest tests/test_gpu_kernels.py"
+)
 EPS = 1e-6
 
 

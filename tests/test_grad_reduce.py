@@ -1,10 +1,14 @@
 """Gradients are reduced over `data` once per optimizer step, whatever grad_accum is, and the
 accumulated step equals the one-device gradient; under GPipe, once per pass over data and fsdp."""
+
 import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_parallel import assert_close_tree, par_config, reference
+from tests_support import compiled_step
 
 from boost_jax.parallel import grad_reduce, pipeline
 from boost_jax.parallel.strategies import get_strategy
@@ -12,9 +16,6 @@ from boost_jax.runtime.build import build
 from boost_jax.runtime.state import trainable
 from boost_jax.runtime.step import next_token_loss
 from boost_jax.tools.hlo_comm import parse_collectives
-
-from test_parallel import assert_close_tree, par_config, reference
-from tests_support import compiled_step
 
 
 def data_all_reduce(cfg):
@@ -47,14 +48,20 @@ def test_without_the_island_the_reduction_runs_per_micro_batch(make_config, monk
     assert in_loop >= n_params // 2  # most of the gradient, executed grad_accum times
 
 
-@pytest.mark.parametrize("mesh,reduce_dtype,compute", [((2, 2, 2), "float32", "float32"),
-                                                       ((4, 1, 2), "float32", "float32"),
-                                                       ((2, 2, 2), "bfloat16", "float32"),
-                                                       ((2, 2, 2), "float32", "bfloat16")])
+@pytest.mark.parametrize(
+    "mesh,reduce_dtype,compute",
+    [
+        ((2, 2, 2), "float32", "float32"),
+        ((4, 1, 2), "float32", "float32"),
+        ((2, 2, 2), "bfloat16", "float32"),
+        ((2, 2, 2), "float32", "bfloat16"),
+    ],
+)
 def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dtype, compute):
     """Against the one-device gradient in the same compute dtype (bf16: within bf16 rounding)."""
-    cfg = par_config(make_config, "btp", "cola", mesh, **{"parallel.grad_reduce_dtype": reduce_dtype,
-                                                         "model.dtype": compute})
+    cfg = par_config(
+        make_config, "btp", "cola", mesh, **{"parallel.grad_reduce_dtype": reduce_dtype, "model.dtype": compute}
+    )
     (loss, grads), (ref_loss, ref_grads), _ = accumulated(cfg)
     tol = 1e-5 if reduce_dtype == compute == "float32" else 2e-2 if compute == "float32" else 5e-2
     assert abs(float(loss) - ref_loss) <= (1e-5 if compute == "float32" else 1e-2) * abs(ref_loss)
@@ -99,8 +106,11 @@ def pipeline_program(cfg):
     built = build(cfg, optimizer=(optax.sgd(1.0), lambda s: 1.0))
     spec, mesh, batch_sharding = built.spec, built.mesh, built.batch_sharding
     compiled = built.lower_train().compile()
-    ops = [c for c in parse_collectives(compiled.as_text(), mesh)
-           if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)]
+    ops = [
+        c
+        for c in parse_collectives(compiled.as_text(), mesh)
+        if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)
+    ]
     assert all(c.trips is not None for c in ops)  # every loop's trip count is known
     return spec, compiled, batch_sharding, sum(c.elements * c.trips for c in ops), mesh
 
@@ -117,17 +127,30 @@ def stage_and_rest_elements(spec, stages):
 # gpipe in one pass, circular (V = 2) under grad_accum 2 and 1F1B (interleaved, V = 2) under grad_accum
 # 2: the stage weights' gradient is reduced once per optimizer step either way (parallel/pipeline.py
 # `accumulate`).
-PIPELINE_CASES = {"gpipe": {},
-                  "circular_accum2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
-                                      "train.grad_accum": 2, "train.global_batch": 32},
-                  "1f1b_v2_accum2": {"parallel.pipeline_schedule": "1f1b", "parallel.pipeline_repeats": 2,
-                                     "train.grad_accum": 2, "train.global_batch": 32}}
+PIPELINE_CASES = {
+    "gpipe": {},
+    "circular_accum2": {
+        "parallel.pipeline_schedule": "circular",
+        "parallel.pipeline_repeats": 2,
+        "train.grad_accum": 2,
+        "train.global_batch": 32,
+    },
+    "1f1b_v2_accum2": {
+        "parallel.pipeline_schedule": "1f1b",
+        "parallel.pipeline_repeats": 2,
+        "train.grad_accum": 2,
+        "train.global_batch": 32,
+    },
+}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c.startswith("1f1b") else c
-                                        for c in PIPELINE_CASES])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(c, marks=pytest.mark.slow) if c.startswith("1f1b") else c for c in PIPELINE_CASES],
+)
 def pipelined(tmp_path_factory, request):
     from conftest import small_config
+
     make = lambda **kw: small_config(tmp_path_factory.mktemp("pipe") / "run", **kw)  # noqa: E731
     cfg = par_config(make, "btp", "cola", (2, 2, 1), **{**PIPELINE_KW, **PIPELINE_CASES[request.param]})
     return cfg, pipeline_program(cfg)
@@ -153,10 +176,12 @@ def test_the_gpu_accumulation_loop_of_a_pipeline_matches_single_device(make_conf
 def _check_pipelined_step(cfg, program):
     spec, compiled, batch_sharding, _, mesh = program
     params_host, tokens, (ref_loss, ref_grads) = reference(cfg)
-    state = {"params": jax.device_put(params_host, spec.shardings["params"]),
-             "opt_state": jax.device_put(optax.sgd(1.0).init(trainable(params_host)), spec.shardings["opt_state"]),
-             "step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
-             "rng": jax.device_put(np.zeros((2,), np.uint32), spec.shardings["rng"])}
+    state = {
+        "params": jax.device_put(params_host, spec.shardings["params"]),
+        "opt_state": jax.device_put(optax.sgd(1.0).init(trainable(params_host)), spec.shardings["opt_state"]),
+        "step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
+        "rng": jax.device_put(np.zeros((2,), np.uint32), spec.shardings["rng"]),
+    }
     a = cfg.train.grad_accum  # the same rows as [grad_accum, micro-batch, T+1]: the mean is the same
     new_state, metrics = compiled(state, jax.device_put(tokens.reshape(a, -1, tokens.shape[-1]), batch_sharding))
     assert bool(metrics["finite"])
@@ -202,6 +227,7 @@ def test_pipeline_per_tick_reduction_fails_the_count(make_config, monkeypatch):
 
 # ------------------------------------------------------------------ one program, wherever it is traced
 
+
 def executed_collectives(compiled, mesh) -> dict:
     """{(kind, axes): (count, executed elements)} of a compiled program."""
     out = {}
@@ -215,6 +241,7 @@ def test_the_built_step_compiles_alike_in_and_out_of_any_rules(make_config):
     """The step carries its mesh and strategy: lowered with no rules current, under its own, or under
     another strategy's, it is one program (each lowering from a fresh build, so nothing is cached)."""
     from boost_jax.parallel.rules import use_rules
+
     cfg = par_config(make_config, "btp", "cola", (8, 1, 1), **{"train.grad_accum": 4, "train.global_batch": 32})
     bare_build = build(cfg)
     bare = executed_collectives(bare_build.lower_train().compile(), bare_build.mesh)

@@ -1,5 +1,6 @@
 """Linear-layer grouping (fewer dots, same outputs) and activation checkpointing policies (same
 gradients; under BTP the low-rank policy recomputes without any collective)."""
+
 import re
 
 import jax
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.model import model_from_config
 from boost_jax.parallel.mesh import BATCH_AXES
@@ -57,9 +59,19 @@ def test_remat_policies_keep_gradients(make_config, policy):
 
 
 def btp_grad_collectives(make_config, policy):
-    cfg = make_config(**{"parallel.strategy": "btp", "parallel.data": 2, "parallel.tensor": 4,
-                         "remat.policy": policy, "model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8,
-                         "model.d_ff": 128, "model.rank": 16})
+    cfg = make_config(
+        **{
+            "parallel.strategy": "btp",
+            "parallel.data": 2,
+            "parallel.tensor": 4,
+            "remat.policy": policy,
+            "model.d_model": 64,
+            "model.n_heads": 8,
+            "model.n_kv_heads": 8,
+            "model.d_ff": 128,
+            "model.rank": 16,
+        }
+    )
     built = build(cfg)
     spec, mesh = built.spec, built.mesh
     tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P(BATCH_AXES)))

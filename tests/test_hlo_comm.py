@@ -1,4 +1,5 @@
 """hlo_comm: collectives read back from real compiled programs on 8 emulated CPU devices."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boost_jax.tools.hlo_comm import Collective, compiled_collectives, parse_collectives, parse_replica_groups, summarize
+from boost_jax.tools.hlo_comm import (
+    Collective,
+    compiled_collectives,
+    parse_collectives,
+    parse_replica_groups,
+    summarize,
+)
 
 D, T = 2, 4  # mesh ("data", "tensor")
 ROWS, COLS = 16, 32
@@ -37,6 +44,7 @@ def x(shape=(ROWS, COLS), dtype=jnp.float32):
 
 
 # ---------------------------------------------------------------- shard_map programs
+
 
 def test_psum_over_tensor(mesh):
     (c,) = collectives(mesh, smap(mesh, lambda a: jax.lax.psum(a, "tensor"), P(), P()), x())
@@ -76,8 +84,7 @@ def test_ppermute_ring_and_swap(mesh):
     ring = [(i, (i + 1) % T) for i in range(T)]
     (c,) = collectives(mesh, smap(mesh, lambda a: jax.lax.ppermute(a, "tensor", ring), P(), P()), x())
     assert (c.kind, c.elements, c.group_size, c.axes) == ("collective-permute", ROWS * COLS, T, ("tensor",))
-    (c,) = collectives(mesh, smap(mesh, lambda a: jax.lax.ppermute(a, "data", [(0, 1), (1, 0)]), P(), P()),
-                       x((8,)))
+    (c,) = collectives(mesh, smap(mesh, lambda a: jax.lax.ppermute(a, "data", [(0, 1), (1, 0)]), P(), P()), x((8,)))
     assert (c.elements, c.group_size, c.axes) == (8, D, ("data",))
 
 
@@ -126,6 +133,7 @@ def test_ids_are_mesh_positions_not_device_ids():
 
 # ---------------------------------------------------------------- GSPMD (mesh-axes replica groups)
 
+
 def test_gspmd_matmul_contracting_dim_all_reduce(mesh):
     def f(a, w):
         a = jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, "tensor")))
@@ -154,14 +162,19 @@ def test_summarize(mesh):
 
     cs = collectives(mesh, smap(mesh, f, P(), P()), x())
     n = ROWS * COLS
-    assert summarize(cs, by=("axes",)) == {("tensor",): {"count": 1, "elements": n},
-                                           ("data",): {"count": 2, "elements": 4 * COLS + D * n}}
-    assert summarize(cs) == {"all-reduce": {"count": 2, "elements": n + 4 * COLS},
-                             "all-gather": {"count": 1, "elements": D * n}}
+    assert summarize(cs, by=("axes",)) == {
+        ("tensor",): {"count": 1, "elements": n},
+        ("data",): {"count": 2, "elements": 4 * COLS + D * n},
+    }
+    assert summarize(cs) == {
+        "all-reduce": {"count": 2, "elements": n + 4 * COLS},
+        "all-gather": {"count": 1, "elements": D * n},
+    }
     assert summarize(cs, by=("kind", "axes"))[("all-gather", ("data",))] == {"count": 1, "elements": D * n}
 
 
 # ---------------------------------------------------------------- literal syntax
+
 
 def test_replica_group_syntaxes():
     assert parse_replica_groups("{{0,1,2,3},{4,5,6,7}}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -177,7 +190,9 @@ def test_replica_group_syntaxes():
     assert parse_replica_groups(permuted + " {'axis_0':(2)2}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert parse_replica_groups(permuted + " {'axis_0':(1)2}") == [[0, 4], [2, 6], [1, 5], [3, 7]]
     assert parse_replica_groups("mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_2','axis_0'}") == [
-        [0, 4, 1, 5], [2, 6, 3, 7]]
+        [0, 4, 1, 5],
+        [2, 6, 3, 7],
+    ]
 
 
 ASYNC_HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8

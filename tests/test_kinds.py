@@ -1,5 +1,6 @@
 """Tensor-train and sparse + low-rank linear kinds against float64 references written from their
 definitions (a dense matrix built independently of the kinds' code), and their checkpoints."""
+
 import itertools
 import math
 
@@ -8,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tests_support import metric_rows
 
 from boost_jax import train
 from boost_jax.config import base_config
 from boost_jax.errors import ConfigError
-from boost_jax.validate import validate
 from boost_jax.model.kinds.tt import balanced_factors, tt_shapes
 from boost_jax.model.linear import Projection, project
-from tests_support import metric_rows
+from boost_jax.validate import validate
 
 
 def model_section(kind, **fields):
@@ -59,13 +60,17 @@ def check_layer(proj, reference, d_in, rtol=1e-5):
 
 # ------------------------------------------------------------------------------------- tensor train
 
+
 def test_balanced_factors_are_exact_and_most_equal():
     for n, k in itertools.product([1, 7, 12, 64, 96, 360, 1344, 1376], [1, 2, 3]):
         got = balanced_factors(n, k)
         assert len(got) == k and math.prod(got) == n and list(got) == sorted(got, reverse=True)
         # brute force: no k-factorisation of n has a smaller largest factor
-        best = min(max(c) for c in itertools.product(range(1, n + 1), repeat=k) if math.prod(c) == n) \
-            if n <= 96 else got[0]
+        best = (
+            min(max(c) for c in itertools.product(range(1, n + 1), repeat=k) if math.prod(c) == n)
+            if n <= 96
+            else got[0]
+        )
         assert got[0] == best
 
 
@@ -75,11 +80,11 @@ def tt_dense(p, h, d_in, d_out):
     letters = "abcdefghijkl"
     ins = [p[f"in_{k}"] for k in range(h)]
     outs = [p[f"out_{k}"] for k in range(h)]
-    bonds = letters[:h + 1]  # bonds[0] = boundary (size 1), bonds[h] = r_mid
+    bonds = letters[: h + 1]  # bonds[0] = boundary (size 1), bonds[h] = r_mid
     modes = "mnopqr"[:h]
     spec = ",".join(f"{bonds[k]}{modes[k]}{bonds[k + 1]}" for k in range(h))
     m1 = jnp.einsum(f"{spec}->{bonds[0]}{modes}{bonds[h]}", *ins)[0].reshape(d_in, -1)
-    obonds = "STUVWX"[:h + 1]  # obonds[0] = r_mid, obonds[h] = boundary
+    obonds = "STUVWX"[: h + 1]  # obonds[0] = r_mid, obonds[h] = boundary
     omodes = "tuvwxy"[:h]
     ospec = ",".join(f"{obonds[k]}{omodes[k]}{obonds[k + 1]}" for k in range(h))
     m2 = jnp.einsum(f"{ospec}->{obonds[0]}{omodes[::-1]}{obonds[h]}", *outs)[..., 0].reshape(-1, d_out)
@@ -92,8 +97,9 @@ def test_tt_layer_matches_reconstruction(cores, activation):
     m = model_section("tt", rank=r, tt_cores=cores, tt_inner_rank=3, tt_activation=activation)
     proj = Projection(m, d_in, d_out, axes=("embed", "mlp"), group="mlp_in", rngs=nnx.Rngs(params=2))
     h = cores // 2
-    shapes = [params_of(proj)[f"in_{k}"].shape for k in range(h)] + [params_of(proj)[f"out_{k}"].shape
-                                                                       for k in range(h)]
+    shapes = [params_of(proj)[f"in_{k}"].shape for k in range(h)] + [
+        params_of(proj)[f"out_{k}"].shape for k in range(h)
+    ]
     first, second = tt_shapes(m, d_in, d_out)
     assert shapes == first + second and first[-1][-1] == second[0][0] == r
 
@@ -130,6 +136,7 @@ def test_tt_config_errors_name_the_field():
 
 # --------------------------------------------------------------------------- sparse + low-rank
 
+
 @pytest.mark.parametrize("block", [1, 4])
 def test_sltrain_layer_matches_dense_formula(block):
     d_in, d_out, r = 32, 48, 6
@@ -152,6 +159,7 @@ def test_sltrain_layer_matches_dense_formula(block):
 
 def test_sltrain_support_differs_per_layer_and_is_not_trained(make_config):
     from boost_jax.model import build_model
+
     cfg = make_config(**{"model.linear": "sltrain", "model.sparse_block": 4, "model.sparse_density": 0.2})
     state = nnx.to_pure_dict(nnx.state(build_model(cfg.model)))
     s_in = np.asarray(state["layers"]["attn"]["q"]["s_in"])  # [layers, blocks]
@@ -162,8 +170,15 @@ def test_sltrain_support_differs_per_layer_and_is_not_trained(make_config):
 def test_kind_resumes_bit_for_bit(make_config, tmp_path, linear):
     """A run stopped and resumed from its checkpoint continues exactly (the sltrain support is part of
     the saved state: its integer arrays are restored with the parameters)."""
-    kw = {"model.linear": linear, "model.sparse_block": 4, "train.log_every": 1, "train.steps": 4,
-          "train.eval_every": 0, "checkpoint.every": 2, "parallel.num_devices": 1}
+    kw = {
+        "model.linear": linear,
+        "model.sparse_block": 4,
+        "train.log_every": 1,
+        "train.steps": 4,
+        "train.eval_every": 0,
+        "checkpoint.every": 2,
+        "parallel.num_devices": 1,
+    }
     straight = make_config(run_dir=str(tmp_path / "a"), **kw)
     train.run(straight)
     split = make_config(run_dir=str(tmp_path / "b"), **kw, **{"train.stop_at_step": 2})
@@ -180,8 +195,19 @@ def test_kind_parameter_counts_match_the_state(linear):
     from boost_jax.model import build_model
     from boost_jax.model.kinds import kind_class
     from boost_jax.model.transformer import projection_shapes
-    m = model_section(linear, d_model=96, d_ff=160, n_heads=4, n_kv_heads=2, rank=12, n_layers=2,
-                      tt_cores=6, tt_inner_rank=5, sparse_block=4)
+
+    m = model_section(
+        linear,
+        d_model=96,
+        d_ff=160,
+        n_heads=4,
+        n_kv_heads=2,
+        rank=12,
+        n_layers=2,
+        tt_cores=6,
+        tt_inner_rank=5,
+        sparse_block=4,
+    )
     state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(m))))
     layer = state["layers"]
     proj = {**{k: layer["attn"][k] for k in "qkvo"}, **{k: layer["mlp"][k] for k in ("gate", "up", "down")}}

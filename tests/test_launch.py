@@ -1,4 +1,5 @@
 """The launch scripts: shell syntax, argument checks, and the SLURM template's XLA flags exist."""
+
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ def test_scripts_parse():
     # gpu_all.sh's parts are gpu_bench.py's (a renamed part would only fail on a GPU)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_bench
+
     named = re.findall(r"--parts (\S+)", GPU_ALL.read_text())
     assert named and {p for arg in named for p in arg.split(",")} <= set(gpu_bench.PARTS)
 
@@ -31,11 +33,17 @@ def test_local_launcher_rejects_a_bad_process_count():
 def test_xla_gpu_flags_are_known_to_xla():
     # XLA aborts on an unknown flag in XLA_FLAGS, whatever the backend: a renamed flag fails here.
     from boost_jax import xla_gpu_flags as G
+
     flags = [f for f, _ in G.FLAGS + G.MEASURE]
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags and len(flags) >= 8
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(jnp.ones(2).sum())"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import jax.numpy as jnp; print(jnp.ones(2).sum())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "2.0" in out.stdout, out.stderr[-2000:]
 
 
@@ -47,13 +55,20 @@ def test_sbatch_takes_its_xla_flags_from_the_one_module():
 
 def test_xla_gpu_flags_keep_the_users_values_and_apply_only_for_a_gpu(monkeypatch):
     from boost_jax import xla_gpu_flags as G
+
     user = "--xla_dump_to=/tmp/d --xla_gpu_enable_latency_hiding_scheduler=false"
     value, added = G.merged(user)
     assert value.startswith(user) and "--xla_gpu_enable_latency_hiding_scheduler=true" not in value
     assert len(added) == len(G.FLAGS) - 1 and all(f in value for f in added)
     # The command line prints the same merge (what the SLURM template exports).
-    out = subprocess.run([sys.executable, "-m", "boost_jax.xla_gpu_flags"], env={**os.environ, "XLA_FLAGS": user},
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "boost_jax.xla_gpu_flags"],
+        env={**os.environ, "XLA_FLAGS": user},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0 and out.stdout.strip() == value, out.stderr
     # apply(): only when a CUDA jax is installed and JAX_PLATFORMS allows GPUs, never twice.
     monkeypatch.setattr(G, "_backends_started", lambda: False)
@@ -82,6 +97,7 @@ def test_compiler_options_this_xla_lacks_are_dropped_not_fatal():
     import jax.numpy as jnp
 
     from boost_jax import xla_gpu_flags as G
+
     dev = jax.devices("cpu")[0]
     real = G.compiler_options({})
     retired = {"xla_gpu_enable_no_such_option_a": True, "xla_gpu_no_such_option_b": 7}

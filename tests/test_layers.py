@@ -1,4 +1,5 @@
 """Layer math against plain numpy formulas on fresh random inputs."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +25,7 @@ def silu(x):
 @pytest.mark.parametrize("kind", ["dense", "lowrank", "cola"])
 def test_projection_matches_formula(kind):
     rng = np.random.default_rng(0)
-    proj = Projection(small_model(kind, rank=6), 24, 40, axes=("embed", "mlp"), group="mlp_in",
-                      rngs=nnx.Rngs(params=1))
+    proj = Projection(small_model(kind, rank=6), 24, 40, axes=("embed", "mlp"), group="mlp_in", rngs=nnx.Rngs(params=1))
     x = rng.standard_normal((3, 5, 24)).astype(np.float32)
     got = np.asarray(project([proj], jnp.asarray(x), grouped=False)[0])
     if kind == "dense":
@@ -38,10 +38,11 @@ def test_projection_matches_formula(kind):
 
 def test_cola_init_product_variance():
     d_in, d_out, r = 512, 768, 128
-    proj = Projection(small_model("lowrank", rank=r), d_in, d_out, axes=("embed", "mlp"), group="mlp_in",
-                      rngs=nnx.Rngs(params=3))
+    proj = Projection(
+        small_model("lowrank", rank=r), d_in, d_out, axes=("embed", "mlp"), group="mlp_in", rngs=nnx.Rngs(params=3)
+    )
     a, b = np.asarray(proj.a[...]), np.asarray(proj.b[...])
-    factor_std = r ** -0.25 * (d_in + d_out) ** -0.25
+    factor_std = r**-0.25 * (d_in + d_out) ** -0.25
     assert abs(a.std() / factor_std - 1) < 0.02 and abs(b.std() / factor_std - 1) < 0.02
     assert abs((a @ b).var() * (d_in + d_out) - 1) < 0.1
 
@@ -50,7 +51,7 @@ def test_rmsnorm_matches_formula():
     x = np.random.default_rng(1).standard_normal((4, 7, 33)).astype(np.float32)
     norm = RMSNorm(33, eps=1e-6)
     norm.scale[...] = jnp.asarray(np.random.default_rng(2).standard_normal(33).astype(np.float32))
-    want = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(norm.scale[...])
+    want = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * np.asarray(norm.scale[...])
     np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), want, rtol=1e-5, atol=1e-6)
 
 
@@ -62,8 +63,7 @@ def test_rope_matches_complex_rotation():
     freqs = 10000.0 ** (-np.arange(half) / half)
     z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * pos[..., None, None] * freqs)
     want = np.concatenate([z.real, z.imag], axis=-1)
-    np.testing.assert_allclose(np.asarray(rope(jnp.asarray(x), jnp.asarray(pos), 10000.0)), want,
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(rope(jnp.asarray(x), jnp.asarray(pos), 10000.0)), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
@@ -86,12 +86,13 @@ def test_gqa_attention_matches_repeated_heads(kv_heads):
 @pytest.mark.parametrize("only_lr_act", [False, True])
 def test_mlp_forms(only_lr_act):
     from ml_collections import ConfigDict
+
     cfg = ConfigDict(dict(d_model=16, d_ff=24, linear="cola", rank=4, only_lr_act=only_lr_act, group_linears=True))
     mlp = MLP(cfg, rngs=nnx.Rngs(params=0), param_dtype=jnp.float32)
     norm = RMSNorm(16, eps=1e-6)
     x = np.random.default_rng(6).standard_normal((2, 3, 16)).astype(np.float32)
     ab = lambda p, z: silu(z @ np.asarray(p.a[...])) @ np.asarray(p.b[...])  # noqa: E731
-    xn = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+    xn = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)
     g, u = ab(mlp.gate, xn), ab(mlp.up, xn)
     want = ab(mlp.down, g * u if only_lr_act else silu(g) * u)
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x), norm)), want, rtol=1e-5, atol=1e-5)
@@ -100,6 +101,7 @@ def test_mlp_forms(only_lr_act):
 def test_scanned_stack_equals_layer_by_layer(make_config):
     """The lax.scan over stacked blocks computes the same as applying each block in turn."""
     from boost_jax.model import build_model
+
     cfg = make_config()
     model = build_model(cfg.model, seed=0)
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, 12)))

@@ -2,6 +2,7 @@
 the bottom, kernels, then parallel and data, the model, validation, the runtime, tools, the
 planner, and the entry points on top; no import cycles inside any package. `lint-imports` checks
 every import statement (function-level ones included)."""
+
 import shutil
 import subprocess
 import sys
@@ -30,9 +31,18 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     mesh = copy / "boost_jax" / "parallel" / "mesh.py"
     mesh.write_text(mesh.read_text() + "\n\ndef _up():\n    from boost_jax.model import kinds  # noqa: F401\n")
-    r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.');"
-                        "from importlinter.cli import lint_imports_command; lint_imports_command()"],
-                       cwd=copy, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, '.');"
+            "from importlinter.cli import lint_imports_command; lint_imports_command()",
+        ],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and "BROKEN" in r.stdout, r.stdout[-3000:]
     assert "boost_jax.parallel.mesh -> boost_jax.model.kinds" in r.stdout, r.stdout[-3000:]
 

@@ -1,16 +1,16 @@
 """The chunked, vocab-parallel cross-entropy equals the plain full-logits loss (value and gradient),
 never holds float32 [B, T, V] logits, and evaluation in micro-batches gives the one-batch loss."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from boost_jax.model.loss import head_loss
-from boost_jax.model import build_model
-from boost_jax.runtime.step import make_eval_step
-
 from test_parallel import assert_close_tree, loss_and_grads, par_config, reference
+
+from boost_jax.model import build_model
+from boost_jax.model.loss import head_loss
+from boost_jax.runtime.step import make_eval_step
 
 
 def plain_loss(h, w, labels, z_loss):
@@ -18,7 +18,7 @@ def plain_loss(h, w, labels, z_loss):
     logits = jnp.einsum("btd,dv->btv", h.astype(jnp.float32), w.astype(h.dtype).astype(jnp.float32))
     lse = jax.nn.logsumexp(logits, axis=-1)
     ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1)[..., 0]
-    return jnp.mean(ce + z_loss * lse ** 2)
+    return jnp.mean(ce + z_loss * lse**2)
 
 
 @pytest.mark.parametrize("groups", [1, 3], ids=["rows", "row_groups3"])  # 3: a pipeline's micro-batches
@@ -30,14 +30,21 @@ def test_chunked_loss_matches_full_logits(chunk, z_loss, dtype, groups):
     h = jax.random.normal(ks[0], (b, t, d)).astype(dtype)
     w = 0.3 * jax.random.normal(ks[1], (d, v))
     labels = jax.random.randint(ks[2], (b, t), 0, v)
-    got = jax.jit(jax.value_and_grad(lambda h, w: head_loss(h, w, labels, chunk=chunk, z_loss=z_loss,
-                                                            row_groups=groups), argnums=(0, 1)))(h, w)
+    got = jax.jit(
+        jax.value_and_grad(
+            lambda h, w: head_loss(h, w, labels, chunk=chunk, z_loss=z_loss, row_groups=groups), argnums=(0, 1)
+        )
+    )(h, w)
     want = jax.value_and_grad(lambda h, w: plain_loss(h, w, labels, z_loss), argnums=(0, 1))(h, w)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == r.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol,
-                                   atol=tol * float(np.abs(np.asarray(r, np.float32)).max()))
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32),
+            np.asarray(r, np.float32),
+            rtol=tol,
+            atol=tol * float(np.abs(np.asarray(r, np.float32)).max()),
+        )
 
 
 @pytest.mark.parametrize("chunk,groups", [(4, 2), (0, 3), (64, 6)])

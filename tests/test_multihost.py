@@ -1,5 +1,6 @@
 """Two processes x 4 emulated CPU devices (jax.distributed, gloo) train like one process x 8 devices,
 survive a SIGKILL of one process (the last finished checkpoint restores), and resume exactly."""
+
 import json
 import os
 import re
@@ -13,20 +14,35 @@ import jax
 import numpy as np
 import pytest
 
-from boost_jax.runtime import distributed
 from boost_jax.config import base_config
+from boost_jax.runtime import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch" / "local_multiprocess.sh"
 TIMEOUT_S = 180  # per launch: a hung collective fails the test instead of hanging CI
 # tests/conftest.py's small_config as flags; tensor=4 must divide the heads, so n_kv_heads=4.
-SMALL = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.n_heads=4",
-         "--config.model.n_kv_heads=4", "--config.model.d_ff=64", "--config.model.rank=8",
-         "--config.model.max_seq_len=32", "--config.train.seq_len=16", "--config.train.global_batch=8",
-         "--config.train.warmup_steps=2", "--config.train.log_every=1", "--config.train.eval_every=0",
-         "--config.train.eval_batches=2", "--config.train.progress=False", "--config.checkpoint.every=3",
-         "--config.checkpoint.keep=10", "--config.data.embedded_max_bytes=200000",
-         "--config.parallel.data=2", "--config.parallel.tensor=4", "--config.parallel.strategy=btp"]
+SMALL = [
+    "--config.model.d_model=32",
+    "--config.model.n_layers=2",
+    "--config.model.n_heads=4",
+    "--config.model.n_kv_heads=4",
+    "--config.model.d_ff=64",
+    "--config.model.rank=8",
+    "--config.model.max_seq_len=32",
+    "--config.train.seq_len=16",
+    "--config.train.global_batch=8",
+    "--config.train.warmup_steps=2",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=0",
+    "--config.train.eval_batches=2",
+    "--config.train.progress=False",
+    "--config.checkpoint.every=3",
+    "--config.checkpoint.keep=10",
+    "--config.data.embedded_max_bytes=200000",
+    "--config.parallel.data=2",
+    "--config.parallel.tensor=4",
+    "--config.parallel.strategy=btp",
+]
 STEPS = 60  # the schedule; runs stop early with train.stop_at_step
 
 
@@ -45,8 +61,9 @@ def spawn():
     procs = []
 
     def start(cmd, env, log: Path):
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
         procs.append(proc)
         return proc
 
@@ -108,8 +125,10 @@ def test_two_processes_match_one_survive_a_kill_and_resume(tmp_path, spawn):
     assert 3 <= done < STEPS, done
 
     # The last finished checkpoint restores (params only, one device) despite the killed run.
-    from boost_jax.runtime.build import load_model
     from flax import nnx
+
+    from boost_jax.runtime.build import load_model
+
     model, cfg, _ = load_model(str(run / "checkpoints" / str(done)))
     assert cfg.parallel.strategy == "btp" and cfg.model.n_layers == 2
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))
@@ -122,8 +141,15 @@ def test_two_processes_match_one_survive_a_kill_and_resume(tmp_path, spawn):
 
     # 3. The same run on one process with 8 devices: the losses agree step for step.
     single = tmp_path / "single"
-    cmd = [sys.executable, "-m", "boost_jax.train", *SMALL, f"--config.run_dir={single}",
-           f"--config.train.steps={STEPS}", f"--config.train.stop_at_step={end}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "boost_jax.train",
+        *SMALL,
+        f"--config.run_dir={single}",
+        f"--config.train.steps={STEPS}",
+        f"--config.train.stop_at_step={end}",
+    ]
     proc = spawn(cmd, _env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), tmp_path / "single.log")
     assert _finish(proc, [tmp_path / "single.log"]) == 0, _tail(tmp_path / "single.log")
     multi, one = _losses(run), _losses(single)
@@ -145,8 +171,7 @@ def test_distributed_settings_from_config_env_and_slurm(monkeypatch):
     monkeypatch.setenv("BOOST_COORDINATOR", "10.0.0.1:1234")
     monkeypatch.setenv("BOOST_NUM_PROCESSES", "4")
     monkeypatch.setenv("BOOST_PROCESS_ID", "2")
-    assert distributed.settings(_cfg()) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
-                                            "process_id": 2}
+    assert distributed.settings(_cfg()) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
     assert distributed.settings(_cfg(process_id=3))["process_id"] == 3  # the config wins
     with pytest.raises(distributed.DistributedError, match=r"distributed\.process_id.*outside"):
         distributed.settings(_cfg(process_id=4))
@@ -162,5 +187,6 @@ def test_distributed_settings_from_config_env_and_slurm(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed.settings(_cfg()) is None  # a one-task allocation is a single process
     with pytest.raises(distributed.DistributedError, match="cpu_collectives"):
-        distributed.maybe_initialize(_cfg(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0,
-                                          cpu_collectives="nccl"))
+        distributed.maybe_initialize(
+            _cfg(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0, cpu_collectives="nccl")
+        )

@@ -3,13 +3,13 @@ on Colab, /content): quickstart.ipynb samples text; gpu_tour.ipynb runs on CPU w
 place of its parameters cell. Their setup cell starts from nothing as on a fresh Colab runtime: in a
 new virtual environment without boost_jax, from a directory that is no checkout, it installs
 boost_jax from the git URL or the wheel its SOURCE form field names."""
+
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from tests_support import fresh_venv
 
 nbformat = pytest.importorskip("nbformat", reason="needs nbformat: pip install -e '.[test]'")
@@ -58,11 +58,16 @@ def sources(tmp_path_factory):
         pytest.skip("needs this checkout to be a git repository")
     tmp = tmp_path_factory.mktemp("sources")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    subprocess.run(["git", "clone", "-q", "--bare", str(NOTEBOOK.parents[1]), str(tmp / "boost_jax.git")],
-                   check=True, env=env)
+    subprocess.run(
+        ["git", "clone", "-q", "--bare", str(NOTEBOOK.parents[1]), str(tmp / "boost_jax.git")], check=True, env=env
+    )
     subprocess.run(["git", "clone", "-q", str(tmp / "boost_jax.git"), str(tmp / "src")], check=True, env=env)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"),
-                    str(tmp / "src")], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"), str(tmp / "src")],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     return {"clone": (tmp / "boost_jax.git").as_uri(), "wheel": str(next((tmp / "dist").glob("boost_jax-*.whl")))}
 
 
@@ -77,11 +82,19 @@ def test_setup_cell_starts_from_nothing(kind, sources, tmp_path):
     work = tmp_path / "content"
     work.mkdir()
     probe = "import importlib.util; print(importlib.util.find_spec('boost_jax'))"
-    assert subprocess.run([str(python), "-c", probe], cwd=work, env=env, capture_output=True,
-                          text=True).stdout.strip() == "None"  # nothing to start from
+    assert (
+        subprocess.run([str(python), "-c", probe], cwd=work, env=env, capture_output=True, text=True).stdout.strip()
+        == "None"
+    )  # nothing to start from
     cell = setup_cell(NOTEBOOK).replace(FORM_FIELD, f"SOURCE = {sources[kind]!r}")
-    out = subprocess.run([str(python), "-c", cell + "\nprint('FILE', boost_jax.__file__)"], cwd=work, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [str(python), "-c", cell + "\nprint('FILE', boost_jax.__file__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     where = Path(out.stdout.split("FILE ")[-1].strip())
     if kind == "clone":
@@ -96,8 +109,9 @@ def test_quickstart_notebook_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Raises CellExecutionError, naming the cell, if any cell errors. The kernel inherits this
     # process's environment (conftest's 8-device XLA_FLAGS), which the notebook also sets itself.
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     (sample,) = [c for c in nb.cells if "sample" in c.metadata.get("tags", [])]
     text = "".join(o.get("text", "") for o in sample.outputs if o.output_type == "stream" and o.name == "stdout")
@@ -108,11 +122,13 @@ def test_gpu_tour_runs_on_cpu_with_tiny_sizes(tmp_path):
     nb = nbformat.read(TOUR, as_version=4)
     (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     params.source = TINY  # every name the GPU sizes set, tiny
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                     if o.output_type == "stream")
+    text = "\n".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "stream"
+    )
     assert "llama_60m" in text and "cola_60m" in text  # both runs' summary rows
     assert "cudnn    failed:" in text  # on CPU: its row says why, the others are timed
     (comm,) = [c for c in nb.cells if "comm" in c.metadata.get("tags", [])]

@@ -1,4 +1,5 @@
 """Every strategy x linear kind x mesh computes the single-device loss and gradients (float32)."""
+
 import json
 import os
 import re
@@ -8,7 +9,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boost_jax import train
 from boost_jax.data import build_loaders
@@ -20,22 +22,38 @@ from boost_jax.runtime.step import next_token_loss
 
 # (1, 2, 4) and (8, 1, 1) repeat what (2, 2, 2) and (2, 1, 4) cover (an fsdp split; data parallelism
 # alone): marked slow, so the default run keeps three meshes of the matrix for every kind and strategy.
-MESHES = [(1, 1, 8), (2, 1, 4), pytest.param((1, 2, 4), marks=pytest.mark.slow), (2, 2, 2),
-          pytest.param((8, 1, 1), marks=pytest.mark.slow)]
+MESHES = [
+    (1, 1, 8),
+    (2, 1, 4),
+    pytest.param((1, 2, 4), marks=pytest.mark.slow),
+    (2, 2, 2),
+    pytest.param((8, 1, 1), marks=pytest.mark.slow),
+]
 LINEARS = ["dense", "lowrank", "cola", "tt", "sltrain"]
 # Shapes of the kinds that have their own fields: 2 + 2 TT cores (modes 8 x 8 for d, 16 x 8 for the MLP,
 # so tensor sizes up to 8 split the outer modes) with SiLU at the bottleneck; 4 x 4 sparse blocks.
-KIND_FIELDS = {"tt": {"model.tt_cores": 4, "model.tt_inner_rank": 4, "model.tt_activation": "silu"},
-               "sltrain": {"model.sparse_block": 4, "model.sparse_density": 0.1}}
+KIND_FIELDS = {
+    "tt": {"model.tt_cores": 4, "model.tt_inner_rank": 4, "model.tt_activation": "silu"},
+    "sltrain": {"model.sparse_block": 4, "model.sparse_density": 0.1},
+}
 
 
 def par_config(make_config, strategy, linear, mesh, **kw):
     data, fsdp, tensor = mesh
     pipeline = kw.get("parallel.pipeline", 1)
-    overrides = {"model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8, "model.d_ff": 128,
-                 "model.rank": 16, "model.linear": linear, "parallel.strategy": strategy,
-                 "parallel.data": data, "parallel.fsdp": fsdp, "parallel.tensor": tensor,
-                 "parallel.num_devices": pipeline * data * fsdp * tensor}
+    overrides = {
+        "model.d_model": 64,
+        "model.n_heads": 8,
+        "model.n_kv_heads": 8,
+        "model.d_ff": 128,
+        "model.rank": 16,
+        "model.linear": linear,
+        "parallel.strategy": strategy,
+        "parallel.data": data,
+        "parallel.fsdp": fsdp,
+        "parallel.tensor": tensor,
+        "parallel.num_devices": pipeline * data * fsdp * tensor,
+    }
     overrides.update(KIND_FIELDS.get(linear, {}))
     overrides.update(kw)
     return make_config(**overrides)
@@ -53,6 +71,7 @@ def loss_and_grads(cfg, params_host, tokens, collectives=False):
     loss, grads = fn(*args)
     if collectives:
         from boost_jax.tools.hlo_comm import parse_collectives
+
         colls = parse_collectives(fn.lower(*args).compile().as_text(), mesh)
         return float(loss), jax.device_get(grads), colls
     return float(loss), jax.device_get(grads)
@@ -83,8 +102,14 @@ def perturb_zero_factors(params):
     """Fresh random values for factors initialised to zero (sltrain's B), so every gradient path is
     exercised: with B = 0 the gradient of A would be exactly zero everywhere."""
     rng = np.random.default_rng(0)
-    return jax.tree.map(lambda x: (0.1 * rng.standard_normal(x.shape)).astype(x.dtype)
-                        if x.dtype.kind == "f" and x.size > 1 and not np.any(x) else x, params)
+    return jax.tree.map(
+        lambda x: (
+            (0.1 * rng.standard_normal(x.shape)).astype(x.dtype)
+            if x.dtype.kind == "f" and x.size > 1 and not np.any(x)
+            else x
+        ),
+        params,
+    )
 
 
 def assert_close_tree(got, want, rtol):
@@ -113,24 +138,49 @@ VARIANTS = {
     "pallas_megatron": {"kernels.rmsnorm": "pallas", "parallel.strategy": "megatron"},
     "tied_embeddings_2x2x2": {"model.tie_embeddings": True, "mesh": (2, 2, 2)},
     "dense_ungrouped_2x2x2": {"model.linear": "dense", "model.group_linears": False, "mesh": (2, 2, 2)},
-    "spatial_temporal_mlp_dense": {"parallel.linear_partition": "mlp_in=st,mlp_out=st", "model.linear": "dense",
-                                   "parallel.strategy": "megatron", "mesh": (1, 2, 2)},
-    "tt_pipeline_fsdp_remat": {"model.linear": "tt", "parallel.pipeline": 2, "model.n_layers": 4,
-                               "remat.policy": "lowrank", "mesh": (1, 2, 2)},
-    "stage_remat_pipeline_lowrank": {"parallel.pipeline": 2, "model.n_layers": 4, "remat.pipeline": "stage",
-                                     "remat.policy": "lowrank", "mesh": (1, 2, 2)},
-    "stage_remat_pipeline_megatron_data": {"parallel.pipeline": 2, "model.n_layers": 4, "remat.pipeline": "stage",
-                                           "parallel.strategy": "megatron", "mesh": (2, 1, 2)},
-    "sltrain_pipeline_fsdp_remat": {"model.linear": "sltrain", "parallel.pipeline": 2, "model.n_layers": 4,
-                                    "remat.policy": "lowrank", "mesh": (1, 2, 2)},
+    "spatial_temporal_mlp_dense": {
+        "parallel.linear_partition": "mlp_in=st,mlp_out=st",
+        "model.linear": "dense",
+        "parallel.strategy": "megatron",
+        "mesh": (1, 2, 2),
+    },
+    "tt_pipeline_fsdp_remat": {
+        "model.linear": "tt",
+        "parallel.pipeline": 2,
+        "model.n_layers": 4,
+        "remat.policy": "lowrank",
+        "mesh": (1, 2, 2),
+    },
+    "stage_remat_pipeline_lowrank": {
+        "parallel.pipeline": 2,
+        "model.n_layers": 4,
+        "remat.pipeline": "stage",
+        "remat.policy": "lowrank",
+        "mesh": (1, 2, 2),
+    },
+    "stage_remat_pipeline_megatron_data": {
+        "parallel.pipeline": 2,
+        "model.n_layers": 4,
+        "remat.pipeline": "stage",
+        "parallel.strategy": "megatron",
+        "mesh": (2, 1, 2),
+    },
+    "sltrain_pipeline_fsdp_remat": {
+        "model.linear": "sltrain",
+        "parallel.pipeline": 2,
+        "model.n_layers": 4,
+        "remat.policy": "lowrank",
+        "mesh": (1, 2, 2),
+    },
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variants_match_single_device(make_config, variant):
     kw = dict(VARIANTS[variant])
-    cfg = par_config(make_config, kw.pop("parallel.strategy", "btp"), kw.pop("model.linear", "cola"),
-                     kw.pop("mesh", (2, 1, 4)), **kw)
+    cfg = par_config(
+        make_config, kw.pop("parallel.strategy", "btp"), kw.pop("model.linear", "cola"), kw.pop("mesh", (2, 1, 4)), **kw
+    )
     params, tokens, (ref_loss, ref_grads) = reference(cfg)
     loss, grads = loss_and_grads(cfg, params, tokens)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -157,6 +207,7 @@ def test_training_curve_matches_single_device(make_config, tmp_path, tmp_path_fa
     one = single_device_run(make_config, tmp_path_factory)
     train.run(par_config(make_config, strategy, "cola", (2, 1, 4), run_dir=str(tmp_path / "many"), **CURVE))
     from tests_support import metric_rows
+
     a, b = metric_rows(one), metric_rows(tmp_path / "many")
     np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=2e-5)
 
@@ -195,11 +246,18 @@ def grid4_results() -> dict[str, str]:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=16").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "grid4"], env=env, capture_output=True,
-                          text=True, timeout=900, check=False, cwd=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "grid4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return json.loads(lines[-1][len("RESULTS ") :])
 
 
 @pytest.mark.parametrize("linear", ST_LINEARS)
@@ -212,12 +270,20 @@ def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_
     one-device curve, and the checkpoint they save holds the weights in the ordinary layout: it
     restores onto one device under plain BTP with the one-device run's values."""
     from boost_jax.runtime.checkpoint import restore
+
     one = single_device_run(make_config, tmp_path_factory)
     single = par_config(make_config, "btp", "cola", (1, 1, 1), run_dir=str(one), **CURVE)
-    grid = par_config(make_config, "btp", "cola", (2, 2, 2), run_dir=str(tmp_path / "st"),
-                      **{"parallel.linear_partition": "st", **CURVE})
+    grid = par_config(
+        make_config,
+        "btp",
+        "cola",
+        (2, 2, 2),
+        run_dir=str(tmp_path / "st"),
+        **{"parallel.linear_partition": "st", **CURVE},
+    )
     train.run(grid)
     from tests_support import metric_rows
+
     a, b = metric_rows(one), metric_rows(tmp_path / "st")
     np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=2e-5)
     abstract = {"params": build(single).spec.abstract["params"]}
@@ -237,8 +303,9 @@ PIPELINE_MESHES = [(2, 4, 1), (2, 2, 2), (4, 2, 1)]
 @pytest.mark.parametrize("strategy", ["btp", "megatron"])
 def test_pipeline_matches_single_device(make_config, strategy, mesh):
     pipeline, tensor, data = mesh
-    cfg = par_config(make_config, strategy, "cola", (data, 1, tensor),
-                     **{"parallel.pipeline": pipeline, "model.n_layers": 4})
+    cfg = par_config(
+        make_config, strategy, "cola", (data, 1, tensor), **{"parallel.pipeline": pipeline, "model.n_layers": 4}
+    )
     params, tokens, (ref_loss, ref_grads) = reference(cfg)
     loss, grads = loss_and_grads(cfg, params, tokens)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -258,8 +325,15 @@ if __name__ == "__main__":  # the 16-device subprocess of grid4_results
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ST_LINEARS:
             try:
-                check_spatial_temporal(par_config(lambda **kw: small_config(tmp, **kw), "btp", kind, (1, 4, 4),
-                                                  **{"parallel.linear_partition": "st"}))
+                check_spatial_temporal(
+                    par_config(
+                        lambda **kw: small_config(tmp, **kw),
+                        "btp",
+                        kind,
+                        (1, 4, 4),
+                        **{"parallel.linear_partition": "st"},
+                    )
+                )
                 results[kind] = "ok"
             except Exception:  # noqa: BLE001 - report every kind, not just the first failure
                 results[kind] = traceback.format_exc()
@@ -269,11 +343,26 @@ if __name__ == "__main__":  # the 16-device subprocess of grid4_results
 def test_stage_remat_keeps_one_stage_input_per_microbatch(make_config):
     """remat.pipeline=stage: the compiled train step's temp memory grows with the micro-batch count by
     about one stage input per micro-batch, not by every layer's activations (GPipe's autodiff keeps)."""
+
     def temp(remat_stage, m):
-        cfg = par_config(make_config, "btp", "cola", (1, 1, 2), **{
-            "parallel.pipeline": 2, "model.n_layers": 4, "parallel.microbatches": m, "train.global_batch": 2 * m,
-            "remat.pipeline": remat_stage, "model.d_model": 128, "model.d_ff": 256, "model.rank": 32,
-            "train.seq_len": 32, "model.max_seq_len": 32})
+        cfg = par_config(
+            make_config,
+            "btp",
+            "cola",
+            (1, 1, 2),
+            **{
+                "parallel.pipeline": 2,
+                "model.n_layers": 4,
+                "parallel.microbatches": m,
+                "train.global_batch": 2 * m,
+                "remat.pipeline": remat_stage,
+                "model.d_model": 128,
+                "model.d_ff": 256,
+                "model.rank": 32,
+                "train.seq_len": 32,
+                "model.max_seq_len": 32,
+            },
+        )
         return build(cfg).lower_train().compile().memory_analysis().temp_size_in_bytes
 
     none4, none16 = temp("none", 4), temp("none", 16)
@@ -285,18 +374,28 @@ def test_stage_remat_keeps_one_stage_input_per_microbatch(make_config):
 # Each schedule x strategy, pipeline 2 on the 8-device mesh (the batch axes vary with the strategy so
 # both replica kinds run): circular with V = 2 chunks of one layer per stage, at M = 4 (the ring's
 # loop buffer holds an output two ticks) and M = S = 2 (stage S-1 hands straight to stage 0).
-SCHEDULES = {"gpipe": {},
-             "circular_v2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2},
-             "circular_v2_m2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
-                                "parallel.microbatches": 2}}
+SCHEDULES = {
+    "gpipe": {},
+    "circular_v2": {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2},
+    "circular_v2_m2": {
+        "parallel.pipeline_schedule": "circular",
+        "parallel.pipeline_repeats": 2,
+        "parallel.microbatches": 2,
+    },
+}
 SCHEDULE_MESHES = {"btp": (1, 2, 2), "megatron": (2, 1, 2), "vanilla": (2, 1, 2)}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("strategy", list(SCHEDULE_MESHES))
 def test_pipeline_schedules_match_single_device(make_config, strategy, schedule):
-    cfg = par_config(make_config, strategy, "cola", SCHEDULE_MESHES[strategy],
-                     **{"parallel.pipeline": 2, "model.n_layers": 4, **SCHEDULES[schedule]})
+    cfg = par_config(
+        make_config,
+        strategy,
+        "cola",
+        SCHEDULE_MESHES[strategy],
+        **{"parallel.pipeline": 2, "model.n_layers": 4, **SCHEDULES[schedule]},
+    )
     params, tokens, (ref_loss, ref_grads) = reference(cfg)
     loss, grads, colls = loss_and_grads(cfg, params, tokens, collectives=True)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)

@@ -1,6 +1,7 @@
 """parallel.plan=auto: the trainer runs the planner's best runnable plan for the devices it sees (8
 emulated CPU devices priced as H100s here), prints the pick and its prediction beside the first logged
 step times, and says in one line what it cannot do."""
+
 import json
 import re
 import shlex
@@ -17,14 +18,25 @@ from boost_jax.planner.auto import plan_run
 
 H100 = "clusters/h100_8x"
 ROOT = Path(__file__).resolve().parents[1]
-README_COMMAND = ("python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto "
-                  "--config.data.path=/data/c4_tok --config.data.eval_path=/data/c4_val_tok")
+README_COMMAND = (
+    "python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto "
+    "--config.data.path=/data/c4_tok --config.data.eval_path=/data/c4_val_tok"
+)
 
 
 def test_auto_trains_on_the_planners_pick(tmp_path, capsys):
     # batch 4 on 8 devices: the default mesh (data 8) cannot split it, so the planner's pick is not it
-    cfg = small_config(tmp_path / "run", **{"parallel.plan": "auto", "parallel.cluster": H100, "train.global_batch": 4,
-                                            "train.steps": 4, "train.log_every": 1, "train.eval_every": 0})
+    cfg = small_config(
+        tmp_path / "run",
+        **{
+            "parallel.plan": "auto",
+            "parallel.cluster": H100,
+            "train.global_batch": 4,
+            "train.steps": 4,
+            "train.log_every": 1,
+            "train.eval_every": 0,
+        },
+    )
     out = train.run(cfg)
     text = capsys.readouterr().out
     # the planner's own answer for these devices, asked directly
@@ -33,13 +45,23 @@ def test_auto_trains_on_the_planners_pick(tmp_path, capsys):
     assert pick.mesh.data < 8
     ran = json.loads((tmp_path / "run" / "config.json").read_text())["parallel"]
     assert (ran["pipeline"], ran["data"], ran["fsdp"], ran["tensor"], ran["context"]) == (
-        pick.mesh.pipeline, pick.mesh.data, pick.mesh.fsdp, pick.mesh.tensor, pick.mesh.context)
+        pick.mesh.pipeline,
+        pick.mesh.data,
+        pick.mesh.fsdp,
+        pick.mesh.tensor,
+        pick.mesh.context,
+    )
     assert ran["strategy"] == pick.strategy and ran["plan"] == "explicit"  # the run's config is the plan's
     line = next(ln for ln in text.splitlines() if ln.startswith("parallel.plan=auto:"))
     assert f"mesh {pick.mesh} " in line and f"remat {pick.remat}" in line and "GB per GPU" in line
     # the start-up line names the mesh the step was built on (its devices' shape): the pick's
-    sizes = dict(pipeline=pick.mesh.pipeline, data=pick.mesh.data, fsdp=pick.mesh.fsdp, context=pick.mesh.context,
-                 tensor=pick.mesh.tensor)
+    sizes = dict(
+        pipeline=pick.mesh.pipeline,
+        data=pick.mesh.data,
+        fsdp=pick.mesh.fsdp,
+        context=pick.mesh.context,
+        tensor=pick.mesh.tensor,
+    )
     built = "x".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
     assert f", mesh {built} (parallel.plan=auto), strategy {pick.strategy}" in text
     # the first logged step times beside the prediction, in the output and metrics.jsonl
@@ -53,8 +75,11 @@ def test_auto_trains_on_the_planners_pick(tmp_path, capsys):
 def test_auto_with_mesh_sizes_set_is_one_line():
     cfg = base_config()
     cfg.parallel.plan, cfg.parallel.tensor, cfg.parallel.fsdp = "auto", 2, 2
-    with pytest.raises(ConfigError, match=r"`parallel.plan`: auto picks the mesh itself, but parallel.fsdp=2, "
-                                          r"parallel.tensor=2 set it too; drop them or set parallel.plan=explicit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"`parallel.plan`: auto picks the mesh itself, but parallel.fsdp=2, "
+        r"parallel.tensor=2 set it too; drop them or set parallel.plan=explicit",
+    ):
         check_fields(cfg)
     cfg = base_config()
     cfg.parallel.cluster = H100  # a cluster without auto: nothing would read it
@@ -72,8 +97,11 @@ def test_the_cluster_comes_from_the_device_kind_or_the_field():
     assert auto.cluster.name == "h100_8x" and auto.plan.mesh.devices == 8
     _, auto = plan_run(cfg, 8, "NVIDIA A100-SXM4-40GB")
     assert auto.cluster.name == "a100_4x"
-    with pytest.raises(ConfigError, match=r"`parallel.cluster`: parallel.plan=auto has no cluster file for device "
-                                          r"kind 'cpu'; name one, e.g. --config.parallel.cluster=clusters/h100_8x"):
+    with pytest.raises(
+        ConfigError,
+        match=r"`parallel.cluster`: parallel.plan=auto has no cluster file for device "
+        r"kind 'cpu'; name one, e.g. --config.parallel.cluster=clusters/h100_8x",
+    ):
         plan_run(cfg, 8, "cpu")
     cfg.parallel.cluster = "clusters/no_such_gpu"
     with pytest.raises(ConfigError, match="`parallel.cluster`: no such file"):

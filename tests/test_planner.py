@@ -2,8 +2,8 @@
 7B validation against BOOST's reported times (and the TP-4 fit's drift), search speed, pipeline
 plans, its collectives against the HLO (st plans on 2 x 2 and 4 x 4 grids included) and its peak
 memory against the compiled step's memory_analysis."""
+
 import importlib.util
-import math
 from pathlib import Path
 
 import jax
@@ -62,9 +62,11 @@ def test_plans_over_hbm_are_rejected():
 
 def test_search_space_and_mesh_products():
     assert sorted((m.data, m.fsdp, m.tensor) for m in meshes(12)) == sorted(
-        (d, f, 12 // (d * f)) for d in range(1, 13) for f in range(1, 13) if 12 % (d * f) == 0)
+        (d, f, 12 // (d * f)) for d in range(1, 13) for f in range(1, 13) if 12 % (d * f) == 0
+    )
     assert sorted((m.pipeline, m.data * m.fsdp * m.tensor) for m in meshes(12, (1, 3))) == sorted(
-        [(1, 12)] * 18 + [(3, 4)] * 6)
+        [(1, 12)] * 18 + [(3, 4)] * 6
+    )
     assert stage_counts(64, 40, Options(batch=1, seq=1)) == [1, 2, 4, 8]  # divide devices and layers
     assert stage_counts(64, 40, Options(batch=1, seq=1, pipeline=(2, 3, 16))) == [2]
     assert microbatch_counts(1, 64, Options(batch=1, seq=1)) == [1]
@@ -112,8 +114,20 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
     every = search(cfg, cluster, devices, dataclasses.replace(opts, prune=False), flops_per_token=1.0)
 
     def key(p):
-        return (p.mesh, p.layer, p.remat, p.grad_accum, p.microbatches, p.schedule, p.repeats, p.stage_remat,
-                p.context_attention, p.context_kv, p.step_s, p.memory["total"])
+        return (
+            p.mesh,
+            p.layer,
+            p.remat,
+            p.grad_accum,
+            p.microbatches,
+            p.schedule,
+            p.repeats,
+            p.stage_remat,
+            p.context_attention,
+            p.context_kv,
+            p.step_s,
+            p.memory["total"],
+        )
 
     assert [key(p) for p in pruned.plans] == [key(p) for p in every.plans] and len(every.plans) == opts.top
     assert key(pruned.best_runnable) == key(every.best_runnable)
@@ -122,8 +136,13 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
     priced = [p for _, _, p in bounds]  # the space the bounds were checked on
     if "pipelines" in case:
         assert {(p.schedule, p.stage_remat) for p in priced if p.mesh.pipeline > 1} == {
-            ("gpipe", "none"), ("gpipe", "stage"), ("circular", "none"), ("circular", "stage"), ("1f1b", "none"),
-            ("1f1b", "stage")}
+            ("gpipe", "none"),
+            ("gpipe", "stage"),
+            ("circular", "none"),
+            ("circular", "stage"),
+            ("1f1b", "none"),
+            ("1f1b", "stage"),
+        }
     if "context" in case:
         assert any(p.mesh.context > 1 for p in priced)
 
@@ -137,13 +156,15 @@ def test_search_covers_64_devices_with_pipeline_stages():
     # With pipeline stages and GPipe micro-batch counts in the space (13B: 40 layers, S in 1, 2, 4, 8).
     res = search(sized_config("13b", "cola"), H100, 64, Options(batch=512, seq=256, top=10), flops_per_token=1.0)
     assert res.considered > 10_000
-    res = search(sized_config("13b", "cola"), H100, 64, Options(batch=512, seq=256, top=10, pipeline=(2, 4)),
-                 flops_per_token=1.0)
+    res = search(
+        sized_config("13b", "cola"), H100, 64, Options(batch=512, seq=256, top=10, pipeline=(2, 4)), flops_per_token=1.0
+    )
     piped = [p for p in res.plans if p.mesh.pipeline > 1]
     assert piped and all(p.mesh.devices == 64 and 40 % p.mesh.pipeline == 0 for p in piped)
     runnable = next(p for p in piped if p.runnable == "yes")
-    assert (f"--config.parallel.pipeline={runnable.mesh.pipeline} "
-            f"--config.parallel.microbatches={runnable.microbatches} ") in runnable.overrides
+    assert (
+        f"--config.parallel.pipeline={runnable.mesh.pipeline} --config.parallel.microbatches={runnable.microbatches} "
+    ) in runnable.overrides
     assert (512 // runnable.grad_accum // (runnable.mesh.data * runnable.mesh.fsdp)) % runnable.microbatches == 0
 
 
@@ -152,8 +173,10 @@ def test_pipeline_step_time_grows_with_the_bubble(stages):
     """Fewer GPipe micro-batches (same S, same batch): a bigger bubble, (S-1)/(M+S-1), and a slower step
     that tracks the ticks per micro-batch, (M+S-1)/M (bigger micro-batches run slightly better GEMMs)."""
     cfg, btp = sized_config("13b", "cola"), Layer(*P.uniform_plan("btp"))
-    plans = [plan_for(cfg, H100, Mesh(2, 1, 4, stages), 1, "full", btp, Options(batch=512, seq=256), 1.0, m)
-             for m in (4 * stages, 2 * stages, stages)]
+    plans = [
+        plan_for(cfg, H100, Mesh(2, 1, 4, stages), 1, "full", btp, Options(batch=512, seq=256), 1.0, m)
+        for m in (4 * stages, 2 * stages, stages)
+    ]
     assert [p.bubble for p in plans] == [(stages - 1) / (m + stages - 1) for m in (4 * stages, 2 * stages, stages)]
     assert plans[0].step_s < plans[1].step_s < plans[2].step_s
     ticks = (2 * stages - 1) / stages / ((5 * stages - 1) / (4 * stages))
@@ -210,10 +233,12 @@ def test_7b_tp4_fit_holds_within_10_percent():
     assert bandwidth == pytest.approx(A100.intra.bandwidth, rel=0.10)
     assert latency == pytest.approx(A100.intra.latency, rel=0.10)
     import dataclasses
+
     slower = dataclasses.replace(A100, intra=Link(0.8 * A100.intra.bandwidth, A100.intra.latency))
     assert validation.check_fit(validation.fitted_rows(slower))
     from boost_jax.config import load_config_file
     from boost_jax.planner.cluster import from_dict
+
     bad = load_config_file(ROOT / "configs/clusters/a100_4x.py", "--cluster")
     bad.fitted = {"nvlink_bandwidth": "a typo"}
     with pytest.raises(ValueError, match="`fitted` names .*nvlink_bandwidth"):
@@ -225,8 +250,16 @@ def test_7b_tp4_fit_holds_within_10_percent():
 
 def test_btp_forward_traffic_is_7r_per_token():
     cfg = sized_config("7b", "cola")
-    plan = plan_for(cfg, A100, Mesh(1, 1, 4), 1, "none", Layer(*P.uniform_plan("btp")),
-                    Options(batch=4, seq=4096, check_memory=False), flops_per_token=1.0)
+    plan = plan_for(
+        cfg,
+        A100,
+        Mesh(1, 1, 4),
+        1,
+        "none",
+        Layer(*P.uniform_plan("btp")),
+        Options(batch=4, seq=4096, check_memory=False),
+        flops_per_token=1.0,
+    )
     fwd = sum(c.elements for c in plan.layer_colls if c.phase == "fwd") / plan.tokens
     assert fwd == 7 * 1024 + 2  # + one norm statistic per token per norm (online RMSNorm)
 
@@ -244,14 +277,24 @@ def test_st_permutes_match_the_primitive():
     kw = {**grid, "row_dim": 0}
 
     def f(i, w, g):
-        o, vjp = jax.vjp(lambda a, v: st.st_matmul(st.skew_sharded(a, **kw),
-                                                   st.skew_weight_sharded(v, ("row", "col"), **grid), **kw), i, w)
+        o, vjp = jax.vjp(
+            lambda a, v: st.st_matmul(
+                st.skew_sharded(a, **kw), st.skew_weight_sharded(v, ("row", "col"), **grid), **kw
+            ),
+            i,
+            w,
+        )
         return (o, *vjp(g))
 
-    act, weight = NamedSharding(mesh, PartitionSpec("row", None, "col")), NamedSharding(mesh, PartitionSpec("row", "col"))
-    args = [jax.ShapeDtypeStruct((b, t, k), jnp.float32, sharding=act),
-            jax.ShapeDtypeStruct((k, n_out), jnp.float32, sharding=weight),
-            jax.ShapeDtypeStruct((b, t, n_out), jnp.float32, sharding=act)]
+    act, weight = (
+        NamedSharding(mesh, PartitionSpec("row", None, "col")),
+        NamedSharding(mesh, PartitionSpec("row", "col")),
+    )
+    args = [
+        jax.ShapeDtypeStruct((b, t, k), jnp.float32, sharding=act),
+        jax.ShapeDtypeStruct((k, n_out), jnp.float32, sharding=weight),
+        jax.ShapeDtypeStruct((b, t, n_out), jnp.float32, sharding=act),
+    ]
     measured = parse_collectives(jax.jit(f).lower(*args).compile().as_text(), mesh)
     predicted = P.StMatmul(b * t / 2, k, n_out, 2, "W").colls()  # m: one device's tokens
     assert {c.kind for c in measured} == {"collective-permute"}
@@ -262,8 +305,9 @@ def test_st_permutes_match_the_primitive():
 def test_verify_agrees_with_comm_report():
     """Predicted per-layer collective bytes against the HLO of the real train step's programs."""
     c = base_config()
-    c.model.update(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1376, rank=128, n_layers=2, vocab_size=1024,
-                   max_seq_len=64)
+    c.model.update(
+        d_model=512, n_heads=8, n_kv_heads=8, d_ff=1376, rank=128, n_layers=2, vocab_size=1024, max_seq_len=64
+    )
     rows = compare(c, A100, Mesh(1, 2, 2), "btp", batch=4, seq=64)
     assert [r["traffic"] for r in rows][:2] == ["tensor fwd: all-reduce", "tensor bwd: all-reduce"]
     check_verify_rows(rows, st=False, memory=False)
@@ -272,6 +316,7 @@ def test_verify_agrees_with_comm_report():
 def with_overrides(cfg, flags: str):
     """cfg with the planner's `--config.key=value` flags applied (as the trainer's command line would)."""
     from boost_jax.validate import validate
+
     cfg = cfg.copy_and_resolve_references()
     for flag in flags.split():
         key, _, value = flag.removeprefix("--config.").partition("=")
@@ -313,7 +358,11 @@ def test_runnable_top_plans_compile(linear):
         built = build(run)
         mesh, strategy = built.mesh, built.strategy
         assert (mesh.shape["pipeline"], mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]) == (
-            p.mesh.pipeline, p.mesh.data, p.mesh.fsdp, p.mesh.tensor)
+            p.mesh.pipeline,
+            p.mesh.data,
+            p.mesh.fsdp,
+            p.mesh.tensor,
+        )
         # The planner speaks the trainer's group names (qkv, o, mlp_in, mlp_out).
         assert strategy.st_groups == {g for g, c in zip(P.GROUPS, p.layer.choices) if c == "st"}
         compiled = built.lower_train().compile()
@@ -329,8 +378,17 @@ def test_runnable_top_plans_compile(linear):
 
 def small_verify_config(linear: str = "cola"):
     c = base_config()
-    c.model.update(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1376, rank=128, n_layers=2, vocab_size=1024,
-                   max_seq_len=64, linear=linear)
+    c.model.update(
+        d_model=512,
+        n_heads=8,
+        n_kv_heads=8,
+        d_ff=1376,
+        rank=128,
+        n_layers=2,
+        vocab_size=1024,
+        max_seq_len=64,
+        linear=linear,
+    )
     return c
 
 
@@ -346,13 +404,17 @@ def check_verify_rows(rows, st: bool = True, memory: bool = True):
             assert r["counts"][0] == r["counts"][1], r
 
 
-VERIFY_ST = {"o_st": ("btp", "cola", ("btp", "st", "btp", "btp")), "all_st": ("btp", "cola", ("st",) * 4),
-             "megatron_o_st": ("megatron", "cola", ("megatron", "st", "megatron", "megatron")),
-             "vanilla_o_down_st": ("vanilla", "cola", ("vanilla", "st", "vanilla", "st"))}
+VERIFY_ST = {
+    "o_st": ("btp", "cola", ("btp", "st", "btp", "btp")),
+    "all_st": ("btp", "cola", ("st",) * 4),
+    "megatron_o_st": ("megatron", "cola", ("megatron", "st", "megatron", "megatron")),
+    "vanilla_o_down_st": ("vanilla", "cola", ("vanilla", "st", "vanilla", "st")),
+}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("vanilla") else n
-                                  for n in VERIFY_ST])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("vanilla") else n for n in VERIFY_ST]
+)
 def test_verify_st_plans_agree_with_the_compiled_step(name):
     """Plans with st groups around btp, megatron (whose factored o-B is stored whole along tensor:
     sliced for the skew, gradient all-reduced) and vanilla on the 2 x 2 fsdp x tensor grid: the
@@ -360,13 +422,23 @@ def test_verify_st_plans_agree_with_the_compiled_step(name):
     against the compiled programs (5%), and its peak memory against the compiled step's (15%)."""
     strategy, linear, choices = VERIFY_ST[name]
     residual, _, attention, act = P.uniform_plan(strategy)
-    rows = compare(small_verify_config(linear), A100, Mesh(1, 2, 2), strategy, batch=4, seq=64,
-                   layer=Layer(residual, choices, attention, act), memory=True)
+    rows = compare(
+        small_verify_config(linear),
+        A100,
+        Mesh(1, 2, 2),
+        strategy,
+        batch=4,
+        seq=64,
+        layer=Layer(residual, choices, attention, act),
+        memory=True,
+    )
     check_verify_rows(rows)
 
 
-GRID4 = {"all_st": ("btp", "cola", ("st",) * 4),
-         "megatron_o_st": ("megatron", "cola", ("megatron", "st", "megatron", "megatron"))}
+GRID4 = {
+    "all_st": ("btp", "cola", ("st",) * 4),
+    "megatron_o_st": ("megatron", "cola", ("megatron", "st", "megatron", "megatron")),
+}
 
 
 def run_grid4() -> dict[str, str]:
@@ -377,8 +449,18 @@ def run_grid4() -> dict[str, str]:
     for name, (strategy, linear, choices) in GRID4.items():
         try:
             residual, _, attention, act = P.uniform_plan(strategy)
-            check_verify_rows(compare(small_verify_config(linear), A100, Mesh(1, 4, 4), strategy, batch=4, seq=64,
-                                      layer=Layer(residual, choices, attention, act), memory=True))
+            check_verify_rows(
+                compare(
+                    small_verify_config(linear),
+                    A100,
+                    Mesh(1, 4, 4),
+                    strategy,
+                    batch=4,
+                    seq=64,
+                    layer=Layer(residual, choices, attention, act),
+                    memory=True,
+                )
+            )
             out[name] = "ok"
         except Exception:  # noqa: BLE001 - report every plan, not just the first failure
             out[name] = traceback.format_exc()
@@ -399,11 +481,18 @@ def grid4_results() -> dict[str, str]:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=16").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "grid4"], env=env, capture_output=True,
-                          text=True, timeout=600, check=False, cwd=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "grid4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=str(ROOT),
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return json.loads(lines[-1][len("RESULTS ") :])
 
 
 @pytest.mark.slow  # ~30 s: 16 devices in a subprocess; the 2x2 grid cases above run by default
@@ -432,11 +521,14 @@ def test_whether_the_gpu_program_gets_the_collective_pipeliner_is_read_from_the_
     assert X.pipelined({}, jaxlib=(0, 11)) == set()
     off = {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false"}
     assert X.pipelined(off, jaxlib=(0, 10)) == set(X.PIPELINED) - {"xla_gpu_enable_pipelined_all_gather"}
-    assert X.pipelined({"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false "
-                                     "--xla_gpu_enable_pipelined_all_gather=true"}, jaxlib=(0, 10)) == set(X.PIPELINED)
+    assert X.pipelined(
+        {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false --xla_gpu_enable_pipelined_all_gather=true"},
+        jaxlib=(0, 10),
+    ) == set(X.PIPELINED)
     assert cost.pipeliner(True) and not cost.pipeliner(False)
-    assert X.pipelined({"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=0"}, jaxlib=(0, 10)) == set(
-        X.PIPELINED) - {"xla_gpu_enable_pipelined_all_gather"}
+    assert X.pipelined({"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=0"}, jaxlib=(0, 10)) == set(X.PIPELINED) - {
+        "xla_gpu_enable_pipelined_all_gather"
+    }
 
 
 def test_whether_the_gpu_layer_scan_is_double_buffered_is_read_from_the_flags():
@@ -460,8 +552,16 @@ def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
 
     def part(linear, mesh, remat="none", act_bytes=2, pipelined=True, **kw):
         cfg = sized_config("1b", linear)
-        return plan_for(cfg, cluster, mesh, 1, remat, layer, Options(batch=64, seq=256, check_memory=False,
-                        act_bytes=act_bytes, pipelined=pipelined), **kw).memory["pipeliner"]
+        return plan_for(
+            cfg,
+            cluster,
+            mesh,
+            1,
+            remat,
+            layer,
+            Options(batch=64, seq=256, check_memory=False, act_bytes=act_bytes, pipelined=pipelined),
+            **kw,
+        ).memory["pipeliner"]
 
     cfg = sized_config("1b", "cola")
     r, layers = cfg.model.rank, cfg.model.n_layers
@@ -488,15 +588,21 @@ def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
     replicated = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
 
     def factor(mesh, layer, act_bytes=2):
-        m = plan_for(cfg, cluster, mesh, 1, "none", layer, Options(batch=64, seq=256, check_memory=False,
-                     act_bytes=act_bytes)).memory
+        m = plan_for(
+            cfg, cluster, mesh, 1, "none", layer, Options(batch=64, seq=256, check_memory=False, act_bytes=act_bytes)
+        ).memory
         kept = sum(v for k, v in m.items() if k not in ("total", "allocator"))
         arguments = m["states"] * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES) / cost.ADAM_STATE_BYTES
         assert m["total"] == pytest.approx(kept + m["allocator"])
         return 1 + m["allocator"] / (kept - arguments)
 
-    one_kind = ((Mesh(1, 8, 1), replicated), (Mesh(8, 1, 1), replicated), (Mesh(2, 4, 1), replicated),
-                (Mesh(1, 1, 8), megatron), (Mesh(1, 1, 1, pipeline=8), replicated))
+    one_kind = (
+        (Mesh(1, 8, 1), replicated),
+        (Mesh(8, 1, 1), replicated),
+        (Mesh(2, 4, 1), replicated),
+        (Mesh(1, 1, 8), megatron),
+        (Mesh(1, 1, 1, pipeline=8), replicated),
+    )
     for mesh, layer in one_kind:
         assert factor(mesh, layer) == pytest.approx(cost.GPU_BUFFER_OVERHEAD[0]), mesh
     for mesh, layer in ((Mesh(1, 4, 2), megatron), (Mesh(1, 4, 1, pipeline=2), replicated)):
@@ -514,16 +620,29 @@ def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     assert cost.loss_bytes(rows, seq, 0, vocab, gpu=True) == rows * seq * vocab * 4
     assert cost.loss_bytes(rows, seq, 0, vocab) == 3 * rows * seq * vocab * 4
     assert cost.loss_bytes(rows, seq, 64, vocab, gpu=True) == rows * 64 * vocab * 4
-    assert (cost.table_bytes(8, 2), cost.table_bytes(1, 2), cost.table_bytes(8, 4), cost.table_bytes(1, 4)) == (6, 6, 8, 4)
+    assert (cost.table_bytes(8, 2), cost.table_bytes(1, 2), cost.table_bytes(8, 4), cost.table_bytes(1, 4)) == (
+        6,
+        6,
+        8,
+        4,
+    )
 
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
     cfg = sized_config("1b", "dense")
     layers, ff = cfg.model.n_layers, cfg.model.d_ff
 
-    def part(mesh, layer=Layer("R", ("none",) * len(P.GROUPS), "R", "R"), remat="none", act_bytes=2,
-             double_buffered=True):
-        return plan_for(cfg, cluster, mesh, 1, remat, layer, Options(batch=64, seq=256, check_memory=False,
-                        act_bytes=act_bytes, double_buffered=double_buffered)).memory["double_buffer"]
+    def part(
+        mesh, layer=Layer("R", ("none",) * len(P.GROUPS), "R", "R"), remat="none", act_bytes=2, double_buffered=True
+    ):
+        return plan_for(
+            cfg,
+            cluster,
+            mesh,
+            1,
+            remat,
+            layer,
+            Options(batch=64, seq=256, check_memory=False, act_bytes=act_bytes, double_buffered=double_buffered),
+        ).memory["double_buffer"]
 
     assert part(Mesh(1, 8, 1)) == pytest.approx(layers * (64 // 8 * 256) * ff * 2)
     megatron = Layer(*P.uniform_plan("megatron", False))

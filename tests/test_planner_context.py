@@ -3,6 +3,7 @@ exchange it prices (ring / all_gather x full / bottleneck K/V) against the compi
 collectives over `context`, its peak memory per device against memory_analysis, the search picking
 context where the rows run out (13B at seq 32k on 64 H100s), its exchange against the one formula,
 and one-line errors for bad --context input."""
+
 from pathlib import Path
 
 import pytest
@@ -10,36 +11,62 @@ import pytest
 from boost_jax.config import base_config, sized_config
 from boost_jax.parallel import strategies
 from boost_jax.parallel.context import traffic
-from boost_jax.planner import Layer, Mesh, Options, load_cluster, search
+from boost_jax.planner import Mesh, Options, load_cluster, search
 from boost_jax.planner import partitions as P
 from boost_jax.planner.verify import MEMORY, MEMORY_TOLERANCE, compare
 
 ROOT = Path(__file__).resolve().parents[1]
 A100 = load_cluster(ROOT / "configs/clusters/a100_4x.py")
 H100 = load_cluster(ROOT / "configs/clusters/h100_8x.py")
-README_COMMAND = ("python -m boost_jax.plan --config configs/cola_13b.py --devices 64 --cluster "
-                  "configs/clusters/h100_8x.py --batch 4 --seq 32768 --top 3")
+README_COMMAND = (
+    "python -m boost_jax.plan --config configs/cola_13b.py --devices 64 --cluster "
+    "configs/clusters/h100_8x.py --batch 4 --seq 32768 --top 3"
+)
 
 
 def context_config():
     """2 layers at d 256, seq 512: activations a good part of the peak, compiled in seconds."""
     c = base_config()
-    c.model.update(d_model=256, n_heads=4, n_kv_heads=4, d_ff=688, rank=64, n_layers=2, vocab_size=512,
-                   max_seq_len=512, attention="chunked")
+    c.model.update(
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=4,
+        d_ff=688,
+        rank=64,
+        n_layers=2,
+        vocab_size=512,
+        max_seq_len=512,
+        attention="chunked",
+    )
     return c
 
 
-@pytest.mark.parametrize("mode,kv", [pytest.param("ring", "full", marks=pytest.mark.slow), ("ring", "bottleneck"),
-                                     ("all_gather", "full"),
-                                     pytest.param("all_gather", "bottleneck", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode,kv",
+    [
+        pytest.param("ring", "full", marks=pytest.mark.slow),
+        ("ring", "bottleneck"),
+        ("all_gather", "full"),
+        pytest.param("all_gather", "bottleneck", marks=pytest.mark.slow),
+    ],
+)
 def test_verify_context_plan_agrees_with_the_compiled_step(mode, kv):
     """`plan --verify` on a context plan (btp, tensor 2 x context 2, 4 emulated devices): the
     exchange over `context` by kind, count and bytes per layer (collective-permutes; all-gathers and
     reduce-scatters), the tensor and data traffic (the weights' gradient all-reduced over context) and
     the whole program within 5%, and the peak memory per device within 15%, against the compiled
     programs; bottleneck moves r where full moves the device's kv_dim."""
-    rows = compare(context_config(), A100, Mesh(1, 1, 2, context=2), "btp", batch=2, seq=512, memory=True,
-                   context_attention=mode, context_kv=kv)
+    rows = compare(
+        context_config(),
+        A100,
+        Mesh(1, 1, 2, context=2),
+        "btp",
+        batch=2,
+        seq=512,
+        memory=True,
+        context_attention=mode,
+        context_kv=kv,
+    )
     names = [r["traffic"] for r in rows]
     exchange = [r for r in rows if r["traffic"].startswith("context")]
     kinds = {"ring": ["collective-permute"], "all_gather": ["all-gather", "reduce-scatter"]}[mode]
@@ -65,7 +92,8 @@ def test_context_memory_falls_with_c_as_compiled():
         rows = compare(context_config(), A100, Mesh(1, 1, 2, context=c), "btp", batch=2, seq=512, memory=True)
         r = rows[-1]
         assert r["traffic"] == MEMORY and abs(r["predicted"] - r["measured"]) <= MEMORY_TOLERANCE * max(
-            r["predicted"], r["measured"]), r
+            r["predicted"], r["measured"]
+        ), r
         peaks[c] = r["predicted"], r["measured"]
     drop_p, drop_m = peaks[1][0] - peaks[2][0], peaks[1][1] - peaks[2][1]
     assert drop_m > 0 and drop_p == pytest.approx(drop_m, rel=0.30), peaks
@@ -81,7 +109,9 @@ def test_search_picks_context_at_32k_where_the_rows_run_out():
     cfg = sized_config("13b", "cola")
     res = search(cfg, H100, 64, Options(batch=4, seq=32768, top=5), flops_per_token=1.0)
     best = res.best_runnable
-    assert best is not None and best.mesh.context > 1 and res.plans[0].mesh.context > 1, [str(p.mesh) for p in res.plans]
+    assert best is not None and best.mesh.context > 1 and res.plans[0].mesh.context > 1, [
+        str(p.mesh) for p in res.plans
+    ]
     assert f"--config.parallel.context={best.mesh.context} " in best.overrides
     flat = search(cfg, H100, 64, Options(batch=4, seq=32768, top=5, context=(1,)), flops_per_token=1.0)
     assert all(p.mesh.context == 1 for p in flat.plans)
@@ -95,10 +125,13 @@ def test_search_picks_context_at_32k_where_the_rows_run_out():
     for c in best.layer_colls:
         if c.axis == "context":
             slot = priced.setdefault("forward" if c.phase == "fwd" else "backward", {}).setdefault(
-                c.kind, {"count": 0, "elements": 0})
+                c.kind, {"count": 0, "elements": 0}
+            )
             slot["count"] += 1
             slot["elements"] += c.elements
-    assert {d: {k: {f: v[f] for f in ("count", "elements")} for k, v in ks.items()} for d, ks in formula.items()} == priced
+    assert {
+        d: {k: {f: v[f] for f in ("count", "elements")} for k, v in ks.items()} for d, ks in formula.items()
+    } == priced
 
 
 def test_search_includes_context_modes_and_sizes():
@@ -107,15 +140,22 @@ def test_search_includes_context_modes_and_sizes():
     strategy that keeps the rank whole."""
     found = {}
     for linear in ("cola", "dense"):
-        res = search(sized_config("7b", linear), H100, 8, Options(batch=1, seq=32768, top=10_000, check_memory=False),
-                     flops_per_token=1.0)
+        res = search(
+            sized_config("7b", linear),
+            H100,
+            8,
+            Options(batch=1, seq=32768, top=10_000, check_memory=False),
+            flops_per_token=1.0,
+        )
         found[linear] = {(p.mesh.context, p.context_attention, p.context_kv) for p in res.plans}
         for p in res.plans:
             if p.context_kv == "bottleneck" and p.runnable == "yes":
                 assert strategies.registered(p.strategy).keeps_whole_rank
     modes = {(c, a, kv) for c in (2, 4, 8) for a in ("ring", "all_gather") for kv in ("full", "bottleneck")}
     assert modes <= found["cola"]
-    assert {m for m in modes if m[2] == "full"} <= found["dense"] and not {m for m in found["dense"] if m[2] == "bottleneck"}
+    assert {m for m in modes if m[2] == "full"} <= found["dense"] and not {
+        m for m in found["dense"] if m[2] == "bottleneck"
+    }
     assert (1, "", "") in found["cola"]
 
 
@@ -143,17 +183,31 @@ def test_remat_redoes_the_forward_of_the_exchange_only(mode):
     assert len(op.gemms) == 2 * {"ring": 4 * c - 3, "all_gather": 3 * (c - 1)}[mode]  # forward and backward
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--context", "3"], "--context: 3 does not divide --devices 8"),
-    (["--context", "8", "--seq", "24"], "--context: 8 devices hold 2 of 16 equal chunks"),
-    (["--context", "2", "--attention", "xla"], "--context: --attention xla cannot run"),
-    (["--context", "x"], "--context: expected a comma list"),
-    (["--context-attention", "ulysses"], "--context-attention / --context-kv: ['ulysses']"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--context", "3"], "--context: 3 does not divide --devices 8"),
+        (["--context", "8", "--seq", "24"], "--context: 8 devices hold 2 of 16 equal chunks"),
+        (["--context", "2", "--attention", "xla"], "--context: --attention xla cannot run"),
+        (["--context", "x"], "--context: expected a comma list"),
+        (["--context-attention", "ulysses"], "--context-attention / --context-kv: ['ulysses']"),
+    ],
+)
 def test_bad_context_input_is_one_line(argv, needle):
     from boost_jax import plan
-    base = ["--config", str(ROOT / "configs/cola_7b.py"), "--devices", "8", "--cluster",
-            str(ROOT / "configs/clusters/h100_8x.py"), "--batch", "1", "--seq", "4096"]
+
+    base = [
+        "--config",
+        str(ROOT / "configs/cola_7b.py"),
+        "--devices",
+        "8",
+        "--cluster",
+        str(ROOT / "configs/clusters/h100_8x.py"),
+        "--batch",
+        "1",
+        "--seq",
+        "4096",
+    ]
     with pytest.raises(SystemExit) as e:
         plan.main(base + argv)
     message = str(e.value)
@@ -166,6 +220,7 @@ def test_readme_context_plan(capsys):
     import shlex
 
     from boost_jax import plan
+
     assert plan.main(shlex.split(README_COMMAND)[3:]) == 0
     out = capsys.readouterr().out
     assert "| context C: attention / kv |" in out and "--config.parallel.context=" in out

@@ -1,16 +1,17 @@
 """The planner's pipelined plans (issue 21): GPipe, circular and 1F1B schedules, remat.pipeline=stage, their
 search space and flags, and `--verify` of pipelined plans against the compiled, scanned train step
 (collectives by class and kind, peak memory), or its one-line refusal."""
+
 import math
 
 import pytest
+from test_planner import A100, H100, with_overrides
 
 from boost_jax.config import base_config, sized_config
-from boost_jax.planner import Layer, Mesh, Options, cost, load_cluster, plan_for, search
+from boost_jax.planner import Layer, Mesh, Options, cost, plan_for, search
 from boost_jax.planner import partitions as P
 from boost_jax.planner.search import check_pipeline, pipeline_variants
 from boost_jax.planner.verify import compare_pipeline, pipeline_refusal
-from test_planner import A100, H100, ROOT, with_overrides
 
 BTP = Layer(*P.uniform_plan("btp"))
 
@@ -29,8 +30,11 @@ def test_ticks_bubble_and_what_a_tick_runs():
         p = plan_for(cfg, H100, Mesh(1, 1, 4, 4), 4, "full", BTP, opts, 1.0, 8, schedule, v)
         ticks = v * 8 + 3
         assert p.bubble == pytest.approx(3 / ticks) == cost.bubble_fraction(4, 8, v)
-        permutes = [t for c, t in p.step_colls if c.axis == "pipeline" and c.kind == "collective-permute"
-                    and c.elements == p.pipeline_colls[0].elements]
+        permutes = [
+            t
+            for c, t in p.step_colls
+            if c.axis == "pipeline" and c.kind == "collective-permute" and c.elements == p.pipeline_colls[0].elements
+        ]
         assert permutes == [ticks, ticks]  # one hand-over each way per tick
         tensor = {t for c, t in p.step_colls if c.axis == "tensor"}
         assert tensor == {1, ticks * 40 // (4 * v)}  # the head's once; the layers': ticks x L/(S V)
@@ -45,6 +49,7 @@ def test_1f1b_keeps_items_set_by_the_stages_and_hands_over_every_lockstep_tick()
     grow with M (ring_slots + 2 items, as pipeline.py keeps them) where GPipe's do; the interleaved
     plan reorders its weights like circular."""
     from boost_jax.parallel import pipeline
+
     for s_, v in ((2, 1), (4, 1), (4, 2), (2, 4)):
         for reread in (True, False):
             assert cost.ring_slots(s_, v, reread) == pipeline.ring_slots(s_, v, reread)
@@ -53,10 +58,16 @@ def test_1f1b_keeps_items_set_by_the_stages_and_hands_over_every_lockstep_tick()
     plans = {}
     for m in (4, 16):  # micro-batches of 16 rows per data replica: the global batch grows with M
         opts = Options(batch=32 * m, seq=256, check_memory=False)
-        for schedule, v, staged in (("gpipe", 1, "stage"), ("1f1b", 1, "stage"), ("1f1b", 1, "none"),
-                                    ("1f1b", 2, "none"), ("circular", 2, "none")):
-            plans[schedule, v, staged, m] = plan_for(cfg, H100, Mesh(2, 1, 4, 4), 1, "none", BTP, opts, 1.0, m,
-                                                     schedule, v, staged)
+        for schedule, v, staged in (
+            ("gpipe", 1, "stage"),
+            ("1f1b", 1, "stage"),
+            ("1f1b", 1, "none"),
+            ("1f1b", 2, "none"),
+            ("circular", 2, "none"),
+        ):
+            plans[schedule, v, staged, m] = plan_for(
+                cfg, H100, Mesh(2, 1, 4, 4), 1, "none", BTP, opts, 1.0, m, schedule, v, staged
+            )
     for m in (4, 16):
         p = plans["1f1b", 2, "none", m]
         assert p.bubble == plans["circular", 2, "none", m].bubble == pytest.approx(3 / (2 * m + 3))
@@ -78,8 +89,9 @@ def test_stage_remat_keeps_one_input_per_tick_and_pays_a_forward():
     flags say so."""
     cfg = sized_config("13b", "cola")
     opts = Options(batch=512, seq=256, check_memory=False)
-    base, staged = (plan_for(cfg, H100, Mesh(2, 1, 4, 2), 2, "none", BTP, opts, 1.0, 8, stage_remat=r)
-                    for r in ("none", "stage"))
+    base, staged = (
+        plan_for(cfg, H100, Mesh(2, 1, 4, 2), 2, "none", BTP, opts, 1.0, 8, stage_remat=r) for r in ("none", "stage")
+    )
     ticks, one = 8 + 1, 512 // 2 // 2 // 8 * 256 * 5120 / 4  # rows per micro-batch x seq x d/t
     assert staged.memory["activations"] == pytest.approx(ticks * one * 2)
     assert base.memory["activations"] > 10 * staged.memory["activations"]
@@ -94,25 +106,47 @@ def test_search_covers_schedules_repeats_and_stage_remat():
     assert pipeline_variants(40, 1, 1, Options(batch=1, seq=1)) == [("gpipe", 1, "none")]
     got = pipeline_variants(40, 4, 8, Options(batch=1, seq=1))
     assert got == [("gpipe", 1, "none"), ("gpipe", 1, "stage")] + [
-        ("circular", v, r) for v in (2, 5, 10) for r in ("none", "stage")] + [
-        ("1f1b", v, r) for v in (1, 2, 5, 10) for r in ("none", "stage")]
+        ("circular", v, r) for v in (2, 5, 10) for r in ("none", "stage")
+    ] + [("1f1b", v, r) for v in (1, 2, 5, 10) for r in ("none", "stage")]
     # M < S: gpipe and 1f1b V 1; 1f1b interleaves groups of S micro-batches (M 6 on 4 stages: V 1 only)
     assert {(s, v) for s, v, _ in pipeline_variants(40, 4, 2, Options(batch=1, seq=1))} == {("gpipe", 1), ("1f1b", 1)}
     assert {(s, v) for s, v, _ in pipeline_variants(40, 4, 6, Options(batch=1, seq=1)) if s == "1f1b"} == {("1f1b", 1)}
     only = Options(batch=1, seq=1, schedules=("circular",), repeats=5, stage_remat=("stage",))
     assert pipeline_variants(40, 4, 8, only) == [("circular", 5, "stage")]
-    res = search(sized_config("13b", "cola"), H100, 32, Options(batch=512, seq=256, top=200, pipeline=(4,)),
-                 flops_per_token=1.0)
+    res = search(
+        sized_config("13b", "cola"), H100, 32, Options(batch=512, seq=256, top=200, pipeline=(4,)), flops_per_token=1.0
+    )
     kinds = {(p.schedule, p.stage_remat) for p in res.plans}  # each partitioning at its best schedule
     assert {("circular", "none"), ("1f1b", "none")} <= {k for k in kinds} and res.best_runnable is not None
     for schedule, v in (("circular", 5), ("1f1b", 2), ("1f1b", 1)):
-        p = plan_for(sized_config("13b", "cola"), H100, Mesh(2, 1, 4, 4), 1, "none", BTP,
-                     Options(batch=512, seq=256, check_memory=False), 1.0, 8, schedule, v)
-        assert p.runnable == "yes" and (f"--config.parallel.pipeline_schedule={schedule} " + (
-            f"--config.parallel.pipeline_repeats={v} " if v > 1 else "--config.parallel.data")) in p.overrides
-    for msg, args in (("groups of 4", (40, 4, 6, "1f1b", 2, "none")), ("divide", (40, 4, 8, "1f1b", 3, "none")),
-                      ("divide", (40, 4, 8, "circular", 3, "none")), ("one micro-batch per stage",
-                      (40, 4, 2, "circular", 2, "none")), ("need pipeline > 1", (40, 1, 1, "gpipe", 1, "stage"))):
+        p = plan_for(
+            sized_config("13b", "cola"),
+            H100,
+            Mesh(2, 1, 4, 4),
+            1,
+            "none",
+            BTP,
+            Options(batch=512, seq=256, check_memory=False),
+            1.0,
+            8,
+            schedule,
+            v,
+        )
+        assert (
+            p.runnable == "yes"
+            and (
+                f"--config.parallel.pipeline_schedule={schedule} "
+                + (f"--config.parallel.pipeline_repeats={v} " if v > 1 else "--config.parallel.data")
+            )
+            in p.overrides
+        )
+    for msg, args in (
+        ("groups of 4", (40, 4, 6, "1f1b", 2, "none")),
+        ("divide", (40, 4, 8, "1f1b", 3, "none")),
+        ("divide", (40, 4, 8, "circular", 3, "none")),
+        ("one micro-batch per stage", (40, 4, 2, "circular", 2, "none")),
+        ("need pipeline > 1", (40, 1, 1, "gpipe", 1, "stage")),
+    ):
         with pytest.raises(ValueError, match=msg):
             check_pipeline(*args)
 
@@ -124,11 +158,26 @@ def test_pipelined_flags_build_the_trainer_schedule():
     cfg = small_config()
     cfg.model.n_layers = 8
     cfg.data.source = "embedded"
-    p = plan_for(cfg, A100, Mesh(2, 1, 2, 2), 1, "lowrank", BTP, Options(batch=8, seq=32, check_memory=False), 1.0,
-                 4, "circular", 2, "stage")
+    p = plan_for(
+        cfg,
+        A100,
+        Mesh(2, 1, 2, 2),
+        1,
+        "lowrank",
+        BTP,
+        Options(batch=8, seq=32, check_memory=False),
+        1.0,
+        4,
+        "circular",
+        2,
+        "stage",
+    )
     run = with_overrides(cfg, p.overrides)
     assert (run.parallel.pipeline_schedule, run.parallel.pipeline_repeats, run.remat.pipeline) == (
-        "circular", 2, "stage")
+        "circular",
+        2,
+        "stage",
+    )
     built = build(run)
     assert (built.strategy.pipeline_schedule, built.strategy.pipeline_repeats) == ("circular", 2)
 
@@ -145,31 +194,48 @@ def check_rows(rows, memory=True):
 
 # (mesh p, d, f, t; remat policy; micro-batches; remat.pipeline). The stage-remat none case on both
 # meshes set cost.STAGE_COPY; the others are held out.
-GPIPE = {"data_none": ((2, 2, 1, 2), "none", 4, "none"), "fsdp_lowrank_stage": ((2, 1, 2, 2), "lowrank", 4, "stage"),
-         "data_full_stage": ((2, 2, 1, 2), "full", 4, "stage"),
-         "fsdp_none_stage": ((2, 1, 2, 2), "none", 4, "stage")}
+GPIPE = {
+    "data_none": ((2, 2, 1, 2), "none", 4, "none"),
+    "fsdp_lowrank_stage": ((2, 1, 2, 2), "lowrank", 4, "stage"),
+    "data_full_stage": ((2, 2, 1, 2), "full", 4, "stage"),
+    "fsdp_none_stage": ((2, 1, 2, 2), "none", 4, "stage"),
+}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("fsdp_none") else n
-                                  for n in GPIPE])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("fsdp_none") else n for n in GPIPE]
+)
 def test_verify_gpipe_plans_agree_with_the_compiled_step(name):
     """`plan --verify` on a GPipe plan: the whole scanned train step's collectives by class and kind
     (the per-tick hand-overs and stage-0 input reductions, the ends, tensor traffic with the stage
     remat's second forward, once-per-pass data/fsdp) within 5%, the peak memory within 15%."""
     (p, d, f, t), remat, micro, stage = GPIPE[name]
-    rows = compare_pipeline(small_config(), A100, Mesh(d, f, t, p), "btp", remat=remat, microbatches=micro, seq=32,
-                            stage_remat=stage, layers_per_chunk=2)
+    rows = compare_pipeline(
+        small_config(),
+        A100,
+        Mesh(d, f, t, p),
+        "btp",
+        remat=remat,
+        microbatches=micro,
+        seq=32,
+        stage_remat=stage,
+        layers_per_chunk=2,
+    )
     check_rows(rows)
 
 
 # (mesh p, d, f, t; remat policy; V; remat.pipeline). CIRCULAR_COPIES was set on p2 x d2 x t2 and
 # p2 x d2 x f2 (V 2, remat none); these are held out.
-CIRCULAR = {"fsdp_none_v2": ((2, 1, 2, 2), "none", 2, "none"), "data_none_v3": ((2, 2, 1, 2), "none", 3, "none"),
-            "fsdp_lowrank_stage_v2": ((2, 1, 2, 2), "lowrank", 2, "stage")}
+CIRCULAR = {
+    "fsdp_none_v2": ((2, 1, 2, 2), "none", 2, "none"),
+    "data_none_v3": ((2, 2, 1, 2), "none", 3, "none"),
+    "fsdp_lowrank_stage_v2": ((2, 1, 2, 2), "lowrank", 2, "stage"),
+}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("data") else n
-                                  for n in CIRCULAR])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("data") else n for n in CIRCULAR]
+)
 def test_verify_circular_plans_agree_with_the_compiled_step(name):
     """`plan --verify` on a circular plan: V M + S - 1 ticks of hand-overs and stage-0 reductions, the
     weight reorder in the stored split (V 2 on 2 stages: one all-to-all per weight each way; V 3: the
@@ -177,8 +243,18 @@ def test_verify_circular_plans_agree_with_the_compiled_step(name):
     split along their last dim), tensor traffic, once-per-pass data/fsdp within 5%, peak memory within
     15%."""
     (p, d, f, t), remat, v, stage = CIRCULAR[name]
-    rows = compare_pipeline(small_config(), A100, Mesh(d, f, t, p), "btp", remat=remat, microbatches=4, seq=32,
-                            schedule="circular", repeats=v, stage_remat=stage)
+    rows = compare_pipeline(
+        small_config(),
+        A100,
+        Mesh(d, f, t, p),
+        "btp",
+        remat=remat,
+        microbatches=4,
+        seq=32,
+        schedule="circular",
+        repeats=v,
+        stage_remat=stage,
+    )
     check_rows(rows)
     by = {r["traffic"]: r for r in rows}
     assert by["pipeline (whole step): collective-permute"]["counts"] == (2 * (v * 4 + 1),) * 2
@@ -188,8 +264,12 @@ def test_verify_circular_plans_agree_with_the_compiled_step(name):
 
 # (mesh p, d, f, t; remat policy; V; remat.pipeline). F1B_IN_FLIGHT was counted on the first (and the
 # fsdp one without stage remat); the others are held out.
-F1B = {"data_none": ((2, 2, 1, 2), "none", 1, "none"), "fsdp_lowrank_stage": ((2, 1, 2, 2), "lowrank", 1, "stage"),
-       "data_none_v2": ((2, 2, 1, 2), "none", 2, "none"), "fsdp_none": ((2, 1, 2, 2), "none", 1, "none")}
+F1B = {
+    "data_none": ((2, 2, 1, 2), "none", 1, "none"),
+    "fsdp_lowrank_stage": ((2, 1, 2, 2), "lowrank", 1, "stage"),
+    "data_none_v2": ((2, 2, 1, 2), "none", 2, "none"),
+    "fsdp_none": ((2, 1, 2, 2), "none", 1, "none"),
+}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "data_none_v2" else n for n in F1B])
@@ -198,8 +278,19 @@ def test_verify_1f1b_plans_agree_with_the_compiled_step(name):
     head's gradient summed over stages and replicas once, tensor traffic counted by the ticks its branches
     run (verify._executions), once-per-pass data/fsdp within 5%, the peak memory within 15%."""
     (p, d, f, t), remat, v, stage = F1B[name]
-    rows = compare_pipeline(small_config(), A100, Mesh(d, f, t, p), "btp", remat=remat, microbatches=4, seq=32,
-                            schedule="1f1b", repeats=v, stage_remat=stage, layers_per_chunk=2 if v == 1 else 1)
+    rows = compare_pipeline(
+        small_config(),
+        A100,
+        Mesh(d, f, t, p),
+        "btp",
+        remat=remat,
+        microbatches=4,
+        seq=32,
+        schedule="1f1b",
+        repeats=v,
+        stage_remat=stage,
+        layers_per_chunk=2 if v == 1 else 1,
+    )
     check_rows(rows)
     by = {r["traffic"]: r for r in rows}
     assert by["pipeline (whole step): collective-permute"]["counts"] == (2 * (v * 4 + v * 2 + 2 - 2),) * 2

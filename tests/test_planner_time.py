@@ -2,6 +2,7 @@
 within 15% on every fitted and held-out row, the remat policy it picks the measured fastest, the
 cluster file's fitted constants what benchmarks/planner_time_fit.py fits to the rows, and the fit
 recovering known constants from steps priced with them. CPU only: the planner is analytic."""
+
 import dataclasses
 import importlib.util
 import json
@@ -32,9 +33,15 @@ def test_step_times_within_15_percent_of_the_measured(fit, rows):
     checked = [r for r in rows if r["role"] in ("fit", "held_out")]
     # cola_1b and llama_1b at both shapes, each remat policy measured
     assert {(r["config"], r["seq"], r["batch"]) for r in checked} == {
-        ("cola_1b", 256, 32), ("llama_1b", 256, 32), ("cola_1b", 4096, 4), ("llama_1b", 4096, 4)}
-    errors = {(r["config"], r["seq"], json.dumps(r["overrides"])): fit.price(r, H100).step_s * 1e3 / r["step_ms"] - 1
-              for r in checked}
+        ("cola_1b", 256, 32),
+        ("llama_1b", 256, 32),
+        ("cola_1b", 4096, 4),
+        ("llama_1b", 4096, 4),
+    }
+    errors = {
+        (r["config"], r["seq"], json.dumps(r["overrides"])): fit.price(r, H100).step_s * 1e3 / r["step_ms"] - 1
+        for r in checked
+    }
     assert max(map(abs, errors.values())) <= fit.TOLERANCE, errors
     # Without the kept activations' traffic (the datasheet constants alone) the steps that keep
     # everything are a third under: what the check above would catch.
@@ -67,9 +74,25 @@ def test_the_fit_recovers_known_constants(fit, rows, tmp_path):
 
 def test_a_bad_row_is_one_line_naming_the_field(fit, tmp_path):
     path = tmp_path / "measured.json"
-    path.write_text(json.dumps({"rows": [{"config": "cola_1b", "seq": 256, "batch": 32, "overrides": {},
-                                          "step_ms": "fast", "device_kind": "H100", "date": "2026-11-27",
-                                          "source": "x", "role": "fit"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {
+                        "config": "cola_1b",
+                        "seq": 256,
+                        "batch": 32,
+                        "overrides": {},
+                        "step_ms": "fast",
+                        "device_kind": "H100",
+                        "date": "2026-11-27",
+                        "source": "x",
+                        "role": "fit",
+                    }
+                ]
+            }
+        )
+    )
     with pytest.raises(ValueError, match=r"measured.json row 0: `step_ms` is missing or not a number"):
         fit.load_rows(path)
 

@@ -1,4 +1,5 @@
 """`python -m boost_jax.tools.plot RUN_DIR` draws a run's curves to a PNG."""
+
 import json
 
 import pytest
@@ -33,8 +34,17 @@ def test_mfu_panel_resumed_rows_and_errors(tmp_path, capsys):
 
 def test_damaged_lines_are_skipped_and_counted(tmp_path, capsys):
     good = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5}]
-    lines = [json.dumps(good[0]), "\x00\x00garbage", "[1, 2]", '"text"', '{"loss": 9.0}', '{"step": NaN}', "",
-             json.dumps(good[1]), '{"step": 3, "lo']
+    lines = [
+        json.dumps(good[0]),
+        "\x00\x00garbage",
+        "[1, 2]",
+        '"text"',
+        '{"loss": 9.0}',
+        '{"step": NaN}',
+        "",
+        json.dumps(good[1]),
+        '{"step": 3, "lo',
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
     m = plot.read_metrics(tmp_path)
     assert m == {"loss": {1: 5.0, 2: 4.5}}

@@ -1,16 +1,16 @@
 """Where precision is spent under bf16 compute: FSDP gathers weights in the compute dtype (half the
 bytes of the float32 master copy), weight-gradient reductions run in `parallel.grad_reduce_dtype`
 (float32), and the sharded bf16 step still computes what one device computes."""
+
 import jax
 import numpy as np
 import pytest
+from test_parallel import par_config
+from tests_support import compiled_step
 
 from boost_jax.data import build_loaders
 from boost_jax.runtime.build import build
 from boost_jax.tools.hlo_comm import parse_collectives
-
-from test_parallel import par_config
-from tests_support import compiled_step
 
 STEPS = 50
 # A real (if short) run: the schedule warms up and decays over the 50 steps.
@@ -58,8 +58,11 @@ def check_precision_placement(colls):
     bf16; every float reduction over data or fsdp (weight gradients; the loss's scalars) is float32."""
     gathers = [c for c in colls if c.kind == "all-gather" and "fsdp" in c.axes and c.dtype[0] in "fb"]
     assert gathers and {c.dtype for c in gathers} == {"bf16"}, {(c.dtype, c.elements, c.op_name) for c in gathers}
-    reductions = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes)
-                  and c.dtype[0] in "fb"]
+    reductions = [
+        c
+        for c in colls
+        if c.kind in ("all-reduce", "reduce-scatter") and {"data", "fsdp"} & set(c.axes) and c.dtype[0] in "fb"
+    ]
     wide = [c for c in reductions if c.dtype != "f32"]
     assert not wide, {(c.kind, c.dtype, c.elements, c.axes, c.op_name) for c in wide}
     # The weight gradients are among them: more elements than one device holds of the weights.
@@ -80,8 +83,14 @@ def test_2x2x2_gathers_bf16_and_reduces_gradients_in_f32(sharded_bf16):
     colls = parse_collectives(text, built.mesh)
     check_precision_placement(colls)
     # The once-per-step reduction over `data` (parallel/grad_reduce.py) is still there, in float32.
-    assert sum(c.elements for c in colls if c.axes == ("data",) and c.kind == "all-reduce" and c.dtype == "f32"
-               and not c.in_loop) > 0
+    assert (
+        sum(
+            c.elements
+            for c in colls
+            if c.axes == ("data",) and c.kind == "all-reduce" and c.dtype == "f32" and not c.in_loop
+        )
+        > 0
+    )
 
 
 _STATES: dict = {}
@@ -123,8 +132,9 @@ def test_sharded_bf16_step_matches_one_device(make_config, sharded_bf16):
     _, f32_params = run(shared_step(f32), f32, state, 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    for path, got, want, wide in zip(paths, updates(params, state), updates(ref_params, state),
-                                     updates(f32_params, state)):
+    for path, got, want, wide in zip(
+        paths, updates(params, state), updates(ref_params, state), updates(f32_params, state)
+    ):
         if not np.issubdtype(want.dtype, np.floating):
             continue
         assert np.linalg.norm(want) > 0, path  # the step did update it
@@ -152,8 +162,9 @@ def test_bf16_parameters_train_like_f32(make_config):
     float32-parameter run within 3% at every step while both train."""
     steps = 20
     f32 = one_device(make_config, "float32")
-    low = par_config(make_config, "btp", "cola", (1, 1, 1), **{"model.dtype": "float32",
-                                                               "model.param_dtype": "bfloat16", **RUN})
+    low = par_config(
+        make_config, "btp", "cola", (1, 1, 1), **{"model.dtype": "float32", "model.param_dtype": "bfloat16", **RUN}
+    )
     state = shared_init(f32)
     compiled = shared_step(low)
     built = compiled[1]

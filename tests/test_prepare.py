@@ -1,6 +1,7 @@
 """`python -m boost_jax.data.prepare`: shards equal in-process tokenisation (EOS per document, input
 order, units cut inside files), an interrupted run resumes keeping its finished shards, and the
 `tokens` source refuses shards that do not match the run (dtype, vocabulary, tokenizer)."""
+
 import errno
 import gzip
 import json
@@ -22,8 +23,9 @@ from boost_jax.data.tokenizer import load_tokenizer
 
 def _documents(rng, n):
     words = ["alpha", "beta", "naïve", "über", "训练", "data", "token", "é", "\\n", "the", "of"]
-    return [" ".join(rng.choice(words) for _ in range(rng.integers(1, 80))) + ("\n" if i % 7 == 0 else "")
-            for i in range(n)]
+    return [
+        " ".join(rng.choice(words) for _ in range(rng.integers(1, 80))) + ("\n" if i % 7 == 0 else "") for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,14 @@ def bpe(tmp_path_factory, corpus):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator(corpus[1], tokenizers.trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "</s>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus[1],
+        tokenizers.trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<unk>", "</s>"],
+            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     path = tmp_path_factory.mktemp("tok") / "bpe.json"
     tok.save(str(path))
     return str(path)
@@ -120,6 +127,7 @@ def test_resume_after_an_interrupted_run(corpus, tmp_path, monkeypatch):
 
 def _tokens_config(out, tmp_path, **overrides):
     from conftest import small_config
+
     return small_config(tmp_path / "run", **{"data.source": "tokens", "data.path": str(out), **overrides})
 
 
@@ -131,14 +139,20 @@ def test_tokens_source_reads_and_checks_the_index(corpus, bpe, tmp_path):
     train, held, tok = build_loaders(_tokens_config(out, tmp_path, **{"data.tokenizer": bpe, "model.vocab_size": 400}))
     assert 300 < tok.vocab_size <= 400 and all(isinstance(s, np.memmap) for s in train.segments)
     row = train.batch(0)[0]  # a window of the token stream
-    assert any(np.array_equal(want[s:s + len(row)], row) for s in np.flatnonzero(want == row[0]))
+    assert any(np.array_equal(want[s : s + len(row)], row) for s in np.flatnonzero(want == row[0]))
     # The index itself also works as data.path.
-    assert build_loaders(_tokens_config(out / "index.json", tmp_path, **{"data.tokenizer": bpe,
-                                                                        "model.vocab_size": 400}))[0].n == train.n
+    assert (
+        build_loaders(_tokens_config(out / "index.json", tmp_path, **{"data.tokenizer": bpe, "model.vocab_size": 400}))[
+            0
+        ].n
+        == train.n
+    )
 
-    for overrides, field in [({"data.token_dtype": "uint32"}, "data.token_dtype"),
-                             ({"model.vocab_size": 300}, "model.vocab_size"),
-                             ({"data.tokenizer": "byte"}, "data.tokenizer")]:
+    for overrides, field in [
+        ({"data.token_dtype": "uint32"}, "data.token_dtype"),
+        ({"model.vocab_size": 300}, "model.vocab_size"),
+        ({"data.tokenizer": "byte"}, "data.tokenizer"),
+    ]:
         cfg = _tokens_config(out, tmp_path, **{"data.tokenizer": bpe, "model.vocab_size": 400, **overrides})
         with pytest.raises(ValueError, match=f"config field `{field}`"):
             build_loaders(cfg)
@@ -152,12 +166,26 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     assert prep.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o"), "--workers", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
-    assert err == (f"error: {tmp_path / 'bad.jsonl'}:2: no field 'text' (its fields: ['body']); "
-                   "set data.jsonl_field (prepare: --field)")
+    assert err == (
+        f"error: {tmp_path / 'bad.jsonl'}:2: no field 'text' (its fields: ['body']); "
+        "set data.jsonl_field (prepare: --field)"
+    )
     assert prep.main([str(tmp_path / "none*.jsonl"), "--out", str(tmp_path / "o")]) == 1
     assert "inputs: nothing found" in capsys.readouterr().err
-    assert prep.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2"), "--dtype", "uint16",
-                      "--tokenizer", str(tmp_path / "missing.json")]) == 1
+    assert (
+        prep.main(
+            [
+                str(tmp_path / "bad.jsonl"),
+                "--out",
+                str(tmp_path / "o2"),
+                "--dtype",
+                "uint16",
+                "--tokenizer",
+                str(tmp_path / "missing.json"),
+            ]
+        )
+        == 1
+    )
     assert "--tokenizer: no file at" in capsys.readouterr().err  # the flag given, not the config field
 
 
@@ -174,11 +202,13 @@ def test_zst_and_parquet_inputs(corpus, tmp_path, capsys):
             continue
         if fmt == "zstandard":
             import zstandard
+
             lines = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
             (tmp_path / name).write_bytes(zstandard.ZstdCompressor().compress(lines))
         else:
             import pyarrow as pa
             import pyarrow.parquet as pq
+
             pq.write_table(pa.table({"text": docs}), tmp_path / name, row_group_size=64)
         prep.prepare([str(tmp_path / name)], tmp_path / f"o_{fmt}", progress=False)
         np.testing.assert_array_equal(stream(tmp_path / f"o_{fmt}"), reference(docs, "byte"))
@@ -186,9 +216,12 @@ def test_zst_and_parquet_inputs(corpus, tmp_path, capsys):
 
 def test_text_sources_tokenise_once_into_a_cache(corpus, bpe, tmp_path):
     from conftest import small_config
+
     root, texts = corpus
-    cfg = small_config(tmp_path / "run", **{"data.source": "jsonl", "data.path": str(root / "a.jsonl"),
-                                            "data.tokenizer": bpe, "model.vocab_size": 400})
+    cfg = small_config(
+        tmp_path / "run",
+        **{"data.source": "jsonl", "data.path": str(root / "a.jsonl"), "data.tokenizer": bpe, "model.vocab_size": 400},
+    )
     first = build_loaders(cfg)[0]
     cache = list((tmp_path / "run" / "token_cache").glob("*/index.json"))
     assert len(cache) == 1 and json.loads(cache[0].read_text())["documents"] == 200
@@ -198,7 +231,7 @@ def test_text_sources_tokenise_once_into_a_cache(corpus, bpe, tmp_path):
     np.testing.assert_array_equal(again.batch(3), first.batch(3))
     held = np.concatenate([np.asarray(s) for s in first.segments]).astype(np.int64)
     want = reference(texts[:200], bpe)
-    np.testing.assert_array_equal(held, want[:len(held)])  # the training part: the stream's head
+    np.testing.assert_array_equal(held, want[: len(held)])  # the training part: the stream's head
 
     os.utime(root / "a.jsonl")  # a changed input gets a new cache entry
     build_loaders(cfg)
@@ -211,13 +244,16 @@ def _one_line(capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--unit-mb", "0"], "error: --unit-mb 0: give the input MB per work unit, a number > 0 (e.g. 64)"),
-    (["--unit-mb", "-2"], "error: --unit-mb -2: "),
-    (["--unit-mb", "nan"], "error: --unit-mb nan: "),
-    (["--unit-mb", "inf"], "error: --unit-mb inf: "),
-    (["--workers", "-1"], "error: --workers -1: give 0 (tokenise in this process) or a number of worker processes"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--unit-mb", "0"], "error: --unit-mb 0: give the input MB per work unit, a number > 0 (e.g. 64)"),
+        (["--unit-mb", "-2"], "error: --unit-mb -2: "),
+        (["--unit-mb", "nan"], "error: --unit-mb nan: "),
+        (["--unit-mb", "inf"], "error: --unit-mb inf: "),
+        (["--workers", "-1"], "error: --workers -1: give 0 (tokenise in this process) or a number of worker processes"),
+    ],
+)
 def test_bad_flags_are_one_line(tmp_path, capsys, flags, says):
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n')
     assert prep.main([str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "o"), "--no-progress", *flags]) == 1
@@ -230,15 +266,29 @@ def test_out_in_the_way_and_unreadable_inputs_are_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     args = [str(tmp_path / "a.jsonl"), "--no-progress", "--workers", "0", "--out"]
     assert prep.main([*args, str(tmp_path / "file")]) == 1
-    assert _one_line(capsys) == (f"error: --out {tmp_path / 'file'} is a file, not a directory; "
-                                 "choose a directory (created if missing)")
+    assert _one_line(capsys) == (
+        f"error: --out {tmp_path / 'file'} is a file, not a directory; choose a directory (created if missing)"
+    )
     assert prep.main([*args, str(tmp_path / "file" / "sub" / "o")]) == 1
-    assert _one_line(capsys) == (f"error: --out {tmp_path / 'file' / 'sub' / 'o'} is under the file "
-                                 f"{tmp_path / 'file'}, not a directory; choose a directory (created if missing)")
+    assert _one_line(capsys) == (
+        f"error: --out {tmp_path / 'file' / 'sub' / 'o'} is under the file "
+        f"{tmp_path / 'file'}, not a directory; choose a directory (created if missing)"
+    )
     (tmp_path / "b.jsonl.gz").write_bytes(b"not gzip")
     for workers in ("0", "1"):
-        assert prep.main([str(tmp_path / "b.jsonl.gz"), "--no-progress", "--workers", workers,
-                          "--out", str(tmp_path / f"o{workers}")]) == 1
+        assert (
+            prep.main(
+                [
+                    str(tmp_path / "b.jsonl.gz"),
+                    "--no-progress",
+                    "--workers",
+                    workers,
+                    "--out",
+                    str(tmp_path / f"o{workers}"),
+                ]
+            )
+            == 1
+        )
         assert _one_line(capsys).startswith(f"error: {tmp_path / 'b.jsonl.gz'}: cannot read it (Not a gzipped file")
 
 
@@ -257,16 +307,20 @@ def test_disk_full_keeps_the_finished_shards_and_resumes(corpus, tmp_path, monke
     full = {"shard_00002.bin"}
     assert prep.main(command) == 1
     n = len(json.loads((out / "plan.json").read_text())["units"])
-    assert _one_line(capsys) == (f"error: cannot write {out / 'shard_00002.bin'}: No space left on device [ENOSPC]; "
-                                 f"2 of {n} shards are done and kept in {out}: free some space and rerun the same "
-                                 "command to resume")
+    assert _one_line(capsys) == (
+        f"error: cannot write {out / 'shard_00002.bin'}: No space left on device [ENOSPC]; "
+        f"2 of {n} shards are done and kept in {out}: free some space and rerun the same "
+        "command to resume"
+    )
     assert sorted(p.name for p in out.glob("shard_*.json")) == ["shard_00000.json", "shard_00001.json"]
     assert not list(out.glob("*.tmp")) and not (out / "index.json").exists()
 
     full = {"index.json"}
     assert prep.main(command) == 1  # the lock was released: the same process takes it again
-    assert _one_line(capsys).startswith(f"error: cannot write {out / 'index.json'}: No space left on device "
-                                        f"[ENOSPC]; {n} of {n} shards are done and kept")
+    assert _one_line(capsys).startswith(
+        f"error: cannot write {out / 'index.json'}: No space left on device "
+        f"[ENOSPC]; {n} of {n} shards are done and kept"
+    )
     assert not list(out.glob("*.tmp")) and not (out / "index.json").exists()
 
     full = set()
@@ -282,14 +336,25 @@ def test_disk_full_in_the_writer_here_or_in_a_worker(corpus, tmp_path, capsys, w
     out = tmp_path / "out"
     out.mkdir()
     (out / "shard_00003.bin.tmp").symlink_to("/dev/full")
-    command = [*inputs(root), "--out", str(out), "--workers", workers, "--no-progress",
-               "--unit-mb", str(3000 / (1 << 20))]
+    command = [
+        *inputs(root),
+        "--out",
+        str(out),
+        "--workers",
+        workers,
+        "--no-progress",
+        "--unit-mb",
+        str(3000 / (1 << 20)),
+    ]
     assert prep.main(command) == 1
     n = len(json.loads((out / "plan.json").read_text())["units"])
     err = _one_line(capsys)
-    assert re.fullmatch(rf"error: cannot write {re.escape(str(out / 'shard_00003.bin'))}: No space left on device "
-                        rf"\[ENOSPC\]; (\d+) of {n} shards are done and kept in {re.escape(str(out))}: free some "
-                        "space and rerun the same command to resume", err), err
+    assert re.fullmatch(
+        rf"error: cannot write {re.escape(str(out / 'shard_00003.bin'))}: No space left on device "
+        rf"\[ENOSPC\]; (\d+) of {n} shards are done and kept in {re.escape(str(out))}: free some "
+        "space and rerun the same command to resume",
+        err,
+    ), err
     assert not list(out.glob("*.tmp")) and not (out / "index.json").exists()
     assert prep.main(command) == 0
     np.testing.assert_array_equal(stream(out), reference(texts, "byte"))
@@ -303,8 +368,10 @@ def test_a_second_run_on_the_same_out_is_refused(corpus, tmp_path, capsys):
     with prep._OutLock(out):  # another run holds it
         holder = json.loads((out / ".lock").read_text())
         assert prep.main(command) == 1
-        assert _one_line(capsys) == (f"error: another data.prepare is writing {out} (pid {os.getpid()}, since "
-                                     f"{holder['since']}); wait for it or choose another --out")
+        assert _one_line(capsys) == (
+            f"error: another data.prepare is writing {out} (pid {os.getpid()}, since "
+            f"{holder['since']}); wait for it or choose another --out"
+        )
         assert not (out / "plan.json").exists()
     assert prep.main(command) == 0
     np.testing.assert_array_equal(stream(out), reference(texts, "byte"))
@@ -323,22 +390,41 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_the_rerun_resumes(tmp_path):
     uninterrupted run."""
     with open(tmp_path / "big.jsonl", "w") as f:  # ~32 MB of short documents: ~25 units, a few seconds
         f.writelines(f'{{"text": "document {i} of many"}}\n' for i in range(1_100_000))
-    command = [sys.executable, "-m", "boost_jax.data.prepare", str(tmp_path / "big.jsonl"), "--workers", "2",
-               "--unit-mb", "1", "--no-progress", "--out"]
+    command = [
+        sys.executable,
+        "-m",
+        "boost_jax.data.prepare",
+        str(tmp_path / "big.jsonl"),
+        "--workers",
+        "2",
+        "--unit-mb",
+        "1",
+        "--no-progress",
+        "--out",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     whole = subprocess.run([*command, str(tmp_path / "whole")], capture_output=True, text=True, env=env)
     assert whole.returncode == 0, whole.stderr
 
     out, done = tmp_path / "out", 0
     for sig, status in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
-        proc = subprocess.Popen([*command, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [*command, str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         _wait_for_shards(out, proc, done)
         (os.kill if sig == signal.SIGTERM else os.killpg)(proc.pid, sig)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == status, err
-        m = re.fullmatch(rf"error: interrupted \({sig.name}\); (\d+) of (\d+) shards are done and kept: rerun the "
-                         r"same command to resume", err.strip())
+        m = re.fullmatch(
+            rf"error: interrupted \({sig.name}\); (\d+) of (\d+) shards are done and kept: rerun the "
+            r"same command to resume",
+            err.strip(),
+        )
         assert m and "Traceback" not in err, err
         done, total = int(m[1]), int(m[2])
         assert done == len(list(out.glob("shard_*.json"))) and 0 < done < total

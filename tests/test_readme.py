@@ -15,6 +15,7 @@ How a command runs (the value in COMMANDS):
 - "test_x.py::test_y": run by that test (its file must hold it), e.g. the export commands on runs the
   README does not make.
 """
+
 import gzip
 import json
 import re
@@ -37,13 +38,11 @@ COMMANDS = {
     "--config.data.eval_path=/data/c4_val_tok --config.data.tokenizer=t5.model": "compile",
     "python -m boost_jax.train --config configs/llama_60m.py --config.data.path=/data/c4_tok "
     "--config.data.eval_path=/data/c4_val_tok --config.data.tokenizer=t5.model": "compile",
-    "python -m boost_jax.evaluate --checkpoint runs/cola_60m --eval-tokens 10000000":
-        "test_evaluate.py::test_eval_tokens_reads_documents_the_paper_way",
+    "python -m boost_jax.evaluate --checkpoint runs/cola_60m --eval-tokens 10000000": "test_evaluate.py::test_eval_tokens_reads_documents_the_paper_way",
     "python -m boost_jax.train --config.train.steps=1000 --config.model.linear=dense": "compile",
     "python -m boost_jax.train --config cola_60m --config.data.source=embedded --config.model.vocab_size=256 "
     "--config.train.steps=20 --config.train.warmup_steps=2 --config.train.global_batch=8 "
-    "--config.train.eval_tokens=0 --config.train.eval_batches=1 --config.run_dir=runs/cola_60m_cpu":
-        "test_readme.py::test_zoo_short_run_on_a_cpu_starts_clean_and_compiles",
+    "--config.train.eval_tokens=0 --config.train.eval_batches=1 --config.run_dir=runs/cola_60m_cpu": "test_readme.py::test_zoo_short_run_on_a_cpu_starts_clean_and_compiles",
     'python -m boost_jax.generate --checkpoint runs/tiny --prompt "def main(" --max_new_tokens 200': "tiny",
     "python -m boost_jax.data.prepare /data/c4/*.json.gz --out /data/c4_tok --tokenizer t5.model": "tool",
     "python -m boost_jax.tools.shardings --config configs/tt_1b.py": "tool",
@@ -63,38 +62,29 @@ COMMANDS = {
     "pip install -e '.[hf]'": "the test extras install safetensors (tests/test_export.py)",
     "pip install -e '.[tokenizers]'": "the test extras install tokenizers and sentencepiece (tests/test_data.py)",
     "python -m boost_jax.train --help": "test_cli.py::test_help_lists_every_key_with_default_and_meaning",
-    "python -m boost_jax.train --config cola_60m --print_config":
-        "test_cli.py::test_print_config_shows_the_resolved_config",
-    "python -m boost_jax.export --checkpoint runs/llama_tiny --out hf/llama_tiny":
-        "test_export.py::test_dense_export_import_is_bit_identical",
-    "python -m boost_jax.export --import-hf hf/llama_tiny --out runs/imported":
-        "test_export.py::test_dense_export_import_is_bit_identical",
+    "python -m boost_jax.train --config cola_60m --print_config": "test_cli.py::test_print_config_shows_the_resolved_config",
+    "python -m boost_jax.export --checkpoint runs/llama_tiny --out hf/llama_tiny": "test_export.py::test_dense_export_import_is_bit_identical",
+    "python -m boost_jax.export --import-hf hf/llama_tiny --out runs/imported": "test_export.py::test_dense_export_import_is_bit_identical",
     "python -m boost_jax.export --checkpoint runs/tiny --out hf/cola_tiny": "tiny",
-    "python -m boost_jax.export --import-hf hf/cola_1b --out runs/cola_1b --intermediate-multiple 32":
-        "test_export.py::test_intermediate_padding_is_inert",
+    "python -m boost_jax.export --import-hf hf/cola_1b --out runs/cola_1b --intermediate-multiple 32": "test_export.py::test_intermediate_padding_is_inert",
     "python -m boost_jax.generate --checkpoint runs/imported": "tiny",
     "python -m boost_jax.plan --config configs/cola_7b.py --devices 32 --cluster configs/clusters/a100_4x.py": "tool",
     "python -m boost_jax.plan --config configs/cola_13b.py --devices 64 --cluster configs/clusters/h100_8x.py "
     "--batch 4 --seq 32768 --top 3": "test_planner_context.py::test_readme_context_plan",
     "pip install -e '.[aot]'": "the aot extra: .ci/run installs it (tests/test_aot.py)",
-    "python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 --train-only":
-        "test_aot.py::test_readme_commands",
+    "python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_1b.py --mesh 1,1,8,1 --train-only": "test_aot.py::test_readme_commands",
     "python -m boost_jax.plan --config configs/cola_7b.py --devices 8 --cluster configs/clusters/h100_8x.py --verify "
     "--target h100": "test_aot.py::test_readme_commands",
     "python benchmarks/aot_fit.py --smallest": "test_aot.py::test_aot_fit_readme_command",
-    "python benchmarks/gpu_bench.py --parts device,train256 --one-process --profile gpu_profile":
-        "test_benchmarks_smoke.py::test_gpu_bench_train256_one_process_profile",
+    "python benchmarks/gpu_bench.py --parts device,train256 --one-process --profile gpu_profile": "test_benchmarks_smoke.py::test_gpu_bench_train256_one_process_profile",
     "python benchmarks/vs_torch.py --cola-repo /path/to/CoLA": "test_benchmarks_smoke.py::test_vs_torch",
     "python benchmarks/aot_fit.py --fixed": "test_aot.py::test_aot_fit_fixed_plans_within_10_percent",
-    "python benchmarks/aot_fit.py --target a100_40gb --cluster configs/clusters/a100_4x.py":
-        "test_aot.py::test_aot_fit_a100_readme_command",
+    "python benchmarks/aot_fit.py --target a100_40gb --cluster configs/clusters/a100_4x.py": "test_aot.py::test_aot_fit_a100_readme_command",
     "python -m boost_jax.tools.aot --target h100 --devices 1 --config configs/cola_1b.py --mesh 1,1,1,1 --train-only "
     "--profile --config.train.seq_len=256 --config.train.global_batch=32 --config.data.batching=stream": "test_step_profile.py::test_readme_profile_command",
     "python benchmarks/step_profile_fit.py --check": "test_step_profile.py::test_every_measured_h100_row_within_15_percent",
-    'python benchmarks/step_profile_trace.py --out DIR --rows "cola_1b auto 256"':
-        "test_step_profile.py::test_trace_script_on_this_host",
-    "python -m boost_jax.tools.step_profile --hlo NAME.hlo.gz --events NAME.events.json":
-        "test_step_profile.py::test_trace_script_on_this_host",
+    'python benchmarks/step_profile_trace.py --out DIR --rows "cola_1b auto 256"': "test_step_profile.py::test_trace_script_on_this_host",
+    "python -m boost_jax.tools.step_profile --hlo NAME.hlo.gz --events NAME.events.json": "test_step_profile.py::test_trace_script_on_this_host",
     "python benchmarks/planner_time_fit.py": "test_planner_time.py::test_the_readme_command",
     "python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto --config.data.path=/data/c4_tok "
     "--config.data.eval_path=/data/c4_val_tok": "test_plan_auto.py::test_readme_command",
@@ -136,6 +126,7 @@ def _argv(command: str) -> list[str]:
     """The command's words, without the `NAME=VALUE` environment settings in front (the suite's
     conftest emulates 8 CPU devices, as the README's XLA_FLAGS do)."""
     import shlex
+
     words = shlex.split(command.split(" && ")[-1])
     while words and re.match(r"[A-Z_]+=", words[0]):
         words = words[1:]
@@ -144,15 +135,21 @@ def _argv(command: str) -> list[str]:
 
 # ---------------------------------------------------------------- "tiny": the default job and its runs/tiny
 
+
 @pytest.fixture(scope="module")
 def tiny_cwd(tmp_path_factory):
     """A working directory where the default job has run (stopped at step 40) into runs/tiny."""
     from boost_jax import train
+
     cwd = tmp_path_factory.mktemp("cwd")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
-        argv = ["train", *_argv("pip install -e . && python -m boost_jax.train")[3:],
-                "--config.train.stop_at_step=40", "--config.train.progress=false"]
+        argv = [
+            "train",
+            *_argv("pip install -e . && python -m boost_jax.train")[3:],
+            "--config.train.stop_at_step=40",
+            "--config.train.progress=false",
+        ]
         summary = train.run(train.parse_config(argv))
     assert summary["step"] == 40 and summary["last_checkpoint_step"] == 40
     return cwd
@@ -166,8 +163,13 @@ def _in(cwd, monkeypatch, command: str, main) -> None:
 def test_tiny_generate_evaluate_plot(tiny_cwd, monkeypatch, capsys):
     from boost_jax import evaluate, generate
     from boost_jax.tools import plot
-    _in(tiny_cwd, monkeypatch, 'python -m boost_jax.generate --checkpoint runs/tiny --prompt "def main(" '
-        '--max_new_tokens 200', generate.main)
+
+    _in(
+        tiny_cwd,
+        monkeypatch,
+        'python -m boost_jax.generate --checkpoint runs/tiny --prompt "def main(" --max_new_tokens 200',
+        generate.main,
+    )
     assert capsys.readouterr().out.startswith("def main(")
     _in(tiny_cwd, monkeypatch, "python -m boost_jax.evaluate --checkpoint runs/tiny", evaluate.main)
     assert "perplexity" in capsys.readouterr().out
@@ -178,6 +180,7 @@ def test_tiny_generate_evaluate_plot(tiny_cwd, monkeypatch, capsys):
 def test_tiny_export_import_generate(tiny_cwd, monkeypatch, capsys):
     pytest.importorskip("safetensors")
     from boost_jax import export, generate
+
     _in(tiny_cwd, monkeypatch, "python -m boost_jax.export --checkpoint runs/tiny --out hf/cola_tiny", export.main)
     assert (tiny_cwd / "hf" / "cola_tiny" / "model.safetensors").is_file()
     # The import the README shows for its CoLA export, then its generate command on the import.
@@ -206,6 +209,7 @@ def _train_argv(command: str) -> list[str]:
 def test_train_commands_compile_at_their_shapes(command, tmp_path, monkeypatch):
     from boost_jax import train
     from boost_jax.runtime.build import build
+
     monkeypatch.chdir(ROOT)  # the config paths are the repository's
     cfg = train.parse_config(_train_argv(command))
     compiled = build(cfg).lower_train().compile()
@@ -240,11 +244,17 @@ def test_zoo_short_run_on_a_cpu_starts_clean_and_compiles(tmp_path, monkeypatch,
 
 # ---------------------------------------------------------------- "tool"
 
+
 @pytest.mark.slow  # ~2 min: three 7B strategies compiled at 1 and 2 layers
 def test_comm_report_7b(capsys):
     from boost_jax.tools import comm_report
-    rep = comm_report.main(_argv("python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 "
-                                 "--strategy btp,vanilla,megatron")[3:])
+
+    rep = comm_report.main(
+        _argv(
+            "python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 "
+            "--strategy btp,vanilla,megatron"
+        )[3:]
+    )
     btp = rep["strategies"]["btp"]["per_layer_forward"]["tensor"]["elements_per_token"]
     assert abs(btp - 7 * 1024) <= 0.01 * 7 * 1024  # 7r per token per layer forward (r = 1024)
     assert "| fwd / layer, tensor: elements/token |" in capsys.readouterr().out
@@ -253,6 +263,7 @@ def test_comm_report_7b(capsys):
 @pytest.mark.parametrize("command", [c for c in COMMANDS if "tools.shardings" in c])
 def test_shardings(command, capsys):
     from boost_jax.tools import shardings
+
     shardings.main(_argv(command)[3:])
     assert "PartitionSpec" in capsys.readouterr().out
 
@@ -260,6 +271,7 @@ def test_shardings(command, capsys):
 @pytest.mark.slow  # ~40 s cold: the README's 7B plan search
 def test_plan_and_xla_flags(capsys):
     from boost_jax import plan, xla_gpu_flags
+
     assert plan.main(_argv(next(c for c in COMMANDS if "boost_jax.plan" in c))[3:]) == 0
     out = capsys.readouterr().out
     assert "run it with:" in out and "layouts: R replicated" in out  # the legend of the layout codes
@@ -272,6 +284,7 @@ def test_grad_reduce_pipeline_matches_its_committed_json(tmp_path):
     """`python benchmarks/grad_reduce.py --pipeline`, writing to the scratch directory: the numbers the
     README and benchmarks/RESULTS.md quote (benchmarks/grad_reduce_pipeline.json) are today's."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("grad_reduce_bench", ROOT / "benchmarks" / "grad_reduce.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -292,9 +305,11 @@ def c4_like(tmp_path_factory):
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
     words = ["".join(rng.choice(letters, rng.integers(2, 8))) for _ in range(300)]
     docs = [" ".join(rng.choice(words, rng.integers(5, 120))) for _ in range(300)]
-    shards = {"data/c4/c4-train.{k:05d}.json.gz": docs[:200],
-              "data/c4/en/c4-train.{k:05d}-of-01024.json.gz": docs[:240],
-              "data/c4/en/c4-validation.{k:05d}-of-00008.json.gz": docs[240:]}
+    shards = {
+        "data/c4/c4-train.{k:05d}.json.gz": docs[:200],
+        "data/c4/en/c4-train.{k:05d}-of-01024.json.gz": docs[:240],
+        "data/c4/en/c4-validation.{k:05d}-of-00008.json.gz": docs[240:],
+    }
     for pattern, part in shards.items():
         for k in range(2):
             path = root / pattern.format(k=k)
@@ -303,15 +318,19 @@ def c4_like(tmp_path_factory):
                 for d in part[k::2]:
                     f.write(json.dumps({"text": d}) + "\n")
     (root / "corpus.txt").write_text("\n".join(docs))
-    spm.SentencePieceTrainer.train(input=str(root / "corpus.txt"), model_prefix=str(root / "t5"),
-                                   vocab_size=64, hard_vocab_limit=False)
-    return root, {pattern.split("/")[-1].split(".")[0] + ("_en" if "/en/" in pattern else ""): len(part)
-                  for pattern, part in shards.items()}
+    spm.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"), model_prefix=str(root / "t5"), vocab_size=64, hard_vocab_limit=False
+    )
+    return root, {
+        pattern.split("/")[-1].split(".")[0] + ("_en" if "/en/" in pattern else ""): len(part)
+        for pattern, part in shards.items()
+    }
 
 
 def _local(command: str, root) -> list[str]:
     """A command's arguments with /data/ under `root` and its globs expanded as the shell would."""
     import glob
+
     argv = [a.replace("/data/", str(root) + "/data/") for a in _argv(command)]
     return [x for a in argv for x in (sorted(glob.glob(a)) if "*" in a else [a])]
 
@@ -320,8 +339,10 @@ def _local(command: str, root) -> list[str]:
 def test_prepare_c4_like_jsonl_with_a_sentencepiece_model(command, c4_like, monkeypatch):
     """Each data.prepare command the README shows, on the C4-like corpus: every document, its
     boundaries recorded."""
-    from boost_jax.data import prepare
     import shutil
+
+    from boost_jax.data import prepare
+
     root, counts = c4_like
     monkeypatch.chdir(root)
     argv = _local(command, root)[3:]
@@ -339,9 +360,11 @@ def test_reproduce_cola_60m_batches_are_documents(c4_like, monkeypatch):
     from boost_jax import train
     from boost_jax.data import build_loaders
     from boost_jax.data.prepare import main as prepare_main
+
     root, counts = c4_like
     monkeypatch.chdir(root)
     import shutil
+
     for command in [c for c in COMMANDS if "data.prepare /data/c4/en" in c]:
         argv = _local(command, root)[3:]
         shutil.rmtree(argv[argv.index("--out") + 1], ignore_errors=True)

@@ -15,6 +15,7 @@ comm report and the planner, with nothing else changed anywhere.
   tensor size does not divide. The planner reads its layout from the table alone.
 The math each computes is checked against an independent formula or the twin it copies.
 """
+
 import ast
 import dataclasses
 import io
@@ -83,6 +84,7 @@ class ToyReluLowRank(LinearKind):
 class ScaledLayout(HFLayout):
     """A layout no built-in kind has: the factors stored transposed (PEFT's lora_A [r, in], lora_B
     [out, r]) and s in config.json's lr_scale."""
+
     model_type: str = "scaled_lowrank"
     architecture: str = "ScaledLowRankForCausalLM"
     tensors: tuple = (("a", "lora_A", True), ("b", "lora_B", True))
@@ -99,6 +101,7 @@ class ScaledLayout(HFLayout):
 
 class ScaledLowRank(LinearKind):
     """y = s·B·(A·x), s = model.scaled_lowrank_scale: declared entirely in this test file."""
+
     fields = {"scaled_lowrank_scale": Field(0.5, "scaled_lowrank: s of y = s·B·(A·x)")}
     hf = ScaledLayout()
 
@@ -136,12 +139,29 @@ class ScaledLowRank(LinearKind):
 # The MLP and residual split along d as BTP splits them; the heads (and so q, k, v, the attention and
 # o's input) whole on every tensor shard: qkv's A is row-parallel over d, o's B column-parallel over d.
 TOY_RULES = (
-    ("embed", "tensor"), ("norm", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
-    ("act_embed", "tensor"), ("act_mlp", "tensor"), ("act_vocab", "tensor"),
-    ("act_heads", None), ("act_kv_heads", None), ("act_rank", None),
-    ("embed", "fsdp"), ("rank", "fsdp"), ("heads", "fsdp"), ("kv_heads", "fsdp"), ("mlp", "fsdp"),
-    ("vocab_in", "fsdp"), ("head_embed", "fsdp"), ("vocab", "fsdp"), ("act_batch", BATCH),
-    ("layers", "pipeline"), ("head_norm", None), ("act_seq", None), ("act_res_seq", None),
+    ("embed", "tensor"),
+    ("norm", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("act_embed", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("act_heads", None),
+    ("act_kv_heads", None),
+    ("act_rank", None),
+    ("embed", "fsdp"),
+    ("rank", "fsdp"),
+    ("heads", "fsdp"),
+    ("kv_heads", "fsdp"),
+    ("mlp", "fsdp"),
+    ("vocab_in", "fsdp"),
+    ("head_embed", "fsdp"),
+    ("vocab", "fsdp"),
+    ("act_batch", BATCH),
+    ("layers", "pipeline"),
+    ("head_norm", None),
+    ("act_seq", None),
+    ("act_res_seq", None),
 )
 # Scores in blocks of 128 keys, recomputed three times in the backward; what it keeps as the chunked class.
 TOY_COST = attention.CostClass("toy_blocks", backward=3.0, score_bytes=(10, 30), block=128, kept=5)
@@ -183,8 +203,9 @@ def first_losses(cfg, steps=2):
     t = cfg.train
     out = []
     for _ in range(steps):
-        tokens = rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1),
-                              dtype=np.int32)
+        tokens = rng.integers(
+            0, cfg.model.vocab_size, (t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1), dtype=np.int32
+        )
         state, metrics = built.train_step(state, jax.device_put(tokens, built.batch_sharding))
         out.append(float(metrics["loss"]))
     return np.array(out)
@@ -192,8 +213,12 @@ def first_losses(cfg, steps=2):
 
 def test_unregistered_names_are_config_errors(make_config):
     from boost_jax.errors import ConfigError
-    for field, value in (("model.attention", "toy_attention"), ("model.linear", "toy_relu_lowrank"),
-                         ("parallel.strategy", "toy_split")):
+
+    for field, value in (
+        ("model.attention", "toy_attention"),
+        ("model.linear", "toy_relu_lowrank"),
+        ("parallel.strategy", "toy_split"),
+    ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             validate(make_config(**{field: value}))
 
@@ -203,10 +228,10 @@ def test_toys_run_the_trainers_step(make_config, toys):
     under another layout); the toy strategy lays out the weights as its table says; the toy kind trains
     (finite, decreasing) and its projection is relu(x·A)·B."""
     base = first_losses(small(make_config))
-    np.testing.assert_allclose(first_losses(small(make_config, **{"model.attention": "toy_attention"})), base,
-                               rtol=1e-5)
-    np.testing.assert_allclose(first_losses(small(make_config, **{"parallel.strategy": "toy_split"})), base,
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        first_losses(small(make_config, **{"model.attention": "toy_attention"})), base, rtol=1e-5
+    )
+    np.testing.assert_allclose(first_losses(small(make_config, **{"parallel.strategy": "toy_split"})), base, rtol=1e-5)
     specs = build(small(make_config, **{"parallel.strategy": "toy_split"})).spec.shardings["params"]["layers"]
     spec = lambda *path: tuple(specs[path[0]][path[1]][path[2]].spec)[1:]  # noqa: E731 - without the layer axis
     assert spec("attn", "q", "a") == ("tensor",) and spec("attn", "q", "b") in ((), (None,), (None, None))
@@ -215,6 +240,7 @@ def test_toys_run_the_trainers_step(make_config, toys):
     assert np.all(np.isfinite(toy)) and toy[-1] < toy[0], toy
 
     from boost_jax.model.linear import Projection, project
+
     m = small(make_config, **{"model.linear": "toy_relu_lowrank"}).model
     proj = Projection(m, 16, 24, axes=("embed", "mlp"), group="mlp_in", rngs=nnx.Rngs(params=1))
     x = np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32)
@@ -229,12 +255,30 @@ def test_toys_in_the_comm_report(toys):
     the toy attention too."""
     from boost_jax.config import base_config
     from boost_jax.tools import comm_report
+
     c = base_config()
     r = 32
-    c.model.update(d_model=128, n_heads=4, n_kv_heads=4, d_ff=256, rank=r, n_layers=2, vocab_size=512,
-                   max_seq_len=64, attention="toy_attention")
-    rep = comm_report.report(c, mesh=(1, 1, 4), strategies="toy_split,toy_split:toy_relu_lowrank", batch=2, seq=64,
-                             dtype="float32", memory=False, programs=("forward",))
+    c.model.update(
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=4,
+        d_ff=256,
+        rank=r,
+        n_layers=2,
+        vocab_size=512,
+        max_seq_len=64,
+        attention="toy_attention",
+    )
+    rep = comm_report.report(
+        c,
+        mesh=(1, 1, 4),
+        strategies="toy_split,toy_split:toy_relu_lowrank",
+        batch=2,
+        seq=64,
+        dtype="float32",
+        memory=False,
+        programs=("forward",),
+    )
     for col in rep["strategies"].values():
         fwd = col["per_layer_forward"]["tensor"]
         assert fwd["elements_per_token"] == pytest.approx((3 + 2 + 1) * r + 2)
@@ -250,6 +294,7 @@ def test_toys_in_the_planner(toys):
     from boost_jax.planner import Layer, Mesh, Options, cost, load_cluster, plan_for, search
     from boost_jax.planner import partitions as P
     from boost_jax.planner.verify import compare
+
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "a100_4x.py"))
 
     residual, choices, attn, act = P.uniform_plan("toy_split")
@@ -267,12 +312,15 @@ def test_toys_in_the_planner(toys):
     traffic = 4096 * 4096 * 8 / cluster.hbm_bandwidth
     visible = (32 + 1) / (2 * 32)
     fwd, bwd = cost.attention_seconds(a, "toy_blocks", cluster)
-    assert fwd == pytest.approx(visible * (gemm + 10 * traffic)) and bwd == pytest.approx(visible * (3 * gemm + 30 * traffic))
+    assert fwd == pytest.approx(visible * (gemm + 10 * traffic)) and bwd == pytest.approx(
+        visible * (3 * gemm + 30 * traffic)
+    )
 
     cfg = sized_config("1b", "cola")
     opts = dict(batch=64, seq=2048, check_memory=False)
     price = lambda strategy, attn, c=cfg: plan_for(  # noqa: E731
-        c, cluster, Mesh(1, 1, 4), 1, "none", Layer(*P.uniform_plan(strategy)), Options(attention=attn, **opts), 1.0)
+        c, cluster, Mesh(1, 1, 4), 1, "none", Layer(*P.uniform_plan(strategy)), Options(attention=attn, **opts), 1.0
+    )
     toy = price("toy_split", "toy_attention")
     assert (toy.runnable, toy.strategy) == ("yes", "toy_split")
     chunked = price("toy_split", "chunked")
@@ -288,16 +336,25 @@ def test_toys_in_the_planner(toys):
     ctx = P.Ctx(P.Block.from_config(gqa), 4, 2048, 2048)
     assert [c[0] for c in P.group_choices(ctx, "qkv")] == ["vanilla", "toy_split"]
     assert [c[0] for c in P.group_choices(ctx, "o")] == ["vanilla", "toy_split"]
-    plan = plan_for(gqa, cluster, Mesh(1, 2, 4), 1, "none", Layer(*P.uniform_plan("toy_split")),
-                    Options(attention="toy_attention", **opts), 1.0)
+    plan = plan_for(
+        gqa,
+        cluster,
+        Mesh(1, 2, 4),
+        1,
+        "none",
+        Layer(*P.uniform_plan("toy_split")),
+        Options(attention="toy_attention", **opts),
+        1.0,
+    )
     assert (plan.runnable, plan.strategy) == ("yes", "toy_split")
     assert "--config.parallel.strategy=toy_split " in plan.overrides
     res = search(gqa, cluster, 8, Options(batch=64, seq=2048, attention="toy_attention", top=40, pipeline=(1,)), 1.0)
     assert any("toy_split" in p.layer.choices for p in res.plans if p.mesh.tensor == 4)
 
     small = base_config()
-    small.model.update(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1376, rank=128, n_layers=2, vocab_size=1024,
-                       max_seq_len=64)
+    small.model.update(
+        d_model=512, n_heads=8, n_kv_heads=8, d_ff=1376, rank=128, n_layers=2, vocab_size=1024, max_seq_len=64
+    )
     rows = compare(small, cluster, Mesh(1, 2, 2), "toy_split", batch=4, seq=64, memory=True)
     assert [r["traffic"] for r in rows][:2] == ["tensor fwd: all-reduce", "tensor bwd: all-reduce"]
     for r in rows:
@@ -309,6 +366,7 @@ def test_planner_and_tools_name_no_strategy():
     (comments, docstrings and messages aside) is a registered strategy's name, or a list of them, or
     the st choice."""
     from boost_jax.config import ST
+
     names = set(strategies.names()) | {ST}
     found = []
     for path in sorted((ROOT / "boost_jax").glob("planner/*.py")) + sorted((ROOT / "boost_jax").glob("tools/*.py")):
@@ -332,6 +390,7 @@ def test_a_kind_declares_its_own_config_fields(make_config, scaled):
     fields reach the command line, where a misspelt one is still a one-line error."""
     from boost_jax.config import base_config, config_docs
     from boost_jax.errors import ConfigError
+
     assert base_config().model.scaled_lowrank_scale == 0.5
     assert config_docs()["model.scaled_lowrank_scale"] == "scaled_lowrank: s of y = s·B·(A·x)"
     cfg = validate(make_config(**{"model.linear": "scaled_lowrank", "model.scaled_lowrank_scale": 2.5}))
@@ -354,8 +413,15 @@ def test_a_kind_declares_its_own_config_fields(make_config, scaled):
     import os
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "boost_jax.train", "--config.model.tt_coress=6"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    r = subprocess.run(
+        [sys.executable, "-m", "boost_jax.train", "--config.model.tt_coress=6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "unknown key 'tt_coress'" in r.stderr and '"tt_cores"' in r.stderr, r.stderr
 
@@ -365,14 +431,17 @@ def test_a_new_kind_runs_the_trainers_step(make_config, scaled):
     as its twin lowrank does (the same parameters and math), with s = 2.5 otherwise (finite); and its
     projection computes s·B·(A·x) with the configured s (a plain jnp reference)."""
     twin = first_losses(small(make_config, **{"model.linear": "lowrank"}), steps=3)
-    one = first_losses(small(make_config, **{"model.linear": "scaled_lowrank", "model.scaled_lowrank_scale": 1.0}),
-                       steps=3)
+    one = first_losses(
+        small(make_config, **{"model.linear": "scaled_lowrank", "model.scaled_lowrank_scale": 1.0}), steps=3
+    )
     np.testing.assert_allclose(one, twin, rtol=1e-5)
-    scaled = first_losses(small(make_config, **{"model.linear": "scaled_lowrank", "model.scaled_lowrank_scale": 2.5}),
-                          steps=3)
+    scaled = first_losses(
+        small(make_config, **{"model.linear": "scaled_lowrank", "model.scaled_lowrank_scale": 2.5}), steps=3
+    )
     assert np.all(np.isfinite(scaled)) and not np.allclose(scaled, twin, rtol=1e-3), (scaled, twin)
 
     from boost_jax.model.linear import Projection, project
+
     m = small(make_config, **{"model.linear": "scaled_lowrank", "model.scaled_lowrank_scale": 2.5}).model
     proj = Projection(m, 16, 24, axes=("embed", "mlp"), group="mlp_in", rngs=nnx.Rngs(params=1))
     x = jax.random.normal(jax.random.key(3), (2, 3, 16))
@@ -386,6 +455,7 @@ def test_the_planner_prices_a_new_kind_by_its_own_flops(scaled):
     from boost_jax.config import sized_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner import partitions as P
+
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "a100_4x.py"))
     twin = sized_config("1b", "lowrank")
     cfg = twin.copy_and_resolve_references()
@@ -407,11 +477,29 @@ def test_the_comm_report_runs_a_new_kind(scaled):
     the row-parallel A's and the norm statistics."""
     from boost_jax.config import base_config
     from boost_jax.tools import comm_report
+
     c = base_config()
-    c.model.update(d_model=128, n_heads=4, n_kv_heads=4, d_ff=256, rank=32, n_layers=2, vocab_size=512,
-                   max_seq_len=64, attention="xla")
-    rep = comm_report.report(c, mesh=(1, 1, 4), strategies="btp:scaled_lowrank,btp:lowrank", batch=2, seq=64,
-                             dtype="float32", memory=False, programs=("forward",))
+    c.model.update(
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=4,
+        d_ff=256,
+        rank=32,
+        n_layers=2,
+        vocab_size=512,
+        max_seq_len=64,
+        attention="xla",
+    )
+    rep = comm_report.report(
+        c,
+        mesh=(1, 1, 4),
+        strategies="btp:scaled_lowrank,btp:lowrank",
+        batch=2,
+        seq=64,
+        dtype="float32",
+        memory=False,
+        programs=("forward",),
+    )
     ours, twin = (col["per_layer_forward"]["tensor"] for col in rep["strategies"].values())
     assert ours["elements_per_token"] == twin["elements_per_token"] > 0, (ours, twin)
 
@@ -425,6 +513,7 @@ def test_export_round_trips_a_new_kind_through_its_own_layout(make_config, scale
     from boost_jax import export
     from boost_jax.model import build_model
     from boost_jax.runtime.build import load_model
+
     assert list(export.layouts()) == ["dense", "lowrank", "cola", "scaled_lowrank"]
     cfg = make_config(**{"model.linear": "scaled_lowrank", "model.scaled_lowrank_scale": 2.5})
     m = cfg.model
@@ -435,7 +524,11 @@ def test_export_round_trips_a_new_kind_through_its_own_layout(make_config, scale
     np.testing.assert_array_equal(tensors["model.layers.1.self_attn.k_proj.lora_B"], np.asarray(b).T)
     hf = json.loads(json.dumps(export.hf_config(m)))
     assert (hf["model_type"], hf["architectures"], hf["lr_scale"], hf["rank"]) == (
-        "scaled_lowrank", ["ScaledLowRankForCausalLM"], 2.5, 8)
+        "scaled_lowrank",
+        ["ScaledLowRankForCausalLM"],
+        2.5,
+        8,
+    )
     fields = export.model_fields(hf)
     assert fields == {k: m[k] for k in fields} and fields["linear"] == "scaled_lowrank", fields
     back = export.from_hf(tensors, params, m)
@@ -449,17 +542,25 @@ def test_export_round_trips_a_new_kind_through_its_own_layout(make_config, scale
     (src / "config.json").write_text(json.dumps(hf))
     step, imported = export.import_hf(str(src), str(tmp_path / "run"))
     assert (imported.model.linear, imported.model.scaled_lowrank_scale, imported.model.n_kv_heads) == (
-        "scaled_lowrank", 2.5, m.n_kv_heads)
+        "scaled_lowrank",
+        2.5,
+        m.n_kv_heads,
+    )
     model, _, _ = load_model(str(step))
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))),
-                 jax.tree.map(np.asarray, params))
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))),
+        jax.tree.map(np.asarray, params),
+    )
     out = export.export(str(tmp_path / "run"), str(tmp_path / "again"))
     again = load_file(str(out / "model.safetensors"))
     assert sorted(again) == sorted(tensors)
     for k in tensors:
         np.testing.assert_array_equal(again[k], tensors[k], err_msg=k)
     written = json.loads((out / "config.json").read_text())
-    assert {k: written[k] for k in ("model_type", "lr_scale", "rank")} == {k: hf[k] for k in ("model_type", "lr_scale", "rank")}
+    assert {k: written[k] for k in ("model_type", "lr_scale", "rank")} == {
+        k: hf[k] for k in ("model_type", "lr_scale", "rank")
+    }
 
 
 def _kind_literals(path: Path, skip=()) -> list[str]:
@@ -471,8 +572,11 @@ def _kind_literals(path: Path, skip=()) -> list[str]:
     source = path.read_text()
     skipped = set()
     for node in ast.parse(source).body:
-        named = {node.name} if isinstance(node, ast.FunctionDef) else \
-            {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+        named = (
+            {node.name}
+            if isinstance(node, ast.FunctionDef)
+            else {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+        )
         if named & set(skip):
             skipped |= set(range(node.lineno, node.end_lineno + 1))
     found = []
@@ -505,11 +609,15 @@ def test_export_and_config_name_no_kind():
         found += _kind_literals(ROOT / "boost_jax" / path)
     assert not found, found
     config = ROOT / "boost_jax" / "config" / "schema.py"
-    default = [i + 1 for i, line in enumerate(config.read_text().splitlines()) if line.strip().startswith("m.linear = ")]
+    default = [
+        i + 1 for i, line in enumerate(config.read_text().splitlines()) if line.strip().startswith("m.linear = ")
+    ]
     assert len(default) == 1
     schema = [f for f in _kind_literals(config) if int(f.split(":")[1]) != default[0]]
     for other in ("checks.py", "files.py", "__init__.py"):
         schema += _kind_literals(ROOT / "boost_jax" / "config" / other)
-    schema += _kind_literals(ROOT / "boost_jax" / "config" / "presets.py", skip=(
-        "sized_config", "tt_config", "sltrain_config", "TT_SIZES", "SLTRAIN_RECIPE"))
+    schema += _kind_literals(
+        ROOT / "boost_jax" / "config" / "presets.py",
+        skip=("sized_config", "tt_config", "sltrain_config", "TT_SIZES", "SLTRAIN_RECIPE"),
+    )
     assert not schema, schema

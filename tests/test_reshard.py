@@ -6,13 +6,20 @@ import numpy as np
 import pytest
 
 from boost_jax import train
-from boost_jax.runtime.checkpoint import Checkpointer
-from boost_jax.runtime.checkpoint import read_run, restore
 from boost_jax.runtime.build import build
+from boost_jax.runtime.checkpoint import Checkpointer, read_run, restore
 
 # Heads 8 so tensor=8 divides them; saved on (data, fsdp, tensor) = (1, 1, 8) with btp.
-SAVED = {"model.n_heads": 8, "model.n_kv_heads": 8, "parallel.data": 1, "parallel.tensor": 8,
-         "parallel.strategy": "btp", "train.steps": 2, "checkpoint.every": 2, "train.eval_every": 0}
+SAVED = {
+    "model.n_heads": 8,
+    "model.n_kv_heads": 8,
+    "parallel.data": 1,
+    "parallel.tensor": 8,
+    "parallel.strategy": "btp",
+    "train.steps": 2,
+    "checkpoint.every": 2,
+    "train.eval_every": 0,
+}
 TARGETS = {  # name: (parallel.* of the target, devices)
     "(2,2,2) vanilla": (dict(data=2, fsdp=2, tensor=2, strategy="vanilla"), 8),
     "(2,1,4) megatron": (dict(data=2, fsdp=1, tensor=4, strategy="megatron"), 8),
@@ -25,6 +32,7 @@ TARGETS = {  # name: (parallel.* of the target, devices)
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     from conftest import small_config
+
     run_dir = tmp_path_factory.mktemp("reshard") / "run"
     train.run(small_config(run_dir, **SAVED))
     return run_dir

@@ -3,6 +3,7 @@
 The interpreter fills out-of-bounds block lanes with NaN, so any missing row/column mask in the
 kernels shows up as NaN here: odd row counts and widths that are not powers of two test masking.
 """
+
 import warnings
 
 import jax
@@ -27,6 +28,7 @@ def _inputs(shape, dtype, seed):
 
 def _fwd_and_grads(fn, x, w, gy, gs):
     """(y, s) and d/d(x, scale) of the random linear functional Σ y·gy + Σ s·gs, under jit."""
+
     def loss(x, w):
         y, s = fn(x, w)
         return jnp.sum(y.astype(jnp.float32) * gy) + jnp.sum(s * gs), (y, s)
@@ -132,8 +134,9 @@ def test_scale_partials_are_a_fixed_grid_not_one_row_per_block():
     shape = (600, 20)
     x, w, gy, gs = _inputs(shape, jnp.float32, seed=11)
     fn = lambda x, w: K.rmsnorm(x, w, EPS, block_rows=2)  # noqa: E731
-    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fn(x, w)[0] * gy) + jnp.sum(fn(x, w)[1] * gs),
-                                    argnums=(0, 1)))(x, w)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda x, w: jnp.sum(fn(x, w)[0] * gy) + jnp.sum(fn(x, w)[1] * gs), argnums=(0, 1))
+    )(x, w)
     text = str(jaxpr)
     assert "f32[128,20]" in text and "f32[300,20]" not in text
     got = _fwd_and_grads(fn, x, w, gy, gs)
@@ -168,14 +171,17 @@ def test_fallback_is_recorded(monkeypatch):
 
 
 def test_training_run_records_the_kernel_that_ran(make_config):
-    from boost_jax import train
     from tests_support import metric_rows
+
+    from boost_jax import train
+
     cfg = make_config(**{"kernels.rmsnorm": "pallas", "train.steps": 2, "train.stop_at_step": 1, "train.eval_every": 0})
     train.run(cfg)
     assert metric_rows(cfg.run_dir, "kernels") == {1: {"rmsnorm": "pallas (interpreted)"}}
 
 
 # ------------------------------------------------------------------- kernels.rmsnorm=triton (jax-triton)
+
 
 def test_triton_impl_without_a_gpu_falls_back_loudly_and_is_recorded(monkeypatch):
     # jax-triton kernels run on NVIDIA GPUs only: elsewhere one warning naming the field and the fix.
@@ -197,6 +203,7 @@ def test_triton_impl_without_a_gpu_falls_back_loudly_and_is_recorded(monkeypatch
 def test_config_names_the_kernel_choices(make_config):
     from boost_jax.errors import ConfigError
     from boost_jax.validate import validate
+
     validate(make_config(**{"kernels.rmsnorm": "triton"}))
     with pytest.raises(ConfigError, match="kernels.rmsnorm"):
         validate(make_config(**{"kernels.rmsnorm": "cuda"}))
@@ -208,6 +215,7 @@ def test_triton_kernels_compile_for_h100_without_a_gpu(dtype, d):
     ptxas); row starts are 16-byte aligned when d % 8 == 0, so the row loads are 128-bit."""
     pytest.importorskip("triton", reason="needs triton (pip install triton; on GPUs the `gpu` extra)")
     from boost_jax.kernels import rmsnorm_triton as T
+
     kernels = T.compile_for_cuda(dtype, jnp.float32, n_rows=64, d=d)
     for name, ck in kernels.items():
         assert ".target sm_90" in ck.asm["ptx"] and len(ck.asm["cubin"]) > 1000, name
@@ -227,16 +235,29 @@ def test_triton_kernels_interpreted_match_reference(tmp_path):
     # (shape, dtype, rows, eps, backward programs): partial last blocks, widths that are not powers of
     # two, eps = 0, bfloat16, and 13 rows in blocks of 2 = 7 blocks on 3 backward programs (3, 2, 2
     # blocks each: the strided loop that spreads any row count over the <= 512 programs on a GPU).
-    cases = [((7, 100), jnp.float32, 2, EPS, 0), ((13, 130), jnp.float32, 4, 0.0, 0),
-             ((13, 20), jnp.float32, 2, EPS, 3), ((5, 48), jnp.bfloat16, 2, EPS, 0)]
+    cases = [
+        ((7, 100), jnp.float32, 2, EPS, 0),
+        ((13, 130), jnp.float32, 4, 0.0, 0),
+        ((13, 20), jnp.float32, 2, EPS, 3),
+        ((5, 48), jnp.bfloat16, 2, EPS, 0),
+    ]
     arrays, inputs = {}, []
     for i, (shape, dtype, rows, eps, programs) in enumerate(cases):
         x, w, gy, gs = _inputs(shape, dtype, seed=20 + i)
         inputs.append((x, w.astype(jnp.float32), gy, gs))
         as_np = lambda a: np.asarray(a.view(jnp.uint16) if a.dtype == jnp.bfloat16 else a)  # noqa: E731
-        arrays.update({f"x{i}": as_np(x), f"w{i}": np.asarray(inputs[-1][1]), f"dy{i}": as_np(gy.astype(dtype)),
-                       f"ds{i}": np.asarray(gs), f"eps{i}": eps, f"rows{i}": rows, f"programs{i}": programs,
-                       f"x{i}_dtype": jnp.dtype(dtype).name})
+        arrays.update(
+            {
+                f"x{i}": as_np(x),
+                f"w{i}": np.asarray(inputs[-1][1]),
+                f"dy{i}": as_np(gy.astype(dtype)),
+                f"ds{i}": np.asarray(gs),
+                f"eps{i}": eps,
+                f"rows{i}": rows,
+                f"programs{i}": programs,
+                f"x{i}_dtype": jnp.dtype(dtype).name,
+            }
+        )
 
     def references(inputs):  # every case's (y, s, dx, dscale) in one compiled program
         out = []
@@ -244,12 +265,23 @@ def test_triton_kernels_interpreted_match_reference(tmp_path):
             (y, s), vjp = jax.vjp(lambda x, w, eps=eps: K.rmsnorm_reference(x, w, eps), x, w)
             out.append((y, s, *vjp((gy.astype(y.dtype), gs))))
         return out
+
     refs = jax.jit(references)(inputs)
     np.savez(tmp_path / "cases.npz", **arrays)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, str(root / "tests" / "triton_interpreted.py"), str(tmp_path / "cases.npz"),
-                          str(tmp_path / "out.npz")], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tests" / "triton_interpreted.py"),
+            str(tmp_path / "cases.npz"),
+            str(tmp_path / "out.npz"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = np.load(tmp_path / "out.npz")
     for i, (shape, dtype, *_) in enumerate(cases):

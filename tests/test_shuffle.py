@@ -1,5 +1,6 @@
 """The stateless permutation (boost_jax/data/shuffle.py): a bijection for every n and seed, repeatable,
 seed-dependent, and uniform enough to shuffle with."""
+
 import math
 
 import numpy as np
@@ -7,9 +8,11 @@ import pytest
 
 from boost_jax.data.shuffle import Permutation
 
-SIZES = sorted({1, 2, 3, 5, 7, 11, 13, 97, 251, 1009, 65521}
-               | {m for k in range(1, 21) for m in (2 ** k - 1, 2 ** k, 2 ** k + 1)}
-               | set(np.random.default_rng(0).integers(2, 200_000, 8).tolist()))
+SIZES = sorted(
+    {1, 2, 3, 5, 7, 11, 13, 97, 251, 1009, 65521}
+    | {m for k in range(1, 21) for m in (2**k - 1, 2**k, 2**k + 1)}
+    | set(np.random.default_rng(0).integers(2, 200_000, 8).tolist())
+)
 
 
 def is_bijection(p: Permutation, n: int) -> bool:
@@ -32,7 +35,7 @@ def test_bijection_of_a_large_n():
 
 
 def test_huge_n_needs_no_memory():
-    n = 10 ** 12
+    n = 10**12
     p = Permutation(n, 5)
     x = np.array([0, 1, 2, n // 2, n - 1])
     y = p(x)
@@ -44,8 +47,9 @@ def test_deterministic_and_independent_of_chunking():
     n, seed = 100_003, (7, 2)
     whole = Permutation(n, seed)(np.arange(n))
     again = Permutation(n, seed)
-    np.testing.assert_array_equal(np.concatenate([again(np.arange(lo, min(lo + 999, n)))
-                                                  for lo in range(0, n, 999)]), whole)
+    np.testing.assert_array_equal(
+        np.concatenate([again(np.arange(lo, min(lo + 999, n))) for lo in range(0, n, 999)]), whole
+    )
     picks = np.random.default_rng(1).integers(0, n, 300)
     assert [int(again(int(i))) for i in picks] == whole[picks].tolist()
     assert again(np.array(5)).shape == () and again(picks.reshape(20, 15)).shape == (20, 15)

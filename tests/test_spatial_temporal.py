@@ -4,6 +4,7 @@ n = 2 runs in the pytest process (8 devices). n = 4 needs 16 devices, but XLA's 
 fixed at jax import, so the n = 4 checks run once in a subprocess (this file run as a script with
 16 emulated devices) and each pytest test reads its check's verdict.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,10 +44,17 @@ def put(x, mesh: Mesh, spec: P):
 
 def fwd_bwd(mesh, row, col, batch_axes=None, row_dim=-2):
     """jit(x, w, g) -> (O, dI, dW) through jax.vjp of st_matmul (no loss reduction => no all-reduce)."""
+
     def f(i, w, g):
-        o, vjp = jax.vjp(lambda a, b: st.st_matmul(a, b, mesh=mesh, row_axis=row, col_axis=col,
-                                                   batch_axes=batch_axes, row_dim=row_dim), i, w)
+        o, vjp = jax.vjp(
+            lambda a, b: st.st_matmul(
+                a, b, mesh=mesh, row_axis=row, col_axis=col, batch_axes=batch_axes, row_dim=row_dim
+            ),
+            i,
+            w,
+        )
         return (o, *vjp(g))
+
     return jax.jit(f)
 
 
@@ -58,13 +66,14 @@ def reference(i, w, g):
 
 # ---------------------------------------------------------------- checks (shared by n=2 and n=4)
 
+
 def check_layouts(n: int, seed: int = 0) -> None:
     """Block (r, c) of the skewed arrays is I<r, r+c> / W<r+c, c>; unskew inverts skew."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((3, 2 * n, 3 * n)).astype(np.float32)
     w = rng.standard_normal((3 * n, 2 * n)).astype(np.float32)
     xs, ws = np.asarray(st.skew_input(x, n)), np.asarray(st.skew_weight(w, n))
-    blk = lambda a, r, c, bm, bk: a[..., r * bm:(r + 1) * bm, c * bk:(c + 1) * bk]
+    blk = lambda a, r, c, bm, bk: a[..., r * bm : (r + 1) * bm, c * bk : (c + 1) * bk]
     for r in range(n):
         for c in range(n):
             np.testing.assert_array_equal(blk(xs, r, c, 2, 3), blk(x, r, (r + c) % n, 2, 3))
@@ -120,8 +129,9 @@ def check_weight_skew(n: int, mesh: Mesh, row: str, col: str, seed: int = 4) -> 
         np.testing.assert_allclose(vjp(put(g, mesh, P(row, col)))[0], st.unskew_weight(g, n), err_msg=str(dims))
 
 
-def check_numerics(n: int, mesh: Mesh, row: str, col: str, batch_axes=None, shape=(4, 2, 3, 5),
-                   seed: int = 2, row_dim: int = -2) -> None:
+def check_numerics(
+    n: int, mesh: Mesh, row: str, col: str, batch_axes=None, shape=(4, 2, 3, 5), seed: int = 2, row_dim: int = -2
+) -> None:
     """O, dI, dW vs the unsharded reference, in the promised layouts, nothing replicated.
     row_dim=0: the grid rows split the batch dim (shape[0] is then per device, like bm)."""
     rng = np.random.default_rng(seed)
@@ -134,11 +144,15 @@ def check_numerics(n: int, mesh: Mesh, row: str, col: str, batch_axes=None, shap
     w = rng.standard_normal((bn * n, bk * n)).astype(np.float32)
     g = rng.standard_normal((*lead, bm * n, bk * n)).astype(np.float32)
     x_spec = st._x_spec(i.ndim, row, col, batch_axes if b else None, row_dim)
-    skew, unskew = ((st.skew_input, st.unskew_input) if row_dim == -2 else
-                    (lambda x, n: rows_first(st.skew_input, x, n, groups),
-                     lambda x, n: rows_first(st.unskew_input, x, n, groups)))
-    args = (put(skew(i, n), mesh, x_spec), put(st.skew_weight(w, n), mesh, P(row, col)),
-            put(g, mesh, x_spec))
+    skew, unskew = (
+        (st.skew_input, st.unskew_input)
+        if row_dim == -2
+        else (
+            lambda x, n: rows_first(st.skew_input, x, n, groups),
+            lambda x, n: rows_first(st.unskew_input, x, n, groups),
+        )
+    )
+    args = (put(skew(i, n), mesh, x_spec), put(st.skew_weight(w, n), mesh, P(row, col)), put(g, mesh, x_spec))
     o, di, dw = fwd_bwd(mesh, row, col, batch_axes, row_dim)(*args)
     o_ref, di_ref, dw_ref = reference(i, w, g)
     assert rel_err(o, o_ref) <= RTOL, rel_err(o, o_ref)
@@ -167,8 +181,7 @@ def check_hlo(n: int, mesh: Mesh, row: str, col: str) -> None:
     assert {c.elements for c in colls} <= {2 * bm * bn, bn * bk, 2 * bm * bk}, {c.elements for c in colls}
 
 
-def check_model(n: int, mesh: Mesh, row: str, col: str, seed: int = 3, steps: int = 3,
-                lr: float = 0.1) -> None:
+def check_model(n: int, mesh: Mesh, row: str, col: str, seed: int = 3, steps: int = 3, lr: float = 0.1) -> None:
     """x -> st_matmul(W1) -> relu -> skew_sharded -> st_matmul(W2) -> MSE, 3 SGD steps: same loss
     curve and final weights as the single-device model; weights live in the skewed layout."""
     rng = np.random.default_rng(seed)
@@ -191,6 +204,7 @@ def check_model(n: int, mesh: Mesh, row: str, col: str, seed: int = 3, steps: in
         def step(params, *batch):
             loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
             return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+
         return step
 
     x_spec = P(None, row, col)
@@ -295,8 +309,17 @@ def run_checks(n: int) -> dict[str, str]:
     return out
 
 
-N4_CHECKS = ["layouts", "sharded_skew", "sharded_skew_rows_on_batch", "weight_skew", "numerics",
-             "numerics_rows_on_batch", "numerics_2d", "hlo", "model"]
+N4_CHECKS = [
+    "layouts",
+    "sharded_skew",
+    "sharded_skew_rows_on_batch",
+    "weight_skew",
+    "numerics",
+    "numerics_rows_on_batch",
+    "numerics_2d",
+    "hlo",
+    "model",
+]
 
 
 @pytest.fixture(scope="module")
@@ -305,11 +328,17 @@ def n4_results() -> dict[str, str]:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=16").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "4"], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return json.loads(lines[-1][len("RESULTS ") :])
 
 
 @pytest.mark.parametrize("name", N4_CHECKS)

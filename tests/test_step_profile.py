@@ -1,6 +1,6 @@
 """tools/step_profile.py: kernels read from compiled GPU programs, priced, grouped; measured traces
 grouped the same way; the fitted table within 15% of every measured H100 row."""
-import gzip
+
 import json
 import math
 import sys
@@ -94,8 +94,16 @@ def test_kernels_of_a_hand_written_loop():
     row, buf = COLS * 4, ROWS * COLS * 4
     assert set(ks) == {"row", "g", "upd", "next", "lt", "ar", "cp", "cond (loop predicate)"}
     # The loop body runs TRIPS times; the condition's compare too; entry kernels once.
-    assert {n: k.count for n, k in ks.items()} == {"row": TRIPS, "g": TRIPS, "upd": TRIPS, "next": TRIPS, "lt": TRIPS,
-                                                   "ar": 1, "cp": 1, "cond (loop predicate)": TRIPS}
+    assert {n: k.count for n, k in ks.items()} == {
+        "row": TRIPS,
+        "g": TRIPS,
+        "upd": TRIPS,
+        "next": TRIPS,
+        "lt": TRIPS,
+        "ar": 1,
+        "cp": 1,
+        "cond (loop predicate)": TRIPS,
+    }
     # The GEMM: 2 m n k from its shapes; bytes its operands and output.
     g = ks["g"]
     assert (g.kind, g.gemm[:4], g.flops) == ("gemm", (1, M, N, K), 2.0 * M * N * K)
@@ -107,11 +115,23 @@ def test_kernels_of_a_hand_written_loop():
     # The all-reduce moves 2 (n-1)/n of its payload over the link in 2 (n-1) steps.
     c = ks["ar"].collective
     assert (c["kind"], c["group_size"], c["payload_bytes"], c["wire_bytes"], c["steps"]) == (
-        "all-reduce", 2, buf, buf, 2)
+        "all-reduce",
+        2,
+        buf,
+        buf,
+        2,
+    )
     assert ks["cp"].bytes == 2 * buf
     assert {n: k.category for n, k in ks.items()} == {
-        "row": "copies/layout", "g": "gemm", "upd": "elementwise", "next": "elementwise", "lt": "elementwise",
-        "ar": "collectives", "cp": "copies/layout", "cond (loop predicate)": "launch"}
+        "row": "copies/layout",
+        "g": "gemm",
+        "upd": "elementwise",
+        "next": "elementwise",
+        "lt": "elementwise",
+        "ar": "collectives",
+        "cp": "copies/layout",
+        "cond (loop predicate)": "launch",
+    }
 
 
 def test_price_is_max_of_compute_and_memory_plus_launches():
@@ -130,8 +150,9 @@ def test_price_is_max_of_compute_and_memory_plus_launches():
     assert p["launches"] == launches
     assert math.isclose(p["time_by_category"]["launch"], launches * c.launch_s)
     memory = sum(k.bytes * k.count for k in ks if k.kind not in ("gemm", "collective", "attention"))
-    assert math.isclose(p["time_by_category"]["elementwise"] + p["time_by_category"]["copies/layout"],
-                        memory / t.hbm_bytes_per_s)
+    assert math.isclose(
+        p["time_by_category"]["elementwise"] + p["time_by_category"]["copies/layout"], memory / t.hbm_bytes_per_s
+    )
     assert math.isclose(p["predicted_step_s"], sum(p["time_by_category"].values()))
 
 
@@ -152,29 +173,68 @@ def test_remat_clones_are_priced_at_their_share():
         c = sp.Costs({k: 0.5 for k in sp.GEMM_CLASSES}, 0.4, 2e-6, share)
         p, full = sp.price(ks, "h100", c), sp.price(ks, "h100", sp.Costs(c.gemm_efficiency, 0.4, 2e-6, 1.0))
         clone = next(k for k in ks if k.remat_clone)
-        assert math.isclose(full["predicted_step_s"] - p["predicted_step_s"],
-                            (1 - share) * (clone.total_s() + clone.count * 2e-6))
+        assert math.isclose(
+            full["predicted_step_s"] - p["predicted_step_s"], (1 - share) * (clone.total_s() + clone.count * 2e-6)
+        )
         assert math.isclose(p["remat_clones"]["time_s"], clone.total_s() + clone.count * 2e-6)
 
 
-@pytest.mark.parametrize("kernel, category", [
-    ({"kind": "fusion", "opcode": "fusion", "source": "boost_jax/kernels/rmsnorm.py:rmsnorm_reference:74",
-      "fused": ("multiply", "reduce")}, "norm"),
-    ({"kind": "custom", "opcode": "custom-call", "backend": "__gpu$xla.gpu.triton rmsnorm_fwd"}, "norm"),
-    ({"kind": "fusion", "opcode": "fusion", "source": "boost_jax/model/loss.py:token_losses:22",
-      "fused": ("exponential", "reduce")}, "loss"),
-    ({"kind": "gemm", "opcode": "fusion", "source": "boost_jax/model/loss.py:logits_of:30"}, "gemm"),
-    ({"kind": "fusion", "opcode": "fusion", "source": "boost_jax/runtime/step.py:optimizer_update:104",
-      "fused": ("multiply", "sqrt")}, "optimizer"),
-    ({"kind": "fusion", "opcode": "fusion", "source": "optax/_src/transform.py:update_moment:90"}, "optimizer"),
-    ({"kind": "fusion", "opcode": "fusion", "source": "boost_jax/model/transformer.py:Transformer.hidden:129",
-      "fused": ("bitcast", "dynamic-update-slice", "parameter")}, "copies/layout"),
-    ({"kind": "fusion", "opcode": "fusion", "source": "boost_jax/model/transformer.py:MLP.__call__:42",
-      "fused": ("exponential", "multiply", "parameter")}, "elementwise"),
-    ({"kind": "attention", "opcode": "custom-call", "backend": "__cudnn$fmhaSoftmax"}, "attention"),
-    ({"kind": "collective", "opcode": "all-gather-start"}, "collectives"),
-    ({"kind": "op", "opcode": "transpose"}, "copies/layout"),
-])
+@pytest.mark.parametrize(
+    "kernel, category",
+    [
+        (
+            {
+                "kind": "fusion",
+                "opcode": "fusion",
+                "source": "boost_jax/kernels/rmsnorm.py:rmsnorm_reference:74",
+                "fused": ("multiply", "reduce"),
+            },
+            "norm",
+        ),
+        ({"kind": "custom", "opcode": "custom-call", "backend": "__gpu$xla.gpu.triton rmsnorm_fwd"}, "norm"),
+        (
+            {
+                "kind": "fusion",
+                "opcode": "fusion",
+                "source": "boost_jax/model/loss.py:token_losses:22",
+                "fused": ("exponential", "reduce"),
+            },
+            "loss",
+        ),
+        ({"kind": "gemm", "opcode": "fusion", "source": "boost_jax/model/loss.py:logits_of:30"}, "gemm"),
+        (
+            {
+                "kind": "fusion",
+                "opcode": "fusion",
+                "source": "boost_jax/runtime/step.py:optimizer_update:104",
+                "fused": ("multiply", "sqrt"),
+            },
+            "optimizer",
+        ),
+        ({"kind": "fusion", "opcode": "fusion", "source": "optax/_src/transform.py:update_moment:90"}, "optimizer"),
+        (
+            {
+                "kind": "fusion",
+                "opcode": "fusion",
+                "source": "boost_jax/model/transformer.py:Transformer.hidden:129",
+                "fused": ("bitcast", "dynamic-update-slice", "parameter"),
+            },
+            "copies/layout",
+        ),
+        (
+            {
+                "kind": "fusion",
+                "opcode": "fusion",
+                "source": "boost_jax/model/transformer.py:MLP.__call__:42",
+                "fused": ("exponential", "multiply", "parameter"),
+            },
+            "elementwise",
+        ),
+        ({"kind": "attention", "opcode": "custom-call", "backend": "__cudnn$fmhaSoftmax"}, "attention"),
+        ({"kind": "collective", "opcode": "all-gather-start"}, "collectives"),
+        ({"kind": "op", "opcode": "transpose"}, "copies/layout"),
+    ],
+)
 def test_categorize(kernel, category):
     assert sp.categorize(kernel) == category
 
@@ -184,17 +244,29 @@ def test_measured_groups_trace_events_by_the_same_categories():
     category; events naming no instruction go by kernel name; the idle rest of the step is launch."""
     rng = np.random.default_rng(1)
     expect = dict.fromkeys(sp.CATEGORIES, 0.0)
-    own = {"row": "copies/layout", "g": "gemm", "upd": "elementwise", "next": "elementwise", "lt": "elementwise",
-           "ar": "collectives", "cp": "copies/layout"}
+    own = {
+        "row": "copies/layout",
+        "g": "gemm",
+        "upd": "elementwise",
+        "next": "elementwise",
+        "lt": "elementwise",
+        "ar": "collectives",
+        "cp": "copies/layout",
+    }
     events, steps = [], 3
     for op, cat in own.items():
         for kernel in (f"{op}_kernel", f"{op}_kernel_2")[: 1 + (op == "g")]:  # a GEMM may launch two kernels
             us = float(rng.uniform(1, 500))
-            events.append({"name": kernel, "hlo_op": op, "hlo_module": "jit_step", "duration_us": us,
-                           "count": steps * TRIPS})
+            events.append(
+                {"name": kernel, "hlo_op": op, "hlo_module": "jit_step", "duration_us": us, "count": steps * TRIPS}
+            )
             expect[cat] += us / 1e6 / steps
-    for name, cat in (("ncclDevKernel_AllGather_RING_LL", "collectives"), ("sm90_xmma_gemm_bf16bf16", "gemm"),
-                      ("Memcpy DtoH", "copies/layout"), ("some_fusion", "elementwise")):
+    for name, cat in (
+        ("ncclDevKernel_AllGather_RING_LL", "collectives"),
+        ("sm90_xmma_gemm_bf16bf16", "gemm"),
+        ("Memcpy DtoH", "copies/layout"),
+        ("some_fusion", "elementwise"),
+    ):
         us = float(rng.uniform(1, 50))
         events.append({"name": name, "hlo_op": "", "hlo_module": "", "duration_us": us, "count": steps})
         expect[cat] += us / 1e6 / steps
@@ -208,8 +280,10 @@ def test_measured_groups_trace_events_by_the_same_categories():
     with pytest.raises(ValueError, match="duration_us"):
         sp.measured([{"name": "x", "hlo_op": "g", "duration": 3}], HLO)
     # Other units and `kernel` for the name read the same.
-    other = [{"kernel": e["name"], "hlo_op": e["hlo_op"], "duration_ns": e["duration_us"] * 1e3, "count": e["count"]}
-             for e in events]
+    other = [
+        {"kernel": e["name"], "hlo_op": e["hlo_op"], "duration_ns": e["duration_us"] * 1e3, "count": e["count"]}
+        for e in events
+    ]
     again = sp.measured({"steps": steps, "step_s": step_s, "events": other}, HLO)
     for cat in sp.CATEGORIES:
         assert math.isclose(again["time_by_category"][cat], expect[cat], rel_tol=1e-9, abs_tol=1e-15), cat
@@ -259,6 +333,7 @@ def test_kernels_of_a_deviceless_h100_scan():
         def layer(h, w):
             y = jnp.tanh(h @ w)
             return y[:, :k], y
+
         return jax.lax.scan(layer, x, ws)
 
     with platform.target(dev):
@@ -268,7 +343,7 @@ def test_kernels_of_a_deviceless_h100_scan():
     assert sum(kk.flops * kk.count for kk in ks if kk.category == "gemm") == L * 2 * m * n * k
     (stack,) = [kk for kk in ks if "dynamic-update-slice" in kk.fused]
     assert stack.count * (2 if "double_buffer" in text else 1) >= L
-    comp = re.search(rf"calls=%([\w.\-]+)", next(ln for ln in text.splitlines() if f"%{stack.name} = " in ln)).group(1)
+    comp = re.search(r"calls=%([\w.\-]+)", next(ln for ln in text.splitlines() if f"%{stack.name} = " in ln)).group(1)
     params = re.search(rf"^%{re.escape(comp)} \((.*?)\) ->", text, re.M).group(1)
     shapes = re.findall(r"(bf16|f32|s32)\[([\d,]*)\]", params)
     size = {"bf16": 2, "f32": 4, "s32": 4}
@@ -284,6 +359,7 @@ MEASURED = json.loads((ROOT / "benchmarks" / "h100_measured.json").read_text())
 def _fit_module():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import step_profile_fit
+
     return step_profile_fit
 
 
@@ -316,9 +392,11 @@ def test_fresh_compiles_within_15_percent():
         assert abs(ms / row["step_ms"] - 1) <= 0.15, (name, ms, row["step_ms"])
 
 
-README_PROFILE = ("python -m boost_jax.tools.aot --target h100 --devices 1 --config configs/cola_1b.py --mesh 1,1,1,1 "
-                  "--train-only --profile --config.train.seq_len=256 --config.train.global_batch=32 "
-                  "--config.data.batching=stream")
+README_PROFILE = (
+    "python -m boost_jax.tools.aot --target h100 --devices 1 --config configs/cola_1b.py --mesh 1,1,1,1 "
+    "--train-only --profile --config.train.seq_len=256 --config.train.global_batch=32 "
+    "--config.data.batching=stream"
+)
 
 
 @needs_aot
@@ -342,8 +420,22 @@ def test_aot_profile_cli_json_and_table(tmp_path, capsys):
     cfg = str(ROOT / "configs" / "tiny.py")
     for devices, mesh in ((8, "1,1,8,1"),):
         out = tmp_path / f"p{devices}.json"
-        aot.main(["--target", "h100", "--devices", str(devices), "--config", cfg, "--mesh", mesh, "--train-only",
-                  "--profile", "--json", str(out)])
+        aot.main(
+            [
+                "--target",
+                "h100",
+                "--devices",
+                str(devices),
+                "--config",
+                cfg,
+                "--mesh",
+                mesh,
+                "--train-only",
+                "--profile",
+                "--json",
+                str(out),
+            ]
+        )
         text = capsys.readouterr().out
         assert "train step time table: predicted step" in text and "top kernels:" in text
         p = json.loads(out.read_text())["profile"]
@@ -363,8 +455,20 @@ def test_trace_script_on_this_host(tmp_path, capsys):
     import step_profile_trace as trace
 
     size = dict(d_model=64, d_ff=128, n_heads=4, n_kv_heads=4, rank=16, vocab_size=256, n_layers=2, seq=32, batch=2)
-    summary = trace.main(["--out", str(tmp_path), "--rows", "cola_1b lowrank 256", "--steps", "2", "--warmup", "1",
-                          "--size", json.dumps(size)])
+    summary = trace.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--rows",
+            "cola_1b lowrank 256",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--size",
+            json.dumps(size),
+        ]
+    )
     (row,) = summary["rows"]
     events = json.loads((tmp_path / "cola_1b_lowrank_256.events.json").read_text())
     assert events["steps"] == 2 and events["step_s"] > 0 and events["events"]
@@ -373,8 +477,14 @@ def test_trace_script_on_this_host(tmp_path, capsys):
     assert math.isclose(sum(got["time_by_category"].values()), max(got["busy_s"], events["step_s"]), rel_tol=1e-9)
     assert json.loads((tmp_path / "summary.json").read_text())["rows"][0]["name"] == "cola_1b lowrank 256"
     capsys.readouterr()
-    out = sp.main(["--hlo", str(tmp_path / "cola_1b_lowrank_256.hlo.gz"),
-                   "--events", str(tmp_path / "cola_1b_lowrank_256.events.json")])
+    out = sp.main(
+        [
+            "--hlo",
+            str(tmp_path / "cola_1b_lowrank_256.hlo.gz"),
+            "--events",
+            str(tmp_path / "cola_1b_lowrank_256.events.json"),
+        ]
+    )
     text = capsys.readouterr().out
     assert "predicted step" in text and "predicted ms" in text and "measured ms" in text
     assert math.isclose(out["measured"]["step_s"], got["step_s"])

@@ -1,5 +1,6 @@
 """The code has one style (pyproject.toml [tool.ruff]): `ruff format --check` finds nothing to lay out
 again and `ruff check` finds no error, unused name or unsorted import."""
+
 import shutil
 import subprocess
 import sys

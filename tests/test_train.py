@@ -1,4 +1,5 @@
 """The training loop: loss falls, exact resume, signals, divergence and bad checkpoints."""
+
 import json
 import os
 import signal
@@ -10,22 +11,22 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
-from boost_jax import train
-from boost_jax.runtime.checkpoint import CheckpointError, Checkpointer
-from boost_jax.config import base_config
 from tests_support import metric_rows
 
-
+from boost_jax import train
+from boost_jax.config import base_config
+from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError
 
 
 def final_params(run_dir, step):
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=3, create=False)
     meta = ckpt.read_meta(step)
     from boost_jax.runtime.build import load_model
+
     model, _, _ = load_model(str(Path(run_dir) / "checkpoints" / str(step)))
     ckpt.close()
     from flax import nnx
+
     return meta, nnx.to_pure_dict(nnx.state(model))
 
 
@@ -50,8 +51,9 @@ def test_default_model_learns(tmp_path):
 def test_resume_continues_bit_for_bit(make_config, tmp_path, batching):
     straight = make_config(**{"run_dir": str(tmp_path / "a"), "train.log_every": 1, "data.batching": batching})
     train.run(straight)
-    split = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4,
-                           "data.batching": batching})
+    split = make_config(
+        **{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4, "data.batching": batching}
+    )
     out = train.run(split)
     assert out["step"] == 4
     split.train.stop_at_step = 0
@@ -72,8 +74,9 @@ def test_resume_keeps_the_order_its_checkpoint_used(make_config, tmp_path, capsy
     for checkpoints written before it was recorded): a resume keeps it and says so."""
     straight = make_config(**{"run_dir": str(tmp_path / "a"), "train.log_every": 1, "data.shuffle": "numpy"})
     train.run(straight)
-    split = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4,
-                           "data.shuffle": "numpy"})
+    split = make_config(
+        **{"run_dir": str(tmp_path / "b"), "train.log_every": 1, "train.stop_at_step": 4, "data.shuffle": "numpy"}
+    )
     train.run(split)
     resumed = make_config(**{"run_dir": str(tmp_path / "b"), "train.log_every": 1})  # data.shuffle=feistel
     train.run(resumed)
@@ -86,12 +89,24 @@ def test_resume_keeps_the_order_its_checkpoint_used(make_config, tmp_path, capsy
 
 
 def test_divergence_stops_and_keeps_last_good_checkpoint(make_config):
-    cfg = make_config(**{"train.lr": 1e30, "train.warmup_steps": 0, "train.steps": 12, "checkpoint.every": 1,
-                         "train.grad_clip": 0.0, "train.eval_every": 0})
-    with pytest.raises(train.TrainingDiverged, match=r"step (\d+): .*The last good checkpoint \(its state's "
-                                                     r"next step was finite\) is step (\d+)") as e:
+    cfg = make_config(
+        **{
+            "train.lr": 1e30,
+            "train.warmup_steps": 0,
+            "train.steps": 12,
+            "checkpoint.every": 1,
+            "train.grad_clip": 0.0,
+            "train.eval_every": 0,
+        }
+    )
+    with pytest.raises(
+        train.TrainingDiverged,
+        match=r"step (\d+): .*The last good checkpoint \(its state's "
+        r"next step was finite\) is step (\d+)",
+    ) as e:
         train.run(cfg)
     import re
+
     bad, good = map(int, re.search(r"step (\d+):.* is step (\d+) in", str(e.value)).groups())
     ckpt = Checkpointer(Path(cfg.run_dir) / "checkpoints", keep=3, create=False)
     assert ckpt.latest_step() == good == bad - 2  # bad-1's state computed the non-finite step: set aside
@@ -128,25 +143,42 @@ def test_all_checkpoints_corrupt_is_a_clear_error_and_all_are_kept(make_config):
     assert _checkpoint_files(cfg.run_dir) == before
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig",
+    [
+        signal.SIGTERM,
+        pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
+        pytest.param(signal.SIGUSR1, marks=pytest.mark.slow),
+    ],
+    ids=lambda s: s.name,
+)
 def test_stop_signals_save_and_exit_zero(tmp_path, sig):
     """SIGTERM (preemption), SIGHUP (the ssh session closed), SIGUSR1 (sbatch --signal, the template's)."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "boost_jax.train", f"--config.run_dir={run_dir}", "--config.train.steps=100000",
-            "--config.train.log_every=1", "--config.train.eval_every=0", "--config.checkpoint.every=100000",
-            "--config.train.progress=False", "--config.model.n_layers=1", "--config.train.global_batch=8",
-            "--config.data.embedded_max_bytes=200000"]
+    args = [
+        sys.executable,
+        "-m",
+        "boost_jax.train",
+        f"--config.run_dir={run_dir}",
+        "--config.train.steps=100000",
+        "--config.train.log_every=1",
+        "--config.train.eval_every=0",
+        "--config.checkpoint.every=100000",
+        "--config.train.progress=False",
+        "--config.model.n_layers=1",
+        "--config.train.global_batch=8",
+        "--config.data.embedded_max_bytes=200000",
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
-                                          and len(metric_rows(run_dir)) >= 3):
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and len(metric_rows(run_dir)) >= 3):
         time.sleep(0.5)
     assert proc.poll() is None, proc.stdout.read()
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     import re
+
     stopped_at = int(re.search(rf"stopped by {sig.name} at step (\d+)", out).group(1))
     assert stopped_at >= 3
     assert Checkpointer(run_dir / "checkpoints", keep=3, create=False).latest_step() == stopped_at
@@ -172,10 +204,10 @@ def test_profile_steps_and_compile_cache(make_config, tmp_path):
     """profile_steps=2,3 leaves a jax.profiler trace in RUN_DIR/tensorboard; compile_cache fills the
     directory with the run's compiled programs (every program: the compile-time floor is lowered)."""
     from jax.experimental.compilation_cache import compilation_cache as cc
+
     before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     cache = tmp_path / "xla_cache"
-    cfg = make_config(**{"train.steps": 3, "train.eval_every": 0, "profile_steps": "2,3",
-                         "compile_cache": str(cache)})
+    cfg = make_config(**{"train.steps": 3, "train.eval_every": 0, "profile_steps": "2,3", "compile_cache": str(cache)})
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     try:
         summary = train.run(cfg)
@@ -193,6 +225,7 @@ def test_profile_steps_and_compile_cache(make_config, tmp_path):
 def test_bad_profile_steps_name_the_field(make_config, value):
     from boost_jax.errors import ConfigError
     from boost_jax.validate import validate
+
     with pytest.raises(ConfigError, match="profile_steps.*A,B"):
         validate(make_config(profile_steps=value))
     validate(make_config(profile_steps="4"))  # one step

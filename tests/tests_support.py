@@ -1,4 +1,5 @@
 """Helpers shared by tests."""
+
 import json
 from pathlib import Path
 
@@ -33,11 +34,17 @@ def fresh_venv(where, env: dict):
     import site
     import subprocess
     import sys
+
     where = Path(where)
     subprocess.run([sys.executable, "-m", "venv", str(where)], env=env, check=True, capture_output=True)
     python = where / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             env=env, check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     ours = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if Path(p).is_dir()]
     (Path(purelib) / "outer_site_packages.pth").write_text("".join(f"{p}\n" for p in ours))
     return python

@@ -3,10 +3,12 @@
     TRITON_INTERPRET=1 python tests/triton_interpreted.py CASES.npz OUT.npz
 
 CASES.npz holds, per case i: `x{i}`, `w{i}`, `dy{i}`, `ds{i}` (bfloat16 stored as uint16 with
-`x{i}_dtype`), `eps{i}`, `rows{i}` and `programs{i}` (the backward's grid; 0: the module's choice). OUT.npz gets `y{i}`, `s{i}`, `dx{i}`, `dw{i}` (dw: the
+`x{i}_dtype`), `eps{i}`, `rows{i}` and `programs{i}` (the backward's grid; 0: the module's choice). OUT.npz gets
+`y{i}`, `s{i}`, `dx{i}`, `dw{i}` (dw: the
 kernel's [programs, d] partials, summed) as the kernels wrote them. Triton's interpreter expects torch
 tensors; `HostArray` gives a numpy array the few torch methods it calls (the data stays in place).
 """
+
 import os
 import sys
 
@@ -68,8 +70,7 @@ def run_case(T, x, w, dy, ds, eps, rows, programs, x_dtype):
     hx = lambda a: HostArray(a, x_dtype)  # noqa: E731
     consts = dict(n_rows=n, d=d, eps=eps, ROWS=rows, BLOCK_D=T.block_d(d))
     T.rmsnorm_fwd_kernel[(-(-n // rows),)](hx(x), HostArray(w), hx(y), HostArray(s), **consts)
-    T.rmsnorm_bwd_kernel[(p,)](hx(x), HostArray(w), hx(dy), HostArray(ds), hx(dx), HostArray(dw),
-                               **consts, PROGRAMS=p)
+    T.rmsnorm_bwd_kernel[(p,)](hx(x), HostArray(w), hx(dy), HostArray(ds), hx(dx), HostArray(dw), **consts, PROGRAMS=p)
     return y, s, dx, dw.sum(axis=0)
 
 
@@ -81,9 +82,17 @@ def main(cases_path, out_path):
     out = {}
     i = 0
     while f"x{i}" in cases:
-        got = run_case(T, cases[f"x{i}"], cases[f"w{i}"], cases[f"dy{i}"], cases[f"ds{i}"],
-                       float(cases[f"eps{i}"]), int(cases[f"rows{i}"]), int(cases[f"programs{i}"]),
-                       str(cases[f"x{i}_dtype"]))
+        got = run_case(
+            T,
+            cases[f"x{i}"],
+            cases[f"w{i}"],
+            cases[f"dy{i}"],
+            cases[f"ds{i}"],
+            float(cases[f"eps{i}"]),
+            int(cases[f"rows{i}"]),
+            int(cases[f"programs{i}"]),
+            str(cases[f"x{i}_dtype"]),
+        )
         out.update({f"{k}{i}": v for k, v in zip(("y", "s", "dx", "dw"), got)})
         i += 1
     np.savez(out_path, **out)

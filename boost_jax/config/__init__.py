@@ -8,6 +8,7 @@ the ground floor (it imports nothing of ours but the errors): the names that reg
 (linear kinds, attention implementations, strategies, data sources, kernels, remat policies) and
 what a mesh must divide are checked by `boost_jax/validate.py`, which asks each registry.
 """
+
 from __future__ import annotations
 
 from boost_jax.config.checks import (  # noqa: F401

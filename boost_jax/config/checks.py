@@ -1,5 +1,6 @@
 """Checks of plain values: each problem one line naming its field and the fix, all of a config's
 problems at once (`every_problem`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,11 @@ def profile_range(text: str) -> tuple[int, int] | None:
         first, last = int(parts[0]), int(parts[-1])
     except ValueError:
         first = last = 0
-    check(len(parts) <= 2 and 1 <= first <= last, "profile_steps",
-          f"{text!r} is not A,B with 1 <= A <= B (the first and last train step to trace, e.g. 10,12)")
+    check(
+        len(parts) <= 2 and 1 <= first <= last,
+        "profile_steps",
+        f"{text!r} is not A,B with 1 <= A <= B (the first and last train step to trace, e.g. 10,12)",
+    )
     return first, last
 
 
@@ -94,8 +98,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     names and the mesh: boost_jax/validate.py)."""
     m, t, p = c.model, c.train, c.parallel
     profile_range(c.profile_steps)
-    check(not c.compile_cache or not Path(c.compile_cache).expanduser().is_file(), "compile_cache",
-          f"{c.compile_cache!r} is a file; name a directory (created if missing) or \"\" for no cache")
+    check(
+        not c.compile_cache or not Path(c.compile_cache).expanduser().is_file(),
+        "compile_cache",
+        f'{c.compile_cache!r} is a file; name a directory (created if missing) or "" for no cache',
+    )
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         check(int(m[name]) > 0, f"model.{name}", f"must be a positive integer, got {m[name]}")
     heads = m.n_heads > 0 and m.n_kv_heads > 0  # (else named above; the checks below would divide by 0)
@@ -111,8 +118,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"{m.n_kv_heads} KV heads do not divide n_heads={m.n_heads} (GQA groups must be whole); "
         f"choose one of {_divisors(m.n_heads)}",
     )
-    check(not heads or (m.d_model // m.n_heads) % 2 == 0, "model.n_heads",
-          "head_dim = d_model/n_heads must be even for RoPE")
+    check(
+        not heads or (m.d_model // m.n_heads) % 2 == 0,
+        "model.n_heads",
+        "head_dim = d_model/n_heads must be even for RoPE",
+    )
     check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
     check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
     check(t.seq_len > 0, "train.seq_len", "must be positive")
@@ -123,12 +133,21 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
     check(t.steps > 0, "train.steps", "must be positive")
     check(t.global_batch >= 1, "train.global_batch", f"must be a positive number of sequences, got {t.global_batch}")
-    check(math.isfinite(m.rope_theta) and m.rope_theta > 0, "model.rope_theta",
-          f"must be a positive RoPE base, got {m.rope_theta} (LLaMA: 10000)")
-    check(math.isfinite(m.norm_eps) and m.norm_eps > 0, "model.norm_eps",
-          f"must be a small positive number, got {m.norm_eps} (e.g. 1e-6)")
-    check(math.isfinite(m.init_std) and m.init_std > 0, "model.init_std",
-          f"must be a positive standard deviation, got {m.init_std} (e.g. 0.02)")
+    check(
+        math.isfinite(m.rope_theta) and m.rope_theta > 0,
+        "model.rope_theta",
+        f"must be a positive RoPE base, got {m.rope_theta} (LLaMA: 10000)",
+    )
+    check(
+        math.isfinite(m.norm_eps) and m.norm_eps > 0,
+        "model.norm_eps",
+        f"must be a small positive number, got {m.norm_eps} (e.g. 1e-6)",
+    )
+    check(
+        math.isfinite(m.init_std) and m.init_std > 0,
+        "model.init_std",
+        f"must be a positive standard deviation, got {m.init_std} (e.g. 0.02)",
+    )
     check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     check(
         t.grad_accum < 1 or t.global_batch % t.grad_accum == 0,
@@ -154,8 +173,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check(t.nonfinite in NONFINITE, "train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE}")
     check(t.stop_at_step >= 0, "train.stop_at_step", f"must be >= 0 (0: train to train.steps), got {t.stop_at_step}")
     check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: no evaluation)")
-    check(t.eval_batches >= 1, "train.eval_batches",
-          f"must be >= 1, got {t.eval_batches}; to skip evaluation set train.eval_every=0")
+    check(
+        t.eval_batches >= 1,
+        "train.eval_batches",
+        f"must be >= 1, got {t.eval_batches}; to skip evaluation set train.eval_every=0",
+    )
     check(t.log_every > 0, "train.log_every", "must be positive")
     check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
     check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive (it never deletes all checkpoints)")
@@ -168,42 +190,69 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check(0.0 < c.data.eval_fraction < 1.0, "data.eval_fraction", "must be in (0, 1)")
     check(c.data.token_dtype in ("uint16", "uint32"), "data.token_dtype", "must be uint16 or uint32")
     check(c.remat.pipeline in ("none", "stage"), "remat.pipeline", f"{c.remat.pipeline!r} is not none or stage")
-    check(c.remat.pipeline == "none" or p.pipeline != 1, "remat.pipeline",
-          "stage recomputes pipeline stages, but parallel.pipeline=1; set parallel.pipeline > 1 or remat.pipeline=none")
+    check(
+        c.remat.pipeline == "none" or p.pipeline != 1,
+        "remat.pipeline",
+        "stage recomputes pipeline stages, but parallel.pipeline=1; set parallel.pipeline > 1 or remat.pipeline=none",
+    )
     check(c.data.batching in BATCHINGS, "data.batching", f"{c.data.batching!r} is not one of {BATCHINGS}")
     check(c.data.shuffle in SHUFFLES, "data.shuffle", f"{c.data.shuffle!r} is not one of {SHUFFLES}")
-    check(t.seq_len >= 2 or c.data.batching == "stream", "train.seq_len",
-          f"{t.seq_len} leaves no target inside a document (data.batching={c.data.batching}); use at least 2")
+    check(
+        t.seq_len >= 2 or c.data.batching == "stream",
+        "train.seq_len",
+        f"{t.seq_len} leaves no target inside a document (data.batching={c.data.batching}); use at least 2",
+    )
     check(t.eval_tokens >= 0, "train.eval_tokens", "must be >= 0 (0: train.eval_batches batches)")
-    check(p.grad_reduce_dtype in ("float32", "bfloat16"), "parallel.grad_reduce_dtype",
-          f"{p.grad_reduce_dtype!r} is not float32 or bfloat16")
+    check(
+        p.grad_reduce_dtype in ("float32", "bfloat16"),
+        "parallel.grad_reduce_dtype",
+        f"{p.grad_reduce_dtype!r} is not float32 or bfloat16",
+    )
     sizes = [p.pipeline, p.data, p.fsdp, p.context, p.tensor]
     check(sum(s == -1 for s in sizes) <= 1, "parallel", "at most one of pipeline/data/fsdp/context/tensor may be -1")
-    check(p.context_attention in CONTEXT_ATTENTION, "parallel.context_attention",
-          f"{p.context_attention!r} is not one of {CONTEXT_ATTENTION}")
+    check(
+        p.context_attention in CONTEXT_ATTENTION,
+        "parallel.context_attention",
+        f"{p.context_attention!r} is not one of {CONTEXT_ATTENTION}",
+    )
     check(p.context_kv in CONTEXT_KV, "parallel.context_kv", f"{p.context_kv!r} is not one of {CONTEXT_KV}")
     check(p.microbatches >= 0, "parallel.microbatches", "must be >= 0 (0: two per pipeline stage)")
-    check(p.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
-          f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    check(
+        p.pipeline_schedule in PIPELINE_SCHEDULES,
+        "parallel.pipeline_schedule",
+        f"{p.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}",
+    )
     check(p.pipeline_repeats >= 1, "parallel.pipeline_repeats", f"must be >= 1, got {p.pipeline_repeats}")
-    check(p.pipeline_repeats == 1 or p.pipeline_schedule in ("circular", "1f1b"), "parallel.pipeline_repeats",
-          f"{p.pipeline_repeats} chunks per stage need parallel.pipeline_schedule=circular or 1f1b (gpipe holds one)")
-    check(p.pipeline_schedule == "gpipe" or p.pipeline != 1, "parallel.pipeline_schedule",
-          f"{p.pipeline_schedule} interleaves layer chunks over pipeline stages, but parallel.pipeline=1; set "
-          "parallel.pipeline > 1 or parallel.pipeline_schedule=gpipe")
+    check(
+        p.pipeline_repeats == 1 or p.pipeline_schedule in ("circular", "1f1b"),
+        "parallel.pipeline_repeats",
+        f"{p.pipeline_repeats} chunks per stage need parallel.pipeline_schedule=circular or 1f1b (gpipe holds one)",
+    )
+    check(
+        p.pipeline_schedule == "gpipe" or p.pipeline != 1,
+        "parallel.pipeline_schedule",
+        f"{p.pipeline_schedule} interleaves layer chunks over pipeline stages, but parallel.pipeline=1; set "
+        "parallel.pipeline > 1 or parallel.pipeline_schedule=gpipe",
+    )
     for name in ("pipeline", "data", "fsdp", "context", "tensor"):
         check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
     check(p.plan in PLANS, "parallel.plan", f"{p.plan!r} is not one of {PLANS}")
     if p.plan == "auto":
         unset = {"pipeline": 1, "data": -1, "fsdp": 1, "context": 1, "tensor": 1}
         chosen = [f"parallel.{k}={p[k]}" for k, v in unset.items() if p[k] != v]
-        check(not chosen, "parallel.plan",
-              f"auto picks the mesh itself, but {', '.join(chosen)} set it too; drop "
-              f"{'them' if len(chosen) > 1 else 'it'} or set parallel.plan=explicit")
+        check(
+            not chosen,
+            "parallel.plan",
+            f"auto picks the mesh itself, but {', '.join(chosen)} set it too; drop "
+            f"{'them' if len(chosen) > 1 else 'it'} or set parallel.plan=explicit",
+        )
     else:
-        check(not p.cluster, "parallel.cluster",
-              f"{p.cluster!r} is the cluster parallel.plan=auto plans for, but parallel.plan={p.plan}; set "
-              "parallel.plan=auto or drop parallel.cluster")
+        check(
+            not p.cluster,
+            "parallel.cluster",
+            f"{p.cluster!r} is the cluster parallel.plan=auto plans for, but parallel.plan={p.plan}; set "
+            "parallel.plan=auto or drop parallel.cluster",
+        )
     return c
 
 
@@ -213,5 +262,3 @@ def _divisors(n: int) -> list[int]:
 
 def _divisors_near(n: int, k: int) -> list[int]:
     return sorted(_divisors(n), key=lambda x: abs(x - k))[:3]
-
-

@@ -1,11 +1,11 @@
 """The model zoo's presets: the papers' shapes by size and the recipes (CoLA's official one, TT,
 SLTrain) that configs/*.py start from."""
+
 from __future__ import annotations
 
 import ml_collections
 
 from boost_jax.config.schema import base_config
-
 
 # Shapes of the paper's model zoo (d, I, H, L); r = d/4 except where the CoLA table says otherwise.
 SIZES = {
@@ -33,10 +33,19 @@ COLA_RECIPE = {
 # decayed (norm scales and embedding too); clip_grad_norm_ 0.5; cosine to 0.1x; T5 tokenizer, C4 en,
 # seq 256, global batch 512, one document per row (truncated, padded, pad labels -100); perplexity
 # over the first 10M non-pad tokens of the validation split.
-COLA_OFFICIAL = {"train.b1": 0.9, "train.b2": 0.999, "train.eps": 1e-8, "train.weight_decay": 0.01,
-                 "train.decay_norms": True, "train.grad_clip": 0.5, "train.min_lr_ratio": 0.1,
-                 "train.seq_len": 256, "train.global_batch": 512, "train.eval_tokens": 10_000_000,
-                 "data.batching": "document"}
+COLA_OFFICIAL = {
+    "train.b1": 0.9,
+    "train.b2": 0.999,
+    "train.eps": 1e-8,
+    "train.weight_decay": 0.01,
+    "train.decay_norms": True,
+    "train.grad_clip": 0.5,
+    "train.min_lr_ratio": 0.1,
+    "train.seq_len": 256,
+    "train.global_batch": 512,
+    "train.eval_tokens": 10_000_000,
+    "data.batching": "document",
+}
 
 
 def sized_config(size: str, linear: str) -> ml_collections.ConfigDict:
@@ -107,10 +116,20 @@ def sltrain_config(size: str) -> ml_collections.ConfigDict:
     c = sized_config(size, "sltrain")
     c.name, c.run_dir = f"sltrain_{size}", f"runs/sltrain_{size}"
     recipe = SLTRAIN_RECIPE[size]
-    c.model.update(rank=recipe["rank"], sltrain_alpha=recipe["sltrain_alpha"], sparse_density=0.03,
-                   sparse_block=16, only_lr_act=False)
-    c.train.update(lr=3e-3, steps=recipe["steps"], warmup_steps=recipe["warmup_steps"], weight_decay=0.0,
-                   b1=0.9, b2=0.999, grad_clip=0.0)
+    c.model.update(
+        rank=recipe["rank"],
+        sltrain_alpha=recipe["sltrain_alpha"],
+        sparse_density=0.03,
+        sparse_block=16,
+        only_lr_act=False,
+    )
+    c.train.update(
+        lr=3e-3,
+        steps=recipe["steps"],
+        warmup_steps=recipe["warmup_steps"],
+        weight_decay=0.0,
+        b1=0.9,
+        b2=0.999,
+        grad_clip=0.0,
+    )
     return c
-
-

@@ -1,5 +1,6 @@
 """The schema: every key the code reads with its default and one line of meaning (its comment), the
 `model` fields registries declare, and the names plain values are checked against."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from boost_jax.errors import ConfigError
 class Field:
     """A `model` field that a registry entry owns (a linear kind's hyperparameter): its default, and
     one line of meaning (what `--help`-style listings show)."""
+
     default: object
     help: str
 
@@ -34,8 +36,10 @@ def declare_model_fields(owner: str, fields: dict) -> None:
         if not isinstance(field, Field):
             raise ConfigError(f"{owner}: model.{name} is declared as {field!r}, not a config.Field(default, help)")
         if name in core:
-            raise ConfigError(f"{owner}: model.{name} is already a key of the model section; name the field "
-                              f"after its owner (e.g. model.{owner}_{name})")
+            raise ConfigError(
+                f"{owner}: model.{name} is already a key of the model section; name the field "
+                f"after its owner (e.g. model.{owner}_{name})"
+            )
         for other, theirs in _OWNED.items():
             if other != owner and name in theirs and theirs[name] != field:
                 raise ConfigError(f"{owner}: model.{name} is already declared by {other} as {theirs[name]}")

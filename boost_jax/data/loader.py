@@ -18,13 +18,15 @@ computes its own rows of the same global batch. What a unit is depends on `data.
   order within blocks of PACK_BLOCK documents (a document longer than a row is cut into row-sized
   pieces, each its own segment; a last piece goes into the first of the OPEN_ROWS latest rows with
   room), counted once when the loader starts (vectorised over the blocks) and laid out per block when
-  a row is read; the rows are what is shuffled (as Levanter packs). A batch is {"tokens", "segments", "positions"}, each [rows, seq_len+1]: segment
+  a row is read; the rows are what is shuffled (as Levanter packs). A batch is {"tokens", "segments", "positions"},
+  each [rows, seq_len+1]: segment
   ids 1, 2, ... per piece (0: padding) and positions restarting at 0 in every piece.
   Row seq_len (the last column) is always padding: a row's targets stay inside its documents.
 
 A mixture keeps the pure-function property: which source sample i comes from, and that source's
 own sample index, are pure functions of i.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,14 +43,28 @@ class Loader:
 
     batching = "stream"
 
-    def __init__(self, n: int, *, seq_len: int, global_batch: int, seed, vocab_size: int, name: str,
-                 process_index: int = 0, process_count: int = 1, shuffle: bool = True, order: str = "feistel"):
+    def __init__(
+        self,
+        n: int,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed,
+        vocab_size: int,
+        name: str,
+        process_index: int = 0,
+        process_count: int = 1,
+        shuffle: bool = True,
+        order: str = "feistel",
+    ):
         if global_batch % process_count:
             raise ValueError(f"train.global_batch={global_batch} is not divisible by {process_count} processes")
         self.n, self.seq_len, self.window = n, seq_len, seq_len + 1
         self.global_batch, self.seed, self.vocab_size, self.name = global_batch, seed, vocab_size, name
-        self.rows = slice(process_index * global_batch // process_count,  # this process's rows of a batch
-                          (process_index + 1) * global_batch // process_count)
+        self.rows = slice(
+            process_index * global_batch // process_count,  # this process's rows of a batch
+            (process_index + 1) * global_batch // process_count,
+        )
         self.shuffle, self.order = shuffle, order
         self._perm_epoch, self._perm = -1, None
 
@@ -78,9 +94,11 @@ class Loader:
     def check_ids(self, tokens: np.ndarray) -> np.ndarray:
         top = int(tokens.max()) if tokens.size else 0
         if top >= self.vocab_size or (tokens.size and int(tokens.min()) < 0):
-            raise ValueError(f"{self.name}: token id {top} is outside [0, model.vocab_size={self.vocab_size}); "
-                             "the data was tokenized for a larger vocabulary: raise model.vocab_size "
-                             "or check data.token_dtype")
+            raise ValueError(
+                f"{self.name}: token id {top} is outside [0, model.vocab_size={self.vocab_size}); "
+                "the data was tokenized for a larger vocabulary: raise model.vocab_size "
+                "or check data.token_dtype"
+            )
         return tokens
 
     def samples(self, ids) -> dict:
@@ -121,8 +139,10 @@ class TokenLoader(Loader):
         n = int(counts.sum())
         if n == 0:
             total = sum(len(s) for s in segments)
-            raise ValueError(f"{name}: {total} tokens cannot fill one window of train.seq_len+1 = "
-                             f"{window} tokens; add data or shorten train.seq_len")
+            raise ValueError(
+                f"{name}: {total} tokens cannot fill one window of train.seq_len+1 = "
+                f"{window} tokens; add data or shorten train.seq_len"
+            )
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         super().__init__(n, seq_len=seq_len, name=name, **kw)
 
@@ -130,7 +150,7 @@ class TokenLoader(Loader):
         units = self.units(ids)
         seg = np.searchsorted(self.starts, units, side="right") - 1
         off = (units - self.starts[seg]) * self.window
-        rows = [np.asarray(self.segments[s][o:o + self.window]) for s, o in zip(seg.tolist(), off.tolist())]
+        rows = [np.asarray(self.segments[s][o : o + self.window]) for s, o in zip(seg.tolist(), off.tolist())]
         return {"tokens": self.check_ids(np.stack(rows).astype(np.int32))}
 
     def input_tokens(self) -> int:
@@ -182,11 +202,11 @@ class DocumentLoader(Loader):
         for row, j in enumerate(units.tolist()):
             s, lo, hi = self.docs.span(j)
             data = self.docs.segments[s]
-            piece = np.asarray(data[lo:min(hi, lo + self.seq_len)])
+            piece = np.asarray(data[lo : min(hi, lo + self.seq_len)])
             if hi - lo > self.seq_len and self.eos_id is not None and int(data[hi - 1]) == self.eos_id:
                 piece = piece.copy()
                 piece[-1] = self.eos_id  # CoLA's truncation: the first seq_len-1 ids, then </s>
-            tokens[row, :len(piece)] = piece
+            tokens[row, : len(piece)] = piece
             lengths[row] = len(piece)
         return {"tokens": self.check_ids(tokens), "lengths": lengths}
 
@@ -269,7 +289,7 @@ class PackedLoader(Loader):
             lengths = self.docs.lengths(s)
             nb = -(-len(lengths) // block)
             padded = np.zeros(nb * block, np.int64)
-            padded[:len(lengths)] = lengths
+            padded[: len(lengths)] = lengths
             counts.append(count_packed_rows(padded.reshape(nb, block), seq_len))
             block_seg.append(np.full(nb, s, np.int64))
             block_first.append(np.arange(nb, dtype=np.int64) * block)
@@ -282,7 +302,7 @@ class PackedLoader(Loader):
     def _packed(self, b: int) -> list[list[tuple[int, int]]]:
         """Block b's rows as [(start in the segment, length)] pieces."""
         s, first = int(self.block_seg[b]), int(self.block_first[b])
-        ends = np.asarray(self.docs.ends[s][first:first + self.block], np.int64)
+        ends = np.asarray(self.docs.ends[s][first : first + self.block], np.int64)
         starts = np.concatenate([[int(self.docs.ends[s][first - 1]) if first else 0], ends[:-1]])
         return [[(int(starts[d]) + off, n) for d, off, n in row] for row in pack_rows(ends - starts, self.seq_len)]
 
@@ -294,9 +314,9 @@ class PackedLoader(Loader):
         for row, (r, b) in enumerate(zip(units.tolist(), blocks.tolist())):
             data, at = self.docs.segments[int(self.block_seg[b])], 0
             for k, (start, n) in enumerate(self._packed(b)[r - int(self.block_rows[b])]):
-                tokens[row, at:at + n] = data[start:start + n]
-                segments[row, at:at + n] = k + 1
-                positions[row, at:at + n] = np.arange(n)
+                tokens[row, at : at + n] = data[start : start + n]
+                segments[row, at : at + n] = k + 1
+                positions[row, at : at + n] = np.arange(n)
                 at += n
         return {"tokens": self.check_ids(tokens), "segments": segments, "positions": positions}
 
@@ -305,8 +325,11 @@ class PackedLoader(Loader):
 
     def unit_tokens(self, units) -> int:
         blocks = np.searchsorted(self.block_rows, units, side="right") - 1
-        return sum(n for r, b in zip(np.asarray(units).tolist(), blocks.tolist())
-                   for _, n in self._packed(b)[r - int(self.block_rows[b])])
+        return sum(
+            n
+            for r, b in zip(np.asarray(units).tolist(), blocks.tolist())
+            for _, n in self._packed(b)[r - int(self.block_rows[b])]
+        )
 
 
 MIX_BLOCK = 1 << 16  # a mixture's schedule repeats its per-source quotas every MIX_BLOCK samples
@@ -325,8 +348,17 @@ class MixtureLoader:
     extra state.
     """
 
-    def __init__(self, loaders: list[Loader], weights, names: list[str], *, seed: int, global_batch: int,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        loaders: list[Loader],
+        weights,
+        names: list[str],
+        *,
+        seed: int,
+        global_batch: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         w = np.asarray(weights, dtype=np.float64)
         exact = w / w.sum() * MIX_BLOCK
         quota = np.floor(exact).astype(np.int64)
@@ -335,8 +367,9 @@ class MixtureLoader:
             raise ValueError(f"mixture weights {list(weights)}: each must be at least 1/{MIX_BLOCK} of the total")
         self.loaders, self.names, self.quota, self.seed = loaders, names, quota, seed
         self.batching, self.seq_len = loaders[0].batching, loaders[0].seq_len
-        self.rows = slice(process_index * global_batch // process_count,
-                          (process_index + 1) * global_batch // process_count)
+        self.rows = slice(
+            process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count
+        )
         self._block_id, self._source, self._rank = -1, None, None
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -384,8 +417,9 @@ class MixtureLoader:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if (self._consumed(mid) <= n).all() else (lo, mid)
         used = self._consumed(lo)
-        return lo, sum(int(loader.unit_tokens(loader.units(np.arange(c)))) if c else 0
-                       for loader, c in zip(self.loaders, used))
+        return lo, sum(
+            int(loader.unit_tokens(loader.units(np.arange(c)))) if c else 0 for loader, c in zip(self.loaders, used)
+        )
 
     def source_tokens(self, position: int) -> dict:
         """{"tokens/NAME": row slots (seq_len each) trained on from that source in the run's first

@@ -12,6 +12,7 @@ there stops the run with the same line through its normal exit, the save in flig
 The handler runs Python code in the signal's context, which is only safe because it ends the
 process: it formats one line, writes it with os.write and calls os._exit.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -60,7 +61,7 @@ def check_sizes(files: dict[str, int]) -> None:
         except OSError:  # removed or renamed: the mapping keeps the file's pages, reads go on
             continue
         if now < size:
-            raise ValueError(message(path)[len("error: "):].rstrip("\n"))
+            raise ValueError(message(path)[len("error: ") :].rstrip("\n"))
 
 
 def owner(address: int | None) -> str | None:
@@ -71,9 +72,11 @@ def owner(address: int | None) -> str | None:
 
 
 def message(path: str) -> str:
-    return (f"error: {path}: this memory-mapped token file became shorter while the run read it (truncated or "
-            "rewritten on disk); restore it (or prepare it again) and rerun: the run resumes from its last "
-            "complete checkpoint\n")
+    return (
+        f"error: {path}: this memory-mapped token file became shorter while the run read it (truncated or "
+        "rewritten on disk); restore it (or prepare it again) and rerun: the run resumes from its last "
+        "complete checkpoint\n"
+    )
 
 
 def _install() -> None:
@@ -83,8 +86,12 @@ def _install() -> None:
     handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
     class Sigaction(ctypes.Structure):
-        _fields_ = [("sa_sigaction", handler_type), ("sa_mask", ctypes.c_ulong * 16), ("sa_flags", ctypes.c_int),
-                    ("sa_restorer", ctypes.c_void_p)]
+        _fields_ = [
+            ("sa_sigaction", handler_type),
+            ("sa_mask", ctypes.c_ulong * 16),
+            ("sa_flags", ctypes.c_int),
+            ("sa_restorer", ctypes.c_void_p),
+        ]
 
     def on_sigbus(signum, info, context):
         address = ctypes.c_void_p.from_address(info + SI_ADDR_OFFSET).value if info else None

@@ -33,6 +33,7 @@ reason, with the same clean-up: free space and rerun the same command to resume.
 workers die with the main process (Linux: the kernel kills them when it dies), and while any is
 alive it holds a shared lock on `OUT/.workers.lock` for which a rerun waits before it writes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from boost_jax.data.sources import FORMAT, INDEX
 from boost_jax.data.tokenizer import tokenizer_id
 from boost_jax.errors import PrepareError
@@ -142,6 +144,7 @@ def plan_units(paths: list[str], unit_bytes: int) -> list[list[list]]:
 
 # ---------------------------------------------------------------- reading (in the workers)
 
+
 def _open(path: str):
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
@@ -191,8 +194,9 @@ def _documents(path: str, start: int, end: int, field: str):
             raise PrepareError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
         parquet = pq.ParquetFile(path)
         if field not in parquet.schema_arrow.names:
-            raise PrepareError(f"{path}: no column {field!r} (columns: {parquet.schema_arrow.names}); "
-                               "set --field (data.jsonl_field)")
+            raise PrepareError(
+                f"{path}: no column {field!r} (columns: {parquet.schema_arrow.names}); set --field (data.jsonl_field)"
+            )
         for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
             for text in batch.column(0).to_pylist():
                 if text is not None:
@@ -206,21 +210,28 @@ def _documents(path: str, start: int, end: int, field: str):
                 try:
                     record = json.loads(line)
                 except UnicodeDecodeError as e:
-                    raise PrepareError(f"{_line_of(path, pos)}: not valid UTF-8 (byte {e.start} of the line); "
-                                       "re-encode the file as UTF-8") from None
+                    raise PrepareError(
+                        f"{_line_of(path, pos)}: not valid UTF-8 (byte {e.start} of the line); "
+                        "re-encode the file as UTF-8"
+                    ) from None
                 except ValueError as e:
-                    raise PrepareError(f"{_line_of(path, pos)}: not JSON ({getattr(e, 'msg', e)}, column "
-                                       f"{getattr(e, 'colno', '?')})") from None
+                    raise PrepareError(
+                        f"{_line_of(path, pos)}: not JSON ({getattr(e, 'msg', e)}, column {getattr(e, 'colno', '?')})"
+                    ) from None
                 if not isinstance(record, dict):
-                    raise PrepareError(f"{_line_of(path, pos)}: a JSON {type(record).__name__}, not an object "
-                                       f"with a {field!r} field")
+                    raise PrepareError(
+                        f"{_line_of(path, pos)}: a JSON {type(record).__name__}, not an object with a {field!r} field"
+                    )
                 if field not in record:
-                    raise PrepareError(f"{_line_of(path, pos)}: no field {field!r} (its fields: "
-                                       f"{sorted(record)[:6]}); set data.jsonl_field (prepare: --field)")
+                    raise PrepareError(
+                        f"{_line_of(path, pos)}: no field {field!r} (its fields: "
+                        f"{sorted(record)[:6]}); set data.jsonl_field (prepare: --field)"
+                    )
                 text = record[field]
                 if not isinstance(text, str):
-                    raise PrepareError(f"{_line_of(path, pos)}: field {field!r} is not a string but "
-                                       f"{type(text).__name__}")
+                    raise PrepareError(
+                        f"{_line_of(path, pos)}: field {field!r} is not a string but {type(text).__name__}"
+                    )
                 yield text, True
             return
         piece, piece_start = [], 0  # the whole file, in pieces of whole lines that bound the memory
@@ -247,8 +258,9 @@ def _decode(data: bytes, path: str, offset: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         at = offset + e.start
-        raise PrepareError(f"{_line_of(path, at)}: not valid UTF-8 (byte {at} of the file); "
-                           "re-encode the file as UTF-8") from None
+        raise PrepareError(
+            f"{_line_of(path, at)}: not valid UTF-8 (byte {at} of the file); re-encode the file as UTF-8"
+        ) from None
 
 
 def _encode(tok, texts: list, ends: list[bool], dtype) -> tuple[np.ndarray, list[int]]:
@@ -285,6 +297,7 @@ def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         try:
             import ctypes
+
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
@@ -310,6 +323,7 @@ def _tokenizer(spec: str):
     key = (spec, os.stat(spec).st_mtime_ns if os.path.isfile(spec) else None)
     if key not in _TOKENIZERS:
         from boost_jax.data.tokenizer import load_tokenizer
+
         _TOKENIZERS[key] = load_tokenizer(spec)
     return _TOKENIZERS[key]
 
@@ -360,8 +374,13 @@ def run_unit(index: int, pieces: list, out: str, tokenizer: str, field: str, dty
         os.replace(tmp["idx"], target)
         target = out / f"{name}.bin"
         os.replace(tmp["bin"], target)
-        meta = {"file": f"{name}.bin", "ends": f"{name}.idx", "documents": len(doc_ends), "tokens": tokens,
-                "bytes": sum(e - s for _, s, e in pieces)}
+        meta = {
+            "file": f"{name}.bin",
+            "ends": f"{name}.idx",
+            "documents": len(doc_ends),
+            "tokens": tokens,
+            "bytes": sum(e - s for _, s, e in pieces),
+        }
         target = out / f"{name}.json"
         tmp["json"].write_text(json.dumps(meta))
         os.replace(tmp["json"], target)  # the shard counts as finished from here
@@ -376,6 +395,7 @@ def run_unit(index: int, pieces: list, out: str, tokenizer: str, field: str, dty
 
 # ---------------------------------------------------------------- driver
 
+
 class _OutLock:
     """An exclusive flock on OUT/.lock while one prepare() writes there (the file names its holder)."""
 
@@ -386,8 +406,9 @@ class _OutLock:
         try:
             fd = os.open(self.out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise PrepareError(f"--out {self.out}: cannot write {self.out / LOCK} ({_why(e)}); "
-                               "choose a writable directory") from None
+            raise PrepareError(
+                f"--out {self.out}: cannot write {self.out / LOCK} ({_why(e)}); choose a writable directory"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -397,8 +418,9 @@ class _OutLock:
             except (OSError, ValueError, KeyError, TypeError):
                 who = "pid unknown"
             os.close(fd)
-            raise PrepareError(f"another data.prepare is writing {self.out} ({who}); "
-                               "wait for it or choose another --out") from None
+            raise PrepareError(
+                f"another data.prepare is writing {self.out} ({who}); wait for it or choose another --out"
+            ) from None
         try:
             os.ftruncate(fd, 0)
             os.write(fd, json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
@@ -456,8 +478,9 @@ def _workers_starting():
     noted = []
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
-                    for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
+        }
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
@@ -469,9 +492,18 @@ def _workers_starting():
             signal.raise_signal(s)
 
 
-def prepare(paths: list[str], out, tokenizer: str = "byte", *, field: str = "text", workers: int = 0,
-            dtype: str = "auto", unit_bytes: int = 64 << 20, progress: bool = True,
-            tok_id: str | None = None) -> dict:
+def prepare(
+    paths: list[str],
+    out,
+    tokenizer: str = "byte",
+    *,
+    field: str = "text",
+    workers: int = 0,
+    dtype: str = "auto",
+    unit_bytes: int = 64 << 20,
+    progress: bool = True,
+    tok_id: str | None = None,
+) -> dict:
     """Tokenise `paths` into shards under `out` (resuming a previous run of the same plan); returns
     the index. workers=0 tokenises in this process, N > 0 in N spawned worker processes. Holds
     OUT/.lock throughout; a KeyboardInterrupt becomes Interrupted and a failed write a PrepareError,
@@ -489,14 +521,30 @@ def prepare(paths: list[str], out, tokenizer: str = "byte", *, field: str = "tex
     _make_out(out)
     units = plan_units([str(p) for p in paths], unit_bytes)
     tok_id = tok_id or tokenizer_id(tokenizer)
-    plan = {"format": FORMAT, "tokenizer": tok_id, "field": field, "dtype": dtype,
-            "inputs": [[str(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths], "units": units}
+    plan = {
+        "format": FORMAT,
+        "tokenizer": tok_id,
+        "field": field,
+        "dtype": dtype,
+        "inputs": [[str(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths],
+        "units": units,
+    }
     with _OutLock(out):
         return _prepare_locked(out, tok, units, plan, tokenizer, field, dtype, workers, progress, tok_id)
 
 
-def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, field: str, dtype: str,
-                    workers: int, progress: bool, tok_id: str) -> dict:
+def _prepare_locked(
+    out: Path,
+    tok,
+    units: list,
+    plan: dict,
+    tokenizer: str,
+    field: str,
+    dtype: str,
+    workers: int,
+    progress: bool,
+    tok_id: str,
+) -> dict:
     """prepare() under the lock: the plan, the units still to do, the index; the clean-up on a stop."""
     from tqdm import tqdm
 
@@ -509,19 +557,30 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
             except ValueError:
                 same = False
             if not same:
-                raise PrepareError(f"{out} holds a preparation of other inputs or with another tokenizer, --field, "
-                                   f"--dtype or --unit-mb ({out / PLAN}); choose a new --out or delete that directory")
+                raise PrepareError(
+                    f"{out} holds a preparation of other inputs or with another tokenizer, --field, "
+                    f"--dtype or --unit-mb ({out / PLAN}); choose a new --out or delete that directory"
+                )
         else:
             _write_file(out / PLAN, json.dumps(plan, indent=1).encode())
         (out / INDEX).unlink(missing_ok=True)
 
-        metas = {i: json.loads((out / f"shard_{i:05d}.json").read_text()) for i in range(len(units))
-                 if (out / f"shard_{i:05d}.json").exists()}
+        metas = {
+            i: json.loads((out / f"shard_{i:05d}.json").read_text())
+            for i in range(len(units))
+            if (out / f"shard_{i:05d}.json").exists()
+        }
         todo = [i for i in range(len(units)) if i not in metas]
         total = sum(e - s for u in units for _, s, e in u)
-        bar = tqdm(total=total, initial=sum(m["bytes"] for m in metas.values()), unit="B", unit_scale=True,
-                   desc=f"tokenising ({len(metas)}/{len(units)} shards done)" if metas else "tokenising",
-                   disable=not progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=total,
+            initial=sum(m["bytes"] for m in metas.values()),
+            unit="B",
+            unit_scale=True,
+            desc=f"tokenising ({len(metas)}/{len(units)} shards done)" if metas else "tokenising",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         t0, new_tokens = time.perf_counter(), 0
 
         def advance(step):
@@ -540,8 +599,9 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
             pool = None
             try:
                 with _workers_starting():  # a signal meanwhile is raised once `pool` is set
-                    pool = ctx.Pool(min(workers, len(todo)), initializer=_init_worker,
-                                    initargs=(queue, os.getpid(), str(out)))
+                    pool = ctx.Pool(
+                        min(workers, len(todo)), initializer=_init_worker, initargs=(queue, os.getpid(), str(out))
+                    )
                 pending = {i: pool.apply_async(run_unit, (i, units[i], *args)) for i in todo}
                 while pending:
                     while not queue.empty():
@@ -558,10 +618,19 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
         bar.close()  # before any message
         seconds = time.perf_counter() - t0
         shards = [metas[i] for i in range(len(units))]
-        index = {"format": FORMAT, "tokenizer": tokenizer, "tokenizer_id": tok_id,
-                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype, "field": field,
-                 "documents": sum(m["documents"] for m in shards), "tokens": sum(m["tokens"] for m in shards),
-                 "bytes": total, "shards": shards}
+        index = {
+            "format": FORMAT,
+            "tokenizer": tokenizer,
+            "tokenizer_id": tok_id,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "dtype": dtype,
+            "field": field,
+            "documents": sum(m["documents"] for m in shards),
+            "tokens": sum(m["tokens"] for m in shards),
+            "bytes": total,
+            "shards": shards,
+        }
         _write_file(out / INDEX, json.dumps(index, indent=1).encode())
         _remove_tmp(out)  # any left by a killed run
     except BaseException as e:
@@ -570,13 +639,16 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
         _remove_tmp(out)  # the workers are stopped by now
         done = sum((out / f"shard_{i:05d}.json").exists() for i in range(len(units)))
         if isinstance(e, KeyboardInterrupt):
-            raise Interrupted(signal.Signals(e.args[0]).name if isinstance(e, _Stop) else "SIGINT",
-                              done, len(units)) from None
+            raise Interrupted(
+                signal.Signals(e.args[0]).name if isinstance(e, _Stop) else "SIGINT", done, len(units)
+            ) from None
         if isinstance(e, (_WriteError, OSError)):
             path, why = e.args if isinstance(e, _WriteError) else (e.filename or out, _why(e))
             fix = "free some space" if "ENOSPC" in why or "EDQUOT" in why else "fix that"
-            raise PrepareError(f"cannot write {path}: {why}; {done} of {len(units)} shards are done and kept in "
-                               f"{out}: {fix} and rerun the same command to resume") from None
+            raise PrepareError(
+                f"cannot write {path}: {why}; {done} of {len(units)} shards are done and kept in "
+                f"{out}: {fix} and rerun the same command to resume"
+            ) from None
         raise
     index["seconds"] = seconds  # this invocation's time (not stored: a resumed run did less work)
     return index
@@ -585,15 +657,18 @@ def _prepare_locked(out: Path, tok, units: list, plan: dict, tokenizer: str, fie
 def input_files(specs: list[str]) -> list[str]:
     from boost_jax.data.sources import expand_paths
 
-    suffixes = tuple(s + c for s in (".jsonl", ".json", ".txt", ".md", ".text", ".parquet")
-                     for c in ("", ".gz", ".zst"))
+    suffixes = tuple(
+        s + c for s in (".jsonl", ".json", ".txt", ".md", ".text", ".parquet") for c in ("", ".gz", ".zst")
+    )
     paths = []
     for spec in specs:
         try:
             paths += expand_paths(spec, "inputs", suffixes)
         except FileNotFoundError:
-            raise PrepareError(f"inputs: nothing found at {spec!r} (give files, globs, or directories of "
-                               ".jsonl/.json/.txt/.md/.text/.parquet files, each optionally .gz or .zst)") from None
+            raise PrepareError(
+                f"inputs: nothing found at {spec!r} (give files, globs, or directories of "
+                ".jsonl/.json/.txt/.md/.text/.parquet files, each optionally .gz or .zst)"
+            ) from None
     return paths
 
 
@@ -623,25 +698,34 @@ def main(argv=None) -> int:
 
 
 def _cli(argv) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("inputs", nargs="+", help="files, directories or globs")
     ap.add_argument("--out", required=True, help="the directory of shards (rerun with it to resume)")
     ap.add_argument("--tokenizer", default="byte", help="byte | a HF tokenizers .json | a SentencePiece .model")
     ap.add_argument("--field", default="text", help="the JSONL field / Parquet column holding the text")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                    help="tokenizer processes (0: this process); default: all cores")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="tokenizer processes (0: this process); default: all cores",
+    )
     ap.add_argument("--dtype", default="auto", choices=("auto", "uint16", "uint32"))
     ap.add_argument("--unit-mb", type=float, default=64, help="input MB per work unit and shard")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.workers < 0:
-        print(f"error: --workers {args.workers}: give 0 (tokenise in this process) or a number of worker "
-              "processes", file=sys.stderr)
+        print(
+            f"error: --workers {args.workers}: give 0 (tokenise in this process) or a number of worker processes",
+            file=sys.stderr,
+        )
         return 1
     if not math.isfinite(args.unit_mb) or args.unit_mb * (1 << 20) < 1:
-        print(f"error: --unit-mb {args.unit_mb:g}: give the input MB per work unit, a number > 0 (e.g. 64)",
-              file=sys.stderr)
+        print(
+            f"error: --unit-mb {args.unit_mb:g}: give the input MB per work unit, a number > 0 (e.g. 64)",
+            file=sys.stderr,
+        )
         return 1
     global _stopping
     _stopping = False
@@ -658,8 +742,16 @@ def _cli(argv) -> int:
                 same = "" if first[real] == path else f" (as {first[real]} and {path})"
                 raise PrepareError(f"inputs: {path} is named twice{same}; give each file once")
             first[real] = path
-        index = prepare(paths, args.out, args.tokenizer, field=args.field, workers=args.workers, dtype=args.dtype,
-                        unit_bytes=int(args.unit_mb * (1 << 20)), progress=not args.no_progress)
+        index = prepare(
+            paths,
+            args.out,
+            args.tokenizer,
+            field=args.field,
+            workers=args.workers,
+            dtype=args.dtype,
+            unit_bytes=int(args.unit_mb * (1 << 20)),
+            progress=not args.no_progress,
+        )
     except (PrepareError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -669,11 +761,13 @@ def _cli(argv) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    print(f"wrote {len(index['shards'])} shards, {index['documents']:,} documents, {index['tokens']:,} "
-          f"{index['dtype']} tokens to {args.out} ({index['seconds']:.1f} s)\n"
-          f"train: --config.data.source=tokens --config.data.path={args.out} "
-          f"--config.data.token_dtype={index['dtype']} --config.data.tokenizer={args.tokenizer or 'byte'}\n"
-          f"(a validation split: --config.data.eval_path={args.out} instead of data.path)")
+    print(
+        f"wrote {len(index['shards'])} shards, {index['documents']:,} documents, {index['tokens']:,} "
+        f"{index['dtype']} tokens to {args.out} ({index['seconds']:.1f} s)\n"
+        f"train: --config.data.source=tokens --config.data.path={args.out} "
+        f"--config.data.token_dtype={index['dtype']} --config.data.tokenizer={args.tokenizer or 'byte'}\n"
+        f"(a validation split: --config.data.eval_path={args.out} instead of data.path)"
+    )
     return 0
 
 

@@ -11,6 +11,7 @@ larger domain to a permutation of [0, n)). Round keys come from `np.random.SeedS
 different seeds ((run_seed, epoch), (run_seed, source, epoch), ...) give unrelated orders; `s` and
 `(s,)` are one seed, `(s, 0)` another.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """Where tokens come from: the embedded corpus, text / JSONL files, or pre-tokenized token files."""
+
 from __future__ import annotations
 
 import glob
@@ -10,6 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+
 from boost_jax.data.mapped import watch
 
 INDEX = "index.json"  # what boost_jax.data.prepare writes beside its shards
@@ -43,8 +45,9 @@ def embedded_documents(max_bytes: int) -> tuple[bytes, np.ndarray]:
         if total >= max_bytes:
             break
     if not parts:
-        raise FileNotFoundError(f"embedded corpus: no Python sources under {root}; "
-                                "use --config.data.source=text --config.data.path=...")
+        raise FileNotFoundError(
+            f"embedded corpus: no Python sources under {root}; use --config.data.source=text --config.data.path=..."
+        )
     corpus = b"\n\n".join(parts)[:max_bytes]
     ends = np.minimum(np.cumsum([len(p) + 2 for p in parts]), len(corpus))
     return corpus, np.unique(ends[ends > 0])
@@ -77,8 +80,9 @@ def parse_mixture(spec: str, field: str) -> list[tuple[str, str, float]]:
         key = _same_source_key(path)
         if key in seen:
             same = "twice" if seen[key] == path else f"twice ({seen[key]!r} and {path!r} are the same)"
-            raise ValueError(f"config field `{field}`: {spec!r} names a source {same}; give it once with one "
-                             "summed weight")
+            raise ValueError(
+                f"config field `{field}`: {spec!r} names a source {same}; give it once with one summed weight"
+            )
         seen[key] = path
     total = sum(w for _, w in parts)
     small = [p for p, w in parts if w / total < 1 / MIX_BLOCK]
@@ -113,8 +117,10 @@ def expand_paths(spec: str, field: str, suffixes: tuple[str, ...]) -> list[str]:
     else:
         paths = [spec] if os.path.exists(spec) else []
     if not paths:
-        raise FileNotFoundError(f"config field `{field}`: nothing found at {spec!r} "
-                                f"(expected a file, a directory of {'/'.join(suffixes)} files, or a glob)")
+        raise FileNotFoundError(
+            f"config field `{field}`: nothing found at {spec!r} "
+            f"(expected a file, a directory of {'/'.join(suffixes)} files, or a glob)"
+        )
     empty = [p for p in paths if os.path.getsize(p) == 0]
     if empty:
         raise ValueError(f"config field `{field}`: empty file(s): {empty[:3]}")
@@ -128,15 +134,17 @@ def prepared_index(spec: str) -> Path | None:
         return path
     if path.is_dir() and (path / "plan.json").exists():
         if not (path / "index.json").exists():
-            raise ValueError(f"{path}: an unfinished `python -m boost_jax.data.prepare` (no index.json); "
-                             "rerun the same command to finish it")
+            raise ValueError(
+                f"{path}: an unfinished `python -m boost_jax.data.prepare` (no index.json); "
+                "rerun the same command to finish it"
+            )
         return path / "index.json"
     return None
 
 
-def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size: int,
-                    token_dtype: str | None,
-                    tok_id: str | None = None) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+def prepared_shards(
+    index_path: Path, field: str, *, tokenizer: str, vocab_size: int, token_dtype: str | None, tok_id: str | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """(the memory-mapped shards of a prepared directory, each shard's document end offsets or None
     when the directory records no document boundaries), after checking that the run reads them as
     they were written: dtype, vocabulary and tokenizer (`tok_id`: its identity, if known already);
@@ -146,23 +154,31 @@ def prepared_shards(index_path: Path, field: str, *, tokenizer: str, vocab_size:
     index = read_index(index_path, field)
     where = index_path.parent
     if token_dtype is not None and index["dtype"] != token_dtype:
-        raise ValueError(f"config field `data.token_dtype`: {token_dtype}, but {where} holds {index['dtype']} "
-                         f"tokens; set --config.data.token_dtype={index['dtype']}")
+        raise ValueError(
+            f"config field `data.token_dtype`: {token_dtype}, but {where} holds {index['dtype']} "
+            f"tokens; set --config.data.token_dtype={index['dtype']}"
+        )
     if index["vocab_size"] > vocab_size:
-        raise ValueError(f"config field `model.vocab_size`: {vocab_size} is smaller than the vocabulary "
-                         f"({index['vocab_size']}) that {where} was tokenised with; set "
-                         f"--config.model.vocab_size={index['vocab_size']}")
+        raise ValueError(
+            f"config field `model.vocab_size`: {vocab_size} is smaller than the vocabulary "
+            f"({index['vocab_size']}) that {where} was tokenised with; set "
+            f"--config.model.vocab_size={index['vocab_size']}"
+        )
     if (tok_id or tokenizer_id(tokenizer)) != index["tokenizer_id"]:
-        raise ValueError(f"config field `data.tokenizer`: {tokenizer!r} is not the tokenizer {where} was made "
-                         f"with ({index['tokenizer']}, {index['tokenizer_id']}); point data.tokenizer at it")
+        raise ValueError(
+            f"config field `data.tokenizer`: {tokenizer!r} is not the tokenizer {where} was made "
+            f"with ({index['tokenizer']}, {index['tokenizer_id']}); point data.tokenizer at it"
+        )
     arrays, ends = [], []
     documented = all("ends" in shard for shard in index["shards"])
     for shard in index["shards"]:
         path = where / shard["file"]
         size = path.stat().st_size if path.exists() else -1
         if size != shard["tokens"] * np.dtype(index["dtype"]).itemsize:
-            raise ValueError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
-                             f"{shard['tokens']} {index['dtype']} tokens; prepare {where} again")
+            raise ValueError(
+                f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
+                f"{shard['tokens']} {index['dtype']} tokens; prepare {where} again"
+            )
         if shard["tokens"]:
             arrays.append(watch(random_access(np.memmap(path, dtype=np.dtype(index["dtype"]), mode="r")), path))
             if documented:
@@ -182,20 +198,26 @@ def read_index(index_path: Path, field: str) -> dict:
         index = json.loads(Path(index_path).read_text())
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
-        raise ValueError(f"config field `{field}`: {index_path} is not readable JSON ({why}); "
-                         f"it may be truncated: {redo}") from None
+        raise ValueError(
+            f"config field `{field}`: {index_path} is not readable JSON ({why}); it may be truncated: {redo}"
+        ) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"config field `{field}`: {index_path} is not a {FORMAT} index")
     missing = [k for k in INDEX_FIELDS if k not in index]
     if missing or not isinstance(index["shards"], list):
-        raise ValueError(f"config field `{field}`: {index_path} lacks the field(s) "
-                         f"{missing or ['shards (a list)']}; {redo}")
+        raise ValueError(
+            f"config field `{field}`: {index_path} lacks the field(s) {missing or ['shards (a list)']}; {redo}"
+        )
     for k, shard in enumerate(index["shards"]):
-        wrong = [f for f, kind in SHARD_FIELDS.items() if not isinstance(shard, dict) or not isinstance(
-            shard.get(f), kind) or isinstance(shard.get(f), bool)]
+        wrong = [
+            f
+            for f, kind in SHARD_FIELDS.items()
+            if not isinstance(shard, dict) or not isinstance(shard.get(f), kind) or isinstance(shard.get(f), bool)
+        ]
         if wrong or shard["tokens"] < 0:
-            raise ValueError(f"config field `{field}`: {index_path}: shards[{k}] has no valid "
-                             f"{(wrong or ['tokens'])[0]!r}; {redo}")
+            raise ValueError(
+                f"config field `{field}`: {index_path}: shards[{k}] has no valid {(wrong or ['tokens'])[0]!r}; {redo}"
+            )
     return index
 
 
@@ -210,13 +232,21 @@ def check_ends(ends: np.ndarray, tokens: int, path: Path, where: Path) -> None:
     if bad.any():
         i = int(np.argmax(bad))
         v = int(e[i])
-        why = ("negative" if v < 0 else f"beyond the shard's {tokens} tokens" if v > tokens
-               else f"below the previous end {int(e[i - 1])}")
-        raise ValueError(f"{path}: entry {i} (the end of document {i}) is {v}, {why}; document ends must rise "
-                         f"from 0 to {tokens}: the file is damaged; prepare {where} again")
+        why = (
+            "negative"
+            if v < 0
+            else f"beyond the shard's {tokens} tokens"
+            if v > tokens
+            else f"below the previous end {int(e[i - 1])}"
+        )
+        raise ValueError(
+            f"{path}: entry {i} (the end of document {i}) is {v}, {why}; document ends must rise "
+            f"from 0 to {tokens}: the file is damaged; prepare {where} again"
+        )
     if int(e[-1]) != tokens:
-        raise ValueError(f"{path}: its last document ends at token {int(e[-1])}, the shard holds "
-                         f"{tokens}; prepare {where} again")
+        raise ValueError(
+            f"{path}: its last document ends at token {int(e[-1])}, the shard holds {tokens}; prepare {where} again"
+        )
 
 
 def _document_ends(where: Path, shard: dict) -> np.ndarray:
@@ -224,13 +254,16 @@ def _document_ends(where: Path, shard: dict) -> np.ndarray:
     memory-mapped from the `.idx` file data.prepare writes beside it."""
     docs = shard.get("documents")
     if not isinstance(shard["ends"], str) or not isinstance(docs, int) or isinstance(docs, bool) or docs < 0:
-        raise ValueError(f"{where / INDEX}: shard {shard['file']} has no valid 'ends' and 'documents'; "
-                         f"prepare {where} again")
+        raise ValueError(
+            f"{where / INDEX}: shard {shard['file']} has no valid 'ends' and 'documents'; prepare {where} again"
+        )
     path = where / shard["ends"]
     size = path.stat().st_size if path.exists() else -1
     if size != 8 * shard["documents"]:
-        raise ValueError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
-                         f"{shard['documents']} documents; prepare {where} again")
+        raise ValueError(
+            f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the index says "
+            f"{shard['documents']} documents; prepare {where} again"
+        )
     ends = watch(np.memmap(path, dtype=np.int64, mode="r"), path) if size else np.zeros(0, np.int64)
     check_ends(ends, shard["tokens"], path, where)
     return ends
@@ -256,14 +289,18 @@ def token_files(paths: list[str], dtype: str) -> list[np.ndarray]:
         if path.endswith(".npy"):
             a = watch(np.load(path, mmap_mode="r"), path)
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-                raise ValueError(f"{path}: a {a.ndim}-D {a.dtype} array; token files must be 1-D integer arrays "
-                                 "(np.save(path, tokens.ravel().astype(np.uint32)))")
+                raise ValueError(
+                    f"{path}: a {a.ndim}-D {a.dtype} array; token files must be 1-D integer arrays "
+                    "(np.save(path, tokens.ravel().astype(np.uint32)))"
+                )
             arrays.append(a)
         else:
             size, width = os.path.getsize(path), np.dtype(dtype).itemsize
             if size % width:
-                raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes "
-                                 "each); check data.token_dtype or the file's end")
+                raise ValueError(
+                    f"{path}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes "
+                    "each); check data.token_dtype or the file's end"
+                )
             arrays.append(watch(random_access(np.memmap(path, dtype=np.dtype(dtype), mode="r")), path))
     return arrays
 
@@ -276,10 +313,12 @@ def check_vocab(arrays: list[np.ndarray], names: list[str], vocab_size: int, chu
         if info.min >= 0 and info.max < vocab_size:
             continue  # this dtype cannot hold a bad id
         for lo in range(0, len(a), chunk):
-            part = np.asarray(a[lo:lo + chunk])
+            part = np.asarray(a[lo : lo + chunk])
             bad = np.flatnonzero((part >= vocab_size) | (part < 0))
             if len(bad):
                 i = lo + int(bad[0])
-                raise ValueError(f"{name}: token {i} is {int(a[i])}, outside [0, model.vocab_size={vocab_size}); "
-                                 "the data was tokenized for a larger vocabulary: raise model.vocab_size or "
-                                 "check data.token_dtype")
+                raise ValueError(
+                    f"{name}: token {i} is {int(a[i])}, outside [0, model.vocab_size={vocab_size}); "
+                    "the data was tokenized for a larger vocabulary: raise model.vocab_size or "
+                    "check data.token_dtype"
+                )

@@ -1,4 +1,5 @@
 """Tokenizers: bytes (no files needed), or a local HF `tokenizers` JSON / SentencePiece model."""
+
 from __future__ import annotations
 
 import hashlib
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+
 from boost_jax.errors import ConfigError
 
 
@@ -33,8 +35,14 @@ class HFTokenizer:
             raise ImportError("data.tokenizer points at a tokenizers JSON: `pip install tokenizers`") from e
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
-        self.eos_id = next((self._tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>")
-                            if self._tok.token_to_id(t) is not None), None)
+        self.eos_id = next(
+            (
+                self._tok.token_to_id(t)
+                for t in ("</s>", "<|endoftext|>", "<eos>")
+                if self._tok.token_to_id(t) is not None
+            ),
+            None,
+        )
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -72,8 +80,9 @@ def load_tokenizer(spec: str, field: str = "config field `data.tokenizer`"):
     if spec in ("", "byte"):
         return ByteTokenizer()
     if not os.path.isfile(spec):
-        raise FileNotFoundError(f"{field}: no file at {spec!r}; "
-                                "give a tokenizers .json, a SentencePiece .model, or 'byte'")
+        raise FileNotFoundError(
+            f"{field}: no file at {spec!r}; give a tokenizers .json, a SentencePiece .model, or 'byte'"
+        )
     kind = "tokenizers JSON" if spec.endswith(".json") else "SentencePiece model"
     try:
         tok = HFTokenizer(spec) if spec.endswith(".json") else SentencePieceTokenizer(spec)
@@ -84,8 +93,10 @@ def load_tokenizer(spec: str, field: str = "config field `data.tokenizer`"):
         raise
     except Exception as e:  # noqa: BLE001 - the Rust and C++ libraries raise plain Exception/RuntimeError
         why = " ".join(str(e).split())[:200] or type(e).__name__
-        raise ConfigError(f"{field}: {spec} is not a readable {kind} ({why}); it may be truncated or damaged: "
-                          "copy or download it again") from None
+        raise ConfigError(
+            f"{field}: {spec} is not a readable {kind} ({why}); it may be truncated or damaged: "
+            "copy or download it again"
+        ) from None
     return tok
 
 

@@ -10,6 +10,7 @@ The answer comes from the devices the step is built on (a mesh's platform), not 
 ahead-of-time compile of `boost_jax/tools/aot.py`) picks the GPU paths, and a CPU step built on a
 GPU host keeps the CPU ones. Outside any target, the default backend answers, as before.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,19 @@ def is_nvidia() -> bool:
     return "cuda" in version
 
 
-_CAPABILITY = (("H200", 90), ("H100", 90), ("H800", 90), ("GH200", 90), ("A100", 80), ("A800", 80),
-               ("A10", 86), ("L40", 89), ("L4", 89), ("B200", 100), ("GB200", 100))
+_CAPABILITY = (
+    ("H200", 90),
+    ("H100", 90),
+    ("H800", 90),
+    ("GH200", 90),
+    ("A100", 80),
+    ("A800", 80),
+    ("A10", 86),
+    ("L40", 89),
+    ("L4", 89),
+    ("B200", 100),
+    ("GB200", 100),
+)
 
 
 def compute_capability() -> int | None:

@@ -28,24 +28,25 @@ official Triton bindings and jax_triton", the Pallas changelog for 0.11.0): it s
 should `jax.experimental.pallas.triton` disappear, `impl="pallas"` falls back loudly as above while
 `impl="triton"` keeps running natively. The renamed `TritonCompilerParams` (before jax 0.7) is accepted.
 """
+
 from __future__ import annotations
 
 import functools
 import warnings
 
-from absl import logging
-
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
 
 from boost_jax.errors import install_hint
 from boost_jax.kernels import platform
 
 try:  # Pallas's Triton backend (deprecated in jax 0.11): without it, impl="pallas" falls back loudly
     from jax.experimental.pallas import triton as plgpu
+
     _CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
     _NO_PALLAS_TRITON = ""
 except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the installed jax
@@ -173,6 +174,7 @@ def _bwd_kernel(x_ref, w_ref, dy_ref, ds_ref, dx_ref, dw_ref, *, n_rows, d, eps,
 
 # ------------------------------------------------------------------------------------ pallas calls
 
+
 def _params(br, d):
     # Block elements live in registers under Triton: more warps for wider blocks.
     return _CompilerParams(num_warps=4 if br * d <= 8192 else 8, num_stages=1)
@@ -182,9 +184,12 @@ def _fwd_call(x2, scale, eps, br, interpret):
     n_rows, d = x2.shape
     kernel = functools.partial(_fwd_kernel, n_rows=n_rows, d=d, eps=eps, br=br)
     return pl.pallas_call(
-        kernel, grid=(pl.cdiv(n_rows, br),),
+        kernel,
+        grid=(pl.cdiv(n_rows, br),),
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((n_rows,), _F32)],
-        compiler_params=_params(br, d), interpret=interpret, name="rmsnorm_fwd",
+        compiler_params=_params(br, d),
+        interpret=interpret,
+        name="rmsnorm_fwd",
     )(x2, scale)
 
 
@@ -192,12 +197,16 @@ def _bwd_call(x2, scale, dy, ds, eps, br, interpret):
     n_rows, d = x2.shape
     n_blocks = pl.cdiv(n_rows, br)
     programs = min(n_blocks, _MAX_PROGRAMS)
-    kernel = functools.partial(_bwd_kernel, n_rows=n_rows, d=d, eps=eps, br=br, programs=programs,
-                               steps=pl.cdiv(n_blocks, programs))
+    kernel = functools.partial(
+        _bwd_kernel, n_rows=n_rows, d=d, eps=eps, br=br, programs=programs, steps=pl.cdiv(n_blocks, programs)
+    )
     dx, dw_part = pl.pallas_call(
-        kernel, grid=(programs,),
+        kernel,
+        grid=(programs,),
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((programs, d), _F32)],
-        compiler_params=_params(br, d), interpret=interpret, name="rmsnorm_bwd",
+        compiler_params=_params(br, d),
+        interpret=interpret,
+        name="rmsnorm_bwd",
     )(x2, scale, dy, ds)
     # Cross-program reduction of dscale outside the kernel (no atomics needed).
     return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
@@ -222,6 +231,7 @@ _rmsnorm_pallas.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 # ------------------------------------------------------------------------------------- public API
+
 
 def _default_block_rows(d):
     # ~8K elements per block (32 KiB of f32), at most 16 rows.
@@ -251,41 +261,66 @@ def _probe(impl, x2, scale, br, compile_probe, why) -> str:
 
 def _one_block(x2, scale, br):
     """A one-block input on the target device (kernels/platform.py), so the probe compiles for it."""
-    return (platform.abstract((br, x2.shape[1]), x2.dtype), platform.abstract(scale.shape, scale.dtype),
-            platform.abstract((br, x2.shape[1]), x2.dtype), platform.abstract((br,), _F32))
+    return (
+        platform.abstract((br, x2.shape[1]), x2.dtype),
+        platform.abstract(scale.shape, scale.dtype),
+        platform.abstract((br, x2.shape[1]), x2.dtype),
+        platform.abstract((br,), _F32),
+    )
 
 
 def _pallas_lowers(x2, scale, br):
     """Compile both Pallas kernels once per (backend, dtypes, d, block_rows) on a one-block input."""
+
     def compile_probe():
         if _NO_PALLAS_TRITON:
             raise ImportError(f"this jax has no Pallas Triton backend ({_NO_PALLAS_TRITON})")
 
         def probe(x, w, dy, ds):
             return _fwd_call(x, w, 1e-6, br, False), _bwd_call(x, w, dy, ds, 1e-6, br, False)
+
         jax.jit(probe).lower(*_one_block(x2, scale, br)).compile()  # on the target devices (_one_block)
 
-    return _probe("pallas", x2, scale, br, compile_probe, lambda backend, reason: (
-        f"boost_jax rmsnorm: Pallas kernel does not lower on backend {backend!r} ({reason}); falling back "
-        "to the XLA implementation (kernels.rmsnorm=triton runs the same kernel through jax-triton)."))
+    return _probe(
+        "pallas",
+        x2,
+        scale,
+        br,
+        compile_probe,
+        lambda backend, reason: (
+            f"boost_jax rmsnorm: Pallas kernel does not lower on backend {backend!r} ({reason}); falling back "
+            "to the XLA implementation (kernels.rmsnorm=triton runs the same kernel through jax-triton)."
+        ),
+    )
 
 
 def _triton_runs(x2, scale, block_rows):
     """Compile both Triton kernels once per (backend, dtypes, d, block_rows); the reason when they cannot."""
+
     def compile_probe():
         if not platform.is_nvidia():
             raise RuntimeError("needs an NVIDIA GPU")
         from boost_jax.kernels import rmsnorm_triton as T  # imports triton; jax_triton at the first call
+
         rows = block_rows or T.default_rows(x2.shape[1])
 
         def probe(x, w, dy, ds):
             return T._fwd_call(x, w, 1e-6, rows), T._bwd_call(x, w, dy, ds, 1e-6, rows)
+
         jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()  # on the target devices (_one_block)
 
-    return _probe("triton", x2, scale, block_rows, compile_probe, lambda backend, reason: (
-        f"boost_jax rmsnorm: kernels.rmsnorm=triton cannot run on backend {backend!r} ({reason}); falling back "
-        "to the XLA implementation. It needs an NVIDIA GPU with triton and jax-triton "
-        f"({install_hint('gpu')}); elsewhere set kernels.rmsnorm=pallas or xla."))
+    return _probe(
+        "triton",
+        x2,
+        scale,
+        block_rows,
+        compile_probe,
+        lambda backend, reason: (
+            f"boost_jax rmsnorm: kernels.rmsnorm=triton cannot run on backend {backend!r} ({reason}); falling back "
+            "to the XLA implementation. It needs an NVIDIA GPU with triton and jax-triton "
+            f"({install_hint('gpu')}); elsewhere set kernels.rmsnorm=pallas or xla."
+        ),
+    )
 
 
 def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
@@ -316,6 +351,7 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
         if failure:
             return rmsnorm_reference(x, scale, eps)
         from boost_jax.kernels import rmsnorm_triton as T
+
         y, s = T.rmsnorm_rows(x2, scale, float(eps), block_rows or T.default_rows(d))
         return y.reshape(x.shape), s.reshape(lead)
     br = block_rows or _default_block_rows(d)
@@ -325,8 +361,9 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     interpret = bool(interpret)
     # The interpreter needs no probe, unless this jax lacks the Pallas Triton primitives altogether.
     failure = _pallas_lowers(x2, scale, br) if not interpret or _NO_PALLAS_TRITON else ""
-    _USED[used_key] = (f"xla (pallas did not lower: {failure})" if failure
-                       else "pallas (interpreted)" if interpret else "pallas")
+    _USED[used_key] = (
+        f"xla (pallas did not lower: {failure})" if failure else "pallas (interpreted)" if interpret else "pallas"
+    )
     if failure:
         return rmsnorm_reference(x, scale, eps)
     y, s = _rmsnorm_pallas(x2, scale, float(eps), br, interpret)

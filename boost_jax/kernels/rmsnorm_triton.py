@@ -20,6 +20,7 @@ dscale in registers; the [programs, d] float32 partials are summed outside the k
 This module imports `triton` at import time and `jax_triton` only when a kernel is called, so
 `compile_for_cuda` (used by the tests) runs on a CPU-only host with just `triton` installed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,17 @@ MAX_PROGRAMS = 512  # the backward's grid cap: partials are [<=512, d] float32 (
 
 
 @triton.jit
-def rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, s_ptr, n_rows: tl.constexpr, d: tl.constexpr, eps: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def rmsnorm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    s_ptr,
+    n_rows: tl.constexpr,
+    d: tl.constexpr,
+    eps: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n_rows
@@ -54,8 +64,20 @@ def rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, s_ptr, n_rows: tl.constexpr, d: tl.c
 
 
 @triton.jit
-def rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, n_rows: tl.constexpr, d: tl.constexpr,
-                       eps: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PROGRAMS: tl.constexpr):
+def rmsnorm_bwd_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    ds_ptr,
+    dx_ptr,
+    dw_ptr,
+    n_rows: tl.constexpr,
+    d: tl.constexpr,
+    eps: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < d
@@ -83,6 +105,7 @@ def rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, n_rows: tl.
 
 # ------------------------------------------------------------------------------------- launch plan
 
+
 def block_d(d: int) -> int:
     return triton.next_power_of_2(d)
 
@@ -103,8 +126,10 @@ def programs(n_rows: int, rows: int) -> int:
 
 # ------------------------------------------------------------------------------------ jax-triton calls
 
+
 def _jt():
     import jax_triton  # the `gpu` extra; needs a CUDA jaxlib (it is imported lazily for that reason)
+
     return jax_triton
 
 
@@ -112,6 +137,7 @@ def _target():
     """jax-triton asks the driver for the compute capability; a target without a device (a deviceless
     compile, kernels/platform.py) names it instead."""
     from boost_jax.kernels import platform
+
     cc = platform.compute_capability() if platform.device() is not None else None
     return {} if cc is None else {"compute_capability": cc}
 
@@ -119,20 +145,45 @@ def _target():
 def _fwd_call(x2, scale, eps, rows):
     n_rows, d = x2.shape
     return _jt().triton_call(
-        x2, scale, kernel=rmsnorm_fwd_kernel,
+        x2,
+        scale,
+        kernel=rmsnorm_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((n_rows,), _F32)],
-        grid=(triton.cdiv(n_rows, rows),), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_fwd", **_target(),
-        n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d))
+        grid=(triton.cdiv(n_rows, rows),),
+        num_warps=num_warps(rows, d),
+        num_stages=1,
+        name="rmsnorm_fwd",
+        **_target(),
+        n_rows=n_rows,
+        d=d,
+        eps=eps,
+        ROWS=rows,
+        BLOCK_D=block_d(d),
+    )
 
 
 def _bwd_call(x2, scale, dy, ds, eps, rows):
     n_rows, d = x2.shape
     p = programs(n_rows, rows)
     dx, dw_part = _jt().triton_call(
-        x2, scale, dy, ds, kernel=rmsnorm_bwd_kernel,
+        x2,
+        scale,
+        dy,
+        ds,
+        kernel=rmsnorm_bwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((p, d), _F32)],
-        grid=(p,), num_warps=num_warps(rows, d), num_stages=1, name="rmsnorm_bwd", **_target(),
-        n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d), PROGRAMS=p)
+        grid=(p,),
+        num_warps=num_warps(rows, d),
+        num_stages=1,
+        name="rmsnorm_bwd",
+        **_target(),
+        n_rows=n_rows,
+        d=d,
+        eps=eps,
+        ROWS=rows,
+        BLOCK_D=block_d(d),
+        PROGRAMS=p,
+    )
     return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
 
 
@@ -160,8 +211,9 @@ rmsnorm_rows.defvjp(_vjp_fwd, _vjp_bwd)
 _TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def compile_for_cuda(x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 1e-6, rows: int | None = None,
-                     capability: int = 90) -> dict:
+def compile_for_cuda(
+    x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 1e-6, rows: int | None = None, capability: int = 90
+) -> dict:
     """Compile both kernels for an NVIDIA GPU of compute `capability` (90: H100/H200) without one:
     {"fwd"|"bwd": triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata)}. Pointers are
     declared 16-byte aligned, the assumption jax-triton makes for every array it passes."""
@@ -174,8 +226,11 @@ def compile_for_cuda(x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 
     consts = dict(n_rows=n_rows, d=d, eps=eps, ROWS=rows, BLOCK_D=block_d(d))
     plans = {
         "fwd": (rmsnorm_fwd_kernel, [f"*{xt}", f"*{wt}", f"*{xt}", "*fp32"], consts),
-        "bwd": (rmsnorm_bwd_kernel, [f"*{xt}", f"*{wt}", f"*{xt}", "*fp32", f"*{xt}", "*fp32"],
-                {**consts, "PROGRAMS": programs(n_rows, rows)}),
+        "bwd": (
+            rmsnorm_bwd_kernel,
+            [f"*{xt}", f"*{wt}", f"*{xt}", "*fp32", f"*{xt}", "*fp32"],
+            {**consts, "PROGRAMS": programs(n_rows, rows)},
+        ),
     }
     out = {}
     with _cache_dir():
@@ -184,8 +239,9 @@ def compile_for_cuda(x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 
             signature.update({k: "constexpr" for k in constexprs})
             attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
             source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-            out[name] = triton.compile(source, target=target,
-                                       options={"num_warps": num_warps(rows, d), "num_stages": 1})
+            out[name] = triton.compile(
+                source, target=target, options={"num_warps": num_warps(rows, d), "num_stages": 1}
+            )
     return out
 
 

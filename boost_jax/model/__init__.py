@@ -8,5 +8,6 @@ __all__ = ["Transformer", "build_model", "flops_per_token", "model_from_config"]
 def __getattr__(name):
     if name in __all__:
         from boost_jax.model import transformer
+
         return getattr(transformer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

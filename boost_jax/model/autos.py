@@ -25,6 +25,7 @@ measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, ben
 
 A value other than `auto` is kept as given.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -68,11 +69,22 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
 def rules(cfg, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
     """{field: value} for each FIELDS entry set to `auto` in cfg, on a GPU (or not) with mesh `sizes`."""
     m = cfg.model
-    values = pick(group=m.group_linears, unroll=m.scan_unroll, policy=cfg.remat.policy, norm=cfg.kernels.rmsnorm,
-                  linear=m.linear, gpu=gpu, sizes=sizes, triton=triton)
+    values = pick(
+        group=m.group_linears,
+        unroll=m.scan_unroll,
+        policy=cfg.remat.policy,
+        norm=cfg.kernels.rmsnorm,
+        linear=m.linear,
+        gpu=gpu,
+        sizes=sizes,
+        triton=triton,
+    )
     given = dict(zip(FIELDS, (m.group_linears, m.scan_unroll, cfg.remat.policy, cfg.kernels.rmsnorm)))
-    return {field: values[name] for field, name in zip(FIELDS, ("group_linears", "scan_unroll", "remat", "rmsnorm"))
-            if given[field] == AUTO}
+    return {
+        field: values[name]
+        for field, name in zip(FIELDS, ("group_linears", "scan_unroll", "remat", "rmsnorm"))
+        if given[field] == AUTO
+    }
 
 
 def chosen(cfg, mesh=None, devices=None) -> dict:
@@ -109,8 +121,16 @@ def for_model(m, remat_policy: str, norm_impl: str, mesh=None):
     same rules. The model section is copied only when it changes."""
     gpu = platform.name() == "gpu"
     sizes = {a: int(v) for a, v in mesh.shape.items()} if mesh is not None else {}
-    v = pick(group=m.group_linears, unroll=m.scan_unroll, policy=remat_policy, norm=norm_impl, linear=m.linear,
-             gpu=gpu, sizes=sizes, triton=gpu and triton_available())
+    v = pick(
+        group=m.group_linears,
+        unroll=m.scan_unroll,
+        policy=remat_policy,
+        norm=norm_impl,
+        linear=m.linear,
+        gpu=gpu,
+        sizes=sizes,
+        triton=gpu and triton_available(),
+    )
     if AUTO in (m.group_linears, m.scan_unroll):
         m = m.copy_and_resolve_references()
         with m.unlocked(), m.ignore_type():

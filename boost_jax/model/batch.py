@@ -10,6 +10,7 @@
 Inputs are the first T columns, targets the last T; a target counts only if it continues its
 input's document (the padding and the token that would cross into the next document do not).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp

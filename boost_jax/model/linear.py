@@ -7,6 +7,7 @@ the same input run their first stages as ONE GEMM over stacked weights, and thei
 one batched dot_general (BOOST's linear layer grouping); parameters keep their own names. The r-wide
 first-stage output is tagged `lowrank` for activation checkpointing (before σ).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,8 +28,9 @@ WHOLE_ROWS = ("act_batch", "act_seq", None)
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 
 
-def Projection(m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs,
-               param_dtype=jnp.float32) -> LinearKind:
+def Projection(
+    m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs, param_dtype=jnp.float32
+) -> LinearKind:
     """A projection of the kind `m.linear` names (`m`: the model config section)."""
     return kind_class(m.linear)(m, d_in, d_out, axes=axes, group=group, rngs=rngs, param_dtype=param_dtype)
 
@@ -38,8 +40,9 @@ class RMSNorm(nnx.Module):
     yields the per-row sum of squares that online RMSNorm sends with the A partial products; `run`
     (from the placement) says how the kernel runs on the mesh."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32, axis: str = "norm", impl: str = "xla",
-                 run=Norm()):
+    def __init__(
+        self, dim: int, *, eps: float, param_dtype=jnp.float32, axis: str = "norm", impl: str = "xla", run=Norm()
+    ):
         self.eps = eps
         self.impl = impl
         self.run = run
@@ -117,7 +120,7 @@ def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED, keep=()
                 outs.extend((h[:, :, i + j], p.second_weight(_use(h.dtype))) for j, p in enumerate(group))
                 continue
             b = jnp.stack([p.second_weight(_use(h.dtype)) for p in group])  # [g, r, d_out]
-            y = weight_einsum("btgr,gro->btgo", h[:, :, i:i + len(group)], b)
+            y = weight_einsum("btgr,gro->btgo", h[:, :, i : i + len(group)], b)
             outs.extend(y[:, :, j] for j in range(len(group)))
     return _with_extra(projs, outs, x, norm)
 

@@ -8,6 +8,7 @@ is live. The logits stay split over the vocab (`act_vocab`): only reductions ove
 label's logit picked by comparison with an iota) cross devices. With c >= T it is the plain
 full-logits loss.
 """
+
 from __future__ import annotations
 
 import jax
@@ -74,8 +75,9 @@ def _split(x, n: int, chunk: int, groups: int, seq_groups: int = 1):
     return x.reshape(groups * n, b // groups, seq_groups * chunk, *rest)
 
 
-def head_loss(h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None, row_groups: int = 1,
-              seq_groups: int = 1):
+def head_loss(
+    h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None, row_groups: int = 1, seq_groups: int = 1
+):
     """Mean over tokens of cross-entropy (+ z_loss · logsumexp²). h: [B, T, d]; w: [d, V]; labels: [B, T].
 
     chunk: positions per chunk (0 or >= T: one piece, the plain loss). row_groups: the rows are

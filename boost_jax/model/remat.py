@@ -10,6 +10,7 @@
   `tensor`, so the recompute needs no collective.
 - offload_lowrank: as lowrank, but the saved tensors live in pinned host memory.
 """
+
 from __future__ import annotations
 
 import jax
@@ -17,8 +18,7 @@ import jax
 POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")  # remat.policy
 # The policies the planner prices (boost_jax/planner/cost.py `recomputed`, `saved_bytes`), in the order
 # it searches them, with what the backward finds kept; the others are not priced.
-PRICED = {"none": "everything", "lowrank": "the bottleneck outputs and norm statistics",
-          "full": "each layer's input"}
+PRICED = {"none": "everything", "lowrank": "the bottleneck outputs and norm statistics", "full": "each layer's input"}
 SAVED_NAMES = ("lowrank", "norm_stats")  # r-wide reduced A outputs; per-row norm statistics
 ATTENTION_NAMES = ("attn_out", "attn_lse")  # attention output and its float32 log-sum-exp
 
@@ -28,14 +28,18 @@ def policy(name: str):
     if name == "full":
         return cp.nothing_saveable
     if name == "dots":
-        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                          cp.save_only_these_names(*ATTENTION_NAMES))
+        return cp.save_from_both_policies(
+            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*ATTENTION_NAMES)
+        )
     if name == "lowrank":
         return cp.save_only_these_names(*SAVED_NAMES)
     if name == "offload_lowrank":
         return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_NAMES),
-            offload_src="device", offload_dst="pinned_host")
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(SAVED_NAMES),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
     raise ValueError(f"unknown remat policy {name!r}")
 
 

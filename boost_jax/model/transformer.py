@@ -1,4 +1,5 @@
 """The LLaMA-style decoder: embedding, a scanned stack of pre-norm blocks, final norm, LM head."""
+
 from __future__ import annotations
 
 import functools
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.kernels import platform
-from boost_jax.model import autos, batch as batch_lib, remat
+from boost_jax.model import autos, remat
+from boost_jax.model import batch as batch_lib
 from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
@@ -40,8 +42,7 @@ class MLP(nnx.Module):
     def __call__(self, x, norm):
         g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route)
         h = g * u if self.only_lr_act else jax.nn.silu(g) * u
-        return project([self.down], constrain(h, CORE_AXES["act"]), grouped=False,
-                       route=self.out_route)[0]
+        return project([self.down], constrain(h, CORE_AXES["act"]), grouped=False, route=self.out_route)[0]
 
 
 class Block(nnx.Module):
@@ -67,8 +68,16 @@ class Transformer(nnx.Module):
     model is built: it decides how norms, projection groups and the layer stack run (LOCAL: one
     device, nothing partitioned)."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs, remat_policy: str = "none", norm_impl: str = "xla",
-                 placement=LOCAL, remat_pipeline: str = "none"):
+    def __init__(
+        self,
+        cfg,
+        *,
+        rngs: nnx.Rngs,
+        remat_policy: str = "none",
+        norm_impl: str = "xla",
+        placement=LOCAL,
+        remat_pipeline: str = "none",
+    ):
         cfg, remat_policy, norm_impl = autos.for_model(cfg, remat_policy, norm_impl, placement.mesh)
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
@@ -78,8 +87,10 @@ class Transformer(nnx.Module):
         self.remat_policy = remat_policy
         self.remat_stage = remat_pipeline == "stage"  # remat.pipeline: recompute whole pipeline stages
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
-        self.embed = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
-                                                                param_dtype), axes=("vocab_in", "embed"))
+        self.embed = nnx.Param(
+            cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype),
+            axes=("vocab_in", "embed"),
+        )
 
         # One Block's parameters with a leading layer axis, so the stack runs as one lax.scan and
         # compile time does not grow with depth.
@@ -89,14 +100,22 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs=r, param_dtype=param_dtype, norm_impl=norm_impl, placement=placement)
 
         self.layers = stacked(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype, axis="head_norm",
-                                  impl=norm_impl, run=placement.norm(norm_impl))
+        self.final_norm = RMSNorm(
+            cfg.d_model,
+            eps=cfg.norm_eps,
+            param_dtype=param_dtype,
+            axis="head_norm",
+            impl=norm_impl,
+            run=placement.norm(norm_impl),
+        )
         self.unroll = bool(cfg.scan_unroll)
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.loss_chunk, self.z_loss = int(cfg.loss_chunk), float(cfg.z_loss)
         if not self.tie_embeddings:
-            self.lm_head = nnx.Param(dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model,
-                                                cfg.d_model, param_dtype), axes=("head_embed", "vocab"))
+            self.lm_head = nnx.Param(
+                dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.d_model, param_dtype),
+                axes=("head_embed", "vocab"),
+            )
 
     def init_cache(self, batch: int, max_len: int):
         shape = (self.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
@@ -109,11 +128,16 @@ class Transformer(nnx.Module):
         x, positions, given_positions, docs = self._embedded(tokens, positions, cache, docs)
         layer, layer_state = self._layer_stack()
         if self.pipeline is not None and cache is None:
-            x = self.pipeline(layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs,
-                              remat_stage=self.remat_stage)
+            x = self.pipeline(
+                layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs, remat_stage=self.remat_stage
+            )
         else:
-            x, cache = jax.lax.scan(lambda h, xs: layer(h, xs[0], xs[1], positions, docs), x, (layer_state, cache),
-                                    unroll=self.n_layers if self.unroll else 1)
+            x, cache = jax.lax.scan(
+                lambda h, xs: layer(h, xs[0], xs[1], positions, docs),
+                x,
+                (layer_state, cache),
+                unroll=self.n_layers if self.unroll else 1,
+            )
         return _final(self.final_norm, x), cache
 
     def _embedded(self, tokens, positions, cache, docs):
@@ -180,9 +204,19 @@ class Transformer(nnx.Module):
             layer, layer_state = self._layer_stack()
             norm_graph, norm_state = nnx.split(self.final_norm)
             return self.pipeline.train_loss(
-                layer, layer_state, x, given_positions, docs=docs, unroll=self.unroll, remat_stage=self.remat_stage,
-                final=lambda state, h: _final(nnx.merge(norm_graph, state), h), loss=loss,
-                head_params=lambda: (norm_state, self.head_weight()), labels=labels, mask=mask)
+                layer,
+                layer_state,
+                x,
+                given_positions,
+                docs=docs,
+                unroll=self.unroll,
+                remat_stage=self.remat_stage,
+                final=lambda state, h: _final(nnx.merge(norm_graph, state), h),
+                loss=loss,
+                head_params=lambda: (norm_state, self.head_weight()),
+                labels=labels,
+                mask=mask,
+            )
         h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
         return loss(h, self.head_weight(), labels, mask=mask)
 
@@ -194,10 +228,22 @@ def _final(norm, x):
     return norm(constrain(x, whole_rows), whole_rows)
 
 
-def build_model(model_cfg, seed: int = 0, remat_policy: str = "none", norm_impl: str = "xla",
-                placement=LOCAL, remat_pipeline: str = "none") -> Transformer:
-    return Transformer(model_cfg, rngs=nnx.Rngs(params=seed), remat_policy=remat_policy, norm_impl=norm_impl,
-                       placement=placement, remat_pipeline=remat_pipeline)
+def build_model(
+    model_cfg,
+    seed: int = 0,
+    remat_policy: str = "none",
+    norm_impl: str = "xla",
+    placement=LOCAL,
+    remat_pipeline: str = "none",
+) -> Transformer:
+    return Transformer(
+        model_cfg,
+        rngs=nnx.Rngs(params=seed),
+        remat_policy=remat_policy,
+        norm_impl=norm_impl,
+        placement=placement,
+        remat_pipeline=remat_pipeline,
+    )
 
 
 def model_from_config(cfg, placement=LOCAL) -> Transformer:
@@ -207,8 +253,12 @@ def model_from_config(cfg, placement=LOCAL) -> Transformer:
 
 # The projection groups (boost_jax/parallel/strategies.py PROJECTION_GROUPS): the logical axes of each
 # group's input and of its projections' outputs, as Attention and MLP declare them.
-PROJECTION_AXES = {"qkv": ("embed", ("heads", "kv_heads", "kv_heads")), "o": ("heads", ("embed",)),
-                   "mlp_in": ("embed", ("mlp", "mlp")), "mlp_out": ("mlp", ("embed",))}
+PROJECTION_AXES = {
+    "qkv": ("embed", ("heads", "kv_heads", "kv_heads")),
+    "o": ("heads", ("embed",)),
+    "mlp_in": ("embed", ("mlp", "mlp")),
+    "mlp_out": ("mlp", ("embed",)),
+}
 # The logical axes of what the two cores between the groups run on: the attention's queries (as
 # Attention constrains them, their head_dim axis left out) and the MLP's activation. With
 # PROJECTION_AXES and RESIDUAL they are what the planner reads a strategy's layouts from.
@@ -218,16 +268,23 @@ CORE_AXES = {"attention": ("act_batch", "act_seq", "act_heads"), "act": ("act_ba
 def axis_units(m) -> dict[str, tuple[str, int]]:
     """{logical axis: (config field, whole units)}: what a mesh axis splitting that axis must divide
     (whole heads, not head columns). In the order a misfit is reported."""
-    units = {"heads": ("model.n_heads", int(m.n_heads)), "kv_heads": ("model.n_kv_heads", int(m.n_kv_heads)),
-             "mlp": ("model.d_ff", int(m.d_ff)), "embed": ("model.d_model", int(m.d_model)),
-             "norm": ("model.d_model", int(m.d_model))}
+    units = {
+        "heads": ("model.n_heads", int(m.n_heads)),
+        "kv_heads": ("model.n_kv_heads", int(m.n_kv_heads)),
+        "mlp": ("model.d_ff", int(m.d_ff)),
+        "embed": ("model.d_model", int(m.d_model)),
+        "norm": ("model.d_model", int(m.d_model)),
+    }
     return {**units, **kind_class(m.linear).axis_units(m)}
 
 
 def projection_widths(m) -> dict[str, int]:
     """Every projection input/output width, by config field."""
-    return {"model.d_model": int(m.d_model), "model.d_ff": int(m.d_ff),
-            "model.n_kv_heads*head_dim": int(m.n_kv_heads) * (int(m.d_model) // int(m.n_heads))}
+    return {
+        "model.d_model": int(m.d_model),
+        "model.d_ff": int(m.d_ff),
+        "model.n_kv_heads*head_dim": int(m.n_kv_heads) * (int(m.d_model) // int(m.n_heads)),
+    }
 
 
 def projection_shapes(cfg) -> list[tuple[int, int]]:
@@ -251,7 +308,9 @@ def flops_per_token(cfg, seq_len: int, training: bool = True) -> float:
     recompute from activation checkpointing is not model work and is not counted, nor is building
     weights from stored factors once per step (`weight_flops`)."""
     kind = kind_class(cfg.linear)
-    per_layer = (sum(kind.flops(cfg, a, b) for a, b in projection_shapes(cfg))  # q, k, v, o, gate, up, down
-                 + 2 * 2 * seq_len * cfg.d_model)  # q·k and p·v over all heads
+    per_layer = (
+        sum(kind.flops(cfg, a, b) for a, b in projection_shapes(cfg))  # q, k, v, o, gate, up, down
+        + 2 * 2 * seq_len * cfg.d_model
+    )  # q·k and p·v over all heads
     forward = cfg.n_layers * per_layer + 2 * cfg.d_model * cfg.vocab_size
     return 3.0 * forward if training else float(forward)

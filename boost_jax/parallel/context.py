@@ -42,6 +42,7 @@ token per hop, for 2 extra [2L, r] x [r, kv_dim/tensor] GEMMs per step (4 more i
 `traffic` gives the per-step context traffic and memory of a config by formula (what the comm
 report checks against the compiled program, and what the planner prices).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +51,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.rules import Strategy
@@ -61,6 +63,7 @@ NEG = -1e30  # the log-sum-exp of a query row no key of the block is visible to
 
 # ------------------------------------------------------------------------------------------ layout
 
+
 def chunk_order(c: int) -> np.ndarray:
     """The 2C chunks of a row in device order: device d holds chunks d and 2C-1-d."""
     return np.array([i for d in range(c) for i in (d, 2 * c - 1 - d)])
@@ -70,7 +73,7 @@ def _permute_chunks(x, c: int, order, axis: int):
     if c == 1:
         return x
     t = x.shape[axis]
-    chunks = x.reshape(x.shape[:axis] + (2 * c, t // (2 * c)) + x.shape[axis + 1:])
+    chunks = x.reshape(x.shape[:axis] + (2 * c, t // (2 * c)) + x.shape[axis + 1 :])
     return jnp.take(chunks, order, axis=axis).reshape(x.shape)
 
 
@@ -85,6 +88,7 @@ def unlayout(x, c: int, axis: int = 1):
 
 
 # --------------------------------------------------------------------------------------- the ring
+
 
 def _send(x, n: int, shift: int = 1):
     """x to the device `shift` places on along the context ring (device i -> i + shift): one
@@ -107,7 +111,7 @@ def _segs(seg, j, width: int):
 
 
 def _half(x, i: int, length: int):
-    return None if x is None else x[:, i * length:(i + 1) * length]
+    return None if x is None else x[:, i * length : (i + 1) * length]
 
 
 def _merge(out, lse, o_p, lse_p):
@@ -125,8 +129,7 @@ def _block_fwd(blocks, q, k, v, q_seg, k_seg, earlier: bool):
     if earlier:
         return blocks.fwd(q, k[:, :half], v[:, :half], w, q_seg, _half(k_seg, 0, half))
     o, lse = blocks.fwd(q[:, half:], k, v, w, _half(q_seg, 1, half), k_seg)
-    return (jnp.concatenate([jnp.zeros_like(o), o], 1),
-            jnp.concatenate([jnp.full_like(lse, NEG), lse], 1))
+    return (jnp.concatenate([jnp.zeros_like(o), o], 1), jnp.concatenate([jnp.full_like(lse, NEG), lse], 1))
 
 
 def _block_bwd(blocks, q, k, v, out, lse, dout, q_seg, k_seg, earlier: bool):
@@ -137,8 +140,9 @@ def _block_bwd(blocks, q, k, v, out, lse, dout, q_seg, k_seg, earlier: bool):
         dq, dk, dv = blocks.bwd(q, k[:, :half], v[:, :half], out, lse, dout, w, q_seg, _half(k_seg, 0, half))
         pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], 1)  # noqa: E731 - the unvisited second chunk
         return dq, pad(dk), pad(dv)
-    dq, dk, dv = blocks.bwd(q[:, half:], k, v, out[:, half:], lse[:, half:], dout[:, half:], w,
-                            _half(q_seg, 1, half), k_seg)
+    dq, dk, dv = blocks.bwd(
+        q[:, half:], k, v, out[:, half:], lse[:, half:], dout[:, half:], w, _half(q_seg, 1, half), k_seg
+    )
     return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
 
 
@@ -163,8 +167,16 @@ def _ring_forward(blocks, n, q, kv, seg, rebuild):
             nxt = _send(cur, n)  # the next block moves while this one is computed
         j = (c - s) % n
         k, v = rebuild(_unpack(cur), j)
-        o_p, lse_p = jax.lax.cond(j < c, functools.partial(_block_fwd, blocks, earlier=True),
-                                  functools.partial(_block_fwd, blocks, earlier=False), q, k, v, q_seg, _segs(seg, j, w))
+        o_p, lse_p = jax.lax.cond(
+            j < c,
+            functools.partial(_block_fwd, blocks, earlier=True),
+            functools.partial(_block_fwd, blocks, earlier=False),
+            q,
+            k,
+            v,
+            q_seg,
+            _segs(seg, j, w),
+        )
         out, lse = _merge(out, lse, o_p, lse_p)
     return out, lse
 
@@ -194,8 +206,18 @@ def _ring_backward(blocks, n, q, kv, seg, out, lse, dout, rebuild, rebuild_vjp):
         cur = _unpack(cur, reverse=True)
         k, v = rebuild(cur, j)
         dq_p, dk_p, dv_p = jax.lax.cond(
-            j < c, functools.partial(_block_bwd, blocks, earlier=True), functools.partial(_block_bwd, blocks, earlier=False),
-            q, k, v, out, lse, dout, q_seg, _segs(seg, j, w))
+            j < c,
+            functools.partial(_block_bwd, blocks, earlier=True),
+            functools.partial(_block_bwd, blocks, earlier=False),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            q_seg,
+            _segs(seg, j, w),
+        )
         dq = dq + dq_p
         # Block j's share, home to device j = c - s; what arrives is ours from device c + s.
         acc = jax.tree.map(jnp.add, acc, _unpack(_send(_pack(rebuild_vjp(cur, j, dk_p, dv_p)), n, -s)))
@@ -231,6 +253,7 @@ _ring_full.defvjp(_ring_full_fwd, _ring_full_bwd)
 
 
 # ----------------------------------------------------------------------------------- the bottleneck
+
 
 def _rebuilders(rebuild, weights, positions, width: int):
     """(build(kv, j), build_vjp(kv, j, dk, dv), grads) for the ring: device j's K/V from the bottleneck
@@ -282,6 +305,7 @@ _ring_bottleneck.defvjp(_ring_bottleneck_fwd, _ring_bottleneck_bwd)
 
 # ------------------------------------------------------------------------------------- all_gather
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _one_block(blocks, q, k, v, offset, q_seg, k_seg):
     return blocks.fwd(q, k, v, offset, q_seg, k_seg)[0].astype(q.dtype)
@@ -324,17 +348,21 @@ def _attend_whole(blocks, n, q, k_all, v_all, seg):
     half = w // 2
     k_seg = None if seg is None else unlayout(seg, n)
     q_seg = _segs(seg, c, w)
-    outs = [_one_block(blocks, _half(q, i, half), k_all, v_all, chunk * half, _half(q_seg, i, half), k_seg)
-            for i, chunk in enumerate((c, 2 * n - 1 - c))]
+    outs = [
+        _one_block(blocks, _half(q, i, half), k_all, v_all, chunk * half, _half(q_seg, i, half), k_seg)
+        for i, chunk in enumerate((c, 2 * n - 1 - c))
+    ]
     return jnp.concatenate(outs, 1)
 
 
 # ------------------------------------------------------------------------------------- the island
 
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """The sequence split over `context` on `mesh` under `strategy` (its context_attention and
     context_kv): what the placement hands the model when the mesh has context > 1."""
+
     mesh: Mesh
     strategy: Strategy
 
@@ -356,8 +384,10 @@ class Context:
         q_spec = rules.logical_spec(("act_batch", "act_seq", "act_heads", None), q.shape)
         kv_spec = rules.logical_spec(("act_batch", "act_seq", "act_kv_heads", None), k.shape)
         if q_spec is None or len(q_spec) < 2 or AXIS not in rules._as_tuple(q_spec[1]):
-            raise ValueError(f"context attention: the queries' sequence is not split over `{AXIS}` by the current "
-                             f"rules ({q_spec}); trace the model under its strategy's rules")
+            raise ValueError(
+                f"context attention: the queries' sequence is not split over `{AXIS}` by the current "
+                f"rules ({q_spec}); trace the model under its strategy's rules"
+            )
         return q_spec, kv_spec, P(q_spec[0], None)
 
     def attend(self, q, k, v, segments, blocks):
@@ -368,10 +398,16 @@ class Context:
         run = _ring_full if self.strategy.context_attention == "ring" else _gathered
         local = functools.partial(run, blocks, self.size)
         if segments is None:
-            return jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=self.mesh,
-                                 in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)(q, k, v)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
-                             check_vma=False)(q, k, v, segments)
+            return jax.shard_map(
+                lambda q, k, v: local(q, k, v, None),
+                mesh=self.mesh,
+                in_specs=(q_spec, kv_spec, kv_spec),
+                out_specs=q_spec,
+                check_vma=False,
+            )(q, k, v)
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False
+        )(q, k, v, segments)
 
     def attend_bottleneck(self, q, hk, hv, weights, positions, segments, blocks, rebuild):
         """`attend` with K/V given as their bottleneck activations hk, hv [B, T, r] (split over
@@ -386,13 +422,16 @@ class Context:
         local = functools.partial(run, blocks, self.size, rebuild)
         specs = (q_spec, h_spec, h_spec, w_specs, row_spec)
         if segments is None:
-            return jax.shard_map(lambda *a: local(*a, None), mesh=self.mesh, in_specs=specs, out_specs=q_spec,
-                                 check_vma=False)(q, hk, hv, tuple(weights), positions)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=specs + (row_spec,), out_specs=q_spec,
-                             check_vma=False)(q, hk, hv, tuple(weights), positions, segments)
+            return jax.shard_map(
+                lambda *a: local(*a, None), mesh=self.mesh, in_specs=specs, out_specs=q_spec, check_vma=False
+            )(q, hk, hv, tuple(weights), positions)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=specs + (row_spec,), out_specs=q_spec, check_vma=False)(
+            q, hk, hv, tuple(weights), positions, segments
+        )
 
 
 # ------------------------------------------------------------------------------------------ traffic
+
 
 def layer_exchange(c: int, attention: str, rows: float, seq: int, width: float) -> dict:
     """One layer's context exchange per device for one micro-batch of `rows` rows of `seq` positions
@@ -411,12 +450,17 @@ def layer_exchange(c: int, attention: str, rows: float, seq: int, width: float) 
         return {}
     if attention == "ring":
         block = rows * seq / c * width
-        return {"forward": {"collective-permute": {"count": c - 1, "elements": 2 * (c - 1) * block, "float32": 0}},
-                "backward": {"collective-permute": {"count": 2 * (c - 1), "elements": 4 * (c - 1) * block,
-                                                    "float32": c - 1}}}
+        return {
+            "forward": {"collective-permute": {"count": c - 1, "elements": 2 * (c - 1) * block, "float32": 0}},
+            "backward": {
+                "collective-permute": {"count": 2 * (c - 1), "elements": 4 * (c - 1) * block, "float32": c - 1}
+            },
+        }
     whole = rows * seq * width
-    return {"forward": {"all-gather": {"count": 2, "elements": 2 * whole, "float32": 0}},
-            "backward": {"reduce-scatter": {"count": 2, "elements": 2 * whole, "float32": 0}}}
+    return {
+        "forward": {"all-gather": {"count": 2, "elements": 2 * whole, "float32": 0}},
+        "backward": {"reduce-scatter": {"count": 2, "elements": 2 * whole, "float32": 0}},
+    }
 
 
 def traffic(cfg) -> dict:
@@ -455,6 +499,7 @@ def traffic(cfg) -> dict:
     passes = int(t.grad_accum)
     if stages > 1:  # every tick of the schedule runs the stage on 1/M of the rows, bubbles included
         from boost_jax.parallel.pipeline import ticks
+
         chunks = int(p.microbatches) or 2 * stages
         repeats = int(p.pipeline_repeats) if p.pipeline_schedule == "circular" else 1
         passes *= ticks(stages, chunks, repeats) / (chunks * repeats)  # x L/(S V) layers per tick
@@ -462,8 +507,10 @@ def traffic(cfg) -> dict:
     else:
         layers = int(m.n_layers)
     seq = int(t.seq_len)
-    per_layer = {d: {k: {f: int(round(x)) for f, x in v.items()} for k, v in kinds.items()}
-                 for d, kinds in layer_exchange(c, str(p.context_attention), rows, seq, width).items()}
+    per_layer = {
+        d: {k: {f: int(round(x)) for f, x in v.items()} for k, v in kinds.items()}
+        for d, kinds in layer_exchange(c, str(p.context_attention), rows, seq, width).items()
+    }
     step: dict = {}
     for direction in per_layer.values():
         for kind, v in direction.items():
@@ -473,8 +520,16 @@ def traffic(cfg) -> dict:
     step = {k: {f: int(round(x)) for f, x in v.items()} for k, v in step.items()}
     act = 2 if m.dtype in ("bfloat16", "float16", "auto") else 4  # auto: bf16 on accelerators
     pair = 2 * rows * seq // c * width * act
-    return {"context": c, "attention": str(p.context_attention), "kv": str(p.context_kv), "width": width,
-            "per_layer": per_layer, "step": step,
-            "memory": {"kv_block_bytes": pair if p.context_attention == "ring" else 0,
-                       "gathered_kv_bytes_per_layer": 0 if p.context_attention == "ring" else pair * c,
-                       "activation_fraction": 1 / c}}
+    return {
+        "context": c,
+        "attention": str(p.context_attention),
+        "kv": str(p.context_kv),
+        "width": width,
+        "per_layer": per_layer,
+        "step": step,
+        "memory": {
+            "kv_block_bytes": pair if p.context_attention == "ring" else 0,
+            "gathered_kv_bytes_per_layer": 0 if p.context_attention == "ring" else pair * c,
+            "activation_fraction": 1 / c,
+        },
+    }

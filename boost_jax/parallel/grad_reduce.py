@@ -19,13 +19,15 @@ schedules/islands place their reductions); otherwise the plain accumulation loop
 strategy are passed in by the step builder (boost_jax/runtime/step.py), never read from the ambient
 rules, so the step compiles to one program wherever it is traced.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.kernels import platform
 from boost_jax.parallel import rules
@@ -33,6 +35,7 @@ from boost_jax.parallel import rules
 
 def without_axis(strategy: rules.Strategy, *axis: str) -> rules.Strategy:
     """The strategy with the `axis` names removed from every rule (a rule left with no axes replicates)."""
+
     def drop(axes):
         kept = tuple(a for a in rules._as_tuple(axes) if a not in axis)
         return kept[0] if len(kept) == 1 else (kept or None)
@@ -129,7 +132,8 @@ def accumulate_grads(grad_fn, params, batch, mesh=None, strategy=None):
 
     per_replica = jax.vmap(local, in_axes=(None, 0), spmd_axis_name="data")
     split = lambda t: jax.lax.with_sharding_constraint(  # noqa: E731 - [data, ...] stays split over data
-        t, NamedSharding(mesh, P("data", *([P.UNCONSTRAINED] * (t.ndim - 1)))))
+        t, NamedSharding(mesh, P("data", *([P.UNCONSTRAINED] * (t.ndim - 1))))
+    )
 
     def micro(acc, tokens):
         l, g = per_replica(params, tokens)
@@ -138,6 +142,7 @@ def accumulate_grads(grad_fn, params, batch, mesh=None, strategy=None):
     zeros = jax.tree.map(lambda p: split(jnp.zeros((d,) + p.shape, jnp.float32)), params)
     acc, loss = each_micro_batch(micro, zeros, x, loss_shape=(d,))  # one loss per data replica
     dtype = jnp.dtype(strategy.grad_reduce_dtype)
-    grads = jax.tree.map(lambda g, p: (g.astype(dtype).sum(0).astype(jnp.float32) / (a * d)).astype(p.dtype),
-                         acc, params)
+    grads = jax.tree.map(
+        lambda g, p: (g.astype(dtype).sum(0).astype(jnp.float32) / (a * d)).astype(p.dtype), acc, params
+    )
     return loss, grads

@@ -12,6 +12,7 @@ partials stacked along a leading axis split over `tensor`; the sum over that axi
 (XLA combines the H and S reductions into one tuple all-reduce). The reduced H and S are tagged for
 activation checkpointing, so a low-rank remat policy recomputes only the local, collective-free part.
 """
+
 from __future__ import annotations
 
 import jax
@@ -37,12 +38,14 @@ def _sum_parts(parts: jax.Array) -> jax.Array:
     return jax.lax.reduce(parts, jnp.zeros((), parts.dtype), jax.lax.add, (0,))
 
 
-_sum_parts.defvjp(lambda parts: (_sum_parts(parts), parts.shape[0]),
-                  lambda n, g: (jnp.broadcast_to(g[None], (n, *g.shape)),))
+_sum_parts.defvjp(
+    lambda parts: (_sum_parts(parts), parts.shape[0]), lambda n, g: (jnp.broadcast_to(g[None], (n, *g.shape)),)
+)
 
 
-def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla",
-                       reduce_dtype=None):
+def online_norm_matmul(
+    x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla", reduce_dtype=None
+):
     """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g.
     `reduce_dtype`: the strategy's gradient-reduction dtype (parallel.grad_reduce_dtype)."""
     d = x.shape[-1]
@@ -63,9 +66,12 @@ def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tens
     if reduce_dtype is not None:  # widen only: the values are unchanged
         a_stack = a_stack.astype(jnp.promote_types(a_stack.dtype, reduce_dtype))
     h_parts, s_parts = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(batch, seq, axis), P(axis), P(None, axis, None)),
+        local,
+        mesh=mesh,
+        in_specs=(P(batch, seq, axis), P(axis), P(None, axis, None)),
         out_specs=(P(axis, batch, seq, None, None), P(axis, batch, seq)),
-        check_vma=impl == "xla")(x, scale, a_stack)  # a Pallas/Triton call carries no varying-axis types
+        check_vma=impl == "xla",
+    )(x, scale, a_stack)  # a Pallas/Triton call carries no varying-axis types
     h = checkpoint_name(_sum_parts(h_parts), "lowrank")
     s = checkpoint_name(s_parts.sum(axis=0), "norm_stats")
     return (h.astype(jnp.float32) / jnp.sqrt(s / d + eps)[..., None, None]).astype(x.dtype)

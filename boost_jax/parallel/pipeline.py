@@ -49,6 +49,7 @@ temp memory does not grow (3.38 -> 3.31 MB on pipeline 2 x data 2 x tensor 2).
 Spatial-temporal projections keep GSPMD's placement (their Cannon schedule runs on the (fsdp,
 tensor) grid itself; `once_per_pass_axes`).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -57,7 +58,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.grad_reduce import each_micro_batch, without_axis
@@ -161,11 +163,14 @@ def _sum_copies(g: jax.Array, stages: int, n: int, reduce_dtype, repeats: int | 
     return _on_stages(layer_layout(_on_stages(g, mesh, 3, rest), repeats), mesh, 1, rest)
 
 
-def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce_dtype, repeats: int | None = None) -> jax.Array:
+def _replicas(
+    a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce_dtype, repeats: int | None = None
+) -> jax.Array:
     """A layer-stacked weight [L, ...] as [S * n, ...stage layout]: stage s's layers copied once per
     batch replica (row s * n + i: stage s, replica i; split over the pipeline and replica axes), in
     float32 when it is a float. Each replica accumulates its own gradient in its copy's cotangent over
     the ticks; the backward sums the n of them once, in `reduce_dtype`."""
+
     def forward(w):
         return _copies(w, stages, n, sharding, repeats)
 
@@ -188,8 +193,19 @@ def _replicas(a: jax.Array, stages: int, n: int, sharding: NamedSharding, reduce
 _GIVEN: contextvars.ContextVar = contextvars.ContextVar("stage_copies", default=None)
 
 
-def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: int, schedule: str = "gpipe",
-               repeats: int = 1, specs=None):
+def accumulate(
+    loss_fn,
+    trained,
+    batch,
+    *,
+    stack: str,
+    mesh,
+    strategy,
+    stages: int,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    specs=None,
+):
     """(mean loss, mean gradient) of `loss_fn(trained, micro_batch)` over a batch [grad_accum, rows,
     ...], with the pipelined layer stack's gradient reduced over data x fsdp once per optimizer step,
     whatever grad_accum is.
@@ -218,8 +234,11 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
             rest = None if repeats is None or spec is None else tuple(spec)[1:]  # circular: reordered in it
             return _copies(w.astype(jnp.promote_types(w.dtype, jnp.float32)), stages, n, copy, repeats, rest)
 
-        specs = [None] * len(jax.tree.leaves(layer_state, is_leaf=lambda x: x is None)) if specs is None else \
-            jax.tree.leaves(specs, is_leaf=lambda x: x is None or isinstance(x, P))
+        specs = (
+            [None] * len(jax.tree.leaves(layer_state, is_leaf=lambda x: x is None))
+            if specs is None
+            else jax.tree.leaves(specs, is_leaf=lambda x: x is None or isinstance(x, P))
+        )
         leaves, treedef = jax.tree.flatten(layer_state, is_leaf=lambda x: x is None)
         copies_f = treedef.unflatten([None if w is None else lay_out(w, sp) for w, sp in zip(leaves, specs)])
 
@@ -240,6 +259,7 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
     if a == 1:
         loss, grads, gc = grad_fn(trained, copies_f, jax.tree.map(lambda x: x[0], batch))
     else:
+
         def micro(acc, x):
             l, g, gc = grad_fn(trained, copies_f, x)
             acc_g, acc_c = acc
@@ -252,13 +272,15 @@ def accumulate(loss_fn, trained, batch, *, stack: str, mesh, strategy, stages: i
         grads = jax.tree.map(lambda g: g / a, grads)
         gc = None if gc is None else jax.tree.map(lambda g: g / a, gc)
     if gc is not None:
+
         def reduce(g, w, sp):
             rest = None if repeats is None or sp is None else tuple(sp)[1:]
             return _sum_copies(g, stages, n, dtype, repeats, mesh, rest).reshape(w.shape).astype(w.dtype)
 
         gl = jax.tree.leaves(gc, is_leaf=lambda x: x is None)
-        stack_grads = treedef.unflatten([None if w is None else reduce(g, w, sp)
-                                         for g, w, sp in zip(gl, leaves, specs)])
+        stack_grads = treedef.unflatten(
+            [None if w is None else reduce(g, w, sp) for g, w, sp in zip(gl, leaves, specs)]
+        )
         grads = {**grads, stack: stack_grads}
     return loss, grads
 
@@ -282,22 +304,37 @@ def per_replica_loss(loss_fn, *, mesh, strategy):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))))
 
     def run(h, w, labels, mask=None):
-        copies = _replicas(w[None], 1, n, NamedSharding(mesh, _copy_spec(axes, w.ndim + 1, None)),
-                           dtype)[:, 0]  # [n, ...]: one copy per replica
+        copies = _replicas(w[None], 1, n, NamedSharding(mesh, _copy_spec(axes, w.ndim + 1, None)), dtype)[
+            :, 0
+        ]  # [n, ...]: one copy per replica
 
         def one(h, w, labels, mask):
             with rules.use_rules(mesh, inner):
                 return loss_fn(h, w, labels, mask=mask)
 
-        got = jax.vmap(one, spmd_axis_name=axes)(split(h), copies.astype(w.dtype), split(labels),
-                                                None if mask is None else split(mask))
+        got = jax.vmap(one, spmd_axis_name=axes)(
+            split(h), copies.astype(w.dtype), split(labels), None if mask is None else split(mask)
+        )
         return got.mean() if mask is None else got.sum()
 
     return run
 
 
-def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, mesh, strategy,
-        schedule: str = "gpipe", repeats: int = 1, unroll: bool = False, rows=None, remat: bool = False) -> jax.Array:
+def run(
+    stage_fn,
+    layer_state,
+    x: jax.Array,
+    *,
+    stages: int,
+    microbatches: int,
+    mesh,
+    strategy,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    unroll: bool = False,
+    rows=None,
+    remat: bool = False,
+) -> jax.Array:
     """Run `stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro` over the stages for every
     micro-batch, on `mesh` under `strategy` (bound when the model was built: parallel/placement.py),
     as the `schedule` (gpipe | circular with `repeats` chunks per stage) orders it.
@@ -317,6 +354,7 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
         def stage_fn(stage_state, x_micro, v, *extra):  # noqa: F811 - the chunk v of the stage's V
             chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), stage_state)
             return inner_fn(chunk, x_micro, *extra)
+
     if remat:  # remat.pipeline=stage: the tick loop keeps the stage's input; the stage (with its chunk
         # selection, so no chunk of weights is kept per tick) is recomputed in the backward
         stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
@@ -325,12 +363,12 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
     given = _GIVEN.get()
     if not axes:
         staged = jax.tree.map(lambda a: stage_layout(a, stages, repeats), layer_state)
-        return schedule_fn(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll,
-                           rows)
+        return schedule_fn(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll, rows)
     n = math.prod(mesh.shape[a] for a in axes)
     inner = without_axis(strategy, *axes)
     spmd = ("pipeline",) + axes
     dtype = jnp.dtype(strategy.grad_reduce_dtype)
+
     def replicas(a):
         return _replicas(a, stages, n, NamedSharding(mesh, _copy_spec(spmd, a.ndim, repeats)), dtype, repeats)
 
@@ -338,8 +376,8 @@ def run(stage_fn, layer_state, x: jax.Array, *, stages: int, microbatches: int, 
         leaves, treedef = jax.tree.flatten(layer_state)
         copies = jax.tree.leaves(given, is_leaf=lambda x: x is None)
         assert len(copies) == len(leaves) and all(
-            c is None or c.shape[0] == stages * n and c.size == n * a.size for c, a in zip(copies, leaves)), \
-            "the train step's stage copies do not match the layer stack"
+            c is None or c.shape[0] == stages * n and c.size == n * a.size for c, a in zip(copies, leaves)
+        ), "the train step's stage copies do not match the layer stack"
         # integer leaves (no gradient) are laid out here
         staged = treedef.unflatten([replicas(a) if c is None else c for c, a in zip(copies, leaves)])
     else:
@@ -396,10 +434,12 @@ def _gpipe(run_stages, staged, x, stages, microbatches, unroll, rows=None):
 
     inputs = jnp.zeros((stages,) + micro.shape[1:], x.dtype)
     outputs = jnp.zeros((stages,) + micro.shape, x.dtype)  # [S, M, b, ...]
-    row_inputs = None if rows is None else jax.tree.map(lambda m: jnp.zeros((stages,) + m.shape[1:], m.dtype),
-                                                        micro_rows)
-    (_, outputs, _), _ = jax.lax.scan(tick, (inputs, outputs, row_inputs), jnp.arange(microbatches + stages - 1),
-                                      unroll=unroll)
+    row_inputs = (
+        None if rows is None else jax.tree.map(lambda m: jnp.zeros((stages,) + m.shape[1:], m.dtype), micro_rows)
+    )
+    (_, outputs, _), _ = jax.lax.scan(
+        tick, (inputs, outputs, row_inputs), jnp.arange(microbatches + stages - 1), unroll=unroll
+    )
     # One hand-over of the finished micro-batches from the last stage, instead of one per tick.
     outputs = outputs[stages - 1]
     return from_microbatches(outputs)
@@ -438,8 +478,7 @@ def _circular(run_stages, staged, x, stages, microbatches, unroll, rows=None, *,
 
     inputs = jnp.zeros((stages,) + micro.shape[1:], x.dtype)
     loop = jnp.zeros((stages,) + micro.shape, x.dtype)  # [S, M, b, ...]
-    (_, loop), _ = jax.lax.scan(tick, (inputs, loop), jnp.arange(ticks(stages, microbatches, repeats)),
-                                unroll=unroll)
+    (_, loop), _ = jax.lax.scan(tick, (inputs, loop), jnp.arange(ticks(stages, microbatches, repeats)), unroll=unroll)
     return from_microbatches(loop[0])
 
 
@@ -499,8 +538,15 @@ def ring_slots(stages: int, repeats: int = 1, reread_first: bool = True) -> int:
     """Slots of a stage's ring of forward items (indexed by item mod slots): one more than the longest
     lifetime of a kept item, so an item's slot is rewritten only after its backward. `reread_first`:
     stage 0's first chunk is read from the pass's input again, not kept."""
-    return 1 + max([lifetime(stages, repeats, s, v) for s in range(stages) for v in range(repeats)
-                    if not (reread_first and s == 0 and v == 0)] + [0])
+    return 1 + max(
+        [
+            lifetime(stages, repeats, s, v)
+            for s in range(stages)
+            for v in range(repeats)
+            if not (reread_first and s == 0 and v == 0)
+        ]
+        + [0]
+    )
 
 
 def _decode(item, stages: int, repeats: int, backward: bool = False):
@@ -523,12 +569,35 @@ def _index(tree, i):
 
 
 def _add_at(tree, value, i):
-    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(
-        a, jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + v.astype(a.dtype), i, 0), tree, value)
+    return jax.tree.map(
+        lambda a, v: jax.lax.dynamic_update_index_in_dim(
+            a, jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + v.astype(a.dtype), i, 0
+        ),
+        tree,
+        value,
+    )
 
 
-def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stages, microbatches, repeats, manual,
-               inner, scale, reduce_dtype, backward, remat, unroll):
+def _f1b_local(
+    staged,
+    head_params,
+    x,
+    rows,
+    targets,
+    *,
+    stage_fn,
+    head_fn,
+    stages,
+    microbatches,
+    repeats,
+    manual,
+    inner,
+    scale,
+    reduce_dtype,
+    backward,
+    remat,
+    unroll,
+):
     """One stage's program (inside the `shard_map`): the loss of its pass (and with `backward`, the
     gradients of its stage weights [1, V, ...], of `head_params` and of x). staged: this stage's
     weights [1, V, L/(S V), ...]; x [rows, ...] this replica's rows of the pass's input; rows and
@@ -558,8 +627,13 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
             keep = _Inputs(run, act) if remat else _Residuals(run, weights, act, _index(micro_rows, 0))
             slots = ring_slots(S, V, reread_first=remat)
             f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
-            carry.update(bwd=act, ring=[jnp.zeros((slots,) + a.shape, a.dtype) for a in keep.avals],
-                         grad_w=f32(weights), grad_h=f32(head_params), dx=jnp.zeros(micro.shape, micro.dtype))
+            carry.update(
+                bwd=act,
+                ring=[jnp.zeros((slots,) + a.shape, a.dtype) for a in keep.avals],
+                grad_w=f32(weights),
+                grad_h=f32(head_params),
+                dx=jnp.zeros(micro.shape, micro.dtype),
+            )
 
         def head(hp, h, tgt):
             labels, mask = tgt
@@ -584,9 +658,12 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
             last = (s == S - 1) & (v_f == V - 1)
 
             if not backward:
+
                 def forward(_):
                     y = run(_index(weights, v_f), inp, rows_f)
-                    return y, jax.lax.cond(last, lambda: head(head_params, y, tgt_f), lambda: jnp.zeros((), jnp.float32))
+                    return y, jax.lax.cond(
+                        last, lambda: head(head_params, y, tgt_f), lambda: jnp.zeros((), jnp.float32)
+                    )
 
                 y, loss = jax.lax.cond(f_ok, forward, lambda _: (act, jnp.zeros((), jnp.float32)), None)
                 c["loss"] = c["loss"] + loss
@@ -605,9 +682,11 @@ def _f1b_local(staged, head_params, x, rows, targets, *, stage_fn, head_fn, stag
                 return (y, kept) + jax.lax.cond(last, at_head, lambda y, acc: (no_loss, acc, act), y, acc)
 
             y, kept, loss, c["grad_h"], g_y = jax.lax.cond(
-                f_ok, forward, lambda acc: (act, zeros(keep.avals), no_loss, acc, act), c["grad_h"])
-            c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, a, jnp.mod(k, slots), 0)
-                         for r, a in zip(c["ring"], kept)]
+                f_ok, forward, lambda acc: (act, zeros(keep.avals), no_loss, acc, act), c["grad_h"]
+            )
+            c["ring"] = [
+                jax.lax.dynamic_update_index_in_dim(r, a, jnp.mod(k, slots), 0) for r, a in zip(c["ring"], kept)
+            ]
             c["loss"] = c["loss"] + loss
 
             j = t - D + s
@@ -674,8 +753,12 @@ class _Residuals:
         self.run = run
         w0 = _index(weights, 0)
         leaves = jax.tree.leaves(jax.vjp(lambda w, x: run(w, x, r), w0, h)[1])
-        self.per_item = _item_dependent(lambda w, x, r: jax.tree.leaves(jax.vjp(
-            lambda w, x: run(w, x, r), w, x)[1]), (w0, h, r), len(jax.tree.leaves(w0)), len(leaves))
+        self.per_item = _item_dependent(
+            lambda w, x, r: jax.tree.leaves(jax.vjp(lambda w, x: run(w, x, r), w, x)[1]),
+            (w0, h, r),
+            len(jax.tree.leaves(w0)),
+            len(leaves),
+        )
         self.avals = [a for a, k in zip(leaves, self.per_item) if k]
 
     def forward(self, w, h, r):
@@ -693,6 +776,7 @@ def _item_dependent(residuals, args, n_known: int, n_out: int) -> list[bool]:
     """Which outputs of `residuals(*args)` depend on the arguments after the first `n_known` leaves."""
     try:
         from jax._src.interpreters import partial_eval as pe
+
         closed = jax.make_jaxpr(residuals)(*args)
         n_in = len(closed.in_avals)
         _, _, unknown, _ = pe.partial_eval_jaxpr_nounits(closed, [i >= n_known for i in range(n_in)], False)
@@ -702,8 +786,23 @@ def _item_dependent(residuals, args, n_known: int, n_out: int) -> list[bool]:
         return [True] * n_out
 
 
-def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *, stages: int, microbatches: int,
-               mesh, strategy, repeats: int = 1, remat: bool = False, unroll: bool = False) -> jax.Array:
+def fused_loss(
+    stage_fn,
+    head_fn,
+    layer_state,
+    head_params,
+    x,
+    rows,
+    targets,
+    *,
+    stages: int,
+    microbatches: int,
+    mesh,
+    strategy,
+    repeats: int = 1,
+    remat: bool = False,
+    unroll: bool = False,
+) -> jax.Array:
     """The 1F1B pass: the loss of `head_fn(head_params, h, labels, mask)` on the layer stack's output h,
     summed over the micro-batches and batch replicas (a masked sum) or averaged (mask None: means).
 
@@ -722,6 +821,7 @@ def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *,
     reduce_dtype = jnp.dtype(strategy.grad_reduce_dtype)
     given = _GIVEN.get()
     if axes:
+
         def replicas(a):
             return _replicas(a, stages, n, NamedSharding(mesh, _copy_spec(manual, a.ndim, V)), reduce_dtype, V)
 
@@ -738,17 +838,33 @@ def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *,
     staged = jax.tree.map(lambda a: a if V is not None else a[:, None], staged)
     mask = targets[1]
     scale = 1.0 if mask is not None else 1.0 / (microbatches * n)
-    local = functools.partial(_f1b_local, stage_fn=stage_fn, head_fn=head_fn, stages=stages,
-                              microbatches=microbatches, repeats=repeats, manual=manual,
-                              inner=(mesh, without_axis(strategy, *axes)), scale=scale, reduce_dtype=reduce_dtype,
-                              remat=remat, unroll=unroll)
+    local = functools.partial(
+        _f1b_local,
+        stage_fn=stage_fn,
+        head_fn=head_fn,
+        stages=stages,
+        microbatches=microbatches,
+        repeats=repeats,
+        manual=manual,
+        inner=(mesh, without_axis(strategy, *axes)),
+        scale=scale,
+        reduce_dtype=reduce_dtype,
+        remat=remat,
+        unroll=unroll,
+    )
     rows_spec = P(axes) if axes else P()
     in_specs = (P(manual), P(), rows_spec, rows_spec, rows_spec)
 
     def program(backward):
         out = (P(), P(manual), P(manual), P(manual)) if backward else P()
-        return jax.shard_map(functools.partial(local, backward=backward), mesh=mesh, in_specs=in_specs,
-                             out_specs=out, axis_names=set(manual), check_vma=False)
+        return jax.shard_map(
+            functools.partial(local, backward=backward),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out,
+            axis_names=set(manual),
+            check_vma=False,
+        )
 
     @jax.custom_vjp
     def loss(staged, head_params, x, rows, targets):
@@ -765,8 +881,13 @@ def fused_loss(stage_fn, head_fn, layer_state, head_params, x, rows, targets, *,
     def loss_bwd(res, ct):
         grad_w, grad_h, dx, rows, targets = res
         times = lambda g: (g * ct).astype(g.dtype)  # noqa: E731
-        return (jax.tree.map(times, grad_w), jax.tree.map(times, grad_h), times(dx),
-                jax.tree.map(lambda _: None, rows), jax.tree.map(lambda _: None, targets))
+        return (
+            jax.tree.map(times, grad_w),
+            jax.tree.map(times, grad_h),
+            times(dx),
+            jax.tree.map(lambda _: None, rows),
+            jax.tree.map(lambda _: None, targets),
+        )
 
     loss.defvjp(loss_fwd, loss_bwd)
     return loss(staged, head_params, x, rows, targets)

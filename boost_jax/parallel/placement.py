@@ -21,6 +21,7 @@ definition must be. Activation layouts inside them are still looked up in the ru
 tracing (`rules.constrain`, `rules.logical_spec`): the step builder sets those, and the data and
 pipeline islands narrow them for their replicas.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.rules import Strategy
@@ -46,6 +48,7 @@ class Norm:
 class PerShardNorm:
     """A Pallas/Triton norm call (not partitioned by GSPMD) run on each shard's rows. Rows split
     along d (BTP without online norm) need whole rows: those run the XLA kernel instead."""
+
     mesh: Mesh
 
     def __call__(self, rows, x, scale, names):
@@ -54,14 +57,19 @@ class PerShardNorm:
             return rows(x, scale)
         if len(spec) == x.ndim and spec[-1] is not None:
             return rows(x, scale, "xla")
-        return jax.shard_map(lambda v, w: rows(v, w), mesh=rules.traced_mesh(self.mesh), in_specs=(spec, P()),
-                             out_specs=spec,
-                             check_vma=False)(x, scale)  # a pallas_call has no vma types
+        return jax.shard_map(
+            lambda v, w: rows(v, w),
+            mesh=rules.traced_mesh(self.mesh),
+            in_specs=(spec, P()),
+            out_specs=spec,
+            check_vma=False,
+        )(x, scale)  # a pallas_call has no vma types
 
 
 @dataclasses.dataclass(frozen=True)
 class Grouped:
     """The model's own grouped GEMMs (boost_jax/model/linear.py `project`), nothing replaced."""
+
     fuses_norm = False  # the group's norm is fused with its first stage (`norm_first_stage`)
     replaces_projection = False  # `project` computes each projection's output
 
@@ -72,25 +80,30 @@ GROUPED = Grouped()
 @dataclasses.dataclass(frozen=True)
 class OnlineNorm(Grouped):
     """BTP's online RMSNorm: the norm's statistics travel in the A partial products' all-reduce."""
+
     mesh: Mesh
     reduce_dtype: str  # parallel.grad_reduce_dtype: A's gradient is summed over the batch in it
     fuses_norm = True
 
     def norm_first_stage(self, x, scale, a_stack, *, eps, impl):
         from boost_jax.parallel.online_norm import online_norm_matmul
-        return online_norm_matmul(x, scale, a_stack, eps=eps, mesh=rules.traced_mesh(self.mesh), impl=impl,
-                                  reduce_dtype=self.reduce_dtype)
+
+        return online_norm_matmul(
+            x, scale, a_stack, eps=eps, mesh=rules.traced_mesh(self.mesh), impl=impl, reduce_dtype=self.reduce_dtype
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class SpatialTemporal(Grouped):
     """PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid for every projection of the group."""
+
     mesh: Mesh
     strategy: Strategy
     replaces_projection = True
 
     def project(self, proj, x):
         from boost_jax.parallel.spatial_temporal import project_sharded
+
         return project_sharded(proj, x, self.mesh, self.strategy)
 
 
@@ -99,6 +112,7 @@ class Pipeline:
     """The layer stack as a pipeline schedule over the `pipeline` axis (boost_jax/parallel/pipeline.py):
     gpipe, circular with `repeats` layer chunks per stage, or 1f1b (interleaved with repeats > 1).
     `stack`: the key of the stacked layers' parameters in the model's parameter tree."""
+
     mesh: Mesh
     strategy: Strategy
     stages: int
@@ -112,18 +126,43 @@ class Pipeline:
         weights' gradient reduced over data x fsdp once per step (parallel/pipeline.py `accumulate`).
         `param_specs`: the parameters' PartitionSpecs (the circular reorder keeps the stack's)."""
         from boost_jax.parallel import pipeline
-        return pipeline.accumulate(loss_fn, trained, batch, stack=self.stack, mesh=self.mesh, strategy=self.strategy,
-                                   stages=self.stages, schedule=self.schedule, repeats=self.repeats,
-                                   specs=None if param_specs is None else param_specs[self.stack])
+
+        return pipeline.accumulate(
+            loss_fn,
+            trained,
+            batch,
+            stack=self.stack,
+            mesh=self.mesh,
+            strategy=self.strategy,
+            stages=self.stages,
+            schedule=self.schedule,
+            repeats=self.repeats,
+            specs=None if param_specs is None else param_specs[self.stack],
+        )
 
     @property
     def fused(self) -> bool:
         """1F1B: the head and loss run inside the schedule, at the last stage (`train_loss`)."""
         from boost_jax.parallel import pipeline
+
         return self.schedule == pipeline.ONE_F_ONE_B
 
-    def train_loss(self, layer, layer_state, x, positions=None, *, docs=None, unroll: bool = False,
-                   remat_stage: bool = False, final, loss, head_params, labels, mask=None):
+    def train_loss(
+        self,
+        layer,
+        layer_state,
+        x,
+        positions=None,
+        *,
+        docs=None,
+        unroll: bool = False,
+        remat_stage: bool = False,
+        final,
+        loss,
+        head_params,
+        labels,
+        mask=None,
+    ):
         """The pipelined model's loss: `loss(final(norm_state, h), head_weight, labels, mask=mask)` of the
         stack's output h, `head_params() -> (norm_state, head_weight)` (called where the head's weight
         is first needed: after the stack under GPipe and circular). GPipe and circular run the stack
@@ -131,20 +170,35 @@ class Pipeline:
         batch replica (parallel/pipeline.py `per_replica_loss`); 1F1B runs the final norm, head and loss
         per micro-batch at the last stage inside its schedule (`pipeline.fused_loss`)."""
         from boost_jax.parallel import pipeline
+
         if not self.fused:
             h = self(layer, layer_state, x, positions, unroll=unroll, docs=docs, remat_stage=remat_stage)
             norm_state, head_weight = head_params()
-            run = pipeline.per_replica_loss(functools.partial(loss, row_groups=self.microbatches), mesh=self.mesh,
-                                            strategy=self.strategy)
+            run = pipeline.per_replica_loss(
+                functools.partial(loss, row_groups=self.microbatches), mesh=self.mesh, strategy=self.strategy
+            )
             return run(final(norm_state, h), head_weight, labels, mask=mask)
         stage, rows = self._stage(layer, x, positions, docs, unroll)
 
         def head(params, h, labels, mask):
             return loss(final(params[0], h), params[1], labels, mask=mask)
 
-        return pipeline.fused_loss(stage, head, layer_state, head_params(), x, rows, (labels, mask),
-                                   stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
-                                   strategy=self.strategy, repeats=self.repeats, remat=remat_stage, unroll=unroll)
+        return pipeline.fused_loss(
+            stage,
+            head,
+            layer_state,
+            head_params(),
+            x,
+            rows,
+            (labels, mask),
+            stages=self.stages,
+            microbatches=self.microbatches,
+            mesh=self.mesh,
+            strategy=self.strategy,
+            repeats=self.repeats,
+            remat=remat_stage,
+            unroll=unroll,
+        )
 
     def _stage(self, layer, x, positions, docs, unroll):
         """(stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro running the stage's layers in order,
@@ -159,8 +213,12 @@ class Pipeline:
                 if micro_pos is None:
                     micro_pos = jnp.broadcast_to(jnp.arange(x_micro.shape[1])[None], x_micro.shape[:2])
                 micro_docs = type(docs).from_rows(rows_micro["docs"])
-                return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos, micro_docs)[0], None), x_micro,
-                                    stage_state, unroll=unroll)[0]
+                return jax.lax.scan(
+                    lambda h, s: (layer(h, s, None, micro_pos, micro_docs)[0], None),
+                    x_micro,
+                    stage_state,
+                    unroll=unroll,
+                )[0]
 
             return stage_docs, rows
         # Training positions are the same for every row. A fresh iota of the micro-batch's shape (the
@@ -170,25 +228,36 @@ class Pipeline:
 
         def stage(stage_state, x_micro):
             micro_pos = jnp.broadcast_to(pos_row, x_micro.shape[:2])
-            return jax.lax.scan(lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state,
-                                unroll=unroll)[0]
+            return jax.lax.scan(
+                lambda h, s: (layer(h, s, None, micro_pos)[0], None), x_micro, stage_state, unroll=unroll
+            )[0]
 
         return stage, None
 
-    def __call__(self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None,
-                 remat_stage: bool = False):
+    def __call__(
+        self, layer, layer_state, x, positions=None, *, unroll: bool = False, docs=None, remat_stage: bool = False
+    ):
         """`layer(h, state, cache, positions) -> (h, cache)` over the stacked `layer_state` [L, ...].
         remat_stage (`remat.pipeline=stage`): each stage is one jax.checkpoint, so the tick loop keeps
         only the stage's input per micro-batch and recomputes the stage in the backward (the layer remat
         policy, applied inside `layer`, decides what that recompute keeps). 1F1B's hidden states alone
         (no loss: logits, evaluation by logits) run the same layers as gpipe (V = 1) or circular."""
         from boost_jax.parallel import pipeline
+
         schedule = self.schedule
         if self.fused:
             schedule = "circular" if self.repeats > 1 else "gpipe"
-        run = functools.partial(pipeline.run, stages=self.stages, microbatches=self.microbatches, mesh=self.mesh,
-                                strategy=self.strategy, schedule=schedule, repeats=self.repeats, unroll=unroll,
-                                remat=remat_stage)
+        run = functools.partial(
+            pipeline.run,
+            stages=self.stages,
+            microbatches=self.microbatches,
+            mesh=self.mesh,
+            strategy=self.strategy,
+            schedule=schedule,
+            repeats=self.repeats,
+            unroll=unroll,
+            remat=remat_stage,
+        )
         stage, rows = self._stage(layer, x, positions, docs, unroll)
         if rows is not None:
             return run(stage, layer_state, x, rows=rows)
@@ -198,6 +267,7 @@ class Pipeline:
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """A strategy bound to a mesh; `LOCAL` (no mesh) is one device with nothing partitioned."""
+
     mesh: Mesh | None = None
     strategy: Strategy | None = None
 
@@ -217,13 +287,15 @@ class Placement:
         if self.mesh is None or self.mesh.shape.get("pipeline", 1) == 1:
             return None
         s = self.strategy
-        return Pipeline(self.mesh, s, self.mesh.shape["pipeline"], s.microbatches, s.pipeline_schedule,
-                        s.pipeline_repeats, stack)
+        return Pipeline(
+            self.mesh, s, self.mesh.shape["pipeline"], s.microbatches, s.pipeline_schedule, s.pipeline_repeats, stack
+        )
 
     def context(self):
         if self.mesh is None or self.mesh.shape.get("context", 1) == 1:
             return None
         from boost_jax.parallel.context import Context
+
         return Context(self.mesh, self.strategy)
 
     def require_rules(self) -> None:
@@ -236,7 +308,8 @@ class Placement:
             raise RuntimeError(
                 f"this model was built for a {dict(self.mesh.shape)} mesh under strategy {self.strategy.name!r} but "
                 "is traced outside its rules: call it through the steps boost_jax.runtime.build makes, or inside "
-                "`with boost_jax.parallel.rules.use_rules(mesh, strategy)`")
+                "`with boost_jax.parallel.rules.use_rules(mesh, strategy)`"
+            )
 
 
 LOCAL = Placement()

@@ -6,6 +6,7 @@ they produce (`act_batch`, `act_embed`, ...). `use_rules(mesh, strategy)` makes 
 parameter's names into a PartitionSpec. With no strategy active both are no-ops, so single-device
 code pays nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,8 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # (logical name, mesh axis | tuple of axes | None). A name may appear several times: first fit wins,
 # so a later row is a fallback used when the earlier axes are taken by another dim of the same array,
@@ -127,8 +129,13 @@ def per_shard(fn, args: Sequence[jax.Array], names: Sequence[Sequence[str | None
     mesh, strategy = ctx
     specs = tuple(spec_for(n, a.shape, mesh, strategy.rules) for n, a in zip(names, args))
     out = jax.eval_shape(fn, *args)
-    return jax.shard_map(fn, mesh=traced_mesh(mesh), in_specs=specs, check_vma=False,
-                         out_specs=spec_for(out_names, out.shape, mesh, strategy.rules))(*args)
+    return jax.shard_map(
+        fn,
+        mesh=traced_mesh(mesh),
+        in_specs=specs,
+        check_vma=False,
+        out_specs=spec_for(out_names, out.shape, mesh, strategy.rules),
+    )(*args)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -137,8 +144,9 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if ctx is None:
         return x
     mesh, strategy = ctx
-    return jax.lax.with_sharding_constraint(x, NamedSharding(traced_mesh(mesh),
-                                                             spec_for(names, x.shape, mesh, strategy.rules)))
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(traced_mesh(mesh), spec_for(names, x.shape, mesh, strategy.rules))
+    )
 
 
 def gathered(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
@@ -204,8 +212,11 @@ def _batch_is_split(mesh: Mesh, strategy: Strategy) -> bool:
     costs something under `dots`/`lowrank` remat: the backward recomputes the rule's forward GEMM
     for its residuals besides the output itself (an extra second-stage GEMM per projection)."""
     # The tokens are split over the batch axes and, under context parallelism, the sequence axis.
-    axes = {a for row in ("act_batch", "act_seq")
-            for a in next((_as_tuple(a) for name, a in strategy.rules if name == row), ())}
+    axes = {
+        a
+        for row in ("act_batch", "act_seq")
+        for a in next((_as_tuple(a) for name, a in strategy.rules if name == row), ())
+    }
     return math.prod(mesh.shape.get(a, 1) for a in axes) > 1
 
 

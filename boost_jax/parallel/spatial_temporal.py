@@ -56,6 +56,7 @@ the layouts a rule table gives it over the two grid axes (either dim on either a
 into the skewed-W layout with at most one collective-permute (plus local slices of replicated
 dims); its transpose brings dW back the same way.
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,6 +72,7 @@ AxisNames = str | tuple[str, ...] | None
 
 
 # ---------------------------------------------------------------- global block permutations
+
 
 def _permute_blocks(x: jax.Array, n: int, src_row, src_col) -> jax.Array:
     """out<r, c> = x<src_row(r, c), src_col(r, c)> over the last two dims cut into n x n blocks."""
@@ -107,6 +109,7 @@ def unskew_weight(ws: jax.Array, n: int) -> jax.Array:
 
 # ---------------------------------------------------------------- shard_map plumbing
 
+
 def _grid(mesh: Mesh, row_axis: str, col_axis: str) -> int:
     n = mesh.shape[row_axis]
     if mesh.shape[col_axis] != n:
@@ -137,8 +140,9 @@ def _shift(x: jax.Array, axes: tuple[str, str], n: int, dr: int, dc: int) -> jax
     if dc == 0:
         return jax.lax.ppermute(x, axes[0], [((r + dr) % n, r) for r in range(n)])
     # Over the axis tuple, device (r, c) has linear index r * n + c.
-    return jax.lax.ppermute(x, axes, [(((r + dr) % n) * n + (c + dc) % n, r * n + c)
-                                      for r in range(n) for c in range(n)])
+    return jax.lax.ppermute(
+        x, axes, [(((r + dr) % n) * n + (c + dc) % n, r * n + c) for r in range(n) for c in range(n)]
+    )
 
 
 def _acc_dtype(*xs: jax.Array):
@@ -181,10 +185,15 @@ def _build(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim
     n = _grid(mesh, row_axis, col_axis)
     axes = (row_axis, col_axis)
     x_spec, w_spec = _x_spec(ndim, row_axis, col_axis, batch_axes, row_dim), P(row_axis, col_axis)
-    fwd_sm = jax.shard_map(functools.partial(_fwd_local, axes=axes, n=n), mesh=mesh,
-                           in_specs=(x_spec, w_spec), out_specs=x_spec)
-    bwd_sm = jax.shard_map(functools.partial(_bwd_local, axes=axes, n=n, batch_axes=batch_axes),
-                           mesh=mesh, in_specs=(x_spec, w_spec, x_spec), out_specs=(x_spec, w_spec))
+    fwd_sm = jax.shard_map(
+        functools.partial(_fwd_local, axes=axes, n=n), mesh=mesh, in_specs=(x_spec, w_spec), out_specs=x_spec
+    )
+    bwd_sm = jax.shard_map(
+        functools.partial(_bwd_local, axes=axes, n=n, batch_axes=batch_axes),
+        mesh=mesh,
+        in_specs=(x_spec, w_spec, x_spec),
+        out_specs=(x_spec, w_spec),
+    )
 
     @jax.custom_vjp
     def f(i, w):
@@ -208,8 +217,16 @@ def _norm_batch(batch_axes: str | Sequence[str] | None) -> AxisNames:
     return tuple(batch_axes) or None
 
 
-def st_matmul(i_skewed: jax.Array, w_skewed: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
-              batch_axes: str | Sequence[str] | None = None, row_dim: int = -2) -> jax.Array:
+def st_matmul(
+    i_skewed: jax.Array,
+    w_skewed: jax.Array,
+    *,
+    mesh: Mesh,
+    row_axis: str,
+    col_axis: str,
+    batch_axes: str | Sequence[str] | None = None,
+    row_dim: int = -2,
+) -> jax.Array:
     """O = I @ W on the (row_axis x col_axis) grid; I and W in skewed layout, O in plain layout.
 
     Differentiable: dI comes back in the skewed-I layout and dW in the skewed-W layout.
@@ -223,8 +240,7 @@ def st_matmul(i_skewed: jax.Array, w_skewed: jax.Array, *, mesh: Mesh, row_axis:
 
 
 @functools.cache
-def _build_skew(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int, sign: int,
-                row_dim: int):
+def _build_skew(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames, ndim: int, sign: int, row_dim: int):
     n = _grid(mesh, row_axis, col_axis)
     spec = _x_spec(ndim, row_axis, col_axis, batch_axes, row_dim)
 
@@ -236,26 +252,42 @@ def _build_skew(mesh: Mesh, row_axis: str, col_axis: str, batch_axes: AxisNames,
     return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)
 
 
-def skew_sharded(x: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
-                 batch_axes: str | Sequence[str] | None = None, row_dim: int = -2) -> jax.Array:
+def skew_sharded(
+    x: jax.Array,
+    *,
+    mesh: Mesh,
+    row_axis: str,
+    col_axis: str,
+    batch_axes: str | Sequence[str] | None = None,
+    row_dim: int = -2,
+) -> jax.Array:
     """skew_input(x, n) for a plain block-sharded activation, as one collective-permute
     (row r's blocks rotate by r within the row). Differentiable (its transpose is unskew)."""
     return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, 1, row_dim)(x)
 
 
-def unskew_sharded(x: jax.Array, *, mesh: Mesh, row_axis: str, col_axis: str,
-                   batch_axes: str | Sequence[str] | None = None, row_dim: int = -2) -> jax.Array:
+def unskew_sharded(
+    x: jax.Array,
+    *,
+    mesh: Mesh,
+    row_axis: str,
+    col_axis: str,
+    batch_axes: str | Sequence[str] | None = None,
+    row_dim: int = -2,
+) -> jax.Array:
     """unskew_input(x, n) for a skewed block-sharded activation, as one collective-permute."""
     return _build_skew(mesh, row_axis, col_axis, _norm_batch(batch_axes), x.ndim, -1, row_dim)(x)
 
 
 # ---------------------------------------------------------------- weights from their stored layout
 
+
 def _weight_route(n: int, dims: tuple, row_axis: str, col_axis: str):
     """For a weight whose dims (N, K) lie on `dims` (each row_axis, col_axis or None = whole),
     the device (f, t) that sends skewed block (r, c) = W<r + c, c>, for every (r, c); f, t being
     indices on (row_axis, col_axis). A pinned dim fixes f or t; a free one is chosen so that every
     device sends exactly one block (a permutation)."""
+
     def route(r, c, free_f, free_t):
         src = {row_axis: free_f, col_axis: free_t}
         for axis, block in zip(dims, ((r + c) % n, c)):
@@ -296,14 +328,18 @@ def _build_weight_skew(mesh: Mesh, row_axis: str, col_axis: str, dims: tuple):
     return jax.shard_map(local, mesh=mesh, in_specs=P(*dims), out_specs=P(row_axis, col_axis))
 
 
-def skew_weight_sharded(w: jax.Array, dims: Sequence[str | None], *, mesh: Mesh, row_axis: str,
-                        col_axis: str) -> jax.Array:
+def skew_weight_sharded(
+    w: jax.Array, dims: Sequence[str | None], *, mesh: Mesh, row_axis: str, col_axis: str
+) -> jax.Array:
     """skew_weight(w, n) for a weight [N, K] block-sharded as P(*dims), each dim on row_axis,
     col_axis or None (whole on every grid device): at most one collective-permute, after local
     slices of the whole dims. Differentiable: the transpose routes dW back to P(*dims)."""
     dims = tuple(dims) + (None,) * (2 - len(dims))
-    if w.ndim != 2 or any(a not in (row_axis, col_axis, None) for a in dims) or (
-            dims[0] is not None and dims[0] == dims[1]):
+    if (
+        w.ndim != 2
+        or any(a not in (row_axis, col_axis, None) for a in dims)
+        or (dims[0] is not None and dims[0] == dims[1])
+    ):
         raise ValueError(f"weight {w.shape} sharded {dims}: need 2 dims on distinct axes of {row_axis, col_axis}")
     n = _grid(mesh, row_axis, col_axis)
     if w.shape[0] % n or w.shape[1] % n:
@@ -312,6 +348,7 @@ def skew_weight_sharded(w: jax.Array, dims: Sequence[str | None], *, mesh: Mesh,
 
 
 # ---------------------------------------------------------------- one projection, as the trainer holds it
+
 
 def project_sharded(proj, x: jax.Array, mesh: Mesh, strategy) -> jax.Array:
     """One projection (a linear kind: `first_weight`/`second_weight` taking a `use(w, names)` hook,

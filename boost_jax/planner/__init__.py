@@ -1,5 +1,6 @@
 """Parallelism planner: price partition plans with an α-β / GEMM-efficiency / memory model and search
 the best (mesh, per-group partition choices, remat, micro-batching) for a cluster. CLI: boost_jax.plan."""
+
 from boost_jax.planner.cluster import Cluster, Link, load_cluster
 from boost_jax.planner.search import Layer, Mesh, Options, Plan, Result, plan_for, search
 

@@ -8,6 +8,7 @@ and attention, every mesh, remat policy, gradient accumulation and pipeline sche
 `--config.*` overrides (the ones the CLI prints) are applied to the config after the fields a plan
 decides are reset to their defaults. Nothing here imports jax.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,24 @@ from boost_jax.planner.search import Options, Plan, search
 # (a substring of jax's device_kind, the packaged cluster file for it), first match wins
 DEVICE_CLUSTERS = (("H100", "clusters/h100_8x"), ("A100", "clusters/a100_4x"))
 # the config fields a plan decides: reset to base_config()'s values before its overrides apply
-DECIDES = ("parallel.pipeline", "parallel.microbatches", "parallel.pipeline_schedule", "parallel.pipeline_repeats",
-           "parallel.data", "parallel.fsdp", "parallel.context", "parallel.context_attention", "parallel.context_kv",
-           "parallel.tensor", "parallel.strategy", "parallel.sequence_parallel", "parallel.linear_partition",
-           "remat.policy", "remat.pipeline", "train.grad_accum")
+DECIDES = (
+    "parallel.pipeline",
+    "parallel.microbatches",
+    "parallel.pipeline_schedule",
+    "parallel.pipeline_repeats",
+    "parallel.data",
+    "parallel.fsdp",
+    "parallel.context",
+    "parallel.context_attention",
+    "parallel.context_kv",
+    "parallel.tensor",
+    "parallel.strategy",
+    "parallel.sequence_parallel",
+    "parallel.linear_partition",
+    "remat.policy",
+    "remat.pipeline",
+    "train.grad_accum",
+)
 GB = 1e9
 
 
@@ -39,17 +54,24 @@ class AutoPlan:
     def describe(self) -> str:
         """One line: the pick, its predicted step time and memory, and the search."""
         p, m = self.plan, self.plan.mesh
-        parts = [f"mesh {m} (pipeline x data x fsdp x tensor{' c context' if m.context > 1 else ''})",
-                 f"strategy {p.strategy}" + (" + sequence parallel" if p.sequence_parallel else ""),
-                 f"remat {p.remat}", f"grad_accum {p.grad_accum}"]
+        parts = [
+            f"mesh {m} (pipeline x data x fsdp x tensor{' c context' if m.context > 1 else ''})",
+            f"strategy {p.strategy}" + (" + sequence parallel" if p.sequence_parallel else ""),
+            f"remat {p.remat}",
+            f"grad_accum {p.grad_accum}",
+        ]
         if m.pipeline > 1:
-            parts.append(f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''} M{p.microbatches}"
-                         + (" + stage remat" if p.stage_remat == "stage" else ""))
+            parts.append(
+                f"{p.schedule}{f' V{p.repeats}' if p.schedule == 'circular' else ''} M{p.microbatches}"
+                + (" + stage remat" if p.stage_remat == "stage" else "")
+            )
         if m.context > 1:
             parts.append(f"context {p.context_attention} / {p.context_kv}")
-        return (f"parallel.plan=auto: {', '.join(parts)}; the planner predicts {1e3 * p.step_s:.3g} ms per step and "
-                f"{p.memory['total'] / GB:.3g} GB per GPU on {self.devices} x {self.cluster.name} "
-                f"({self.cluster_file}; the best runnable of {self.considered:,} plans, searched in {self.seconds:.1f} s)")
+        return (
+            f"parallel.plan=auto: {', '.join(parts)}; the planner predicts {1e3 * p.step_s:.3g} ms per step and "
+            f"{p.memory['total'] / GB:.3g} GB per GPU on {self.devices} x {self.cluster.name} "
+            f"({self.cluster_file}; the best runnable of {self.considered:,} plans, searched in {self.seconds:.1f} s)"
+        )
 
 
 def cluster_file(cfg, device_kind: str) -> str:
@@ -60,9 +82,11 @@ def cluster_file(cfg, device_kind: str) -> str:
     for part, name in DEVICE_CLUSTERS:
         if part.lower() in device_kind.lower():
             return name
-    raise ConfigError(f"config field `parallel.cluster`: parallel.plan=auto has no cluster file for device kind "
-                      f"{device_kind!r}; name one, e.g. --config.parallel.cluster=clusters/h100_8x (known kinds: "
-                      f"{', '.join(k for k, _ in DEVICE_CLUSTERS)})")
+    raise ConfigError(
+        f"config field `parallel.cluster`: parallel.plan=auto has no cluster file for device kind "
+        f"{device_kind!r}; name one, e.g. --config.parallel.cluster=clusters/h100_8x (known kinds: "
+        f"{', '.join(k for k, _ in DEVICE_CLUSTERS)})"
+    )
 
 
 def plan_run(cfg, devices: int, device_kind: str) -> tuple[object, AutoPlan]:
@@ -83,12 +107,16 @@ def plan_run(cfg, devices: int, device_kind: str) -> tuple[object, AutoPlan]:
     if res.best_runnable is None:
         if not res.plans and res.smallest is not None:
             s = res.smallest
-            raise ConfigError(f"config field `parallel.plan`: auto: no plan for {cfg.name} at batch {t.global_batch} x "
-                              f"seq {t.seq_len} fits {where}; the smallest needs {s.memory['total'] / GB:.1f} GB "
-                              f"(mesh {s.mesh}, remat {s.remat}): use more devices or lower train.global_batch")
-        raise ConfigError(f"config field `parallel.plan`: auto: no plan the trainer can run for {cfg.name} fits {where}"
-                          + (f" (the best fitting one: {res.plans[0].runnable})" if res.plans else "")
-                          + "; set the mesh yourself with parallel.plan=explicit")
+            raise ConfigError(
+                f"config field `parallel.plan`: auto: no plan for {cfg.name} at batch {t.global_batch} x "
+                f"seq {t.seq_len} fits {where}; the smallest needs {s.memory['total'] / GB:.1f} GB "
+                f"(mesh {s.mesh}, remat {s.remat}): use more devices or lower train.global_batch"
+            )
+        raise ConfigError(
+            f"config field `parallel.plan`: auto: no plan the trainer can run for {cfg.name} fits {where}"
+            + (f" (the best fitting one: {res.plans[0].runnable})" if res.plans else "")
+            + "; set the mesh yourself with parallel.plan=explicit"
+        )
     auto = AutoPlan(res.best_runnable, cluster, path, devices, res.considered, res.seconds)
     return apply(cfg, res.best_runnable.overrides), auto
 
@@ -115,5 +143,5 @@ def apply(cfg, overrides: str):
             with out.ignore_type():
                 node[name] = value == "true"
             continue
-        node[name] = (type(old)(value) if isinstance(old, (int, float, str)) else value)
+        node[name] = type(old)(value) if isinstance(old, (int, float, str)) else value
     return out

@@ -1,4 +1,5 @@
 """A cluster description (configs/clusters/*.py) as a frozen dataclass the cost model reads."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,9 +50,22 @@ class Cluster:
         return stride * size > self.gpus_per_node
 
 
-_FIELDS = ("name", "gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bandwidth", "usable_hbm_fraction",
-           "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency", "gemm_efficiency",
-           "gemm_half_dim", "flash_efficiency", "elementwise_passes")
+_FIELDS = (
+    "name",
+    "gpus_per_node",
+    "peak_flops",
+    "hbm_bytes",
+    "hbm_bandwidth",
+    "usable_hbm_fraction",
+    "intra_bandwidth",
+    "intra_latency",
+    "inter_bandwidth",
+    "inter_latency",
+    "gemm_efficiency",
+    "gemm_half_dim",
+    "flash_efficiency",
+    "elementwise_passes",
+)
 
 
 FRACTIONS = ("usable_hbm_fraction", "gemm_efficiency", "flash_efficiency")  # shares of a whole: at most 1
@@ -85,18 +99,26 @@ def from_dict(c) -> Cluster:
     fitted = dict(c["fitted"].items()) if "fitted" in c and c["fitted"] else {}
     unknown = [f for f in fitted if f not in _FIELDS[1:] + tuple(OPTIONAL)]
     if unknown:
-        raise ValueError(f"--cluster: `fitted` names {unknown}, which are not cluster fields; use some of "
-                         f"{list(_FIELDS[1:] + tuple(OPTIONAL))}")
+        raise ValueError(
+            f"--cluster: `fitted` names {unknown}, which are not cluster fields; use some of "
+            f"{list(_FIELDS[1:] + tuple(OPTIONAL))}"
+        )
     return Cluster(
-        name=str(c["name"]), gpus_per_node=int(c["gpus_per_node"]), peak_flops=float(c["peak_flops"]),
-        hbm_bytes=float(c["hbm_bytes"]), hbm_bandwidth=float(c["hbm_bandwidth"]),
+        name=str(c["name"]),
+        gpus_per_node=int(c["gpus_per_node"]),
+        peak_flops=float(c["peak_flops"]),
+        hbm_bytes=float(c["hbm_bytes"]),
+        hbm_bandwidth=float(c["hbm_bandwidth"]),
         usable_hbm_fraction=float(c["usable_hbm_fraction"]),
         intra=Link(float(c["intra_bandwidth"]), float(c["intra_latency"])),
         inter=Link(float(c["inter_bandwidth"]), float(c["inter_latency"])),
-        gemm_efficiency=float(c["gemm_efficiency"]), gemm_half_dim=float(c["gemm_half_dim"]),
-        flash_efficiency=float(c["flash_efficiency"]), elementwise_passes=float(c["elementwise_passes"]),
+        gemm_efficiency=float(c["gemm_efficiency"]),
+        gemm_half_dim=float(c["gemm_half_dim"]),
+        flash_efficiency=float(c["flash_efficiency"]),
+        elementwise_passes=float(c["elementwise_passes"]),
         **optional,
-        fitted=tuple((str(k), str(v)) for k, v in fitted.items()))
+        fitted=tuple((str(k), str(v)) for k, v in fitted.items()),
+    )
 
 
 def load_cluster(path) -> Cluster:

@@ -20,13 +20,14 @@ Compute: a GEMM (m, k, n) takes 2mkn / (peak · e · s(m) s(k) s(n)), s(x) = x /
 penalty (h = cluster.gemm_half_dim). Backward = 2 GEMMs of the same shape up to transposition, so
 twice the forward. Elementwise work is HBM traffic: elementwise_passes x activation bytes.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
+from boost_jax import xla_gpu_flags
 from boost_jax.planner.cluster import Cluster
 from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_class
-from boost_jax import xla_gpu_flags
 
 # The cost model's constants, one a line: its value, what it prices, where it was set ("§": that section of
 # benchmarks/RESULTS.md). How each came to its value: RESULTS.md "2026-11-28: the planner's constants, their history".
@@ -102,6 +103,7 @@ def remat_policies() -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- communication
 
+
 def link_bytes(kind: str, nbytes: float, p: int) -> float:
     """Bytes one device puts on its links for one collective."""
     if p <= 1:
@@ -143,6 +145,7 @@ def coll_seconds(c: Coll, cluster: Cluster, act_bytes: int) -> float:
 
 # ---------------------------------------------------------------- compute
 
+
 def gemm_efficiency(m: float, k: float, n: float, cluster: Cluster) -> float:
     h = cluster.gemm_half_dim
     s = 1.0
@@ -166,10 +169,10 @@ def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, f
     colls = st.colls()  # [skew I, skew W] + per step (fwd 2, dI 2, dW 2) + [unskew dI, dW back]
     seconds = lambda cs: sum(coll_seconds(c, cluster, act_bytes) for c in cs if c.elements)  # noqa: E731
     skew, unskew = seconds(colls[:2]), seconds(colls[-2:])
-    pairs = [colls[2 + 6 * s: 8 + 6 * s] for s in range(n - 1)]
+    pairs = [colls[2 + 6 * s : 8 + 6 * s] for s in range(n - 1)]
 
     def phase(j: int) -> float:
-        return step + sum(max(step, seconds(p[j:j + 2])) for p in pairs)
+        return step + sum(max(step, seconds(p[j : j + 2])) for p in pairs)
 
     return skew + phase(0), phase(2) + phase(4) + unskew
 
@@ -195,18 +198,19 @@ def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, floa
     if c.fused:  # skips masked blocks; the busiest token block sets the pace
         fwd = 0.5 * flops * a.imbalance / (cluster.peak_flops * cluster.flash_efficiency)
         return fwd, c.backward * fwd
-    gemm = flops / (cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, min(a.keys, c.block or a.keys),
-                                                         cluster))
+    gemm = flops / (
+        cluster.peak_flops * gemm_efficiency(a.queries, a.head_dim, min(a.keys, c.block or a.keys), cluster)
+    )
     traffic = a.queries * a.keys * a.heads / cluster.hbm_bandwidth
     if not c.block:
         return gemm + c.score_bytes[0] * traffic, c.backward * gemm + c.score_bytes[1] * traffic
     blocks = -(-a.keys // c.block)
     visible = (blocks + 1) / (2 * blocks) * a.imbalance  # the diagonal blocks are computed whole
-    return (visible * (gemm + c.score_bytes[0] * traffic),
-            visible * (c.backward * gemm + c.score_bytes[1] * traffic))
+    return (visible * (gemm + c.score_bytes[0] * traffic), visible * (c.backward * gemm + c.score_bytes[1] * traffic))
 
 
 # ---------------------------------------------------------------- one operator
+
 
 @dataclasses.dataclass
 class Cost:
@@ -237,8 +241,12 @@ def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
     if policy == "full":
         return gemms, op.st, op.attn is not None, fwd
     if policy == "lowrank":
-        return ([g for g in gemms if g.tag != "A"], [s for s in op.st if s.tag != "A"], op.attn is not None,
-                [c for c in fwd if not c.saved])
+        return (
+            [g for g in gemms if g.tag != "A"],
+            [s for s in op.st if s.tag != "A"],
+            op.attn is not None,
+            [c for c in fwd if not c.saved],
+        )
     raise ValueError(f"--remat: {policy!r} is not one of {remat_policies()}")
 
 
@@ -264,8 +272,10 @@ def ring_exposed(op: Op, attn: tuple[float, float], cluster: Cluster, act_bytes:
     remote block's compute (the ring issues the next block's permute before the current block), the
     C-1 remote blocks being (C-1)/C of the attention (every step costs the same L x 2L scores); per
     direction, what the transfers take beyond that shows."""
-    return sum(hops_exposed([c for c in op.colls if c.phase == phase], a, cluster, act_bytes)
-               for phase, a in zip(("fwd", "bwd"), attn))
+    return sum(
+        hops_exposed([c for c in op.colls if c.phase == phase], a, cluster, act_bytes)
+        for phase, a in zip(("fwd", "bwd"), attn)
+    )
 
 
 def hops_exposed(colls: list, attention_s: float, cluster: Cluster, act_bytes: int) -> float:
@@ -278,31 +288,37 @@ def hops_exposed(colls: list, attention_s: float, cluster: Cluster, act_bytes: i
     return max(0.0, sum(coll_seconds(h, cluster, act_bytes) for h in hops) - (c - 1) / c * attention_s)
 
 
-def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized",
-          act_bytes: int = 2) -> Cost:
+def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized", act_bytes: int = 2) -> Cost:
     """Forward + backward (+ recompute) time of one operator on one device. `attention`: one of
     attention cost classes (see attention_kind)."""
     gemm = [gemm_seconds(g.m, g.k, g.n, cluster) for g in op.gemms]
     st = [st_seconds(s, cluster, act_bytes) for s in op.st]
     attn = attention_seconds(op.attn, attention, cluster) if op.attn else (0.0, 0.0)
     elementwise = cluster.elementwise_passes * op.acts * act_bytes / cluster.hbm_bandwidth
-    cost = Cost(compute=op.gemm_passes * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
-                comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls if not ring_permute(c))
-                + ring_exposed(op, attn, cluster, act_bytes),
-                kept=cluster.kept_passes * saved_bytes(op, policy, act_bytes) / cluster.hbm_bandwidth
-                if cluster.kept_passes else 0.0)
+    cost = Cost(
+        compute=op.gemm_passes * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
+        comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls if not ring_permute(c))
+        + ring_exposed(op, attn, cluster, act_bytes),
+        kept=cluster.kept_passes * saved_bytes(op, policy, act_bytes) / cluster.hbm_bandwidth
+        if cluster.kept_passes
+        else 0.0,
+    )
     if policy != "none":
         g_re, st_re, attn_re, c_re = recomputed(op, policy)
-        cost.recompute = (sum(gemm_seconds(g.m, g.k, g.n, cluster) for g in g_re)
-                          + sum(st_seconds(s, cluster, act_bytes)[0] for s in st_re) + attn[0] * attn_re
-                          + elementwise / 3 * op.recompute
-                          + sum(coll_seconds(c, cluster, act_bytes) for c in c_re if not ring_permute(c))
-                          # the re-run forward's ring hops overlap its attention as the forward's do
-                          + hops_exposed(c_re, attn[0] * attn_re, cluster, act_bytes))
+        cost.recompute = (
+            sum(gemm_seconds(g.m, g.k, g.n, cluster) for g in g_re)
+            + sum(st_seconds(s, cluster, act_bytes)[0] for s in st_re)
+            + attn[0] * attn_re
+            + elementwise / 3 * op.recompute
+            + sum(coll_seconds(c, cluster, act_bytes) for c in c_re if not ring_permute(c))
+            # the re-run forward's ring hops overlap its attention as the forward's do
+            + hops_exposed(c_re, attn[0] * attn_re, cluster, act_bytes)
+        )
     return cost
 
 
 # ---------------------------------------------------------------- memory
+
 
 def saved_bytes(op: Op, policy: str, act_bytes: int = 2) -> float:
     """Activation bytes this operator keeps for the backward under a remat policy (one micro-batch)."""
@@ -363,8 +379,12 @@ def ring_slots(stages: int, repeats: int = 1, reread_first: bool = True) -> int:
     wait of an item between its forward and its backward, 2(S-1-s) + 2(V-1-v)S ticks at stage s for
     chunk v; `reread_first` (stage remat): stage 0's first chunk is read from the pass's input again."""
     delay = repeats * stages + stages - 2
-    waits = [(repeats - 1 - 2 * v) * stages + delay - 2 * s for s in range(stages) for v in range(repeats)
-             if not (reread_first and s == 0 and v == 0)]
+    waits = [
+        (repeats - 1 - 2 * v) * stages + delay - 2 * s
+        for s in range(stages)
+        for v in range(repeats)
+        if not (reread_first and s == 0 and v == 0)
+    ]
     return 1 + max(waits + [0])
 
 

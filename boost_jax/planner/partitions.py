@@ -21,12 +21,14 @@ enter and leave in H; its weights stay split over both axes (never gathered by F
 Element counts follow boost_jax.tools.comm_report: all-reduce / reduce-scatter / all-to-all /
 collective-permute count their operand, all-gather its result.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import types
 
-from boost_jax.config import PROJECTION_GROUPS as GROUPS, ST  # noqa: F401 - the trainer's group names
+from boost_jax.config import PROJECTION_GROUPS as GROUPS  # noqa: F401 - the trainer's group names
+from boost_jax.config import ST
 from boost_jax.errors import ConfigError
 from boost_jax.model.kinds import kind_class
 
@@ -78,6 +80,7 @@ NORMED = ("qkv", "mlp_in")
 @dataclasses.dataclass(frozen=True)
 class Block:
     """The shapes of one transformer block (and what surrounds the stack)."""
+
     d: int
     ff: int
     heads: int
@@ -99,23 +102,39 @@ class Block:
         m = cfg.model
         kind = kind_class(m.linear)
         if kind.has_extra:  # e.g. sltrain's sparse S·x: a term with its own traffic, not priced yet
-            raise ConfigError(f"config field `model.linear`: the planner does not price {m.linear}'s extra "
-                              f"term; plan the low-rank twin (--config.model.linear=lowrank) and add S's traffic "
-                              f"from `python -m boost_jax.tools.comm_report`")
-        return cls(d=int(m.d_model), ff=int(m.d_ff), heads=int(m.n_heads), kv_heads=int(m.n_kv_heads),
-                   head_dim=int(m.d_model) // int(m.n_heads), rank=int(m.rank), vocab=int(m.vocab_size),
-                   layers=int(m.n_layers), factored=kind.factored,
-                   only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
-                   online_norm=bool(cfg.parallel.online_norm), nonlinear=kind.factored and kind.nonlinear(m),
-                   loss_chunk=int(m.loss_chunk),
-                   # `auto` is a fused kernel on the GPUs a plan is priced for (model/autos.py)
-                   fused_norm=cfg.kernels.rmsnorm != "xla", max_seq_len=int(m.max_seq_len))
+            raise ConfigError(
+                f"config field `model.linear`: the planner does not price {m.linear}'s extra "
+                f"term; plan the low-rank twin (--config.model.linear=lowrank) and add S's traffic "
+                f"from `python -m boost_jax.tools.comm_report`"
+            )
+        return cls(
+            d=int(m.d_model),
+            ff=int(m.d_ff),
+            heads=int(m.n_heads),
+            kv_heads=int(m.n_kv_heads),
+            head_dim=int(m.d_model) // int(m.n_heads),
+            rank=int(m.rank),
+            vocab=int(m.vocab_size),
+            layers=int(m.n_layers),
+            factored=kind.factored,
+            only_lr_act=bool(m.only_lr_act) and kind.nonlinear(m),
+            online_norm=bool(cfg.parallel.online_norm),
+            nonlinear=kind.factored and kind.nonlinear(m),
+            loss_chunk=int(m.loss_chunk),
+            # `auto` is a fused kernel on the GPUs a plan is priced for (model/autos.py)
+            fused_norm=cfg.kernels.rmsnorm != "xla",
+            max_seq_len=int(m.max_seq_len),
+        )
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
         """(shared input width, output widths) of a projection group."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"qkv": (self.d, (q, kv, kv)), "o": (q, (self.d,)), "mlp_in": (self.d, (self.ff, self.ff)),
-                "mlp_out": (self.ff, (self.d,))}[group]
+        return {
+            "qkv": (self.d, (q, kv, kv)),
+            "o": (q, (self.d,)),
+            "mlp_in": (self.d, (self.ff, self.ff)),
+            "mlp_out": (self.ff, (self.d,)),
+        }[group]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +169,7 @@ class StMatmul:
     projection reads the same input, and XLA merges the input's identical moves (its skew, its
     forward row hops and its dW-phase diagonal hops, none of which depend on the weight), so they
     appear with zero elements here."""
+
     m: float
     k: float
     out: float
@@ -169,9 +189,14 @@ class StMatmul:
         row, col, grid = (n, 1), (n, n), (n * n, 1)  # row: tensor; column: fsdp (stride = tensor size)
         out = [cp(i, "fwd", row), cp(w, "fwd", grid)]  # skew I (within its row) and W
         for _ in range(n - 1):
-            out += [cp(i, "fwd", row), cp(w, "fwd", col),  # forward: I along rows, W along columns
-                    cp(o, "bwd", row), cp(w, "bwd", grid),  # dI phase: dO along rows, W diagonally
-                    cp(o, "bwd", col), cp(i, "bwd", grid)]  # dW phase: dO along columns, I diagonally
+            out += [
+                cp(i, "fwd", row),
+                cp(w, "fwd", col),  # forward: I along rows, W along columns
+                cp(o, "bwd", row),
+                cp(w, "bwd", grid),  # dI phase: dO along rows, W diagonally
+                cp(o, "bwd", col),
+                cp(i, "bwd", grid),
+            ]  # dW phase: dO along columns, I diagonally
         return out + [cp(dx, "bwd", row), cp(w, "bwd", grid)]  # unskew dI, dW back to its stored layout
 
     def ring(self) -> float:
@@ -272,8 +297,16 @@ def _divides(t: int, *xs: int) -> bool:
 
 # ---------------------------------------------------------------- edges and norms
 
-def edge(ctx: Ctx, src: str, dst: str, width: int, partial_grad: bool = False, layer_output: bool = False,
-         saves: bool = False) -> Op:
+
+def edge(
+    ctx: Ctx,
+    src: str,
+    dst: str,
+    width: int,
+    partial_grad: bool = False,
+    layer_output: bool = False,
+    saves: bool = False,
+) -> Op:
     """Redistribute a [M, width] activation from layout src to dst. The backward moves its gradient
     the other way; a replicated producer needs the whole gradient, so R -> split costs a gather there.
     `partial_grad`: the consumer (a column-parallel input, dst R) hands back partial input gradients,
@@ -316,16 +349,25 @@ def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
     scalar per token, riding in the following A all-reduce when `fused` (BTP's online RMSNorm)."""
     fs, ts = ctx.splits(layout)
     width = ctx.local(layout, ctx.block.d)
-    kept, kept32 = ((GPU_SAVED_NORM if ctx.block.fused_norm else GPU_SAVED_NORM_XLA.get(layout, GPU_SAVED_NORM))
-                    if gpu(ctx) else SAVED_NORM)
-    op = Op(f"norm@{layout}", acts=width, weights=ctx.block.d / fs, saved=kept * width,
-            saved32=kept32 * width + ctx.tokens / ts)
+    kept, kept32 = (
+        (GPU_SAVED_NORM if ctx.block.fused_norm else GPU_SAVED_NORM_XLA.get(layout, GPU_SAVED_NORM))
+        if gpu(ctx)
+        else SAVED_NORM
+    )
+    op = Op(
+        f"norm@{layout}",
+        acts=width,
+        weights=ctx.block.d / fs,
+        saved=kept * width,
+        saved32=kept32 * width + ctx.tokens / ts,
+    )
     if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed
         op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p, saved=p == "fwd") for p in ("fwd", "bwd")]
     return op
 
 
 # ---------------------------------------------------------------- projection groups
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Split:
@@ -335,6 +377,7 @@ class Split:
     column-parallel); "" splits nothing. A dense kind: `first` alone ("in" or "out"). `fused`: the
     norm in front sends its statistics with A's all-reduce (the strategy's online RMSNorm). GRID:
     the spatial-temporal P(n x n) on the (fsdp, tensor) grid."""
+
     first: str = ""
     second: str = ""
     fused: bool = False
@@ -367,6 +410,7 @@ class TableLayer:
     """A registered strategy's layer in the planner's terms, read from its rule table: the residual
     stream's layout, each group's Split (None: the table gives the group no single layout, which is
     not priced), the layouts the attention and MLP activation run in."""
+
     name: str
     sequence_parallel: bool
     factored_only: bool
@@ -424,12 +468,24 @@ def _table_layer(entry, sp: bool, factored: bool, online_norm: bool) -> TableLay
             a_in, a_rank = split_dims((in_axis, "rank"))
             b_rank, b_out = split_dims(("rank", out))
             first = "in" if a_in else "rank" if a_rank else ""
-            found.add(Split(first, "rank" if b_rank else "out" if b_out else "",
-                            fused=first == "in" and group in NORMED and entry.online_norm and online_norm))
+            found.add(
+                Split(
+                    first,
+                    "rank" if b_rank else "out" if b_out else "",
+                    fused=first == "in" and group in NORMED and entry.online_norm and online_norm,
+                )
+            )
         return found.pop() if len(found) == 1 else None
 
-    return TableLayer(entry.name, sp, entry.factored_only, layout(RESIDUAL), tuple(group_split(g) for g in GROUPS),
-                      layout(CORE_AXES["attention"]), layout(CORE_AXES["act"]))
+    return TableLayer(
+        entry.name,
+        sp,
+        entry.factored_only,
+        layout(RESIDUAL),
+        tuple(group_split(g) for g in GROUPS),
+        layout(CORE_AXES["attention"]),
+        layout(CORE_AXES["act"]),
+    )
 
 
 def group_choices(ctx: Ctx, group: str) -> list[tuple[str, str, str, Split]]:
@@ -477,8 +533,9 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
         n = ctx.n  # == t
         # Kept for the backward: each GEMM's skewed input and its output (and σ's input).
         if b.factored:
-            op.st = ([StMatmul(m, din, r, n, "A", shared=j > 0) for j in range(g)]
-                     + [StMatmul(m, r, o, n, "B") for o in douts])
+            op.st = [StMatmul(m, din, r, n, "A", shared=j > 0) for j in range(g)] + [
+                StMatmul(m, r, o, n, "B") for o in douts
+            ]
             op.acts, op.saved_lowrank = m * (g * din + 3 * g * r + dsum) / n, m * g * r / n
             op.grid_weights = (din * g * r + r * dsum) / n
         else:
@@ -495,10 +552,13 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
     fused = fused_norm and first == "in"
     stats = m if fused else 0
     op.gemms = [Gemm(m, din / t if first == "in" else din, g * r / t if first == "rank" else g * r, "A")] + [
-        Gemm(m, r / t if second == "rank" else r, o / t if second == "out" else o, "B") for o in douts]
+        Gemm(m, r / t if second == "rank" else r, o / t if second == "out" else o, "B") for o in douts
+    ]
     if first == "in" and second == "rank":  # the partial r-wide products land split over the rank
-        op.colls = [Coll("reduce-scatter", m * g * r, t, 1, "fwd", saved=True),
-                    Coll("all-gather", m * g * r, t, 1, "bwd")]
+        op.colls = [
+            Coll("reduce-scatter", m * g * r, t, 1, "fwd", saved=True),
+            Coll("all-gather", m * g * r, t, 1, "bwd"),
+        ]
     elif first == "in":  # the partial r-wide products (and the norm's statistics) all-reduced
         op.colls = [Coll("all-reduce", m * g * r + stats, t, 1, "fwd", saved=True)]
     if second == "out" and first != "rank":  # B's input gradient is partial over its output columns
@@ -515,8 +575,7 @@ def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
     """Set what a projection group keeps for the backward: arrays of its first stages' outputs (the
     B outputs are kept by their consumers: attention, the MLP core, the residual add keeps none)."""
     if b.factored:
-        a_out = (sum(g.m * g.n for g in op.gemms if g.tag == "A")
-                 + sum(s.m * s.out / s.n for s in op.st if s.tag == "A"))
+        a_out = sum(g.m * g.n for g in op.gemms if g.tag == "A") + sum(s.m * s.out / s.n for s in op.st if s.tag == "A")
         kept = SAVED_SIGMA if b.nonlinear else SAVED_LINEAR
         op.bottleneck = a_out if b.nonlinear else 0.0
         if on_gpu:
@@ -557,9 +616,12 @@ def st_stored(ctx: Ctx, group: str, strategy: str) -> tuple[list[Coll], float]:
     from boost_jax.model.transformer import PROJECTION_AXES  # imports jax: the model's axes of each group
 
     in_axis, out_axes = PROJECTION_AXES[group]
-    weights = ([((in_axis, "rank"), (din, b.rank))] * len(douts) + [(("rank", o), (b.rank, w))
-                                                                     for o, w in zip(out_axes, douts)]
-               if b.factored else [((in_axis, o), (din, w)) for o, w in zip(out_axes, douts)])
+    weights = (
+        [((in_axis, "rank"), (din, b.rank))] * len(douts)
+        + [(("rank", o), (b.rank, w)) for o, w in zip(out_axes, douts)]
+        if b.factored
+        else [((in_axis, o), (din, w)) for o, w in zip(out_axes, douts)]
+    )
     out, stored = [], 0.0
     for names, shape in weights:
         axes = stored_grid_axes(strategy, names, shape, n)
@@ -572,6 +634,7 @@ def st_stored(ctx: Ctx, group: str, strategy: str) -> tuple[list[Coll], float]:
 
 
 # ---------------------------------------------------------------- cores
+
 
 def attention(ctx: Ctx, layout: str) -> Op | None:
     """Causal attention fed q, k, v in `layout` (None where it cannot run). Token splits gather the
@@ -591,8 +654,9 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
         gathered = ctx.tokens * 2 * kv / fs
         op.colls = [Coll("all-gather", gathered, ts, 1, "fwd"), Coll("reduce-scatter", gathered, ts, 1, "bwd")]
         op.acts += gathered
-    op.attn = Attn(queries=ctx.tokens / ts, keys=ctx.seq, heads=b.heads / fs, head_dim=b.head_dim,
-                   imbalance=(2 * ts - 1) / ts)
+    op.attn = Attn(
+        queries=ctx.tokens / ts, keys=ctx.seq, heads=b.heads / fs, head_dim=b.head_dim, imbalance=(2 * ts - 1) / ts
+    )
     # Kept: q, k, v and the output (and K/V gathered over a token split); materialised scores in
     # float32 (+ the probabilities in the compute dtype), else the log-sum-exp per row and head.
     c = attention_class(ctx.attention)
@@ -634,8 +698,18 @@ def context_exchange(ctx: Ctx, op: Op, fs: int) -> None:
     for phase, kinds in layer_exchange(c, ctx.context_attention, rows, ctx.seq, width).items():
         for kind, v in kinds.items():
             each, n = v["elements"] / v["count"], v["count"]
-            op.colls += [Coll(kind, each, c, ctx.t, "fwd" if phase == "forward" else "bwd", "context",
-                              float32=i >= n - v["float32"]) for i in range(n)]
+            op.colls += [
+                Coll(
+                    kind,
+                    each,
+                    c,
+                    ctx.t,
+                    "fwd" if phase == "forward" else "bwd",
+                    "context",
+                    float32=i >= n - v["float32"],
+                )
+                for i in range(n)
+            ]
     if bottleneck:
         op.saved -= 2 * ctx.tokens * kv_local  # K/V are rebuilt per block, not kept; σ(A x) is the qkv group's
         extra = 4 * c - 3 if ctx.context_attention == "ring" else 3 * (c - 1)
@@ -674,8 +748,11 @@ def activation(ctx: Ctx, layout: str) -> Op | None:
     if layout == "P" or ctx.block.ff % fs:
         return None
     width = ctx.local(layout, ctx.block.ff)
-    return Op(f"act@{layout}", acts=width * (1 if ctx.block.only_lr_act else 2),
-              saved=width * (GPU_SAVED_SWIGLU if gpu(ctx) else SAVED_SWIGLU)[ctx.block.only_lr_act])
+    return Op(
+        f"act@{layout}",
+        acts=width * (1 if ctx.block.only_lr_act else 2),
+        saved=width * (GPU_SAVED_SWIGLU if gpu(ctx) else SAVED_SWIGLU)[ctx.block.only_lr_act],
+    )
 
 
 def residual_add(ctx: Ctx, layout: str) -> Op:
@@ -683,6 +760,7 @@ def residual_add(ctx: Ctx, layout: str) -> Op:
 
 
 # ---------------------------------------------------------------- outside the layer stack
+
 
 def embedding(ctx: Ctx, residual: str) -> Op:
     """Token embedding into the residual layout: a d-split table feeds H without traffic; a
@@ -710,8 +788,11 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
     if 0 < b.loss_chunk < seq:  # the chunked loss recomputes each chunk's logits in the backward
         op.gemm_passes = 4.0
     if t > 1:
-        scalars = [Coll("all-reduce", 3 * m / pieces, t, 1, phase) for phase in ("fwd",) + ("bwd",) * (pieces > 1)
-                   for _ in range(pieces)]
+        scalars = [
+            Coll("all-reduce", 3 * m / pieces, t, 1, phase)
+            for phase in ("fwd",) + ("bwd",) * (pieces > 1)
+            for _ in range(pieces)
+        ]
         op.colls = op.colls + scalars + [Coll("all-reduce", m * b.d, t, 1, "bwd")]
     return op
 
@@ -733,8 +814,9 @@ def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int, schedule: str
     return permutes + [Coll("all-reduce", elements, stages, stride, "bwd", "pipeline")]
 
 
-def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int,
-                  schedule: str = "gpipe") -> list[Coll]:
+def pipeline_ends(
+    ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int, schedule: str = "gpipe"
+) -> list[Coll]:
     """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline.py: the
     last stage hands the M finished micro-batches to every stage for the head (GPipe: a permute and
     an all-reduce, a permute back in the backward; circular: the all-reduce alone, its outputs are
@@ -749,8 +831,11 @@ def pipeline_ends(ctx: Ctx, residual: str, stages: int, stride: int, microbatche
     reduce = [Coll("all-reduce", done, stages, stride, "fwd", "pipeline")]
     if schedule == "circular":
         return reduce
-    return ([Coll("collective-permute", done, stages, stride, "fwd", "pipeline")] + reduce
-            + [Coll("collective-permute", done, stages, stride, "bwd", "pipeline")])
+    return (
+        [Coll("collective-permute", done, stages, stride, "fwd", "pipeline")]
+        + reduce
+        + [Coll("collective-permute", done, stages, stride, "bwd", "pipeline")]
+    )
 
 
 def circular_reorder(stage_weights: float, stages: int, repeats: int, stride: int) -> list[Coll]:
@@ -766,15 +851,21 @@ def circular_reorder(stage_weights: float, stages: int, repeats: int, stride: in
     if stages <= 1:
         return []
     if repeats % stages == 0 or stages % repeats == 0:
-        return [Coll("all-to-all", stage_weights, stages, stride, phase, "pipeline_weights") for phase in ("fwd", "bwd")]
-    return [Coll("all-gather", stages * stage_weights, stages, stride, phase, "pipeline_weights")
-            for phase in ("fwd", "bwd")]
+        return [
+            Coll("all-to-all", stage_weights, stages, stride, phase, "pipeline_weights") for phase in ("fwd", "bwd")
+        ]
+    return [
+        Coll("all-gather", stages * stage_weights, stages, stride, phase, "pipeline_weights")
+        for phase in ("fwd", "bwd")
+    ]
 
 
 # ---------------------------------------------------------------- the trainer's strategies
 
-def uniform_plan(strategy: str, sequence_parallel: bool = False, factored: bool = True,
-                 online_norm: bool = True) -> tuple[str, tuple[str, ...], str, str]:
+
+def uniform_plan(
+    strategy: str, sequence_parallel: bool = False, factored: bool = True, online_norm: bool = True
+) -> tuple[str, tuple[str, ...], str, str]:
     """(residual layout, group choices, attention layout, act layout) of a trainer strategy, as its
     rule table lays it out (boost_jax/parallel/strategies.py; see `strategy_layers`)."""
     from boost_jax.parallel.strategies import registered  # imports jax: not at the planner's import

@@ -12,6 +12,7 @@ the M+S-1 GPipe ticks under pipelining). The DP keeps the `keep` best paths per 
 the non-additive parts (data/fsdp traffic hidden behind the micro-batch, memory) are applied
 afterwards to a short list. Plans over the usable HBM are rejected.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,9 +29,14 @@ MICROBATCHES_PER_STAGE = (1, 2, 4)
 # ... and for 1F1B alone, whose kept activations do not grow with M: more micro-batches, less bubble.
 MICROBATCHES_PER_STAGE_1F1B = (8, 16)
 SEGMENTS = (("qkv", "attention", "o"), ("mlp_in", "act", "mlp_out"))
-BUILDERS = {"edge": partitions.edge, "norm": partitions.norm, "group": partitions.group_op,
-            "attention": partitions.attention, "act": partitions.activation,
-            "add": partitions.residual_add}
+BUILDERS = {
+    "edge": partitions.edge,
+    "norm": partitions.norm,
+    "group": partitions.group_op,
+    "attention": partitions.attention,
+    "act": partitions.activation,
+    "add": partitions.residual_add,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Mesh:
 class Layer:
     """One layer's partitioning: the residual stream's layout, the choice per projection group
     (qkv, o, mlp_in, mlp_out) and the layouts the attention and MLP activation run in."""
+
     residual: str
     choices: tuple[str, str, str, str]
     attention: str
@@ -144,6 +151,7 @@ class Result:
 
 # ---------------------------------------------------------------- one (tensor size, micro-batch, policy)
 
+
 class Pricer:
     """Operators and their costs for one context, memoised (the DP asks for the same ones often)."""
 
@@ -164,8 +172,9 @@ class Pricer:
 
     def cost(self, key) -> cost.Cost:
         if key not in self._costs:
-            self._costs[key] = cost.price(self.op(key), self.cluster, self.policy, self.ctx.attention,
-                                       self.opts.act_bytes)
+            self._costs[key] = cost.price(
+                self.op(key), self.cluster, self.policy, self.ctx.attention, self.opts.act_bytes
+            )
         return self._costs[key]
 
     def seconds(self, keys) -> float:
@@ -187,19 +196,28 @@ class Stages:
         """g: a choice of partitions.group_choices (name, input layout, output layout, split)."""
         partial = partitions.partial_input_grad(self.block, g[3])
         if self.residual == "S" and g[1] != "S":  # sequence parallelism: normalise the token shard, then gather
-            return [("norm", "S", False), ("edge", "S", g[1], self.d, partial, False, True),
-                    ("group", self.seg[0], g[3], False)]
+            return [
+                ("norm", "S", False),
+                ("edge", "S", g[1], self.d, partial, False, True),
+                ("group", self.seg[0], g[3], False),
+            ]
         fused = g[3].fused  # the strategy's online RMSNorm: the statistics ride in A's all-reduce
-        return [("edge", self.residual, g[1], self.d, partial, False), ("norm", g[1], fused),
-                ("group", self.seg[0], g[3], fused)]
+        return [
+            ("edge", self.residual, g[1], self.d, partial, False),
+            ("norm", g[1], fused),
+            ("group", self.seg[0], g[3], fused),
+        ]
 
     def core(self, src: str, layout: str) -> list:
         return [("edge", src, layout, self.w1, False, False), (self.seg[1], layout)]
 
     def last(self, core: str, g) -> list:
-        return [("edge", core, g[1], self.w2, partitions.partial_input_grad(self.block, g[3]), False),
-                ("group", self.seg[2], g[3], False),
-                ("edge", g[2], self.residual, self.d, False, self.layer_output), ("add", self.residual)]
+        return [
+            ("edge", core, g[1], self.w2, partitions.partial_input_grad(self.block, g[3]), False),
+            ("group", self.seg[2], g[3], False),
+            ("edge", g[2], self.residual, self.d, False, self.layer_output),
+            ("add", self.residual),
+        ]
 
 
 def solve_segment(pr: Pricer, seg, residual: str, k: int) -> list[tuple[float, tuple]]:
@@ -253,9 +271,11 @@ def layer_keys(pr: Pricer, layer: Layer) -> list:
 
 # ---------------------------------------------------------------- a whole plan
 
+
 @dataclasses.dataclass
 class LayerSummary:
     """What a plan needs of one layer partitioning on one pricer (mesh-independent, memoised)."""
+
     ops: list
     cost: cost.Cost  # one layer, one micro-batch
     norm_w: float  # norm weights (not fsdp-sharded)
@@ -280,8 +300,11 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         keys = layer_keys(pr, layer)
         ops = [pr.op(k) for k in keys]
         _, strategy, _ = runnable(ctx.block, Mesh(1, 1, ctx.t), layer)
-        stored = [partitions.st_stored(ctx, g, strategy) for g, choice in zip(partitions.GROUPS, layer.choices)
-                  if choice == partitions.ST and strategy]
+        stored = [
+            partitions.st_stored(ctx, g, strategy)
+            for g, choice in zip(partitions.GROUPS, layer.choices)
+            if choice == partitions.ST and strategy
+        ]
         extra = [c for colls, _ in stored for c in colls]
         grid_w = sum(w for _, w in stored) if stored else sum(op.grid_weights for op in ops)
         if extra:  # the strategy's stored layouts cost the st groups more than P(n x n) (see there)
@@ -295,19 +318,24 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         links = {"intra": 0.0, "inter": 0.0}
         for c in tensor_colls + recomputed:
             links["inter" if cl.spans_nodes(c.stride, c.size) else "intra"] += cost.link_bytes(
-                c.kind, cost.coll_bytes(c, opts.act_bytes), c.size)
+                c.kind, cost.coll_bytes(c, opts.act_bytes), c.size
+            )
         pr._summaries[layer] = LayerSummary(
-            ops=ops, cost=sum((pr.cost(k) for k in keys), cost.Cost()) + sum(
-                (cost.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys):]), cost.Cost())
+            ops=ops,
+            cost=sum((pr.cost(k) for k in keys), cost.Cost())
+            + sum((cost.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys) :]), cost.Cost())
             + cost.Cost(kept=cl.kept_passes * carry / cl.hbm_bandwidth),  # the layer input a remat policy keeps
             norm_w=norm_w,
-            fsdp_w=sum(op.weights for op in ops) - norm_w, grid_w=grid_w,
-            tensor_colls=tensor_colls, recomputed=recomputed,
+            fsdp_w=sum(op.weights for op in ops) - norm_w,
+            grid_w=grid_w,
+            tensor_colls=tensor_colls,
+            recomputed=recomputed,
             saved=sum(cost.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
             working=cost.backward_working(ops, policy, opts.act_bytes),
             tensor_links=links,
             kept_none=sum(cost.saved_bytes(op, "none", opts.act_bytes) for op in ops),
-            bottleneck=sum(op.bottleneck for op in ops))
+            bottleneck=sum(op.bottleneck for op in ops),
+        )
     return pr._summaries[layer]
 
 
@@ -317,8 +345,9 @@ def stage_forward(pr: Pricer, s: LayerSummary) -> LayerSummary:
     policy keeps inside. Priced once, where a plan needs it."""
     if s.forward is None:
         whole = [dataclasses.replace(op, recompute=True) for op in s.ops]
-        s.forward = sum(cost.price(op, pr.cluster, "full", pr.ctx.attention, pr.opts.act_bytes).recompute
-                        for op in whole)
+        s.forward = sum(
+            cost.price(op, pr.cluster, "full", pr.ctx.attention, pr.opts.act_bytes).recompute for op in whole
+        )
         s.forward_colls = [c for op in whole for c in cost.recomputed(op, "full")[3] + cost.st_recomputed(op, "full")]
     return s
 
@@ -330,8 +359,10 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, cost.C
     if key not in pr._rest:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
         rest = [partitions.embedding(ctx, residual), partitions.head(ctx, residual, microbatches)]
-        pr._rest[key] = rest, sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes)
-                                   for op in rest), cost.Cost())
+        pr._rest[key] = (
+            rest,
+            sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), cost.Cost()),
+        )
     return pr._rest[key]
 
 
@@ -342,17 +373,29 @@ def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: 
     once per pass, the embedding's over data x fsdp as GPipe's. -> (dp_rest, [(coll, times)])."""
     head_w = rest[1].weights  # d V/t + the final norm's d
     ways = mesh.data * mesh.fsdp
-    dp_rest = [dataclasses.replace(c, elements=c.elements - head_w) if c.kind == "all-reduce" else c
-               for c in dp_rest]
-    dp_rest.append(partitions.Coll("all-reduce", head_w, mesh.pipeline * ways, mesh.tensor, "bwd",
-                          "pipeline_weights" if ways > 1 else "pipeline"))
+    dp_rest = [dataclasses.replace(c, elements=c.elements - head_w) if c.kind == "all-reduce" else c for c in dp_rest]
+    dp_rest.append(
+        partitions.Coll(
+            "all-reduce",
+            head_w,
+            mesh.pipeline * ways,
+            mesh.tensor,
+            "bwd",
+            "pipeline_weights" if ways > 1 else "pipeline",
+        )
+    )
     one = partitions.head(pr.ctx, residual, 1)
     return dp_rest, [(c, 1) for c in rest[0].colls] + [(c, microbatches) for c in one.colls]
 
 
-def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str,
-               pipelined: bool = False,
-               grid_weights: float = 0.0) -> tuple[list[partitions.Coll], list[partitions.Coll]]:
+def data_colls(
+    mesh: Mesh,
+    fsdp_weights: float,
+    other_weights: float,
+    remat: str,
+    pipelined: bool = False,
+    grid_weights: float = 0.0,
+) -> tuple[list[partitions.Coll], list[partitions.Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
@@ -389,11 +432,14 @@ def data_colls(mesh: Mesh, fsdp_weights: float, other_weights: float, remat: str
         if d > 1 or (pipelined and f > 1):
             per_pass.append(partitions.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
         elif f > 1:
-            per_pass += [partitions.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
-                         partitions.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp")]
+            per_pass += [
+                partitions.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
+                partitions.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp"),
+            ]
     if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
-        per_pass.append(partitions.Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd",
-                               "data_fsdp"))
+        per_pass.append(
+            partitions.Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd", "data_fsdp")
+        )
     return once, per_pass
 
 
@@ -428,14 +474,18 @@ def runnable(block: partitions.Block, mesh: Mesh, layer: Layer) -> tuple[str, st
 
 
 def _runnable(block: partitions.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
-    tables = [t for t in partitions.strategy_layers(block.factored, block.online_norm)
-              if block.factored or not t.factored_only]
+    tables = [
+        t
+        for t in partitions.strategy_layers(block.factored, block.online_norm)
+        if block.factored or not t.factored_only
+    ]
     if mesh.tensor == 1 and tables:
         return "yes", tables[0].name, False
     for table in tables:
         choices = partitions.choice_names(table, block.factored, block.online_norm)
         if (layer.residual, layer.attention, layer.act) == (table.residual, table.attention, table.act) and all(
-                c in (base, partitions.ST) for c, base in zip(layer.choices, choices)):
+            c in (base, partitions.ST) for c, base in zip(layer.choices, choices)
+        ):
             return "yes", table.name, table.sequence_parallel
     if len(set(layer.choices) - {partitions.ST}) > 1:
         return "no: mixed per-group choices", "", False
@@ -445,6 +495,7 @@ def _runnable(block: partitions.Block, mesh: Mesh, layer: Layer) -> tuple[str, s
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How a plan's stages run one accumulation micro-batch (unpipelined: one stage, one tick)."""
+
     stages: int
     microbatches: int  # pipeline micro-batches M (1 unpipelined)
     name: str  # gpipe | circular | 1f1b
@@ -466,8 +517,7 @@ class Schedule:
         return self.name == "1f1b"
 
 
-def schedule_of(layers: int, stages: int, microbatches: int, schedule: str, repeats: int,
-                stage_remat: str) -> Schedule:
+def schedule_of(layers: int, stages: int, microbatches: int, schedule: str, repeats: int, stage_remat: str) -> Schedule:
     """The schedule a plan runs: unpipelined, one GPipe tick; GPipe, V = 1."""
     microbatches = microbatches if stages > 1 else 1
     if stages == 1:
@@ -483,13 +533,15 @@ def schedule_of(layers: int, stages: int, microbatches: int, schedule: str, repe
     # layer passes a device runs: every tick's (bubble ticks compute on nothing), but 1F1B skips the
     # ticks a stage has no item for (its time still waits for them: `step_seconds` counts `runs`)
     executed = repeats * microbatches * per_tick if schedule == "1f1b" else runs
-    return Schedule(stages, microbatches, schedule, repeats, stage_remat, ticks, per_stage, per_tick, runs,
-                    handovers, executed)
+    return Schedule(
+        stages, microbatches, schedule, repeats, stage_remat, ticks, per_stage, per_tick, runs, handovers, executed
+    )
 
 
 @dataclasses.dataclass
 class StepCollectives:
     """Every collective of one accumulation micro-batch but the layers' tensor-axis ones."""
+
     shift: list  # one stage hand-over, each way
     ends: list  # the pipeline's inputs, outputs (and the circular chunk layout's reorder)
     shift_seconds: float  # every hand-over and end of the micro-batch
@@ -500,13 +552,22 @@ class StepCollectives:
     counted: list  # [(collective, how often it runs)]: all of the above, and the stage's re-run forward
 
 
-def step_collectives(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary: LayerSummary,
-                     sched: Schedule, rest: list, rest_fsdp_weights: float) -> StepCollectives:
+def step_collectives(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    summary: LayerSummary,
+    sched: Schedule,
+    rest: list,
+    rest_fsdp_weights: float,
+) -> StepCollectives:
     ctx, cluster, act_bytes = pr.ctx, pr.cluster, pr.opts.act_bytes
     stages, pipelined = sched.stages, sched.stages > 1
     shift = partitions.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, sched.name)
-    ends = partitions.pipeline_ends(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor,
-                                    sched.microbatches, sched.name)
+    ends = partitions.pipeline_ends(
+        ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, sched.microbatches, sched.name
+    )
     if sched.name == "circular" or (sched.f1b and sched.repeats > 1):  # interleaved 1F1B: circular's chunk layout
         stage_weights = sched.layers_per_stage * ((summary.fsdp_w + summary.grid_w) / mesh.fsdp + summary.norm_w)
         ends += partitions.circular_reorder(stage_weights, stages, sched.repeats, mesh.data * mesh.fsdp * mesh.tensor)
@@ -514,10 +575,12 @@ def step_collectives(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summ
     # but the scanned step runs it).
     shifts = [(c, sched.handovers) for c in shift]
     shift_seconds = sum(times * cost.coll_seconds(c, cluster, act_bytes) for c, times in shifts) + sum(
-        cost.coll_seconds(c, cluster, act_bytes) for c in ends)
+        cost.coll_seconds(c, cluster, act_bytes) for c in ends
+    )
 
-    data_once, data = data_colls(mesh, summary.fsdp_w, summary.norm_w, pr.policy, pipelined=pipelined,
-                                 grid_weights=summary.grid_w)
+    data_once, data = data_colls(
+        mesh, summary.fsdp_w, summary.norm_w, pr.policy, pipelined=pipelined, grid_weights=summary.grid_w
+    )
     # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
     data_rest = sum(data_colls(mesh, rest_fsdp_weights, ctx.block.d, "none", pipelined=pipelined), [])
     rest_colls = [(c, 1) for op in rest for c in op.colls]
@@ -527,42 +590,70 @@ def step_collectives(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summ
     # Pipelined (but st), the stage's gather and gradient reduction run once per optimizer step, not
     # per accumulation micro-batch (boost_jax/parallel/pipeline.py): 1/grad_accum of them per micro-batch.
     once = sched.layers_per_stage / grad_accum if pipelined and not summary.grid_w else sched.layers_per_stage
-    counted = ([(c, sched.executed) for c in data + redo] + [(c, once) for c in data_once] + shifts + rest_colls
-               + [(c, 1) for c in data_rest + ends])
+    counted = (
+        [(c, sched.executed) for c in data + redo]
+        + [(c, once) for c in data_once]
+        + shifts
+        + rest_colls
+        + [(c, 1) for c in data_rest + ends]
+    )
     return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted)
 
 
-def parameters_per_device(mesh: Mesh, summary: LayerSummary, sched: Schedule, rest_fsdp_weights: float,
-                          d_model: int) -> float:
+def parameters_per_device(
+    mesh: Mesh, summary: LayerSummary, sched: Schedule, rest_fsdp_weights: float, d_model: int
+) -> float:
     """Parameters one device stores: its stage's layers, the embedding and head (fsdp-sharded), the final norm."""
     layer_weights = (summary.fsdp_w + summary.grid_w) / mesh.fsdp + summary.norm_w
     return sched.layers_per_stage * layer_weights + rest_fsdp_weights / mesh.fsdp + d_model
 
 
-def step_seconds(pr: Pricer, grad_accum: int, summary: LayerSummary, sched: Schedule, colls: StepCollectives,
-                 rest_cost: cost.Cost, params: float) -> tuple[float, float, float]:
+def step_seconds(
+    pr: Pricer,
+    grad_accum: int,
+    summary: LayerSummary,
+    sched: Schedule,
+    colls: StepCollectives,
+    rest_cost: cost.Cost,
+    params: float,
+) -> tuple[float, float, float]:
     """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
     cluster = pr.cluster
-    data_seconds = sum(times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in colls.counted
-                       if c.axis == "data_fsdp")
+    data_seconds = sum(
+        times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in colls.counted if c.axis == "data_fsdp"
+    )
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
     # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
     # Every tick runs every stage (bubble ticks compute on nothing), then hands over: ticks x stage.
-    path = (sched.runs * (summary.cost.total + (summary.forward if sched.staged else 0.0)) + colls.shift_seconds
-            + rest_cost.total)
+    path = (
+        sched.runs * (summary.cost.total + (summary.forward if sched.staged else 0.0))
+        + colls.shift_seconds
+        + rest_cost.total
+    )
     exposed = max(0.0, data_seconds - path)
     micro_seconds = path + exposed
     optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
     return grad_accum * micro_seconds + optimizer_seconds, exposed, optimizer_seconds
 
 
-def memory_bytes(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary: LayerSummary, sched: Schedule,
-                 params: float, rest_fsdp_weights: float) -> dict:
+def memory_bytes(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    summary: LayerSummary,
+    sched: Schedule,
+    params: float,
+    rest_fsdp_weights: float,
+) -> dict:
     """Peak bytes per device by term (see the comments), their allocator overhead and total."""
     ctx, opts, policy, block = pr.ctx, pr.opts, pr.policy, pr.ctx.block
     stages, staged, per_stage, per_tick = sched.stages, sched.staged, sched.layers_per_stage, sched.layers_per_tick
-    replica = (per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
-               if mesh.data * mesh.fsdp > 1 and stages > 1 and not summary.grid_w else 0.0)
+    replica = (
+        per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
+        if mesh.data * mesh.fsdp > 1 and stages > 1 and not summary.grid_w
+        else 0.0
+    )
     # under stage remat with FSDP, one tick's gradient of the weights it ran (a chunk: 1/V of the stage)
     # waits before it is added
     accumulator = replica * (1 + (staged and mesh.fsdp > 1) / sched.repeats)
@@ -589,46 +680,74 @@ def memory_bytes(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary:
     # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
     # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 63.6 priced without
     # the term (61.8 before the GPU loss and the scan's double buffer, 2026-11-27) and 71.5 with it then.
-    pipeliner = (cost.PIPELINED_SIGMA * per_stage * summary.bottleneck * opts.act_bytes
-                 if stages == 1 and mesh.fsdp > 1 and mesh.context == 1 and gpu and policy == "none"
-                 and summary.bottleneck and cost.pipeliner(opts.pipelined) else 0.0)
+    pipeliner = (
+        cost.PIPELINED_SIGMA * per_stage * summary.bottleneck * opts.act_bytes
+        if stages == 1
+        and mesh.fsdp > 1
+        and mesh.context == 1
+        and gpu
+        and policy == "none"
+        and summary.bottleneck
+        and cost.pipeliner(opts.pipelined)
+        else 0.0
+    )
     # Unpipelined without remat, the GPU program's double-buffered layer scan keeps one more stacked
     # [layers, T, ff/t] array (cost.SCAN_DOUBLE_BUFFER), when the program gets the flag.
-    double_buffer = (cost.SCAN_DOUBLE_BUFFER * per_stage * ctx.tokens * block.ff / mesh.tensor * opts.act_bytes
-                     if stages == 1 and gpu and policy == "none" and opts.double_buffered else 0.0)
+    double_buffer = (
+        cost.SCAN_DOUBLE_BUFFER * per_stage * ctx.tokens * block.ff / mesh.tensor * opts.act_bytes
+        if stages == 1 and gpu and policy == "none" and opts.double_buffered
+        else 0.0
+    )
     # pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py row_groups); its
     # GPU count is the unpipelined program's only (cost.GPU_LOGIT_BUFFERS)
     microbatches = sched.microbatches
     rest_tokens = ctx.tokens * microbatches
-    loss = (cost.loss_bytes(rest_tokens / ctx.local_seq / microbatches, ctx.local_seq, block.loss_chunk,
-                            block.vocab / mesh.tensor, gpu and stages == 1)
-            + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes))
+    loss = cost.loss_bytes(
+        rest_tokens / ctx.local_seq / microbatches,
+        ctx.local_seq,
+        block.loss_chunk,
+        block.vocab / mesh.tensor,
+        gpu and stages == 1,
+    ) + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)
     residual = ctx.local(layer.residual, block.d)  # one stage input
-    memory = {"states": cost.state_bytes(params, grad_accum),
-              # without remat every layer's compute-layout weights (FSDP: gathered) are kept for its
-              # backward; with it, one layer's gathered weights and gradient, double-buffered
-              "weights": (tick_weights if stages > 1 else per_stage * weights * opts.act_bytes if policy == "none" else
-                          2 * summary.fsdp_w * cost.STATE_BYTES if mesh.fsdp > 1 else 0.0),
-              # pipelined over data x fsdp: each batch replica's float32 copy of its stage's weights
-              # (FSDP: gathered once before the tick loop); its gradient accumulator: see `working`
-              "gathered": replica,
-              # under autodiff the tick loop keeps every tick's stage activations (the scan's residuals);
-              # remat.pipeline=stage keeps only each tick's stage input
-              # 1F1B keeps cost.ring_slots items per stage whatever M is
-              "activations": (f1b_items * (residual * opts.act_bytes if staged else per_tick * summary.saved)
-                              if sched.f1b else
-                              sched.ticks * residual * opts.act_bytes if staged else sched.runs * summary.saved),
-              # the peak's transient part: the loss's float32 logits chunk with the embedding table and
-              # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
-              # or one layer's backward (its recomputed activations under remat, st's and the context
-              # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
-              "transient": 0.0,
-              # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
-              "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 else 0.0,
-              # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
-              "pipeliner": pipeliner,
-              # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
-              "double_buffer": double_buffer}
+    memory = {
+        "states": cost.state_bytes(params, grad_accum),
+        # without remat every layer's compute-layout weights (FSDP: gathered) are kept for its
+        # backward; with it, one layer's gathered weights and gradient, double-buffered
+        "weights": (
+            tick_weights
+            if stages > 1
+            else per_stage * weights * opts.act_bytes
+            if policy == "none"
+            else 2 * summary.fsdp_w * cost.STATE_BYTES
+            if mesh.fsdp > 1
+            else 0.0
+        ),
+        # pipelined over data x fsdp: each batch replica's float32 copy of its stage's weights
+        # (FSDP: gathered once before the tick loop); its gradient accumulator: see `working`
+        "gathered": replica,
+        # under autodiff the tick loop keeps every tick's stage activations (the scan's residuals);
+        # remat.pipeline=stage keeps only each tick's stage input
+        # 1F1B keeps cost.ring_slots items per stage whatever M is
+        "activations": (
+            f1b_items * (residual * opts.act_bytes if staged else per_tick * summary.saved)
+            if sched.f1b
+            else sched.ticks * residual * opts.act_bytes
+            if staged
+            else sched.runs * summary.saved
+        ),
+        # the peak's transient part: the loss's float32 logits chunk with the embedding table and
+        # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
+        # or one layer's backward (its recomputed activations under remat, st's and the context
+        # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
+        "transient": 0.0,
+        # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
+        "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 else 0.0,
+        # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
+        "pipeliner": pipeliner,
+        # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
+        "double_buffer": double_buffer,
+    }
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
     # the layer policy keeps, then runs their backward one layer at a time.
@@ -646,8 +765,9 @@ def memory_bytes(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary:
     return memory
 
 
-def link_bytes_per_step(pr: Pricer, grad_accum: int, summary: LayerSummary, sched: Schedule,
-                        colls: StepCollectives) -> dict:
+def link_bytes_per_step(
+    pr: Pricer, grad_accum: int, summary: LayerSummary, sched: Schedule, colls: StepCollectives
+) -> dict:
     """Bytes on each GPU's links per step ({"intra", "inter"} node), recomputed collectives included."""
     links = {k: v * sched.executed for k, v in summary.tensor_links.items()}
     for c, times in colls.counted:
@@ -656,44 +776,74 @@ def link_bytes_per_step(pr: Pricer, grad_accum: int, summary: LayerSummary, sche
     return {k: grad_accum * v for k, v in links.items()}
 
 
-def trainer_overrides(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer,
-                      sched: Schedule) -> tuple[str, str, bool, str]:
+def trainer_overrides(
+    pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, sched: Schedule
+) -> tuple[str, str, bool, str]:
     """(runnable status, strategy, sequence_parallel, the trainer's --config overrides that run the plan)."""
     ctx, opts, block, stages = pr.ctx, pr.opts, pr.ctx.block, sched.stages
     status, strategy, sp = runnable(block, mesh, layer)
     from boost_jax.parallel.strategies import registered  # imports jax: not at the planner's import
 
     if status == "yes" and ctx.context_kv == "bottleneck" and not registered(strategy).keeps_whole_rank:
-        status, strategy, sp = (f"no: context_kv=bottleneck rebuilds K/V from the whole r-wide activations, which "
-                                f"{strategy} splits over tensor"), "", False
+        status, strategy, sp = (
+            (
+                f"no: context_kv=bottleneck rebuilds K/V from the whole r-wide activations, which "
+                f"{strategy} splits over tensor"
+            ),
+            "",
+            False,
+        )
     context = ""
     if mesh.context > 1:
-        context = (f"--config.parallel.context={mesh.context} --config.parallel.context_attention="
-                   f"{ctx.context_attention} --config.parallel.context_kv={ctx.context_kv} ")
+        context = (
+            f"--config.parallel.context={mesh.context} --config.parallel.context_attention="
+            f"{ctx.context_attention} --config.parallel.context_kv={ctx.context_kv} "
+        )
     flags = ""
     if status == "yes":
-        flags = ((f"--config.parallel.pipeline={stages} --config.parallel.microbatches={sched.microbatches} "
-                  if stages > 1 else "")
-                 + (f"--config.parallel.pipeline_schedule=circular --config.parallel.pipeline_repeats={sched.repeats} "
-                    if sched.name == "circular" else "")
-                 + ("--config.parallel.pipeline_schedule=1f1b " if sched.f1b else "")
-                 + (f"--config.parallel.pipeline_repeats={sched.repeats} " if sched.f1b and sched.repeats > 1 else "")
-                 + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} " + context
-                 + f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
-                 + ("--config.parallel.sequence_parallel=true " if sp else "")
-                 + (f"--config.parallel.linear_partition={linear_partition(layer)} "
-                    if partitions.ST in layer.choices else "")
-                 + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
-                 + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
-                 f"--config.train.seq_len={opts.seq} "
-                 + (f"--config.model.max_seq_len={opts.seq} " if opts.seq > block.max_seq_len else "")
-                 + f"--config.remat.policy={pr.policy} --config.model.scan_unroll=false"
-                 + (" --config.remat.pipeline=stage" if sched.staged else ""))
+        flags = (
+            (
+                f"--config.parallel.pipeline={stages} --config.parallel.microbatches={sched.microbatches} "
+                if stages > 1
+                else ""
+            )
+            + (
+                f"--config.parallel.pipeline_schedule=circular --config.parallel.pipeline_repeats={sched.repeats} "
+                if sched.name == "circular"
+                else ""
+            )
+            + ("--config.parallel.pipeline_schedule=1f1b " if sched.f1b else "")
+            + (f"--config.parallel.pipeline_repeats={sched.repeats} " if sched.f1b and sched.repeats > 1 else "")
+            + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
+            + context
+            + f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
+            + ("--config.parallel.sequence_parallel=true " if sp else "")
+            + (
+                f"--config.parallel.linear_partition={linear_partition(layer)} "
+                if partitions.ST in layer.choices
+                else ""
+            )
+            + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
+            + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
+            f"--config.train.seq_len={opts.seq} "
+            + (f"--config.model.max_seq_len={opts.seq} " if opts.seq > block.max_seq_len else "")
+            + f"--config.remat.policy={pr.policy} --config.model.scan_unroll=false"
+            + (" --config.remat.pipeline=stage" if sched.staged else "")
+        )
     return status, strategy, sp, flags
 
 
-def price_plan(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_token: float,
-               microbatches: int = 1, schedule: str = "gpipe", repeats: int = 1, stage_remat: str = "none") -> Plan:
+def price_plan(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    flops_per_token: float,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    stage_remat: str = "none",
+) -> Plan:
     """Price a whole plan: L identical layers (pipelined: V M + S - 1 ticks of L/(S V) layers per
     stage, V = 1 for GPipe; `stage_remat` "stage" re-runs each stage's forward in the backward),
     embedding and head, data/fsdp traffic, stage hand-overs, optimizer: its time (`step_seconds`),
@@ -712,25 +862,43 @@ def price_plan(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, flops_per_
     links = link_bytes_per_step(pr, grad_accum, summary, sched, colls)
     status, strategy, sp, flags = trainer_overrides(pr, mesh, grad_accum, layer, sched)
     tokens = pr.opts.batch * pr.opts.seq
-    return Plan(mesh=mesh, grad_accum=grad_accum, remat=pr.policy, layer=layer, step_s=step_s,
-                tokens_per_s=tokens / step_s,
-                mfu=flops_per_token * tokens / (step_s * mesh.devices * pr.cluster.peak_flops),
-                memory=memory, link_bytes=links, layer_cost=summary.cost, rest_cost=rest_cost,
-                exposed_dp_s=exposed, optimizer_s=optimizer_s,
-                layer_colls=summary.tensor_colls + colls.data_once + colls.data,
-                redo_colls=summary.recomputed,
-                rest_colls=[c for c, _ in colls.rest] + colls.data_rest, tokens=ctx.tokens,
-                runnable=status, strategy=strategy, sequence_parallel=sp, overrides=flags,
-                microbatches=sched.microbatches, bubble=cost.bubble_fraction(sched.stages, sched.microbatches,
-                                                                             sched.repeats),
-                shift_s=colls.shift_seconds, pipeline_colls=colls.shift,
-                step_colls=[(c, sched.executed) for c in summary.tensor_colls + summary.recomputed] + colls.counted,
-                schedule=sched.name, repeats=sched.repeats, stage_remat=sched.stage_remat,
-                context_attention=ctx.context_attention if mesh.context > 1 else "",
-                context_kv=ctx.context_kv if mesh.context > 1 else "")
+    return Plan(
+        mesh=mesh,
+        grad_accum=grad_accum,
+        remat=pr.policy,
+        layer=layer,
+        step_s=step_s,
+        tokens_per_s=tokens / step_s,
+        mfu=flops_per_token * tokens / (step_s * mesh.devices * pr.cluster.peak_flops),
+        memory=memory,
+        link_bytes=links,
+        layer_cost=summary.cost,
+        rest_cost=rest_cost,
+        exposed_dp_s=exposed,
+        optimizer_s=optimizer_s,
+        layer_colls=summary.tensor_colls + colls.data_once + colls.data,
+        redo_colls=summary.recomputed,
+        rest_colls=[c for c, _ in colls.rest] + colls.data_rest,
+        tokens=ctx.tokens,
+        runnable=status,
+        strategy=strategy,
+        sequence_parallel=sp,
+        overrides=flags,
+        microbatches=sched.microbatches,
+        bubble=cost.bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
+        shift_s=colls.shift_seconds,
+        pipeline_colls=colls.shift,
+        step_colls=[(c, sched.executed) for c in summary.tensor_colls + summary.recomputed] + colls.counted,
+        schedule=sched.name,
+        repeats=sched.repeats,
+        stage_remat=sched.stage_remat,
+        context_attention=ctx.context_attention if mesh.context > 1 else "",
+        context_kv=ctx.context_kv if mesh.context > 1 else "",
+    )
 
 
 # ---------------------------------------------------------------- enumeration
+
 
 def meshes(devices: int, stages=(1,), contexts=(1,)):
     """Every pipeline x data x fsdp x context x tensor factorisation with pipeline in `stages` and
@@ -763,11 +931,15 @@ def context_sizes(devices: int, seq: int, opts: Options, attention: str) -> list
         if c < 1 or devices % c:
             raise ValueError(f"--context: {c} does not divide --devices {devices}")
         if c > 1 and seq % (2 * c):
-            raise ValueError(f"--context: {c} devices hold 2 of {2 * c} equal chunks of each row, which --seq {seq} "
-                             f"does not split into; use a C with seq a multiple of 2C")
+            raise ValueError(
+                f"--context: {c} devices hold 2 of {2 * c} equal chunks of each row, which --seq {seq} "
+                f"does not split into; use a C with seq a multiple of 2C"
+            )
         if c > 1 and not takes_context(attention):
-            raise ValueError(f"--context: --attention {attention} cannot run with the sequence split over context; use "
-                             f"one of {tuple(n for n in names() if takes_context(n))}")
+            raise ValueError(
+                f"--context: --attention {attention} cannot run with the sequence split over context; use "
+                f"one of {tuple(n for n in names() if takes_context(n))}"
+            )
     if opts.context:
         return sorted(set(opts.context))
     if not takes_context(attention):
@@ -781,8 +953,9 @@ def context_modes(block: partitions.Block, context: int, opts: Options) -> list[
     C = 1, where neither applies."""
     if context == 1:
         return [("ring", "full")]
-    bad = ([x for x in opts.context_attention if x not in CONTEXT_ATTENTION]
-           + [x for x in opts.context_kv if x not in CONTEXT_KV])
+    bad = [x for x in opts.context_attention if x not in CONTEXT_ATTENTION] + [
+        x for x in opts.context_kv if x not in CONTEXT_KV
+    ]
     if bad:
         raise ValueError(f"--context-attention / --context-kv: {bad} not in {CONTEXT_ATTENTION} / {CONTEXT_KV}")
     return [(a, kv) for a in opts.context_attention for kv in opts.context_kv if kv == "full" or block.factored]
@@ -793,8 +966,10 @@ def stage_counts(devices: int, layers: int, opts: Options) -> list[int]:
     cuts the stack into equal stages), restricted to opts.pipeline when given."""
     out = [s for s in _divisors(devices) if layers % s == 0 and (not opts.pipeline or s in opts.pipeline)]
     if not out:
-        raise ValueError(f"--pipeline: none of {list(opts.pipeline) or 'the sizes'} divides both --devices "
-                         f"{devices} and the model's {layers} layers")
+        raise ValueError(
+            f"--pipeline: none of {list(opts.pipeline) or 'the sizes'} divides both --devices "
+            f"{devices} and the model's {layers} layers"
+        )
     return out
 
 
@@ -817,7 +992,8 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
     if stages == 1:
         return [("gpipe", 1, "none")]
     bad = [x for x in opts.schedules if x not in cost.PIPELINE_SCHEDULES] + [
-        x for x in opts.stage_remat if x not in cost.STAGE_REMAT]
+        x for x in opts.stage_remat if x not in cost.STAGE_REMAT
+    ]
     if bad:
         raise ValueError(f"--schedule / --stage-remat: {bad} not in {cost.PIPELINE_SCHEDULES} / {cost.STAGE_REMAT}")
     out = []
@@ -836,7 +1012,8 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
         if schedule == "1f1b":  # V = 1, and interleaved (V > 1) where the micro-batches go in groups of S
             # (not at the deep M: its bubble is at most 1/9 there, and interleaving costs V x the hand-overs)
             reps = ([1] if opts.repeats in (0, 1) else []) + [
-                v for v in reps if microbatches % stages == 0 and not deep]
+                v for v in reps if microbatches % stages == 0 and not deep
+            ]
         out += [(schedule, v, staged) for v in reps for staged in opts.stage_remat]
     return out
 
@@ -865,20 +1042,37 @@ def plan_attention(opts: Options, block: partitions.Block, context: int) -> str:
     (cost.attention_kind), under context as it runs there (model/attention/registry.py under_context)."""
     from boost_jax.model.attention import under_context  # imports jax: once per search
 
-    return cost.attention_kind(under_context(opts.attention) if context > 1 else opts.attention, block, opts.seq,
-                            opts.act_bytes)
+    return cost.attention_kind(
+        under_context(opts.attention) if context > 1 else opts.attention, block, opts.seq, opts.act_bytes
+    )
 
 
-def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, layer: Layer, opts: Options,
-             flops_per_token: float | None = None, microbatches: int = 0, schedule: str = "gpipe", repeats: int = 1,
-             stage_remat: str = "none", context_attention: str = "ring", context_kv: str = "full") -> Plan:
+def plan_for(
+    cfg,
+    cluster: Cluster,
+    mesh: Mesh,
+    grad_accum: int,
+    remat: str,
+    layer: Layer,
+    opts: Options,
+    flops_per_token: float | None = None,
+    microbatches: int = 0,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    stage_remat: str = "none",
+    context_attention: str = "ring",
+    context_kv: str = "full",
+) -> Plan:
     """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan.
     `microbatches`: micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S); `schedule`,
     `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
     `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1."""
     block = partitions.Block.from_config(cfg)
-    opts = dataclasses.replace(opts, pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
-                               double_buffered=cost.double_buffering(opts.double_buffered))
+    opts = dataclasses.replace(
+        opts,
+        pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
+        double_buffered=cost.double_buffering(opts.double_buffered),
+    )
     _RUNNABLE.clear()
     _CHOICES.clear()
     stages = mesh.pipeline
@@ -887,18 +1081,37 @@ def plan_for(cfg, cluster: Cluster, mesh: Mesh, grad_accum: int, remat: str, lay
         raise ValueError(f"{stages} pipeline stages do not divide the model's {block.layers} layers")
     check_pipeline(block.layers, stages, m, schedule, repeats, stage_remat)
     context_sizes(mesh.devices, opts.seq, dataclasses.replace(opts, context=(mesh.context,)), opts.attention)
-    if (context_attention, context_kv) not in context_modes(block, mesh.context, dataclasses.replace(
-            opts, context_attention=(context_attention,), context_kv=(context_kv,))) and mesh.context > 1:
-        raise ValueError(f"--context-kv: bottleneck passes the r-wide activations of a factored kind; "
-                         f"model.linear={cfg.model.linear} has none")
+    if (context_attention, context_kv) not in context_modes(
+        block, mesh.context, dataclasses.replace(opts, context_attention=(context_attention,), context_kv=(context_kv,))
+    ) and mesh.context > 1:
+        raise ValueError(
+            f"--context-kv: bottleneck passes the r-wide activations of a factored kind; "
+            f"model.linear={cfg.model.linear} has none"
+        )
     micro = opts.batch // grad_accum // (mesh.data * mesh.fsdp * m)
     if micro * grad_accum * mesh.data * mesh.fsdp * m != opts.batch:
-        raise ValueError(f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
-                         f"micro-batches over data x fsdp = {mesh.data * mesh.fsdp}")
+        raise ValueError(
+            f"--batch {opts.batch} does not split into {grad_accum} micro-batches of {m} pipeline "
+            f"micro-batches over data x fsdp = {mesh.data * mesh.fsdp}"
+        )
     kind = plan_attention(opts, block, mesh.context)
-    pr = Pricer(partitions.Ctx(block, mesh.tensor, micro * opts.seq // mesh.context, opts.seq,
-                      mesh.fsdp == mesh.tensor and mesh.context == 1, kind, opts.act_bytes, mesh.context,
-                      context_attention, context_kv), cluster, remat, opts)
+    pr = Pricer(
+        partitions.Ctx(
+            block,
+            mesh.tensor,
+            micro * opts.seq // mesh.context,
+            opts.seq,
+            mesh.fsdp == mesh.tensor and mesh.context == 1,
+            kind,
+            opts.act_bytes,
+            mesh.context,
+            context_attention,
+            context_kv,
+        ),
+        cluster,
+        remat,
+        opts,
+    )
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     return price_plan(pr, mesh, grad_accum, layer, fpt, m, schedule, repeats, stage_remat)
 
@@ -919,14 +1132,16 @@ def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, r
         if layers % (stages * repeats):
             raise ValueError(f"pipeline_repeats {repeats} does not divide the {layers // stages} layers per stage")
         if microbatches % stages:
-            raise ValueError(f"interleaved 1f1b runs the micro-batches in groups of {stages} stages ({microbatches} "
-                             f"micro-batches)")
+            raise ValueError(
+                f"interleaved 1f1b runs the micro-batches in groups of {stages} stages ({microbatches} micro-batches)"
+            )
     if schedule == "circular":
         if layers % (stages * repeats):
             raise ValueError(f"pipeline_repeats {repeats} does not divide the {layers // stages} layers per stage")
         if microbatches < stages:
-            raise ValueError(f"the circular schedule needs at least one micro-batch per stage ({microbatches} < "
-                             f"{stages})")
+            raise ValueError(
+                f"the circular schedule needs at least one micro-batch per stage ({microbatches} < {stages})"
+            )
 
 
 def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: float | None = None) -> Result:
@@ -940,8 +1155,11 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     every plan). The result is the same either way; `smallest` is the least memory among the plans
     priced, which is every plan when none fits (the case it explains)."""
     block = partitions.Block.from_config(cfg)
-    opts = dataclasses.replace(opts, pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
-                               double_buffered=cost.double_buffering(opts.double_buffered))
+    opts = dataclasses.replace(
+        opts,
+        pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
+        double_buffered=cost.double_buffering(opts.double_buffered),
+    )
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     contexts = context_sizes(devices, opts.seq, opts, opts.attention)
     kinds = {c: plan_attention(opts, block, c) for c in contexts}
@@ -954,8 +1172,10 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
         ways = mesh.data * mesh.fsdp
         grid = mesh.fsdp == mesh.tensor and mesh.context == 1
         kind = kinds[mesh.context]
-        if any(not group_choices(partitions.Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g)
-               for g in partitions.GROUPS):
+        if any(
+            not group_choices(partitions.Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g)
+            for g in partitions.GROUPS
+        ):
             continue  # no choice splits some group over this tensor size
         accums = [opts.grad_accum] if opts.grad_accum else _divisors(opts.batch)
         for accum in accums:
@@ -966,20 +1186,35 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
                 continue  # dominated: the mesh with C folded into data runs as many tokens per device unexchanged
             for micro in microbatch_counts(mesh.pipeline, rows, opts):
                 tokens = rows // micro * opts.seq // mesh.context
-                for policy, (attention, kv) in [(p, a) for p in policies(block, opts)
-                                                for a in context_modes(block, mesh.context, opts)]:
+                for policy, (attention, kv) in [
+                    (p, a) for p in policies(block, opts) for a in context_modes(block, mesh.context, opts)
+                ]:
                     key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv)
                     if key not in pricers:
-                        ctx = partitions.Ctx(block, mesh.tensor, tokens, opts.seq, grid, kind, opts.act_bytes,
-                                             mesh.context, attention, kv)
+                        ctx = partitions.Ctx(
+                            block,
+                            mesh.tensor,
+                            tokens,
+                            opts.seq,
+                            grid,
+                            kind,
+                            opts.act_bytes,
+                            mesh.context,
+                            attention,
+                            kv,
+                        )
                         pricers[key] = Pricer(ctx, cluster, policy, opts)
                     pr = pricers[key]
                     for layer in best_layers(pr, opts.keep):
                         for schedule, repeats, staged in pipeline_variants(block.layers, mesh.pipeline, micro, opts):
-                            bound = (lower_bound(pr, mesh, accum, layer, micro, schedule, repeats, staged)
-                                     if opts.prune else 0.0)
-                            candidates.append((bound, len(candidates), pr, mesh, accum, layer, micro, schedule, repeats,
-                                               staged))
+                            bound = (
+                                lower_bound(pr, mesh, accum, layer, micro, schedule, repeats, staged)
+                                if opts.prune
+                                else 0.0
+                            )
+                            candidates.append(
+                                (bound, len(candidates), pr, mesh, accum, layer, micro, schedule, repeats, staged)
+                            )
     if opts.prune:
         candidates.sort(key=lambda c: (c[0], c[1]))
     plans, priced, rejected, smallest = [], 0, 0, None
@@ -1008,8 +1243,9 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
                 kth = heapq.nsmallest(opts.top, best.values())[-1]
     # Ties (data/fsdp-bound plans) go to what the trainer runs, then to the faster compute path, then to
     # the search order.
-    plans = [p for p, _ in sorted(plans, key=lambda x: (x[0].step_s, x[0].runnable != "yes",
-                                                        x[0].layer_cost.total, x[1]))]
+    plans = [
+        p for p, _ in sorted(plans, key=lambda x: (x[0].step_s, x[0].runnable != "yes", x[0].layer_cost.total, x[1]))
+    ]
     top, seen = [], set()
     for p in plans:  # distinct partitionings (and context modes), each at its best micro-batching and remat
         if (p.mesh, p.layer, p.context_attention, p.context_kv) not in seen:
@@ -1021,8 +1257,16 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     return Result(top, best_runnable, len(candidates), rejected, time.perf_counter() - start, smallest, priced)
 
 
-def lower_bound(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, microbatches: int = 1,
-                schedule: str = "gpipe", repeats: int = 1, stage_remat: str = "none") -> float:
+def lower_bound(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    stage_remat: str = "none",
+) -> float:
     """A lower bound on price_plan(...).step_s, cheap to compute: the same layer passes, embedding,
     head and optimizer, without the stage hand-overs and the exposed data/fsdp traffic (both >= 0)."""
     b = pr.ctx.block
@@ -1035,8 +1279,13 @@ def lower_bound(pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, microbatc
     if key not in pr._bounds:
         s = layer_summary(pr, layer)
         rest, rest_cost = rest_ops(pr, layer.residual, m)
-        pr._bounds[key] = (s.cost.total + (stage_forward(pr, s).forward if staged else 0.0), s.fsdp_w + s.grid_w,
-                           s.norm_w, rest_cost.total, sum(op.weights for op in rest) - b.d)
+        pr._bounds[key] = (
+            s.cost.total + (stage_forward(pr, s).forward if staged else 0.0),
+            s.fsdp_w + s.grid_w,
+            s.norm_w,
+            rest_cost.total,
+            sum(op.weights for op in rest) - b.d,
+        )
     layer_s, sharded_w, norm_w, rest_s, rest_fsdp_w = pr._bounds[key]
     per_stage = b.layers // stages
     runs = cost.pipeline_ticks(stages, m, repeats) * (per_stage // repeats)

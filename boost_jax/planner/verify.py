@@ -19,6 +19,7 @@ Memory: the planner's peak per device against `.memory_analysis()` of the full-d
 train step, compiled in float32 (the CPU backend computes bf16 partly in float32, so float32 is the
 dtype whose bytes it reports as a GPU would), priced with the attention the CPU runs.
 """
+
 from __future__ import annotations
 
 import re
@@ -50,13 +51,15 @@ def shrink(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES, grid: bool = Fa
     if grid:
         t = mesh.tensor
         if t * t > MAX_GRID_DEVICES:
-            raise ValueError(f"an st plan on a {t} x {t} grid needs {t * t} devices; --verify emulates at most "
-                             f"{MAX_GRID_DEVICES}")
+            raise ValueError(
+                f"an st plan on a {t} x {t} grid needs {t * t} devices; --verify emulates at most {MAX_GRID_DEVICES}"
+            )
         d = 2 if mesh.data > 1 and 2 * t * t <= max(max_devices, t * t) else 1
         return Mesh(d, t, t), d * t, min(seq, 128)
     c = 2 if mesh.context > 1 else 1  # a context plan: 2-way context (its attention and kv modes as planned)
-    t = max(k for k in range(1, min(mesh.tensor, max_devices // c) + 1) if mesh.tensor % k == 0 and
-            max_devices % k == 0)
+    t = max(
+        k for k in range(1, min(mesh.tensor, max_devices // c) + 1) if mesh.tensor % k == 0 and max_devices % k == 0
+    )
     f = 2 if mesh.fsdp > 1 and 2 * t * c <= max_devices else 1
     d = 2 if mesh.data > 1 and 2 * t * f * c <= max_devices else 1
     return Mesh(d, f, t, context=c), d * f, min(seq, 128)
@@ -92,33 +95,69 @@ def cpu_attention(cfg, seq: int, context: int = 1) -> str:
     return auto_impl(False, False, cfg.model.d_model // cfg.model.n_heads, seq, seq) if name == "auto" else name
 
 
-def predicted(cfg, cluster, mesh: Mesh, layer: Layer, remat: str, batch: int, seq: int,
-              context_attention: str = "ring", context_kv: str = "full") -> tuple[dict, float]:
+def predicted(
+    cfg,
+    cluster,
+    mesh: Mesh,
+    layer: Layer,
+    remat: str,
+    batch: int,
+    seq: int,
+    context_attention: str = "ring",
+    context_kv: str = "full",
+) -> tuple[dict, float]:
     """({(class, direction, kind): [count, elements]} per layer, the 2-layer program's bytes), and
     the peak memory per device of the float32 program."""
     modes = dict(context_attention=context_attention, context_kv=context_kv)
-    opts = Options(batch=batch, seq=seq, check_memory=False, act_bytes=ACT_BYTES,
-                   attention=cpu_attention(cfg, seq, mesh.context) if mesh.context > 1 else "auto")
+    opts = Options(
+        batch=batch,
+        seq=seq,
+        check_memory=False,
+        act_bytes=ACT_BYTES,
+        attention=cpu_attention(cfg, seq, mesh.context) if mesh.context > 1 else "auto",
+    )
     plan = plan_for(cfg, cluster, mesh, 1, remat, layer, opts, flops_per_token=0.0, **modes)
     whole = sum(_bytes(c.axis, c.elements) for c in plan.rest_colls + 2 * (plan.layer_colls + plan.redo_colls))
-    f32 = Options(batch=batch, seq=seq, check_memory=False, act_bytes=4,
-                  attention=cpu_attention(cfg, seq, mesh.context))
+    f32 = Options(
+        batch=batch, seq=seq, check_memory=False, act_bytes=4, attention=cpu_attention(cfg, seq, mesh.context)
+    )
     memory = plan_for(cfg, cluster, mesh, 1, remat, layer, f32, flops_per_token=0.0, **modes).memory["total"]
     return {"layer": _by_class(plan.layer_colls, plan.redo_colls), "whole": whole}, memory
 
 
-def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, batch: int, seq: int,
-             partition: str = "", memory: bool = False, context_attention: str = "ring",
-             context_kv: str = "full") -> tuple[dict, float | None]:
+def measured(
+    cfg,
+    mesh: Mesh,
+    strategy: str,
+    sequence_parallel: bool,
+    remat: str,
+    batch: int,
+    seq: int,
+    partition: str = "",
+    memory: bool = False,
+    context_attention: str = "ring",
+    context_kv: str = "full",
+) -> tuple[dict, float | None]:
     """The same from comm_report (compiled in COMPILE_DTYPE; bytes from elements as above)."""
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.update(sequence_parallel=sequence_parallel, linear_partition=partition)
     if mesh.context > 1:
         cfg.model.attention = cpu_attention(cfg, seq, mesh.context)
     label = f"{strategy}:{cfg.model.linear}"  # explicit linear: a bare name may mean another kind (report_linear)
-    rep = report(cfg, mesh=(mesh.data, mesh.fsdp, mesh.tensor), strategies=label, batch=batch, seq=seq,
-                 dtype=COMPILE_DTYPE, memory=memory, programs=("forward", "forward_backward"), remat=remat,
-                 context=mesh.context, context_attention=context_attention, context_kv=context_kv)
+    rep = report(
+        cfg,
+        mesh=(mesh.data, mesh.fsdp, mesh.tensor),
+        strategies=label,
+        batch=batch,
+        seq=seq,
+        dtype=COMPILE_DTYPE,
+        memory=memory,
+        programs=("forward", "forward_backward"),
+        remat=remat,
+        context=mesh.context,
+        context_attention=context_attention,
+        context_kv=context_kv,
+    )
     col = rep["strategies"][label]
     fwd, fb = col["programs"]["forward"], col["programs"]["forward_backward"]
     layer: dict = {}
@@ -127,7 +166,7 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
             continue
         kind, axis = key.split("@")[0], axis_group(key)
         f, b = fwd["per_layer"].get(key, {}), fb["per_layer"].get(key, {})
-        parts = ((("fwd", f), ("bwd", None)) if axis == "tensor" else (("fwd+bwd", None),))
+        parts = (("fwd", f), ("bwd", None)) if axis == "tensor" else (("fwd+bwd", None),)
         for direction, program in parts:
             if program is not None:
                 count, elements = program.get("count", 0), program.get("elements", 0)
@@ -140,7 +179,8 @@ def measured(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str
                 slot[0] += count
                 slot[1] += elements
     whole = sum(_bytes(axis_group(k), v["elements"]) for k, v in fb["rest"].items() if not _moves_nothing(k)) + 2 * sum(
-        _bytes(axis_group(k), v["elements"]) for k, v in fb["per_layer"].items() if not _moves_nothing(k))
+        _bytes(axis_group(k), v["elements"]) for k, v in fb["per_layer"].items() if not _moves_nothing(k)
+    )
     peak = col["memory"]["total_bytes"] if memory and col.get("memory") else None
     return {"layer": layer, "whole": whole}, peak
 
@@ -154,8 +194,11 @@ BOUND_TOLERANCE = 0.20
 def _bound(row: dict) -> dict:
     """A row the planner bounds from above: ok when measured <= predicted <= (1 + BOUND_TOLERANCE) x measured."""
     p, m = row["predicted"], row["measured"]
-    return {**row, "traffic": row["traffic"] + " (upper bound under context)",
-            "ok": row["ok"] or m <= p <= (1 + BOUND_TOLERANCE) * m}
+    return {
+        **row,
+        "traffic": row["traffic"] + " (upper bound under context)",
+        "ok": row["ok"] or m <= p <= (1 + BOUND_TOLERANCE) * m,
+    }
 
 
 def _moves_nothing(key: str) -> bool:
@@ -165,8 +208,14 @@ def _moves_nothing(key: str) -> bool:
 
 def _row(name: str, p: float, m: float, tolerance: float, counts=None) -> dict:
     ok = abs(p - m) <= tolerance * max(p, m)
-    row = {"traffic": name, "predicted": p, "measured": m, "ratio": p / m if m else float(p == 0), "ok": ok,
-           "counts": counts}
+    row = {
+        "traffic": name,
+        "predicted": p,
+        "measured": m,
+        "ratio": p / m if m else float(p == 0),
+        "ok": ok,
+        "counts": counts,
+    }
     if counts is not None:
         pc, mc = counts
         combined = name.endswith("all-reduce") and mc < pc  # XLA's all-reduce combiner (see the docstring)
@@ -193,9 +242,20 @@ def on_cpu(cfg):
     return cfg
 
 
-def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False, remat: str = "none",
-            batch: int = 2, seq: int = 64, layer: Layer | None = None, memory: bool = False,
-            context_attention: str = "ring", context_kv: str = "full") -> list[dict]:
+def compare(
+    cfg,
+    cluster,
+    mesh: Mesh,
+    strategy: str,
+    sequence_parallel: bool = False,
+    remat: str = "none",
+    batch: int = 2,
+    seq: int = 64,
+    layer: Layer | None = None,
+    memory: bool = False,
+    context_attention: str = "ring",
+    context_kv: str = "full",
+) -> list[dict]:
     """One row per traffic class and kind: predicted and measured bytes (and counts) per layer per
     device, whether they agree within TOLERANCE; data/fsdp bytes; the whole 2-layer program; with
     `memory`, the peak memory per device within MEMORY_TOLERANCE. `layer`: the plan's layer
@@ -206,22 +266,28 @@ def compare(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = F
     layer = layer or uniform_layer(cfg, strategy, sequence_parallel)
     modes = dict(context_attention=context_attention, context_kv=context_kv)
     pred, pred_memory = predicted(cfg, cluster, mesh, layer, remat, batch, seq, **modes)
-    meas, meas_memory = measured(cfg, mesh, strategy, sequence_parallel, remat, batch, seq, linear_partition(layer),
-                                 memory, **modes)
+    meas, meas_memory = measured(
+        cfg, mesh, strategy, sequence_parallel, remat, batch, seq, linear_partition(layer), memory, **modes
+    )
     rows = []
     for axis, direction in CLASSES:
         keys = sorted({k for k in list(pred["layer"]) + list(meas["layer"]) if k[:2] == (axis, direction)})
         for key in keys:
             (pc, pe), (mc, me) = pred["layer"].get(key, (0, 0.0)), meas["layer"].get(key, (0, 0.0))
-            rows.append(_row(f"{axis} {direction}: {key[2]}", _bytes(axis, pe), _bytes(axis, me), TOLERANCE,
-                             (pc, mc)))
+            rows.append(_row(f"{axis} {direction}: {key[2]}", _bytes(axis, pe), _bytes(axis, me), TOLERANCE, (pc, mc)))
     data = [sum(_bytes(k[0], v[1]) for k, v in d["layer"].items() if k[0] == "data_fsdp") for d in (pred, meas)]
     bound = mesh.context > 1 and mesh.data * mesh.fsdp > 1
     if any(data):
-        rows.append(_bound(_row("data/fsdp fwd+bwd", *data, TOLERANCE)) if bound else
-                    _row("data/fsdp fwd+bwd", *data, TOLERANCE))
-    rows.append(_bound(_row(WHOLE, pred["whole"], meas["whole"], TOLERANCE)) if bound else
-                _row(WHOLE, pred["whole"], meas["whole"], TOLERANCE))
+        rows.append(
+            _bound(_row("data/fsdp fwd+bwd", *data, TOLERANCE))
+            if bound
+            else _row("data/fsdp fwd+bwd", *data, TOLERANCE)
+        )
+    rows.append(
+        _bound(_row(WHOLE, pred["whole"], meas["whole"], TOLERANCE))
+        if bound
+        else _row(WHOLE, pred["whole"], meas["whole"], TOLERANCE)
+    )
     if memory:
         rows.append(_row(MEMORY, pred_memory, meas_memory, MEMORY_TOLERANCE))
     return rows
@@ -239,12 +305,16 @@ def pipeline_refusal(plan) -> str:
     does there that the planner does not price (seen at the test shapes). GPipe and circular plans
     (stage remat included) are compared."""
     if partitions.ST in plan.layer.choices:
-        return ("pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
-                "the tick loop, which the planner prices per tick")
+        return (
+            "pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
+            "the tick loop, which the planner prices per tick"
+        )
     if plan.layer.residual != "H" and plan.mesh.tensor > 1:
-        return (f"pipelined plans with a {plan.layer.residual} residual ({plan.strategy or 'mixed'}) are not "
-                "compared: the compiled step moves the embedding's rows over pipeline x data, which the planner "
-                "does not price")
+        return (
+            f"pipelined plans with a {plan.layer.residual} residual ({plan.strategy or 'mixed'}) are not "
+            "compared: the compiled step moves the embedding's rows over pipeline x data, which the planner "
+            "does not price"
+        )
     return ""
 
 
@@ -258,11 +328,14 @@ def verify_repeats(plan) -> int:
 def shrink_pipeline(mesh: Mesh, seq: int, max_devices: int = MAX_DEVICES, grid: bool = False) -> tuple[Mesh, int]:
     """(mesh, seq) to verify a pipelined plan on: 2 stages, then as `shrink` within what is left
     (`grid`: st groups, the fsdp x tensor grid kept whole, up to MAX_GRID_DEVICES in all)."""
-    inner, _, seq = shrink(Mesh(mesh.data, mesh.fsdp, mesh.tensor), seq,
-                           (MAX_GRID_DEVICES if grid else max_devices) // 2, grid=grid)
+    inner, _, seq = shrink(
+        Mesh(mesh.data, mesh.fsdp, mesh.tensor), seq, (MAX_GRID_DEVICES if grid else max_devices) // 2, grid=grid
+    )
     if grid and 2 * inner.devices > MAX_GRID_DEVICES:
-        raise ValueError(f"a pipelined st plan on a {inner.tensor} x {inner.tensor} grid needs "
-                         f"{2 * inner.devices} devices with 2 stages; --verify emulates at most {MAX_GRID_DEVICES}")
+        raise ValueError(
+            f"a pipelined st plan on a {inner.tensor} x {inner.tensor} grid needs "
+            f"{2 * inner.devices} devices with 2 stages; --verify emulates at most {MAX_GRID_DEVICES}"
+        )
     return Mesh(inner.data, inner.fsdp, inner.tensor, pipeline=2), seq
 
 
@@ -275,16 +348,34 @@ def _pipeline_class(axes, kind: str) -> str:
     return "tensor"
 
 
-def pipeline_config(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, remat: str, microbatches: int,
-                    seq: int, layer: Layer, schedule: str, repeats: int, stage_remat: str, layers_per_chunk: int):
+def pipeline_config(
+    cfg,
+    mesh: Mesh,
+    strategy: str,
+    sequence_parallel: bool,
+    remat: str,
+    microbatches: int,
+    seq: int,
+    layer: Layer,
+    schedule: str,
+    repeats: int,
+    stage_remat: str,
+    layers_per_chunk: int,
+):
     """(config, batch) the pipelined plan is compiled at: S x V x layers_per_chunk layers, one row per
     micro-batch per data x fsdp shard, the plan's schedule, remat and st groups."""
     batch = mesh.data * mesh.fsdp * microbatches
-    c = variant_config(cfg, strategy, cfg.model.linear, (mesh.data, mesh.fsdp, mesh.tensor), batch, seq,
-                       COMPILE_DTYPE, remat)
+    c = variant_config(
+        cfg, strategy, cfg.model.linear, (mesh.data, mesh.fsdp, mesh.tensor), batch, seq, COMPILE_DTYPE, remat
+    )
     c.model.n_layers = mesh.pipeline * repeats * layers_per_chunk
-    c.parallel.update(pipeline=mesh.pipeline, num_devices=mesh.devices, microbatches=microbatches,
-                      sequence_parallel=sequence_parallel, linear_partition=linear_partition(layer))
+    c.parallel.update(
+        pipeline=mesh.pipeline,
+        num_devices=mesh.devices,
+        microbatches=microbatches,
+        sequence_parallel=sequence_parallel,
+        linear_partition=linear_partition(layer),
+    )
     if schedule != "gpipe" or repeats != 1:
         c.parallel.update(pipeline_schedule=schedule, pipeline_repeats=repeats)
     c.remat.pipeline = stage_remat
@@ -294,8 +385,9 @@ def pipeline_config(cfg, mesh: Mesh, strategy: str, sequence_parallel: bool, rem
 def measured_pipeline(c) -> tuple[dict, dict]:
     """({class: {kind: [executions, elements]}} of the compiled train step (the trainer's program: the
     tick loop scanned, each collective counted once per trip), its memory_analysis)."""
-    compiled, mesh, _ = compile_program(c, "train_step", pick_devices(int(c.parallel.num_devices)),
-                                        int(c.model.n_layers), unroll=False)
+    compiled, mesh, _ = compile_program(
+        c, "train_step", pick_devices(int(c.parallel.num_devices)), int(c.model.n_layers), unroll=False
+    )
     out: dict = {}
     for col in parse_collectives(compiled.as_text(), mesh):
         if col.elements <= SCALAR:
@@ -322,6 +414,7 @@ def _executions(col, c) -> int:
     if branch is None:
         return col.trips
     from boost_jax.parallel.pipeline import ticks_1f1b  # imports jax: not at the planner's import
+
     stages, m, v = int(p.pipeline), int(p.microbatches), int(p.pipeline_repeats)
     ticks = ticks_1f1b(stages, m, v)
     runs = m * v if branch.group(1).count("cond/") == 1 else m
@@ -334,18 +427,29 @@ def predicted_pipeline(plan) -> dict:
     for c, times in plan.step_colls:
         if c.elements <= SCALAR or not times:
             continue
-        cls = {"data_fsdp": "data/fsdp", "pipeline_weights": "pipeline weights"}.get(
-            c.axis, c.axis)
+        cls = {"data_fsdp": "data/fsdp", "pipeline_weights": "pipeline weights"}.get(c.axis, c.axis)
         slot = out.setdefault(cls, {}).setdefault(c.kind, [0, 0.0])
         slot[0] += times
         slot[1] += times * c.elements
     return out
 
 
-def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel: bool = False,
-                     remat: str = "none", microbatches: int = 0, seq: int = 64, layer: Layer | None = None,
-                     schedule: str = "gpipe", repeats: int = 1, stage_remat: str = "none",
-                     layers_per_chunk: int = 1, memory: bool = True) -> list[dict]:
+def compare_pipeline(
+    cfg,
+    cluster,
+    mesh: Mesh,
+    strategy: str,
+    sequence_parallel: bool = False,
+    remat: str = "none",
+    microbatches: int = 0,
+    seq: int = 64,
+    layer: Layer | None = None,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    stage_remat: str = "none",
+    layers_per_chunk: int = 1,
+    memory: bool = True,
+) -> list[dict]:
     """A pipelined plan's whole-step collectives by traffic class (pipeline / tensor / st grid) and kind
     (executions and bytes within TOLERANCE; data/fsdp bytes only, XLA gathers per parameter) and its
     peak memory per device (MEMORY_TOLERANCE), against the compiled train step: the trainer's program
@@ -355,13 +459,18 @@ def compare_pipeline(cfg, cluster, mesh: Mesh, strategy: str, sequence_parallel:
     cfg = on_cpu(cfg)
     m = microbatches or 2 * mesh.pipeline
     if layer is None:
-        layer = (uniform_layer(cfg, strategy, sequence_parallel) if mesh.tensor > 1 else
-                 Layer("R", ("none",) * len(partitions.GROUPS), "R", "R"))
-    c, batch = pipeline_config(cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats,
-                               stage_remat, layers_per_chunk)
+        layer = (
+            uniform_layer(cfg, strategy, sequence_parallel)
+            if mesh.tensor > 1
+            else Layer("R", ("none",) * len(partitions.GROUPS), "R", "R")
+        )
+    c, batch = pipeline_config(
+        cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats, stage_remat, layers_per_chunk
+    )
     kw = dict(flops_per_token=0.0, microbatches=m, schedule=schedule, repeats=repeats, stage_remat=stage_remat)
-    plan = plan_for(c, cluster, mesh, 1, remat, layer, Options(batch=batch, seq=seq, check_memory=False,
-                                                               act_bytes=ACT_BYTES), **kw)
+    plan = plan_for(
+        c, cluster, mesh, 1, remat, layer, Options(batch=batch, seq=seq, check_memory=False, act_bytes=ACT_BYTES), **kw
+    )
     pred = predicted_pipeline(plan)
     meas, mem = measured_pipeline(c)
     rows = []

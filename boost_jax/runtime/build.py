@@ -10,20 +10,22 @@ The trainer, evaluate, generate, export, the tools (comm report, shardings, the 
 checks is the program the trainer runs. The steps carry their mesh and strategy (runtime/step.py):
 they compile alike wherever they are traced.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from boost_jax import xla_gpu_flags
 from boost_jax.kernels import platform
+from boost_jax.model import autos
 from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.model import autos
-from boost_jax import xla_gpu_flags
 from boost_jax.runtime.optim import make_optimizer
 from boost_jax.runtime.state import StateSpec, init_state, state_spec
 from boost_jax.runtime.step import bind, make_eval_step, make_train_step, next_token_loss
@@ -111,17 +113,33 @@ def build(cfg, devices=None, optimizer=None, *, validated: bool = False) -> Buil
         spec = state_spec(cfg, tx, mesh, strategy)
     t = cfg.train
     # A GPU step carries the GPU XLA flags itself, wherever it is compiled (deviceless included).
-    options = xla_gpu_flags.accepted(xla_gpu_flags.compiler_options(), mesh.devices.flat[0]) \
-        if platform.of(mesh.devices.flat[0]) == "gpu" and cfg.xla_gpu_flags else None
+    options = (
+        xla_gpu_flags.accepted(xla_gpu_flags.compiler_options(), mesh.devices.flat[0])
+        if platform.of(mesh.devices.flat[0]) == "gpu" and cfg.xla_gpu_flags
+        else None
+    )
     batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
-    train_step = jax.jit(make_train_step(spec.graphdef, tx, schedule, mesh, strategy,
-                                         jax.tree.map(lambda s: s.spec, spec.shardings["params"]), spec.pipeline),
-                         donate_argnums=0,
-                         in_shardings=(spec.shardings, batch_sharding), out_shardings=(spec.shardings, None),
-                         compiler_options=options)
+    train_step = jax.jit(
+        make_train_step(
+            spec.graphdef,
+            tx,
+            schedule,
+            mesh,
+            strategy,
+            jax.tree.map(lambda s: s.spec, spec.shardings["params"]),
+            spec.pipeline,
+        ),
+        donate_argnums=0,
+        in_shardings=(spec.shardings, batch_sharding),
+        out_shardings=(spec.shardings, None),
+        compiler_options=options,
+    )
     eval_sharding = NamedSharding(mesh, P(BATCH_AXES))
-    eval_step = jax.jit(make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum, mesh, strategy),
-                        in_shardings=(spec.shardings["params"], eval_sharding), compiler_options=options)
+    eval_step = jax.jit(
+        make_eval_step(spec.graphdef, t.eval_microbatches or t.grad_accum, mesh, strategy),
+        in_shardings=(spec.shardings["params"], eval_sharding),
+        compiler_options=options,
+    )
     return Built(cfg, mesh, strategy, tx, schedule, spec, train_step, batch_sharding, eval_step, eval_sharding)
 
 
@@ -141,8 +159,13 @@ def load_model(checkpoint: str):
         cfg.parallel.update(ONE_DEVICE)  # whatever mesh saved it: the abstract target carries the sharding
         cfg.remat.pipeline = "none"  # stage remat needs stages
         built = build(cfg, jax.devices()[:1])
-        return built.cfg, restore(root, {"params": built.spec.abstract["params"]}, step=step,
-                            hint="--checkpoint DIR/STEP", field="--checkpoint").state["params"]
+        return built.cfg, restore(
+            root,
+            {"params": built.spec.abstract["params"]},
+            step=step,
+            hint="--checkpoint DIR/STEP",
+            field="--checkpoint",
+        ).state["params"]
 
     cfg, params = read_newest(checkpoint, read)  # a step rotated away by a running trainer: the newest
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_from_config(cfg)))

@@ -16,6 +16,7 @@ and verified after a restore. A step that fails to read, or whose arrays do not 
 checksums or are not finite, is `CorruptCheckpoint`; `restore_newest_good` then falls back to the
 newest good step and renames the bad ones aside (`N.corrupt`), never deleting them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
 from boost_jax.errors import CheckpointError, CorruptCheckpoint
 
 RESTORE_HINT = "--config.restore_from=DIR/STEP"  # how the trainer picks a step; the tools pass theirs
@@ -97,12 +99,15 @@ def verify(tree, meta: dict, where: str, hint: str = RESTORE_HINT) -> None:
     saved = meta.get("checksums", {})
     wrong = sorted(k for k, v in sums.items() if k in saved and saved[k] != v)
     if wrong:
-        raise CorruptCheckpoint(f"{where}: {len(wrong)} array(s) do not match the checksums saved with them "
-                                f"({_names(wrong)}): the files were damaged after saving; it was left untouched; "
-                                f"use another step with {hint}")
+        raise CorruptCheckpoint(
+            f"{where}: {len(wrong)} array(s) do not match the checksums saved with them "
+            f"({_names(wrong)}): the files were damaged after saving; it was left untouched; "
+            f"use another step with {hint}"
+        )
     if bad:
-        raise CorruptCheckpoint(f"{where} holds NaN/inf values in {_names(bad)}; it was left untouched; "
-                                f"use another step with {hint}")
+        raise CorruptCheckpoint(
+            f"{where} holds NaN/inf values in {_names(bad)}; it was left untouched; use another step with {hint}"
+        )
 
 
 def resolve(path: str, field: str = "config field `restore_from`") -> tuple[Path, int | None]:
@@ -120,6 +125,7 @@ def resolve(path: str, field: str = "config field `restore_from`") -> tuple[Path
 def config_from_meta(meta: dict):
     """The run config a checkpoint was saved with, on top of today's defaults (new keys keep them)."""
     from boost_jax.config import base_config
+
     cfg = base_config()
     cfg.unlock()
     for section, values in meta["config"].items():
@@ -180,8 +186,10 @@ def read_newest(checkpoint: str, read, tries: int = 5, log=None):
             damaged[step] = e
             continue
         if damaged:
-            log(f"warning: {'; '.join(_what(damaged[s]) for s in sorted(damaged, reverse=True))}; using step "
-                f"{step}, the newest intact checkpoint in {root}")
+            log(
+                f"warning: {'; '.join(_what(damaged[s]) for s in sorted(damaged, reverse=True))}; using step "
+                f"{step}, the newest intact checkpoint in {root}"
+            )
         return result
 
 
@@ -211,9 +219,11 @@ def _all_damaged(root, damaged: dict) -> CheckpointError:
     if len(damaged) == 1:
         return next(iter(damaged.values()))
     newest = max(damaged)
-    return CorruptCheckpoint(f"every checkpoint in {root} is damaged (steps {sorted(damaged)}; the newest: "
-                             f"{_what(damaged[newest])}); they were left untouched; give another run, or one step of "
-                             "it, with --checkpoint DIR/STEP")
+    return CorruptCheckpoint(
+        f"every checkpoint in {root} is damaged (steps {sorted(damaged)}; the newest: "
+        f"{_what(damaged[newest])}); they were left untouched; give another run, or one step of "
+        "it, with --checkpoint DIR/STEP"
+    )
 
 
 def _damage(step_dir: Path, e: Exception, parts) -> str:
@@ -262,8 +272,10 @@ class _OrbaxErrors(logging.Filter):
     as one line (`_failed`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and ("orbax" in record.pathname.replace("\\", "/")
-                                                         or record.name in ("asyncio", "concurrent.futures")))
+        return not (
+            record.levelno >= logging.ERROR
+            and ("orbax" in record.pathname.replace("\\", "/") or record.name in ("asyncio", "concurrent.futures"))
+        )
 
 
 def quiet_orbax_errors() -> None:
@@ -271,6 +283,7 @@ def quiet_orbax_errors() -> None:
     logger and of absl (records of child loggers skip their parents' logger filters), once each; and
     `_closed_loop_is_quiet` as the hook for exceptions nothing can catch."""
     from absl import logging as absl_logging
+
     targets = [logging.getLogger("absl"), *logging.getLogger().handlers, absl_logging.get_absl_handler()]
     for target in targets:
         if not any(isinstance(f, _OrbaxErrors) for f in target.filters):
@@ -284,14 +297,19 @@ def _closed_loop_is_quiet(previous):
     `call_soon_threadsafe`, which tensorstore's writer threads call to complete the futures of a save
     whose event loop Orbax closed when the save failed (a full disk: their traceback, printed with no
     context, would follow the failure's one-line report). Every other exception goes to `previous`."""
+
     def hook(unraisable):
         tb, frames = unraisable.exc_traceback, []
         while tb is not None:
             frames.append(tb.tb_frame.f_code.co_name)
             tb = tb.tb_next
-        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-                and "call_soon_threadsafe" in frames):
+        if not (
+            unraisable.exc_type is RuntimeError
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and "call_soon_threadsafe" in frames
+        ):
             previous(unraisable)
+
     hook.__wrapped__ = previous
     return hook
 
@@ -313,8 +331,15 @@ class Restored:
     directory: Path  # the checkpoint root it came from
 
 
-def restore(source, abstract_state, *, step: int | None = None, hint: str = RESTORE_HINT, log=print,
-            field: str = "config field `restore_from`") -> Restored:
+def restore(
+    source,
+    abstract_state,
+    *,
+    step: int | None = None,
+    hint: str = RESTORE_HINT,
+    log=print,
+    field: str = "config field `restore_from`",
+) -> Restored:
     """The one way to restore. `source`: a run dir, its `checkpoints/` dir, one step dir, or an open
     Checkpointer (the run's own: it may rename damaged steps aside). `abstract_state`: ShapeDtypeStructs
     carrying the TARGET shardings (any mesh, any strategy), the whole train state or {"params": ...}
@@ -342,8 +367,16 @@ def restore(source, abstract_state, *, step: int | None = None, hint: str = REST
 
 
 class Checkpointer:
-    def __init__(self, directory: str | os.PathLike, *, keep: int, async_save: bool = True, create=True,
-                 owner: bool = False, hint: str = RESTORE_HINT):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: int,
+        async_save: bool = True,
+        create=True,
+        owner: bool = False,
+        hint: str = RESTORE_HINT,
+    ):
         """owner: this process holds the run directory's lock, so it may remove leftovers of unfinished
         saves (`*.orbax-checkpoint-tmp*`) and rename bad steps aside."""
         self.directory = Path(directory).resolve()
@@ -353,8 +386,9 @@ class Checkpointer:
         self._renames = owner and jax.process_index() == 0  # one process renames and removes
         if owner:
             quiet_orbax_errors()  # a failed save is reported once, as one line (`_failed`)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=create, cleanup_tmp_directories=owner)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=create, cleanup_tmp_directories=owner
+        )
         self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "meta"), options=options)
 
     def latest_step(self) -> int | None:
@@ -369,13 +403,19 @@ class Checkpointer:
         sums, bad = fingerprint(state)
         if bad:
             raise CheckpointError(f"not saving step {step}: NaN/inf in {_names(bad)}")
-        meta = {**meta, "param_shapes": {k: list(v) for k, v in _flat_shapes(state["params"]).items()},
-                "checksums": sums}
+        meta = {
+            **meta,
+            "param_shapes": {k: list(v) for k, v in _flat_shapes(state["params"]).items()},
+            "checksums": sums,
+        }
         self.wait()  # Orbax would wait for the previous save too; this way its failure is reported as such
         self.pending = step
         try:
-            return self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+            return self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
         except Exception as e:  # noqa: BLE001 - e.g. the disk filled up during the synchronous part
             self._failed(e)
 
@@ -388,9 +428,11 @@ class Checkpointer:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-            raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} is unreadable "
-                                    f"({_damage(self.directory / str(step), e, ['meta'])}); "
-                                    f"it was left untouched; restore another step with {self.hint}") from e
+            raise CorruptCheckpoint(
+                f"checkpoint {self.directory}/{step} is unreadable "
+                f"({_damage(self.directory / str(step), e, ['meta'])}); "
+                f"it was left untouched; restore another step with {self.hint}"
+            ) from e
 
     def check_compatible(self, step: int, abstract_state) -> dict:
         meta = self.read_meta(step)
@@ -407,7 +449,8 @@ class Checkpointer:
                 f"checkpoint {self.directory}/{step} does not fit this model "
                 f"({len(wrong)} shape mismatches, {len(missing)} missing, {len(extra)} unexpected):\n"
                 + "\n".join(lines)
-                + "\nThe checkpoint was left untouched. Use the config it was saved with, or a new run_dir.")
+                + "\nThe checkpoint was left untouched. Use the config it was saved with, or a new run_dir."
+            )
         return meta
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
@@ -419,24 +462,30 @@ class Checkpointer:
             if set(abstract_state) == {"params"}:
                 state = self._read_partial(step, abstract_state)
             else:
-                state = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state)))["state"]
+                state = self.manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+                )["state"]
         except Exception as e:  # noqa: BLE001
             where = self.directory / str(step)
             parts = _state_parts(where, whole=set(abstract_state) != {"params"})
-            raise CorruptCheckpoint(f"checkpoint {self.directory}/{step} could not be restored "
-                                    f"({_damage(where, e, parts)}); it was left untouched; "
-                                    f"restore another step with {self.hint}") from e
+            raise CorruptCheckpoint(
+                f"checkpoint {self.directory}/{step} could not be restored "
+                f"({_damage(where, e, parts)}); it was left untouched; "
+                f"restore another step with {self.hint}"
+            ) from e
         verify(state, meta, f"checkpoint {self.directory}/{step}", self.hint)
         return state, meta
 
     def _read_partial(self, step: int, target: dict) -> dict:
         """Only the arrays of `target` (a subtree of the saved state), in its shardings."""
         restore_args = jax.tree.map(
-            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target)
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
+        )
         with ocp.PyTreeCheckpointer() as reader:
-            return reader.restore(self.directory / str(step) / "state", args=ocp.args.PyTreeRestore(
-                item=target, restore_args=restore_args, partial_restore=True))
+            return reader.restore(
+                self.directory / str(step) / "state",
+                args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+            )
 
     def restore_newest_good(self, abstract_state, log=print):
         """(state, meta, step) of the newest step that restores intact. Damaged newer steps are skipped
@@ -452,15 +501,19 @@ class Checkpointer:
                 log(f"warning: {str(e).split('; it was left untouched')[0]}")
                 continue
             for bad in damaged if self._renames else ():
-                log(f"moved damaged checkpoint {self.directory / str(bad)} aside to "
-                    f"{move_aside(self.directory / str(bad), 'corrupt')}")
+                log(
+                    f"moved damaged checkpoint {self.directory / str(bad)} aside to "
+                    f"{move_aside(self.directory / str(bad), 'corrupt')}"
+                )
             if damaged:
                 self._reload()
                 log(f"falling back to step {step}, the newest intact checkpoint")
             return state, meta, step
         if damaged:
-            raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {damaged}); they were "
-                                  f"left untouched. Start a new run_dir, or restore another run with {self.hint}")
+            raise CheckpointError(
+                f"every checkpoint in {self.directory} is damaged (steps {damaged}); they were "
+                f"left untouched. Start a new run_dir, or restore another run with {self.hint}"
+            )
         raise CheckpointError(f"no checkpoint in {self.directory}")
 
     def move_newer_aside(self, step: int | None, log=print, *, suffix: str = "superseded", why: str = "") -> None:
@@ -469,8 +522,10 @@ class Checkpointer:
         newer = [s for s in self.all_steps() if step is None or s > step]
         why = why or ("a new run (checkpoint.supersede)" if step is None else f"newer than the restored step {step}")
         for s in newer if self._renames else ():
-            log(f"moved checkpoint {self.directory / str(s)} ({why}) aside to "
-                f"{move_aside(self.directory / str(s), suffix)}")
+            log(
+                f"moved checkpoint {self.directory / str(s)} ({why}) aside to "
+                f"{move_aside(self.directory / str(s), suffix)}"
+            )
         if newer:
             self._reload()
 
@@ -478,6 +533,7 @@ class Checkpointer:
         """Re-list the steps after process 0 renamed some (every process must see the same list)."""
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices("boost_jax checkpoints renamed")
         self.manager.reload()
 
@@ -499,11 +555,13 @@ class Checkpointer:
         latest = self.committed_step()
         last = f"step {latest} in {self.directory}" if latest is not None else f"none (nothing in {self.directory})"
         reason = "" if isinstance(e, OSError) else os_reason(e)  # an OSError's text starts with it
-        self.failure = CheckpointError(f"saving step {step} failed{f': {reason}' if reason else ''} "
-                                       f"({type(e).__name__}: {one_line(e)}); "
-                                       f"{'its partial files were removed; ' if removed else ''}"
-                                       f"the last good checkpoint is {last}. Fix the cause (disk space, "
-                                       "permissions) and rerun to resume from it")
+        self.failure = CheckpointError(
+            f"saving step {step} failed{f': {reason}' if reason else ''} "
+            f"({type(e).__name__}: {one_line(e)}); "
+            f"{'its partial files were removed; ' if removed else ''}"
+            f"the last good checkpoint is {last}. Fix the cause (disk space, "
+            "permissions) and rerun to resume from it"
+        )
         raise self.failure from e
 
     def _remove_partial(self) -> list[str]:
@@ -545,6 +603,7 @@ class Checkpointer:
         import atexit
         import time
         import warnings
+
         warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
         start = quiet = time.monotonic()
         while time.monotonic() - quiet < quiet_s and time.monotonic() - start < limit_s:
@@ -565,5 +624,7 @@ def cannot_write(e: OSError, checkpoints: Path) -> CheckpointError | None:
     steps = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.is_dir() else []
     last = f"step {max(steps)} in {checkpoints}" if steps else f"none (nothing in {checkpoints})"
     why = f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]" if e.strerror else str(e)
-    return CheckpointError(f"cannot write {e.filename or checkpoints.parent} ({why}); the last good checkpoint is "
-                           f"{last}: free some space (or make it writable) and rerun to resume from it")
+    return CheckpointError(
+        f"cannot write {e.filename or checkpoints.parent} ({why}); the last good checkpoint is "
+        f"{last}: free some space (or make it writable) and rerun to resume from it"
+    )

@@ -9,11 +9,13 @@ Where the settings come from, first match wins:
   4. otherwise: a single process, nothing to do.
 It must run before anything asks JAX for devices (jax.devices, jax.process_index, any computation).
 """
+
 from __future__ import annotations
 
 import os
 
 import jax
+
 from boost_jax.errors import DistributedError
 
 CPU_COLLECTIVES = ("gloo", "mpi")
@@ -42,14 +44,20 @@ def settings(cfg) -> dict | None:
     if coordinator is None and num is None and pid is None:
         return {} if slurm else None  # {}: JAX reads everything from SLURM
     if not slurm:  # outside SLURM nothing can fill in a missing value
-        missing = [f"{field} (or ${env})" for field, env, v in (
-            ("distributed.coordinator_address", "BOOST_COORDINATOR", coordinator),
-            ("distributed.num_processes", "BOOST_NUM_PROCESSES", num),
-            ("distributed.process_id", "BOOST_PROCESS_ID", pid)) if v is None]
+        missing = [
+            f"{field} (or ${env})"
+            for field, env, v in (
+                ("distributed.coordinator_address", "BOOST_COORDINATOR", coordinator),
+                ("distributed.num_processes", "BOOST_NUM_PROCESSES", num),
+                ("distributed.process_id", "BOOST_PROCESS_ID", pid),
+            )
+            if v is None
+        ]
         if missing:
             raise DistributedError(
                 "a multi-process run needs all of coordinator address, process count and process id; "
-                f"missing: {', '.join(missing)}. Set them, or unset the others for a single process")
+                f"missing: {', '.join(missing)}. Set them, or unset the others for a single process"
+            )
     if num is not None and pid is not None and not 0 <= pid < num:
         raise DistributedError(f"config field `distributed.process_id`: {pid} is outside [0, num_processes={num})")
     return {"coordinator_address": coordinator, "num_processes": num, "process_id": pid}
@@ -66,8 +74,10 @@ def maybe_initialize(cfg) -> bool:
     impl = cfg.distributed.cpu_collectives
     if impl:
         if impl not in CPU_COLLECTIVES:
-            raise DistributedError(f"config field `distributed.cpu_collectives`: {impl!r} is not one of "
-                                   f"{CPU_COLLECTIVES} (or '' to keep JAX's default)")
+            raise DistributedError(
+                f"config field `distributed.cpu_collectives`: {impl!r} is not one of "
+                f"{CPU_COLLECTIVES} (or '' to keep JAX's default)"
+            )
         # Only the CPU backend reads it (cross-process collectives between CPU devices); harmless on GPU.
         jax.config.update("jax_cpu_collectives_implementation", impl)
     try:
@@ -77,7 +87,8 @@ def maybe_initialize(cfg) -> bool:
             raise DistributedError(
                 "jax.distributed.initialize() came after something asked JAX for devices; call "
                 "boost_jax.runtime.distributed.maybe_initialize(cfg) first thing (before jax.devices(), "
-                "jax.process_index() or any computation)") from e
+                "jax.process_index() or any computation)"
+            ) from e
         raise
     except ValueError as e:
         if args and None not in args.values():
@@ -86,5 +97,6 @@ def maybe_initialize(cfg) -> bool:
         raise DistributedError(
             f"SLURM_NTASKS={os.environ.get('SLURM_NTASKS')} asks for a multi-process run but JAX could not "
             f"detect the cluster ({e}); start each process with srun, or set BOOST_COORDINATOR, "
-            "BOOST_NUM_PROCESSES and BOOST_PROCESS_ID (distributed.* in the config)") from e
+            "BOOST_NUM_PROCESSES and BOOST_PROCESS_ID (distributed.* in the config)"
+        ) from e
     return True

@@ -9,6 +9,7 @@ batch: one compiled program), and `plan_eval` says so. A token budget (`train.ev
 split cannot meet is a ConfigError naming the numbers, raised by `plan_eval` (the trainer calls it
 at start-up, before anything compiles).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,7 @@ class EvalPlan:
     with a token budget `tokens`: at most these, until more than `tokens` were read), of the
     `split_rows` rows (`split_tokens` input tokens that are not padding) the split holds; `note`: a
     line saying that the split is smaller than asked ("" when it is not)."""
+
     rows: int
     tokens: int
     split_rows: int
@@ -37,8 +39,16 @@ class EvalPlan:
     note: str = ""
 
 
-def plan_eval(cfg, data, *, batches: int | None = None, tokens: int | None = None, split: str = "eval",
-              batches_field: str = "train.eval_batches", tokens_field: str = "train.eval_tokens") -> EvalPlan:
+def plan_eval(
+    cfg,
+    data,
+    *,
+    batches: int | None = None,
+    tokens: int | None = None,
+    split: str = "eval",
+    batches_field: str = "train.eval_batches",
+    tokens_field: str = "train.eval_tokens",
+) -> EvalPlan:
     """What an evaluation of `data` reads under cfg.train (`batches` / `tokens` in place of
     train.eval_batches / train.eval_tokens). A token budget the split does not exceed is a
     ConfigError naming `tokens_field`, the split's size and where a larger split comes from."""
@@ -50,22 +60,36 @@ def plan_eval(cfg, data, *, batches: int | None = None, tokens: int | None = Non
     if tokens:
         if tokens >= have:
             d = cfg.data
-            larger = ("more data" if split != "eval" else f"a larger data.eval_path (now {d.eval_path})"
-                      if d.eval_path else f"a larger data.eval_fraction (now {d.eval_fraction})")
+            larger = (
+                "more data"
+                if split != "eval"
+                else f"a larger data.eval_path (now {d.eval_path})"
+                if d.eval_path
+                else f"a larger data.eval_fraction (now {d.eval_fraction})"
+            )
             most = f"at most {have - 1:,} or " if have > 1 else ""
-            raise ConfigError(f"config field `{tokens_field}`: {tokens:,} tokens, but the {split} split holds "
-                              f"{have:,} in {rows:,} rows (data.batching={data.batching}, seq_len {t.seq_len}) and CoLA's "
-                              f"rule reads until more than {tokens:,} were read; set {most}0 (whole batches, "
-                              f"{batches_field}), or hold out more: {larger}")
+            raise ConfigError(
+                f"config field `{tokens_field}`: {tokens:,} tokens, but the {split} split holds "
+                f"{have:,} in {rows:,} rows (data.batching={data.batching}, seq_len {t.seq_len}) and CoLA's "
+                f"rule reads until more than {tokens:,} were read; set {most}0 (whole batches, "
+                f"{batches_field}), or hold out more: {larger}"
+            )
         return EvalPlan(rows, tokens, rows, have)
     if batches * g <= rows:
         return EvalPlan(batches * g, 0, rows, have)
     whole, part = divmod(rows, g)
-    shape = " and ".join(x for x in (f"{whole} whole batch{'es' if whole != 1 else ''}" if whole else "",
-                                     f"one partial batch of {part} rows + {g - part} padding rows, masked"
-                                     if part else "") if x)
-    note = (f"note: the {split} split holds {rows:,} rows ({have:,} tokens), fewer than {batches_field}={batches} "
-            f"batches of {g}: each evaluation reads every row once ({shape})")
+    shape = " and ".join(
+        x
+        for x in (
+            f"{whole} whole batch{'es' if whole != 1 else ''}" if whole else "",
+            f"one partial batch of {part} rows + {g - part} padding rows, masked" if part else "",
+        )
+        if x
+    )
+    note = (
+        f"note: the {split} split holds {rows:,} rows ({have:,} tokens), fewer than {batches_field}={batches} "
+        f"batches of {g}: each evaluation reads every row once ({shape})"
+    )
     return EvalPlan(rows, 0, rows, have, note)
 
 
@@ -90,8 +114,17 @@ def eval_batch(data, position: int, end: int):
     return rows
 
 
-def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | None = None,
-              field: str = "train.eval_tokens", stop=None, plan: EvalPlan | None = None) -> dict:
+def eval_loss(
+    built,
+    data,
+    params,
+    *,
+    batches: int | None = None,
+    tokens: int | None = None,
+    field: str = "train.eval_tokens",
+    stop=None,
+    plan: EvalPlan | None = None,
+) -> dict:
     """The eval loss of `params` over `batches` global batches of `data` (default train.eval_batches;
     all of a smaller split, once) or, when `tokens` (default train.eval_tokens) is set, over batches
     read as CoLA's evaluation loop reads them: before each batch it stops if more than `tokens` input
@@ -140,7 +173,14 @@ def eval_loss(built, data, params, *, batches: int | None = None, tokens: int | 
     batch_means = (sums / np.maximum(targets, 1) * held).sum(axis=1) / held.sum(axis=1)
     if not counted:
         batch_means = batch_means * np.nan
-    return {"loss": loss, "batches": n, "rows": int(sum(sizes)), "padding_rows": n * g - int(sum(sizes)),
-            "tokens": seen, "targets": counted,
-            "cola_loss": float(batch_means.sum()) / (n + 1), "cola_denominator": n + 1,
-            "cola_batch_rows": g // slices}
+    return {
+        "loss": loss,
+        "batches": n,
+        "rows": int(sum(sizes)),
+        "padding_rows": n * g - int(sum(sizes)),
+        "tokens": seen,
+        "targets": counted,
+        "cola_loss": float(batch_means.sum()) / (n + 1),
+        "cola_denominator": n + 1,
+        "cola_batch_rows": g // slices,
+    }

@@ -1,4 +1,5 @@
 """Throughput, MFU and the metric writers (JSONL always, TensorBoard when available)."""
+
 from __future__ import annotations
 
 import atexit
@@ -9,9 +10,19 @@ import sys
 
 # Dense bf16 peak FLOP/s per device, matched against `device.device_kind` by substring.
 PEAK_BF16_FLOPS = [
-    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12),
-    ("L40S", 362e12), ("A10G", 70e12), ("V100", 125e12),
-    ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v4", 275e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("V100", 125e12),
+    ("TPU v6", 918e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v4", 275e12),
 ]
 
 
@@ -26,8 +37,7 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, n_devices: i
     tok_s = tokens / max(seconds, 1e-9)
     tflops = flops_per_token * tok_s / n_devices / 1e12
     peak = peak_flops(device_kind)
-    return {"tokens_per_s": tok_s, "tflops_per_device": tflops,
-            "mfu": (tflops * 1e12 / peak) if peak else None}
+    return {"tokens_per_s": tok_s, "tflops_per_device": tflops, "mfu": (tflops * 1e12 / peak) if peak else None}
 
 
 def fmt_mfu(mfu) -> str:
@@ -60,8 +70,10 @@ def set_aside_torn_tail(path: str, block: int = 1 << 16) -> int:
         with open(path + ".torn", "ab") as side:
             side.write(tail + b"\n")
         f.truncate(cut)
-    print(f"note: {path} ended in a partial line ({len(tail)} bytes, a run stopped mid-write); "
-          f"moved it to {path}.torn", file=sys.stderr)
+    print(
+        f"note: {path} ended in a partial line ({len(tail)} bytes, a run stopped mid-write); moved it to {path}.torn",
+        file=sys.stderr,
+    )
     return len(tail)
 
 
@@ -83,6 +95,7 @@ class MetricsWriter:
         if enabled:
             try:
                 from tensorboardX import SummaryWriter
+
                 self._tb = _guard(SummaryWriter(self.tb_dir), self._failed)
                 atexit.register(self._at_exit)  # runs before tensorboardX's own exit hook (LIFO)
             except ImportError:
@@ -102,8 +115,12 @@ class MetricsWriter:
         if not self.enabled:
             return
         # NaN/inf are not JSON: such a value is left out of the row, like a missing one.
-        row = {"step": int(step), **{k: v for k, v in record.items()
-                                     if v is not None and not (isinstance(v, float) and not math.isfinite(v))}}
+        row = {
+            "step": int(step),
+            **{
+                k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and not math.isfinite(v))
+            },
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
@@ -113,10 +130,13 @@ class MetricsWriter:
         try:
             if not os.path.isdir(self.tb_dir):  # removed under the run: its event file is gone with it
                 from tensorboardX import SummaryWriter
+
                 _abandon(self._tb)
                 self._tb = _guard(SummaryWriter(self.tb_dir), self._failed)
-                self._note(f"note: {self.tb_dir} was removed while training; recreated it from step {step} "
-                           f"(the earlier scalars are in {self.path})")
+                self._note(
+                    f"note: {self.tb_dir} was removed while training; recreated it from step {step} "
+                    f"(the earlier scalars are in {self.path})"
+                )
             if self._failed:  # a logger thread's write or flush failed since the last row
                 raise self._failed[0]
             for key, value in row.items():
@@ -125,8 +145,10 @@ class MetricsWriter:
         except OSError as e:
             _abandon(self._tb)
             self._tb = None
-            self._note(f"note: TensorBoard logging stopped at step {step} (cannot write {self.tb_dir}: "
-                       f"{e.strerror or e}); {self.path} goes on")
+            self._note(
+                f"note: TensorBoard logging stopped at step {step} (cannot write {self.tb_dir}: "
+                f"{e.strerror or e}); {self.path} goes on"
+            )
 
     def close(self) -> None:
         atexit.unregister(self._at_exit)

@@ -1,5 +1,6 @@
 """What a run reports while it trains: metrics.jsonl + TensorBoard, the progress bar, throughput and
 MFU over each logging window, evaluations, and an optional profiler trace."""
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,15 @@ class Reporter:
         # smoothing=0: the rate is the steps since the compile over the time since (see _compiled). Steps
         # are dispatched ahead of the device and the loop waits for them at log points, so a smoothed
         # rate of recent updates would show the dispatch's speed, not the steps'.
-        self.bar = tqdm(total=self.total, initial=step, disable=not (self.main and self.progress),
-                        dynamic_ncols=True, desc=self.name, unit="step", smoothing=0)
+        self.bar = tqdm(
+            total=self.total,
+            initial=step,
+            disable=not (self.main and self.progress),
+            dynamic_ncols=True,
+            desc=self.name,
+            unit="step",
+            smoothing=0,
+        )
         self.first_step = step + 1  # this process's first step: its call traces and compiles the program
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
@@ -77,12 +85,22 @@ class Reporter:
             extra = {"pad_fraction": 1.0 - self.window_tokens / max(slots, 1), **extra}
         # A batch of documents without a single target has no loss (its sum over no targets reads 0).
         loss = _num(m["loss"]) if m["finite"] and int(m.get("targets", 1)) > 0 else None
-        record = {"loss": loss, "perplexity": None if loss is None else math.exp(min(loss, 50.0)),
-                  "grad_norm": _num(m["grad_norm"]), "lr": float(m["lr"]), "skipped_steps": skipped,
-                  "step_time_s": elapsed / self.window_steps, **rate, **extra}
+        record = {
+            "loss": loss,
+            "perplexity": None if loss is None else math.exp(min(loss, 50.0)),
+            "grad_norm": _num(m["grad_norm"]),
+            "lr": float(m["lr"]),
+            "skipped_steps": skipped,
+            "step_time_s": elapsed / self.window_steps,
+            **rate,
+            **extra,
+        }
         self.writer.write(step, record)
-        self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.3f}", tok_s=f"{rate['tokens_per_s']:.0f}",
-                             mfu=fmt_mfu(rate["mfu"]))
+        self.bar.set_postfix(
+            loss="skipped" if loss is None else f"{loss:.3f}",
+            tok_s=f"{rate['tokens_per_s']:.0f}",
+            mfu=fmt_mfu(rate["mfu"]),
+        )
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
         return record
 
@@ -96,8 +114,9 @@ class Reporter:
         counts = {f"eval_{k}": got[k] for k in ("rows", "tokens") if k in got}
         self.writer.write(step, {"eval_loss": loss, **({} if cola is None else {"eval_loss_cola": cola}), **counts})
         if say and self.main:
-            self.bar.write(f"step {step}: eval loss {loss:.4f}"
-                           + ("" if cola is None else f" (CoLA's reported form {cola:.4f})"))
+            self.bar.write(
+                f"step {step}: eval loss {loss:.4f}" + ("" if cola is None else f" (CoLA's reported form {cola:.4f})")
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -125,5 +144,7 @@ class Profiler:
             jax.block_until_ready(state)  # the traced steps' device work belongs in the trace
             jax.profiler.stop_trace()
             self.active = False
-            self.say(f"profile of steps {self.range[0]}..{step} written to {self.directory} "
-                     f"(tensorboard --logdir {self.directory}, profile tab)")
+            self.say(
+                f"profile of steps {self.range[0]}..{step} written to {self.directory} "
+                f"(tensorboard --logdir {self.directory}, profile tab)"
+            )

@@ -6,6 +6,7 @@ included), so a lock left by a dead run is stale by construction and is simply t
 text only serves to tell a second trainer who holds it. (On network filesystems flock is as good as
 the filesystem's lock support: NFSv4 and Lustre with `flock` mounts honour it.)
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -38,11 +39,17 @@ class RunLock:
                 who = f"host {h['host']} pid {h['pid']} (since {h['since']})"
             except (ValueError, KeyError, TypeError):
                 who = "another process"
-            raise RunDirBusy(f"config field `run_dir`: {self.path.parent} is in use by a trainer on {who}; "
-                             "wait for it, stop it, or choose another run_dir") from None
+            raise RunDirBusy(
+                f"config field `run_dir`: {self.path.parent} is in use by a trainer on {who}; "
+                "wait for it, stop it, or choose another run_dir"
+            ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            ).encode(),
+        )
         self._fd = fd
         return self
 
@@ -69,10 +76,12 @@ def open_run_dir(cfg, main_process: bool):
     except RunDirBusy as e:
         busy = e
     except OSError as e:
-        raise ConfigError(f"config field `run_dir`: cannot write to {run_dir} "
-                          f"({e.strerror or e}); choose a writable directory") from e
+        raise ConfigError(
+            f"config field `run_dir`: cannot write to {run_dir} ({e.strerror or e}); choose a writable directory"
+        ) from e
     if jax.process_count() > 1:  # every process learns whether process 0 got the lock
         from jax.experimental import multihost_utils
+
         if not np.all(multihost_utils.process_allgather(np.int32(busy is None))):
             raise busy or RunDirBusy(f"config field `run_dir`: {run_dir} is in use (see process 0)")
     elif busy:
@@ -81,8 +90,15 @@ def open_run_dir(cfg, main_process: bool):
 
 
 # Settings of one invocation, not of the run: changing them on resume is not worth a note.
-PER_INVOCATION = ("restore_from", "train.stop_at_step", "train.progress", "distributed.", "compile_cache",
-                  "profile_steps", "xla_gpu_flags")
+PER_INVOCATION = (
+    "restore_from",
+    "train.stop_at_step",
+    "train.progress",
+    "distributed.",
+    "compile_cache",
+    "profile_steps",
+    "xla_gpu_flags",
+)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -100,10 +116,13 @@ def note_config_change(run_dir: Path, cfg, step: int) -> None:
     except (OSError, ValueError):
         return
     new = _flat(json.loads(cfg.to_json_best_effort()))
-    changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items()
-               if old.get(k) != v and not k.startswith(PER_INVOCATION)]
+    changed = [
+        f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v and not k.startswith(PER_INVOCATION)
+    ]
     if changed:
         keep = path.with_name(f"config.before_step{step}.json")
         path.rename(keep)
-        print(f"note: resuming with a changed config ({'; '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}); "
-              f"the previous config.json is kept as {keep.name}")
+        print(
+            f"note: resuming with a changed config ({'; '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}); "
+            f"the previous config.json is kept as {keep.name}"
+        )

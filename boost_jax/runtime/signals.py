@@ -6,6 +6,7 @@ progress, with a checkpoint.
 arrives after the final save is absorbed too; `agree` makes every process of a multi-process run stop
 at the same step.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,13 +15,15 @@ import signal
 import numpy as np
 
 # Every signal that stops a run with a checkpoint (those this platform has).
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
-                     if hasattr(signal, name))
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
+)
 
 
 def agree(signal_name):
     """The signal any process received, or None; a collective, so all processes call it together."""
     from jax.experimental import multihost_utils
+
     got = multihost_utils.process_allgather(np.int32(signal_name is not None))
     return (signal_name or "SIGTERM") if np.any(got) else None
 
@@ -61,13 +64,17 @@ class StopFlag:
             _say(f"{name}: stopping after this step with a checkpoint (further signals wait for it)")
         elif self.interrupts >= 3:
             safe = self.committed()  # read from disk now: an async save may have committed since the last step
-            resume = ("from scratch" if safe is None else f"from step {safe}")
-            _say(f"{name} a third time: exiting without finishing the checkpoint; a rerun resumes {resume} "
-                 "and everything trained after it is lost")
+            resume = "from scratch" if safe is None else f"from step {safe}"
+            _say(
+                f"{name} a third time: exiting without finishing the checkpoint; a rerun resumes {resume} "
+                "and everything trained after it is lost"
+            )
             os._exit(130)
         else:
-            _say(f"{name} again: still stopping; waiting for the checkpoint to be written"
-                 + (" (a third SIGINT abandons it)" if signum == signal.SIGINT else ""))
+            _say(
+                f"{name} again: still stopping; waiting for the checkpoint to be written"
+                + (" (a third SIGINT abandons it)" if signum == signal.SIGINT else "")
+            )
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

@@ -8,6 +8,7 @@ restored like parameters, never differentiated or updated.
 the scanned stack), the strategy's rules turn them into PartitionSpecs, and the same shardings serve
 init, the jitted train step and Orbax restore (so a checkpoint is resharded onto whatever mesh runs).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.model import model_from_config
 from boost_jax.parallel.placement import Placement
@@ -82,20 +84,28 @@ def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     axes = logical_axes(model)
-    param_specs = jax.tree.map(lambda names, p: spec_for(names, p.shape, mesh, strategy.rules), axes, params,
-                               is_leaf=is_axes)
+    param_specs = jax.tree.map(
+        lambda names, p: spec_for(names, p.shape, mesh, strategy.rules), axes, params, is_leaf=is_axes
+    )
     opt_abstract = jax.eval_shape(tx.init, trainable(params))
     # Optimizer moments mirror their parameter's layout; scalars (counts) are replicated.
-    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, opt_abstract, trainable(params, param_specs),
-                                      transform_non_params=lambda _: P(),
-                                      is_leaf=lambda x: isinstance(x, P))
+    opt_specs = optax.tree_map_params(
+        tx,
+        lambda _, spec: spec,
+        opt_abstract,
+        trainable(params, param_specs),
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
     specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "rng": P()}
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-    abstract_values = {"params": params, "opt_state": opt_abstract,
-                       "step": jax.ShapeDtypeStruct((), jnp.int32),
-                       "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract_values, shardings)
+    abstract_values = {
+        "params": params,
+        "opt_state": opt_abstract,
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
+    }
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_values, shardings)
     return StateSpec(graphdef, abstract, shardings, axes, model.pipeline)
 
 
@@ -105,7 +115,11 @@ def init_state(cfg, tx, spec: StateSpec) -> dict:
     def init():
         model = model_from_config(cfg)
         params = nnx.to_pure_dict(nnx.state(model))
-        return {"params": params, "opt_state": tx.init(trainable(params)), "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32)}
+        return {
+            "params": params,
+            "opt_state": tx.init(trainable(params)),
+            "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(cfg.seed)).astype(jnp.uint32),
+        }
 
     return jax.jit(init, out_shardings=spec.shardings)()

@@ -5,6 +5,7 @@ that strategy's rules themselves (`bind`), so a step compiles to the same progra
 whenever it is traced: in the trainer, in a tool, in a test, inside or outside any `use_rules`.
 `boost_jax/runtime/build.py` is the one place that builds them from a config.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,7 +52,8 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         """batch: [grad_accum, micro_batch, T+1] (or a batch of documents with those leading dims).
         Micro-batch gradients are summed by a loop so only one gradient buffer lives at a time; the
         update is skipped (params and optimizer state kept) if the loss or the gradient norm is not
-        finite, and a weight the update would overflow keeps its value. A batch of documents is weighted by token: the loss is the
+        finite, and a weight the update would overflow keeps its value. A batch of documents is weighted by token:
+        the loss is the
         mean over every counted target of the global batch, however they fall into micro-batches."""
         params = state["params"]
         trained = trainable(params)  # differentiated; fixed integer leaves ride along unchanged
@@ -72,8 +74,12 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         grad_norm, finite, kept, opt_state = optimizer_update(tx, grads, state["opt_state"], trained, loss)
         # A skipped step still counts (and consumed its batch), so step, checkpoint label and data
         # position stay one counter.
-        new_state = {"params": with_frozen(kept, params), "opt_state": opt_state,
-                     "step": state["step"] + 1, "rng": state["rng"]}
+        new_state = {
+            "params": with_frozen(kept, params),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+        }
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite, **extra}
         return new_state, metrics
 
@@ -104,6 +110,7 @@ def make_eval_step(graphdef, microbatches: int = 1, mesh=None, strategy=None):
     count (model/batch.py: what the evaluator passes), (sum over the counted targets, counted
     targets, input tokens that are not padding), each a [microbatches] vector, one entry per slice:
     the evaluator sums them over batches, or averages the slices' means as CoLA reports its loss."""
+
     def eval_step(params, batch):
         loss = lambda x: next_token_loss(graphdef, params, x, with_z_loss=False)  # noqa: E731
         if batch_lib.is_documents(batch):

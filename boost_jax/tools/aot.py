@@ -20,6 +20,7 @@ numbers instead (tools/step_profile.py: a step-time table by category, fitted to
 Needs the `aot` extra (`pip install -e '.[aot]'` in a checkout: jax's CUDA plugin and the NVIDIA compilers as
 wheels; no GPU, driver or CUDA toolkit). Nothing here imports jax at module level.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ TARGETS_DIR = Path(__file__).with_name("targets")
 INSTALL = install_hint("aot")  # for how this package was installed
 USABLE = 0.9  # share of a GPU's memory a run may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)
 # (distribution, what it brings): jax's CUDA plugin, ptxas, libdevice, and cuDNN (jax checks its version)
-_NEEDED = (("jax-cuda13-plugin", "jax's CUDA plugin"), ("jax-cuda13-pjrt", "jax's CUDA PJRT"),
-           ("nvidia-cuda-nvcc", "ptxas"), ("nvidia-nvvm", "libdevice"), ("nvidia-cudnn-cu13", "cuDNN"))
+_NEEDED = (
+    ("jax-cuda13-plugin", "jax's CUDA plugin"),
+    ("jax-cuda13-pjrt", "jax's CUDA PJRT"),
+    ("nvidia-cuda-nvcc", "ptxas"),
+    ("nvidia-nvvm", "libdevice"),
+    ("nvidia-cudnn-cu13", "cuDNN"),
+)
 
 
 class AotError(SystemExit):
@@ -64,12 +70,14 @@ def target_memory(name: str) -> int:
 
 def missing() -> str:
     """What of the `aot` extra is not installed ('' when everything is)."""
+
     def found(dist):
         try:
             importlib.metadata.version(dist)
             return True
         except importlib.metadata.PackageNotFoundError:
             return False
+
     return ", ".join(f"{dist} ({what})" for dist, what in _NEEDED if not found(dist))
 
 
@@ -118,14 +126,18 @@ def devices(target: str, n: int, gpu_budget: bool = False, usable: float = USABL
     if key not in _DEVICES:
         import jax
         from jax._src import xla_bridge
+
         if not xla_bridge.backends_are_initialized():
             jax.config.update("jax_platforms", "cpu")  # no GPU here: the CUDA plugin must not try to start one
         from jax.experimental import topologies
+
         try:
             topo = topologies.get_topology_desc(platform="cuda", target_config=text, topology=topology_string(n))
         except Exception as e:  # noqa: BLE001 - the plugin's own words, on one line
-            raise AotError(f"--target {target}: jax could not describe {n} GPUs "
-                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check `{INSTALL}`") from e
+            raise AotError(
+                f"--target {target}: jax could not describe {n} GPUs "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check `{INSTALL}`"
+            ) from e
         _DEVICES[key] = list(topo.devices)
     return _DEVICES[key]
 
@@ -136,9 +148,14 @@ _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 _TRITON_NAME = re.compile(r'\bname\s*=\s*"([^"]+)"|"name"\s*:\s*"([^"]+)"')
 _MASK = re.compile(r'"mask_type"\s*:\s*"([A-Z_]+)"')
 _FUSION_KIND = re.compile(r'"kind"\s*:\s*"(__triton[\w]*|__cudnn[\w$]*|__cublas[\w$]*)"')
-_KERNEL_NAMES = {"__cublas$gemm": "cublas gemm", "__cublas$lt$matmul": "cublasLt matmul",
-                 "__triton_gemm": "triton gemm", "__triton_nested_gemm_fusion": "triton gemm",
-                 "__triton": "triton fusion", "__cudnn$fusion": "cudnn fusion"}
+_KERNEL_NAMES = {
+    "__cublas$gemm": "cublas gemm",
+    "__cublas$lt$matmul": "cublasLt matmul",
+    "__triton_gemm": "triton gemm",
+    "__triton_nested_gemm_fusion": "triton gemm",
+    "__triton": "triton fusion",
+    "__cudnn$fusion": "cudnn fusion",
+}
 
 
 def kernels(hlo_text: str) -> dict:
@@ -199,17 +216,32 @@ def peak_bytes(m) -> int:
 
 def analyze(compiled, mesh, device_memory: int, usable: float = USABLE, accumulation: int = 1) -> dict:
     m = compiled.memory_analysis()
-    arg, out, temp, alias = (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
-                             m.alias_size_in_bytes)
+    arg, out, temp, alias = (
+        m.argument_size_in_bytes,
+        m.output_size_in_bytes,
+        m.temp_size_in_bytes,
+        m.alias_size_in_bytes,
+    )
     peak = peak_bytes(m)
     limit = int(device_memory * usable)
     text = compiled.as_text()
-    return {"peak_bytes": peak, "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
-            "device_memory_bytes": device_memory, "usable_bytes": limit, "fits": peak <= limit,
-            "headroom_bytes": limit - peak, "kernels": kernels(text), "collectives": collectives(text, mesh, accumulation)}
+    return {
+        "peak_bytes": peak,
+        "argument_bytes": arg,
+        "output_bytes": out,
+        "temp_bytes": temp,
+        "alias_bytes": alias,
+        "device_memory_bytes": device_memory,
+        "usable_bytes": limit,
+        "fits": peak <= limit,
+        "headroom_bytes": limit - peak,
+        "kernels": kernels(text),
+        "collectives": collectives(text, mesh, accumulation),
+    }
 
 
 # ------------------------------------------------------------------------------------ compiling
+
 
 def _one_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -219,11 +251,13 @@ def _one_line(e: BaseException) -> str:
 def resolved(cfg) -> dict:
     """The config fields `auto` decides (model/autos.py), as the built step has them."""
     from boost_jax.model.autos import FIELDS
+
     return {key: cfg[key.split(".")[0]][key.split(".")[1]] for key in FIELDS}
 
 
-def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval"), usable: float = USABLE,
-                   profile: bool = False) -> dict:
+def compile_config(
+    cfg, target: str, n_devices: int, *, programs=("train", "eval"), usable: float = USABLE, profile: bool = False
+) -> dict:
     """Build `cfg` (its parallel.* mesh) on n deviceless `target` GPUs and compile its steps:
     {"target", "devices", "mesh", "train": analyze(...) + compile_s, "eval": ...}; with `profile`,
     "profile": the train step's time table (tools/step_profile.py), the steps then compiled under the
@@ -238,17 +272,24 @@ def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval
     sizes = {a: p[a] for a in ("pipeline", "data", "fsdp", "context", "tensor")}
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if fixed > n_devices or (-1 not in sizes.values() and fixed != n_devices and not p.num_devices):
-        raise AotError(f"--mesh: pipeline x data x fsdp x context x tensor = {fixed} devices but --devices {n_devices}; "
-                       "make them equal (or give one axis -1)")
+        raise AotError(
+            f"--mesh: pipeline x data x fsdp x context x tensor = {fixed} devices but --devices {n_devices}; "
+            "make them equal (or give one axis -1)"
+        )
     devs = devices(target, n_devices, gpu_budget=profile, usable=usable)
     try:
         built = build(cfg, devs)
     except ConfigError as e:
         raise AotError(f"{e}") from e
     memory = target_memory(target)
-    out = {"target": target, "device_kind": devs[0].device_kind, "devices": n_devices,
-           "mesh": dict(built.mesh.shape), "resolved": resolved(built.cfg),
-           "xla_budget": "gpu" if profile else "deviceless"}
+    out = {
+        "target": target,
+        "device_kind": devs[0].device_kind,
+        "devices": n_devices,
+        "mesh": dict(built.mesh.shape),
+        "resolved": resolved(built.cfg),
+        "xla_budget": "gpu" if profile else "deviceless",
+    }
     lower = {"train": built.lower_train, "eval": built.lower_eval}
     for program in programs:
         t0 = time.perf_counter()
@@ -257,14 +298,19 @@ def compile_config(cfg, target: str, n_devices: int, *, programs=("train", "eval
         except ConfigError as e:
             raise AotError(f"{e}") from e
         except NotImplementedError as e:  # jax's own refusals (cuDNN attention shapes, ...)
-            raise AotError(f"config cannot compile for {target} ({_one_line(e)}): set model.attention "
-                           "(chunked or pallas) or kernels.* to a path that takes these shapes") from e
+            raise AotError(
+                f"config cannot compile for {target} ({_one_line(e)}): set model.attention "
+                "(chunked or pallas) or kernels.* to a path that takes these shapes"
+            ) from e
         except Exception as e:  # noqa: BLE001 - XLA's refusals, on one line
             raise AotError(f"config cannot compile its {program} step for {target}: {_one_line(e)}") from e
-        out[program] = {**analyze(compiled, built.mesh, memory, usable, int(cfg.train.grad_accum)),
-                        "compile_s": time.perf_counter() - t0}
+        out[program] = {
+            **analyze(compiled, built.mesh, memory, usable, int(cfg.train.grad_accum)),
+            "compile_s": time.perf_counter() - t0,
+        }
         if profile and program == "train":
             from boost_jax.tools import step_profile
+
             out["profile"] = step_profile.profile(compiled.as_text(), target, int(cfg.train.grad_accum), built.mesh)
     return out
 
@@ -279,27 +325,40 @@ def _gib(n: int) -> str:
 
 
 def to_text(rep: dict) -> str:
-    lines = [f"{rep['devices']} x {rep['device_kind']} (deviceless), mesh "
-             + " x ".join(f"{k} {v}" for k, v in rep["mesh"].items()),
-             "built with " + ", ".join(f"{k}={str(v).lower()}" for k, v in rep.get("resolved", {}).items())]
+    lines = [
+        f"{rep['devices']} x {rep['device_kind']} (deviceless), mesh "
+        + " x ".join(f"{k} {v}" for k, v in rep["mesh"].items()),
+        "built with " + ", ".join(f"{k}={str(v).lower()}" for k, v in rep.get("resolved", {}).items()),
+    ]
     for program in ("train", "eval"):
         r = rep.get(program)
         if r is None:
             continue
-        verdict = (f"fits, {_gib(r['headroom_bytes'])} to spare" if r["fits"]
-                   else f"does NOT fit: {_gib(-r['headroom_bytes'])} over")
-        lines += [f"{program} step (compiled in {r['compile_s']:.1f} s), per device:",
-                  f"  argument {_gib(r['argument_bytes'])}, output {_gib(r['output_bytes'])}, "
-                  f"temp {_gib(r['temp_bytes'])}, aliased {_gib(r['alias_bytes'])}",
-                  f"  peak {_gib(r['peak_bytes'])} of {_gib(r['usable_bytes'])} usable "
-                  f"({r['usable_bytes'] / r['device_memory_bytes']:.0%} of {_gib(r['device_memory_bytes'])}): "
-                  f"{verdict}",
-                  "  kernels: " + (", ".join(f"{k} x{v}" for k, v in r["kernels"].items()) or "none"),
-                  "  collectives per step: " + (", ".join(
-                      f"{k} {c['count']}x ({c['ops']} ops) {c['bytes'] / 2**20:.1f} MiB"
-                      for k, c in r["collectives"].items()) or "none")]
+        verdict = (
+            f"fits, {_gib(r['headroom_bytes'])} to spare"
+            if r["fits"]
+            else f"does NOT fit: {_gib(-r['headroom_bytes'])} over"
+        )
+        lines += [
+            f"{program} step (compiled in {r['compile_s']:.1f} s), per device:",
+            f"  argument {_gib(r['argument_bytes'])}, output {_gib(r['output_bytes'])}, "
+            f"temp {_gib(r['temp_bytes'])}, aliased {_gib(r['alias_bytes'])}",
+            f"  peak {_gib(r['peak_bytes'])} of {_gib(r['usable_bytes'])} usable "
+            f"({r['usable_bytes'] / r['device_memory_bytes']:.0%} of {_gib(r['device_memory_bytes'])}): "
+            f"{verdict}",
+            "  kernels: " + (", ".join(f"{k} x{v}" for k, v in r["kernels"].items()) or "none"),
+            "  collectives per step: "
+            + (
+                ", ".join(
+                    f"{k} {c['count']}x ({c['ops']} ops) {c['bytes'] / 2**20:.1f} MiB"
+                    for k, c in r["collectives"].items()
+                )
+                or "none"
+            ),
+        ]
     if "profile" in rep:
         from boost_jax.tools import step_profile
+
         lines.append(step_profile.to_text(rep["profile"], "train step time table: "))
     return "\n".join(lines)
 
@@ -311,6 +370,7 @@ def load(config: str, overrides: list[str]):
 
     from boost_jax.config import config_path, load_config_file
     from boost_jax.errors import ConfigError
+
     config = config_path(config)  # a packaged config's name (cola_7b) as `train --config` takes it
     try:
         load_config_file(config, "--config", run_config=True)
@@ -321,38 +381,50 @@ def load(config: str, overrides: list[str]):
     fv = flags.FlagValues()
     argv = ["aot", f"--config={config}", *overrides]
     try:
-        config_flags.DEFINE_config_file("config", config, "run config", flag_values=fv, lock_config=True,
-                                        sys_argv=argv)
+        config_flags.DEFINE_config_file("config", config, "run config", flag_values=fv, lock_config=True, sys_argv=argv)
         fv(argv)
         return fv.config
     except (AttributeError, KeyError, flags.Error) as e:
         why = e
         while isinstance(why, (AttributeError, KeyError)) and why.args:
             why = why.args[0]
-        raise AotError(f"{' '.join(overrides)}: {str(why).splitlines()[0]} (the keys are those of "
-                       "boost_jax/config/schema.py)") from e
+        raise AotError(
+            f"{' '.join(overrides)}: {str(why).splitlines()[0]} (the keys are those of boost_jax/config/schema.py)"
+        ) from e
 
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     overrides = [a for a in argv if a.startswith("--config.")]
     rest = [a for a in argv if not a.startswith("--config.")]
-    ap = argparse.ArgumentParser(prog="python -m boost_jax.tools.aot", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Any --config.KEY=VALUE overrides the config, as for the trainer.")
+    ap = argparse.ArgumentParser(
+        prog="python -m boost_jax.tools.aot",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any --config.KEY=VALUE overrides the config, as for the trainer.",
+    )
     ap.add_argument("--target", required=True, help=f"the GPU: {' | '.join(targets())}")
     ap.add_argument("--devices", type=int, required=True, help="how many GPUs (8 per host beyond 8)")
     ap.add_argument("--config", required=True, help="a configs/*.py file")
-    ap.add_argument("--mesh", help="pipeline,data,fsdp,tensor (or pipeline,data,fsdp,context,tensor) sizes "
-                                   "(default: the config's parallel.*)")
+    ap.add_argument(
+        "--mesh",
+        help="pipeline,data,fsdp,tensor (or pipeline,data,fsdp,context,tensor) sizes "
+        "(default: the config's parallel.*)",
+    )
     ap.add_argument("--json", help="write the numbers here")
-    ap.add_argument("--usable", type=float, default=USABLE,
-                    help=f"share of the GPU's memory a run may use (default {USABLE}: run with "
-                         f"XLA_PYTHON_CLIENT_MEM_FRACTION={USABLE})")
+    ap.add_argument(
+        "--usable",
+        type=float,
+        default=USABLE,
+        help=f"share of the GPU's memory a run may use (default {USABLE}: run with "
+        f"XLA_PYTHON_CLIENT_MEM_FRACTION={USABLE})",
+    )
     ap.add_argument("--train-only", action="store_true", help="skip the eval step")
-    ap.add_argument("--profile", action="store_true",
-                    help="price the train step's kernels on the target (a step-time table by category; "
-                         "tools/step_profile.py)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="price the train step's kernels on the target (a step-time table by category; tools/step_profile.py)",
+    )
     args = ap.parse_args(rest)
     try:
         target_config(args.target)
@@ -363,19 +435,27 @@ def main(argv=None) -> dict:
         require()
         cfg = load(args.config, overrides)
         if args.mesh:
-            from boost_jax.tools.devices import parse_mesh
-            from boost_jax.tools.devices import mesh_fields
+            from boost_jax.tools.devices import mesh_fields, parse_mesh
+
             sizes = parse_mesh(args.mesh)
             if math.prod(sizes) != args.devices:
-                raise AotError(f"--mesh {args.mesh}: {math.prod(sizes)} devices, but --devices {args.devices}; "
-                               "make the product equal --devices")
+                raise AotError(
+                    f"--mesh {args.mesh}: {math.prod(sizes)} devices, but --devices {args.devices}; "
+                    "make the product equal --devices"
+                )
             cfg.parallel.update(mesh_fields(sizes))
         from boost_jax.tools.progress import ticking
+
         steps = "train step" if args.train_only else "train and eval steps"
         with ticking(f"aot: compiling the {steps} for {args.devices} x {args.target}"):
-            rep = compile_config(cfg, args.target, args.devices,
-                                 programs=("train",) if args.train_only else ("train", "eval"), usable=args.usable,
-                                 profile=args.profile)
+            rep = compile_config(
+                cfg,
+                args.target,
+                args.devices,
+                programs=("train",) if args.train_only else ("train", "eval"),
+                usable=args.usable,
+                profile=args.profile,
+            )
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -6,7 +6,8 @@
 
 For each strategy the model is lowered from abstract shapes (ShapeDtypeStructs carrying the state's
 shardings) and compiled three ways: the forward loss, forward+backward (jax.grad of the loss, grads
-in the parameters' layout) and the real train step (`boost_jax/runtime/build.py`, the trainer's). Each is compiled with the
+in the parameters' layout) and the real train step (`boost_jax/runtime/build.py`, the trainer's). Each is compiled
+with the
 layer scan unrolled at n_layers=1 and 2 so every layer's collectives are listed separately:
 per layer = (2 layers) - (1 layer), the rest (embedding, head, loss, optimizer) = (1 layer) - per
 layer, and the whole model = rest + L x per layer ("lowered at 1 and 2 layers, scaled to L").
@@ -24,6 +25,7 @@ dtypes are not used: XLA's CPU backend carries bf16 all-reduces and all-gathers 
 and elements are read from the optimized program; each kind@axes class is priced at its
 partitioned bytes per element.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +38,19 @@ import time
 from boost_jax.tools.devices import emulate_cpu_devices, load_config, parse_mesh, pick_devices
 
 PROGRAMS = ("forward", "forward_backward", "train_step")
-GIB = 2 ** 30
+GIB = 2**30
 FIELDS = ("count", "elements", "bytes")  # of a tally entry
-SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A", "collective-permute": "CP"}
+SHORT = {
+    "all-reduce": "AR",
+    "all-gather": "AG",
+    "reduce-scatter": "RS",
+    "all-to-all": "A2A",
+    "collective-permute": "CP",
+}
 
 
 # ---------------------------------------------------------------- tallies: {"kind@axes": {count, elements}}
+
 
 def _key(c) -> str:
     return f"{c.kind}@{'+'.join(c.axes) or 'none'}"
@@ -71,8 +80,10 @@ def _tally(collectives, per_element: dict | None = None) -> dict:
     out: dict = {}
     for c in collectives:
         if c.trips is None:
-            raise RuntimeError(f"a {c.kind} over {'+'.join(c.axes) or 'no axis'} ({c.op_name or c.computation}) "
-                               "runs inside a loop without a known trip count: its traffic cannot be counted")
+            raise RuntimeError(
+                f"a {c.kind} over {'+'.join(c.axes) or 'no axis'} ({c.op_name or c.computation}) "
+                "runs inside a loop without a known trip count: its traffic cannot be counted"
+            )
         slot = out.setdefault(_key(c), {"count": 0, "elements": 0, "bytes": 0.0})
         slot["count"] += c.trips
         slot["elements"] += c.elements * c.trips
@@ -114,6 +125,7 @@ def _sum_by(tally: dict, group) -> dict:
 
 # ---------------------------------------------------------------- configs and compiles
 
+
 def parse_strategies(text) -> list[tuple[str, str | None]]:
     """'btp,megatron:cola' -> [('btp', None), ('megatron', 'cola')]; None: the default linear.
     Names come from the strategy and linear-kind registries; text None: every registered strategy."""
@@ -133,8 +145,17 @@ def parse_strategies(text) -> list[tuple[str, str | None]]:
     return out
 
 
-def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, seq: int, dtype: str,
-                   remat: str | None = None, context: int = 1):
+def variant_config(
+    base,
+    strategy: str,
+    linear: str | None,
+    mesh,
+    batch: int,
+    seq: int,
+    dtype: str,
+    remat: str | None = None,
+    context: int = 1,
+):
     """The config one strategy column is measured on (depth and unrolling are set per compile);
     mesh = (data, fsdp, tensor), `context` the sequence split."""
     from boost_jax.model.kinds import kind_class
@@ -146,7 +167,7 @@ def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, se
     if linear != c.model.linear:  # the twin: same shapes, other projection kind (cola_7b <-> llama_7b)
         was, kind = kind_class(c.model.linear), kind_class(linear)
         if was.family and kind.family and c.name.startswith(was.family + "_"):
-            c.name = kind.family + c.name[len(was.family):]
+            c.name = kind.family + c.name[len(was.family) :]
         c.model.linear = linear
         c.model.only_lr_act = c.model.only_lr_act and kind.nonlinear(c.model)
     c.model.dtype = dtype
@@ -154,8 +175,9 @@ def variant_config(base, strategy: str, linear: str | None, mesh, batch: int, se
     c.model.max_seq_len = max(c.model.max_seq_len, seq)
     c.train.update(seq_len=seq, global_batch=batch, grad_accum=1)
     data, fsdp, tensor = mesh
-    c.parallel.update(data=data, fsdp=fsdp, tensor=tensor, context=context, num_devices=math.prod(mesh) * context,
-                      strategy=strategy)
+    c.parallel.update(
+        data=data, fsdp=fsdp, tensor=tensor, context=context, num_devices=math.prod(mesh) * context, strategy=strategy
+    )
     c.data.source = "embedded"  # nothing is read; a zoo config's `tokens` source would need a path
     return validate(c)
 
@@ -184,8 +206,11 @@ def compile_program(cfg, program: str, devices, n_layers: int, unroll: bool, par
             return jax.grad(lambda t: loss(with_frozen(t, params), first(b)))(trainable(params))
 
         first = lambda b: jax.tree.map(lambda x: x[0], b)  # noqa: E731 - one micro-batch
-        fn = jax.jit(lambda params, b: loss(params, first(b))) if program == "forward" else jax.jit(
-            grads, out_shardings=trainable(spec.abstract["params"], spec.shardings["params"]))
+        fn = (
+            jax.jit(lambda params, b: loss(params, first(b)))
+            if program == "forward"
+            else jax.jit(grads, out_shardings=trainable(spec.abstract["params"], spec.shardings["params"]))
+        )
         lowered = fn.lower(spec.abstract["params"], batch)
     if partitioned:
         from boost_jax.tools.hlo_comm import compile_partitioned
@@ -213,11 +238,17 @@ def memory_breakdown(compiled) -> dict | None:
         return None
     arg, out, temp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
     alias = m.alias_size_in_bytes  # donated state: its outputs reuse the argument buffers
-    return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
-            "total_bytes": arg + out + temp - alias}
+    return {
+        "argument_bytes": arg,
+        "output_bytes": out,
+        "temp_bytes": temp,
+        "alias_bytes": alias,
+        "total_bytes": arg + out + temp - alias,
+    }
 
 
 # ---------------------------------------------------------------- one strategy
+
 
 def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> dict:
     """Every number for one strategy column (cfg from `variant_config`). `log(what)`, if given, is
@@ -230,17 +261,26 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> d
     depth = m.n_layers
     tokens = cfg.train.global_batch * cfg.train.seq_len // (p.data * p.fsdp * p.context)  # per device
     act_bytes = compute_dtype(m.dtype).itemsize
-    res: dict = {"strategy": p.strategy, "linear": m.linear, "config": cfg.name, "n_layers": depth,
-                 "model": {k: int(m[k]) for k in ("d_model", "d_ff", "rank", "n_heads", "n_kv_heads", "vocab_size")},
-                 "tokens_per_device": tokens, "activation_bytes": act_bytes, "compile_s": {}, "programs": {}}
+    res: dict = {
+        "strategy": p.strategy,
+        "linear": m.linear,
+        "config": cfg.name,
+        "n_layers": depth,
+        "model": {k: int(m[k]) for k in ("d_model", "d_ff", "rank", "n_heads", "n_kv_heads", "vocab_size")},
+        "tokens_per_device": tokens,
+        "activation_bytes": act_bytes,
+        "compile_s": {},
+        "programs": {},
+    }
     xla_flops = []
     for program in programs:
         tallies = []
         for layers in (1, 2):
             if log:
                 log(f"{program} at {layers} layer{'s' if layers > 1 else ''}")
-            compiled, mesh, seconds, text = compile_program(cfg, program, devices, layers, unroll=True,
-                                                            partitioned=True)
+            compiled, mesh, seconds, text = compile_program(
+                cfg, program, devices, layers, unroll=True, partitioned=True
+            )
             cs = parse_collectives(compiled.as_text(), mesh)  # the layer scan is unrolled; other loops
             tallies.append(_tally(cs, bytes_per_element(parse_collectives(text, mesh))))
             res["compile_s"][f"{program}@{layers}"] = round(seconds, 2)
@@ -257,7 +297,8 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> d
     for name, tally in (("forward", fwd), ("backward", bwd)):
         by_axis = _sum_by(tally, axis_group)
         res[f"per_layer_{name}"] = {
-            g: {**v, "elements_per_token": v["elements"] / tokens} for g, v in sorted(by_axis.items())}
+            g: {**v, "elements_per_token": v["elements"] / tokens} for g, v in sorted(by_axis.items())
+        }
     fwd_t = res["per_layer_forward"].get("tensor", {}).get("elements_per_token", 0.0)
     res["per_layer_forward_units"] = {"r": fwd_t / m.rank, "d": fwd_t / m.d_model}
     if "train_step" in progs:
@@ -268,8 +309,10 @@ def measure(cfg, devices, memory: bool = True, programs=PROGRAMS, log=None) -> d
 
     fpt = flops_per_token(m, cfg.train.seq_len, training=True)
     n_dev = p.data * p.fsdp * p.context * p.tensor
-    res["flops"] = {"analytic_per_token": fpt,
-                    "analytic_per_device_step": fpt * cfg.train.global_batch * cfg.train.seq_len / n_dev}
+    res["flops"] = {
+        "analytic_per_token": fpt,
+        "analytic_per_device_step": fpt * cfg.train.global_batch * cfg.train.seq_len / n_dev,
+    }
     if len(xla_flops) == 2 and None not in xla_flops:  # same 1/2-layer scaling as the collectives
         layer_f = xla_flops[1] - xla_flops[0]
         res["flops"]["xla_per_device_step"] = xla_flops[0] - layer_f + depth * layer_f
@@ -292,15 +335,29 @@ def context_section(cfg, total: dict) -> dict | None:
     formula = traffic(cfg)
     if not formula:
         return None
-    compiled = {k.split("@")[0]: {f: v[f] for f in ("count", "elements")}
-                for k, v in total.items() if axis_group(k) == "context"}
+    compiled = {
+        k.split("@")[0]: {f: v[f] for f in ("count", "elements")}
+        for k, v in total.items()
+        if axis_group(k) == "context"
+    }
     return {"attention": formula["attention"], "kv": formula["kv"], "compiled": compiled, "formula": formula["step"]}
 
 
-def report(cfg_or_path, mesh=(1, 1, 4), strategies=None, batch: int = 4,
-           seq: int = 4096, dtype: str = "bfloat16", memory: bool = True, programs=PROGRAMS,
-           remat: str | None = None, context: int = 1, context_attention: str | None = None,
-           context_kv: str | None = None, progress: bool = False) -> dict:
+def report(
+    cfg_or_path,
+    mesh=(1, 1, 4),
+    strategies=None,
+    batch: int = 4,
+    seq: int = 4096,
+    dtype: str = "bfloat16",
+    memory: bool = True,
+    programs=PROGRAMS,
+    remat: str | None = None,
+    context: int = 1,
+    context_attention: str | None = None,
+    context_kv: str | None = None,
+    progress: bool = False,
+) -> dict:
     """All numbers for each strategy (see the module docstring); JSON-serialisable. mesh = (data,
     fsdp, tensor); `context` > 1 splits the sequence too (its attention and kv modes: the config's
     unless given). `progress`: a line on stderr before each compile (the command line's)."""
@@ -309,8 +366,9 @@ def report(cfg_or_path, mesh=(1, 1, 4), strategies=None, batch: int = 4,
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else tuple(mesh)
     devices = pick_devices(math.prod(mesh) * context)
     base = load_config(cfg_or_path)
-    base.parallel.update({k: v for k, v in (("context_attention", context_attention), ("context_kv", context_kv))
-                          if v is not None})
+    base.parallel.update(
+        {k: v for k, v in (("context_attention", context_attention), ("context_kv", context_kv)) if v is not None}
+    )
     columns, chosen = {}, parse_strategies(strategies)
     count, start, total = 0, time.perf_counter(), len(chosen) * (2 * len(programs) + bool(memory))
     for name, linear in chosen:
@@ -321,25 +379,40 @@ def report(cfg_or_path, mesh=(1, 1, 4), strategies=None, batch: int = 4,
             nonlocal count
             count += 1
             took = int(time.perf_counter() - start)
-            print(f"comm_report: compiling {label} {what} ({count} of {total}; {took // 60}:{took % 60:02d} so far)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"comm_report: compiling {label} {what} ({count} of {total}; {took // 60}:{took % 60:02d} so far)",
+                file=sys.stderr,
+                flush=True,
+            )
 
         columns[label] = measure(cfg, devices, memory=memory, programs=programs, log=log if progress else None)
-    return {"config": base.name, "mesh": {**dict(zip(("data", "fsdp", "tensor"), mesh)), "context": context},
-            "batch": batch,
-            "seq": seq, "dtype": dtype, "remat": remat or base.remat.policy, "platform": devices[0].platform,
-            "method": METHOD, "d_model": int(base.model.d_model), "rank": int(base.model.rank),
-            "n_layers": int(base.model.n_layers), "strategies": columns}
+    return {
+        "config": base.name,
+        "mesh": {**dict(zip(("data", "fsdp", "tensor"), mesh)), "context": context},
+        "batch": batch,
+        "seq": seq,
+        "dtype": dtype,
+        "remat": remat or base.remat.policy,
+        "platform": devices[0].platform,
+        "method": METHOD,
+        "d_model": int(base.model.d_model),
+        "rank": int(base.model.rank),
+        "n_layers": int(base.model.n_layers),
+        "strategies": columns,
+    }
 
 
-METHOD = ("Collectives read from the optimized HLO, per device per step; lowered at 1 and 2 layers "
-          "(scan unrolled), scaled to L: per layer = 2-layer minus 1-layer, rest = 1-layer minus per layer. "
-          "Bytes = elements x each collective's dtype as partitioned (before XLA:CPU widens bf16 collectives "
-          "to f32): bf16 weight gathers and activations, f32 gradient reductions under bf16 compute. "
-          "Elements per token: per device tokens = batch*seq/(data*fsdp*context).")
+METHOD = (
+    "Collectives read from the optimized HLO, per device per step; lowered at 1 and 2 layers "
+    "(scan unrolled), scaled to L: per layer = 2-layer minus 1-layer, rest = 1-layer minus per layer. "
+    "Bytes = elements x each collective's dtype as partitioned (before XLA:CPU widens bf16 collectives "
+    "to f32): bf16 weight gathers and activations, f32 gradient reductions under bf16 compute. "
+    "Elements per token: per device tokens = batch*seq/(data*fsdp*context)."
+)
 
 
 # ---------------------------------------------------------------- printing
+
 
 def _fmt_kinds(by_kind: dict) -> str:
     return ", ".join(f"{v['count']} {SHORT.get(k, k)}" for k, v in sorted(by_kind.items()))
@@ -382,8 +455,10 @@ def to_markdown(rep: dict) -> str:
         return f"| {label} | " + " | ".join(fn(c) for c in cols.values()) + " |"
 
     def per_token(c, direction):
-        return (f"{_layer(c, direction, 'tensor', 'elements_per_token'):.0f} "
-                f"({_layer(c, direction, 'tensor', 'count')} coll.)")
+        return (
+            f"{_layer(c, direction, 'tensor', 'elements_per_token'):.0f} "
+            f"({_layer(c, direction, 'tensor', 'count')} coll.)"
+        )
 
     def both(c, group):
         return _layer(c, "forward", group, "bytes") + _layer(c, "backward", group, "bytes")
@@ -398,10 +473,12 @@ def to_markdown(rep: dict) -> str:
         return "-" if not m else " / ".join(f"{m[k] / GIB:.1f}" for k in keys)
 
     mesh = rep["mesh"]
-    title = (f"**{rep['config']}**, mesh data={mesh['data']} fsdp={mesh['fsdp']} context={mesh.get('context', 1)} "
-             f"tensor={mesh['tensor']}, "
-             f"batch {rep['batch']} x seq {rep['seq']}, {rep['dtype']}, L = {rep['n_layers']} "
-             "(lowered at 1 and 2 layers, scaled to L), per device per step.")
+    title = (
+        f"**{rep['config']}**, mesh data={mesh['data']} fsdp={mesh['fsdp']} context={mesh.get('context', 1)} "
+        f"tensor={mesh['tensor']}, "
+        f"batch {rep['batch']} x seq {rep['seq']}, {rep['dtype']}, L = {rep['n_layers']} "
+        "(lowered at 1 and 2 layers, scaled to L), per device per step."
+    )
     lines = [
         title,
         "",
@@ -409,8 +486,10 @@ def to_markdown(rep: dict) -> str:
         "|---|" + "---|" * len(cols),
         row("model", lambda c: f"{c['config']} ({c['linear']})"),
         row("fwd / layer, tensor: elements/token", lambda c: per_token(c, "forward")),
-        row("fwd / layer, tensor: in r / in d", lambda c: (
-            f"{c['per_layer_forward_units']['r']:.2f} r / {c['per_layer_forward_units']['d']:.2f} d")),
+        row(
+            "fwd / layer, tensor: in r / in d",
+            lambda c: f"{c['per_layer_forward_units']['r']:.2f} r / {c['per_layer_forward_units']['d']:.2f} d",
+        ),
         row("bwd / layer, tensor: elements/token", lambda c: per_token(c, "backward")),
         row("fwd / layer, tensor: GiB", lambda c: _gib(_layer(c, "forward", "tensor", "bytes"))),
         row("fwd+bwd / layer, tensor: GiB", lambda c: _gib(both(c, "tensor"))),
@@ -421,17 +500,23 @@ def to_markdown(rep: dict) -> str:
         row("train step: collectives", lambda c: _fmt_kinds(_get(c, "step_by_kind", default={}))),
     ]
     if any(c.get("context") for c in cols.values()):  # parallel.context: the sequence exchange, compiled / formula
+
         def exchange(c, part):
             x = (c.get("context") or {}).get(part, {})
             return ", ".join(f"{v['count']} {SHORT.get(k, k)} {v['elements']}" for k, v in sorted(x.items())) or "-"
 
-        lines += [row("train step, context (attention): count kind elements",
-                      lambda c: f"{exchange(c, 'compiled')} ({c['context']['attention']}, kv {c['context']['kv']})"),
-                  row("train step, context: formula", lambda c: exchange(c, "formula"))]
+        lines += [
+            row(
+                "train step, context (attention): count kind elements",
+                lambda c: f"{exchange(c, 'compiled')} ({c['context']['attention']}, kv {c['context']['kv']})",
+            ),
+            row("train step, context: formula", lambda c: exchange(c, "formula")),
+        ]
     if any(_get(c, "step_by_axis", "grid", "bytes") for c in rep["strategies"].values()):
         lines += [  # parallel.linear_partition: the st groups' permutes across fsdp
             row("fwd+bwd / layer, st grid: GiB", lambda c: _gib(both(c, "grid"))),
-            row("train step, st grid: GiB", lambda c: _gib(_get(c, "step_by_axis", "grid", "bytes")))]
+            row("train step, st grid: GiB", lambda c: _gib(_get(c, "step_by_axis", "grid", "bytes"))),
+        ]
     lines += [
         row("TFLOP/device/step, analytic", lambda c: f"{c['flops']['analytic_per_device_step'] / 1e12:.3g}"),
         row("TFLOP/device/step, XLA cost_analysis", xla_flops),
@@ -443,25 +528,36 @@ def to_markdown(rep: dict) -> str:
     lines += ["", "Per-layer forward tensor-axis traffic:"]
     for name, c in cols.items():
         x = _layer(c, "forward", "tensor", "elements_per_token")
-        lines.append(f"- {name}: {x / r:.2f} r = {x / d:.2f} d ({x:.0f} elements/token, r={r}, d={d}); "
-                     f"{_gib(_layer(c, 'forward', 'tensor', 'bytes'))} GiB per layer forward "
-                     f"at {rep['batch']}x{rep['seq']} tokens")
+        lines.append(
+            f"- {name}: {x / r:.2f} r = {x / d:.2f} d ({x:.0f} elements/token, r={r}, d={d}); "
+            f"{_gib(_layer(c, 'forward', 'tensor', 'bytes'))} GiB per layer forward "
+            f"at {rep['batch']}x{rep['seq']} tokens"
+        )
     lines += ["", rep["method"]]
     if has_memory:
-        lines.append("Peak memory: `.memory_analysis()` of the full-depth scanned train step, the "
-                     f"{rep['platform'].upper()} compiler's estimate (total = argument + output + temp - aliased), "
-                     f"remat policy `{rep['remat']}`.")
+        lines.append(
+            "Peak memory: `.memory_analysis()` of the full-depth scanned train step, the "
+            f"{rep['platform'].upper()} compiler's estimate (total = argument + output + temp - aliased), "
+            f"remat policy `{rep['remat']}`."
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_7b.py")
-    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor or pipeline,data,fsdp,tensor or "
-                                                    "pipeline,data,fsdp,context,tensor sizes (default 1,1,4)")
-    ap.add_argument("--strategy", help="comma list of registered strategies, each optionally NAME:LINEAR "
-                    "(default: every registered one; a bare name: the kind its entry reports it on)")
+    ap.add_argument(
+        "--mesh",
+        default="1,1,4",
+        help="data,fsdp,tensor or pipeline,data,fsdp,tensor or pipeline,data,fsdp,context,tensor sizes (default 1,1,4)",
+    )
+    ap.add_argument(
+        "--strategy",
+        help="comma list of registered strategies, each optionally NAME:LINEAR "
+        "(default: every registered one; a bare name: the kind its entry reports it on)",
+    )
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -469,8 +565,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--no-memory", action="store_true", help="skip the full-depth compile for peak memory")
     ap.add_argument("--remat", help="remat.policy for every column (default: the config's)")
-    ap.add_argument("--schedule", choices=("gpipe", "circular", "1f1b"),
-                    help="a pipeline mesh's parallel.pipeline_schedule (default: the config's)")
+    ap.add_argument(
+        "--schedule",
+        choices=("gpipe", "circular", "1f1b"),
+        help="a pipeline mesh's parallel.pipeline_schedule (default: the config's)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="with --schedule circular or 1f1b: chunks per stage V")
     args = ap.parse_args(argv)
     mesh = parse_mesh(args.mesh)
@@ -485,10 +584,19 @@ def main(argv=None) -> dict:
             raise SystemExit("--mesh: the pipeline report runs without context; give pipeline 1 to report context")
     if len(mesh) == 4:
         from boost_jax.tools.progress import ticking
+
         try:
             with ticking(f"comm_report: compiling the pipelined train step on mesh {args.mesh}"):
-                rep = pipeline_report(args.config, mesh, args.strategy and args.strategy.split(",")[0], args.batch,
-                                      args.seq, args.dtype, schedule=args.schedule, repeats=args.repeats)
+                rep = pipeline_report(
+                    args.config,
+                    mesh,
+                    args.strategy and args.strategy.split(",")[0],
+                    args.batch,
+                    args.seq,
+                    args.dtype,
+                    schedule=args.schedule,
+                    repeats=args.repeats,
+                )
         except ConfigError as e:
             raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy)") from e
         print(pipeline_markdown(rep))
@@ -498,8 +606,18 @@ def main(argv=None) -> dict:
         return rep
 
     try:
-        rep = report(args.config, mesh, args.strategy, args.batch, args.seq, args.dtype,
-                     memory=not args.no_memory, remat=args.remat, context=context, progress=True)
+        rep = report(
+            args.config,
+            mesh,
+            args.strategy,
+            args.batch,
+            args.seq,
+            args.dtype,
+            memory=not args.no_memory,
+            remat=args.remat,
+            context=context,
+            progress=True,
+        )
     except ConfigError as e:
         raise SystemExit(f"{e} (set via --mesh/--batch/--seq/--strategy/--remat)") from e
     text = to_markdown(rep)
@@ -513,9 +631,17 @@ def main(argv=None) -> dict:
     return rep
 
 
-def pipeline_report(cfg_or_path, mesh, strategy: str | None = None, batch: int = 8, seq: int = 256,
-                    dtype: str = "bfloat16", remat: str | None = None, schedule: str | None = None,
-                    repeats: int = 1) -> dict:
+def pipeline_report(
+    cfg_or_path,
+    mesh,
+    strategy: str | None = None,
+    batch: int = 8,
+    seq: int = 256,
+    dtype: str = "bfloat16",
+    remat: str | None = None,
+    schedule: str | None = None,
+    repeats: int = 1,
+) -> dict:
     """A pipelined step's collectives by kind and mesh axis (whole step, every loop unrolled, so the
     pipeline's collective-permutes are counted once per tick). mesh = (pipeline, data, fsdp, tensor);
     strategy None: the first registered; schedule None: the config's (with `repeats` chunks per stage
@@ -540,23 +666,37 @@ def pipeline_report(cfg_or_path, mesh, strategy: str | None = None, batch: int =
     table = summarize(parse_collectives(compiled.as_text(), mesh_obj), by=("kind", "axes"))
     micro = cfg.parallel.microbatches or 2 * pipeline
     n_ticks = ticks_1f1b(pipeline, micro, repeats) if schedule == "1f1b" else ticks(pipeline, micro, repeats)
-    return {"config": base.name, "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)),
-            "strategy": strategy, "batch": batch, "seq": seq, "dtype": dtype, "n_layers": int(cfg.model.n_layers),
-            "schedule": schedule, "repeats": repeats, "microbatches": micro, "ticks": n_ticks,
-            "bubble": bubble_fraction(pipeline, micro, repeats),
-            "compile_s": round(seconds, 2),
-            "collectives": [{"kind": k, "axes": list(a), **v} for (k, a), v in sorted(table.items())]}
+    return {
+        "config": base.name,
+        "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)),
+        "strategy": strategy,
+        "batch": batch,
+        "seq": seq,
+        "dtype": dtype,
+        "n_layers": int(cfg.model.n_layers),
+        "schedule": schedule,
+        "repeats": repeats,
+        "microbatches": micro,
+        "ticks": n_ticks,
+        "bubble": bubble_fraction(pipeline, micro, repeats),
+        "compile_s": round(seconds, 2),
+        "collectives": [{"kind": k, "axes": list(a), **v} for (k, a), v in sorted(table.items())],
+    }
 
 
 def pipeline_markdown(rep: dict) -> str:
     m = rep["mesh"]
-    lines = [f"**{rep['config']}** ({rep['strategy']}), mesh pipeline={m['pipeline']} data={m['data']} "
-             f"fsdp={m['fsdp']} tensor={m['tensor']}, batch {rep['batch']} x seq {rep['seq']}, {rep['dtype']}: "
-             f"{rep.get('schedule', 'gpipe')}{' V ' + str(rep['repeats']) if rep.get('repeats', 1) > 1 else ''}, "
-             f"{rep['microbatches']} micro-batches, {rep['ticks']} ticks"
-             f"{' (lockstep: at most one forward and one backward each)' if rep.get('schedule') == '1f1b' else ''}, "
-             f"bubble {100 * rep['bubble']:.1f}%. Whole train step per device, every loop unrolled.", "",
-             "| kind | mesh axes | count | elements |", "|---|---|---|---|"]
+    lines = [
+        f"**{rep['config']}** ({rep['strategy']}), mesh pipeline={m['pipeline']} data={m['data']} "
+        f"fsdp={m['fsdp']} tensor={m['tensor']}, batch {rep['batch']} x seq {rep['seq']}, {rep['dtype']}: "
+        f"{rep.get('schedule', 'gpipe')}{' V ' + str(rep['repeats']) if rep.get('repeats', 1) > 1 else ''}, "
+        f"{rep['microbatches']} micro-batches, {rep['ticks']} ticks"
+        f"{' (lockstep: at most one forward and one backward each)' if rep.get('schedule') == '1f1b' else ''}, "
+        f"bubble {100 * rep['bubble']:.1f}%. Whole train step per device, every loop unrolled.",
+        "",
+        "| kind | mesh axes | count | elements |",
+        "|---|---|---|---|",
+    ]
     for c in rep["collectives"]:
         lines.append(f"| {c['kind']} | {','.join(c['axes']) or '-'} | {c['count']} | {c['elements']} |")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 Nothing here imports jax at module level: `emulate_cpu_devices` must run before jax is imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,8 @@ def pick_devices(n: int, flag: str = "--mesh") -> list:
             raise SystemExit(
                 f"{flag} needs {n} devices but JAX sees {len(devices)} ({devices[0].platform}) and "
                 f"{len(cpu)} CPU devices: jax was imported before XLA_FLAGS could be set; export "
-                f"XLA_FLAGS={_FLAG}={n} before starting Python")
+                f"XLA_FLAGS={_FLAG}={n} before starting Python"
+            )
         devices = cpu
     return devices[:n]
 
@@ -47,6 +49,7 @@ def load_config(cfg_or_path):
     if not isinstance(cfg_or_path, (str, Path)):
         return cfg_or_path.copy_and_resolve_references()
     from boost_jax.config import load_config_file
+
     try:
         return load_config_file(cfg_or_path)
     except (FileNotFoundError, ValueError) as e:
@@ -54,8 +57,11 @@ def load_config(cfg_or_path):
 
 
 # The `parallel.*` axes a --mesh of 3, 4 or 5 sizes names, in order.
-MESH_FIELDS = {3: ("data", "fsdp", "tensor"), 4: ("pipeline", "data", "fsdp", "tensor"),
-               5: ("pipeline", "data", "fsdp", "context", "tensor")}
+MESH_FIELDS = {
+    3: ("data", "fsdp", "tensor"),
+    4: ("pipeline", "data", "fsdp", "tensor"),
+    5: ("pipeline", "data", "fsdp", "context", "tensor"),
+}
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -66,8 +72,10 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     except ValueError:
         sizes = ()
     if len(sizes) not in MESH_FIELDS or min(sizes) < 1:
-        raise SystemExit(f"--mesh: expected positive sizes data,fsdp,tensor or pipeline,data,fsdp,tensor or "
-                         f"pipeline,data,fsdp,context,tensor (e.g. 1,1,4 or 2,1,1,4 or 1,1,1,2,4), got {text!r}")
+        raise SystemExit(
+            f"--mesh: expected positive sizes data,fsdp,tensor or pipeline,data,fsdp,tensor or "
+            f"pipeline,data,fsdp,context,tensor (e.g. 1,1,4 or 2,1,1,4 or 1,1,1,2,4), got {text!r}"
+        )
     return sizes
 
 

@@ -28,6 +28,7 @@ Replica-group syntaxes understood (all seen from XLA as shipped with jax 0.10):
   ``[4,2]<=[2,4]T(1,0)``; mesh-axes ``mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0))
   {'axis_1'}`` with sub-axes ``'axis_0':(2)2`` (emitted by GSPMD/Shardy partitioning).
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,8 @@ _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _CALLEES = re.compile(
     r"\b(?:calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
     r"|called_computations)="
-    r"(\{[^}]*\}|%?[\w.\-]+)")
+    r"(\{[^}]*\}|%?[\w.\-]+)"
+)
 _WHILE_BODY = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
 _INTS = re.compile(r"-?\d+")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
@@ -72,6 +74,7 @@ class Collective:
 
 
 # ---------------------------------------------------------------- shapes and operands
+
 
 def _shape_elements(shape: str) -> int:
     """Elements of an HLO shape string, summed over tuple members (tokens count 0)."""
@@ -97,7 +100,7 @@ def _split_top(s: str) -> tuple[list[str], str]:
         elif ch in ")]}":
             if depth == 0:  # the `)` closing the operand list
                 parts.append(s[start:i])
-                return [p.strip() for p in parts if p.strip()], s[i + 1:]
+                return [p.strip() for p in parts if p.strip()], s[i + 1 :]
             depth -= 1
         elif ch == "," and depth == 0:
             parts.append(s[start:i])
@@ -117,6 +120,7 @@ def operand_shape(operand: str, symbols: dict[str, str]) -> str:
 
 
 # ---------------------------------------------------------------- replica groups
+
 
 def _iota(dims: Sequence[int], reshape: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
     """XLA iota tile assignment: iota(prod) reshaped to `reshape`, transposed by `perm`, shaped `dims`."""
@@ -211,7 +215,7 @@ def hlo_attribute(attrs: str, key: str) -> str | None:
     m = re.search(rf"\b{key}=", attrs)
     if m is None:
         return None
-    s = attrs[m.end():]
+    s = attrs[m.end() :]
     if s.startswith("mesh["):
         return s[: s.index("}") + 1]
     if s.startswith("{"):
@@ -221,6 +225,7 @@ def hlo_attribute(attrs: str, key: str) -> str | None:
 
 
 # ---------------------------------------------------------------- mesh axes
+
 
 def _axes_of(groups: Iterable[Sequence[int]], mesh: Mesh | None) -> tuple[str, ...]:
     """Mesh axes along which members of any group differ (ids are positions in mesh.devices.flat)."""
@@ -258,10 +263,12 @@ def _permute_group_size(pairs: list[list[int]]) -> int:
 
 # ---------------------------------------------------------------- main entry points
 
+
 @dataclass
 class Instruction:
     """One instruction of an HLO module: `name = shape opcode(rest`; `rest` holds its operands and
     attributes (split by `operands_attrs()`)."""
+
     name: str
     shape: str
     opcode: str
@@ -276,6 +283,7 @@ class Instruction:
 class HloModule:
     """An optimized HLO module read once: its computations' instructions in textual order, each
     computation's symbol table (name -> shape), the call graph and the while loops' trip counts."""
+
     computations: dict[str, list[Instruction]]
     symbols: dict[str, dict[str, str]]
     entry: str
@@ -355,13 +363,27 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None, unknown_trips: in
     out = []
     for ins in module.instructions():
         if ins.opcode in _OPCODES:
-            out.append(collective_of(ins, module.symbols[ins.computation], num_devices, mesh,
-                                     ins.computation in in_loop, trips.get(ins.computation, 1)))
+            out.append(
+                collective_of(
+                    ins,
+                    module.symbols[ins.computation],
+                    num_devices,
+                    mesh,
+                    ins.computation in in_loop,
+                    trips.get(ins.computation, 1),
+                )
+            )
     return out
 
 
-def collective_of(ins: Instruction, symbols: dict[str, str], num_devices: int, mesh: Mesh | None = None,
-                  in_loop: bool = False, trips: int | None = 1) -> Collective:
+def collective_of(
+    ins: Instruction,
+    symbols: dict[str, str],
+    num_devices: int,
+    mesh: Mesh | None = None,
+    in_loop: bool = False,
+    trips: int | None = 1,
+) -> Collective:
     """The Collective of one collective instruction (its payload per the module docstring's rules)."""
     kind = _OPCODES[ins.opcode]
     operands, attrs = ins.operands_attrs()
@@ -383,12 +405,22 @@ def collective_of(ins: Instruction, symbols: dict[str, str], num_devices: int, m
         elements = _shape_elements(shape) * (group_size if kind == "reduce-scatter" else 1)
     dtype = _shape_dtype(op_shapes[0] if op_shapes and op_shapes[0] else shape)
     op_name = re.search(r'op_name="([^"]*)"', attrs)
-    return Collective(kind, elements, dtype, group_size, _axes_of(groups, mesh), ins.computation, in_loop,
-                      trips, op_name.group(1) if op_name else "")
+    return Collective(
+        kind,
+        elements,
+        dtype,
+        group_size,
+        _axes_of(groups, mesh),
+        ins.computation,
+        in_loop,
+        trips,
+        op_name.group(1) if op_name else "",
+    )
 
 
-def _trip_counts(entry: str, calls: dict[str, set[str]], loop_trips: dict,
-                 unknown: int | None = None) -> dict[str, int | None]:
+def _trip_counts(
+    entry: str, calls: dict[str, set[str]], loop_trips: dict, unknown: int | None = None
+) -> dict[str, int | None]:
     """Executions of every computation reachable from `entry` per run of the program: a while's
     body/condition multiplies its caller's count by the loop's known trip count (else `unknown`;
     None: unknown)."""
@@ -444,8 +476,13 @@ def compile_partitioned(lowered):
     cc.reset_cache()  # JAX decides once whether it uses the cache: ask again
     try:
         with tempfile.TemporaryDirectory() as folder:
-            compiled = lowered.compile(compiler_options={"xla_dump_to": folder, "xla_dump_hlo_as_text": True,
-                                                         "xla_dump_hlo_pass_re": "spmd-partitioning"})
+            compiled = lowered.compile(
+                compiler_options={
+                    "xla_dump_to": folder,
+                    "xla_dump_hlo_as_text": True,
+                    "xla_dump_hlo_pass_re": "spmd-partitioning",
+                }
+            )
             found = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
             if not found:
                 raise RuntimeError("XLA wrote no HLO after the spmd-partitioning pass (is the program sharded?)")

@@ -4,6 +4,7 @@ Reads RUN_DIR/metrics.jsonl and draws three panels: train and eval loss, tokens/
 per device where MFU is unknown, e.g. on CPU). Writes RUN_DIR/curves.png unless --out says otherwise.
 Needs matplotlib: `pip install matplotlib` (the `bench` extra).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ def read_metrics(run_dir) -> dict[str, dict[int, float]]:
     numeric step (cut short by a crash, damaged) is skipped and counted in one note on stderr."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: pass the run_dir a training run wrote "
-                                "(it holds metrics.jsonl)")
+        raise FileNotFoundError(
+            f"{path} does not exist: pass the run_dir a training run wrote (it holds metrics.jsonl)"
+        )
     series: dict[str, dict[int, float]] = {}
     damaged = 0
     for line in path.read_text(errors="replace").splitlines():
@@ -55,10 +57,12 @@ def _line(ax, series: dict[int, float], **kw) -> None:
 def plot(run_dir, out=None) -> Path:
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only; no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         from boost_jax.errors import install_hint
+
         raise SystemExit(f"boost_jax.tools.plot needs matplotlib: {install_hint('bench')}") from None
     m = read_metrics(run_dir)
     if not m.get("loss") and not m.get("eval_loss"):

@@ -2,6 +2,7 @@
 compile): once a step has run for `after` seconds, its name and elapsed time, updated in place on a
 terminal (every second) or as a new line every `every` seconds in a log, and the time it took when it
 ends. A step shorter than `after` prints nothing."""
+
 from __future__ import annotations
 
 import contextlib

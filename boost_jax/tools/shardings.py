@@ -9,6 +9,7 @@ holds which block with `jax.debug.visualize_array_sharding`. That draws 1-D and 
 stacked layer parameters are [layers, ...] with the layer axis never sharded, so layer 0's slice
 (same layout as every layer) is drawn.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,17 @@ def _param_table(cfg, devices):
         path = _path(p)
         shardings[path] = leaf.sharding
         dtypes[path] = leaf.dtype
-        rows.append((path, tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape)), axes[path],
-                     leaf.sharding.spec))
+        rows.append(
+            (path, tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape)), axes[path], leaf.sharding.spec)
+        )
     return rows, mesh, shardings, dtypes
 
 
 def format_table(rows) -> str:
     cells = [("path", "shape", "per device", "logical axes", "PartitionSpec")]
-    cells += [(p, str(s), str(local), "(" + ", ".join(str(a) for a in ax) + ")", str(spec))
-              for p, s, local, ax, spec in rows]
+    cells += [
+        (p, str(s), str(local), "(" + ", ".join(str(a) for a in ax) + ")", str(spec)) for p, s, local, ax, spec in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(5)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
@@ -87,10 +90,14 @@ def show(path: str, rows, shardings) -> None:
     sharding = shardings[path]
     if len(shape) > 2:
         if axes[0] != "layers" or (len(spec) and spec[0] is not None):
-            raise SystemExit(f"--show: {path} is {len(shape)}-D {shape} and not a stack of layers; "
-                             "visualize_array_sharding draws 1-D and 2-D arrays only")
-        print(f"{path} is a stack of {shape[0]} layers (layer axis not sharded); drawing layer 0's "
-              f"{list(shape[1:])} slice, laid out as {P(*spec[1:])}:")
+            raise SystemExit(
+                f"--show: {path} is {len(shape)}-D {shape} and not a stack of layers; "
+                "visualize_array_sharding draws 1-D and 2-D arrays only"
+            )
+        print(
+            f"{path} is a stack of {shape[0]} layers (layer axis not sharded); drawing layer 0's "
+            f"{list(shape[1:])} slice, laid out as {P(*spec[1:])}:"
+        )
         shape, sharding = shape[1:], NamedSharding(sharding.mesh, P(*spec[1:]))
     else:
         print(f"{path} {list(shape)} laid out as {spec}:")
@@ -101,10 +108,15 @@ def show(path: str, rows, shardings) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_60m.py")
-    ap.add_argument("--mesh", default="1,1,4", help="data,fsdp,tensor (or pipeline,data,fsdp[,context],tensor) "
-                                                    "sizes (default 1,1,4)")
-    ap.add_argument("--strategy", help="a registered strategy, e.g. btp | vanilla | megatron (default: the "
-                                       "config's parallel.strategy)")
+    ap.add_argument(
+        "--mesh",
+        default="1,1,4",
+        help="data,fsdp,tensor (or pipeline,data,fsdp[,context],tensor) sizes (default 1,1,4)",
+    )
+    ap.add_argument(
+        "--strategy",
+        help="a registered strategy, e.g. btp | vanilla | megatron (default: the config's parallel.strategy)",
+    )
     ap.add_argument("--show", metavar="PARAM_PATH", help="draw one parameter's layout, e.g. layers/attn/q/a")
     args = ap.parse_args(argv)
     mesh_sizes = parse_mesh(args.mesh)
@@ -129,8 +141,7 @@ def main(argv=None) -> None:
         rows, mesh, shardings, dtypes = _param_table(cfg, pick_devices(math.prod(mesh_sizes)))
     except ConfigError as e:
         raise SystemExit(f"{e} (set via --mesh/--strategy)") from e
-    print(f"{cfg.name}: strategy {cfg.parallel.strategy}, linear {cfg.model.linear}, "
-          f"mesh {dict(mesh.shape)}")
+    print(f"{cfg.name}: strategy {cfg.parallel.strategy}, linear {cfg.model.linear}, mesh {dict(mesh.shape)}")
     print(format_table(rows))
     print(count_line(rows, dtypes))
     if args.show:

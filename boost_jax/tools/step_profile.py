@@ -40,6 +40,7 @@ its prediction sit side by side (`side_by_side`).
 
 Nothing here imports jax at module level.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,34 +49,111 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from boost_jax.tools.hlo_comm import (HloModule, Instruction, collective_of, hlo_attribute, operand_shape, parse_ints,
-                                      parse_module, parse_replica_groups)
+from boost_jax.tools.hlo_comm import (
+    HloModule,
+    Instruction,
+    collective_of,
+    hlo_attribute,
+    operand_shape,
+    parse_ints,
+    parse_module,
+    parse_replica_groups,
+)
 
-CATEGORIES = ("gemm", "attention", "norm", "elementwise", "copies/layout", "optimizer", "loss", "collectives",
-              "launch")
+CATEGORIES = ("gemm", "attention", "norm", "elementwise", "copies/layout", "optimizer", "loss", "collectives", "launch")
 COSTS_FILE = Path(__file__).with_name("targets") / "step_costs.json"
 
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-          "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _DIMS = re.compile(r"\d+")
 
 # Instructions that launch nothing: views, bookkeeping, the halves of async pairs that only wait.
-FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-        "after-all", "add-dependency", "opt-barrier", "domain", "async-start", "async-update", "async-done",
-        "all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done", "send-done", "recv-done",
-        "partition-id", "replica-id", "get-dimension-size", "optimization-barrier"}
-COLLECTIVE_OPS = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                  "all-reduce-start", "all-gather-start", "reduce-scatter-start", "all-to-all-start",
-                  "collective-permute-start", "collective-broadcast"}
+FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "conditional",
+    "call",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "domain",
+    "async-start",
+    "async-update",
+    "async-done",
+    "all-reduce-done",
+    "all-gather-done",
+    "collective-permute-done",
+    "copy-done",
+    "send-done",
+    "recv-done",
+    "partition-id",
+    "replica-id",
+    "get-dimension-size",
+    "optimization-barrier",
+}
+COLLECTIVE_OPS = {
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "all-reduce-start",
+    "all-gather-start",
+    "reduce-scatter-start",
+    "all-to-all-start",
+    "collective-permute-start",
+    "collective-broadcast",
+}
 # Opcodes that only move data (inside a fusion: a fusion of these alone is a copy or a layout change).
-MOVES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy", "transpose", "reshape",
-         "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "broadcast", "iota", "gather",
-         "scatter", "reverse"}
+MOVES = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "copy",
+    "transpose",
+    "reshape",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "broadcast",
+    "iota",
+    "gather",
+    "scatter",
+    "reverse",
+}
 _GEMM_BACKENDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas", "__cudnn$fusion", "__triton_fusion_gemm")
 
 
 # ------------------------------------------------------------------------------------- shapes
+
 
 def shape_bytes(shape: str) -> float:
     """Bytes of an HLO shape (tuples summed; tokens and unknown types 0)."""
@@ -116,6 +194,7 @@ def _tuple_members(shape: str) -> list[str]:
 
 # ------------------------------------------------------------------------------- stack frames
 
+
 @dataclass(frozen=True)
 class Frame:
     file: str
@@ -151,8 +230,11 @@ def stack_frames(hlo_text: str) -> dict[int, Frame]:
         f = re.search(r"file_name_id=(\d+)", v)
         fn = re.search(r"function_name_id=(\d+)", v)
         ln = re.search(r"\bline=(\d+)", v)
-        locations[k] = (files.get(int(f.group(1)), "") if f else "", functions.get(int(fn.group(1)), "") if fn else "",
-                        int(ln.group(1)) if ln else 0)
+        locations[k] = (
+            files.get(int(f.group(1)), "") if f else "",
+            functions.get(int(fn.group(1)), "") if fn else "",
+            int(ln.group(1)) if ln else 0,
+        )
     frames = {}
     for k, v in sections.get("StackFrames", {}).items():
         loc = re.search(r"file_location_id=(\d+)", v)
@@ -164,10 +246,12 @@ def stack_frames(hlo_text: str) -> dict[int, Frame]:
 
 # ------------------------------------------------------------------------------------ kernels
 
+
 @dataclass
 class Kernel:
     """One kernel of the program. `flops`, `bytes` and `wire_bytes` are per execution; `count` is
     executions per step."""
+
     name: str  # the HLO instruction (what a profiler trace calls hlo_op)
     opcode: str  # fusion, custom-call, copy, all-reduce-start, ...
     kind: str  # what runs: gemm, attention, custom (a Pallas/Triton kernel), collective, fusion, op
@@ -222,7 +306,12 @@ def _dot_shape(ins: Instruction, symbols: dict[str, str]) -> tuple:
         m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
         return [int(x) for x in m.group(1).split(",") if x] if m else []
 
-    lb, lc, rb, rc = dims("lhs_batch_dims"), dims("lhs_contracting_dims"), dims("rhs_batch_dims"), dims("rhs_contracting_dims")
+    lb, lc, rb, rc = (
+        dims("lhs_batch_dims"),
+        dims("lhs_contracting_dims"),
+        dims("rhs_batch_dims"),
+        dims("rhs_contracting_dims"),
+    )
     batch = math.prod(ld[i] for i in lb) if ld else 1
     k = math.prod(ld[i] for i in lc) if ld else 1
     m = math.prod(d for i, d in enumerate(ld) if i not in lb and i not in lc) if ld else 1
@@ -240,8 +329,15 @@ def _cublas_shape(ins: Instruction, symbols: dict[str, str]) -> tuple:
         m = re.search(rf'"{key}"\s*:\s*\[([^\]]*)\]', ins.rest)
         return [int(x) for x in re.findall(r"\d+", m.group(1))] if m else []
 
-    lb, lc, rb, rc = (dims(k) for k in ("lhs_batch_dimensions", "lhs_contracting_dimensions",
-                                         "rhs_batch_dimensions", "rhs_contracting_dimensions"))
+    lb, lc, rb, rc = (
+        dims(k)
+        for k in (
+            "lhs_batch_dimensions",
+            "lhs_contracting_dimensions",
+            "rhs_batch_dimensions",
+            "rhs_contracting_dimensions",
+        )
+    )
     batch = math.prod(ld[i] for i in lb)
     k = math.prod(ld[i] for i in lc)
     m = math.prod(d for i, d in enumerate(ld) if i not in lb and i not in lc)
@@ -434,8 +530,13 @@ def kernels(hlo_text: str, accumulation: int = 1, mesh=None, gpus_per_node: int 
             out.append(k)
         # each iteration of a while loop reads its condition's predicate back on the host
     for (caller, callee), _ in module.loop_trips.items():
-        if any(ins.opcode == "while" and re.search(rf"\bcondition=%?{re.escape(callee)}\b", ins.rest)
-               for ins in module.computations.get(caller, [])) and caller in trips:
+        if (
+            any(
+                ins.opcode == "while" and re.search(rf"\bcondition=%?{re.escape(callee)}\b", ins.rest)
+                for ins in module.computations.get(caller, [])
+            )
+            and caller in trips
+        ):
             k = Kernel(f"{callee} (loop predicate)", "while", "sync", (trips.get(callee) or 1), computation=callee)
             k.category = categorize(k)
             out.append(k)
@@ -455,15 +556,25 @@ def remat_clone(name: str) -> bool:
     return bool(_REMAT.search(name))
 
 
-def _kernel(ins: Instruction, reader: _Reader, symbols: dict[str, str], count: int, mesh, num_devices: int,
-            gpus_per_node: int) -> Kernel | None:
+def _kernel(
+    ins: Instruction, reader: _Reader, symbols: dict[str, str], count: int, mesh, num_devices: int, gpus_per_node: int
+) -> Kernel | None:
     op = ins.opcode
     if op in FREE:
         return None
     meta = re.search(r'op_name="([^"]*)"', ins.rest)
     source, chain = reader.source(ins)
-    k = Kernel(ins.name, op, "op", count, computation=ins.computation, op_name=meta.group(1) if meta else "",
-               source=source, sources=chain, remat_clone=remat_clone(ins.name))
+    k = Kernel(
+        ins.name,
+        op,
+        "op",
+        count,
+        computation=ins.computation,
+        op_name=meta.group(1) if meta else "",
+        source=source,
+        sources=chain,
+        remat_clone=remat_clone(ins.name),
+    )
     operands, _ = ins.operands_attrs()
     op_shapes = [operand_shape(o, symbols) for o in operands]
     if op in COLLECTIVE_OPS:
@@ -479,8 +590,14 @@ def _kernel(ins: Instruction, reader: _Reader, symbols: dict[str, str], count: i
             wire, steps = size, 1
         crosses = n > gpus_per_node or (mesh is not None and _crosses_nodes(ins, num_devices, gpus_per_node))
         k.kind, k.bytes = "collective", 0.0
-        k.collective = {"kind": base, "group_size": n, "payload_bytes": size, "wire_bytes": wire, "steps": steps,
-                        "crosses_nodes": bool(crosses)}
+        k.collective = {
+            "kind": base,
+            "group_size": n,
+            "payload_bytes": size,
+            "wire_bytes": wire,
+            "steps": steps,
+            "crosses_nodes": bool(crosses),
+        }
         return k
     if op == "fusion":
         comp = _fused_computation(ins)
@@ -499,7 +616,8 @@ def _kernel(ins: Instruction, reader: _Reader, symbols: dict[str, str], count: i
         target = _custom_target(ins)
         k.backend = target
         k.bytes = sum(shape_bytes(s) for s in op_shapes) + sum(
-            shape_bytes(s) for s in _tuple_members(ins.shape) if not s.startswith("u8[") and not s.startswith("s8["))
+            shape_bytes(s) for s in _tuple_members(ins.shape) if not s.startswith("u8[") and not s.startswith("s8[")
+        )
         if target.startswith("__cublas"):
             k.kind = "gemm"
             k.gemm = _cublas_shape(ins, symbols)
@@ -548,12 +666,16 @@ def _crosses_nodes(ins: Instruction, num_devices: int, gpus_per_node: int) -> bo
 
 # ---------------------------------------------------------------------------------- categories
 
+
 def categorize(k) -> str:
     """The category of a kernel (a Kernel, or a dict with its fields): GEMM, attention and collectives
     by what runs; norm, loss and optimizer by the project source the kernel came from; data movement
     alone is copies/layout; any other fusion elementwise; a loop's predicate read-back is launch."""
-    get = (lambda key, default="": getattr(k, key, default)) if not isinstance(k, dict) else (
-        lambda key, default="": k.get(key, default))
+    get = (
+        (lambda key, default="": getattr(k, key, default))
+        if not isinstance(k, dict)
+        else (lambda key, default="": k.get(key, default))
+    )
     kind, backend, source = get("kind"), get("backend") or "", get("source") or ""
     sources = tuple(get("sources", ()) or ())
     opcode, op_name = get("opcode"), get("op_name") or ""
@@ -568,8 +690,13 @@ def categorize(k) -> str:
         return "attention"
     if kind == "gemm":
         fn = source.split(":")[1] if source.count(":") >= 2 else ""
-        if source.startswith("boost_jax/model/attention/") and fn in ("xla_attention", "_block_scores",
-                                                                         "_chunked_fwd", "_chunked_bwd", "attend"):
+        if source.startswith("boost_jax/model/attention/") and fn in (
+            "xla_attention",
+            "_block_scores",
+            "_chunked_fwd",
+            "_chunked_bwd",
+            "attend",
+        ):
             return "attention"
         return "gemm"
     if kind == "custom" and "norm" in name:
@@ -578,18 +705,33 @@ def categorize(k) -> str:
         return "norm"
     if source.startswith("boost_jax/model/loss.py"):
         return "loss"
-    if _optimizer(source) or (not source and op_name and "jvp(" not in op_name
-                                       and get("computation") and "train_step" in op_name):
+    if _optimizer(source) or (
+        not source and op_name and "jvp(" not in op_name and get("computation") and "train_step" in op_name
+    ):
         return "optimizer"
-    if opcode in ("copy", "copy-start", "transpose", "dynamic-slice", "dynamic-update-slice", "slice",
-                  "concatenate", "pad", "reshape", "broadcast", "gather", "scatter", "reverse"):
+    if opcode in (
+        "copy",
+        "copy-start",
+        "transpose",
+        "dynamic-slice",
+        "dynamic-update-slice",
+        "slice",
+        "concatenate",
+        "pad",
+        "reshape",
+        "broadcast",
+        "gather",
+        "scatter",
+        "reverse",
+    ):
         return "copies/layout"
     if opcode == "fusion" and fused and fused <= MOVES:
         return "copies/layout"
     if backend == "__custom_fusion":  # XLA's dynamic-slice fusions: address arithmetic around a copy
         return "copies/layout"
     if source.startswith("boost_jax/model/attention/") and any(
-            f in where for f in (":xla_attention", ":_chunked", ":_block_scores", ":cudnn_attention")):
+        f in where for f in (":xla_attention", ":_chunked", ":_block_scores", ":cudnn_attention")
+    ):
         return "attention"
     return "elementwise"
 
@@ -606,11 +748,13 @@ def _optimizer(source: str) -> bool:
 
 # ------------------------------------------------------------------------------------ pricing
 
+
 @dataclass(frozen=True)
 class Target:
     """A GPU's numbers: `hbm_bytes_per_s` the bandwidth a copy kernel reaches, `bf16_flops` the dense
     bf16 tensor-core peak (float32 operands run at half: TF32), `link_*` one GPU's NVLink bandwidth
     in a ring collective and its per-step latency, `node_*` the network's between nodes."""
+
     name: str
     hbm_bytes_per_s: float
     bf16_flops: float
@@ -628,14 +772,46 @@ class Target:
 # configs/clusters (nccl-tests ring bandwidths).
 COPY_SHARE = 2268.7e9 / 3.35e12
 TARGETS = {
-    "h100": Target("h100", COPY_SHARE * 3.35e12, 989e12, 360e9, 7e-6, 40e9, 15e-6,
-                   source="H100 SXM5 80GB: 3.35 TB/s HBM3, 989 TFLOP/s bf16, NVLink4 (configs/clusters/h100_8x.py)"),
-    "h200": Target("h200", COPY_SHARE * 4.8e12, 989e12, 360e9, 7e-6, 40e9, 15e-6,
-                   source="H200 SXM 141GB: 4.8 TB/s HBM3e, 989 TFLOP/s bf16, NVLink4"),
-    "a100": Target("a100", COPY_SHARE * 2.039e12, 312e12, 230e9, 10e-6, 20e9, 20e-6,
-                   source="A100 SXM4 80GB: 2.04 TB/s HBM2e, 312 TFLOP/s bf16, NVLink3 (configs/clusters/a100_4x.py)"),
-    "a100_40gb": Target("a100_40gb", COPY_SHARE * 1.555e12, 312e12, 230e9, 10e-6, 20e9, 20e-6,
-                        source="A100 SXM4 40GB: 1.56 TB/s HBM2, 312 TFLOP/s bf16, NVLink3"),
+    "h100": Target(
+        "h100",
+        COPY_SHARE * 3.35e12,
+        989e12,
+        360e9,
+        7e-6,
+        40e9,
+        15e-6,
+        source="H100 SXM5 80GB: 3.35 TB/s HBM3, 989 TFLOP/s bf16, NVLink4 (configs/clusters/h100_8x.py)",
+    ),
+    "h200": Target(
+        "h200",
+        COPY_SHARE * 4.8e12,
+        989e12,
+        360e9,
+        7e-6,
+        40e9,
+        15e-6,
+        source="H200 SXM 141GB: 4.8 TB/s HBM3e, 989 TFLOP/s bf16, NVLink4",
+    ),
+    "a100": Target(
+        "a100",
+        COPY_SHARE * 2.039e12,
+        312e12,
+        230e9,
+        10e-6,
+        20e9,
+        20e-6,
+        source="A100 SXM4 80GB: 2.04 TB/s HBM2e, 312 TFLOP/s bf16, NVLink3 (configs/clusters/a100_4x.py)",
+    ),
+    "a100_40gb": Target(
+        "a100_40gb",
+        COPY_SHARE * 1.555e12,
+        312e12,
+        230e9,
+        10e-6,
+        20e9,
+        20e-6,
+        source="A100 SXM4 40GB: 1.56 TB/s HBM2, 312 TFLOP/s bf16, NVLink3",
+    ),
 }
 
 # GEMM shape classes, by the smallest of m, n and k (the dimension that limits a tile's reuse), and
@@ -662,6 +838,7 @@ class Costs:
     """The fitted constants: the fraction of peak a GEMM reaches per shape class, cuDNN attention's
     fraction of peak, the time one kernel launch adds, and the share of XLA's rematerialized clones
     priced (`Kernel.remat_clone`; 0: none, see `remat_clone`)."""
+
     gemm_efficiency: dict
     attention_efficiency: float
     launch_s: float
@@ -670,8 +847,9 @@ class Costs:
     note: str = ""
 
 
-DEFAULT_COSTS = Costs({"large": 0.75, "medium": 0.6, "batched": 0.6}, 0.4, 5e-6,
-                      note="unfitted defaults (datasheet-scale guesses)")
+DEFAULT_COSTS = Costs(
+    {"large": 0.75, "medium": 0.6, "batched": 0.6}, 0.4, 5e-6, note="unfitted defaults (datasheet-scale guesses)"
+)
 
 
 def costs(target: str) -> Costs:
@@ -684,8 +862,14 @@ def costs(target: str) -> Costs:
     entry = table.get(target) or table.get("h100")
     if not entry:
         return DEFAULT_COSTS
-    return Costs(dict(entry["gemm_efficiency"]), float(entry["attention_efficiency"]), float(entry["launch_s"]),
-                 float(entry.get("remat_clone_share", 0.0)), tuple(entry.get("fitted_on", ())), entry.get("note", ""))
+    return Costs(
+        dict(entry["gemm_efficiency"]),
+        float(entry["attention_efficiency"]),
+        float(entry["launch_s"]),
+        float(entry.get("remat_clone_share", 0.0)),
+        tuple(entry.get("fitted_on", ())),
+        entry.get("note", ""),
+    )
 
 
 def kernel_time(k: Kernel, target: Target, c: Costs) -> float:
@@ -693,8 +877,11 @@ def kernel_time(k: Kernel, target: Target, c: Costs) -> float:
     memory = k.bytes / target.hbm_bytes_per_s
     if k.kind == "collective":
         info = k.collective
-        bw, lat = ((target.node_bytes_per_s, target.node_latency_s) if info.get("crosses_nodes")
-                   else (target.link_bytes_per_s, target.link_latency_s))
+        bw, lat = (
+            (target.node_bytes_per_s, target.node_latency_s)
+            if info.get("crosses_nodes")
+            else (target.link_bytes_per_s, target.link_latency_s)
+        )
         return info["wire_bytes"] / bw + info["steps"] * lat
     if k.kind == "gemm":
         peak = target.bf16_flops * (0.5 if k.gemm and k.gemm[4] in ("f32", "f64") else 1.0)
@@ -724,9 +911,15 @@ def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = Non
             clones["launches"] += k.count
             clones["time_s"] += k.total_s() + k.count * c.launch_s
     by["launch"] += n * c.launch_s
-    return {"target": t.name, "predicted_step_s": sum(by.values()), "time_by_category": by,
-            "launches": int(round(n)), "remat_clones": clones, "remat_clone_share": c.remat_clone_share,
-            "costs": asdict(c)}
+    return {
+        "target": t.name,
+        "predicted_step_s": sum(by.values()),
+        "time_by_category": by,
+        "launches": int(round(n)),
+        "remat_clones": clones,
+        "remat_clone_share": c.remat_clone_share,
+        "costs": asdict(c),
+    }
 
 
 def summary(ks: list[Kernel], priced: dict, top: int = 15) -> dict:
@@ -742,11 +935,28 @@ def summary(ks: list[Kernel], priced: dict, top: int = 15) -> dict:
         hbm[k.category] += w * _moved(k) * k.count
         kcount[k.category] += int(round(w * k.count))
     ranked = sorted((k for k in ks if share or not k.remat_clone), key=lambda k: -k.total_s())[:top]
-    return {**priced, "kernels_per_step": kcount, "flops_by_category": flops, "bytes_by_category": hbm,
-            "gemm_flops_by_class": _by_class(ks),
-            "top_kernels": [{"name": k.name, "category": k.category, "kind": k.kind, "count": k.count,
-                             "time_s": k.total_s(), "flops": k.flops * k.count, "bytes": _moved(k) * k.count,
-                             "gemm": list(k.gemm), "backend": k.backend, "source": k.source} for k in ranked]}
+    return {
+        **priced,
+        "kernels_per_step": kcount,
+        "flops_by_category": flops,
+        "bytes_by_category": hbm,
+        "gemm_flops_by_class": _by_class(ks),
+        "top_kernels": [
+            {
+                "name": k.name,
+                "category": k.category,
+                "kind": k.kind,
+                "count": k.count,
+                "time_s": k.total_s(),
+                "flops": k.flops * k.count,
+                "bytes": _moved(k) * k.count,
+                "gemm": list(k.gemm),
+                "backend": k.backend,
+                "source": k.source,
+            }
+            for k in ranked
+        ],
+    }
 
 
 def _moved(k: Kernel) -> float:
@@ -762,8 +972,9 @@ def _by_class(ks: list[Kernel]) -> dict:
     return out
 
 
-def profile(hlo_text: str, target: str = "h100", accumulation: int = 1, mesh=None, top: int = 15,
-            c: Costs | None = None) -> dict:
+def profile(
+    hlo_text: str, target: str = "h100", accumulation: int = 1, mesh=None, top: int = 15, c: Costs | None = None
+) -> dict:
     """The step-time table of one compiled GPU program (see `summary`)."""
     t = TARGETS[target]
     ks = kernels(hlo_text, accumulation, mesh, t.gpus_per_node)
@@ -771,6 +982,7 @@ def profile(hlo_text: str, target: str = "h100", accumulation: int = 1, mesh=Non
 
 
 # ----------------------------------------------------------------------------- measured traces
+
 
 def trace_events(xspace_path: str, module: str | None = None) -> list[dict]:
     """The GPU kernels of a jax.profiler trace (`*.xplane.pb`), one row per (kernel, hlo_op, hlo_module):
@@ -781,8 +993,18 @@ def trace_events(xspace_path: str, module: str | None = None) -> list[dict]:
 
     data = ProfileData.from_file(str(xspace_path))
     planes = [p for p in data.planes if p.name.startswith("/device:")]
-    derived = {"XLA Modules", "XLA Ops", "Steps", "Framework Name Scope", "Framework Ops", "Source code",
-               "XLA TraceMe", "Launch Stats", "TensorFlow Name Scope", "TensorFlow Ops"}
+    derived = {
+        "XLA Modules",
+        "XLA Ops",
+        "Steps",
+        "Framework Name Scope",
+        "Framework Ops",
+        "Source code",
+        "XLA TraceMe",
+        "Launch Stats",
+        "TensorFlow Name Scope",
+        "TensorFlow Ops",
+    }
     rows: dict[tuple, dict] = {}
 
     def add(ev, stats):
@@ -790,8 +1012,9 @@ def trace_events(xspace_path: str, module: str | None = None) -> list[dict]:
         if module and mod and not mod.startswith(module):
             return
         key = (ev.name, str(stats.get("hlo_op", "")), mod)
-        row = rows.setdefault(key, {"name": key[0], "hlo_op": key[1], "hlo_module": key[2], "duration_us": 0.0,
-                                    "count": 0})
+        row = rows.setdefault(
+            key, {"name": key[0], "hlo_op": key[1], "hlo_module": key[2], "duration_us": 0.0, "count": 0}
+        )
         row["duration_us"] += ev.duration_ns / 1e3
         row["count"] += 1
 
@@ -841,15 +1064,18 @@ def _event_row(i: int, r: dict) -> dict:
     summed over its `count` occurrences in the trace)."""
     unit = next((k for k in _UNITS if k in r), None)
     if unit is None:
-        raise ValueError(f"events[{i}]: no duration_us (or duration_ns / _ms / _s: the time summed over its "
-                         f"count occurrences); got keys {sorted(r)}")
+        raise ValueError(
+            f"events[{i}]: no duration_us (or duration_ns / _ms / _s: the time summed over its "
+            f"count occurrences); got keys {sorted(r)}"
+        )
     return {**r, "name": r.get("name", r.get("kernel", "")), "duration_us": float(r[unit]) * _UNITS[unit]}
 
 
 def measured(events: dict | list, hlo_text: str, accumulation: int = 1) -> dict:
     """The category table of a measured trace: `events` is {"steps": N, "step_s": wall seconds per
     step (optional), "events": [{"name", "hlo_op", "hlo_module", "duration_us", "count"}]} (or the
-    bare list, one step; `kernel` for `name` and duration_ns / _ms / _s are read too), `hlo_text` the same program's optimized HLO (as the GPU compiled it). Each
+    bare list, one step; `kernel` for `name` and duration_ns / _ms / _s are read too), `hlo_text` the same program's
+    optimized HLO (as the GPU compiled it). Each
     event takes the category of the HLO instruction it names (`categorize`); one that names none, by
     its kernel name. Seconds per step; `launch` is the step's wall time the kernels leave idle
     (launches, host work, syncs) when `step_s` is given."""
@@ -866,13 +1092,24 @@ def measured(events: dict | list, hlo_text: str, accumulation: int = 1) -> dict:
         cat = _event_category(r, by_name)
         secs = r["duration_us"] / 1e6 / steps
         by[cat] += secs
-        per_kernel[r.get("hlo_op") or r.get("name", "?")] = per_kernel.get(r.get("hlo_op") or r.get("name", "?"), 0) + secs
+        per_kernel[r.get("hlo_op") or r.get("name", "?")] = (
+            per_kernel.get(r.get("hlo_op") or r.get("name", "?"), 0) + secs
+        )
         launches_ += r.get("count", 0)
     busy = sum(by.values())
-    out = {"busy_s": busy, "time_by_category": by, "launches": launches_ / steps,
-           "top_kernels": [{"name": n, "time_s": s, "category": by_name[n].category if n in by_name else
-                            _event_category({"name": n}, by_name)}
-                           for n, s in sorted(per_kernel.items(), key=lambda x: -x[1])[:15]]}
+    out = {
+        "busy_s": busy,
+        "time_by_category": by,
+        "launches": launches_ / steps,
+        "top_kernels": [
+            {
+                "name": n,
+                "time_s": s,
+                "category": by_name[n].category if n in by_name else _event_category({"name": n}, by_name),
+            }
+            for n, s in sorted(per_kernel.items(), key=lambda x: -x[1])[:15]
+        ],
+    }
     if events.get("step_s"):
         out["measured_step_s"] = float(events["step_s"])
         by["launch"] += max(float(events["step_s"]) - busy, 0.0)
@@ -882,25 +1119,35 @@ def measured(events: dict | list, hlo_text: str, accumulation: int = 1) -> dict:
 
 # ------------------------------------------------------------------------------------- text
 
+
 def to_text(p: dict, title: str = "") -> str:
     """The table of one profile: per category, time, share, kernels per step, TFLOP and GB moved."""
     step = p["predicted_step_s"]
-    lines = [f"{title}predicted step {step * 1e3:.1f} ms on {p['target']} ({p['launches']} kernel launches)",
-             f"  {'category':<14} {'ms':>8} {'share':>6} {'kernels':>8} {'TFLOP':>8} {'GB':>8}"]
+    lines = [
+        f"{title}predicted step {step * 1e3:.1f} ms on {p['target']} ({p['launches']} kernel launches)",
+        f"  {'category':<14} {'ms':>8} {'share':>6} {'kernels':>8} {'TFLOP':>8} {'GB':>8}",
+    ]
     for cat in CATEGORIES:
         t = p["time_by_category"][cat]
-        lines.append(f"  {cat:<14} {t * 1e3:8.2f} {t / step if step else 0:6.1%} {p['kernels_per_step'][cat]:8d} "
-                     f"{p['flops_by_category'][cat] / 1e12:8.2f} {p['bytes_by_category'][cat] / 1e9:8.2f}")
+        lines.append(
+            f"  {cat:<14} {t * 1e3:8.2f} {t / step if step else 0:6.1%} {p['kernels_per_step'][cat]:8d} "
+            f"{p['flops_by_category'][cat] / 1e12:8.2f} {p['bytes_by_category'][cat] / 1e9:8.2f}"
+        )
     clones = p.get("remat_clones", {})
     if clones.get("kernels"):
-        lines.append(f"  XLA's rematerialized clones: {clones['kernels']} kernels, {clones['launches']} launches, "
-                     f"{clones['time_s'] * 1e3:.1f} ms if run; priced at {p.get('remat_clone_share', 0):.0%} "
-                     "(step_profile.remat_clone)")
+        lines.append(
+            f"  XLA's rematerialized clones: {clones['kernels']} kernels, {clones['launches']} launches, "
+            f"{clones['time_s'] * 1e3:.1f} ms if run; priced at {p.get('remat_clone_share', 0):.0%} "
+            "(step_profile.remat_clone)"
+        )
     lines.append("  top kernels:")
     for k in p["top_kernels"][:10]:
         shape = "x".join(str(d) for d in k["gemm"][:4]) if k["gemm"] else ""
-        lines.append(f"    {k['time_s'] * 1e3:7.2f} ms  {k['category']:<13} {k['name']} x{k['count']}"
-                     + (f" (gemm b,m,n,k {shape})" if shape else "") + (f"  [{k['source']}]" if k["source"] else ""))
+        lines.append(
+            f"    {k['time_s'] * 1e3:7.2f} ms  {k['category']:<13} {k['name']} x{k['count']}"
+            + (f" (gemm b,m,n,k {shape})" if shape else "")
+            + (f"  [{k['source']}]" if k["source"] else "")
+        )
     return "\n".join(lines)
 
 
@@ -908,8 +1155,10 @@ def side_by_side(predicted: dict, measured_: dict) -> str:
     """Predicted and measured seconds per category, one row each."""
     lines = [f"  {'category':<14} {'predicted ms':>13} {'measured ms':>12}"]
     for cat in CATEGORIES:
-        lines.append(f"  {cat:<14} {predicted['time_by_category'][cat] * 1e3:13.2f} "
-                     f"{measured_['time_by_category'][cat] * 1e3:12.2f}")
+        lines.append(
+            f"  {cat:<14} {predicted['time_by_category'][cat] * 1e3:13.2f} "
+            f"{measured_['time_by_category'][cat] * 1e3:12.2f}"
+        )
     lines.append(f"  {'step':<14} {predicted['predicted_step_s'] * 1e3:13.2f} {measured_['step_s'] * 1e3:12.2f}")
     return "\n".join(lines)
 
@@ -920,6 +1169,7 @@ def costs_dict(c: Costs) -> dict:
 
 def _read(path: str) -> str:
     import gzip
+
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         return f.read()
@@ -957,5 +1207,3 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
-
-

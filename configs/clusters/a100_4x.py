@@ -9,6 +9,7 @@ per-layer forward TP timings) and gemm_half_dim (the vanilla/BTP GEMM-efficiency
 other number is a datasheet value or a stated assumption, fitted to nothing. BOOST's end-to-end
 iteration times were not used to set any constant: they are the held-out check
 (benchmarks/planner.md, "Validation")."""
+
 import ml_collections
 
 
@@ -48,10 +49,10 @@ def get_config():
     c.elementwise_passes = 6
     c.fitted = {
         "intra_bandwidth": "least squares (with intra_latency) to BOOST's LLaMA-7B TP-4 per-layer forward "
-                           "times on A100 NVLink: full-rank 2.01 ms, vanilla low-rank 9.87 ms, BTP 1.85 ms "
-                           "(batch 4 x seq 4096, bf16); the fit gives 217 GB/s, rounded to 220",
+        "times on A100 NVLink: full-rank 2.01 ms, vanilla low-rank 9.87 ms, BTP 1.85 ms "
+        "(batch 4 x seq 4096, bf16); the fit gives 217 GB/s, rounded to 220",
         "intra_latency": "the same least-squares fit; gives 9.8 µs, rounded to 10",
         "gemm_half_dim": "BOOST's 7B GEMM efficiency, vanilla TP-4 ~59% vs BTP ~70-75% HFU: s(256)/s(1024) "
-                         "= 0.81 gives h = 85; 96 (ratio 0.80) is used",
+        "= 0.81 gives h = 85; 96 (ratio 0.80) is used",
     }
     return c

@@ -9,6 +9,7 @@ the train steps measured on one H100 (benchmarks/h100_measured.json: cola_1b and
 which constants to fit by leave-one-out and rewrites the block; tests/test_planner_time.py checks
 those rows within 15% and the planner's remat pick against the measured fastest. Nothing multi-GPU
 is measured: the links and everything a plan on several GPUs adds are predictions."""
+
 import ml_collections
 
 
@@ -47,7 +48,7 @@ def get_config():
     c.kept_passes = 8.919
     c.fitted = {
         "kept_passes": "8.919: least squares of the relative step-time error over the 8 fit "
-                "rows of benchmarks/h100_measured.json (2026-11-26 to 2026-11-27; leave-one-out RMS 5.4%)",
+        "rows of benchmarks/h100_measured.json (2026-11-26 to 2026-11-27; leave-one-out RMS 5.4%)",
     }
     # planner_time_fit: end
     return c

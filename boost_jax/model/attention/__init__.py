@@ -45,11 +45,29 @@ documents.py (`Documents`), rotary.py (`rope`), one file per implementation (xla
 pallas.py, cudnn.py), module.py (the `Attention` layer). Importing this package registers the four
 implementations, in this order.
 """
+
 # Not sorted: the implementations register in the order `names()` lists them (xla, chunked, pallas, cudnn).
 from boost_jax.model.attention.registry import (  # noqa: I001
-    AUTO_XLA_MAX_KEYS, CHUNK, COST_CLASSES, DOCUMENT_KINDS, IMPLEMENTATIONS, Blockwise, CostClass, Implementation,
-    attend, auto_impl, blockwise, cost_class, implementation, masks, names, resolve, takes_context, takes_documents,
-    under_context)
+    AUTO_XLA_MAX_KEYS,
+    CHUNK,
+    COST_CLASSES,
+    DOCUMENT_KINDS,
+    IMPLEMENTATIONS,
+    Blockwise,
+    CostClass,
+    Implementation,
+    attend,
+    auto_impl,
+    blockwise,
+    cost_class,
+    implementation,
+    masks,
+    names,
+    resolve,
+    takes_context,
+    takes_documents,
+    under_context,
+)
 from boost_jax.model.attention.documents import Documents
 from boost_jax.model.attention.rotary import rope
 from boost_jax.model.attention.xla import xla_attention
@@ -59,8 +77,31 @@ from boost_jax.model.attention.cudnn import cudnn_attention
 from boost_jax.model.attention.module import Attention, rebuild_kv
 
 __all__ = [
-    "AUTO_XLA_MAX_KEYS", "CHUNK", "COST_CLASSES", "DOCUMENT_KINDS", "IMPLEMENTATIONS", "Attention", "Blockwise",
-    "CostClass", "Documents", "Implementation", "attend", "auto_impl", "blockwise", "chunked_attention",
-    "cost_class", "cudnn_attention", "implementation", "masks", "names", "pallas_attention", "rebuild_kv",
-    "resolve", "rope", "takes_context", "takes_documents", "under_context", "xla_attention",
+    "AUTO_XLA_MAX_KEYS",
+    "CHUNK",
+    "COST_CLASSES",
+    "DOCUMENT_KINDS",
+    "IMPLEMENTATIONS",
+    "Attention",
+    "Blockwise",
+    "CostClass",
+    "Documents",
+    "Implementation",
+    "attend",
+    "auto_impl",
+    "blockwise",
+    "chunked_attention",
+    "cost_class",
+    "cudnn_attention",
+    "implementation",
+    "masks",
+    "names",
+    "pallas_attention",
+    "rebuild_kv",
+    "resolve",
+    "rope",
+    "takes_context",
+    "takes_documents",
+    "under_context",
+    "xla_attention",
 ]

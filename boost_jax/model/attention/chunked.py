@@ -2,6 +2,7 @@
 forward and a hand-written backward): no [T, S] matrix, key blocks wholly above the diagonal never
 visited, and with documents the blocks outside every row's documents skipped. Its block form
 (`Blockwise`) is what context parallelism runs."""
+
 from __future__ import annotations
 
 import functools
@@ -66,8 +67,10 @@ def _segment_blocks(docs, bq, nq, bk, nk):
     seg = docs.segments
     keys = seg if docs.key_segments is None else docs.key_segments
     b = seg.shape[0]
-    return (_pad_to(seg, 1, nq * bq).reshape(b, nq, bq).transpose(1, 0, 2),
-            _pad_to(keys, 1, nk * bk).reshape(b, nk, bk).transpose(1, 0, 2))
+    return (
+        _pad_to(seg, 1, nq * bq).reshape(b, nq, bq).transpose(1, 0, 2),
+        _pad_to(keys, 1, nk * bk).reshape(b, nk, bk).transpose(1, 0, 2),
+    )
 
 
 def _layout(q, k, v, block):
@@ -84,7 +87,7 @@ def _layout(q, k, v, block):
 def _unlayout_q(x, q_shape):
     """[nq, B, KV, G, bq, D] -> [B, T, H, D] (padding dropped)."""
     nq, b, kv, g, bq, dh = x.shape
-    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, kv * g, dh)[:, :q_shape[1]]
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, kv * g, dh)[:, : q_shape[1]]
 
 
 def _chunked_fwd(q, k, v, offset, docs, block, out_dtype=None):
@@ -106,8 +109,9 @@ def _chunked_fwd(q, k, v, offset, docs, block, out_dtype=None):
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             corr = jnp.exp(m - m_new)
-            acc = acc * corr[..., None] + jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vb.dtype), vb[j],
-                                                     preferred_element_type=jnp.float32)
+            acc = acc * corr[..., None] + jnp.einsum(
+                "bkgqs,bksd->bkgqd", p.astype(vb.dtype), vb[j], preferred_element_type=jnp.float32
+            )
             return m_new, l * corr + p.sum(-1), acc
 
         stats = jnp.full(qi.shape[:-1], _NEG, jnp.float32)
@@ -145,8 +149,9 @@ def _chunked_bwd(q, k, v, out, lse, dout, offset, docs, block, wide: bool = Fals
             return dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kb[j].astype(jnp.float32)) * scale
 
         start = 0 if docs is None else first_k[i]
-        return jax.lax.fori_loop(start, _n_visible_k_blocks(i, bq, bk, offset, nk), k_block,
-                                 jnp.zeros(qb.shape[1:], jnp.float32))
+        return jax.lax.fori_loop(
+            start, _n_visible_k_blocks(i, bq, bk, offset, nk), k_block, jnp.zeros(qb.shape[1:], jnp.float32)
+        )
 
     def dkv_block(j):
         def q_block(i, carry):
@@ -196,8 +201,12 @@ def _pair_documents(q_seg, k_seg):
     if k_seg is None:
         return Documents.packed(q_seg)
     tq, tk = q_seg.shape[1], k_seg.shape[1]
-    return Documents(q_seg, jnp.zeros((tq,), jnp.int32), jnp.full((tk,), tq - 1, jnp.int32),
-                     key_segments=jnp.asarray(k_seg, jnp.int32))
+    return Documents(
+        q_seg,
+        jnp.zeros((tq,), jnp.int32),
+        jnp.full((tk,), tq - 1, jnp.int32),
+        key_segments=jnp.asarray(k_seg, jnp.int32),
+    )
 
 
 def _lse_rows(lse, b: int, t: int):
@@ -214,17 +223,30 @@ def _lse_blocks(lse, kv: int, block: int):
 
 
 def _chunked_block_fwd(q, k, v, offset, q_seg, k_seg):
-    out, lse = _chunked_fwd(q, k, v, jnp.asarray(offset, jnp.int32), _pair_documents(q_seg, k_seg), CHUNK,
-                            jnp.float32)
+    out, lse = _chunked_fwd(q, k, v, jnp.asarray(offset, jnp.int32), _pair_documents(q_seg, k_seg), CHUNK, jnp.float32)
     return out, _lse_rows(lse, q.shape[0], q.shape[1])
 
 
 def _chunked_block_bwd(q, k, v, out, lse, dout, offset, q_seg, k_seg):
-    return _chunked_bwd(q, k, v, out, _lse_blocks(lse, k.shape[2], CHUNK), dout, jnp.asarray(offset, jnp.int32),
-                        _pair_documents(q_seg, k_seg), CHUNK, wide=True)
+    return _chunked_bwd(
+        q,
+        k,
+        v,
+        out,
+        _lse_blocks(lse, k.shape[2], CHUNK),
+        dout,
+        jnp.asarray(offset, jnp.int32),
+        _pair_documents(q_seg, k_seg),
+        CHUNK,
+        wide=True,
+    )
 
 
-@implementation("chunked", cost="chunked", documents=("segments", "lengths"),
-                blockwise=Blockwise(_chunked_block_fwd, _chunked_block_bwd))
+@implementation(
+    "chunked",
+    cost="chunked",
+    documents=("segments", "lengths"),
+    blockwise=Blockwise(_chunked_block_fwd, _chunked_block_bwd),
+)
 def chunked_attention(q, k, v, offset, block: int | None = None, *, docs: Documents | None = None):
     return _chunked(q, k, v, jnp.asarray(offset, jnp.int32), docs, block or CHUNK)

@@ -1,5 +1,6 @@
 """Where the documents of each row lie (`Documents`): what the implementations mask by when rows hold
 several documents (data.batching=packed) or one document then padding (data.batching=document)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 class Documents:
     """Where the documents of each row lie (see the module docstring); a pytree. Build it with
     `Documents.packed` or `Documents.one_per_row`."""
+
     segments: jax.Array  # int32 [B, T]: the document id of every position; 0 = padding
     first_key: jax.Array  # int32 [T]: min over rows of the first position of t's document (block skipping)
     last_query: jax.Array  # int32 [T]: max over rows of the last position of t's document

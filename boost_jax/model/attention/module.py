@@ -1,5 +1,6 @@
 """The attention layer (`Attention`, an nnx module): q/k/v/o projections, RoPE, the KV cache, and
 `attend` (or the context island under context parallelism)."""
+
 from __future__ import annotations
 
 import functools
@@ -71,14 +72,16 @@ class Attention(nnx.Module):
         """parallel.context_kv=bottleneck: the context island gets σ(A_k x), σ(A_v x) and B_k, B_v
         and rebuilds every block's K/V itself (`rebuild_kv`)."""
         b, t, _ = x.shape
-        q, (hk, bk), (hv, bv) = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm,
-                                        route=self.qkv_route, keep=(self.k, self.v))
+        q, (hk, bk), (hv, bv) = project(
+            [self.q, self.k, self.v], x, grouped=self.grouped, norm=norm, route=self.qkv_route, keep=(self.k, self.v)
+        )
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         q = constrain(rope(q, positions, self.rope_theta), ("act_batch", "act_seq", "act_heads", None))
         hk, hv = (constrain(h, ("act_batch", "act_seq", "act_rank")) for h in (hk, hv))
         rebuild = functools.partial(rebuild_kv, self.head_dim, self.rope_theta)
-        out = self.context.attend_bottleneck(q, hk, hv, (bk, bv), positions, None if docs is None else docs.segments,
-                                             blockwise(self.impl), rebuild)
+        out = self.context.attend_bottleneck(
+            q, hk, hv, (bk, bv), positions, None if docs is None else docs.segments, blockwise(self.impl), rebuild
+        )
         return self._output(out.reshape(b, t, self.n_heads * self.head_dim))
 
 

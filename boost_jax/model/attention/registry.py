@@ -2,6 +2,7 @@
 registers `fn(q, k, v, offset)` as `model.attention=name`; `attend` runs the one `resolve` picks (see
 the package docstring). The planner prices each implementation by its cost class (COST_CLASSES);
 config validation, the trainer and the comm report ask the functions below about names."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ class CostClass:
     through HBM (`block` keys at a time, 0: a query's whole row; the blocks above the diagonal
     skipped) or stay inside one `fused` kernel that skips the masked blocks and runs at the cluster's
     flash efficiency. The `kept*` counts are read from compiled steps (tests/test_planner.py)."""
+
     name: str
     backward: float  # backward GEMM work over the forward's 2 GEMMs (q·kᵀ, p·v)
     score_bytes: tuple = (0, 0)  # HBM bytes per (head, query, key) score: forward, backward
@@ -36,20 +38,23 @@ class CostClass:
 
 
 # The cost classes implementations register with (`implementation(cost=...)`; a new one may bring its own).
-COST_CLASSES: dict = {c.name: c for c in (
-    # Scores materialised: the forward writes the float32 scores, reads them for the softmax, writes the
-    # probabilities, reads them for P·V (12 bytes); the backward reads/writes dP, dS, P (16). Kept: the
-    # float32 exp and softmax per score (+ the probabilities in the compute dtype when that is not float32).
-    CostClass("materialized", backward=2, score_bytes=(12, 16), kept=4, kept_scores=2),
-    # Blocks of 512 queries x 512 keys (`chunked.py`): each block's scores pass through HBM as above,
-    # and the backward recomputes them twice (its dQ pass and its dK/dV pass: 7 block GEMMs against the
-    # forward's 2, twice the score traffic).
-    CostClass("chunked", backward=3.5, score_bytes=(12, 32), block=CHUNK, kept=5),
-    # FlashAttention: its backward runs 5 GEMMs (scores recomputed) against the forward's 2; the GPU
-    # program keeps q, k, v, the output and its [B, T, q] view (and the log-sum-exp): llama_7b megatron
-    # on 8 H100 stacks bf16[L, B, T, h/8, hd] x 4 and bf16[L, B, T, q/8].
-    CostClass("flash", backward=2.5, fused=True, kept=5),
-)}
+COST_CLASSES: dict = {
+    c.name: c
+    for c in (
+        # Scores materialised: the forward writes the float32 scores, reads them for the softmax, writes the
+        # probabilities, reads them for P·V (12 bytes); the backward reads/writes dP, dS, P (16). Kept: the
+        # float32 exp and softmax per score (+ the probabilities in the compute dtype when that is not float32).
+        CostClass("materialized", backward=2, score_bytes=(12, 16), kept=4, kept_scores=2),
+        # Blocks of 512 queries x 512 keys (`chunked.py`): each block's scores pass through HBM as above,
+        # and the backward recomputes them twice (its dQ pass and its dK/dV pass: 7 block GEMMs against the
+        # forward's 2, twice the score traffic).
+        CostClass("chunked", backward=3.5, score_bytes=(12, 32), block=CHUNK, kept=5),
+        # FlashAttention: its backward runs 5 GEMMs (scores recomputed) against the forward's 2; the GPU
+        # program keeps q, k, v, the output and its [B, T, q] view (and the log-sum-exp): llama_7b megatron
+        # on 8 H100 stacks bf16[L, B, T, h/8, hd] x 4 and bf16[L, B, T, q/8].
+        CostClass("flash", backward=2.5, fused=True, kept=5),
+    )
+}
 # What of a `Documents` an implementation reads: segment ids (any rows), or per-row lengths (one
 # document then padding per row only).
 DOCUMENT_KINDS = ("segments", "lengths")
@@ -66,6 +71,7 @@ class Blockwise:
     fwd(q, k, v, offset, q_seg, k_seg) -> (out float32 [B, Tq, H, D], lse float32 [B, Tq, H]);
     bwd(q, k, v, out, lse, dout, offset, q_seg, k_seg) -> (dq, dk, dv) float32, given the out and lse
     merged over every key block (FlashAttention-2's backward: the blocks' gradients then add up)."""
+
     fwd: Callable
     bwd: Callable
 
@@ -79,8 +85,7 @@ class Implementation:
     blockwise: Blockwise | None = None  # its block form: what runs under context parallelism
 
 
-def implementation(name: str, *, cost, fused: bool = False, documents: tuple = (),
-                   blockwise: Blockwise | None = None):
+def implementation(name: str, *, cost, fused: bool = False, documents: tuple = (), blockwise: Blockwise | None = None):
     """Register `fn(q, k, v, offset)` as `model.attention=name`, priced by the planner as `cost` (a
     COST_CLASSES name, or a new CostClass, registered with it); with `documents` (DOCUMENT_KINDS it
     reads) it also takes `fn(q, k, v, offset, docs=Documents)`; with `blockwise` it runs under context
@@ -128,8 +133,10 @@ def blockwise(name: str) -> Blockwise:
     """The block form `model.attention=name` runs under context parallelism (see under_context)."""
     if not takes_context(name):
         able = ", ".join(n for n in names() if takes_context(n))
-        raise ConfigError(f"config field `model.attention`: {name} cannot run with the sequence split over "
-                          f"parallel.context; set model.attention to one of {able}")
+        raise ConfigError(
+            f"config field `model.attention`: {name} cannot run with the sequence split over "
+            f"parallel.context; set model.attention to one of {able}"
+        )
     return IMPLEMENTATIONS[under_context(name)].blockwise
 
 
@@ -166,21 +173,31 @@ def resolve(impl: str, q, k, offset, docs: Documents | None = None) -> str:
     fused_ok = _static_zero(offset)
     kind = None if docs is None else docs.kind
     if impl == "auto":
-        shape = (fused_ok and platform.name() == "gpu", q.dtype in (jnp.bfloat16, jnp.float16),
-                 q.shape[-1], q.shape[1], k.shape[1])
+        shape = (
+            fused_ok and platform.name() == "gpu",
+            q.dtype in (jnp.bfloat16, jnp.float16),
+            q.shape[-1],
+            q.shape[1],
+            k.shape[1],
+        )
         name = auto_impl(*shape, documents=kind)
         if kind == "segments" and name != auto_impl(*shape) and name not in _WARNED:  # said only when it differs
             _WARNED.add(name)
-            warnings.warn(f"model.attention=auto: packed rows (data.batching=packed) run {name}; "
-                          "cudnn takes one document per row only", stacklevel=3)
+            warnings.warn(
+                f"model.attention=auto: packed rows (data.batching=packed) run {name}; "
+                "cudnn takes one document per row only",
+                stacklevel=3,
+            )
         return name
     if impl not in IMPLEMENTATIONS:
         raise ConfigError(f"config field `model.attention`: {impl!r} is not one of {names()}")
     if kind is not None and not masks(impl, kind):
         able = ", ".join(n for n in names() if masks(n, kind))
         batching = "packed" if kind == "segments" else "document"
-        raise ConfigError(f"config field `model.attention`: {impl} cannot mask the documents of "
-                          f"data.batching={batching}; set model.attention to one of {able} (or data.batching=stream)")
+        raise ConfigError(
+            f"config field `model.attention`: {impl} cannot mask the documents of "
+            f"data.batching={batching}; set model.attention to one of {able} (or data.batching=stream)"
+        )
     if IMPLEMENTATIONS[impl].fused and not fused_ok:
         return "chunked"
     return impl
@@ -194,6 +211,8 @@ def attend(q, k, v, *, offset=0, impl: str = "xla", docs: Documents | None = Non
     if docs is None:
         return fn(q, k, v, offset).reshape(b, t, h * dh)
     if not _static_zero(offset) or k.shape[1] != t or docs.segments.shape != (b, t):
-        raise ValueError(f"attention with documents needs offset 0 and segments [B, T] = {[b, t]} for as many "
-                         f"keys as queries, got offset {offset}, {k.shape[1]} keys, segments {docs.segments.shape}")
+        raise ValueError(
+            f"attention with documents needs offset 0 and segments [B, T] = {[b, t]} for as many "
+            f"keys as queries, got offset {offset}, {k.shape[1]} keys, segments {docs.segments.shape}"
+        )
     return fn(q, k, v, offset, docs=docs).reshape(b, t, h * dh)

@@ -1,4 +1,5 @@
 """Rotary position embeddings (RoPE)."""
+
 import jax
 import jax.numpy as jnp
 

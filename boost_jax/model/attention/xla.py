@@ -1,5 +1,6 @@
 """`xla`: the reference attention, one float32 score einsum [B, KV, G, T, S], a masked softmax and a
 weighted sum."""
+
 from __future__ import annotations
 
 import jax
@@ -24,7 +25,7 @@ def xla_attention(q, k, v, offset, *, docs: Documents | None = None):
     """Float32 scores [B, KV, G, T, S], masked softmax, weighted sum; k/v are never repeated."""
     dh, t, s = q.shape[-1], q.shape[1], k.shape[1]
     qg = _grouped(q, k.shape[2])
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * dh ** -0.5
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * dh**-0.5
     mask = _visible(t, s, offset)
     if docs is not None:  # [B, 1, 1, T, S]: causal and in the query's document
         seg = docs.segments

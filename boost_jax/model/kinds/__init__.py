@@ -13,6 +13,7 @@ source (a literal dict of Field(default, help) calls in the class body, or a bas
 checked against the class when it is first imported. `import boost_jax` imports this module, so the
 built-in kinds' fields are in every `base_config()`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -49,6 +50,7 @@ def kind_class(name: str):
     """The LinearKind subclass registered as `name`."""
     if name not in REGISTRY:
         from boost_jax.errors import ConfigError
+
         raise ConfigError(f"config field `model.linear`: {name!r} is not one of {names()}")
     entry = REGISTRY[name]
     if not isinstance(entry, str):
@@ -56,8 +58,10 @@ def kind_class(name: str):
     module, _, cls = entry.partition(":")
     kind = getattr(importlib.import_module(module), cls)
     if dict(kind.fields) != _DECLARED[name]:
-        raise TypeError(f"linear kind {name} ({entry}): its `fields` are not the literal dict of "
-                        f"Field(default, help) that registering it read from the source ({_DECLARED[name]})")
+        raise TypeError(
+            f"linear kind {name} ({entry}): its `fields` are not the literal dict of "
+            f"Field(default, help) that registering it read from the source ({_DECLARED[name]})"
+        )
     return kind
 
 
@@ -69,16 +73,27 @@ def source_fields(entry: str) -> dict:
     origin = importlib.util.find_spec(module).origin
     tree = ast.parse(Path(origin).read_text(), origin)
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-    imported = {a.asname or a.name: f"{n.module}:{a.name}" for n in tree.body
-                if isinstance(n, ast.ImportFrom) and n.module for a in n.names}
+    imported = {
+        a.asname or a.name: f"{n.module}:{a.name}"
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and n.module
+        for a in n.names
+    }
     if cls not in classes:
         return source_fields(imported[cls]) if cls in imported else {}
     for stmt in classes[cls].body:
-        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else \
-            getattr(stmt, "target", None) if isinstance(stmt, ast.AnnAssign) else None
+        target = (
+            stmt.targets[0]
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+            else getattr(stmt, "target", None)
+            if isinstance(stmt, ast.AnnAssign)
+            else None
+        )
         if isinstance(target, ast.Name) and target.id == "fields" and stmt.value is not None:
-            return {ast.literal_eval(k): config.Field(*map(ast.literal_eval, v.args)) for k, v in
-                    zip(stmt.value.keys, stmt.value.values)}
+            return {
+                ast.literal_eval(k): config.Field(*map(ast.literal_eval, v.args))
+                for k, v in zip(stmt.value.keys, stmt.value.values)
+            }
     for base in classes[cls].bases:
         if isinstance(base, ast.Name):
             found = source_fields(f"{module}:{base.id}")

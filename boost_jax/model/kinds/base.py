@@ -5,10 +5,12 @@ bottleneck: the first stage is a [d_in, width] matrix (`first_weight`), then σ 
 [width, d_out] matrix (`second_weight`). A dense kind has only the first stage (width = d_out).
 Each stored parameter names its logical axes; `first_weight`/`second_weight` take `use`, the function
 that turns a stored parameter into its compute layout (FSDP gathers it, in the dtype of the GEMM
-it feeds; the spatial-temporal partition takes it as stored and skews it), and build the matrix from what `use` returns. A kind may add a term
+it feeds; the spatial-temporal partition takes it as stored and skews it), and build the matrix from what `use`
+returns. A kind may add a term
 computed from the normalised input rows (`extra`, e.g. a sparse matrix), which parallel plans handle
 generically (the input is gathered to whole rows).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +26,7 @@ Use = Callable[[jax.Array, tuple], jax.Array]
 
 def factor_init(key, shape, d_in: int, d_out: int, rank: int, dtype):
     # CoLA init: each factor N(0,1)·r^-1/4·(d_in+d_out)^-1/4, so B·A has entry variance 1/(d_in+d_out).
-    std = rank ** -0.25 * (d_in + d_out) ** -0.25
+    std = rank**-0.25 * (d_in + d_out) ** -0.25
     return std * jax.random.normal(key, shape, dtype)
 
 
@@ -47,6 +49,7 @@ class HFLayout:
       "" when the file keeps our KV heads;
     select: (config.json field, value) that tells this kind from others of its model_type ("", None: none);
     train: (train field, value) pairs an import sets (the layout's own recipe, e.g. AdamW betas)."""
+
     model_type: str
     architecture: str
     tensors: tuple[tuple[str, str, bool], ...]
@@ -85,8 +88,7 @@ class LinearKind(nnx.Module):
     factored: ClassVar[bool] = True  # a bottleneck between two stages (False: one d_in x d_out stage)
     has_extra: ClassVar[bool] = False  # `extra` adds a term from the normalised input rows
 
-    def __init__(self, m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs,
-                 param_dtype):
+    def __init__(self, m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs, param_dtype):
         self.d_in, self.d_out, self.group = d_in, d_out, group
         self.in_axis, self.out_axis = axes
         self.width = self.bottleneck_width(m, d_in, d_out)
@@ -130,8 +132,10 @@ class LinearKind(nnx.Module):
         smallest = min(widths.values())
         if not 0 < m.rank < smallest:
             field = min(widths, key=widths.get)
-            return (f"model.rank: {m.rank} must be in (0, {smallest}) (smaller than {field}, the narrowest "
-                    f"projection), e.g. d_model/4 = {m.d_model // 4}")
+            return (
+                f"model.rank: {m.rank} must be in (0, {smallest}) (smaller than {field}, the narrowest "
+                f"projection), e.g. d_model/4 = {m.d_model // 4}"
+            )
         return None
 
     def first_weight(self, use: Use = gathered) -> jax.Array:

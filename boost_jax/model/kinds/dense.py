@@ -1,4 +1,5 @@
 """Dense W: the full-rank LLaMA baseline (one stage, no bottleneck)."""
+
 from __future__ import annotations
 
 from flax import nnx

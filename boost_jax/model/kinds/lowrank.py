@@ -4,6 +4,7 @@ Both export in the layout of the official CoLA implementation (`ColaLayout`): `C
 every `X_proj` the two factors of `y = act(x @ cola_a) @ cola_b` stored like ours, act = SiLU
 (`lr_act_type: "silu"`, cola) or identity (`"linear"`, lowrank).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ class ColaLayout(HFLayout):
     """The official CoLA layout. Its config class silently defaults every field it does not find (rank
     d/4, only_lr_act true, ...), so export writes each; it has no GQA (k and v are num_heads * head_dim
     wide): export repeats each KV head's columns of the k/v cola_b and records our KV heads in GQA_KEY."""
+
     model_type: str = "cola"
     architecture: str = "ColaForCausalLM"
     tensors: tuple = (("a", "cola_a", False), ("b", "cola_b", False))
@@ -33,25 +35,39 @@ class ColaLayout(HFLayout):
 
     def config(self, m):
         act = self.select[1]
-        c = {**super().config(m), "num_key_value_heads": m.n_heads, "rank": int(m.rank), "lr_act_type": act,
-             "only_lr_act": bool(m.only_lr_act) and act != "linear"}
+        c = {
+            **super().config(m),
+            "num_key_value_heads": m.n_heads,
+            "rank": int(m.rank),
+            "lr_act_type": act,
+            "only_lr_act": bool(m.only_lr_act) and act != "linear",
+        }
         if m.n_kv_heads != m.n_heads:
             c[GQA_KEY] = int(m.n_kv_heads)
         return c
 
     def fields(self, hf):
         h = hf["num_attention_heads"]
-        return {"n_kv_heads": hf.get(GQA_KEY) or h, "rank": hf.get("rank") or hf["hidden_size"] // 4,
-                "only_lr_act": bool(hf.get("only_lr_act", True))}
+        return {
+            "n_kv_heads": hf.get(GQA_KEY) or h,
+            "rank": hf.get("rank") or hf["hidden_size"] // 4,
+            "only_lr_act": bool(hf.get("only_lr_act", True)),
+        }
 
     def problems(self, hf, fields):
         h = hf["num_attention_heads"]
         kv = hf.get("num_key_value_heads") or h
-        return [why for cond, why in (
-            (kv != h, f"num_key_value_heads={kv} != num_attention_heads={h} (the CoLA layout has no GQA)"),
-            (self.select[1] == "linear" and fields["only_lr_act"],
-             "only_lr_act=true with lr_act_type='linear' (no MLP activation)"),
-        ) if cond]
+        return [
+            why
+            for cond, why in (
+                (kv != h, f"num_key_value_heads={kv} != num_attention_heads={h} (the CoLA layout has no GQA)"),
+                (
+                    self.select[1] == "linear" and fields["only_lr_act"],
+                    "only_lr_act=true with lr_act_type='linear' (no MLP activation)",
+                ),
+            )
+            if cond
+        ]
 
 
 class LowRank(LinearKind):

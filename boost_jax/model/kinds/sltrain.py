@@ -18,6 +18,7 @@ features (BTP's residual split along d, Megatron's row-parallel o/down inputs) a
 once per projection group; every tensor device computes the whole S·x (replicated over `tensor`, the
 block values FSDP-sharded and gathered at use like any weight) and keeps its own output columns.
 """
+
 from __future__ import annotations
 
 import jax
@@ -44,8 +45,9 @@ class SparseLowRank(LowRank):
     hf = None  # no Hugging Face layout holds S
     fields = {  # W = (alpha/r)·B·A + S, S on a fixed random support of b x b blocks
         "sparse_density": Field(0.03, "sltrain: fraction of S's entries that are nonzero"),
-        "sparse_block": Field(16, "sltrain: b, S's blocks are b x b; 1 is SLTrain's element-wise support "
-                                  "(see kinds/sltrain.py)"),
+        "sparse_block": Field(
+            16, "sltrain: b, S's blocks are b x b; 1 is SLTrain's element-wise support (see kinds/sltrain.py)"
+        ),
         "sltrain_alpha": Field(32.0, "sltrain: the alpha of (alpha/r)·B·A"),
     }
 
@@ -55,16 +57,19 @@ class SparseLowRank(LowRank):
         self.block = b
         self.alpha_over_r = float(m.sltrain_alpha) / r
         # SLTrain's init: A ~ U(±1/sqrt(d_in)) (Kaiming-uniform), B = 0, S values ~ U(±1/sqrt(d_in)).
-        bound = d_in ** -0.5
-        self.a = nnx.Param(jax.random.uniform(rngs.params(), (d_in, r), param_dtype, -bound, bound),
-                           axes=(axes[0], "rank"))
+        bound = d_in**-0.5
+        self.a = nnx.Param(
+            jax.random.uniform(rngs.params(), (d_in, r), param_dtype, -bound, bound), axes=(axes[0], "rank")
+        )
         self.b = nnx.Param(jnp.zeros((r, d_out), param_dtype), axes=("rank", axes[1]))
         n_in, n_out, nb = d_in // b, d_out // b, n_blocks(m, d_in, d_out)
         flat = jnp.sort(jax.random.choice(rngs.params(), n_in * n_out, (nb,), replace=False)).astype(jnp.int32)
         self.s_in = Support(flat // n_out, axes=("sparse_blocks",))
         self.s_out = Support(flat % n_out, axes=("sparse_blocks",))
-        self.s = nnx.Param(jax.random.uniform(rngs.params(), (nb, b, b), param_dtype, -bound, bound),
-                           axes=("sparse_blocks", None, None))
+        self.s = nnx.Param(
+            jax.random.uniform(rngs.params(), (nb, b, b), param_dtype, -bound, bound),
+            axes=("sparse_blocks", None, None),
+        )
 
     @classmethod
     def n_params(cls, m, d_in, d_out):
@@ -81,8 +86,10 @@ class SparseLowRank(LowRank):
         b = int(m.sparse_block)
         bad = {f: w for f, w in widths.items() if b < 1 or w % b}
         if bad:
-            return (f"model.sparse_block: {b} must be >= 1 and divide every projection width "
-                    f"({', '.join(f'{f}={w}' for f, w in bad.items())}); 1 always does")
+            return (
+                f"model.sparse_block: {b} must be >= 1 and divide every projection width "
+                f"({', '.join(f'{f}={w}' for f, w in bad.items())}); 1 always does"
+            )
         return super().validate(m, widths)
 
     def bottleneck(self, h):

@@ -22,6 +22,7 @@ Init: each core N(0, 1)·(r_left·r_right)^(-1/4)·s^(1/cores) with s² = 1/(d_i
 index is summed over in the product, so the reconstructed d_in x d_out weight has entry variance s²,
 the dense layer's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,7 +43,7 @@ def balanced_factors(n: int, k: int) -> tuple[int, ...]:
     if k == 1:
         return (n,)
     for f in range(1, n + 1):  # the smallest feasible largest factor: f^k >= n and the rest fits under f
-        if n % f == 0 and f ** k >= n:
+        if n % f == 0 and f**k >= n:
             rest = balanced_factors(n // f, k - 1)
             if rest[0] <= f:
                 return (f,) + rest
@@ -65,10 +66,13 @@ def tt_shapes(m, d_in: int, d_out: int) -> tuple[list[tuple[int, int, int]], lis
 class TensorTrain(LinearKind):
     family = "tt"
     fields = {
-        "tt_cores": Field(4, "tt: tensor-train cores per projection (even; half on each side of the r_mid "
-                             "bottleneck), see kinds/tt.py"),
-        "tt_inner_rank": Field(0, "tt: the rank between cores of a half (0: model.rank; always capped by the "
-                                  "TT bound, see kinds/tt.py)"),
+        "tt_cores": Field(
+            4,
+            "tt: tensor-train cores per projection (even; half on each side of the r_mid bottleneck), see kinds/tt.py",
+        ),
+        "tt_inner_rank": Field(
+            0, "tt: the rank between cores of a half (0: model.rank; always capped by the TT bound, see kinds/tt.py)"
+        ),
         "tt_activation": Field("none", "tt: the bottleneck activation, none | silu"),
     }
 
@@ -80,7 +84,11 @@ class TensorTrain(LinearKind):
         n_cores = 2 * self.h
         scale = (d_in + d_out) ** (-0.5 / n_cores)
         for k, shape in enumerate(first):
-            names = (None if k == 0 else "tt_rank", axes[0] if k == 0 else None, "rank" if k == self.h - 1 else "tt_rank")
+            names = (
+                None if k == 0 else "tt_rank",
+                axes[0] if k == 0 else None,
+                "rank" if k == self.h - 1 else "tt_rank",
+            )
             std = (shape[0] * shape[2]) ** -0.25 * scale
             setattr(self, f"in_{k}", nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype), axes=names))
         for k, shape in enumerate(second):
