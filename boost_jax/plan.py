@@ -1,8 +1,7 @@
 """Plan the parallel layout of a training run: search mesh (pipeline x data x fsdp x tensor) x pipeline
-schedule (gpipe, circular, 1f1b) and micro-batches x per-group partition choices x remat x micro-batching with an α-β
-/ GEMM-efficiency /
-memory cost model (boost_jax/planner), print the top plans and the --config overrides that run the
-best one.
+schedule (gpipe, circular, 1f1b) and micro-batches x per-group partition choices x remat x micro-batching
+with an α-β / GEMM-efficiency / memory cost model (boost_jax/planner), print the top plans and the
+--config overrides that run the best one.
 
     python -m boost_jax.plan --config configs/cola_7b.py --devices 32 \
         --cluster configs/clusters/a100_4x.py [--batch 512] [--seq 256] [--top 5] \

@@ -261,7 +261,8 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # xla | pallas | triton: the fused norm(+Σx²) kernel (boost_jax/kernels/); pallas and triton fall
     # back to xla, loudly and recorded in metrics.jsonl, where they cannot run (triton: NVIDIA GPUs
     # with jax-triton installed, the `gpu` extra)
-    # auto: triton on NVIDIA GPUs with jax-triton, pallas on other GPUs, xla elsewhere.
+    # auto: triton on NVIDIA GPUs with jax-triton, pallas on other GPUs, xla elsewhere and where the
+    # model is vmapped (pipeline > 1 or data > 1).
     kn.rmsnorm = "auto"
 
     # Multi-process runs (boost_jax/runtime/distributed.py). 0 / -1 / "": take it from BOOST_COORDINATOR,

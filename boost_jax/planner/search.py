@@ -1067,7 +1067,7 @@ def plan_for(
     `microbatches`: micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S); `schedule`,
     `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
     `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1."""
-    block = partitions.Block.from_config(cfg)
+    block = partitions.Block.from_config(cfg, vmapped=mesh.pipeline > 1 or mesh.data > 1)
     opts = dataclasses.replace(
         opts,
         pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
@@ -1155,6 +1155,7 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     every plan). The result is the same either way; `smallest` is the least memory among the plans
     priced, which is every plan when none fits (the case it explains)."""
     block = partitions.Block.from_config(cfg)
+    vmapped_block = partitions.Block.from_config(cfg, vmapped=True)  # as a pipeline or data > 1 runs it
     opts = dataclasses.replace(
         opts,
         pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
@@ -1189,10 +1190,11 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
                 for policy, (attention, kv) in [
                     (p, a) for p in policies(block, opts) for a in context_modes(block, mesh.context, opts)
                 ]:
-                    key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv)
+                    vmapped = mesh.pipeline > 1 or mesh.data > 1
+                    key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv, vmapped)
                     if key not in pricers:
                         ctx = partitions.Ctx(
-                            block,
+                            vmapped_block if vmapped else block,
                             mesh.tensor,
                             tokens,
                             opts.seq,
