@@ -137,6 +137,9 @@ def fixed_row(
         "--config.kernels.rmsnorm=pallas",
         "--config.model.dtype=bfloat16",
         "--config.remat.policy=none",
+        # the program the planner prices (the scanned layers; grouped linears, as when these rows were fitted)
+        "--config.model.scan_unroll=false",
+        "--config.model.group_linears=true",
     ]
     cfg = aot.load(str(config), flags)
     layer = (

@@ -218,4 +218,8 @@ def test_1f1b_train_step_matches_one_device(make_config, case):
         for c in parse_collectives(compiled.as_text(), built.mesh)
         if c.kind == "collective-permute" and c.axes == ("pipeline",) and c.in_loop
     }
-    assert trips == {accum * pipeline.ticks_1f1b(stages, m, v)} == {accum * (v * m + v * stages + stages - 2)}, trips
+    # The hand-overs run once per lockstep tick; anything else over `pipeline` in a loop runs once per
+    # accumulation micro-batch (x's gradient taken from stage 0, which XLA may lower to a permute).
+    ticks = {t for t in trips if t > accum}
+    assert ticks == {accum * pipeline.ticks_1f1b(stages, m, v)} == {accum * (v * m + v * stages + stages - 2)}, trips
+    assert trips - ticks <= {accum}, trips

@@ -117,7 +117,8 @@ def test_search_covers_schedules_repeats_and_stage_remat():
         sized_config("13b", "cola"), H100, 32, Options(batch=512, seq=256, top=200, pipeline=(4,)), flops_per_token=1.0
     )
     kinds = {(p.schedule, p.stage_remat) for p in res.plans}  # each partitioning at its best schedule
-    assert {("circular", "none"), ("1f1b", "none")} <= {k for k in kinds} and res.best_runnable is not None
+    assert ("1f1b", "none") in kinds and any(s == "circular" for s, _ in kinds), kinds
+    assert res.best_runnable is not None
     for schedule, v in (("circular", 5), ("1f1b", 2), ("1f1b", 1)):
         p = plan_for(
             sized_config("13b", "cola"),

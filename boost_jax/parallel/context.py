@@ -383,7 +383,7 @@ class Context:
     def _specs(self, q, k):
         q_spec = rules.logical_spec(("act_batch", "act_seq", "act_heads", None), q.shape)
         kv_spec = rules.logical_spec(("act_batch", "act_seq", "act_kv_heads", None), k.shape)
-        if q_spec is None or len(q_spec) < 2 or AXIS not in rules._as_tuple(q_spec[1]):
+        if q_spec is None or len(q_spec) < 2 or AXIS not in rules.as_tuple(q_spec[1]):
             raise ValueError(
                 f"context attention: the queries' sequence is not split over `{AXIS}` by the current "
                 f"rules ({q_spec}); trace the model under its strategy's rules"

@@ -37,7 +37,7 @@ def without_axis(strategy: rules.Strategy, *axis: str) -> rules.Strategy:
     """The strategy with the `axis` names removed from every rule (a rule left with no axes replicates)."""
 
     def drop(axes):
-        kept = tuple(a for a in rules._as_tuple(axes) if a not in axis)
+        kept = tuple(a for a in rules.as_tuple(axes) if a not in axis)
         return kept[0] if len(kept) == 1 else (kept or None)
 
     return dataclasses.replace(strategy, rules=tuple((name, drop(axes)) for name, axes in strategy.rules))

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from boost_jax.errors import ConfigError
-from boost_jax.parallel.rules import _as_tuple
+from boost_jax.parallel.rules import as_tuple
 
 # Outermost first: pipeline stages may span nodes; `context` (the sequence split) sits inside the batch
 # axes and outside `tensor`, whose collectives are the most frequent.
@@ -89,7 +89,7 @@ def make_mesh(p, devices=None) -> Mesh:
 
 def split_by_tensor(rules) -> set[str]:
     """The logical axes a rule table splits over the tensor axis (their first rule naming it)."""
-    return {name for name, axes in rules if "tensor" in _as_tuple(axes)}
+    return {name for name, axes in rules if "tensor" in as_tuple(axes)}
 
 
 def check_tensor_split(rules, tp: int, units: dict[str, tuple[str, int]]) -> None:

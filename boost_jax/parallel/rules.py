@@ -43,7 +43,7 @@ class Strategy:
     @property
     def compute_rules(self) -> tuple:
         """The rules a weight is used under: its stored layout without `fsdp` (gathered for use)."""
-        return tuple((name, axes) for name, axes in self.rules if "fsdp" not in _as_tuple(axes))
+        return tuple((name, axes) for name, axes in self.rules if "fsdp" not in as_tuple(axes))
 
 
 _CURRENT: contextvars.ContextVar[tuple[Mesh, Strategy] | None] = contextvars.ContextVar("rules", default=None)
@@ -72,7 +72,7 @@ def traced_mesh(mesh: Mesh):
     return here
 
 
-def _as_tuple(axes) -> tuple[str, ...]:
+def as_tuple(axes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -89,7 +89,7 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rule
                 continue
             if axes is None:
                 break
-            axes = tuple(a for a in _as_tuple(axes) if mesh.shape.get(a, 1) > 1)
+            axes = tuple(a for a in as_tuple(axes) if mesh.shape.get(a, 1) > 1)
             size = 1
             for a in axes:
                 size *= mesh.shape[a]
@@ -215,7 +215,7 @@ def _batch_is_split(mesh: Mesh, strategy: Strategy) -> bool:
     axes = {
         a
         for row in ("act_batch", "act_seq")
-        for a in next((_as_tuple(a) for name, a in strategy.rules if name == row), ())
+        for a in next((as_tuple(a) for name, a in strategy.rules if name == row), ())
     }
     return math.prod(mesh.shape.get(a, 1) for a in axes) > 1
 

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.model.attention.documents import Documents
 from boost_jax.model.attention.registry import CHUNK, Blockwise, implementation
-from boost_jax.model.attention.xla import _grouped
+from boost_jax.model.attention.xla import query_groups
 
 _NEG = -1e30  # masked score: finite, so a row's running max never becomes -inf
 
@@ -24,7 +24,7 @@ def _blocks(n, block):
     return block, -(-n // block)
 
 
-def _pad_to(x, axis, length):
+def pad_to(x, axis, length):
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, length - x.shape[axis])
     return jnp.pad(x, pad)
@@ -57,8 +57,8 @@ def _document_bounds(docs, bq, nq, bk, nk):
     outside them every key lies in another document than every query, in every row. Causality bounds
     the other side."""
     t, s = docs.first_key.shape[0], docs.last_query.shape[0]
-    first = _pad_to(docs.first_key, 0, nq * bq).at[t:].set(s).reshape(nq, bq).min(1) // bk
-    last = _pad_to(docs.last_query, 0, nk * bk).at[s:].set(-1).reshape(nk, bk).max(1)
+    first = pad_to(docs.first_key, 0, nq * bq).at[t:].set(s).reshape(nq, bq).min(1) // bk
+    last = pad_to(docs.last_query, 0, nk * bk).at[s:].set(-1).reshape(nk, bk).max(1)
     return first, jnp.minimum(last // bq + 1, nq)
 
 
@@ -68,8 +68,8 @@ def _segment_blocks(docs, bq, nq, bk, nk):
     keys = seg if docs.key_segments is None else docs.key_segments
     b = seg.shape[0]
     return (
-        _pad_to(seg, 1, nq * bq).reshape(b, nq, bq).transpose(1, 0, 2),
-        _pad_to(keys, 1, nk * bk).reshape(b, nk, bk).transpose(1, 0, 2),
+        pad_to(seg, 1, nq * bq).reshape(b, nq, bq).transpose(1, 0, 2),
+        pad_to(keys, 1, nk * bk).reshape(b, nk, bk).transpose(1, 0, 2),
     )
 
 
@@ -79,8 +79,8 @@ def _layout(q, k, v, block):
     s, kv = k.shape[1], k.shape[2]
     bq, nq = _blocks(t, block)
     bk, nk = _blocks(s, block)
-    qb = _pad_to(_grouped(q, kv), 1, nq * bq).reshape(b, nq, bq, kv, h // kv, dh).transpose(1, 0, 3, 4, 2, 5)
-    kb, vb = (_pad_to(x, 1, nk * bk).reshape(b, nk, bk, kv, dh).transpose(1, 0, 3, 2, 4) for x in (k, v))
+    qb = pad_to(query_groups(q, kv), 1, nq * bq).reshape(b, nq, bq, kv, h // kv, dh).transpose(1, 0, 3, 4, 2, 5)
+    kb, vb = (pad_to(x, 1, nk * bk).reshape(b, nk, bk, kv, dh).transpose(1, 0, 3, 2, 4) for x in (k, v))
     return qb, kb, vb, (bq, nq, bk, nk)
 
 
@@ -219,7 +219,7 @@ def _lse_blocks(lse, kv: int, block: int):
     """[B, T, H] -> chunked's lse layout [nq, B, KV, G, bq] (padded rows: 0, their dO is 0)."""
     b, t, h = lse.shape
     bq, nq = _blocks(t, block)
-    return _pad_to(lse, 1, nq * bq).reshape(b, nq, bq, kv, h // kv).transpose(1, 0, 3, 4, 2)
+    return pad_to(lse, 1, nq * bq).reshape(b, nq, bq, kv, h // kv).transpose(1, 0, 3, 4, 2)
 
 
 def _chunked_block_fwd(q, k, v, offset, q_seg, k_seg):

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.errors import ConfigError
 from boost_jax.kernels import platform
-from boost_jax.model.attention.chunked import _pad_to
+from boost_jax.model.attention.chunked import pad_to
 from boost_jax.model.attention.documents import Documents
 from boost_jax.model.attention.registry import implementation
 
@@ -126,8 +126,8 @@ def pallas_attention(
         interpret = platform.name() == "cpu"
     g = h // k.shape[2]
     tp = -(-t // block) * block
-    qp, kp, vp = (_pad_to(x, 1, tp) for x in (q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)))
-    segment_ids = None if docs is None else _pad_to(docs.segments, 1, tp)
+    qp, kp, vp = (pad_to(x, 1, tp) for x in (q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)))
+    segment_ids = None if docs is None else pad_to(docs.segments, 1, tp)
     mod = _pallas_mha_module()
     if not _private_backward_ok(mod):
         warnings.warn(

@@ -11,7 +11,7 @@ from boost_jax.model.attention.documents import Documents
 from boost_jax.model.attention.registry import implementation
 
 
-def _grouped(q, kv):
+def query_groups(q, kv):
     b, t, h, dh = q.shape
     return q.reshape(b, t, kv, h // kv, dh)
 
@@ -24,7 +24,7 @@ def _visible(t, s, offset):
 def xla_attention(q, k, v, offset, *, docs: Documents | None = None):
     """Float32 scores [B, KV, G, T, S], masked softmax, weighted sum; k/v are never repeated."""
     dh, t, s = q.shape[-1], q.shape[1], k.shape[1]
-    qg = _grouped(q, k.shape[2])
+    qg = query_groups(q, k.shape[2])
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * dh**-0.5
     mask = _visible(t, s, offset)
     if docs is not None:  # [B, 1, 1, T, S]: causal and in the query's document
