@@ -177,6 +177,27 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
     }
 
 
+@pytest.mark.parametrize(
+    "mesh",
+    [{"data": 2}, pytest.param({"pipeline": 2, "data": 2, "pipeline_schedule": "1f1b"}, marks=pytest.mark.slow)],
+    ids=["gradient_island", "pipeline_1f1b"],
+)
+def test_the_triton_norm_runs_where_the_model_is_vmapped(make_config, mesh):
+    """The data-parallel gradient island and a pipeline's stages vmap the model; jax-triton's calls
+    have no batching rule, so kernels/row_batching.py batches them: `auto` keeps the fused norm there
+    and the program holds its kernels, forward and backward of every norm."""
+    pytest.importorskip("jax_triton", reason=f"the triton norm needs jax-triton: {aot.INSTALL}")
+    cfg = _tiny(make_config, **{f"parallel.{k}": v for k, v in mesh.items()})
+    if mesh.get("pipeline", 1) > 1:
+        cfg.parallel.microbatches = 4
+    devices = mesh.get("pipeline", 1) * mesh["data"]
+    rep = aot.compile_config(cfg, "h100", devices, programs=("train",))
+    assert rep["resolved"]["kernels.rmsnorm"] == "triton", rep["resolved"]
+    # each device's share of the layers: forward and backward of its norms (and the final norm's)
+    layers = cfg.model.n_layers // mesh.get("pipeline", 1)
+    assert rep["train"]["kernels"]["triton kernel (jax-triton)"] >= 2 * 2 * layers, rep["train"]["kernels"]
+
+
 def _executed(hlo_text, mesh) -> dict:
     return {kind: c["elements"] for kind, c in aot.collectives(hlo_text, mesh).items()}
 

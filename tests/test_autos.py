@@ -12,21 +12,13 @@ def pick(gpu=True, triton=True, linear="cola", **sizes):
 
 
 @pytest.mark.parametrize(
-    "sizes,norm",
-    [
-        ({}, "triton"),
-        ({"fsdp": 8}, "triton"),
-        ({"tensor": 4}, "triton"),
-        ({"data": 2}, "xla"),
-        ({"pipeline": 2}, "xla"),
-        ({"data": 2, "fsdp": 4}, "xla"),
-    ],
+    "sizes", [{}, {"fsdp": 8}, {"tensor": 4}, {"data": 2}, {"pipeline": 2}, {"data": 2, "fsdp": 4}]
 )
-def test_the_fused_norm_only_where_nothing_vmaps_the_model(sizes, norm):
-    """jax-triton's kernels take no vmap: the pipeline's stages and the data-parallel gradient island
-    (parallel/grad_reduce.py) vmap the model, so `auto` keeps XLA's norm there."""
-    assert pick(**sizes)["rmsnorm"] == norm
-    assert pick(triton=False, **sizes)["rmsnorm"] == ("pallas" if norm == "triton" else "xla")
+def test_the_fused_norm_on_every_gpu_mesh(sizes):
+    """The fused norm wherever the model runs on GPUs, vmapped or not (the pipeline's stages and the
+    data-parallel gradient island batch the kernels through kernels/row_batching.py); XLA's on CPUs."""
+    assert pick(**sizes)["rmsnorm"] == "triton"
+    assert pick(triton=False, **sizes)["rmsnorm"] == "pallas"
     assert pick(gpu=False, **sizes)["rmsnorm"] == "xla"
 
 

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from boost_jax.kernels import row_batching
+
 _F32 = jnp.float32
 MAX_PROGRAMS = 512  # the backward's grid cap: partials are [<=512, d] float32 (8 MiB at d=4096)
 
@@ -187,20 +189,30 @@ def _bwd_call(x2, scale, dy, ds, eps, rows):
     return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _calls(eps, rows):
+    """The forward and backward calls for (eps, rows), batched by vmap through `row_batching` (a
+    jax-triton call has no batching rule of its own; the trainer vmaps the model in its
+    data-parallel gradient island and its pipeline stages)."""
+    fwd = row_batching.forward(lambda x2, scale: _fwd_call(x2, scale, eps, rows))
+    bwd = row_batching.backward(lambda x2, scale, dy, ds: _bwd_call(x2, scale, dy, ds, eps, rows))
+    return fwd, bwd
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rmsnorm_rows(x2, scale, eps, rows):
     """x2 [R, d], scale [d] -> (y [R, d] in x2.dtype, s [R] float32). eps, rows static."""
-    return tuple(_fwd_call(x2, scale, eps, rows))
+    return _calls(eps, rows)[0](x2, scale)
 
 
 def _vjp_fwd(x2, scale, eps, rows):
-    return tuple(_fwd_call(x2, scale, eps, rows)), (x2, scale)
+    return _calls(eps, rows)[0](x2, scale), (x2, scale)
 
 
 def _vjp_bwd(eps, rows, res, cts):
     x2, scale = res
     dy, ds = cts
-    return _bwd_call(x2, scale, dy.astype(x2.dtype), ds.astype(_F32), eps, rows)
+    return _calls(eps, rows)[1](x2, scale, dy.astype(x2.dtype), ds.astype(_F32))
 
 
 rmsnorm_rows.defvjp(_vjp_fwd, _vjp_bwd)

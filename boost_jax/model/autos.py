@@ -21,8 +21,9 @@ measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, ben
   elimination); a scanned stack on a GPU recomputes: `lowrank` for factored kinds (17% faster than
   `none` at a third of the memory), `full` for dense ones; CPUs keep everything (`none`).
 - kernels.rmsnorm: the fused Triton kernel on NVIDIA GPUs when jax-triton is installed, else the
-  fused Pallas kernel on GPUs (8% faster, 9 GiB less than XLA's norm at cola_1b); XLA's norm elsewhere,
-  and where the trainer vmaps the model (a pipeline, or the data-parallel gradient island).
+  fused Pallas kernel on GPUs (8% faster, 9 GiB less than XLA's norm at cola_1b); XLA's norm elsewhere.
+  Where the trainer vmaps the model (a pipeline's stages, the data-parallel gradient island) the
+  kernels are batched by kernels/row_batching.py.
 
 A value other than `auto` is kept as given.
 """
@@ -63,10 +64,7 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
     if policy == AUTO:
         policy = "none" if unroll or not gpu else ("lowrank" if kind_class(linear).factored else "full")
     if norm == AUTO:
-        # a fused kernel on GPUs where nothing vmaps the model: GPipe's and circular's stages and the
-        # data-parallel gradient island (parallel/grad_reduce.py) run under vmap, which jax-triton's
-        # kernels do not take (one rule for every pipeline schedule)
-        norm = ("triton" if triton else "pallas") if gpu and sizes["pipeline"] == sizes["data"] == 1 else "xla"
+        norm = ("triton" if triton else "pallas") if gpu else "xla"
     return {"group_linears": bool(group), "scan_unroll": bool(unroll), "remat": policy, "rmsnorm": norm}
 
 
