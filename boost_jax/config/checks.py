@@ -95,14 +95,31 @@ def part():
 
 def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Reject plain values that cannot work, naming the field and what would work (the registries'
-    names and the mesh: boost_jax/validate.py)."""
-    m, t, p = c.model, c.train, c.parallel
+    names and the mesh: boost_jax/validate.py). The groups run in this order, which is the order of
+    the problems `every_problem` lists."""
+    _check_run(c)
+    _check_model_shape(c)
+    _check_lengths_and_init(c)
+    _check_batch_splits_and_loss(c)
+    _check_optimizer_and_schedule(c)
+    _check_checkpoint_data_remat(c)
+    _check_parallel(c)
+    return c
+
+
+def _check_run(c: ml_collections.ConfigDict) -> None:
+    """profile_steps and compile_cache."""
     profile_range(c.profile_steps)
     check(
         not c.compile_cache or not Path(c.compile_cache).expanduser().is_file(),
         "compile_cache",
         f'{c.compile_cache!r} is a file; name a directory (created if missing) or "" for no cache',
     )
+
+
+def _check_model_shape(c: ml_collections.ConfigDict) -> None:
+    """The model's sizes, heads and dtypes."""
+    m = c.model
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         check(int(m[name]) > 0, f"model.{name}", f"must be a positive integer, got {m[name]}")
     heads = m.n_heads > 0 and m.n_kv_heads > 0  # (else named above; the checks below would divide by 0)
@@ -125,6 +142,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
     check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
     check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
+
+
+def _check_lengths_and_init(c: ml_collections.ConfigDict) -> None:
+    """Sequence length, steps and batch, then the model's RoPE base, norm epsilon and init scale."""
+    m, t = c.model, c.train
     check(t.seq_len > 0, "train.seq_len", "must be positive")
     check(
         t.seq_len <= m.max_seq_len,
@@ -148,6 +170,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         "model.init_std",
         f"must be a positive standard deviation, got {m.init_std} (e.g. 0.02)",
     )
+
+
+def _check_batch_splits_and_loss(c: ml_collections.ConfigDict) -> None:
+    """Gradient accumulation and evaluation micro-batches against the batch, and the loss options."""
+    m, t = c.model, c.train
     check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     check(
         t.grad_accum < 1 or t.global_batch % t.grad_accum == 0,
@@ -162,6 +189,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         "train.eval_microbatches",
         f"{t.eval_microbatches or t.grad_accum} does not divide train.global_batch={t.global_batch}",
     )
+
+
+def _check_optimizer_and_schedule(c: ml_collections.ConfigDict) -> None:
+    """The learning-rate schedule, AdamW, the non-finite policy and the step intervals."""
+    t = c.train
     check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
     check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
     check(math.isfinite(t.lr) and t.lr > 0, "train.lr", f"must be a positive number, got {t.lr} (e.g. 3e-3)")
@@ -179,6 +211,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"must be >= 1, got {t.eval_batches}; to skip evaluation set train.eval_every=0",
     )
     check(t.log_every > 0, "train.log_every", "must be positive")
+
+
+def _check_checkpoint_data_remat(c: ml_collections.ConfigDict) -> None:
+    """Checkpointing, the data options, remat.pipeline, and the sequence length the batching needs."""
+    t, p = c.train, c.parallel
     check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
     check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive (it never deletes all checkpoints)")
     check(
@@ -203,6 +240,11 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         f"{t.seq_len} leaves no target inside a document (data.batching={c.data.batching}); use at least 2",
     )
     check(t.eval_tokens >= 0, "train.eval_tokens", "must be >= 0 (0: train.eval_batches batches)")
+
+
+def _check_parallel(c: ml_collections.ConfigDict) -> None:
+    """The mesh sizes, context parallelism, the pipeline schedule and the plan."""
+    p = c.parallel
     check(
         p.grad_reduce_dtype in ("float32", "bfloat16"),
         "parallel.grad_reduce_dtype",
@@ -253,7 +295,6 @@ def check_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             f"{p.cluster!r} is the cluster parallel.plan=auto plans for, but parallel.plan={p.plan}; set "
             "parallel.plan=auto or drop parallel.cluster",
         )
-    return c
 
 
 def _divisors(n: int) -> list[int]:

@@ -98,8 +98,22 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
-    owned = owned or {}
     c = ml_collections.ConfigDict()
+    _run_keys(c)
+    _model_section(c, owned or {})
+    _data_section(c)
+    _train_section(c)
+    _checkpoint_section(c)
+    _remat_section(c)
+    _parallel_section(c)
+    _kernels_section(c)
+    _distributed_section(c)
+    c.lock()
+    return c
+
+
+def _run_keys(c: ml_collections.ConfigDict) -> None:
+    """The run's own keys: its name, directories, seed, caches and profiling."""
     c.name = "tiny"  # the run's name (the zoo configs: cola_60m, llama_1b, ...)
     c.run_dir = "runs/tiny"  # checkpoints, metrics.jsonl, tensorboard/ and the token cache go here
     c.seed = 0  # parameter init and data order
@@ -115,6 +129,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # (flags already in XLA_FLAGS keep their values); false leaves XLA_FLAGS alone.
     c.xla_gpu_flags = True
 
+
+def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
+    """`model`: the architecture, then the fields the registered kinds declare (`owned`)."""
     m = c.model = _ModelSection()
     m.vocab_size = 256  # byte-level tokenizer for the embedded corpus
     m.d_model = 128  # hidden width d
@@ -146,6 +163,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     m.loss_chunk = 512  # positions per chunk of the head + cross-entropy (no f32 [B,T,V]); 0: one piece
     m.z_loss = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the training loss
 
+
+def _data_section(c: ml_collections.ConfigDict) -> None:
+    """`data`: the inputs, the tokenizer, and how rows are cut and ordered."""
     d = c.data = ml_collections.ConfigDict()
     d.source = "embedded"  # embedded | text | jsonl | tokens
     d.path = ""  # file, directory or glob for text/jsonl/tokens; a mixture: PATH:WEIGHT,PATH:WEIGHT
@@ -168,6 +188,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # it; true continues on the new data at the same position, saying so in the log and metrics.
     d.allow_changed = False
 
+
+def _train_section(c: ml_collections.ConfigDict) -> None:
+    """`train`: batch, schedule, AdamW, non-finite steps, logging and evaluation."""
     t = c.train = ml_collections.ConfigDict()
     t.seq_len = 128  # tokens per row (the model reads seq_len, predicts the next of each)
     t.global_batch = 16  # sequences per optimizer step, all devices and micro-batches together
@@ -198,6 +221,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     t.eval_microbatches = 0
     t.progress = True  # show a progress bar
 
+
+def _checkpoint_section(c: ml_collections.ConfigDict) -> None:
+    """`checkpoint`: how often, how many, and resuming."""
     k = c.checkpoint = ml_collections.ConfigDict()
     k.every = 100  # save a checkpoint every N steps (and at the end, and on a stop signal)
     k.keep = 3  # keep the newest N checkpoints
@@ -207,6 +233,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # theirs); supersede=true moves them aside as N.superseded (never deleted) and starts afresh.
     k.supersede = False
 
+
+def _remat_section(c: ml_collections.ConfigDict) -> None:
+    """`remat`: what the backward recomputes."""
     r = c.remat = ml_collections.ConfigDict()
     # auto | none | full | dots | lowrank | offload_lowrank. auto: none on CPUs and for an unrolled
     # stack; a scanned stack on a GPU recomputes (lowrank for factored kinds, full for dense).
@@ -215,6 +244,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # tick loop keeps one stage input per micro-batch instead of every layer's activations.
     r.pipeline = "none"
 
+
+def _parallel_section(c: ml_collections.ConfigDict) -> None:
+    """`parallel`: the plan, the mesh, the strategy and the pipeline and context options."""
     p = c.parallel = ml_collections.ConfigDict()
     # explicit | auto. auto: the trainer asks the planner (boost_jax/planner) for the best plan it can run on
     # the devices it sees and runs it (mesh, strategy, remat, grad_accum, pipeline schedule, context),
@@ -257,6 +289,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # "" (none), "st" (all) or e.g. "mlp_in=st,mlp_out=st" (groups: qkv, o, mlp_in, mlp_out).
     p.linear_partition = ""
 
+
+def _kernels_section(c: ml_collections.ConfigDict) -> None:
+    """`kernels`: the fused kernels' implementations."""
     kn = c.kernels = ml_collections.ConfigDict()
     # xla | pallas | triton: the fused norm(+Σx²) kernel (boost_jax/kernels/); pallas and triton fall
     # back to xla, loudly and recorded in metrics.jsonl, where they cannot run (triton: NVIDIA GPUs
@@ -265,6 +300,9 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     # model is vmapped (pipeline > 1 or data > 1).
     kn.rmsnorm = "auto"
 
+
+def _distributed_section(c: ml_collections.ConfigDict) -> None:
+    """`distributed`: the processes of a multi-process run."""
     # Multi-process runs (boost_jax/runtime/distributed.py). 0 / -1 / "": take it from BOOST_COORDINATOR,
     # BOOST_NUM_PROCESSES, BOOST_PROCESS_ID, else from SLURM, else run as a single process.
     ds = c.distributed = ml_collections.ConfigDict()
@@ -273,8 +311,19 @@ def _schema(owned: dict | None = None) -> ml_collections.ConfigDict:
     ds.process_id = -1  # this process's index
     ds.cpu_collectives = "gloo"  # cross-process collectives of the CPU backend: gloo | mpi
 
-    c.lock()
-    return c
+
+# The schema's sections in order; config_docs reads their comments.
+_SECTIONS = (
+    _run_keys,
+    _model_section,
+    _data_section,
+    _train_section,
+    _checkpoint_section,
+    _remat_section,
+    _parallel_section,
+    _kernels_section,
+    _distributed_section,
+)
 
 
 def config_docs() -> dict[str, str]:
@@ -283,7 +332,7 @@ def config_docs() -> dict[str, str]:
     block above it (a block covers the keys that follow it up to a blank line or the first key with
     its own comment); a declared `model` field's meaning is its Field's help."""
     prefix, docs, block, fresh = {"c": ""}, {}, [], True
-    for line in inspect.getsource(_schema).splitlines():
+    for line in "\n".join(inspect.getsource(section) for section in _SECTIONS).splitlines():
         s = line.strip()
         if not s:
             block, fresh = [], True

@@ -13,6 +13,7 @@ import numpy as np
 
 from boost_jax.data.loader import DocumentLoader, MixtureLoader, PackedLoader, TokenLoader
 from boost_jax.data.sources import (
+    INDEX,
     check_vocab,
     embedded_documents,
     expand_paths,
@@ -87,8 +88,7 @@ def _token_cache(paths: list[str], cfg, tok_id: str) -> Path:
 
     import jax
 
-    from boost_jax.data.prepare import prepare  # lazily: `python -m` runs that module
-    from boost_jax.data.sources import INDEX
+    from boost_jax.data.prepare import prepare  # lazy: `python -m boost_jax.data.prepare` runs that module as __main__
 
     d = cfg.data
     key = json.dumps(

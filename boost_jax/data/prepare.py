@@ -38,10 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
-import fcntl
-import gzip
-import io
 import json
 import math
 import multiprocessing
@@ -52,17 +48,59 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
-from boost_jax.data.sources import FORMAT, INDEX
-from boost_jax.data.tokenizer import tokenizer_id
+# The work is done by reading.py (the inputs), shards.py (a unit into a shard, the workers) and
+# shard_dir.py (--out's locks and files); every name this module had before they were split off
+# stays importable from here.
+from boost_jax.data.reading import (  # noqa: F401 - re-exported
+    JSONL,
+    PARQUET,
+    TEXT,
+    TEXT_CHUNK,
+    _decode,
+    _documents,
+    _line_of,
+    _lines,
+    _open,
+    file_format,
+)
+from boost_jax.data.reading import read_documents as _read  # noqa: F401 - re-exported
+from boost_jax.data.reading import splittable as _splittable  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import (  # noqa: F401 - re-exported
+    LOCK,
+    PLAN,
+    WORKERS_LOCK,
+    OutLock,
+    WriteError,
+    error_reason,
+    make_out,
+    remove_tmp,
+    wait_for_workers,
+    write_whole,
+)
+from boost_jax.data.shard_dir import OutLock as _OutLock  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import WriteError as _WriteError  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import error_reason as _why  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import make_out as _make_out  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import remove_tmp as _remove_tmp  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import unlink_quietly as _unlink  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import wait_for_workers as _wait_for_workers  # noqa: F401 - re-exported
+from boost_jax.data.shard_dir import write_whole as _write_file  # noqa: F401 - re-exported
+from boost_jax.data.shards import (  # noqa: F401 - re-exported
+    _TOKENIZERS,
+    BATCH_BYTES,
+    PR_SET_PDEATHSIG,
+    _die_with_parent,
+    _encode,
+    _tokenizer,
+    init_worker,
+    plan_units,
+    run_unit,
+    token_dtype,
+)
+from boost_jax.data.shards import init_worker as _init_worker  # noqa: F401 - re-exported
+from boost_jax.data.sources import FORMAT, INDEX, expand_paths
+from boost_jax.data.tokenizer import load_tokenizer, tokenizer_id
 from boost_jax.errors import PrepareError
-
-PLAN = "plan.json"
-TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"
-TEXT_CHUNK = 8 << 20  # a text file is tokenised in pieces of this many bytes, cut at line ends
-BATCH_BYTES = 1 << 20  # documents per tokenizer call, by size
-LOCK = ".lock"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -71,403 +109,6 @@ class Interrupted(KeyboardInterrupt):
 
 class _Stop(KeyboardInterrupt):
     """Raised by main()'s SIGTERM handler, to stop like Ctrl-C; args: (signal number,)."""
-
-
-class _WriteError(Exception):
-    """An OSError writing under --out (args: path, reason), here or in a worker (it pickles)."""
-
-
-def _why(e: BaseException) -> str:
-    """An OSError's errno text, e.g. 'No space left on device [ENOSPC]'."""
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]"
-    return str(e) or type(e).__name__
-
-
-def _unlink(paths) -> None:
-    for path in paths:
-        try:
-            Path(path).unlink(missing_ok=True)
-        except OSError:
-            pass
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all (into path.tmp, then renamed); an OSError is a _WriteError."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        _unlink([tmp])
-        raise _WriteError(str(path), _why(e)) from None
-
-
-def file_format(path: str) -> str:
-    name = path[:-3] if path.endswith(".gz") else path[:-4] if path.endswith(".zst") else path
-    if name.endswith((".jsonl", ".json")):
-        return JSONL
-    return PARQUET if name.endswith(".parquet") else TEXT
-
-
-def _splittable(path: str) -> bool:
-    """Only uncompressed JSONL is cut into ranges (at line starts): a text file is one document."""
-    return file_format(path) == JSONL and not path.endswith((".gz", ".zst"))
-
-
-def token_dtype(vocab_size: int, requested: str = "auto") -> str:
-    fits = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    if requested == "auto":
-        return fits
-    if requested == "uint16" and fits == "uint32":
-        raise PrepareError(f"--dtype uint16 cannot hold a vocabulary of {vocab_size}; use uint32 or auto")
-    return requested
-
-
-def plan_units(paths: list[str], unit_bytes: int) -> list[list[list]]:
-    """Work units: lists of [path, start, end] byte ranges, in input order, about unit_bytes each."""
-    units, current, size_now = [], [], 0
-    for path in paths:
-        size = os.path.getsize(path)
-        step = unit_bytes if _splittable(path) else size
-        for start in range(0, size, max(step, 1)):
-            end = min(size, start + step)
-            if current and size_now + end - start > unit_bytes:
-                units.append(current)
-                current, size_now = [], 0
-            current.append([path, start, end])
-            size_now += end - start
-    if current:
-        units.append(current)
-    return units
-
-
-# ---------------------------------------------------------------- reading (in the workers)
-
-
-def _open(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise PrepareError(f"{path}: reading .zst needs zstandard: pip install zstandard") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
-    return open(path, "rb")
-
-
-def _lines(f, start: int, end: int):
-    """(offset, line) for the lines that start in [start, end): each line belongs to one range."""
-    if start:
-        f.seek(start - 1)
-        f.readline()  # the rest of a line that began in the previous range
-    pos = f.tell() if start else 0
-    while pos < end:
-        line = f.readline()
-        if not line:
-            return
-        yield pos, line
-        pos += len(line)
-
-
-def _line_of(path: str, pos: int) -> str:
-    """PATH:LINE of the line starting at byte `pos` of the (decompressed) file; for error messages."""
-    newlines, done = 0, 0
-    with _open(path) as f:
-        while done < pos:
-            chunk = f.read(min(1 << 20, pos - done))
-            if not chunk:
-                break
-            newlines += chunk.count(b"\n")
-            done += len(chunk)
-    return f"{path}:{newlines + 1}"
-
-
-def _documents(path: str, start: int, end: int, field: str):
-    """(text, ends_document) pieces of one byte range; text None only marks a document's end."""
-    fmt = file_format(path)
-    if fmt == PARQUET:
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise PrepareError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
-        parquet = pq.ParquetFile(path)
-        if field not in parquet.schema_arrow.names:
-            raise PrepareError(
-                f"{path}: no column {field!r} (columns: {parquet.schema_arrow.names}); set --field (data.jsonl_field)"
-            )
-        for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
-            for text in batch.column(0).to_pylist():
-                if text is not None:
-                    yield str(text), True
-        return
-    with _open(path) as f:
-        if fmt == JSONL:
-            for pos, line in _lines(f, start, end if _splittable(path) else float("inf")):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except UnicodeDecodeError as e:
-                    raise PrepareError(
-                        f"{_line_of(path, pos)}: not valid UTF-8 (byte {e.start} of the line); "
-                        "re-encode the file as UTF-8"
-                    ) from None
-                except ValueError as e:
-                    raise PrepareError(
-                        f"{_line_of(path, pos)}: not JSON ({getattr(e, 'msg', e)}, column {getattr(e, 'colno', '?')})"
-                    ) from None
-                if not isinstance(record, dict):
-                    raise PrepareError(
-                        f"{_line_of(path, pos)}: a JSON {type(record).__name__}, not an object with a {field!r} field"
-                    )
-                if field not in record:
-                    raise PrepareError(
-                        f"{_line_of(path, pos)}: no field {field!r} (its fields: "
-                        f"{sorted(record)[:6]}); set data.jsonl_field (prepare: --field)"
-                    )
-                text = record[field]
-                if not isinstance(text, str):
-                    raise PrepareError(
-                        f"{_line_of(path, pos)}: field {field!r} is not a string but {type(text).__name__}"
-                    )
-                yield text, True
-            return
-        piece, piece_start = [], 0  # the whole file, in pieces of whole lines that bound the memory
-        for pos, line in _lines(f, 0, float("inf")):
-            if not piece:
-                piece_start = pos
-            piece.append(line)
-            if pos + len(line) - piece_start >= TEXT_CHUNK:
-                yield _decode(b"".join(piece), path, piece_start), False
-                piece = []
-        yield (_decode(b"".join(piece), path, piece_start) if piece else None), True
-
-
-def _read(path: str, start: int, end: int, field: str):
-    """_documents, with an unreadable input (I/O error, corrupt .gz) as a one-line error naming it."""
-    try:
-        yield from _documents(path, start, end, field)
-    except (OSError, EOFError) as e:
-        raise PrepareError(f"{path}: cannot read it ({_why(e)}); fix or replace that input") from None
-
-
-def _decode(data: bytes, path: str, offset: int) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        at = offset + e.start
-        raise PrepareError(
-            f"{_line_of(path, at)}: not valid UTF-8 (byte {at} of the file); re-encode the file as UTF-8"
-        ) from None
-
-
-def _encode(tok, texts: list, ends: list[bool], dtype) -> tuple[np.ndarray, list[int]]:
-    """(one array: each text's ids, then EOS where a document ends (if the tokenizer has one); the
-    offset in it where each of those documents ends)."""
-    eos = tok.eos_id
-    ids = tok.encode_batch([t for t in texts if t is not None])
-    parts, k, size, doc_ends = [], 0, 0, []
-    for text, end in zip(texts, ends):
-        if text is not None:
-            parts.append(np.asarray(ids[k], dtype))
-            size += len(parts[-1])
-            k += 1
-        if end and eos is not None:
-            parts.append(np.array([eos], dtype))
-            size += 1
-        if end:
-            doc_ends.append(size)
-    return (np.concatenate(parts) if parts else np.zeros(0, dtype)), doc_ends
-
-
-_TOKENIZERS: dict = {}
-_PROGRESS = None
-
-
-_WORKERS_FD = None  # a worker's shared lock on OUT/.workers.lock, held for its lifetime
-WORKERS_LOCK = ".workers.lock"
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel sends this process SIGKILL when its parent dies (a `kill -9` of the main
-    process), so no worker outlives it to write into --out beside a rerun."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    if parent and os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def _init_worker(progress_queue, parent: int = 0, out: str = "") -> None:
-    global _PROGRESS, _WORKERS_FD
-    _PROGRESS = progress_queue
-    _die_with_parent(parent)
-    if out:  # a rerun on --out waits while any worker of this run is alive (main: _wait_for_workers)
-        _WORKERS_FD = os.open(Path(out) / WORKERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(_WORKERS_FD, fcntl.LOCK_SH)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent stops the pool
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # which it does with SIGTERM
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked while this process started)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-
-
-def _tokenizer(spec: str):
-    """Loaded once per process (and again if the file changes)."""
-    key = (spec, os.stat(spec).st_mtime_ns if os.path.isfile(spec) else None)
-    if key not in _TOKENIZERS:
-        from boost_jax.data.tokenizer import load_tokenizer
-
-        _TOKENIZERS[key] = load_tokenizer(spec)
-    return _TOKENIZERS[key]
-
-
-def run_unit(index: int, pieces: list, out: str, tokenizer: str, field: str, dtype: str, progress=None) -> dict:
-    """Tokenise one work unit into shard_{index}.bin/.idx/.json (each written as .tmp, then renamed);
-    returns its counts. Writing errors are a _WriteError naming the file; its .tmp files are removed."""
-    tok, dtype = _tokenizer(tokenizer), np.dtype(dtype)
-    out = Path(out)
-    name = f"shard_{index:05d}"
-    tmp = {ext: out / f"{name}.{ext}.tmp" for ext in ("bin", "idx", "json")}
-    report = progress or (_PROGRESS.put if _PROGRESS is not None else None)
-    docs = tokens = 0
-    doc_ends: list[int] = []  # where each document ends, in tokens from the shard's start
-    target = out / f"{name}.bin"  # the file being written, for the error message
-
-    def write(block, ends):
-        nonlocal docs, tokens
-        f.write(np.ascontiguousarray(block).view(np.uint8))  # not tofile: its errors lose the errno
-        doc_ends.extend(tokens + e for e in ends)
-        docs, tokens = docs + len(ends), tokens + len(block)
-
-    try:
-        with open(tmp["bin"], "wb") as f:
-            for path, start, end in pieces:
-                texts, ends, size, reported = [], [], 0, 0
-                for text, ended in _read(path, start, end, field):
-                    texts.append(text)
-                    ends.append(ended)
-                    size += len(text) if text is not None else 0
-                    if size >= BATCH_BYTES:
-                        block, block_ends = _encode(tok, texts, ends, dtype)
-                        write(block, block_ends)
-                        step = min(size, end - start - reported)  # characters ~ input bytes, for the bar
-                        reported += step
-                        if report:
-                            report((step, len(block)))
-                        texts, ends, size = [], [], 0
-                block, block_ends = _encode(tok, texts, ends, dtype)
-                write(block, block_ends)
-                if report:
-                    report((end - start - reported, len(block)))
-        # Document boundaries (Megatron's indexed datasets keep the same): int64 end offsets.
-        if doc_ends and doc_ends[-1] != tokens:
-            doc_ends.append(tokens)  # a last document with no end mark (cannot happen: every input ends one)
-        target = out / f"{name}.idx"
-        tmp["idx"].write_bytes(np.asarray(doc_ends, np.int64).tobytes())
-        os.replace(tmp["idx"], target)
-        target = out / f"{name}.bin"
-        os.replace(tmp["bin"], target)
-        meta = {
-            "file": f"{name}.bin",
-            "ends": f"{name}.idx",
-            "documents": len(doc_ends),
-            "tokens": tokens,
-            "bytes": sum(e - s for _, s, e in pieces),
-        }
-        target = out / f"{name}.json"
-        tmp["json"].write_text(json.dumps(meta))
-        os.replace(tmp["json"], target)  # the shard counts as finished from here
-    except OSError as e:
-        _unlink(tmp.values())
-        raise _WriteError(str(target), _why(e)) from None
-    except BaseException:
-        _unlink(tmp.values())
-        raise
-    return meta
-
-
-# ---------------------------------------------------------------- driver
-
-
-class _OutLock:
-    """An exclusive flock on OUT/.lock while one prepare() writes there (the file names its holder)."""
-
-    def __init__(self, out: Path):
-        self.out, self._fd = out, None
-
-    def __enter__(self):
-        try:
-            fd = os.open(self.out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise PrepareError(
-                f"--out {self.out}: cannot write {self.out / LOCK} ({_why(e)}); choose a writable directory"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = json.loads(os.read(fd, 4096))
-                who = f"pid {holder['pid']}, since {holder['since']}"
-            except (OSError, ValueError, KeyError, TypeError):
-                who = "pid unknown"
-            os.close(fd)
-            raise PrepareError(
-                f"another data.prepare is writing {self.out} ({who}); wait for it or choose another --out"
-            ) from None
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
-        except OSError:
-            pass  # (a full disk) the lock holds all the same; only its note on the holder is missing
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self._fd)  # drops the flock; the file stays (its text only names the holder)
-
-
-def _make_out(out: Path) -> None:
-    """Create --out (and its parents), with a one-line error where a file is in the way."""
-    for p in (out, *out.parents):
-        if p.exists():  # the deepest existing one
-            if not p.is_dir():
-                where = "is a file" if p == out else f"is under the file {p}"
-                raise PrepareError(f"--out {out} {where}, not a directory; choose a directory (created if missing)")
-            break
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PrepareError(f"--out {out}: cannot create it ({_why(e)}); choose a writable directory") from None
-
-
-def _wait_for_workers(out: Path, say=lambda text: print(text, file=sys.stderr)) -> None:
-    """Wait until no worker of an earlier run on `out` is alive (each holds a shared lock on
-    OUT/.workers.lock; they die with their main process, so this is short)."""
-    try:
-        fd = os.open(out / WORKERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return  # (an unwritable --out is reported where the run first writes)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"note: waiting for the workers of an earlier data.prepare on {out} to exit")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _remove_tmp(out: Path) -> None:
-    """The .tmp files of unfinished units (only ever ours: the caller holds the lock)."""
-    _unlink(p for p in out.glob("*.tmp") if p.name.startswith("shard_") or p.name in (f"{PLAN}.tmp", f"{INDEX}.tmp"))
 
 
 @contextlib.contextmanager
@@ -509,8 +150,6 @@ def prepare(
     OUT/.lock throughout; a KeyboardInterrupt becomes Interrupted and a failed write a PrepareError,
     both after removing the unfinished units' .tmp files (the finished shards stay). `tok_id`: the
     tokenizer's identity (tokenizer_id), when the caller has it already."""
-    from boost_jax.data.tokenizer import load_tokenizer
-
     if not unit_bytes >= 1:
         raise PrepareError(f"--unit-mb: {unit_bytes} bytes per work unit; give a number of MB > 0 (e.g. 64)")
     if workers < 0:
@@ -518,7 +157,7 @@ def prepare(
     tok = load_tokenizer(tokenizer, field="--tokenizer")
     dtype = token_dtype(tok.vocab_size, dtype)
     out = Path(out)
-    _make_out(out)
+    make_out(out)
     units = plan_units([str(p) for p in paths], unit_bytes)
     tok_id = tok_id or tokenizer_id(tokenizer)
     plan = {
@@ -529,7 +168,7 @@ def prepare(
         "inputs": [[str(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths],
         "units": units,
     }
-    with _OutLock(out):
+    with OutLock(out):
         return _prepare_locked(out, tok, units, plan, tokenizer, field, dtype, workers, progress, tok_id)
 
 
@@ -546,117 +185,152 @@ def _prepare_locked(
     tok_id: str,
 ) -> dict:
     """prepare() under the lock: the plan, the units still to do, the index; the clean-up on a stop."""
-    from tqdm import tqdm
-
     bar = None
-    _wait_for_workers(out)
+    wait_for_workers(out)
     try:
-        if (out / PLAN).exists():
-            try:
-                same = json.loads((out / PLAN).read_text()) == plan
-            except ValueError:
-                same = False
-            if not same:
-                raise PrepareError(
-                    f"{out} holds a preparation of other inputs or with another tokenizer, --field, "
-                    f"--dtype or --unit-mb ({out / PLAN}); choose a new --out or delete that directory"
-                )
-        else:
-            _write_file(out / PLAN, json.dumps(plan, indent=1).encode())
-        (out / INDEX).unlink(missing_ok=True)
-
-        metas = {
-            i: json.loads((out / f"shard_{i:05d}.json").read_text())
-            for i in range(len(units))
-            if (out / f"shard_{i:05d}.json").exists()
-        }
+        _check_plan(out, plan)
+        metas = _finished_shards(out, len(units))
         todo = [i for i in range(len(units)) if i not in metas]
         total = sum(e - s for u in units for _, s, e in u)
-        bar = tqdm(
-            total=total,
-            initial=sum(m["bytes"] for m in metas.values()),
-            unit="B",
-            unit_scale=True,
-            desc=f"tokenising ({len(metas)}/{len(units)} shards done)" if metas else "tokenising",
-            disable=not progress,
-            dynamic_ncols=True,
-        )
-        t0, new_tokens = time.perf_counter(), 0
-
-        def advance(step):
-            nonlocal new_tokens
-            new_tokens += step[1]
-            bar.update(step[0])
-            bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tokens/s", refresh=False)
-
+        bar = _progress_bar(total, len(units), metas, progress)
+        t0 = time.perf_counter()
+        advance = _advance(bar, t0)
         args = (str(out), tokenizer, field, dtype)
         if workers == 0:
             for i in todo:
                 metas[i] = run_unit(i, units[i], *args, progress=advance)
         elif todo:
-            ctx = multiprocessing.get_context("spawn")  # no fork of a process that may run JAX threads
-            queue = ctx.Queue()  # first: starting multiprocessing's resource tracker unblocks SIGINT
-            pool = None
-            try:
-                with _workers_starting():  # a signal meanwhile is raised once `pool` is set
-                    pool = ctx.Pool(
-                        min(workers, len(todo)), initializer=_init_worker, initargs=(queue, os.getpid(), str(out))
-                    )
-                pending = {i: pool.apply_async(run_unit, (i, units[i], *args)) for i in todo}
-                while pending:
-                    while not queue.empty():
-                        advance(queue.get())
-                    for i in [i for i, r in pending.items() if r.ready()]:
-                        metas[i] = pending.pop(i).get()  # re-raises a worker's error here
-                    time.sleep(0.05)
-                while not queue.empty():
-                    advance(queue.get())
-            finally:
-                if pool is not None:
-                    pool.terminate()  # also after an error or a signal: stops (and joins) the workers
+            _run_in_workers(todo, units, args, workers, out, metas, advance)
         bar.update(bar.total - bar.n)  # reports still in flight when the last unit returned
         bar.close()  # before any message
         seconds = time.perf_counter() - t0
-        shards = [metas[i] for i in range(len(units))]
-        index = {
-            "format": FORMAT,
-            "tokenizer": tokenizer,
-            "tokenizer_id": tok_id,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "dtype": dtype,
-            "field": field,
-            "documents": sum(m["documents"] for m in shards),
-            "tokens": sum(m["tokens"] for m in shards),
-            "bytes": total,
-            "shards": shards,
-        }
-        _write_file(out / INDEX, json.dumps(index, indent=1).encode())
-        _remove_tmp(out)  # any left by a killed run
+        index = _index(tok, tokenizer, tok_id, dtype, field, total, [metas[i] for i in range(len(units))])
+        write_whole(out / INDEX, json.dumps(index, indent=1).encode())
+        remove_tmp(out)  # any left by a killed run
     except BaseException as e:
         if bar is not None:
             bar.close()
-        _remove_tmp(out)  # the workers are stopped by now
-        done = sum((out / f"shard_{i:05d}.json").exists() for i in range(len(units)))
-        if isinstance(e, KeyboardInterrupt):
-            raise Interrupted(
-                signal.Signals(e.args[0]).name if isinstance(e, _Stop) else "SIGINT", done, len(units)
-            ) from None
-        if isinstance(e, (_WriteError, OSError)):
-            path, why = e.args if isinstance(e, _WriteError) else (e.filename or out, _why(e))
-            fix = "free some space" if "ENOSPC" in why or "EDQUOT" in why else "fix that"
-            raise PrepareError(
-                f"cannot write {path}: {why}; {done} of {len(units)} shards are done and kept in "
-                f"{out}: {fix} and rerun the same command to resume"
-            ) from None
-        raise
+        remove_tmp(out)  # the workers are stopped by now
+        error = _stopped(e, out, len(units))
+        if error is None:
+            raise
+        raise error from None
     index["seconds"] = seconds  # this invocation's time (not stored: a resumed run did less work)
     return index
 
 
-def input_files(specs: list[str]) -> list[str]:
-    from boost_jax.data.sources import expand_paths
+def _check_plan(out: Path, plan: dict) -> None:
+    """Write OUT/plan.json, or refuse a directory whose plan differs (other inputs, tokenizer, ...);
+    drop the index (it is written again last)."""
+    if (out / PLAN).exists():
+        try:
+            same = json.loads((out / PLAN).read_text()) == plan
+        except ValueError:
+            same = False
+        if not same:
+            raise PrepareError(
+                f"{out} holds a preparation of other inputs or with another tokenizer, --field, "
+                f"--dtype or --unit-mb ({out / PLAN}); choose a new --out or delete that directory"
+            )
+    else:
+        write_whole(out / PLAN, json.dumps(plan, indent=1).encode())
+    (out / INDEX).unlink(missing_ok=True)
 
+
+def _finished_shards(out: Path, n_units: int) -> dict:
+    """{unit: its shard's counts} for the shards an earlier run finished (their .json exists)."""
+    return {
+        i: json.loads((out / f"shard_{i:05d}.json").read_text())
+        for i in range(n_units)
+        if (out / f"shard_{i:05d}.json").exists()
+    }
+
+
+def _progress_bar(total: int, n_units: int, metas: dict, progress: bool):
+    """The tqdm bar over the input bytes, starting at what the finished shards cover."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=sum(m["bytes"] for m in metas.values()),
+        unit="B",
+        unit_scale=True,
+        desc=f"tokenising ({len(metas)}/{n_units} shards done)" if metas else "tokenising",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+
+
+def _advance(bar, t0: float):
+    """The progress callback: a (bytes, tokens) step moves the bar and updates the tokens/s."""
+    new_tokens = 0
+
+    def advance(step):
+        nonlocal new_tokens
+        new_tokens += step[1]
+        bar.update(step[0])
+        bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tokens/s", refresh=False)
+
+    return advance
+
+
+def _run_in_workers(todo: list, units: list, args: tuple, workers: int, out: Path, metas: dict, advance) -> None:
+    """Tokenise the units `todo` in a pool of spawned worker processes, their counts into `metas`; the
+    pool is stopped on the way out, also after an error or a signal."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may run JAX threads
+    queue = ctx.Queue()  # first: starting multiprocessing's resource tracker unblocks SIGINT
+    pool = None
+    try:
+        with _workers_starting():  # a signal meanwhile is raised once `pool` is set
+            pool = ctx.Pool(min(workers, len(todo)), initializer=init_worker, initargs=(queue, os.getpid(), str(out)))
+        pending = {i: pool.apply_async(run_unit, (i, units[i], *args)) for i in todo}
+        while pending:
+            while not queue.empty():
+                advance(queue.get())
+            for i in [i for i, r in pending.items() if r.ready()]:
+                metas[i] = pending.pop(i).get()  # re-raises a worker's error here
+            time.sleep(0.05)
+        while not queue.empty():
+            advance(queue.get())
+    finally:
+        if pool is not None:
+            pool.terminate()  # also after an error or a signal: stops (and joins) the workers
+
+
+def _index(tok, tokenizer: str, tok_id: str, dtype: str, field: str, total: int, shards: list) -> dict:
+    """index.json: the shards in input order with the tokenizer, vocabulary, dtype and counts."""
+    return {
+        "format": FORMAT,
+        "tokenizer": tokenizer,
+        "tokenizer_id": tok_id,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": dtype,
+        "field": field,
+        "documents": sum(m["documents"] for m in shards),
+        "tokens": sum(m["tokens"] for m in shards),
+        "bytes": total,
+        "shards": shards,
+    }
+
+
+def _stopped(e: BaseException, out: Path, n_units: int) -> BaseException | None:
+    """What a stopped run raises (the .tmp files removed): Interrupted for a signal or Ctrl-C, a
+    PrepareError naming the file for a failed write; None: `e` itself."""
+    done = sum((out / f"shard_{i:05d}.json").exists() for i in range(n_units))
+    if isinstance(e, KeyboardInterrupt):
+        return Interrupted(signal.Signals(e.args[0]).name if isinstance(e, _Stop) else "SIGINT", done, n_units)
+    if isinstance(e, (WriteError, OSError)):
+        path, why = e.args if isinstance(e, WriteError) else (e.filename or out, error_reason(e))
+        fix = "free some space" if "ENOSPC" in why or "EDQUOT" in why else "fix that"
+        return PrepareError(
+            f"cannot write {path}: {why}; {done} of {n_units} shards are done and kept in "
+            f"{out}: {fix} and rerun the same command to resume"
+        )
+    return None
+
+
+def input_files(specs: list[str]) -> list[str]:
     suffixes = tuple(
         s + c for s in (".jsonl", ".json", ".txt", ".md", ".text", ".parquet") for c in ("", ".gz", ".zst")
     )
@@ -756,7 +430,7 @@ def _cli(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # anything not worded above (an unreadable input directory, ...)
-        print(f"error: {e.filename or args.out}: {_why(e)}", file=sys.stderr)
+        print(f"error: {e.filename or args.out}: {error_reason(e)}", file=sys.stderr)
         return 1
     finally:
         if previous is not None:

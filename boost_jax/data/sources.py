@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from boost_jax.data.loader import MIX_BLOCK
 from boost_jax.data.mapped import watch
+from boost_jax.data.tokenizer import tokenizer_id
 
 INDEX = "index.json"  # what boost_jax.data.prepare writes beside its shards
 FORMAT = "boost_jax.tokens/1"
@@ -59,8 +61,6 @@ def parse_mixture(spec: str, field: str) -> list[tuple[str, str, float]]:
     A part without a weight weighs 1; NAME (for the per-source metrics) is the last plain component
     of the path, without suffix. Errors name the field.
     """
-    from boost_jax.data.loader import MIX_BLOCK
-
     syntax = f"write PATH[:WEIGHT][,PATH[:WEIGHT]...], e.g. --config.{field}=/data/c4:0.7,/data/code:0.3"
     parts = []
     for part in spec.split(","):
@@ -149,8 +149,6 @@ def prepared_shards(
     when the directory records no document boundaries), after checking that the run reads them as
     they were written: dtype, vocabulary and tokenizer (`tok_id`: its identity, if known already);
     every error names the field to change."""
-    from boost_jax.data.tokenizer import tokenizer_id
-
     index = read_index(index_path, field)
     where = index_path.parent
     if token_dtype is not None and index["dtype"] != token_dtype:

@@ -300,7 +300,7 @@ def _triton_runs(x2, scale, block_rows):
     def compile_probe():
         if not platform.is_nvidia():
             raise RuntimeError("needs an NVIDIA GPU")
-        from boost_jax.kernels import rmsnorm_triton as T  # imports triton; jax_triton at the first call
+        from boost_jax.kernels import rmsnorm_triton as T  # lazy: imports triton, the optional gpu extra
 
         rows = block_rows or T.default_rows(x2.shape[1])
 
@@ -350,7 +350,7 @@ def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
         _USED[used_key] = f"xla (triton unavailable: {failure})" if failure else "triton"
         if failure:
             return rmsnorm_reference(x, scale, eps)
-        from boost_jax.kernels import rmsnorm_triton as T
+        from boost_jax.kernels import rmsnorm_triton as T  # lazy: imports triton, the optional gpu extra
 
         y, s = T.rmsnorm_rows(x2, scale, float(eps), block_rows or T.default_rows(d))
         return y.reshape(x.shape), s.reshape(lead)

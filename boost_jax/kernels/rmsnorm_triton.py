@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from boost_jax.kernels import row_batching
+from boost_jax.kernels import platform, row_batching
 
 _F32 = jnp.float32
 MAX_PROGRAMS = 512  # the backward's grid cap: partials are [<=512, d] float32 (8 MiB at d=4096)
@@ -138,8 +138,6 @@ def _jt():
 def _target():
     """jax-triton asks the driver for the compute capability; a target without a device (a deviceless
     compile, kernels/platform.py) names it instead."""
-    from boost_jax.kernels import platform
-
     cc = platform.compute_capability() if platform.device() is not None else None
     return {} if cc is None else {"compute_capability": cc}
 

@@ -7,7 +7,7 @@ __all__ = ["Transformer", "build_model", "flops_per_token", "model_from_config"]
 
 def __getattr__(name):
     if name in __all__:
-        from boost_jax.model import transformer
+        from boost_jax.model import transformer  # lazy: importing the package (kinds' registry) must not load JAX
 
         return getattr(transformer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

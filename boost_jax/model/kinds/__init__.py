@@ -22,6 +22,7 @@ import importlib.util
 from pathlib import Path
 
 from boost_jax import config
+from boost_jax.errors import ConfigError
 
 REGISTRY: dict = {}
 _DECLARED: dict = {}  # name -> the fields registered for it
@@ -49,8 +50,6 @@ def names() -> tuple[str, ...]:
 def kind_class(name: str):
     """The LinearKind subclass registered as `name`."""
     if name not in REGISTRY:
-        from boost_jax.errors import ConfigError
-
         raise ConfigError(f"config field `model.linear`: {name!r} is not one of {names()}")
     entry = REGISTRY[name]
     if not isinstance(entry, str):
