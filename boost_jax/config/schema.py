@@ -296,8 +296,7 @@ def _kernels_section(c: ml_collections.ConfigDict) -> None:
     # xla | pallas | triton: the fused norm(+Σx²) kernel (boost_jax/kernels/); pallas and triton fall
     # back to xla, loudly and recorded in metrics.jsonl, where they cannot run (triton: NVIDIA GPUs
     # with jax-triton installed, the `gpu` extra)
-    # auto: triton on NVIDIA GPUs with jax-triton, pallas on other GPUs, xla elsewhere and where the
-    # model is vmapped (pipeline > 1 or data > 1).
+    # auto: triton on NVIDIA GPUs with jax-triton, pallas on other GPUs, xla elsewhere.
     kn.rmsnorm = "auto"
 
 
