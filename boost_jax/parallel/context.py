@@ -55,7 +55,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
+from boost_jax.parallel.mesh import split_by_tensor
+from boost_jax.parallel.pipeline_schedules import ticks
 from boost_jax.parallel.rules import Strategy
+from boost_jax.parallel.strategies import get_strategy
 
 AXIS = "context"
 NEG = -1e30  # the log-sum-exp of a query row no key of the block is visible to
@@ -479,9 +482,6 @@ def traffic(cfg) -> dict:
 
     Per layer: `layer_exchange`. The weights' gradients are also reduced over
     `context` (like over `data`), not counted here. Empty when C = 1."""
-    from boost_jax.parallel.mesh import split_by_tensor
-    from boost_jax.parallel.strategies import get_strategy
-
     m, t, p = cfg.model, cfg.train, cfg.parallel
     c = int(p.context)
     if c <= 1:
@@ -498,8 +498,6 @@ def traffic(cfg) -> dict:
     rows = micro // (max(int(p.data), 1) * max(int(p.fsdp), 1))  # this device's rows of a micro-batch
     passes = int(t.grad_accum)
     if stages > 1:  # every tick of the schedule runs the stage on 1/M of the rows, bubbles included
-        from boost_jax.parallel.pipeline import ticks
-
         chunks = int(p.microbatches) or 2 * stages
         repeats = int(p.pipeline_repeats) if p.pipeline_schedule == "circular" else 1
         passes *= ticks(stages, chunks, repeats) / (chunks * repeats)  # x L/(S V) layers per tick

@@ -32,8 +32,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boost_jax.parallel import rules
+from boost_jax.parallel import pipeline, rules
+from boost_jax.parallel.context import Context
+from boost_jax.parallel.online_norm import online_norm_matmul
 from boost_jax.parallel.rules import Strategy
+from boost_jax.parallel.spatial_temporal import project_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +89,6 @@ class OnlineNorm(Grouped):
     fuses_norm = True
 
     def norm_first_stage(self, x, scale, a_stack, *, eps, impl):
-        from boost_jax.parallel.online_norm import online_norm_matmul
-
         return online_norm_matmul(
             x, scale, a_stack, eps=eps, mesh=rules.traced_mesh(self.mesh), impl=impl, reduce_dtype=self.reduce_dtype
         )
@@ -102,8 +103,6 @@ class SpatialTemporal(Grouped):
     replaces_projection = True
 
     def project(self, proj, x):
-        from boost_jax.parallel.spatial_temporal import project_sharded
-
         return project_sharded(proj, x, self.mesh, self.strategy)
 
 
@@ -125,8 +124,6 @@ class Pipeline:
         """The train step's (mean loss, mean gradient) over a batch [grad_accum, rows, ...], the stage
         weights' gradient reduced over data x fsdp once per step (parallel/pipeline.py `accumulate`).
         `param_specs`: the parameters' PartitionSpecs (the circular reorder keeps the stack's)."""
-        from boost_jax.parallel import pipeline
-
         return pipeline.accumulate(
             loss_fn,
             trained,
@@ -143,8 +140,6 @@ class Pipeline:
     @property
     def fused(self) -> bool:
         """1F1B: the head and loss run inside the schedule, at the last stage (`train_loss`)."""
-        from boost_jax.parallel import pipeline
-
         return self.schedule == pipeline.ONE_F_ONE_B
 
     def train_loss(
@@ -169,8 +164,6 @@ class Pipeline:
         (`__call__`), then the final norm, then the head and loss one micro-batch's rows at a time, per
         batch replica (parallel/pipeline.py `per_replica_loss`); 1F1B runs the final norm, head and loss
         per micro-batch at the last stage inside its schedule (`pipeline.fused_loss`)."""
-        from boost_jax.parallel import pipeline
-
         if not self.fused:
             h = self(layer, layer_state, x, positions, unroll=unroll, docs=docs, remat_stage=remat_stage)
             norm_state, head_weight = head_params()
@@ -242,8 +235,6 @@ class Pipeline:
         only the stage's input per micro-batch and recomputes the stage in the backward (the layer remat
         policy, applied inside `layer`, decides what that recompute keeps). 1F1B's hidden states alone
         (no loss: logits, evaluation by logits) run the same layers as gpipe (V = 1) or circular."""
-        from boost_jax.parallel import pipeline
-
         schedule = self.schedule
         if self.fused:
             schedule = "circular" if self.repeats > 1 else "gpipe"
@@ -294,8 +285,6 @@ class Placement:
     def context(self):
         if self.mesh is None or self.mesh.shape.get("context", 1) == 1:
             return None
-        from boost_jax.parallel.context import Context
-
         return Context(self.mesh, self.strategy)
 
     def require_rules(self) -> None:

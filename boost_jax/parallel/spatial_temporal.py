@@ -68,6 +68,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from boost_jax.parallel.rules import spec_for
+
 AxisNames = str | tuple[str, ...] | None
 
 
@@ -359,8 +361,6 @@ def project_sharded(proj, x: jax.Array, mesh: Mesh, strategy) -> jax.Array:
     transpose returns dW), with no gather of any tensor."""
     from jax.ad_checkpoint import checkpoint_name
     from jax.sharding import NamedSharding
-
-    from boost_jax.parallel.rules import spec_for
 
     grid = dict(mesh=mesh, row_axis="fsdp", col_axis="tensor")
     kw = dict(grid, batch_axes="data" if mesh.shape["data"] > 1 else None, row_dim=0)

@@ -19,6 +19,7 @@ import dataclasses
 
 from boost_jax.config import PROJECTION_GROUPS, ST
 from boost_jax.errors import ConfigError
+from boost_jax.parallel.mesh import split_by_tensor
 from boost_jax.parallel.rules import Strategy
 
 BATCH = ("data", "fsdp")
@@ -118,8 +119,6 @@ class Registered:
         """Whether its rule table keeps the bottleneck rank whole on every tensor device
         (parallel.context_kv=bottleneck passes σ(A x) r wide and rebuilds K/V with each device's B's;
         a table splitting `rank` over tensor leaves each device a slice)."""
-        from boost_jax.parallel.mesh import split_by_tensor
-
         return not {"rank", "act_rank"} & split_by_tensor(self.rules)
 
 

@@ -21,11 +21,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boost_jax import xla_gpu_flags
+from boost_jax.data import load_tokenizer
 from boost_jax.kernels import platform
-from boost_jax.model import autos
-from boost_jax.parallel.mesh import BATCH_AXES, make_mesh
+from boost_jax.model import autos, model_from_config
+from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
+from boost_jax.runtime.checkpoint import read_newest, restore
 from boost_jax.runtime.optim import make_optimizer
 from boost_jax.runtime.state import StateSpec, init_state, state_spec
 from boost_jax.runtime.step import bind, make_eval_step, make_train_step, next_token_loss
@@ -149,11 +151,6 @@ def load_model(checkpoint: str):
     the parameters are read; damaged or non-finite weights are refused (CheckpointError). The model
     is built unplaced (no mesh), so it runs outside any rules, e.g. step by step with a KV cache."""
     from flax import nnx
-
-    from boost_jax.data import load_tokenizer
-    from boost_jax.model import model_from_config
-    from boost_jax.parallel.mesh import ONE_DEVICE
-    from boost_jax.runtime.checkpoint import read_newest, restore
 
     def read(cfg, root, step):
         cfg.parallel.update(ONE_DEVICE)  # whatever mesh saved it: the abstract target carries the sharding
