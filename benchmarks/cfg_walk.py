@@ -1,8 +1,8 @@
 """Follow the config through a training run: which project functions receive it, in which files.
 
 Runs `train.run` on a small model for two steps with a profiler hook and records every call of a
-project function that takes the config, or one of its sections (`cfg.model`, `cfg.train`, ...), as an
-argument. Reported:
+project function that takes a config (the run's, one of its sections such as `cfg.model`, or a copy)
+as an argument. Reported:
 
 - files: the distinct project files those functions live in (how far a reader follows `cfg`);
 - returns: how often the walk enters a file it had already left (the reader goes back);
@@ -28,6 +28,8 @@ if "--mesh" in sys.argv:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import ml_collections  # noqa: E402
+
 from boost_jax import train  # noqa: E402
 from boost_jax.config import base_config  # noqa: E402
 
@@ -46,9 +48,9 @@ def small_config(run_dir: str, mesh: bool = False):
 
 
 def walk(cfg) -> list[tuple[str, str]]:
-    """(file, function) of every project call that receives the config or one of its sections."""
+    """(file, function) of every project call that receives a config: the one given, a section of it,
+    or a copy (the builder resolves `auto` fields on a copy)."""
     package = str(ROOT / "boost_jax")
-    watched = {id(cfg)} | {id(v) for v in cfg.values() if hasattr(v, "values")}
     calls = []
 
     def hook(frame, event, arg):
@@ -59,7 +61,7 @@ def walk(cfg) -> list[tuple[str, str]]:
             return
         n = code.co_argcount + code.co_kwonlyargcount
         names = code.co_varnames[:n]
-        if any(id(frame.f_locals.get(a)) in watched for a in names):
+        if any(isinstance(frame.f_locals.get(a), ml_collections.ConfigDict) for a in names):
             calls.append((os.path.relpath(code.co_filename, ROOT), code.co_name))
 
     sys.setprofile(hook)

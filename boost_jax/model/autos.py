@@ -100,7 +100,11 @@ def chosen(cfg, mesh=None, devices=None) -> dict:
 def resolve(cfg, mesh=None, devices=None):
     """A copy of cfg with every `auto` of FIELDS replaced by its value for `mesh` (see `chosen`);
     cfg itself when it has none."""
-    picks = chosen(cfg, mesh, devices)
+    return apply(cfg, chosen(cfg, mesh, devices))
+
+
+def apply(cfg, picks: dict):
+    """A copy of cfg with `picks` ({field: value}, from `chosen`) set; cfg itself when there are none."""
     if not picks:
         return cfg
     cfg = cfg.copy_and_resolve_references()

@@ -46,6 +46,7 @@ class Built:
     batch_sharding: NamedSharding
     eval_step: object  # jitted (params, eval batch) -> per slice (loss sum, targets, tokens); runtime/step.py
     eval_sharding: NamedSharding
+    autos: dict = dataclasses.field(default_factory=dict)  # {field: value} each `auto` resolved to (model/autos.py)
 
     def _abstract(self, rows: tuple, sharding):
         spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
@@ -107,7 +108,8 @@ def build(cfg, devices=None, optimizer=None, *, validated: bool = False) -> Buil
     if not validated:
         validate(cfg)
     mesh = make_mesh(cfg.parallel, devices)
-    cfg = autos.resolve(cfg, mesh)  # `auto` fields take their values for these devices and this mesh
+    picks = autos.chosen(cfg, mesh)  # what the `auto` fields resolve to for these devices and this mesh
+    cfg = autos.apply(cfg, picks)
     check_mesh(cfg, mesh)
     strategy = get_strategy(cfg.parallel)
     tx, schedule = optimizer or make_optimizer(cfg.train)
@@ -142,7 +144,7 @@ def build(cfg, devices=None, optimizer=None, *, validated: bool = False) -> Buil
         in_shardings=(spec.shardings["params"], eval_sharding),
         compiler_options=options,
     )
-    return Built(cfg, mesh, strategy, tx, schedule, spec, train_step, batch_sharding, eval_step, eval_sharding)
+    return Built(cfg, mesh, strategy, tx, schedule, spec, train_step, batch_sharding, eval_step, eval_sharding, picks)
 
 
 def load_model(checkpoint: str):

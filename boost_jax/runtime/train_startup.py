@@ -33,8 +33,7 @@ def startup_line(cfg, built, config_file: str, planned=None) -> str:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     mesh = "x".join(f"{k} {v}" for k, v in built.mesh.shape.items() if v > 1) or "one device"
     devices = built.mesh.devices.size
-    picks = autos.chosen(cfg, built.mesh)
-    auto = f" (auto: {autos.describe(picks)})" if picks else ""
+    auto = f" (auto: {autos.describe(built.autos)})" if built.autos else ""
     return (
         f"{cfg.name}: {m.linear} model, {params / 1e6:.2f}M parameters (d {m.d_model}, {m.n_layers} layers"
         f"{f', rank {m.rank}' if kind_class(m.linear).factored else ''}); {devices} {jax.default_backend()} device"
