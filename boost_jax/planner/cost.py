@@ -96,7 +96,7 @@ def buffer_overhead(gpu: bool, mixed: bool) -> float:
 
 def remat_policies() -> tuple[str, ...]:
     """The remat policies the planner prices, in search order (boost_jax/model/remat.py PRICED)."""
-    from boost_jax.model.remat import PRICED  # imports jax (the model package): not at import time
+    from boost_jax.model.remat import PRICED  # lazy: imports jax (the model package): not at import time
 
     return tuple(PRICED)
 
@@ -181,7 +181,7 @@ def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
     """The cost class (boost_jax/model/attention/registry.py COST_CLASSES) that `model.attention = name`
     registered, i.e. how it runs on a GPU of the cluster: `auto` resolves as the trainer does
     (`auto_impl`) for a GPU in the compute dtype act_bytes stands for."""
-    from boost_jax.model import attention  # imports jax: once per search, not per plan
+    from boost_jax.model import attention  # lazy: imports jax; once per search, not per plan
 
     if name not in attention.names():
         raise ValueError(f"--attention: {name!r} is not one of {attention.names()}")

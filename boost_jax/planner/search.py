@@ -782,7 +782,7 @@ def trainer_overrides(
     """(runnable status, strategy, sequence_parallel, the trainer's --config overrides that run the plan)."""
     ctx, opts, block, stages = pr.ctx, pr.opts, pr.ctx.block, sched.stages
     status, strategy, sp = runnable(block, mesh, layer)
-    from boost_jax.parallel.strategies import registered  # imports jax: not at the planner's import
+    from boost_jax.parallel.strategies import registered  # lazy: imports jax; not at the planner's import
 
     if status == "yes" and ctx.context_kv == "bottleneck" and not registered(strategy).keeps_whole_rank:
         status, strategy, sp = (
@@ -925,7 +925,7 @@ def context_sizes(devices: int, seq: int, opts: Options, attention: str) -> list
     place where the rows run out: long sequences, few of them per step. Context needs an attention
     implementation with a block form (`auto` runs chunked there); pipelined plans run without it here
     (the comm report, which --verify compiles with, runs context without a pipeline)."""
-    from boost_jax.model.attention import names, takes_context  # imports jax: not at the planner's import
+    from boost_jax.model.attention import names, takes_context  # lazy: imports jax; not at the planner's import
 
     for c in opts.context:
         if c < 1 or devices % c:
@@ -1032,7 +1032,7 @@ def policies(block: partitions.Block, opts: Options) -> list[str]:
 
 
 def model_flops_per_token(cfg, seq: int) -> float:
-    from boost_jax.model.transformer import flops_per_token  # imports jax: keep it off the search path
+    from boost_jax.model.transformer import flops_per_token  # lazy: imports jax; keep it off the search path
 
     return flops_per_token(cfg.model, seq, training=True)
 
@@ -1040,7 +1040,7 @@ def model_flops_per_token(cfg, seq: int) -> float:
 def plan_attention(opts: Options, block: partitions.Block, context: int) -> str:
     """The attention cost class a plan at this context size runs: opts.attention's
     (cost.attention_kind), under context as it runs there (model/attention/registry.py under_context)."""
-    from boost_jax.model.attention import under_context  # imports jax: once per search
+    from boost_jax.model.attention import under_context  # lazy: imports jax; once per search
 
     return cost.attention_kind(
         under_context(opts.attention) if context > 1 else opts.attention, block, opts.seq, opts.act_bytes
