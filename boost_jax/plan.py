@@ -12,7 +12,7 @@ with an α-β / GEMM-efficiency / memory cost model (boost_jax/planner), print t
 
 parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
 every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
-and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search.py
+and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search_space.py
 context_sizes); a context plan runs its attention's block form (`auto`: chunked's, model/attention/registry.py
 under_context), its exchange priced from the formula the comm report checks; --verify compiles it at context 2 with
 its modes.

@@ -8,7 +8,7 @@ Communication (per device; p = group size, B = payload bytes, β/α from the gro
 β and α are the cluster's intra-node link when the group fits in one node, else the inter-node one.
 Tensor-axis collectives sit on the critical path (their result feeds the next GEMM); P(n x n)'s
 permutes overlap the step's GEMM (Σ_t max(compute, comm)); data/fsdp collectives hide behind the
-whole micro-batch (see search.step_seconds). Pipeline stage hand-overs (one collective-permute of the
+whole micro-batch (see step_terms.step_seconds). Pipeline stage hand-overs (one collective-permute of the
 residual per GPipe tick, each way) sit on the critical path too: the next tick's stage reads them.
 
 Kept activations: every byte an operator keeps for the backward (saved_bytes, by the remat policy)

@@ -20,6 +20,12 @@ are the fsdp shards of the batch, so its tokens are the M of one tensor group an
 enter and leave in H; its weights stay split over both axes (never gathered by FSDP).
 Element counts follow boost_jax.tools.comm_report: all-reduce / reduce-scatter / all-to-all /
 collective-permute count their operand, all-gather its result.
+
+Where each part lives (this module re-exports their names): operators.py (Block, Ctx, Op and its
+Gemm / StMatmul / Coll / Attn, layouts), kept_arrays.py (the SAVED_* counts), edges.py (edges, norms,
+the residual add), projections.py (group choices and their work, st's stored layouts), cores.py
+(attention with its context exchange, the MLP activation), outside_stack.py (embedding, head, the
+pipeline's traffic), strategy_tables.py (Split, the trainer's strategies read from their rule tables).
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ independently and summed; identical layers are combined by multiplying by L (by 
 the M+S-1 GPipe ticks under pipelining). The DP keeps the `keep` best paths per state (k-best), so
 the non-additive parts (data/fsdp traffic hidden behind the micro-batch, memory) are applied
 afterwards to a short list. Plans over the usable HBM are rejected.
+
+This module runs the search (`search`) and prices one given plan (`plan_for`); the parts live beside it
+and are re-exported here: plans.py (Mesh, Layer, Options, Plan, Result), search_space.py (meshes, context
+sizes, stage and micro-batch counts, schedules, policies), layer_search.py (the Pricer and the segment
+DP), layer_summary.py (one layer's totals), schedule.py, step_terms.py (data/fsdp and pipeline traffic,
+step seconds, link bytes), memory.py (peak memory), pricing.py (price_plan, lower_bound) and
+trainer_flags.py (runnable, the trainer's overrides).
 """
 
 from __future__ import annotations
@@ -62,7 +69,6 @@ from boost_jax.planner.step_terms import (  # noqa: F401 - re-exported
 )
 from boost_jax.planner.trainer_flags import (  # noqa: F401 - re-exported
     _RUNNABLE,
-    _runnable,
     linear_partition,
     runnable,
     trainer_overrides,
