@@ -12,7 +12,7 @@ with an α-β / GEMM-efficiency / memory cost model (boost_jax/planner), print t
 
 parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
 every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
-and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search.py
+and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search_space.py
 context_sizes); a context plan runs its attention's block form (`auto`: chunked's, model/attention/registry.py
 under_context), its exchange priced from the formula the comm report checks; --verify compiles it at context 2 with
 its modes.
@@ -36,7 +36,13 @@ import argparse
 import sys
 
 from boost_jax.config import ST
+from boost_jax.planner import Options, load_cluster, search, verify
+from boost_jax.planner.cost import attention_kind, handover_ticks
+from boost_jax.planner.partitions import Block
+from boost_jax.planner.search import model_flops_per_token
+from boost_jax.tools import aot
 from boost_jax.tools.devices import emulate_cpu_devices, load_config
+from boost_jax.tools.progress import ticking
 
 GB = 1e9
 # The activation layouts in the plans' layout column (boost_jax/planner/partitions.py).
@@ -90,8 +96,6 @@ def breakdown(p, layers: int) -> str:
     stages = p.mesh.pipeline
     if stages > 1:
         ticks = p.repeats * p.microbatches + stages - 1
-        from boost_jax.planner.cost import handover_ticks
-
         lockstep = (
             f" (in {handover_ticks(stages, p.microbatches, p.repeats, p.schedule)} lockstep ticks of at most "
             "one forward and one backward)"
@@ -127,8 +131,6 @@ def breakdown(p, layers: int) -> str:
 
 
 def run_verify(cfg, cluster, plan, seq: int) -> bool:
-    from boost_jax.planner import verify
-
     st = ST in plan.layer.choices
     sp = plan.sequence_parallel
     if plan.mesh.pipeline > 1:
@@ -211,6 +213,48 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
 
 
 def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.target and not args.verify:
+        raise SystemExit("--target compiles the plan for a GPU: it goes with --verify")
+    if args.verify and not args.target:
+        emulate_cpu_devices(16)  # before anything imports jax; 16: an st plan on a 4 x 4 grid
+    from boost_jax.model.attention import names as attention_names  # lazy: imports jax, after the devices are set
+    from boost_jax.model.attention import under_context  # lazy: imports jax, after the devices are set
+
+    if args.attention not in attention_names():
+        raise SystemExit(f"--attention: {args.attention!r} is not one of {attention_names()}")
+    cfg = load_config(args.config)
+    try:
+        cluster = load_cluster(args.cluster)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    batch = args.batch or int(cfg.train.global_batch)
+    seq = args.seq or int(cfg.train.seq_len)
+    opts = search_options(args, batch, seq)
+    fpt = model_flops_per_token(cfg, seq)
+    print(
+        f"{cfg.name} ({cfg.model.linear}, d={cfg.model.d_model}, r={cfg.model.rank}, L={cfg.model.n_layers}) on "
+        f"{args.devices} GPUs of {cluster.name} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB); "
+        f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention} (priced as "
+        f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py; "
+        f"plans with context > 1 run {under_context(args.attention)})",
+        flush=True,
+    )
+    try:
+        with ticking(f"plan: searching plans for {args.devices} GPUs"):
+            res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+
+    print(
+        f"search: {res.considered} plans, {res.priced} priced in full (the others' lower bounds cannot enter the "
+        f"top {opts.top}), {res.rejected_memory} of those over the usable {cluster.usable_hbm / GB:.0f} GB/GPU, in "
+        f"{res.seconds:.2f} s"
+    )
+    return report(args, cfg, cluster, opts, res, batch, seq)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -282,27 +326,11 @@ def main(argv=None) -> int:
         help="with --verify: compile the plan at full size for this GPU without one "
         "(h100, a100, a100_40gb, h200: boost_jax.tools.aot, the aot extra) and compare its peak memory",
     )
-    args = ap.parse_args(argv)
-    if args.target and not args.verify:
-        raise SystemExit("--target compiles the plan for a GPU: it goes with --verify")
-    if args.verify and not args.target:
-        emulate_cpu_devices(16)  # before anything imports jax; 16: an st plan on a 4 x 4 grid
-    from boost_jax.model.attention import names as attention_names
-    from boost_jax.model.attention import under_context
-    from boost_jax.planner import Options, load_cluster, search
-    from boost_jax.planner.cost import attention_kind
-    from boost_jax.planner.partitions import Block
-    from boost_jax.planner.search import model_flops_per_token
+    return ap
 
-    if args.attention not in attention_names():
-        raise SystemExit(f"--attention: {args.attention!r} is not one of {attention_names()}")
-    cfg = load_config(args.config)
-    try:
-        cluster = load_cluster(args.cluster)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
-    batch = args.batch or int(cfg.train.global_batch)
-    seq = args.seq or int(cfg.train.seq_len)
+
+def search_options(args, batch: int, seq: int) -> Options:
+    """The search's options from the command line, each checked (a one-line SystemExit naming the flag)."""
     if args.devices < 1 or batch < 1 or seq < 1 or args.top < 1:
         raise SystemExit("--devices, --batch, --seq and --top must be positive")
     if args.grad_accum and batch % args.grad_accum:
@@ -317,7 +345,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--context: expected a comma list of integers, got {args.context!r}") from e
     if args.microbatches < 0 or args.repeats < 0 or any(s < 1 for s in pipeline):
         raise SystemExit("--pipeline, --microbatches and --repeats must be positive")
-    opts = Options(
+    return Options(
         batch=batch,
         seq=seq,
         attention=args.attention,
@@ -333,28 +361,11 @@ def main(argv=None) -> int:
         context_attention=tuple(x.strip() for x in args.context_attention.split(",") if x.strip()),
         context_kv=tuple(x.strip() for x in args.context_kv.split(",") if x.strip()),
     )
-    fpt = model_flops_per_token(cfg, seq)
-    print(
-        f"{cfg.name} ({cfg.model.linear}, d={cfg.model.d_model}, r={cfg.model.rank}, L={cfg.model.n_layers}) on "
-        f"{args.devices} GPUs of {cluster.name} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB); "
-        f"batch {batch} x seq {seq} = {batch * seq:,} tokens/step; attention {args.attention} (priced as "
-        f"{attention_kind(args.attention, Block.from_config(cfg), seq, opts.act_bytes)}, see planner/cost.py; "
-        f"plans with context > 1 run {under_context(args.attention)})",
-        flush=True,
-    )
-    from boost_jax.tools.progress import ticking
 
-    try:
-        with ticking(f"plan: searching plans for {args.devices} GPUs"):
-            res = search(cfg, cluster, args.devices, opts, flops_per_token=fpt)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
 
-    print(
-        f"search: {res.considered} plans, {res.priced} priced in full (the others' lower bounds cannot enter the "
-        f"top {opts.top}), {res.rejected_memory} of those over the usable {cluster.usable_hbm / GB:.0f} GB/GPU, in "
-        f"{res.seconds:.2f} s"
-    )
+def report(args, cfg, cluster, opts: Options, res, batch: int, seq: int) -> int:
+    """Print the search's plans, the best one's breakdown and the overrides that run the best runnable one
+    (and --verify it); the exit status."""
     if not res.plans and res.smallest is None:  # nothing was priced: the choices exclude every plan
         layers = int(cfg.model.n_layers)
         raise SystemExit(
@@ -403,8 +414,6 @@ TARGET_MEMORY_TOLERANCE = 0.10  # the planner's peak per GPU against the devicel
 def run_verify_target(config: str, plan, target: str, devices: int) -> bool:
     """--verify --target GPU: the plan's own train step, at full size on all its devices, compiled for
     that GPU without one (boost_jax.tools.aot); the planner's peak memory per GPU next to the compiled one."""
-    from boost_jax.tools import aot
-
     flags = [a for a in plan.overrides.split() if a.startswith("--config.")]
     print(
         f"\n--verify --target {target}: the plan's train step compiled for {devices} x {target} (deviceless, full size)"

@@ -8,7 +8,7 @@ Communication (per device; p = group size, B = payload bytes, β/α from the gro
 β and α are the cluster's intra-node link when the group fits in one node, else the inter-node one.
 Tensor-axis collectives sit on the critical path (their result feeds the next GEMM); P(n x n)'s
 permutes overlap the step's GEMM (Σ_t max(compute, comm)); data/fsdp collectives hide behind the
-whole micro-batch (see search.step_seconds). Pipeline stage hand-overs (one collective-permute of the
+whole micro-batch (see step_terms.step_seconds). Pipeline stage hand-overs (one collective-permute of the
 residual per GPipe tick, each way) sit on the critical path too: the next tick's stage reads them.
 
 Kept activations: every byte an operator keeps for the backward (saved_bytes, by the remat policy)
@@ -96,7 +96,7 @@ def buffer_overhead(gpu: bool, mixed: bool) -> float:
 
 def remat_policies() -> tuple[str, ...]:
     """The remat policies the planner prices, in search order (boost_jax/model/remat.py PRICED)."""
-    from boost_jax.model.remat import PRICED  # imports jax (the model package): not at import time
+    from boost_jax.model.remat import PRICED  # lazy: imports jax (the model package): not at import time
 
     return tuple(PRICED)
 
@@ -181,7 +181,7 @@ def attention_kind(name: str, block, seq: int, act_bytes: int) -> str:
     """The cost class (boost_jax/model/attention/registry.py COST_CLASSES) that `model.attention = name`
     registered, i.e. how it runs on a GPU of the cluster: `auto` resolves as the trainer does
     (`auto_impl`) for a GPU in the compute dtype act_bytes stands for."""
-    from boost_jax.model import attention  # imports jax: once per search, not per plan
+    from boost_jax.model import attention  # lazy: imports jax; once per search, not per plan
 
     if name not in attention.names():
         raise ValueError(f"--attention: {name!r} is not one of {attention.names()}")

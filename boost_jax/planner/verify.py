@@ -87,7 +87,7 @@ def _bytes(axis: str, elements: float) -> float:
 
 def cpu_attention(cfg, seq: int, context: int = 1) -> str:
     """The model.attention the CPU compile runs (what `auto` resolves to there, or under context)."""
-    from boost_jax.model.attention import auto_impl, under_context  # imports jax: not at the planner's import
+    from boost_jax.model.attention import auto_impl, under_context  # lazy: imports jax; not at the planner's import
 
     name = cfg.model.attention
     if context > 1:
@@ -413,7 +413,7 @@ def _executions(col, c) -> int:
     branch = _TICK_BRANCHES.search(col.op_name) if p.pipeline_schedule == "1f1b" else None
     if branch is None:
         return col.trips
-    from boost_jax.parallel.pipeline import ticks_1f1b  # imports jax: not at the planner's import
+    from boost_jax.parallel.pipeline import ticks_1f1b  # lazy: imports jax; not at the planner's import
 
     stages, m, v = int(p.pipeline), int(p.microbatches), int(p.pipeline_repeats)
     ticks = ticks_1f1b(stages, m, v)

@@ -1,0 +1,73 @@
+"""Between the operators: an activation's redistribution from one layout to another (`edge`), the
+RMSNorms and the residual add."""
+
+from __future__ import annotations
+
+from boost_jax.planner.kept_arrays import GPU_SAVED_NORM, GPU_SAVED_NORM_XLA, SAVED_NORM
+from boost_jax.planner.operators import Coll, Ctx, Op, gpu
+
+
+def edge(
+    ctx: Ctx,
+    src: str,
+    dst: str,
+    width: int,
+    partial_grad: bool = False,
+    layer_output: bool = False,
+    saves: bool = False,
+) -> Op:
+    """Redistribute a [M, width] activation from layout src to dst. The backward moves its gradient
+    the other way; a replicated producer needs the whole gradient, so R -> split costs a gather there.
+    `partial_grad`: the consumer (a column-parallel input, dst R) hands back partial input gradients,
+    all-reduced into a replicated source or reduce-scattered into a split one (Megatron-SP)."""
+    op = Op(f"{src}->{dst}", recompute=not layer_output)
+    if ctx.t == 1:
+        return op
+    full, t = ctx.tokens * width, ctx.t
+    if partial_grad:
+        op.colls = [Coll("all-reduce" if src in ("R", "P") else "reduce-scatter", full, t, 1, "bwd")]
+    if src == dst:
+        return op
+    if src == "P":
+        if dst == "R":
+            op.colls += [Coll("all-reduce", full, t, 1, "fwd")]
+        else:
+            op.colls += [Coll("reduce-scatter", full, t, 1, "fwd"), Coll("all-gather", full, t, 1, "bwd")]
+    elif src == "R":
+        op.colls += [Coll("all-gather", full, t, 1, "bwd")]
+    elif dst == "R":
+        op.colls += [Coll("all-gather", full, t, 1, "fwd")]
+    else:  # between two split layouts: each device keeps its overlap, swaps the rest
+        op.colls += [Coll("all-to-all", full / t, t, 1, "fwd"), Coll("all-to-all", full / t, t, 1, "bwd")]
+    op.acts = ctx.local(dst, width)
+    if saves and not (gpu(ctx) and not ctx.block.fused_norm):  # its output is a GEMM's input, kept for
+        # the weight gradient (a normalised row gathered); with XLA's norm the GPU program keeps the
+        # token shard instead (GPU_SAVED_NORM_XLA["S"])
+        op.saved = op.acts
+    return op
+
+
+def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
+    """RMSNorm in `layout`. Split features need the sum of squares reduced over the feature group: a
+    scalar per token, riding in the following A all-reduce when `fused` (BTP's online RMSNorm)."""
+    fs, ts = ctx.splits(layout)
+    width = ctx.local(layout, ctx.block.d)
+    kept, kept32 = (
+        (GPU_SAVED_NORM if ctx.block.fused_norm else GPU_SAVED_NORM_XLA.get(layout, GPU_SAVED_NORM))
+        if gpu(ctx)
+        else SAVED_NORM
+    )
+    op = Op(
+        f"norm@{layout}",
+        acts=width,
+        weights=ctx.block.d / fs,
+        saved=kept * width,
+        saved32=kept32 * width + ctx.tokens / ts,
+    )
+    if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed
+        op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p, saved=p == "fwd") for p in ("fwd", "bwd")]
+    return op
+
+
+def residual_add(ctx: Ctx, layout: str) -> Op:
+    return Op(f"add@{layout}", acts=ctx.local(layout, ctx.block.d))

@@ -1,0 +1,43 @@
+"""What each operator keeps for the backward, in arrays of its width: the counts read from the compiled
+train step (CPU, float32) and from the GPU program (bf16/fp16), and the context ring's score blocks."""
+
+# Arrays each operator keeps for the backward without remat, as counted in the compiled train step's
+# buffer assignment (XLA's memory-usage report of the scanned layer's stacked residuals; float32 on
+# emulated CPU devices, btp / megatron / vanilla / st, dense / lowrank / cola; tests/test_planner.py
+# checks the totals against memory_analysis()):
+SAVED_NORM = (1, 2)  # RMSNorm: (compute dtype, float32) arrays of its width: output; input and x/rms in fp32
+SAVED_SIGMA = 4  # a nonlinear bottleneck σ(A·x): A's output, σ's internals and its output, per A output
+SAVED_LINEAR = 1  # an identity bottleneck (lowrank): A's output
+SAVED_ONLINE_NORM = 2  # more arrays of the A output when the norm statistics ride in its all-reduce
+# (what attention keeps: its cost class's counts, boost_jax/model/attention/registry.py CostClass)
+SAVED_SWIGLU = (6, 3)  # the MLP core: arrays of width ff, silu(gate)·up / gate·up (gate, up, products)
+# The same counted in the GPU program (a bf16/fp16 step compiled for H100s without them,
+# boost_jax/tools/aot.py with XLA_FLAGS=--xla_dump_to: the distinct stacked residuals of its scanned layer
+# in XLA's buffer assignment, benchmarks/RESULTS.md 2026-11-27 (fifth)). The fused norm kernels
+# (kernels.rmsnorm=pallas or triton) keep their input and output in the compute dtype, no float32 copy:
+# llama_7b megatron on tensor 8 stacks bf16[L, T, d] x 4 for the two norms (the attention output's
+# [T, q/t] view beside them is attention's, its cost class's `kept`). BTP's online norm keeps its A
+# outputs twice more in float32 (they ride the all-reduce with the float32 statistics). SAVED_SIGMA is
+# what the GPU program keeps too.
+GPU_SAVED_NORM = (2, 0)
+# XLA's norm (kernels.rmsnorm=xla, the default) keeps two float32 arrays of its local width (its input
+# and x/rms) besides its output, per layout (the recipe plans of benchmarks/aot_fit.py compiled for H100s
+# and A100s, for the two norms of a layer): replicated, llama_1b fsdp 8 bf16[T, d] x 3 (one of them
+# attention's output view) and f32[T, d] x 4; tokens split (sequence parallel, then gathered for the
+# GEMMs), llama_7b megatron-SP p4 x f8 x t2 bf16[T/t, d] x 2 and f32[T/t, d] x 4 and no gathered
+# bf16[T, d] (its backward gathers again); features split (BTP's H), cola_1b btp p2 x d4 x f4 x t2
+# bf16[T, d/t] x 4 (one of them attention's output view) and f32[T, d/t] x 4 (cola_7b f16 x t4 the
+# same f32 arrays).
+GPU_SAVED_NORM_XLA = {"R": (1, 2), "S": (1, 2), "H": (1.5, 2)}
+GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
+# The MLP core in the GPU program: llama_1b on 1 H100 (pallas norm) stacks bf16[L, T, ff] x 5 beside the
+# double-buffer copy of a sixth (cost.SCAN_DOUBLE_BUFFER), llama_7b megatron on tensor 8 bf16[L, T, ff/8]
+# x 5 and the copy. cola's gate·up keeps 2: cola_1b on 1 H100 stacks 3 distinct bf16[L, T, ff] buffers with
+# the copy (a fourth shares its slot with the loss's arrays).
+GPU_SAVED_SWIGLU = (5, 2)
+# The context ring's backward (remat none) holds score blocks of its remote blocks beyond what the
+# one-device backward does: FITTED 2.75 float32 [rows, heads, L, block] arrays (the bytes the compiled
+# btp step held beyond the planner's count: d 256, seq 1024, 2 rows, tensor 2 x context 2, ring, full
+# K/V; float32, chunked) take the predicted peak from 0.88 to 0.95 of memory_analysis; held out: ring
+# with bottleneck K/V, 0.85 to 0.94 (tests/test_planner_context.py).
+RING_SCORE_BLOCKS = 2.75

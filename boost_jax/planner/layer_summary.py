@@ -1,0 +1,105 @@
+"""What a plan needs of one layer partitioning on one pricer (mesh-independent, memoised): its operators,
+cost, weights, collectives and kept activations; the stage's forward re-run; the embedding and head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from boost_jax.planner import cost, partitions
+from boost_jax.planner.layer_search import Pricer, layer_keys
+from boost_jax.planner.plans import Layer, Mesh
+from boost_jax.planner.trainer_flags import runnable
+
+
+@dataclasses.dataclass
+class LayerSummary:
+    """What a plan needs of one layer partitioning on one pricer (mesh-independent, memoised)."""
+
+    ops: list
+    cost: cost.Cost  # one layer, one micro-batch
+    norm_w: float  # norm weights (not fsdp-sharded)
+    fsdp_w: float  # the rest of the layer's weights on one tensor shard but st's
+    grid_w: float  # st's weights on one tensor shard (fsdp-split, never gathered)
+    tensor_colls: list  # tensor-axis collectives, forward + backward
+    recomputed: list  # forward collectives the remat policy re-runs
+    saved: float  # activation bytes kept for the backward (the remat policy's, plus its carry)
+    working: float  # one layer's recomputed activations during its backward under remat
+    tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
+    kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
+    bottleneck: float = 0.0  # σ(A·x) A output elements the layer keeps (see cost.PIPELINED_SIGMA)
+    # seconds of the layer's forward alone (what remat.pipeline=stage re-runs) and the collectives it
+    # runs (tensor axis; st's permutes): priced on first use (stage_forward)
+    forward: float | None = None
+    forward_colls: list | None = None
+
+
+def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
+    if layer not in pr._summaries:
+        ctx, cl, opts, policy = pr.ctx, pr.cluster, pr.opts, pr.policy
+        keys = layer_keys(pr, layer)
+        ops = [pr.op(k) for k in keys]
+        _, strategy, _ = runnable(ctx.block, Mesh(1, 1, ctx.t), layer)
+        stored = [
+            partitions.st_stored(ctx, g, strategy)
+            for g, choice in zip(partitions.GROUPS, layer.choices)
+            if choice == partitions.ST and strategy
+        ]
+        extra = [c for colls, _ in stored for c in colls]
+        grid_w = sum(w for _, w in stored) if stored else sum(op.grid_weights for op in ops)
+        if extra:  # the strategy's stored layouts cost the st groups more than P(n x n) (see there)
+            ops.append(partitions.Op(f"st weights@{strategy}", colls=extra, recompute=False))
+        norm_w = sum(op.weights for op in ops if op.name.startswith("norm"))
+        tensor_colls = [c for op in ops for c in op.all_colls()]
+        # forward collectives the remat policy re-runs: the operators' own and the st matmuls'
+        # (st_seconds already counts their time; see st_recomputed)
+        recomputed = [c for op in ops for c in cost.recomputed(op, policy)[3] + cost.st_recomputed(op, policy)]
+        carry = ctx.local(layer.residual, ctx.block.d) * opts.act_bytes if policy != "none" else 0.0
+        links = {"intra": 0.0, "inter": 0.0}
+        for c in tensor_colls + recomputed:
+            links["inter" if cl.spans_nodes(c.stride, c.size) else "intra"] += cost.link_bytes(
+                c.kind, cost.coll_bytes(c, opts.act_bytes), c.size
+            )
+        pr._summaries[layer] = LayerSummary(
+            ops=ops,
+            cost=sum((pr.cost(k) for k in keys), cost.Cost())
+            + sum((cost.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys) :]), cost.Cost())
+            + cost.Cost(kept=cl.kept_passes * carry / cl.hbm_bandwidth),  # the layer input a remat policy keeps
+            norm_w=norm_w,
+            fsdp_w=sum(op.weights for op in ops) - norm_w,
+            grid_w=grid_w,
+            tensor_colls=tensor_colls,
+            recomputed=recomputed,
+            saved=sum(cost.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
+            working=cost.backward_working(ops, policy, opts.act_bytes),
+            tensor_links=links,
+            kept_none=sum(cost.saved_bytes(op, "none", opts.act_bytes) for op in ops),
+            bottleneck=sum(op.bottleneck for op in ops),
+        )
+    return pr._summaries[layer]
+
+
+def stage_forward(pr: Pricer, s: LayerSummary) -> LayerSummary:
+    """`s` with its forward and forward_colls: remat.pipeline=stage re-runs the whole forward of the
+    stage (every operator, the layer's output edge included) before its backward, whatever the layer
+    policy keeps inside. Priced once, where a plan needs it."""
+    if s.forward is None:
+        whole = [dataclasses.replace(op, recompute=True) for op in s.ops]
+        s.forward = sum(
+            cost.price(op, pr.cluster, "full", pr.ctx.attention, pr.opts.act_bytes).recompute for op in whole
+        )
+        s.forward_colls = [c for op in whole for c in cost.recomputed(op, "full")[3] + cost.st_recomputed(op, "full")]
+    return s
+
+
+def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, cost.Cost]:
+    """Embedding, head and loss (and their cost) of one accumulation micro-batch: outside the
+    pipeline they run on all its rows, on every stage."""
+    key = (residual, microbatches)
+    if key not in pr._rest:
+        ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
+        rest = [partitions.embedding(ctx, residual), partitions.head(ctx, residual, microbatches)]
+        pr._rest[key] = (
+            rest,
+            sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), cost.Cost()),
+        )
+    return pr._rest[key]

@@ -1,0 +1,168 @@
+"""A plan's peak memory per device, by term: optimizer states, kept weights and activations, the
+pipeline's buffers, the GPU program's stacked arrays, the transient peak and the allocator's overhead."""
+
+from __future__ import annotations
+
+from boost_jax.planner import cost, partitions
+from boost_jax.planner.layer_search import Pricer
+from boost_jax.planner.layer_summary import LayerSummary
+from boost_jax.planner.plans import Layer, Mesh
+from boost_jax.planner.schedule import Schedule
+
+
+def memory_bytes(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    summary: LayerSummary,
+    sched: Schedule,
+    params: float,
+    rest_fsdp_weights: float,
+) -> dict:
+    """Peak bytes per device by term (see the comments), their allocator overhead and total."""
+    ctx, opts, policy, block = pr.ctx, pr.opts, pr.policy, pr.ctx.block
+    stages, staged, per_tick = sched.stages, sched.staged, sched.layers_per_tick
+    gpu = partitions.gpu(ctx)
+    replica, accumulator = gathered_replica(mesh, summary, sched, gpu)
+    # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
+    f1b_items = cost.ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
+    microbatches = sched.microbatches
+    loss = loss_peak(pr, mesh, sched, gpu, rest_fsdp_weights)
+    residual = ctx.local(layer.residual, block.d)  # one stage input
+    memory = {
+        "states": cost.state_bytes(params, grad_accum),
+        "weights": kept_weights(pr, mesh, summary, sched, gpu),
+        # pipelined over data x fsdp: each batch replica's float32 copy of its stage's weights
+        # (FSDP: gathered once before the tick loop); its gradient accumulator: see `working`
+        "gathered": replica,
+        # under autodiff the tick loop keeps every tick's stage activations (the scan's residuals);
+        # remat.pipeline=stage keeps only each tick's stage input
+        # 1F1B keeps cost.ring_slots items per stage whatever M is
+        "activations": (
+            f1b_items * (residual * opts.act_bytes if staged else per_tick * summary.saved)
+            if sched.f1b
+            else sched.ticks * residual * opts.act_bytes
+            if staged
+            else sched.runs * summary.saved
+        ),
+        # the peak's transient part: the loss's float32 logits chunk with the embedding table and
+        # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
+        # or one layer's backward (its recomputed activations under remat, st's and the context
+        # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
+        "transient": 0.0,
+        # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
+        "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 else 0.0,
+        # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
+        "pipeliner": pipeliner_arrays(pr, mesh, summary, sched, gpu),
+        # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
+        "double_buffer": double_buffer_array(pr, mesh, sched, gpu),
+    }
+    kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
+    # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
+    # the layer policy keeps, then runs their backward one layer at a time.
+    # The tick loop's backward also holds each replica's float32 stage-gradient accumulator (under stage
+    # remat with FSDP, and one tick's stage weight gradient before it is added).
+    stage_copy = cost.STAGE_COPY * summary.kept_none if policy == "none" and per_tick > 1 else 0.0
+    working = accumulator + (per_tick * summary.saved + summary.working + stage_copy if staged else summary.working)
+    memory["transient"] = max(loss, working, params * cost.OPTIMIZER_TEMP - kept)
+    arguments = params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)  # parameters, Adam m and v
+    # XLA's packing: tight on a step with one kind of parallelism, looser where several meet
+    mixed = sum(n > 1 for n in (stages, mesh.data * mesh.fsdp, mesh.context, mesh.tensor)) > 1
+    overhead = cost.buffer_overhead(gpu, mixed)
+    memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments)
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> tuple[float, float]:
+    """(each batch replica's float32 copy of its stage's weights, the float32 bytes its backward holds
+    for their gradient): pipelined over data x fsdp, st aside; 0 otherwise."""
+    stages, staged, per_stage = sched.stages, sched.staged, sched.layers_per_stage
+    replica = (
+        per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
+        if mesh.data * mesh.fsdp > 1 and stages > 1 and not summary.grid_w
+        else 0.0
+    )
+    # under stage remat with FSDP, one tick's gradient of the weights it ran (a chunk: 1/V of the stage)
+    # waits before it is added
+    accumulator = replica * (1 + (staged and mesh.fsdp > 1) / sched.repeats)
+    if sched.name == "circular" and not staged and not gpu:  # the reordered stage copies (cost.CIRCULAR_COPIES)
+        accumulator += cost.CIRCULAR_COPIES * per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
+    return replica, accumulator
+
+
+def kept_weights(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
+    """The compute-layout weights kept for the backward: without remat every layer's (FSDP: gathered);
+    with it, one layer's gathered weights and gradient, double-buffered."""
+    opts, policy, stages, per_stage = pr.opts, pr.policy, sched.stages, sched.layers_per_stage
+    weights = summary.fsdp_w + summary.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
+    # Pipelined without stage remat, the GPU program (bf16 compute) keeps the compute-dtype copies of
+    # the stage's weights its GEMMs read for the backward (the float32 program reads the gathered
+    # float32 replica itself): GPipe casts the stage's weights once before the tick loop (loop
+    # invariant, hoisted out of the scan) and keeps that copy to the end of the backward; circular
+    # selects and casts each tick's chunk inside the loop, so the scan stacks every tick's chunk as a
+    # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py:
+    # llama_7b p4 x f8 x t2 GPipe M 16 keeps bf16[8 layers, ...] stage copies, 1.62 GB; llama_1b
+    # p4 x f8 x t2 circular V 2 M 8 keeps bf16[19 ticks, 3 layers, ...], 2.87 GB per GPU).
+    tick_weights = 0.0
+    if stages > 1 and gpu and not sched.staged and policy == "none":
+        tick_weights = (sched.runs if sched.name == "circular" else per_stage) * weights * opts.act_bytes
+    return (
+        tick_weights
+        if stages > 1
+        else per_stage * weights * opts.act_bytes
+        if policy == "none"
+        else 2 * summary.fsdp_w * cost.STATE_BYTES
+        if mesh.fsdp > 1
+        else 0.0
+    )
+
+
+def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
+    """The σ(A·x) bottleneck arrays XLA's collective pipeliner makes the scanned layers keep more of."""
+    opts, per_stage = pr.opts, sched.layers_per_stage
+    # Unpipelined FSDP without remat, XLA's collective pipeliner (when the GPU program gets it) makes
+    # the scanned layers keep more stacked arrays of the σ(A·x) bottleneck (cost.PIPELINED_SIGMA). Pipelined
+    # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
+    # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
+    # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 63.6 priced without
+    # the term (61.8 before the GPU loss and the scan's double buffer, 2026-11-27) and 71.5 with it then.
+    return (
+        cost.PIPELINED_SIGMA * per_stage * summary.bottleneck * opts.act_bytes
+        if sched.stages == 1
+        and mesh.fsdp > 1
+        and mesh.context == 1
+        and gpu
+        and pr.policy == "none"
+        and summary.bottleneck
+        and cost.pipeliner(opts.pipelined)
+        else 0.0
+    )
+
+
+def double_buffer_array(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool) -> float:
+    """Unpipelined without remat, the GPU program's double-buffered layer scan keeps one more stacked
+    [layers, T, ff/t] array (cost.SCAN_DOUBLE_BUFFER), when the program gets the flag."""
+    ctx, opts = pr.ctx, pr.opts
+    return (
+        cost.SCAN_DOUBLE_BUFFER * sched.layers_per_stage * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
+        if sched.stages == 1 and gpu and pr.policy == "none" and opts.double_buffered
+        else 0.0
+    )
+
+
+def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weights: float) -> float:
+    """The loss's float32 logits chunk with the embedding table and LM head as used (FSDP: gathered) and
+    their gradients. Pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py
+    row_groups); its GPU count is the unpipelined program's only (cost.GPU_LOGIT_BUFFERS)."""
+    ctx, opts, block = pr.ctx, pr.opts, pr.ctx.block
+    microbatches = sched.microbatches
+    rest_tokens = ctx.tokens * microbatches
+    return cost.loss_bytes(
+        rest_tokens / ctx.local_seq / microbatches,
+        ctx.local_seq,
+        block.loss_chunk,
+        block.vocab / mesh.tensor,
+        gpu and sched.stages == 1,
+    ) + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)

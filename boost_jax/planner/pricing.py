@@ -1,0 +1,113 @@
+"""A whole plan priced: its step time, memory, link bytes and the trainer's overrides (`price_plan`), and
+the cheap lower bound on its step time the search prunes with (`lower_bound`)."""
+
+from __future__ import annotations
+
+from boost_jax.planner import cost
+from boost_jax.planner.layer_search import Pricer
+from boost_jax.planner.layer_summary import layer_summary, rest_ops, stage_forward
+from boost_jax.planner.memory import memory_bytes
+from boost_jax.planner.plans import Layer, Mesh, Plan
+from boost_jax.planner.schedule import schedule_of
+from boost_jax.planner.step_terms import link_bytes_per_step, parameters_per_device, step_collectives, step_seconds
+from boost_jax.planner.trainer_flags import trainer_overrides
+
+
+def price_plan(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    flops_per_token: float,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    stage_remat: str = "none",
+) -> Plan:
+    """Price a whole plan: L identical layers (pipelined: V M + S - 1 ticks of L/(S V) layers per
+    stage, V = 1 for GPipe; `stage_remat` "stage" re-runs each stage's forward in the backward),
+    embedding and head, data/fsdp traffic, stage hand-overs, optimizer: its time (`step_seconds`),
+    memory (`memory_bytes`), link bytes and the trainer's overrides."""
+    ctx, block = pr.ctx, pr.ctx.block
+    summary = layer_summary(pr, layer)
+    sched = schedule_of(block.layers, mesh.pipeline, microbatches, schedule, repeats, stage_remat)
+    if sched.staged:
+        stage_forward(pr, summary)
+    rest, rest_cost = rest_ops(pr, layer.residual, sched.microbatches)
+    rest_fsdp_weights = sum(op.weights for op in rest) - block.d  # the final norm is not fsdp-sharded
+    colls = step_collectives(pr, mesh, grad_accum, layer, summary, sched, rest, rest_fsdp_weights)
+    params = parameters_per_device(mesh, summary, sched, rest_fsdp_weights, block.d)
+    step_s, exposed, optimizer_s = step_seconds(pr, grad_accum, summary, sched, colls, rest_cost, params)
+    memory = memory_bytes(pr, mesh, grad_accum, layer, summary, sched, params, rest_fsdp_weights)
+    links = link_bytes_per_step(pr, grad_accum, summary, sched, colls)
+    status, strategy, sp, flags = trainer_overrides(pr, mesh, grad_accum, layer, sched)
+    tokens = pr.opts.batch * pr.opts.seq
+    return Plan(
+        mesh=mesh,
+        grad_accum=grad_accum,
+        remat=pr.policy,
+        layer=layer,
+        step_s=step_s,
+        tokens_per_s=tokens / step_s,
+        mfu=flops_per_token * tokens / (step_s * mesh.devices * pr.cluster.peak_flops),
+        memory=memory,
+        link_bytes=links,
+        layer_cost=summary.cost,
+        rest_cost=rest_cost,
+        exposed_dp_s=exposed,
+        optimizer_s=optimizer_s,
+        layer_colls=summary.tensor_colls + colls.data_once + colls.data,
+        redo_colls=summary.recomputed,
+        rest_colls=[c for c, _ in colls.rest] + colls.data_rest,
+        tokens=ctx.tokens,
+        runnable=status,
+        strategy=strategy,
+        sequence_parallel=sp,
+        overrides=flags,
+        microbatches=sched.microbatches,
+        bubble=cost.bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
+        shift_s=colls.shift_seconds,
+        pipeline_colls=colls.shift,
+        step_colls=[(c, sched.executed) for c in summary.tensor_colls + summary.recomputed] + colls.counted,
+        schedule=sched.name,
+        repeats=sched.repeats,
+        stage_remat=sched.stage_remat,
+        context_attention=ctx.context_attention if mesh.context > 1 else "",
+        context_kv=ctx.context_kv if mesh.context > 1 else "",
+    )
+
+
+def lower_bound(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    stage_remat: str = "none",
+) -> float:
+    """A lower bound on price_plan(...).step_s, cheap to compute: the same layer passes, embedding,
+    head and optimizer, without the stage hand-overs and the exposed data/fsdp traffic (both >= 0)."""
+    b = pr.ctx.block
+    stages = mesh.pipeline
+    m = microbatches if stages > 1 else 1
+    if stages == 1 or schedule == "gpipe":
+        repeats = 1
+    staged = stages > 1 and stage_remat == "stage"
+    key = (layer, m, staged)
+    if key not in pr._bounds:
+        s = layer_summary(pr, layer)
+        rest, rest_cost = rest_ops(pr, layer.residual, m)
+        pr._bounds[key] = (
+            s.cost.total + (stage_forward(pr, s).forward if staged else 0.0),
+            s.fsdp_w + s.grid_w,
+            s.norm_w,
+            rest_cost.total,
+            sum(op.weights for op in rest) - b.d,
+        )
+    layer_s, sharded_w, norm_w, rest_s, rest_fsdp_w = pr._bounds[key]
+    per_stage = b.layers // stages
+    runs = cost.pipeline_ticks(stages, m, repeats) * (per_stage // repeats)
+    params = per_stage * (sharded_w / mesh.fsdp + norm_w) + rest_fsdp_w / mesh.fsdp + b.d
+    return grad_accum * (runs * layer_s + rest_s) + params * cost.OPTIMIZER_TRAFFIC / pr.cluster.hbm_bandwidth

@@ -1,0 +1,198 @@
+"""A plan's step beyond its layers' tensor work: the data/fsdp traffic of the weights, the pipeline's
+hand-overs and ends, the embedding and head, the step's seconds and the bytes on each link."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from boost_jax.planner import cost, partitions
+from boost_jax.planner.layer_search import Pricer
+from boost_jax.planner.layer_summary import LayerSummary
+from boost_jax.planner.plans import Layer, Mesh
+from boost_jax.planner.schedule import Schedule
+
+
+def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: list, rest: list):
+    """1F1B's embedding and head traffic (boost_jax/parallel/pipeline.py `fused_loss`): the head and loss
+    run per micro-batch at the last stage (the head op of one micro-batch's rows, M times), and the
+    head's gradient (each stage and replica's float32 part) is all-reduced over pipeline x data x fsdp
+    once per pass, the embedding's over data x fsdp as GPipe's. -> (dp_rest, [(coll, times)])."""
+    head_w = rest[1].weights  # d V/t + the final norm's d
+    ways = mesh.data * mesh.fsdp
+    dp_rest = [dataclasses.replace(c, elements=c.elements - head_w) if c.kind == "all-reduce" else c for c in dp_rest]
+    dp_rest.append(
+        partitions.Coll(
+            "all-reduce",
+            head_w,
+            mesh.pipeline * ways,
+            mesh.tensor,
+            "bwd",
+            "pipeline_weights" if ways > 1 else "pipeline",
+        )
+    )
+    one = partitions.head(pr.ctx, residual, 1)
+    return dp_rest, [(c, 1) for c in rest[0].colls] + [(c, microbatches) for c in one.colls]
+
+
+def data_colls(
+    mesh: Mesh,
+    fsdp_weights: float,
+    other_weights: float,
+    remat: str,
+    pipelined: bool = False,
+    grid_weights: float = 0.0,
+) -> tuple[list[partitions.Coll], list[partitions.Coll]]:
+    """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
+    `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
+    GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
+    backward when remat recomputes the forward). The gradients are reduce-scattered over fsdp alone,
+    else all-reduced over data (x fsdp), as the compiled HLO does; the trainer sums micro-batch
+    gradients in the parameters' layout, so this happens once per micro-batch.
+    Pipelined (boost_jax/parallel/pipeline.py, read from its compiled HLO): the stage's weights are
+    gathered once before the tick loop, every batch replica accumulates its own float32 gradient over
+    the ticks, and that is all-reduced over data x fsdp once per pass, at full size (the accumulator is
+    the whole stage's gradient), so both land in `once`; nothing over data/fsdp runs per tick, remat
+    included (the gathered copies are the loop's inputs). Pipelined st plans keep GSPMD's placement
+    (see pipeline.once_per_pass_axes), priced as below.
+    st's weights (`grid_weights`) stay split over fsdp: their gradient, summed over the grid's rows
+    by the Cannon schedule, is only all-reduced over data.
+    Under parallel.context = C the gradient of every weight (per tensor shard, whole: the compiled
+    step all-reduces it over `context` before the fsdp/data reduction, or with it) is all-reduced over
+    `context` too, once per micro-batch: context acts like data for the gradients. (Where the mesh
+    also has data or fsdp, XLA folds part of the two reductions into one over both axes: the
+    separate pricing here is an upper bound on those bytes.)"""
+    t, f, d = mesh.tensor, mesh.fsdp, mesh.data
+    once, per_pass = [], []
+    if pipelined and not grid_weights:
+        if f > 1:
+            once.append(partitions.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+        if d * f > 1:
+            once.append(partitions.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+    else:
+        if grid_weights and d > 1:
+            per_pass.append(partitions.Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
+        if f > 1:
+            once.append(partitions.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+            if remat != "none":
+                per_pass.append(partitions.Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
+        if d > 1 or (pipelined and f > 1):
+            per_pass.append(partitions.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+        elif f > 1:
+            per_pass += [
+                partitions.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
+                partitions.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp"),
+            ]
+    if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
+        per_pass.append(
+            partitions.Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd", "data_fsdp")
+        )
+    return once, per_pass
+
+
+@dataclasses.dataclass
+class StepCollectives:
+    """Every collective of one accumulation micro-batch but the layers' tensor-axis ones."""
+
+    shift: list  # one stage hand-over, each way
+    ends: list  # the pipeline's inputs, outputs (and the circular chunk layout's reorder)
+    shift_seconds: float  # every hand-over and end of the micro-batch
+    data_once: list  # per layer, once per optimizer step when pipelined (data_colls)
+    data: list  # per layer pass
+    data_rest: list  # the embedding's and head's, once
+    rest: list  # [(collective, 1)] of the embedding, head and loss
+    counted: list  # [(collective, how often it runs)]: all of the above, and the stage's re-run forward
+
+
+def step_collectives(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    summary: LayerSummary,
+    sched: Schedule,
+    rest: list,
+    rest_fsdp_weights: float,
+) -> StepCollectives:
+    ctx, cluster, act_bytes = pr.ctx, pr.cluster, pr.opts.act_bytes
+    stages, pipelined = sched.stages, sched.stages > 1
+    shift = partitions.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, sched.name)
+    ends = partitions.pipeline_ends(
+        ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, sched.microbatches, sched.name
+    )
+    if sched.name == "circular" or (sched.f1b and sched.repeats > 1):  # interleaved 1F1B: circular's chunk layout
+        stage_weights = sched.layers_per_stage * ((summary.fsdp_w + summary.grid_w) / mesh.fsdp + summary.norm_w)
+        ends += partitions.circular_reorder(stage_weights, stages, sched.repeats, mesh.data * mesh.fsdp * mesh.tensor)
+    # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
+    # but the scanned step runs it).
+    shifts = [(c, sched.handovers) for c in shift]
+    shift_seconds = sum(times * cost.coll_seconds(c, cluster, act_bytes) for c, times in shifts) + sum(
+        cost.coll_seconds(c, cluster, act_bytes) for c in ends
+    )
+
+    data_once, data = data_colls(
+        mesh, summary.fsdp_w, summary.norm_w, pr.policy, pipelined=pipelined, grid_weights=summary.grid_w
+    )
+    # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
+    data_rest = sum(data_colls(mesh, rest_fsdp_weights, ctx.block.d, "none", pipelined=pipelined), [])
+    rest_colls = [(c, 1) for op in rest for c in op.colls]
+    if sched.f1b:  # the head runs per micro-batch at the last stage, its gradient summed over stages and replicas
+        data_rest, rest_colls = f1b_rest(pr, layer.residual, mesh, sched.microbatches, data_rest, rest)
+    redo = summary.forward_colls if sched.staged else []  # remat.pipeline=stage: the stage's forward, again
+    # Pipelined (but st), the stage's gather and gradient reduction run once per optimizer step, not
+    # per accumulation micro-batch (boost_jax/parallel/pipeline.py): 1/grad_accum of them per micro-batch.
+    once = sched.layers_per_stage / grad_accum if pipelined and not summary.grid_w else sched.layers_per_stage
+    counted = (
+        [(c, sched.executed) for c in data + redo]
+        + [(c, once) for c in data_once]
+        + shifts
+        + rest_colls
+        + [(c, 1) for c in data_rest + ends]
+    )
+    return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted)
+
+
+def parameters_per_device(
+    mesh: Mesh, summary: LayerSummary, sched: Schedule, rest_fsdp_weights: float, d_model: int
+) -> float:
+    """Parameters one device stores: its stage's layers, the embedding and head (fsdp-sharded), the final norm."""
+    layer_weights = (summary.fsdp_w + summary.grid_w) / mesh.fsdp + summary.norm_w
+    return sched.layers_per_stage * layer_weights + rest_fsdp_weights / mesh.fsdp + d_model
+
+
+def step_seconds(
+    pr: Pricer,
+    grad_accum: int,
+    summary: LayerSummary,
+    sched: Schedule,
+    colls: StepCollectives,
+    rest_cost: cost.Cost,
+    params: float,
+) -> tuple[float, float, float]:
+    """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
+    cluster = pr.cluster
+    data_seconds = sum(
+        times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in colls.counted if c.axis == "data_fsdp"
+    )
+    # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
+    # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
+    # Every tick runs every stage (bubble ticks compute on nothing), then hands over: ticks x stage.
+    path = (
+        sched.runs * (summary.cost.total + (summary.forward if sched.staged else 0.0))
+        + colls.shift_seconds
+        + rest_cost.total
+    )
+    exposed = max(0.0, data_seconds - path)
+    micro_seconds = path + exposed
+    optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
+    return grad_accum * micro_seconds + optimizer_seconds, exposed, optimizer_seconds
+
+
+def link_bytes_per_step(
+    pr: Pricer, grad_accum: int, summary: LayerSummary, sched: Schedule, colls: StepCollectives
+) -> dict:
+    """Bytes on each GPU's links per step ({"intra", "inter"} node), recomputed collectives included."""
+    links = {k: v * sched.executed for k, v in summary.tensor_links.items()}
+    for c, times in colls.counted:
+        where = "inter" if pr.cluster.spans_nodes(c.stride, c.size) else "intra"
+        links[where] += times * cost.link_bytes(c.kind, cost.coll_bytes(c, pr.opts.act_bytes), c.size)
+    return {k: grad_accum * v for k, v in links.items()}
