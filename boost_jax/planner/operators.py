@@ -31,9 +31,8 @@ class Block:
     max_seq_len: int = 0  # model.max_seq_len: a plan at a longer train.seq_len raises it in its flags
 
     @classmethod
-    def from_config(cls, cfg, vmapped: bool = False) -> Block:
-        """The model of `cfg`; `vmapped`: on a mesh where the trainer vmaps it (pipeline or data > 1),
-        which decides the norm kernel `auto` picks."""
+    def from_config(cls, cfg) -> Block:
+        """The model of `cfg`."""
         m = cfg.model
         kind = kind_class(m.linear)
         if kind.has_extra:  # e.g. sltrain's sparse S·x: a term with its own traffic, not priced yet
@@ -56,9 +55,7 @@ class Block:
             online_norm=bool(cfg.parallel.online_norm),
             nonlinear=kind.factored and kind.nonlinear(m),
             loss_chunk=int(m.loss_chunk),
-            # `auto` is a fused kernel on the GPUs a plan is priced for, XLA's where the model is vmapped
-            # (model/autos.py)
-            fused_norm=cfg.kernels.rmsnorm != "xla" and not (cfg.kernels.rmsnorm == "auto" and vmapped),
+            fused_norm=cfg.kernels.rmsnorm != "xla",  # `auto` is a fused kernel on the GPUs plans are priced for
             max_seq_len=int(m.max_seq_len),
         )
 

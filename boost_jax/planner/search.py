@@ -111,7 +111,7 @@ def plan_for(
     `microbatches`: micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S); `schedule`,
     `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
     `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1."""
-    block = partitions.Block.from_config(cfg, vmapped=mesh.pipeline > 1 or mesh.data > 1)
+    block = partitions.Block.from_config(cfg)
     opts = dataclasses.replace(
         opts,
         pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
@@ -208,7 +208,6 @@ def plan_candidates(
     """Every plan of the space, in search order, as (lower bound (0 without opts.prune), index, pricer,
     mesh, accum, layer, micro, schedule, repeats, stage remat); `kinds`: the attention cost class per
     context size."""
-    vmapped_block = partitions.Block.from_config(cfg, vmapped=True)  # as a pipeline or data > 1 runs it
     pricers: dict = {}
     candidates = []
     for mesh in meshes(devices, stage_counts(devices, block.layers, opts), contexts):
@@ -232,11 +231,10 @@ def plan_candidates(
                 for policy, (attention, kv) in [
                     (p, a) for p in policies(block, opts) for a in context_modes(block, mesh.context, opts)
                 ]:
-                    vmapped = mesh.pipeline > 1 or mesh.data > 1
-                    key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv, vmapped)
+                    key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv)
                     if key not in pricers:
                         ctx = partitions.Ctx(
-                            vmapped_block if vmapped else block,
+                            block,
                             mesh.tensor,
                             tokens,
                             opts.seq,
