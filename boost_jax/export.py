@@ -61,8 +61,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from boost_jax.errors import ExportError
+from boost_jax.config import base_config
+from boost_jax.data.tokenizer import load_tokenizer
+from boost_jax.errors import CheckpointError, ConfigError, ExportError, RunDirBusy
+from boost_jax.hf_files import (
+    EXPORT_FILES,  # noqa: F401 - re-exported
+    load_safetensors,
+    move_aside,
+    reason,
+    safetensors_numpy,
+    save_safetensors,
+    write_all,
+)
 from boost_jax.model import kinds
+from boost_jax.runtime.build import build, load_model
+from boost_jax.runtime.checkpoint import Checkpointer
+from boost_jax.runtime.runlock import RunLock
+from boost_jax.validate import validate
 
 LLAMA_FIELDS = {  # HF Llama config key -> our model.* field
     "vocab_size": "vocab_size",
@@ -85,16 +100,6 @@ def layout(m):
 def layouts() -> dict:
     """{kind: its HF layout} for every registered kind that has one, in registration order."""
     return {name: kinds.kind_class(name).hf for name in kinds.names() if kinds.kind_class(name).hf is not None}
-
-
-def _safetensors():
-    try:
-        import safetensors.numpy as st
-    except ImportError as e:  # optional dependency
-        from boost_jax.errors import install_hint
-
-        raise ExportError(f"export/import needs safetensors: {install_hint('hf')}") from e
-    return st
 
 
 # ---------------------------------------------------------------- names
@@ -295,110 +300,6 @@ def model_fields(hf: dict, source: str = "config.json") -> dict:
     return fields
 
 
-# ---------------------------------------------------------------- files
-
-
-def load_safetensors(path) -> dict[str, np.ndarray]:
-    """One .safetensors file as numpy; bfloat16 (which safetensors.numpy cannot read) via ml_dtypes.
-    A truncated or damaged file is an ExportError naming it."""
-    st = _safetensors()
-    from safetensors import SafetensorError
-
-    try:
-        try:
-            return st.load_file(str(path))
-        except TypeError:  # "data type 'bfloat16' not understood"
-            return _load_via_ml_dtypes(path)
-    except (SafetensorError, ValueError, KeyError, TypeError, OSError) as e:
-        why = str(e).replace("\n", "; ") or type(e).__name__
-        raise ExportError(
-            f"{path}: not a readable safetensors file ({why}); it may be truncated "
-            "(an interrupted download or copy): fetch or export it again"
-        ) from e
-
-
-def _load_via_ml_dtypes(path) -> dict[str, np.ndarray]:
-    """The safetensors layout read by hand: 8-byte header length, JSON header, then the raw tensors."""
-    import ml_dtypes
-
-    raw = Path(path).read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__", None)
-    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
-    # np.frombuffer raises ValueError when the file ends before a tensor does.
-    return {
-        k: np.frombuffer(
-            raw, dtypes[v["dtype"]], count=int(np.prod(v["shape"])), offset=8 + n + v["data_offsets"][0]
-        ).reshape(v["shape"])
-        for k, v in header.items()
-    }
-
-
-EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer.model")  # what an export writes
-
-
-def _supersede(path: Path) -> Path:
-    """Rename `path` to `NAME.superseded` (`.superseded.N` if taken); never deleted."""
-    target, n = path.with_name(path.name + ".superseded"), 1
-    while target.exists():
-        target, n = path.with_name(f"{path.name}.superseded.{n}"), n + 1
-    path.rename(target)
-    return target
-
-
-def _why(e: OSError) -> str:
-    import errno
-
-    return f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]" if e.strerror else (str(e) or type(e).__name__)
-
-
-def _save_safetensors(st, tensors: dict, path: Path) -> None:
-    """safetensors' writer, its I/O errors (a full disk: SafetensorError "... I/O error: No space left on
-    device (os error 28)") raised as the OSError they are, so that they are reported like every other write's."""
-    import errno
-    import os
-    import re
-
-    from safetensors import SafetensorError
-
-    try:
-        st.save_file(tensors, str(path), metadata={"format": "pt"})  # transformers refuses files without it
-    except SafetensorError as e:
-        code = re.search(r"os error (\d+)", str(e))
-        number = int(code.group(1)) if code else errno.EIO
-        raise OSError(number, os.strerror(number) if code else " ".join(str(e).split()), str(path)) from None
-
-
-def _write_all(out: Path, files: dict) -> None:
-    """Write {name: callable(path)} into `out` whole or not at all: each into NAME.tmp, renamed only
-    once every one is written, so a failure (a full disk, a read-only mount) leaves `out` as it was.
-    Every file gets the mode a new file gets here (0666 less the umask; safetensors writes 0600)."""
-    import os
-
-    tmps = {name: out / f"{name}.tmp" for name in files}
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for name, write in files.items():
-            write(tmps[name])
-            os.chmod(tmps[name], 0o666 & ~umask)
-        for name, tmp in tmps.items():
-            tmp.replace(out / name)
-    except OSError as e:
-        for tmp in tmps.values():
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-        where = e.filename or out
-        raise ExportError(
-            f"--out: cannot write {where} ({_why(e)}); nothing in {out} was changed: free some "
-            "space or choose a writable --out"
-        ) from None
-
-
 def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
     """Write config.json, model.safetensors (and the tokenizer file, if any) for a run's checkpoint.
     `out` may be new, empty or an earlier export (its files are replaced); files a loader would read
@@ -406,9 +307,7 @@ def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
     refused, or with `supersede` renamed to NAME.superseded."""
     from flax import nnx
 
-    from boost_jax.runtime.build import load_model
-
-    st = _safetensors()
+    st = safetensors_numpy()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out: {out} is a file; give a directory to write the model into")
@@ -438,14 +337,14 @@ def export(checkpoint: str, out: str, supersede: bool = False) -> Path:
     tensors = to_hf(nnx.to_pure_dict(nnx.state(model)), cfg.model)
     hf = json.dumps(hf_config(cfg.model, tok.eos_id), indent=2) + "\n"
     files = {
-        "model.safetensors": lambda p: _save_safetensors(st, tensors, p),
+        "model.safetensors": lambda p: save_safetensors(st, tensors, p),
         "config.json": lambda p: p.write_text(hf),
     }
     if tok_name:  # the byte tokenizer needs no file: token id = UTF-8 byte
         files[tok_name] = lambda p: shutil.copyfile(spec, p)
-    _write_all(out, files)
+    write_all(out, files)
     for name in stale:
-        print(f"moved {out / name} (not part of this export) aside to {_supersede(out / name)}")
+        print(f"moved {out / name} (not part of this export) aside to {move_aside(out / name)}")
     return out
 
 
@@ -474,8 +373,6 @@ def _check_import_out(run_dir: Path, supersede: bool) -> None:
 
 def _tokenizer_file(path: Path) -> None:
     """Load a tokenizer file once (a truncated download or a corrupt model fails here, naming it)."""
-    from boost_jax.data.tokenizer import load_tokenizer
-
     try:
         load_tokenizer(str(path), field="--import-hf")
     except (ValueError, ImportError) as e:
@@ -489,12 +386,6 @@ def import_hf(
     zero-padded up to a multiple of `intermediate_multiple`. RUN_DIR must be new or empty, unless
     `supersede`: then its checkpoints (and a tokenizer file the import replaces) are renamed aside.
     Returns (checkpoint dir, the run config to train or sample with)."""
-    from boost_jax.config import base_config
-    from boost_jax.runtime.build import build
-    from boost_jax.runtime.checkpoint import Checkpointer
-    from boost_jax.runtime.runlock import RunLock
-    from boost_jax.validate import validate
-
     hf_dir, run_dir = Path(hf_dir), Path(run_dir).resolve()
     _check_import_out(run_dir, supersede)
     files = sorted(hf_dir.glob("*.safetensors"))
@@ -547,7 +438,7 @@ def import_hf(
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(run_dir).acquire()  # a trainer running in --out refuses the import
     except OSError as e:
-        raise ExportError(f"--out: cannot write {run_dir} ({_why(e)}); choose a writable --out") from None
+        raise ExportError(f"--out: cannot write {run_dir} ({reason(e)}); choose a writable --out") from None
     try:
         _check_import_out(run_dir, supersede)  # again, under the lock
         # owner: a failed save's partial files are removed, and Orbax's own tracebacks are not printed.
@@ -557,13 +448,13 @@ def import_hf(
         try:
             ckpt.move_newer_aside(None, why="superseded by --import-hf")
             if tok_name and (run_dir / tok_name).exists():
-                print(f"moved {run_dir / tok_name} aside to {_supersede(run_dir / tok_name)}")
+                print(f"moved {run_dir / tok_name} aside to {move_aside(run_dir / tok_name)}")
             if tok_name:
                 try:
                     shutil.copyfile(hf_dir / tok_name, run_dir / tok_name)
                 except OSError as e:
                     raise ExportError(
-                        f"--out: cannot write {run_dir / tok_name} ({_why(e)}); free some space "
+                        f"--out: cannot write {run_dir / tok_name} ({reason(e)}); free some space "
                         "or choose a writable --out"
                     ) from None
             ckpt.save(
@@ -579,8 +470,6 @@ def import_hf(
 def train_flags(cfg) -> str:
     """The --config.* flags that rebuild cfg's model, data and train fields from the defaults, so that
     `python -m boost_jax.train` can resume from an imported checkpoint."""
-    from boost_jax.config import base_config
-
     base = base_config()
     return " ".join(
         f"--config.{section}.{k}={cfg[section][k]}"
@@ -615,8 +504,6 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     from absl import logging as absl_logging
-
-    from boost_jax.errors import CheckpointError, ConfigError, RunDirBusy
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:

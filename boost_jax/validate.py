@@ -11,8 +11,10 @@ below the runtime, whose builder calls both functions.
 from __future__ import annotations
 
 from boost_jax import config as config_lib
+from boost_jax import data
 from boost_jax.config import check
 from boost_jax.errors import ConfigError
+from boost_jax.model import kinds
 
 
 def _one_of(value, names, field: str) -> None:
@@ -23,11 +25,10 @@ def validate(c):
     """Reject configurations that cannot build, naming the field and what would work; returns c.
     Every problem found is reported at once (one ConfigError, a line each: config.every_problem);
     a check that needs another field to be right first runs once that one is."""
-    from boost_jax import data
-    from boost_jax.kernels import rmsnorm
-    from boost_jax.model import attention, kinds, remat
-    from boost_jax.model.transformer import projection_widths
-    from boost_jax.parallel import strategies
+    from boost_jax.kernels import rmsnorm  # lazy: loads JAX (tools set XLA_FLAGS first)
+    from boost_jax.model import attention, remat  # lazy: loads JAX (tools set XLA_FLAGS first)
+    from boost_jax.model.transformer import projection_widths  # lazy: loads JAX (tools set XLA_FLAGS first)
+    from boost_jax.parallel import strategies  # lazy: loads JAX (tools set XLA_FLAGS first)
 
     m, p = c.model, c.parallel
     with config_lib.every_problem():
@@ -106,7 +107,7 @@ def _check_context(c, attention, kinds) -> None:
         + ("has no bottleneck" if not kind.factored else "adds a full-width term (S·x) to it")
         + "; use parallel.context_kv=full",
     )
-    from boost_jax.parallel import strategies
+    from boost_jax.parallel import strategies  # lazy: loads JAX (tools set XLA_FLAGS first)
 
     whole = [n for n in strategies.names() if strategies.registered(n).keeps_whole_rank]
     check(
@@ -121,17 +122,16 @@ def check_mesh(cfg, mesh) -> None:
     """What `mesh` must divide for this model under cfg's strategy: every logical axis the strategy
     splits over `tensor` (its rule table) in whole units (the model's and its kind's axes), the
     spatial-temporal grid's widths, the batch and the pipeline."""
-    from boost_jax.model.kinds import kind_class
-    from boost_jax.model.transformer import axis_units, projection_widths
-    from boost_jax.parallel import mesh as mesh_lib
-    from boost_jax.parallel.strategies import get_strategy
+    from boost_jax.model.transformer import axis_units, projection_widths  # lazy: loads JAX (tools set XLA_FLAGS first)
+    from boost_jax.parallel import mesh as mesh_lib  # lazy: loads JAX (tools set XLA_FLAGS first)
+    from boost_jax.parallel.strategies import get_strategy  # lazy: loads JAX (tools set XLA_FLAGS first)
 
     m, sizes = cfg.model, dict(mesh.shape)
     strategy = get_strategy(cfg.parallel)
     mesh_lib.check_tensor_split(strategy.rules, sizes["tensor"], axis_units(m))
     if strategy.st_groups:
         widths = projection_widths(m)
-        if kind_class(m.linear).factored:
+        if kinds.kind_class(m.linear).factored:
             widths["model.rank"] = int(m.rank)
         mesh_lib.check_grid(sizes, widths)
     mesh_lib.check_batch(cfg, sizes)

@@ -161,11 +161,11 @@ def test_document_rows_under_context(make_config):
 
 def _exchange(cfg):
     """The compiled train step's collectives over `context` alone: {kind: {count, elements}}."""
-    from boost_jax.tools.comm_report import _tally, context_section
+    from boost_jax.tools.comm_report import context_section, tally_collectives
     from boost_jax.tools.hlo_comm import parse_collectives
 
     built = build(cfg)
-    total = _tally(parse_collectives(built.lower_train().compile().as_text(), built.mesh))
+    total = tally_collectives(parse_collectives(built.lower_train().compile().as_text(), built.mesh))
     return context_section(cfg, total)
 
 

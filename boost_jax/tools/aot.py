@@ -33,7 +33,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from boost_jax.errors import install_hint
+from boost_jax.config import config_path, load_config_file
+from boost_jax.errors import ConfigError, install_hint
+from boost_jax.tools import step_profile
+from boost_jax.tools.comm_tallies import itemsize
+from boost_jax.tools.devices import mesh_fields, parse_mesh
+from boost_jax.tools.hlo_comm import parse_collectives
+from boost_jax.tools.progress import ticking
 
 TARGETS_DIR = Path(__file__).with_name("targets")
 INSTALL = install_hint("aot")  # for how this package was installed
@@ -194,9 +200,6 @@ def collectives(hlo_text: str, mesh, accumulation: int = 1) -> dict:
     program, `count` their executions (through the loops' trip counts; the one loop whose count the
     GPU step hides, its accumulation loop, runs `accumulation` times), `elements` and `bytes` what
     those executions move (bytes at the dtype the GPU program carries)."""
-    from boost_jax.tools.comm_report import itemsize
-    from boost_jax.tools.hlo_comm import parse_collectives
-
     out: dict = {}
     for c in parse_collectives(hlo_text, mesh, unknown_trips=accumulation):
         trips = c.trips or 1
@@ -250,7 +253,7 @@ def _one_line(e: BaseException) -> str:
 
 def resolved(cfg) -> dict:
     """The config fields `auto` decides (model/autos.py), as the built step has them."""
-    from boost_jax.model.autos import FIELDS
+    from boost_jax.model.autos import FIELDS  # lazy: loads JAX, which aot must not import at load
 
     return {key: cfg[key.split(".")[0]][key.split(".")[1]] for key in FIELDS}
 
@@ -263,8 +266,7 @@ def compile_config(
     "profile": the train step's time table (tools/step_profile.py), the steps then compiled under the
     GPU's memory budget (`devices(gpu_budget=True)`: the program the GPU runs, whose memory can
     differ from the plain deviceless compile's where XLA rematerializes)."""
-    from boost_jax.errors import ConfigError
-    from boost_jax.runtime.build import build
+    from boost_jax.runtime.build import build  # lazy: loads JAX, which aot must not import at load
 
     cfg = cfg.copy_and_resolve_references()
     cfg.data.source = "embedded"  # nothing is read (the batch is abstract); a `tokens` source would need a path
@@ -309,8 +311,6 @@ def compile_config(
             "compile_s": time.perf_counter() - t0,
         }
         if profile and program == "train":
-            from boost_jax.tools import step_profile
-
             out["profile"] = step_profile.profile(compiled.as_text(), target, int(cfg.train.grad_accum), built.mesh)
     return out
 
@@ -357,8 +357,6 @@ def to_text(rep: dict) -> str:
             ),
         ]
     if "profile" in rep:
-        from boost_jax.tools import step_profile
-
         lines.append(step_profile.to_text(rep["profile"], "train step time table: "))
     return "\n".join(lines)
 
@@ -367,9 +365,6 @@ def load(config: str, overrides: list[str]):
     """The config file with `--config.KEY=VALUE` overrides, parsed as the trainer parses them."""
     from absl import flags
     from ml_collections import config_flags
-
-    from boost_jax.config import config_path, load_config_file
-    from boost_jax.errors import ConfigError
 
     config = config_path(config)  # a packaged config's name (cola_7b) as `train --config` takes it
     try:
@@ -435,8 +430,6 @@ def main(argv=None) -> dict:
         require()
         cfg = load(args.config, overrides)
         if args.mesh:
-            from boost_jax.tools.devices import mesh_fields, parse_mesh
-
             sizes = parse_mesh(args.mesh)
             if math.prod(sizes) != args.devices:
                 raise AotError(
@@ -444,8 +437,6 @@ def main(argv=None) -> dict:
                     "make the product equal --devices"
                 )
             cfg.parallel.update(mesh_fields(sizes))
-        from boost_jax.tools.progress import ticking
-
         steps = "train step" if args.train_only else "train and eval steps"
         with ticking(f"aot: compiling the {steps} for {args.devices} x {args.target}"):
             rep = compile_config(

@@ -10,6 +10,8 @@ import re
 import sys
 from pathlib import Path
 
+from boost_jax.config import load_config_file
+
 _FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -48,8 +50,6 @@ def load_config(cfg_or_path):
     """A ConfigDict (copied) or the `get_config()` of a configs/*.py file."""
     if not isinstance(cfg_or_path, (str, Path)):
         return cfg_or_path.copy_and_resolve_references()
-    from boost_jax.config import load_config_file
-
     try:
         return load_config_file(cfg_or_path)
     except (FileNotFoundError, ValueError) as e:

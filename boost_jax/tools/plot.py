@@ -13,6 +13,8 @@ import math
 import sys
 from pathlib import Path
 
+from boost_jax.errors import install_hint
+
 
 def read_metrics(run_dir) -> dict[str, dict[int, float]]:
     """{metric: {step: value}}. A resumed run appends rows for steps it redoes: the last row wins, as
@@ -61,8 +63,6 @@ def plot(run_dir, out=None) -> Path:
         matplotlib.use("Agg")  # files only; no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        from boost_jax.errors import install_hint
-
         raise SystemExit(f"boost_jax.tools.plot needs matplotlib: {install_hint('bench')}") from None
     m = read_metrics(run_dir)
     if not m.get("loss") and not m.get("eval_loss"):

@@ -17,7 +17,9 @@ import difflib
 import math
 import sys
 
+from boost_jax.errors import ConfigError
 from boost_jax.tools.devices import emulate_cpu_devices, load_config, mesh_fields, parse_mesh, pick_devices
+from boost_jax.validate import validate
 
 
 def _path(keys) -> str:
@@ -33,8 +35,8 @@ def _param_table(cfg, devices):
     """param_table's three, and the parameters' dtypes by path."""
     import jax
 
-    from boost_jax.runtime.build import build
-    from boost_jax.runtime.state import is_axes
+    from boost_jax.runtime.build import build  # lazy: loads JAX; main emulates the devices first
+    from boost_jax.runtime.state import is_axes  # lazy: loads JAX; main emulates the devices first
 
     built = build(cfg, devices)
     spec, mesh = built.spec, built.mesh
@@ -121,9 +123,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     mesh_sizes = parse_mesh(args.mesh)
     emulate_cpu_devices(math.prod(mesh_sizes))  # before anything imports jax
-    from boost_jax.errors import ConfigError
-    from boost_jax.parallel.strategies import names
-    from boost_jax.validate import validate
+    from boost_jax.parallel.strategies import names  # lazy: loads JAX; the devices are emulated above
 
     cfg = load_config(args.config)
     if args.strategy:

@@ -1,0 +1,246 @@
+"""A step's kernels priced on a target GPU (tools/step_profile.py's module docstring: the rules):
+the GPUs' numbers, the constants fitted to measured steps, each kernel's time, and the step's table
+by category."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from boost_jax.tools.step_categories import CATEGORIES
+from boost_jax.tools.step_kernels import Kernel, kernels
+
+COSTS_FILE = Path(__file__).with_name("targets") / "step_costs.json"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU's numbers: `hbm_bytes_per_s` the bandwidth a copy kernel reaches, `bf16_flops` the dense
+    bf16 tensor-core peak (float32 operands run at half: TF32), `link_*` one GPU's NVLink bandwidth
+    in a ring collective and its per-step latency, `node_*` the network's between nodes."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    link_bytes_per_s: float
+    link_latency_s: float
+    node_bytes_per_s: float
+    node_latency_s: float
+    gpus_per_node: int = 8
+    source: str = ""
+
+
+# The H100's copy bandwidth is measured (benchmarks/gpu_bench.json, rmsnorm part, "copy (x + 1)" on
+# [16384, 4096] bf16: 2,269 GB/s, 68% of the 3.35 TB/s datasheet figure); the other GPUs take the
+# same share of their datasheet bandwidth. Peaks are datasheet dense bf16; link figures are those of
+# configs/clusters (nccl-tests ring bandwidths).
+COPY_SHARE = 2268.7e9 / 3.35e12
+TARGETS = {
+    "h100": Target(
+        "h100",
+        COPY_SHARE * 3.35e12,
+        989e12,
+        360e9,
+        7e-6,
+        40e9,
+        15e-6,
+        source="H100 SXM5 80GB: 3.35 TB/s HBM3, 989 TFLOP/s bf16, NVLink4 (configs/clusters/h100_8x.py)",
+    ),
+    "h200": Target(
+        "h200",
+        COPY_SHARE * 4.8e12,
+        989e12,
+        360e9,
+        7e-6,
+        40e9,
+        15e-6,
+        source="H200 SXM 141GB: 4.8 TB/s HBM3e, 989 TFLOP/s bf16, NVLink4",
+    ),
+    "a100": Target(
+        "a100",
+        COPY_SHARE * 2.039e12,
+        312e12,
+        230e9,
+        10e-6,
+        20e9,
+        20e-6,
+        source="A100 SXM4 80GB: 2.04 TB/s HBM2e, 312 TFLOP/s bf16, NVLink3 (configs/clusters/a100_4x.py)",
+    ),
+    "a100_40gb": Target(
+        "a100_40gb",
+        COPY_SHARE * 1.555e12,
+        312e12,
+        230e9,
+        10e-6,
+        20e9,
+        20e-6,
+        source="A100 SXM4 40GB: 1.56 TB/s HBM2, 312 TFLOP/s bf16, NVLink3",
+    ),
+}
+
+# GEMM shape classes, by the smallest of m, n and k (the dimension that limits a tile's reuse), and
+# a batched GEMM (batch > 1: grouped projections) apart: the classes `Costs.gemm_efficiency` holds a
+# fraction of peak for.
+GEMM_CLASSES = ("large", "medium", "batched")
+LARGE_DIM = 1024
+
+
+def gemm_class(gemm: tuple) -> str:
+    """The shape class of a GEMM (batch, m, n, k, dtype): `batched` when batch > 1, else `large` when
+    min(m, n, k) > LARGE_DIM, `medium` otherwise (a bottleneck's rank, d/4: 512 on cola_1b, 1024 on
+    cola_7b)."""
+    if not gemm:
+        return "medium"
+    batch, m, n, k = gemm[:4]
+    if batch > 1:
+        return "batched"
+    return "large" if min(m, n, k) > LARGE_DIM else "medium"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The fitted constants: the fraction of peak a GEMM reaches per shape class, cuDNN attention's
+    fraction of peak, the time one kernel launch adds, and the share of XLA's rematerialized clones
+    priced (`Kernel.remat_clone`; 0: none, see `remat_clone`)."""
+
+    gemm_efficiency: dict
+    attention_efficiency: float
+    launch_s: float
+    remat_clone_share: float = 0.0
+    fitted_on: tuple = ()
+    note: str = ""
+
+
+DEFAULT_COSTS = Costs(
+    {"large": 0.75, "medium": 0.6, "batched": 0.6}, 0.4, 5e-6, note="unfitted defaults (datasheet-scale guesses)"
+)
+
+
+def costs(target: str) -> Costs:
+    """The fitted Costs for `target` (boost_jax/tools/targets/step_costs.json, written by
+    benchmarks/step_profile_fit.py); a target fitted on none takes the H100's fit, then the defaults."""
+    try:
+        table = json.loads(COSTS_FILE.read_text())
+    except (OSError, ValueError):
+        return DEFAULT_COSTS
+    entry = table.get(target) or table.get("h100")
+    if not entry:
+        return DEFAULT_COSTS
+    return Costs(
+        dict(entry["gemm_efficiency"]),
+        float(entry["attention_efficiency"]),
+        float(entry["launch_s"]),
+        float(entry.get("remat_clone_share", 0.0)),
+        tuple(entry.get("fitted_on", ())),
+        entry.get("note", ""),
+    )
+
+
+def kernel_time(k: Kernel, target: Target, c: Costs) -> float:
+    """Seconds one execution of kernel `k` takes on `target` (its launch apart)."""
+    memory = k.bytes / target.hbm_bytes_per_s
+    if k.kind == "collective":
+        info = k.collective
+        bw, lat = (
+            (target.node_bytes_per_s, target.node_latency_s)
+            if info.get("crosses_nodes")
+            else (target.link_bytes_per_s, target.link_latency_s)
+        )
+        return info["wire_bytes"] / bw + info["steps"] * lat
+    if k.kind == "gemm":
+        peak = target.bf16_flops * (0.5 if k.gemm and k.gemm[4] in ("f32", "f64") else 1.0)
+        return max(k.flops / (peak * c.gemm_efficiency[gemm_class(k.gemm)]), memory)
+    if k.kind == "attention":
+        return max(k.flops / (target.bf16_flops * c.attention_efficiency), memory)
+    return memory
+
+
+def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = None) -> dict:
+    """Each kernel's time on `target`; the step's time by category (seconds; `launch` = launches x
+    `launch_s`; a loop's predicate read-back counts as a launch); the step's time the sum of all (no
+    overlap). XLA's rematerialized clones count `remat_clone_share` of their time and launches;
+    "remat_clones" says what they would add in full."""
+    t = TARGETS[target] if isinstance(target, str) else target
+    c = c or costs(t.name)
+    by = dict.fromkeys(CATEGORIES, 0.0)
+    n = 0.0
+    clones = {"kernels": 0, "launches": 0, "time_s": 0.0}
+    for k in ks:
+        k.time_s = kernel_time(k, t, c)
+        share = c.remat_clone_share if k.remat_clone else 1.0
+        by[k.category] += share * k.total_s()
+        n += share * k.count
+        if k.remat_clone:
+            clones["kernels"] += 1
+            clones["launches"] += k.count
+            clones["time_s"] += k.total_s() + k.count * c.launch_s
+    by["launch"] += n * c.launch_s
+    return {
+        "target": t.name,
+        "predicted_step_s": sum(by.values()),
+        "time_by_category": by,
+        "launches": int(round(n)),
+        "remat_clones": clones,
+        "remat_clone_share": c.remat_clone_share,
+        "costs": asdict(c),
+    }
+
+
+def summary(ks: list[Kernel], priced: dict, top: int = 15) -> dict:
+    """The JSON of a priced program: step time, time by category, launches, FLOPs and bytes per
+    category (HBM traffic; for collectives the bytes over the links) and the `top` kernels by time."""
+    flops = dict.fromkeys(CATEGORIES, 0.0)
+    hbm = dict.fromkeys(CATEGORIES, 0.0)
+    kcount = dict.fromkeys(CATEGORIES, 0)
+    share = priced.get("remat_clone_share", 0.0)
+    for k in ks:
+        w = share if k.remat_clone else 1.0
+        flops[k.category] += w * k.flops * k.count
+        hbm[k.category] += w * _moved(k) * k.count
+        kcount[k.category] += int(round(w * k.count))
+    ranked = sorted((k for k in ks if share or not k.remat_clone), key=lambda k: -k.total_s())[:top]
+    return {
+        **priced,
+        "kernels_per_step": kcount,
+        "flops_by_category": flops,
+        "bytes_by_category": hbm,
+        "gemm_flops_by_class": _by_class(ks),
+        "top_kernels": [
+            {
+                "name": k.name,
+                "category": k.category,
+                "kind": k.kind,
+                "count": k.count,
+                "time_s": k.total_s(),
+                "flops": k.flops * k.count,
+                "bytes": _moved(k) * k.count,
+                "gemm": list(k.gemm),
+                "backend": k.backend,
+                "source": k.source,
+            }
+            for k in ranked
+        ],
+    }
+
+
+def _moved(k: Kernel) -> float:
+    """Bytes a kernel moves per execution: HBM traffic, or for a collective what its ring sends."""
+    return k.collective.get("wire_bytes", 0.0) if k.kind == "collective" else k.bytes
+
+
+def _by_class(ks: list[Kernel]) -> dict:
+    out = dict.fromkeys(GEMM_CLASSES, 0.0)
+    for k in ks:
+        if k.kind == "gemm":
+            out[gemm_class(k.gemm)] += k.flops * k.count
+    return out
+
+
+def profile(
+    hlo_text: str, target: str = "h100", accumulation: int = 1, mesh=None, top: int = 15, c: Costs | None = None
+) -> dict:
+    """The step-time table of one compiled GPU program (see `summary`)."""
+    t = TARGETS[target]
+    ks = kernels(hlo_text, accumulation, mesh, t.gpus_per_node)
+    return summary(ks, price(ks, t, c), top)
