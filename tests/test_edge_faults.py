@@ -809,7 +809,7 @@ def test_a_rerun_waits_for_workers_of_an_earlier_run(tmp_path, capsys):
         os.close(fd)
 
     threading.Thread(target=release).start()
-    prep._wait_for_workers(out)
+    prep.wait_for_workers(out)
     assert released and time.monotonic() >= released[0]
     assert "waiting for the workers of an earlier data.prepare" in capsys.readouterr().err
 

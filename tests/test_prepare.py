@@ -365,7 +365,7 @@ def test_a_second_run_on_the_same_out_is_refused(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     command = [*inputs(root), "--out", str(out), "--workers", "0", "--no-progress"]
-    with prep._OutLock(out):  # another run holds it
+    with prep.OutLock(out):  # another run holds it
         holder = json.loads((out / ".lock").read_text())
         assert prep.main(command) == 1
         assert _one_line(capsys) == (

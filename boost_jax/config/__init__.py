@@ -30,5 +30,4 @@ from boost_jax.config.presets import (  # noqa: F401
     tt_config,
 )
 from boost_jax.config.schema import *  # noqa: F401,F403
-from boost_jax.config.schema import _schema  # noqa: F401 - config_docs reads its source
 from boost_jax.errors import ConfigError  # noqa: F401 - config.ConfigError stays importable

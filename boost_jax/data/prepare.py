@@ -49,22 +49,17 @@ import time
 from pathlib import Path
 
 # The work is done by reading.py (the inputs), shards.py (a unit into a shard, the workers) and
-# shard_dir.py (--out's locks and files); every name this module had before they were split off
-# stays importable from here.
+# shard_dir.py (--out's locks and files); the public names this module had before they were split
+# off stay importable from here.
 from boost_jax.data.reading import (  # noqa: F401 - re-exported
     JSONL,
     PARQUET,
     TEXT,
     TEXT_CHUNK,
-    _decode,
-    _documents,
-    _line_of,
-    _lines,
-    _open,
     file_format,
+    read_documents,
+    splittable,
 )
-from boost_jax.data.reading import read_documents as _read  # noqa: F401 - re-exported
-from boost_jax.data.reading import splittable as _splittable  # noqa: F401 - re-exported
 from boost_jax.data.shard_dir import (  # noqa: F401 - re-exported
     LOCK,
     PLAN,
@@ -77,27 +72,14 @@ from boost_jax.data.shard_dir import (  # noqa: F401 - re-exported
     wait_for_workers,
     write_whole,
 )
-from boost_jax.data.shard_dir import OutLock as _OutLock  # noqa: F401 - re-exported
-from boost_jax.data.shard_dir import WriteError as _WriteError  # noqa: F401 - re-exported
-from boost_jax.data.shard_dir import error_reason as _why  # noqa: F401 - re-exported
-from boost_jax.data.shard_dir import make_out as _make_out  # noqa: F401 - re-exported
-from boost_jax.data.shard_dir import remove_tmp as _remove_tmp  # noqa: F401 - re-exported
-from boost_jax.data.shard_dir import unlink_quietly as _unlink  # noqa: F401 - re-exported
-from boost_jax.data.shard_dir import wait_for_workers as _wait_for_workers  # noqa: F401 - re-exported
-from boost_jax.data.shard_dir import write_whole as _write_file  # noqa: F401 - re-exported
 from boost_jax.data.shards import (  # noqa: F401 - re-exported
-    _TOKENIZERS,
     BATCH_BYTES,
     PR_SET_PDEATHSIG,
-    _die_with_parent,
-    _encode,
-    _tokenizer,
     init_worker,
     plan_units,
     run_unit,
     token_dtype,
 )
-from boost_jax.data.shards import init_worker as _init_worker  # noqa: F401 - re-exported
 from boost_jax.data.sources import FORMAT, INDEX, expand_paths
 from boost_jax.data.tokenizer import load_tokenizer, tokenizer_id
 from boost_jax.errors import PrepareError

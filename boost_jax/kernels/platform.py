@@ -23,7 +23,7 @@ _TARGET: contextvars.ContextVar = contextvars.ContextVar("boost_jax_target_devic
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def _first_device(devices):
+def first_device(devices):
     if devices is None:
         return None
     if hasattr(devices, "devices"):  # a Mesh
@@ -39,7 +39,7 @@ def _first_device(devices):
 def target(devices):
     """Build for `devices` (a Mesh, an array or list of devices, one device, or None: the default
     backend) inside this block."""
-    token = _TARGET.set(_first_device(devices))
+    token = _TARGET.set(first_device(devices))
     try:
         yield
     finally:

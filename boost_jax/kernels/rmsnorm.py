@@ -305,7 +305,7 @@ def _triton_runs(x2, scale, block_rows):
         rows = block_rows or T.default_rows(x2.shape[1])
 
         def probe(x, w, dy, ds):
-            return T._fwd_call(x, w, 1e-6, rows), T._bwd_call(x, w, dy, ds, 1e-6, rows)
+            return T.fwd_call(x, w, 1e-6, rows), T.bwd_call(x, w, dy, ds, 1e-6, rows)
 
         jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()  # on the target devices (_one_block)
 

@@ -142,7 +142,7 @@ def _target():
     return {} if cc is None else {"compute_capability": cc}
 
 
-def _fwd_call(x2, scale, eps, rows):
+def fwd_call(x2, scale, eps, rows):
     n_rows, d = x2.shape
     return _jt().triton_call(
         x2,
@@ -162,7 +162,7 @@ def _fwd_call(x2, scale, eps, rows):
     )
 
 
-def _bwd_call(x2, scale, dy, ds, eps, rows):
+def bwd_call(x2, scale, dy, ds, eps, rows):
     n_rows, d = x2.shape
     p = programs(n_rows, rows)
     dx, dw_part = _jt().triton_call(
@@ -192,8 +192,8 @@ def _calls(eps, rows):
     """The forward and backward calls for (eps, rows), batched by vmap through `row_batching` (a
     jax-triton call has no batching rule of its own; the trainer vmaps the model in its
     data-parallel gradient island and its pipeline stages)."""
-    fwd = row_batching.forward(lambda x2, scale: _fwd_call(x2, scale, eps, rows))
-    bwd = row_batching.backward(lambda x2, scale, dy, ds: _bwd_call(x2, scale, dy, ds, eps, rows))
+    fwd = row_batching.forward(lambda x2, scale: fwd_call(x2, scale, eps, rows))
+    bwd = row_batching.backward(lambda x2, scale, dy, ds: bwd_call(x2, scale, dy, ds, eps, rows))
     return fwd, bwd
 
 

@@ -92,7 +92,7 @@ def rules(cfg, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
 def chosen(cfg, mesh=None, devices=None) -> dict:
     """{field: value} that `auto` resolves to for cfg on `mesh` (a Mesh, or a device count with
     cfg.parallel's sizes), built for `devices` (default: the mesh's, else JAX's default backend)."""
-    dev = platform._first_device(devices if devices is not None else mesh if hasattr(mesh, "devices") else None)
+    dev = platform.first_device(devices if devices is not None else mesh if hasattr(mesh, "devices") else None)
     gpu = (platform.of(dev) if dev is not None else platform.name()) == "gpu"
     return rules(cfg, gpu, _sizes(cfg, mesh), gpu and triton_available())
 

@@ -30,9 +30,9 @@ class Pricer:
         self.ctx, self.cluster, self.policy, self.opts = ctx, cluster, policy, opts
         self._ops: dict = {}
         self._costs: dict = {}
-        self._summaries: dict = {}
-        self._rest: dict = {}
-        self._bounds: dict = {}  # (layer, micro-batches, stage remat) -> what lower_bound reads
+        self.summaries: dict = {}  # layer -> its LayerSummary
+        self.rests: dict = {}  # what rest_ops priced, by its key
+        self.bounds: dict = {}  # (layer, micro-batches, stage remat) -> what lower_bound reads
         self.layers: list | None = None
 
     def op(self, key) -> partitions.Op | None:
@@ -141,6 +141,11 @@ def layer_keys(pr: Pricer, layer: Layer) -> list:
 
 
 _CHOICES: dict = {}  # group_choices' answers within one search (cleared when a search or plan_for starts)
+
+
+def forget_choices() -> None:
+    """Clear group_choices' memo (a search or plan_for starts)."""
+    _CHOICES.clear()
 
 
 def group_choices(ctx: partitions.Ctx, group: str) -> list:

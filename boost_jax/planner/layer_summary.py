@@ -34,7 +34,7 @@ class LayerSummary:
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
-    if layer not in pr._summaries:
+    if layer not in pr.summaries:
         ctx, cl, opts, policy = pr.ctx, pr.cluster, pr.opts, pr.policy
         keys = layer_keys(pr, layer)
         ops = [pr.op(k) for k in keys]
@@ -59,7 +59,7 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             links["inter" if cl.spans_nodes(c.stride, c.size) else "intra"] += cost.link_bytes(
                 c.kind, cost.coll_bytes(c, opts.act_bytes), c.size
             )
-        pr._summaries[layer] = LayerSummary(
+        pr.summaries[layer] = LayerSummary(
             ops=ops,
             cost=sum((pr.cost(k) for k in keys), cost.Cost())
             + sum((cost.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys) :]), cost.Cost())
@@ -75,7 +75,7 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             kept_none=sum(cost.saved_bytes(op, "none", opts.act_bytes) for op in ops),
             bottleneck=sum(op.bottleneck for op in ops),
         )
-    return pr._summaries[layer]
+    return pr.summaries[layer]
 
 
 def stage_forward(pr: Pricer, s: LayerSummary) -> LayerSummary:
@@ -95,11 +95,11 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, cost.C
     """Embedding, head and loss (and their cost) of one accumulation micro-batch: outside the
     pipeline they run on all its rows, on every stage."""
     key = (residual, microbatches)
-    if key not in pr._rest:
+    if key not in pr.rests:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
         rest = [partitions.embedding(ctx, residual), partitions.head(ctx, residual, microbatches)]
-        pr._rest[key] = (
+        pr.rests[key] = (
             rest,
             sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), cost.Cost()),
         )
-    return pr._rest[key]
+    return pr.rests[key]

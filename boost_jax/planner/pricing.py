@@ -96,17 +96,17 @@ def lower_bound(
         repeats = 1
     staged = stages > 1 and stage_remat == "stage"
     key = (layer, m, staged)
-    if key not in pr._bounds:
+    if key not in pr.bounds:
         s = layer_summary(pr, layer)
         rest, rest_cost = rest_ops(pr, layer.residual, m)
-        pr._bounds[key] = (
+        pr.bounds[key] = (
             s.cost.total + (stage_forward(pr, s).forward if staged else 0.0),
             s.fsdp_w + s.grid_w,
             s.norm_w,
             rest_cost.total,
             sum(op.weights for op in rest) - b.d,
         )
-    layer_s, sharded_w, norm_w, rest_s, rest_fsdp_w = pr._bounds[key]
+    layer_s, sharded_w, norm_w, rest_s, rest_fsdp_w = pr.bounds[key]
     per_stage = b.layers // stages
     runs = cost.pipeline_ticks(stages, m, repeats) * (per_stage // repeats)
     params = per_stage * (sharded_w / mesh.fsdp + norm_w) + rest_fsdp_w / mesh.fsdp + b.d

@@ -30,12 +30,12 @@ import time
 from boost_jax.planner import cost, partitions
 from boost_jax.planner.cluster import Cluster
 from boost_jax.planner.layer_search import (  # noqa: F401 - re-exported
-    _CHOICES,
     BUILDERS,
     SEGMENTS,
     Pricer,
     Stages,
     best_layers,
+    forget_choices,
     group_choices,
     layer_keys,
     solve_segment,
@@ -68,7 +68,7 @@ from boost_jax.planner.step_terms import (  # noqa: F401 - re-exported
     step_seconds,
 )
 from boost_jax.planner.trainer_flags import (  # noqa: F401 - re-exported
-    _RUNNABLE,
+    forget_runnable,
     linear_partition,
     runnable,
     trainer_overrides,
@@ -117,8 +117,8 @@ def plan_for(
         pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
         double_buffered=cost.double_buffering(opts.double_buffered),
     )
-    _RUNNABLE.clear()
-    _CHOICES.clear()
+    forget_runnable()
+    forget_choices()
     stages = mesh.pipeline
     m = (microbatches or 2 * stages) if stages > 1 else 1
     if block.layers % stages:
@@ -180,8 +180,8 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     contexts = context_sizes(devices, opts.seq, opts, opts.attention)
     kinds = {c: plan_attention(opts, block, c) for c in contexts}
     start = time.perf_counter()
-    _RUNNABLE.clear()
-    _CHOICES.clear()
+    forget_runnable()
+    forget_choices()
     candidates = plan_candidates(cfg, block, cluster, devices, opts, contexts, kinds)
     if opts.prune:
         candidates.sort(key=lambda c: (c[0], c[1]))

@@ -18,6 +18,11 @@ def linear_partition(layer: Layer) -> str:
 _RUNNABLE: dict = {}  # runnable's answers within one search (cleared when a search or plan_for starts)
 
 
+def forget_runnable() -> None:
+    """Clear runnable's memo (a search or plan_for starts)."""
+    _RUNNABLE.clear()
+
+
 def runnable(block: partitions.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
     """("yes", strategy, sequence_parallel) if the trainer runs this layer as one of its strategies
     (their rule tables, read by partitions.strategy_layers) with its st groups spatial-temporal
