@@ -120,8 +120,15 @@ def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", plann
     if main_process:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     step = int(jax.device_get(state["step"]))
+    t = cfg.train
     report = Reporter(
-        cfg, run_dir, main_process=main_process, flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len)
+        run_dir,
+        name=cfg.name,
+        steps=t.steps,
+        tokens_per_step=t.global_batch * t.seq_len,
+        progress=t.progress,
+        main_process=main_process,
+        flops_per_token=flops_per_token(cfg.model, t.seq_len),
     )
     if planned is not None:  # what parallel.plan=auto ran, and what the planner predicted for it
         report.write(

@@ -378,7 +378,16 @@ def test_a_batch_without_targets_reports_no_loss(make_config, tmp_path):
     it has no loss (nor perplexity 1); a batch with targets logs its loss."""
     from boost_jax.runtime.report import Reporter
 
-    rep = Reporter(make_config(), tmp_path, main_process=True, flops_per_token=1.0)
+    cfg = make_config()
+    rep = Reporter(
+        tmp_path,
+        name=cfg.name,
+        steps=cfg.train.steps,
+        tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
+        progress=cfg.train.progress,
+        main_process=True,
+        flops_per_token=1.0,
+    )
     rep.start_bar(0)
     for step, targets in ((1, 0), (2, 5)):
         rep.step_done()

@@ -84,7 +84,15 @@ def test_the_time_left_does_not_count_the_compile(make_config, tmp_path, capsys)
 
     cfg = make_config()
     cfg.train.update(steps=400, progress=True)
-    rep = Reporter(cfg, tmp_path, main_process=True, flops_per_token=1.0)
+    rep = Reporter(
+        tmp_path,
+        name=cfg.name,
+        steps=cfg.train.steps,
+        tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
+        progress=cfg.train.progress,
+        main_process=True,
+        flops_per_token=1.0,
+    )
     rep.start_bar(0)
     time.sleep(2.0)  # the compile
     rep.step_done()

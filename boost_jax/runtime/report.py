@@ -21,15 +21,24 @@ def _num(x) -> float | None:
 class Reporter:
     """Metrics (process 0 writes), the progress bar and the throughput window of one run."""
 
-    def __init__(self, cfg, run_dir, *, main_process: bool, flops_per_token: float):
-        t = cfg.train
+    def __init__(
+        self,
+        run_dir,
+        *,
+        name: str,
+        steps: int,
+        tokens_per_step: int,
+        progress: bool,
+        main_process: bool,
+        flops_per_token: float,
+    ):
         self.main = main_process
         self.writer = MetricsWriter(str(run_dir), enabled=main_process, note=lambda text: self.note(text))
-        self.tokens_per_step, self.flops_per_token = t.global_batch * t.seq_len, flops_per_token
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.device_kind, self.n_devices = jax.devices()[0].device_kind, jax.device_count()
         self.evals: list[tuple[int, float]] = []
         self.bar = None
-        self.name, self.total, self.progress = cfg.name, t.steps, t.progress
+        self.name, self.total, self.progress = name, steps, progress
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def start_bar(self, step: int) -> None:
