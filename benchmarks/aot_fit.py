@@ -232,7 +232,16 @@ def _pipelined() -> list[str]:
 
 
 def _short(flags: str) -> str:
-    keep = ("parallel.strategy", "train.grad_accum", "remat.policy", "parallel.pipeline=", "parallel.microbatches")
+    keep = (
+        "parallel.strategy",
+        "parallel.sequence_parallel=true",
+        "train.grad_accum",
+        "remat.policy",
+        "parallel.pipeline=",
+        "parallel.pipeline_schedule",
+        "parallel.pipeline_repeats",
+        "parallel.microbatches",
+    )
     return ", ".join(f for f in flags.split() if f.startswith(keep))
 
 
