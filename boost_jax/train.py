@@ -79,7 +79,7 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
         cfg, planned = _auto_plan(cfg, say)
     use_compile_cache(cfg.compile_cache)
     with contextlib.nullcontext(stop) if stop is not None else StopFlag() as stop:
-        run_dir, lock = open_run_dir(cfg, main_process)
+        run_dir, lock = open_run_dir(cfg.run_dir, main_process)
         try:
             return _train(cfg, run_dir, stop, say, config_file, planned)
         except OSError as e:  # a full disk or a read-only mount under run_dir: one line, not a traceback

@@ -65,9 +65,10 @@ class RunLock:
         self.release()
 
 
-def open_run_dir(cfg, main_process: bool):
-    """Create run_dir and take its lock (process 0 holds it for the whole run). One-line errors."""
-    run_dir = Path(cfg.run_dir).expanduser().resolve()
+def open_run_dir(path: str, main_process: bool):
+    """Create the run directory (the config's `run_dir`) and take its lock (process 0 holds it for the
+    whole run). One-line errors."""
+    run_dir = Path(path).expanduser().resolve()
     lock, busy = RunLock(run_dir), None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
