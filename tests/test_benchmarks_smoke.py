@@ -51,6 +51,27 @@ def test_every_script_has_a_smoke_run():
     assert not missing, f"benchmarks/ scripts that no test runs: {missing}"
 
 
+def test_cfg_walk_counts_files_returns_and_stays():
+    """`benchmarks/cfg_walk.py`'s counting on a walk written out by hand: files in first-visit order,
+    a return each time the walk enters a file it had left, a stay per call in the file just visited."""
+    walk = load("cfg_walk")
+    calls = [("a.py", "f"), ("a.py", "g"), ("b.py", "h"), ("a.py", "f"), ("c.py", "k"), ("b.py", "h"), ("b.py", "m")]
+    s = walk.summarize(calls)
+    assert (s["files"], s["returns"], s["stays"], s["calls"]) == (3, 2, 2, 7)
+    assert s["file_order"] == ["a.py", "b.py", "c.py"]
+
+
+@pytest.mark.slow  # a two-step training run under a profiler hook (about a minute here)
+def test_cfg_walk_follows_the_config_from_train_run(tmp_path, capsys):
+    walk = load("cfg_walk")
+    assert walk.main(["--json", str(tmp_path / "walk.json")]) == 0
+    out = json.loads((tmp_path / "walk.json").read_text())
+    assert out["call_list"][0] == ["boost_jax/train.py", "run"]
+    assert out["file_order"][0] == "boost_jax/train.py" and "boost_jax/runtime/build.py" in out["file_order"]
+    assert out["files"] == len(out["file_order"]) and out["calls"] == len(out["call_list"])
+    assert f"files {out['files']}  returns {out['returns']}" in capsys.readouterr().out
+
+
 def test_attention_memory(tmp_path):
     out = tmp_path / "attention_memory.json"
     assert (

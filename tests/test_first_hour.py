@@ -184,7 +184,7 @@ def test_ticking_shows_a_long_step_is_alive():
 def test_plan_speaks_before_it_searches(monkeypatch, capsys):
     """`plan` prints the model and cluster line, and that it is searching, before the search (which
     takes minutes for the README's larger commands)."""
-    from boost_jax import plan, planner
+    from boost_jax import plan
 
     seen = {}
 
@@ -192,7 +192,7 @@ def test_plan_speaks_before_it_searches(monkeypatch, capsys):
         seen["out"], seen["err"] = capsys.readouterr()
         raise ValueError("stopped here by the test")
 
-    monkeypatch.setattr(planner, "search", search)
+    monkeypatch.setattr(plan, "search", search)  # the name plan.py calls
     with pytest.raises(SystemExit, match="stopped here by the test"):
         plan.main(
             [
