@@ -50,7 +50,7 @@ def forward(call):
         if not scale_batched:
             y, s = fwd(x2.reshape(-1, x2.shape[-1]), scale)
             return (y.reshape(x2.shape), s.reshape(x2.shape[:-1])), (True, True)
-        out = _per_member(lambda x, w: fwd(x, w), size, False, scale, x2)
+        out = _per_member(fwd, size, False, scale, x2)
         return tuple(out), (True, True)
 
     return fwd

@@ -1,7 +1,7 @@
 """What `auto` resolves to: the config fields whose fastest value depends on the devices and the mesh.
 
-    cfg = resolve(cfg, mesh)     # a copy with every `auto` below replaced by its value here
-    chosen(cfg, mesh)            # {field: value} of the autos alone (the start-up line prints them)
+    picks = chosen(cfg, mesh)    # {field: value} of the autos alone (the start-up line prints them)
+    cfg = apply(cfg, picks)      # a copy with every `auto` below replaced by its value here
 
 runtime/build.py resolves every config it builds (and a model built directly, e.g. by a test,
 resolves what is left for its own placement), so the trainer, the tools, the planner's `--verify`
@@ -95,12 +95,6 @@ def chosen(cfg, mesh=None, devices=None) -> dict:
     dev = platform.first_device(devices if devices is not None else mesh if hasattr(mesh, "devices") else None)
     gpu = (platform.of(dev) if dev is not None else platform.name()) == "gpu"
     return rules(cfg, gpu, _sizes(cfg, mesh), gpu and triton_available())
-
-
-def resolve(cfg, mesh=None, devices=None):
-    """A copy of cfg with every `auto` of FIELDS replaced by its value for `mesh` (see `chosen`);
-    cfg itself when it has none."""
-    return apply(cfg, chosen(cfg, mesh, devices))
 
 
 def apply(cfg, picks: dict):

@@ -36,7 +36,7 @@ from boost_jax.validate import check_mesh, validate
 
 @dataclasses.dataclass
 class Built:
-    cfg: object  # the config as built: every `auto` resolved for this mesh (runtime/autos.py)
+    cfg: object  # the config as built: every `auto` resolved for this mesh (model/autos.py)
     mesh: Mesh
     strategy: Strategy
     tx: object  # the optax optimizer
