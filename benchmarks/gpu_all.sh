@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, each part capped in time so that the whole fits a fixed budget
-# (about 14 minutes on one H100) and a part cut short keeps what it measured (gpu_bench.py and
-# vs_torch.py write their JSON after every part, variant and row); the speed parts come first:
-#   bash benchmarks/gpu_all.sh OUT_DIR            # COLA_REPO=/path/to/CoLA adds the official CoLA rows
-# OUT_DIR gets: nvidia-smi.txt, train256.json/.log and profile/ (the defaults beside the defaults
-# before them, one process, traced), vs_torch.json/.log (the project beside PyTorch, a process per row),
-# kernels.json/.log (device, kernel tests, rmsnorm, attention), train1b.json/.log, layer7b.json/.log
+# Every GPU check in two commands, each about 9 minutes (one device call runs at most 10), each part
+# capped in time so that a part cut short keeps what it measured (gpu_bench.py and vs_torch.py write
+# their JSON after every variant and row); the speed set comes first:
+#   bash benchmarks/gpu_all.sh OUT_DIR [speed]   # COLA_REPO=/path/to/CoLA adds the official CoLA rows
+#   bash benchmarks/gpu_all.sh OUT_DIR checks
+# speed: OUT_DIR gets nvidia-smi.txt, train256.json/.log (the targets' four rows first, then one change
+# at a time, one process; cola_1b auto traced into profile/) and vs_torch.json/.log (PyTorch +
+# torch.compile at the same widths and shapes, a process per row; the project's own rows are
+# train256's, from the same machine minutes before).
+# checks: kernels.json/.log (device, kernel tests, rmsnorm, attention), train1b.json/.log, layer7b.json/.log
 # (train steps; each variant in its own process) and train_default.log (the README's first command,
 # `python -m boost_jax.train`, for at most 60 s).
 set -u
-out=${1:?usage: gpu_all.sh OUT_DIR}
+out=${1:?usage: gpu_all.sh OUT_DIR [speed|checks]}
+set_=${2:-speed}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -22,15 +26,23 @@ part() {  # part NAME SECONDS ARGS...: one gpu_bench run, its table in NAME.log,
   timeout -k 10 "$secs" $py benchmarks/gpu_bench.py "$@" --json "$out/$name.json" >"$out/$name.log" 2>&1
   echo "   exit $? after ${SECONDS}s in all"
 }
-part train256 300 --parts device,train256 --one-process --steps 8 --profile "$out/profile" \
-    --profile-only "cola_1b auto,llama_1b auto"
-echo "== vs_torch (at most 240s)"
-timeout -k 10 240 $py benchmarks/vs_torch.py --rows project,project_bf16,cola_compile,hf_compile \
-    ${COLA_REPO:+--cola-repo "$COLA_REPO"} --json "$out/vs_torch.json" >"$out/vs_torch.log" 2>&1
-echo "   exit $? after ${SECONDS}s in all"
-part kernels 140 --parts device,tests,rmsnorm,attention
-part train1b 260 --parts device,train1b --steps 5
-echo "== train_default (at most 60s)"
-timeout -k 5 60 $py -m boost_jax.train --config.run_dir="$(mktemp -d)/run" >"$out/train_default.log" 2>&1
-echo "   exit $? after ${SECONDS}s in all"
-part layer7b 60 --parts device,layer7b --steps 5
+case $set_ in
+speed)
+  part train256 ${TRAIN256_S:-330} --parts device,train256 --one-process --steps 8 --profile "$out/profile" \
+      --profile-only "cola_1b auto"
+  rows=hf_cola_compile,hf_compile${COLA_REPO:+,cola_compile}
+  echo "== vs_torch (at most ${VS_TORCH_S:-200}s)"
+  timeout -k 10 "${VS_TORCH_S:-200}" $py benchmarks/vs_torch.py --rows "$rows" --steps 8 \
+      ${COLA_REPO:+--cola-repo "$COLA_REPO"} --json "$out/vs_torch.json" >"$out/vs_torch.log" 2>&1
+  echo "   exit $? after ${SECONDS}s in all"
+  ;;
+checks)
+  part kernels 140 --parts device,tests,rmsnorm,attention
+  part train1b 240 --parts device,train1b --steps 5
+  echo "== train_default (at most 60s)"
+  timeout -k 5 60 $py -m boost_jax.train --config.run_dir="$(mktemp -d)/run" >"$out/train_default.log" 2>&1
+  echo "   exit $? after ${SECONDS}s in all"
+  part layer7b 60 --parts device,layer7b --steps 5
+  ;;
+*) echo "gpu_all.sh: unknown set '$set_' (speed or checks)" >&2; exit 2 ;;
+esac

@@ -111,24 +111,30 @@ def train_variants(smoke: bool) -> list[dict]:
     at256 = {"train.seq_len": 256, "train.global_batch": 32}
     at4096 = {"train.seq_len": 4096, "train.global_batch": 4}
     bf16 = {"model.param_dtype": "bfloat16"}
+    cublas = {"xla:--xla_gpu_enable_triton_gemm": "false"}  # every GEMM through cuBLAS (XLA's Triton GEMMs off)
     rows += [
         (p, n, c, {**at256, **o})
         for p, n, c, o in (
-            ("train256", "cola_1b before", "cola_1b", before),
+            # in the order a short lease should measure them: the targets' four rows, then one change each
             ("train256", "cola_1b auto", "cola_1b", {}),
-            ("train256", "llama_1b before", "llama_1b", before),
             ("train256", "llama_1b auto", "llama_1b", {}),
-            ("train256", "cola_1b auto xla norm", "cola_1b", {"kernels.rmsnorm": "xla"}),
             ("train256", "cola_1b auto seq 4096", "cola_1b", at4096),
+            ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
+            ("train256", "cola_1b auto xla norm", "cola_1b", {"kernels.rmsnorm": "xla"}),
+            ("train256", "llama_1b auto xla norm", "llama_1b", {"kernels.rmsnorm": "xla"}),
+            ("train256", "cola_1b auto cuBLAS GEMMs", "cola_1b", cublas),
+            ("train256", "llama_1b auto cuBLAS GEMMs", "llama_1b", cublas),
+            ("train256", "cola_1b auto attention xla", "cola_1b", {"model.attention": "xla"}),
+            ("train256", "cola_1b auto attention pallas", "cola_1b", {"model.attention": "pallas"}),
             ("train256", "cola_1b auto seq 4096 xla norm", "cola_1b", {**at4096, "kernels.rmsnorm": "xla"}),
             ("train256", "cola_1b auto bf16 params", "cola_1b", bf16),
             ("train256", "llama_1b auto bf16 params", "llama_1b", bf16),
+            ("train256", "cola_1b before", "cola_1b", before),
+            ("train256", "llama_1b before", "llama_1b", before),
             ("train256", "cola_1b auto grouped", "cola_1b", {"model.group_linears": True}),
-            ("train256", "llama_1b auto grouped", "llama_1b", {"model.group_linears": True}),
+            ("train256", "llama_1b auto ungrouped", "llama_1b", {"model.group_linears": False}),
             ("train256", "cola_1b auto scanned", "cola_1b", {"model.scan_unroll": False}),
             ("train256", "cola_1b auto no cuda graphs", "cola_1b", {"xla:--xla_gpu_enable_command_buffer": ""}),
-            ("train256", "cola_1b auto attention xla", "cola_1b", {"model.attention": "xla"}),
-            ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
         )
     ]
     if smoke:  # one of each kind of row: a 1B baseline, a kernel toggle, a 7B layer

@@ -13,6 +13,11 @@ Rows (each in a fresh process, so each peak memory is its own; a row that cannot
   its `cola/` package and `cola_configs/NAME.json`), `ColaForCausalLM` at the zoo config's widths, in
   bf16 as its `main.py` trains (`model.to(bfloat16)`: parameters and AdamW state in bf16), sdpa
   attention; `_compile` adds the one line a user adds, `torch.compile(model)`.
+- hf_cola / hf_cola_compile (CoLA models, no checkout needed): Hugging Face `LlamaForCausalLM` at the
+  zoo config's widths with every projection (q, k, v, o, gate, up, down) replaced by CoLA's layer
+  B·σ(A·x) (σ = SiLU, rank r, no bias) and, where the config says `only_lr_act`, the MLP's own SiLU
+  removed (down(gate ⊙ up)): the official model's math, written here as a stand-in where its code is
+  not at hand; bf16 and sdpa as the cola rows.
 - hf / hf_compile (dense models): Hugging Face `LlamaForCausalLM` at the zoo config's widths, sdpa,
   bf16 as above.
 
@@ -35,12 +40,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ROWS = ("project", "project_bf16", "cola", "cola_compile", "hf", "hf_compile")
+ROWS = ("project", "project_bf16", "cola", "cola_compile", "hf_cola", "hf_cola_compile", "hf", "hf_compile")
 FAMILY = {
     "project": None,
     "project_bf16": None,
     "cola": "cola",
     "cola_compile": "cola",
+    "hf_cola": "cola",
+    "hf_cola_compile": "cola",
     "hf": "llama",
     "hf_compile": "llama",
 }
@@ -50,6 +57,8 @@ PRECISION = {
     "project_bf16": "bf16 params + AdamW state",
     "cola": "bf16 params + AdamW state",
     "cola_compile": "bf16 params + AdamW state",
+    "hf_cola": "bf16 params + AdamW state",
+    "hf_cola_compile": "bf16 params + AdamW state",
     "hf": "bf16 params + AdamW state",
     "hf_compile": "bf16 params + AdamW state",
 }
@@ -100,6 +109,7 @@ def project_row(cfg, steps: int, warmup: int, bf16: bool) -> dict:
         "step_s": secs,
         "compile_s": compile_s,
         "loss": float(metrics["loss"]),
+        "params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "peak_gib": peak_bytes(mem) / 2**30 if mem is not None else None,
         "device": jax.devices()[0].device_kind,
         "auto": {k: str(v) for k, v in autos.chosen(cfg, built.mesh).items()},
@@ -121,10 +131,13 @@ def _torch_model(row: str, cfg, cola_repo: str | None):
         rope_theta=float(m.rope_theta),
         tie_word_embeddings=False,
     )
-    if FAMILY[row] == "llama":
+    if FAMILY[row] == "llama" or row.startswith("hf_cola"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa")), None
+        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+        if row.startswith("hf_cola"):
+            _to_cola(model, int(m.rank), bool(m.only_lr_act))
+        return model, None
     if not cola_repo:
         return None, "needs --cola-repo PATH (a checkout of the official CoLA code)"
     sys.path.insert(0, os.path.abspath(cola_repo))
@@ -137,6 +150,33 @@ def _torch_model(row: str, cfg, cola_repo: str | None):
         setattr(hf, key, value)
     hf._attn_implementation = "sdpa"
     return ColaForCausalLM(hf), None
+
+
+def _to_cola(model, rank: int, only_lr_act: bool) -> None:
+    """Every projection of `model`'s blocks becomes CoLA's B·σ(A·x) (in place); only_lr_act drops the
+    MLP's own activation, as the official code does from 350M up (../shared/reference/cola.md)."""
+    import torch
+
+    class Cola(torch.nn.Module):
+        def __init__(self, d_in: int, d_out: int):
+            super().__init__()
+            scale = rank ** (-0.25) * (d_in + d_out) ** (-0.25)  # the official init of each factor
+            self.a = torch.nn.Parameter(torch.randn(rank, d_in) * scale)
+            self.b = torch.nn.Parameter(torch.randn(d_out, rank) * scale)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, self.a)), self.b)
+
+    for layer in model.model.layers:
+        for block, names in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+            (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
+        ):
+            for name in names:
+                lin = getattr(block, name)
+                setattr(block, name, Cola(lin.in_features, lin.out_features))
+        if only_lr_act:
+            layer.mlp.act_fn = torch.nn.Identity()
 
 
 def torch_row(row: str, cfg, steps: int, warmup: int, cola_repo: str | None) -> dict:
@@ -180,6 +220,7 @@ def torch_row(row: str, cfg, steps: int, warmup: int, cola_repo: str | None) -> 
         "step_s": secs,
         "compile_s": compile_s,
         "loss": float(loss),
+        "params": sum(p.numel() for p in model.parameters()),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,

@@ -320,18 +320,21 @@ def test_step_time(tmp_path):
 
 
 def test_vs_torch(tmp_path, capsys):
-    """benchmarks/vs_torch.py at tiny widths: the project's rows and Hugging Face Llama's (each in its
-    own process), and the official CoLA row saying what it needs (no checkout here)."""
+    """benchmarks/vs_torch.py at tiny widths: the project's rows, Hugging Face Llama's and its CoLA form
+    (each in its own process; the CoLA form has the project's parameter count, the dense form the
+    project's llama's), and the official CoLA row saying what it needs (no checkout here)."""
     pytest.importorskip("torch", reason="vs_torch's torch rows need torch (CI installs torch==2.13.0)")
     pytest.importorskip("transformers", reason="vs_torch's hf rows need transformers (CI installs it)")
     out = tmp_path / "vs_torch.json"
-    assert load("vs_torch").main(["--smoke", "--rows", "project,cola,hf", "--json", str(out)]) == 0
+    assert load("vs_torch").main(["--smoke", "--rows", "project,cola,hf_cola,hf", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     cola, llama = res["models"]["cola_1b"], res["models"]["llama_1b"]
-    assert set(cola) == {"project", "cola"} and set(llama) == {"project", "hf"}
+    assert set(cola) == {"project", "cola", "hf_cola"} and set(llama) == {"project", "hf"}
     assert "--cola-repo" in cola["cola"]["error"]
-    for row in (cola["project"], llama["project"], llama["hf"]):
+    for row in (cola["project"], cola["hf_cola"], llama["project"], llama["hf"]):
         assert positive(row["step_s"], row["flops_per_token"], row["loss"]), row
+    assert cola["hf_cola"]["params"] == cola["project"]["params"]
+    assert llama["hf"]["params"] == llama["project"]["params"]
     table = capsys.readouterr().out
     assert "| llama_1b | hf | bf16 params + AdamW state |" in table and "needs --cola-repo" in table
 
