@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_all.sh OUT_DIR [speed]   # COLA_REPO=/path/to/CoLA adds the official CoLA rows
 #   bash benchmarks/gpu_all.sh OUT_DIR checks
 # speed: OUT_DIR gets nvidia-smi.txt, train256.json/.log (the targets' four rows first, then one change
-# at a time, one process; cola_1b auto traced into profile/) and vs_torch.json/.log (PyTorch +
+# at a time, one process; cola_1b auto and its XLA-norm twin traced into profile.tgz) and vs_torch.json/.log (PyTorch +
 # torch.compile at the same widths and shapes, a process per row; the project's own rows are
 # train256's, from the same machine minutes before).
 # checks: kernels.json/.log (device, kernel tests, rmsnorm, attention), train1b.json/.log, layer7b.json/.log
@@ -29,12 +29,14 @@ part() {  # part NAME SECONDS ARGS...: one gpu_bench run, its table in NAME.log,
 case $set_ in
 speed)
   part train256 ${TRAIN256_S:-330} --parts device,train256 --one-process --steps 8 --profile "$out/profile" \
-      --profile-only "cola_1b auto"
+      --profile-only "cola_1b auto,cola_1b auto xla norm"
   rows=hf_cola_compile,hf_compile${COLA_REPO:+,cola_compile}
   echo "== vs_torch (at most ${VS_TORCH_S:-200}s)"
   timeout -k 10 "${VS_TORCH_S:-200}" $py benchmarks/vs_torch.py --rows "$rows" --steps 8 \
       ${COLA_REPO:+--cola-repo "$COLA_REPO"} --json "$out/vs_torch.json" >"$out/vs_torch.log" 2>&1
   echo "   exit $? after ${SECONDS}s in all"
+  # one file for the traces (a device call brings back at most 8 files, 2 folders down)
+  [ -d "$out/profile" ] && tar czf "$out/profile.tgz" -C "$out" --exclude='*.trace' profile && rm -rf "$out/profile"
   ;;
 checks)
   part kernels 140 --parts device,tests,rmsnorm,attention

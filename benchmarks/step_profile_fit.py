@@ -36,11 +36,24 @@ HLO_DIR = HERE / "hlo"
 MEASURED = HERE / "h100_measured.json"
 TOLERANCE = 0.15
 # Fitted constants: the GEMM classes' efficiencies, then the launch cost in microseconds. Not
-# fitted: cuDNN attention's efficiency, the measured kernel's (benchmarks/gpu_bench.json attention
-# part: cuDNN fwd+bwd at [1, 4096, 32, 128], 402 TFLOP/s = 0.41 of 989), and the share of XLA's
-# rematerialized clones priced, 0 (tools/step_profile.py remat_clone; the table shows each row's
-# ratio with them priced in full too).
-ATTENTION_EFFICIENCY = 402.3e12 / 989e12
+# fitted: cuDNN attention's efficiency curve, efficiency x keys / (keys + half_keys)
+# (tools/step_pricing.py attention_time), through two measured kernels on one H100: 0.407 of peak at
+# 4096 keys (benchmarks/gpu_bench.json attention part: fwd+bwd at [1, 4096, 32, 128], 402 TFLOP/s) and
+# 0.131 at 256 keys (the cuDNN kernels of cola_1b auto's trace at 256 x 32,
+# benchmarks/gpu_profile/cola_1b_auto.*: 5.56 ms per step for its 0.722 TFLOP, 48 calls at
+# [32, 32, 256, 256] x 64); and the share of XLA's rematerialized clones priced, 0
+# (tools/step_profile.py remat_clone; the table shows each row's ratio with them priced in full too).
+ATTENTION_MEASURED = ((4096, 402.3e12 / 989e12), (256, 0.7216e12 / 5.564e-3 / 989e12))
+
+
+def attention_curve(measured=ATTENTION_MEASURED) -> tuple[float, float]:
+    """(efficiency, half_keys) through two (keys, measured fraction of peak) points."""
+    (k1, e1), (k2, e2) = measured
+    half = (e2 - e1) / (e1 / k1 - e2 / k2)
+    return e1 * (k1 + half) / k1, half
+
+
+ATTENTION_EFFICIENCY, ATTENTION_HALF_KEYS = attention_curve()
 REMAT_CLONE_SHARE = 0.0
 BOUNDS = {"large": (0.2, 1.0), "medium": (0.1, 1.0), "batched": (0.1, 1.0)}
 LAUNCH_US = (0.0, 30.0)
@@ -104,7 +117,8 @@ def costs_of(x, fitted_on=(), share: float = REMAT_CLONE_SHARE) -> sp.Costs:
         ATTENTION_EFFICIENCY,
         float(x[n]) * 1e-6,
         share,
-        tuple(fitted_on),
+        attention_half_keys=ATTENTION_HALF_KEYS,
+        fitted_on=tuple(fitted_on),
         note="fitted by benchmarks/step_profile_fit.py",
     )
 
@@ -193,8 +207,9 @@ def markdown(result: dict) -> str:
         "",
         "Fitted constants: GEMM efficiency "
         + ", ".join(f"{k} {v:.3f}" for k, v in c["gemm_efficiency"].items())
-        + f", launch {c['launch_s'] * 1e6:.2f} µs; not fitted: attention {c['attention_efficiency']:.3f} "
-        f"(the measured cuDNN kernel), XLA's rematerialized clones priced at {c['remat_clone_share']:.0%}.",
+        + f", launch {c['launch_s'] * 1e6:.2f} µs; not fitted: attention {c['attention_efficiency']:.3f} x keys / "
+        f"(keys + {c.get('attention_half_keys', 0.0):.0f}) (two measured cuDNN kernels) plus its backward's side "
+        f"passes, XLA's rematerialized clones priced at {c['remat_clone_share']:.0%}.",
         "",
         "Milliseconds per step; the categories are the predicted table; `clones`: XLA's rematerialized "
         "clones in the deviceless program, and the ratio were they priced in full.",

@@ -84,6 +84,7 @@ class Kernel:
     sources: tuple = ()  # the frames above it, innermost first (file:function)
     fused: tuple = ()  # opcodes inside a fusion
     gemm: tuple = ()  # (batch, m, n, k, operand dtype) of a GEMM
+    attention: tuple = ()  # (batch, heads, queries, keys, head dim, backward, causal) of cuDNN attention
     collective: dict = field(default_factory=dict)  # kind, group_size, wire_bytes, steps, crosses_nodes
     category: str = ""
     remat_clone: bool = False  # a copy XLA's rematerialization made of another kernel (`remat_clone`)
@@ -164,22 +165,28 @@ def _cublas_shape(ins: Instruction, symbols: dict[str, str]) -> tuple:
     return (batch, m, n, k, shape_dtype(lhs))
 
 
-def _attention_flops(ins: Instruction) -> float:
-    """cuDNN fused attention: the scores' GEMM and the values' GEMM (forward; the backward runs five,
-    the scores recomputed), on [batch, heads, queries, keys] from its backend config, halved when causal."""
+def _attention_shape(ins: Instruction) -> tuple:
+    """cuDNN fused attention's (batch, heads, queries, keys, head dim, backward, causal) from its backend
+    config and operand layouts; () when the config names no scores' shape."""
     m = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{]*?"dimensions"\s*:\s*\[([^\]]*)\]', ins.rest)
     if m is None:
-        return 0.0
+        return ()
     b, h, sq, sk = (int(x) for x in re.findall(r"\d+", m.group(1))[:4])
     q = re.search(r"operand_layout_constraints=\{([^}]*)\}", ins.rest)
     qdims = shape_dims(q.group(1)) if q else []
     d = math.prod(qdims) // max(b * h * sq, 1) if qdims else 0
-    flops = 2 * 2 * b * h * sq * sk * d
-    if "Backward" in _custom_target(ins):
-        flops *= 2.5
-    if re.search(r'"mask_type"\s*:\s*"(CAUSAL|PADDING_CAUSAL)"', ins.rest):
-        flops *= 0.5
-    return float(flops)
+    backward = "Backward" in _custom_target(ins)
+    causal = bool(re.search(r'"mask_type"\s*:\s*"(CAUSAL|PADDING_CAUSAL)"', ins.rest))
+    return (b, h, sq, sk, d, backward, causal)
+
+
+def _attention_flops(shape: tuple) -> float:
+    """The scores' GEMM and the values' GEMM (forward; the backward runs five, the scores recomputed),
+    halved when causal."""
+    if not shape:
+        return 0.0
+    b, h, sq, sk, d, backward, causal = shape
+    return 2 * 2 * b * h * sq * sk * d * (2.5 if backward else 1.0) * (0.5 if causal else 1.0)
 
 
 class _Reader:
@@ -438,7 +445,8 @@ def _kernel(
             k.flops = float(2 * b * m * n * kk)
         elif target.startswith("__cudnn$fmha"):
             k.kind = "attention"
-            k.flops = _attention_flops(ins)
+            k.attention = _attention_shape(ins)
+            k.flops = _attention_flops(k.attention)
         elif target == "__gpu$xla.gpu.triton" or target.startswith("triton_kernel_call"):
             name = re.search(r'\bname\s*=\s*"([^"]+)"|"name"\s*:\s*"([^"]+)"', ins.rest)
             k.kind = "custom"

@@ -108,6 +108,7 @@ class Costs:
     attention_efficiency: float
     launch_s: float
     remat_clone_share: float = 0.0
+    attention_half_keys: float = 0.0  # keys per row at which attention reaches half its efficiency (0: flat)
     fitted_on: tuple = ()
     note: str = ""
 
@@ -132,6 +133,7 @@ def costs(target: str) -> Costs:
         float(entry["attention_efficiency"]),
         float(entry["launch_s"]),
         float(entry.get("remat_clone_share", 0.0)),
+        float(entry.get("attention_half_keys", 0.0)),
         tuple(entry.get("fitted_on", ())),
         entry.get("note", ""),
     )
@@ -152,8 +154,30 @@ def kernel_time(k: Kernel, target: Target, c: Costs) -> float:
         peak = target.bf16_flops * (0.5 if k.gemm and k.gemm[4] in ("f32", "f64") else 1.0)
         return max(k.flops / (peak * c.gemm_efficiency[gemm_class(k.gemm)]), memory)
     if k.kind == "attention":
-        return max(k.flops / (target.bf16_flops * c.attention_efficiency), memory)
+        return attention_time(k, target, c, memory)
     return memory
+
+
+# cuDNN's flash backward on sm90 runs two passes beside its main kernel (seen in every H100/H200 trace,
+# benchmarks/gpu_profile/): `compute_dot_do_o` reads O and dO (2 + 2 bytes per query element) and
+# `convert_dq_to_16bits` reads the float32 dQ the main kernel accumulated and writes it in bf16 (4 written
+# by the main kernel, 4 read, 2 written): bytes per element of Q ([batch, queries, heads, head dim]).
+ATTENTION_BWD_SIDE_BYTES = 2 + 2 + 4 + 4 + 2
+
+
+def attention_time(k: Kernel, target: Target, c: Costs, memory: float) -> float:
+    """cuDNN attention: its FLOPs at a fraction of peak that grows with the keys per row,
+    efficiency x keys / (keys + half_keys) (short rows keep the tensor cores less busy: measured
+    0.13 of peak at 256 keys, 0.41 at 4096), plus the backward's side passes at the copy bandwidth."""
+    eff = c.attention_efficiency
+    side = 0.0
+    if k.attention:
+        b, h, sq, sk, d, backward, _ = k.attention
+        if c.attention_half_keys:
+            eff *= sk / (sk + c.attention_half_keys)
+        if backward:
+            side = ATTENTION_BWD_SIDE_BYTES * b * sq * h * d / target.hbm_bytes_per_s
+    return max(k.flops / (target.bf16_flops * eff), memory) + side
 
 
 def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = None) -> dict:
