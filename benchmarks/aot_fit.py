@@ -237,6 +237,7 @@ def _short(flags: str) -> str:
         "parallel.sequence_parallel=true",
         "train.grad_accum",
         "remat.policy",
+        "model.scan_unroll=true",
         "parallel.pipeline=",
         "parallel.pipeline_schedule",
         "parallel.pipeline_repeats",

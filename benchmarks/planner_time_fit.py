@@ -312,7 +312,7 @@ def write_cluster(path, block: str) -> None:
 
 def remat_picks(rows: list[dict], cluster) -> list[dict]:
     """Per plan measured under two or more remat policies (the other overrides equal): the measured
-    fastest and the planner's pick (its one-device search at that batch, no accumulation)."""
+    fastest and the planner's pick (its one-device search at that batch, no accumulation, scanned stacks)."""
     from boost_jax.planner import Options, search
 
     groups: dict = {}
@@ -328,7 +328,12 @@ def remat_picks(rows: list[dict], cluster) -> list[dict]:
             continue
         r = next(iter(by_policy.values()))
         cfg = row_config(r)
-        res = search(cfg, cluster, 1, Options(batch=batch, seq=seq, attention=cfg.model.attention, grad_accum=1, top=1))
+        res = search(
+            cfg,
+            cluster,
+            1,
+            Options(batch=batch, seq=seq, attention=cfg.model.attention, grad_accum=1, top=1, unroll=False),
+        )
         pick = res.best_runnable.remat if res.best_runnable else None
         fastest = min(by_policy, key=lambda p: by_policy[p]["step_ms"])
         out.append(

@@ -78,7 +78,8 @@ def table(plans, batch: int) -> str:
             else "-"
         )
         lines.append(
-            f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {pipe} | {p.remat} | {p.layer.residual} "
+            f"| {i} | {p.mesh} | {batch // p.grad_accum} x {p.grad_accum} | {pipe} | {p.remat_label} "
+            f"| {p.layer.residual} "
             f"{cp}| {' / '.join(p.layer.choices)} | {p.layer.attention} / {p.layer.act} | {p.step_s:.3g} "
             f"| {p.tokens_per_s:,.0f} | {100 * p.mfu:.1f}% | {_gb(p.memory['total'])} "
             f"| {_gb(p.link_bytes['intra'])} / {_gb(p.link_bytes['inter'])} | {p.runnable} |"

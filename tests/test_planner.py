@@ -4,6 +4,7 @@ plans, its collectives against the HLO (st plans on 2 x 2 and 4 x 4 grids includ
 memory against the compiled step's memory_analysis."""
 
 import importlib.util
+import math
 from pathlib import Path
 
 import jax
@@ -125,6 +126,7 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
             p.stage_remat,
             p.context_attention,
             p.context_kv,
+            p.unrolled,
             p.step_s,
             p.memory["total"],
         )
@@ -145,6 +147,34 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
         }
     if "context" in case:
         assert any(p.mesh.context > 1 for p in priced)
+
+
+def test_the_unrolled_stack_is_searched_where_only_data_splits():
+    """Where only `data` splits the mesh the search also prices the unrolled stack (what the trainer's
+    `auto` runs there): remat none priced on the cluster without its kept-activation term, the memory of
+    the scanned remat-none stack, and flags that unroll it. Other meshes, and Options(unroll=False),
+    keep scanned stacks only."""
+    import dataclasses
+
+    cfg = sized_config("60m", "cola")
+    cluster = H100
+    assert cluster.kept_passes > 0
+    opts = Options(batch=16, seq=128, grad_accum=1, top=50)
+    res = search(cfg, cluster, 2, opts)
+    unrolled = [p for p in res.plans if p.unrolled]
+    assert unrolled and all(p.mesh == Mesh(2, 1, 1) and p.remat == "none" for p in unrolled)
+    assert all(p.mesh.fsdp * p.mesh.tensor * p.mesh.pipeline * p.mesh.context == 1 for p in unrolled)
+    u = unrolled[0]
+    assert "--config.remat.policy=none --config.model.scan_unroll=true" in u.overrides
+    assert all(
+        "--config.model.scan_unroll=false" in p.overrides for p in res.plans if p.runnable == "yes" and not p.unrolled
+    )
+    # the same plan priced by hand: scanned remat none on this cluster, and on one without the kept term
+    scanned = plan_for(cfg, cluster, u.mesh, 1, "none", u.layer, opts)
+    no_kept = plan_for(cfg, dataclasses.replace(cluster, kept_passes=0.0), u.mesh, 1, "none", u.layer, opts)
+    assert math.isclose(u.step_s, no_kept.step_s) and u.step_s < scanned.step_s
+    assert u.memory["total"] == scanned.memory["total"]
+    assert not any(p.unrolled for p in search(cfg, cluster, 2, dataclasses.replace(opts, unroll=False)).plans)
 
 
 @pytest.mark.slow  # ~1.5 min: the whole 64-device search space

@@ -58,6 +58,22 @@ def test_the_remat_pick_is_the_measured_fastest(fit, rows):
     assert not all(p["agrees"] for p in fit.remat_picks(rows, dataclasses.replace(H100, kept_passes=0.0)))
 
 
+def test_the_unrolled_pick_on_one_gpu_against_its_measured_step(fit, rows):
+    """On one H100 at 256 x 32 the search picks the unrolled stack the trainer's `auto` runs (remat none,
+    unrolled), priced within 15% of its measured step and faster than the measured scanned programs,
+    with a memory at or above its compiled peak (the scanned remat-none memory: an upper bound)."""
+    from boost_jax.planner import Options, search
+
+    auto = next(r for r in rows if r["config"] == "cola_1b" and r["seq"] == 256 and r["overrides"] == {})
+    scanned = [r for r in rows if r["config"] == "cola_1b" and r["seq"] == 256 and r["role"] != "unmodelled"]
+    cfg = fit.row_config(auto)
+    best = search(cfg, H100, 1, Options(batch=32, seq=256, grad_accum=1, top=1)).best_runnable
+    assert best.unrolled and best.remat == "none" and "--config.model.scan_unroll=true" in best.overrides
+    assert abs(best.step_s * 1e3 / auto["step_ms"] - 1) <= fit.TOLERANCE
+    assert best.step_s * 1e3 < min(r["step_ms"] for r in scanned)
+    assert best.memory["total"] >= auto["peak_gib"] * 2**30
+
+
 def test_the_fit_recovers_known_constants(fit, rows, tmp_path):
     """Steps priced with known constants (a slower GEMM, 5 passes per kept byte) as the 'measured'
     rows: the fit of those two constants returns them, and its leave-one-out choice fits exactly."""

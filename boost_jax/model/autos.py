@@ -15,7 +15,7 @@ measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, ben
   runs the one-device program); it runs 18% faster on one H100 (cola_1b 117.0 -> 95.8 ms) because XLA
   fuses and schedules across layers and no per-layer slices and stacked gradient updates remain.
   Pipeline, fsdp, context and tensor splits keep the scan (bounded per-layer gathers, stages and ring
-  blocks; the planner's memory terms are fitted on scanned programs, and its plans say so).
+  blocks). The planner prices both stacks where this rule unrolls (planner/search_space.py `stacks`).
 - remat.policy: an unrolled stack keeps every activation (`none`: XLA would fold a policy's recompute
   back into the forward anyway, as jax.checkpoint here does not prevent common-subexpression
   elimination); a scanned stack on a GPU recomputes: `lowrank` for factored kinds (17% faster than

@@ -57,7 +57,7 @@ class AutoPlan:
         parts = [
             f"mesh {m} (pipeline x data x fsdp x tensor{' c context' if m.context > 1 else ''})",
             f"strategy {p.strategy}" + (" + sequence parallel" if p.sequence_parallel else ""),
-            f"remat {p.remat}",
+            f"remat {p.remat_label}",
             f"grad_accum {p.grad_accum}",
         ]
         if m.pipeline > 1:

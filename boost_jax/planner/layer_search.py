@@ -24,10 +24,12 @@ BUILDERS = {
 
 
 class Pricer:
-    """Operators and their costs for one context, memoised (the DP asks for the same ones often)."""
+    """Operators and their costs for one context, memoised (the DP asks for the same ones often).
+    `unrolled`: the layer stack runs unrolled (remat none; see `unrolled_cluster`)."""
 
-    def __init__(self, ctx: partitions.Ctx, cluster: Cluster, policy: str, opts: Options):
+    def __init__(self, ctx: partitions.Ctx, cluster: Cluster, policy: str, opts: Options, unrolled: bool = False):
         self.ctx, self.cluster, self.policy, self.opts = ctx, cluster, policy, opts
+        self.unrolled = unrolled
         self._ops: dict = {}
         self._costs: dict = {}
         self.summaries: dict = {}  # layer -> its LayerSummary

@@ -67,6 +67,9 @@ class Options:
     # the GPU program compiles with XLA's collective pipeliner (the pipelined all-gather and all-reduce;
     # see cost.PIPELINED_SIGMA); None: as boost_jax/xla_gpu_flags.py pipelined() says here
     pipelined: bool | None = None
+    # also price the unrolled layer stack (remat none) where the trainer's `auto` unrolls it: meshes that
+    # only `data` splits (model/autos.py); False: scanned stacks only
+    unroll: bool = True
     # the GPU program's layer scan is double-buffered (XLA's while-loop double buffering; see
     # cost.SCAN_DOUBLE_BUFFER); None: as boost_jax/xla_gpu_flags.py double_buffered() says here
     double_buffered: bool | None = None
@@ -106,6 +109,12 @@ class Plan:
     context_kv: str = ""
     # every collective of one accumulation micro-batch as (Coll, times it runs)
     step_colls: list = dataclasses.field(default_factory=list)
+    unrolled: bool = False  # model.scan_unroll: the layer stack unrolled (remat none)
+
+    @property
+    def remat_label(self) -> str:
+        """The remat policy as printed: "none, unrolled" for an unrolled stack."""
+        return f"{self.remat}, unrolled" if self.unrolled else self.remat
 
 
 @dataclasses.dataclass

@@ -74,6 +74,7 @@ def price_plan(
         stage_remat=sched.stage_remat,
         context_attention=ctx.context_attention if mesh.context > 1 else "",
         context_kv=ctx.context_kv if mesh.context > 1 else "",
+        unrolled=pr.unrolled,
     )
 
 

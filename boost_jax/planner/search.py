@@ -56,7 +56,9 @@ from boost_jax.planner.search_space import (  # noqa: F401 - re-exported
     microbatch_counts,
     pipeline_variants,
     policies,
+    stacks,
     stage_counts,
+    unrolled_cluster,
 )
 from boost_jax.planner.step_terms import (  # noqa: F401 - re-exported
     StepCollectives,
@@ -228,10 +230,13 @@ def plan_candidates(
                 continue  # dominated: the mesh with C folded into data runs as many tokens per device unexchanged
             for micro in microbatch_counts(mesh.pipeline, rows, opts):
                 tokens = rows // micro * opts.seq // mesh.context
-                for policy, (attention, kv) in [
-                    (p, a) for p in policies(block, opts) for a in context_modes(block, mesh.context, opts)
+                for policy, (attention, kv), unrolled in [
+                    (p, a, u)
+                    for p in policies(block, opts)
+                    for a in context_modes(block, mesh.context, opts)
+                    for u in stacks(mesh, p, opts)
                 ]:
-                    key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv)
+                    key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv, unrolled)
                     if key not in pricers:
                         ctx = partitions.Ctx(
                             block,
@@ -245,7 +250,8 @@ def plan_candidates(
                             attention,
                             kv,
                         )
-                        pricers[key] = Pricer(ctx, cluster, policy, opts)
+                        on = unrolled_cluster(cluster) if unrolled else cluster
+                        pricers[key] = Pricer(ctx, on, policy, opts, unrolled)
                     pr = pricers[key]
                     for layer in best_layers(pr, opts.keep):
                         for schedule, repeats, staged in pipeline_variants(block.layers, mesh.pipeline, micro, opts):

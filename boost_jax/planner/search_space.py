@@ -135,6 +135,26 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def stacks(mesh: Mesh, policy: str, opts: Options) -> list[bool]:
+    """The layer stacks a plan may run (False: scanned, True: unrolled). The trainer's `auto` unrolls
+    where only `data` splits the mesh (model/autos.py), with remat none (XLA folds an unrolled stack's
+    recompute back into the forward), so the unrolled stack is searched there, as remat `none`."""
+    data_only = mesh.pipeline == mesh.fsdp == mesh.tensor == mesh.context == 1
+    return [False, True] if opts.unroll and policy == "none" and data_only else [False]
+
+
+def unrolled_cluster(cluster):
+    """The cluster an unrolled stack is priced on: no kept-activation traffic (`kept_passes` 0). The
+    fitted kept term prices what the scanned stack does with its saved activations (stacked per layer,
+    sliced back in the backward); unrolled, XLA fuses and schedules across the layers, and the planner
+    without that term prices the measured unrolled steps within 11% (benchmarks/planner_time_fit.py,
+    the `unmodelled` rows). Its memory is priced as the scanned remat `none` stack's, an upper bound
+    (cola_1b on one H100 at 256 x 32: 24.0 GiB compiled unrolled, 36.7 GB priced)."""
+    import dataclasses  # lazy: the one use
+
+    return dataclasses.replace(cluster, kept_passes=0.0)
+
+
 def policies(block: partitions.Block, opts: Options) -> list[str]:
     priced = cost.remat_policies()
     bad = [p for p in opts.remat if p not in priced]

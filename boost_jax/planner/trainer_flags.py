@@ -104,7 +104,7 @@ def trainer_overrides(
             + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
             f"--config.train.seq_len={opts.seq} "
             + (f"--config.model.max_seq_len={opts.seq} " if opts.seq > block.max_seq_len else "")
-            + f"--config.remat.policy={pr.policy} --config.model.scan_unroll=false"
+            + f"--config.remat.policy={pr.policy} --config.model.scan_unroll={str(pr.unrolled).lower()}"
             + (" --config.remat.pipeline=stage" if sched.staged else "")
         )
     return status, strategy, sp, flags
