@@ -3,6 +3,8 @@ counts, pipeline micro-batches, schedules and remat policies; and the trainer's 
 
 from __future__ import annotations
 
+import dataclasses
+
 from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV
 from boost_jax.planner import cost, partitions
 from boost_jax.planner.plans import Mesh, Options
@@ -149,9 +151,7 @@ def unrolled_cluster(cluster):
     sliced back in the backward); unrolled, XLA fuses and schedules across the layers, and the planner
     without that term prices the measured unrolled steps within 11% (benchmarks/planner_time_fit.py,
     the `unmodelled` rows). Its memory is priced as the scanned remat `none` stack's, an upper bound
-    (cola_1b on one H100 at 256 x 32: 24.0 GiB compiled unrolled, 36.7 GB priced)."""
-    import dataclasses  # lazy: the one use
-
+    (cola_1b on one H100 at 256 x 32: 24.0 GiB compiled unrolled, 31.9 GB priced)."""
     return dataclasses.replace(cluster, kept_passes=0.0)
 
 
