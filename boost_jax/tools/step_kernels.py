@@ -21,6 +21,7 @@ from boost_jax.tools.hlo_comm import (
 from boost_jax.tools.hlo_shapes import DTYPE_BYTES, shape_bytes, shape_dims, shape_dtype, tuple_members
 from boost_jax.tools.hlo_sources import Frame, short_path, stack_frames
 from boost_jax.tools.step_categories import categorize
+from boost_jax.tools.step_overlap import called, windows
 
 # Instructions that launch nothing: views, bookkeeping, the halves of async pairs that only wait.
 FREE = {
@@ -42,6 +43,8 @@ FREE = {
     "all-reduce-done",
     "all-gather-done",
     "collective-permute-done",
+    "reduce-scatter-done",
+    "all-to-all-done",
     "copy-done",
     "send-done",
     "recv-done",
@@ -88,6 +91,7 @@ class Kernel:
     collective: dict = field(default_factory=dict)  # kind, group_size, wire_bytes, steps, crosses_nodes
     category: str = ""
     remat_clone: bool = False  # a copy XLA's rematerialization made of another kernel (`remat_clone`)
+    window: tuple | None = None  # an async collective: the compute between its start and done (step_overlap)
     time_s: float = 0.0  # per execution, once priced
 
     def total_s(self) -> float:
@@ -318,16 +322,7 @@ def _executed(module: HloModule) -> list[str]:
         seen.add(comp)
         out.append(comp)
         for ins in module.computations[comp]:
-            keys = ()
-            if ins.opcode == "while":
-                keys = ("body", "condition")
-            elif ins.opcode == "conditional":
-                keys = ("true_computation", "false_computation", "branch_computations")
-            elif ins.opcode in ("call", "async-start"):
-                keys = ("calls", "to_apply")
-            for key in keys:
-                for m in re.finditer(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", ins.rest):
-                    todo.extend(c.lstrip("%") for c in re.findall(r"%?([\w.\-]+)", m.group(1)))
+            todo.extend(called(ins))
     return out
 
 
@@ -360,6 +355,7 @@ def kernels(hlo_text: str, accumulation: int = 1, mesh=None, gpus_per_node: int 
             k = Kernel(f"{callee} (loop predicate)", "while", "sync", (trips.get(callee) or 1), computation=callee)
             k.category = categorize(k)
             out.append(k)
+    windows(module, out, trips)
     return out
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from boost_jax.tools.step_categories import CATEGORIES
 from boost_jax.tools.step_kernels import Kernel, kernels
+from boost_jax.tools.step_overlap import exposure
 
 COSTS_FILE = Path(__file__).with_name("targets") / "step_costs.json"
 
@@ -29,6 +30,10 @@ class Target:
     node_latency_s: float
     gpus_per_node: int = 8
     source: str = ""
+    hbm_peak_bytes_per_s: float = 0.0  # the datasheet HBM bandwidth (the roofline's; 0: copy / COPY_SHARE)
+
+    def hbm_peak(self) -> float:
+        return self.hbm_peak_bytes_per_s or self.hbm_bytes_per_s / COPY_SHARE
 
 
 # The H100's copy bandwidth is measured (benchmarks/gpu_bench.json, rmsnorm part, "copy (x + 1)" on
@@ -46,6 +51,7 @@ TARGETS = {
         40e9,
         15e-6,
         source="H100 SXM5 80GB: 3.35 TB/s HBM3, 989 TFLOP/s bf16, NVLink4 (configs/clusters/h100_8x.py)",
+        hbm_peak_bytes_per_s=3.35e12,
     ),
     "h200": Target(
         "h200",
@@ -56,6 +62,7 @@ TARGETS = {
         40e9,
         15e-6,
         source="H200 SXM 141GB: 4.8 TB/s HBM3e, 989 TFLOP/s bf16, NVLink4",
+        hbm_peak_bytes_per_s=4.8e12,
     ),
     "a100": Target(
         "a100",
@@ -66,6 +73,7 @@ TARGETS = {
         20e9,
         20e-6,
         source="A100 SXM4 80GB: 2.04 TB/s HBM2e, 312 TFLOP/s bf16, NVLink3 (configs/clusters/a100_4x.py)",
+        hbm_peak_bytes_per_s=2.039e12,
     ),
     "a100_40gb": Target(
         "a100_40gb",
@@ -76,6 +84,7 @@ TARGETS = {
         20e9,
         20e-6,
         source="A100 SXM4 40GB: 1.56 TB/s HBM2, 312 TFLOP/s bf16, NVLink3",
+        hbm_peak_bytes_per_s=1.555e12,
     ),
 }
 
@@ -180,34 +189,88 @@ def attention_time(k: Kernel, target: Target, c: Costs, memory: float) -> float:
     return max(k.flops / (target.bf16_flops * eff), memory) + side
 
 
+def roofline_time(k: Kernel, target: Target) -> float:
+    """Seconds one execution of `k` takes at the GPU's peaks, whichever binds: its FLOPs at the dense
+    bf16 peak (float32 operands at half: TF32), its HBM bytes at the datasheet bandwidth; a collective
+    its link bytes at the link bandwidth, no latency; a loop's predicate read-back nothing."""
+    if k.kind == "sync":
+        return 0.0
+    if k.kind == "collective":
+        bw = target.node_bytes_per_s if k.collective.get("crosses_nodes") else target.link_bytes_per_s
+        return k.collective["wire_bytes"] / bw
+    peak = target.bf16_flops * (0.5 if k.kind == "gemm" and k.gemm and k.gemm[4] in ("f32", "f64") else 1.0)
+    return max(k.flops / peak, k.bytes / target.hbm_peak())
+
+
 def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = None) -> dict:
     """Each kernel's time on `target`; the step's time by category (seconds; `launch` = launches x
-    `launch_s`; a loop's predicate read-back counts as a launch); the step's time the sum of all (no
-    overlap). XLA's rematerialized clones count `remat_clone_share` of their time and launches;
-    "remat_clones" says what they would add in full."""
+    `launch_s`; a loop's predicate read-back counts as a launch); the step's time the sum of all, the
+    collectives at their exposed part (`step_overlap.exposure`: what the compute scheduled beside them
+    does not hide; "no_overlap_step_s" adds them in full, the bound without overlap). XLA's
+    rematerialized clones count `remat_clone_share` of their time and launches; "remat_clones" says
+    what they would add in full. The roofline (`roofline_time`) by category and for the step, the
+    collectives' at their exposed share."""
     t = TARGETS[target] if isinstance(target, str) else target
     c = c or costs(t.name)
     by = dict.fromkeys(CATEGORIES, 0.0)
+    roof = dict.fromkeys(CATEGORIES, 0.0)
     n = 0.0
     clones = {"kernels": 0, "launches": 0, "time_s": 0.0}
     for k in ks:
         k.time_s = kernel_time(k, t, c)
         share = c.remat_clone_share if k.remat_clone else 1.0
         by[k.category] += share * k.total_s()
+        if k.kind != "collective":
+            roof[k.category] += share * roofline_time(k, t) * k.count
         n += share * k.count
         if k.remat_clone:
             clones["kernels"] += 1
             clones["launches"] += k.count
             clones["time_s"] += k.total_s() + k.count * c.launch_s
     by["launch"] += n * c.launch_s
+    coll = collectives(ks, t, c.remat_clone_share)
+    no_overlap = sum(by.values())
+    by["collectives"] += coll["exposed_s"] - coll["priced_s"]
+    roof["collectives"] += coll["roofline_exposed_s"]
     return {
         "target": t.name,
         "predicted_step_s": sum(by.values()),
+        "no_overlap_step_s": no_overlap,
         "time_by_category": by,
+        "roofline_step_s": sum(roof.values()),
+        "roofline_by_category": roof,
+        "collectives": coll,
         "launches": int(round(n)),
         "remat_clones": clones,
         "remat_clone_share": c.remat_clone_share,
         "costs": asdict(c),
+    }
+
+
+def collectives(ks: list[Kernel], t: Target, share: float = 1.0) -> dict:
+    """The priced collectives' overlap with compute (step_overlap.exposure): per step, "priced_s",
+    "overlapped_s", "exposed_s", their roofline in full and at each one's exposed share, and
+    "by_kernel" (each collective: name, kind, runs per step, async or not, seconds priced and
+    exposed, source), the costliest exposed first."""
+    rows = exposure(ks, share)
+    total = {key: sum(r[key] for r in rows) for key in ("priced_s", "overlapped_s", "exposed_s")}
+    roof = [r["weight"] * roofline_time(r["kernel"], t) * r["kernel"].count for r in rows]
+    return {
+        **total,
+        "roofline_s": sum(roof),
+        "roofline_exposed_s": sum(f * r["exposed_s"] / r["priced_s"] for f, r in zip(roof, rows) if r["priced_s"]),
+        "by_kernel": [
+            {
+                "name": r["kernel"].name,
+                "kind": r["kernel"].collective["kind"],
+                "count": r["kernel"].count,
+                "async": r["kernel"].window is not None,
+                "priced_s": r["priced_s"],
+                "exposed_s": r["exposed_s"],
+                "source": r["kernel"].source,
+            }
+            for r in sorted(rows, key=lambda r: -r["exposed_s"])
+        ],
     }
 
 

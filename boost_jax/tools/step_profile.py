@@ -76,18 +76,40 @@ from boost_jax.tools.step_traces import measured, module_name, trace_events  # n
 
 
 def to_text(p: dict, title: str = "") -> str:
-    """The table of one profile: per category, time, share, kernels per step, TFLOP and GB moved."""
+    """The table of one profile: per category, time, share, kernels per step, TFLOP, GB moved and the
+    roofline (each kernel at the GPU's peak FLOP/s or HBM bandwidth); the collectives priced and exposed."""
     step = p["predicted_step_s"]
+    roof = p.get("roofline_by_category", {})
     lines = [
         f"{title}predicted step {step * 1e3:.1f} ms on {p['target']} ({p['launches']} kernel launches)",
-        f"  {'category':<14} {'ms':>8} {'share':>6} {'kernels':>8} {'TFLOP':>8} {'GB':>8}",
+        f"  {'category':<14} {'ms':>8} {'share':>6} {'kernels':>8} {'TFLOP':>8} {'GB':>8} {'roofline':>9}",
     ]
     for cat in CATEGORIES:
         t = p["time_by_category"][cat]
         lines.append(
             f"  {cat:<14} {t * 1e3:8.2f} {t / step if step else 0:6.1%} {p['kernels_per_step'][cat]:8d} "
-            f"{p['flops_by_category'][cat] / 1e12:8.2f} {p['bytes_by_category'][cat] / 1e9:8.2f}"
+            f"{p['flops_by_category'][cat] / 1e12:8.2f} {p['bytes_by_category'][cat] / 1e9:8.2f} "
+            f"{roof.get(cat, 0.0) * 1e3:9.2f}"
         )
+    if "roofline_step_s" in p:
+        r = p["roofline_step_s"]
+        lines.append(
+            f"  {'step':<14} {step * 1e3:8.2f} {'':>6} {'':>8} {'':>8} {'':>8} {r * 1e3:9.2f}"
+            f"  (predicted / roofline {step / r if r else 0:.2f})"
+        )
+    coll = p.get("collectives", {})
+    if coll.get("priced_s"):
+        lines.append(
+            f"  collectives priced {coll['priced_s'] * 1e3:.2f} ms, overlapped with compute "
+            f"{coll['overlapped_s'] * 1e3:.2f}, exposed {coll['exposed_s'] * 1e3:.2f}; the step without "
+            f"overlap {p['no_overlap_step_s'] * 1e3:.1f} ms"
+        )
+        for row in coll["by_kernel"][:5]:
+            lines.append(
+                f"    {row['exposed_s'] * 1e3:7.2f} of {row['priced_s'] * 1e3:7.2f} ms exposed  {row['kind']} "
+                f"{row['name']} x{row['count']} {'async' if row['async'] else 'sync'}"
+                + (f"  [{row['source']}]" if row["source"] else "")
+            )
     clones = p.get("remat_clones", {})
     if clones.get("kernels"):
         lines.append(
