@@ -29,3 +29,30 @@ def test_unroll_group_and_remat_follow_the_mesh():
     assert not sharded["scan_unroll"] and sharded["remat"] == "lowrank"
     assert pick(tensor=2)["group_linears"] and pick(linear="dense")["group_linears"]
     assert pick(fsdp=8, linear="dense")["remat"] == "full"
+
+
+@pytest.mark.parametrize("sizes", [{"tensor": 4}, {"data": 2, "tensor": 4}])
+def test_a_tensor_parallel_stack_unrolls_only_under_remat_none(sizes):
+    """On a mesh that only data and tensor split, `remat.policy=none` unrolls the stack (the scan keeps
+    the same activations plus its stacked copies); a remat policy keeps the scan that recomputes, as
+    `auto` does (lowrank); fsdp, pipeline or context splits keep the scan; CPUs keep it too."""
+
+    def given(policy, gpu=True, **more):
+        return autos.pick(
+            group="auto",
+            unroll="auto",
+            policy=policy,
+            norm="auto",
+            linear="cola",
+            gpu=gpu,
+            sizes={**sizes, **more},
+            triton=True,
+        )
+
+    assert given("none")["scan_unroll"] and given("none")["remat"] == "none"
+    for policy in ("auto", "lowrank", "full"):
+        assert not given(policy)["scan_unroll"]
+    assert given("auto")["remat"] == "lowrank"
+    for more in ({"fsdp": 2}, {"pipeline": 2}, {"context": 2}):
+        assert not given("none", **more)["scan_unroll"]
+    assert not given("none", gpu=False)["scan_unroll"]

@@ -14,8 +14,12 @@ measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, ben
 - model.scan_unroll: the layer stack unrolled on GPUs where only `data` splits the mesh (each device
   runs the one-device program); it runs 18% faster on one H100 (cola_1b 117.0 -> 95.8 ms) because XLA
   fuses and schedules across layers and no per-layer slices and stacked gradient updates remain.
-  Pipeline, fsdp, context and tensor splits keep the scan (bounded per-layer gathers, stages and ring
-  blocks). The planner prices both stacks where this rule unrolls (planner/search_space.py `stacks`).
+  Where the tensor axis splits the layers too (and only data besides), the stack is unrolled when
+  remat.policy is `none`: the scan would keep the same activations and copy them into and out of its
+  stacks besides (the step-time table's copies/layout on a TP 4 group, benchmarks/RESULTS.md
+  2026-11-28); with a remat policy it keeps the scan, which then recomputes.
+  Pipeline, fsdp and context splits keep the scan (bounded per-layer gathers, stages and ring
+  blocks). The planner prices both stacks where only data splits (planner/search_space.py `stacks`).
 - remat.policy: an unrolled stack keeps every activation (`none`: XLA would fold a policy's recompute
   back into the forward anyway, as jax.checkpoint here does not prevent common-subexpression
   elimination); a scanned stack on a GPU recomputes: `lowrank` for factored kinds (17% faster than
@@ -58,7 +62,8 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
     is `auto`, on a GPU (or not) with mesh `sizes` (axis -> size)."""
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     if unroll == AUTO:
-        unroll = gpu and all(sizes[a] == 1 for a in AXES if a != "data")
+        split = {a for a in AXES if sizes[a] > 1}
+        unroll = gpu and (split <= {"data"} or (split <= {"data", "tensor"} and policy == "none"))
     if group == AUTO:
         group = sizes["tensor"] > 1 or not kind_class(linear).factored
     if policy == AUTO:
