@@ -483,6 +483,13 @@ def test_aot_profile_cli_json_and_table(tmp_path, capsys):
         assert math.isclose(p["predicted_step_s"], sum(p["time_by_category"].values()))
         assert p["time_by_category"]["gemm"] > 0 and p["top_kernels"]
         assert p["time_by_category"]["collectives"] > 0 and p["bytes_by_category"]["collectives"] > 0
+        c = p["collectives"]  # the step at the collectives' exposed part; the bound without overlap kept
+        assert 0 < c["exposed_s"] <= c["priced_s"] and math.isclose(c["priced_s"], c["overlapped_s"] + c["exposed_s"])
+        assert math.isclose(p["time_by_category"]["collectives"], c["exposed_s"])
+        assert math.isclose(p["no_overlap_step_s"], p["predicted_step_s"] + c["overlapped_s"])
+        assert math.isclose(sum(r["priced_s"] for r in c["by_kernel"]), c["priced_s"])
+        assert 0 < p["roofline_step_s"] < p["predicted_step_s"] and "roofline" in text
+        assert math.isclose(p["roofline_step_s"], sum(p["roofline_by_category"].values()))
         assert json.loads(out.read_text())["xla_budget"] == "gpu"
 
 

@@ -28,7 +28,13 @@ fixed efficiency, everything else at HBM bandwidth, a collective at its ring's b
 and every kernel launch costs `launch_s` (the "launch" category). A deviceless compile has no GEMM
 autotuner, so its GEMMs are Triton fusions with default tiles where the GPU would pick cuBLAS or
 better tiles per shape: a GEMM is priced by its shape (`gemm_class`), never by the backend named.
-Collectives are added as if none overlapped compute (the bound a step reaches without overlap).
+A collective counts in the step at its exposed part: an asynchronous one (a start/done pair of the
+scheduled program) overlaps the compute XLA scheduled between its start and its done, up to its own
+time, each kernel's time handed to one collective only; the rest, and every synchronous collective,
+is exposed (tools/step_overlap.py). `no_overlap_step_s` adds them in full, the bound without overlap.
+The roofline beside each category and the step: each kernel at the GPU's dense bf16 peak or its
+datasheet HBM bandwidth, whichever binds (`roofline_time`), the collectives at the link bandwidth
+times their exposed share.
 
 `categorize(kernel)` puts a kernel in one of CATEGORIES by what runs (GEMM, attention, collective,
 copy) and, for the rest, by the project source line the kernel came from (the HLO's stack frames:
