@@ -240,3 +240,33 @@ def test_a_deviceless_tensor_parallel_program():
         if rows[kk.name]["priced_s"]
     )
     assert math.isclose(p["roofline_step_s"], roof, rel_tol=1e-9)
+
+
+def test_a_cast_then_sliced_stack_reads_its_slice():
+    """A fusion that casts a stacked float32 weight [L, m, n] to bf16 and slices one layer out reads
+    that layer's float32 slice (the fusion computes only the elements it writes), not the stack; a
+    cast that is the fusion's output reads everything."""
+    L, m, n = 8, 256, 384
+    text = f"""HloModule m, is_scheduled=true
+
+%cast_slice (p: f32[{L},{m},{n}]) -> bf16[1,{m},{n}] {{
+  %p = f32[{L},{m},{n}]{{2,1,0}} parameter(0)
+  %c = bf16[{L},{m},{n}]{{2,1,0}} convert(%p)
+  ROOT %s = bf16[1,{m},{n}]{{2,1,0}} slice(%c), slice={{[3:4], [0:{m}], [0:{n}]}}
+}}
+
+%cast_all (p: f32[{L},{m},{n}]) -> bf16[{L},{m},{n}] {{
+  %p = f32[{L},{m},{n}]{{2,1,0}} parameter(0)
+  ROOT %c = bf16[{L},{m},{n}]{{2,1,0}} convert(%p)
+}}
+
+ENTRY %main (w: f32[{L},{m},{n}]) -> (bf16[1,{m},{n}], bf16[{L},{m},{n}]) {{
+  %w = f32[{L},{m},{n}]{{2,1,0}} parameter(0)
+  %one = bf16[1,{m},{n}]{{2,1,0}} fusion(%w), kind=kLoop, calls=%cast_slice
+  %all = bf16[{L},{m},{n}]{{2,1,0}} fusion(%w), kind=kLoop, calls=%cast_all
+  ROOT %t = (bf16[1,{m},{n}]{{2,1,0}}, bf16[{L},{m},{n}]{{2,1,0}}) tuple(%one, %all)
+}}
+"""
+    ks = {k.name: k for k in sp.kernels(text)}
+    assert ks["one"].bytes == m * n * 4 + m * n * 2
+    assert ks["all"].bytes == L * m * n * 4 + L * m * n * 2

@@ -66,6 +66,9 @@ COLLECTIVE_OPS = {
     "collective-permute-start",
     "collective-broadcast",
 }
+# Elementwise ops a fusion computes for each output element it is asked for: a slice of their result
+# reads only the slice of their operand (a stacked weight cast, then one layer sliced).
+_PER_ELEMENT = {"convert", "bitcast-convert", "negate", "abs", "sqrt", "rsqrt", "exponential", "tanh", "copy"}
 _GEMM_BACKENDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas", "__cudnn$fusion", "__triton_fusion_gemm")
 
 
@@ -221,7 +224,8 @@ class _Reader:
     def _read(self, comp: str, name: str, full: float, depth: int = 0) -> float:
         """Bytes of `name` (in fused computation `comp`) read through its users: a slice or dynamic
         slice reads its slice, a dynamic-update-slice's buffer nothing (updated in place), a bitcast,
-        a tuple element or a nested fusion's parameter what their own users read; any other use all."""
+        a tuple element, a nested fusion's parameter or an elementwise op of the same shape
+        (`_PER_ELEMENT`, not the root) what their own users read; any other use all."""
         users = self._users_of.setdefault(comp, self._users(comp))
         total = 0.0
         for user, pos in users.get(name, []):
@@ -231,6 +235,13 @@ class _Reader:
                 total += self._read(comp, user.name, full, depth + 1)
             elif user.opcode == "get-tuple-element":
                 total += self._read(comp, user.name, shape_bytes(user.shape), depth + 1)
+            elif (
+                user.opcode in _PER_ELEMENT
+                and user.name != self._root(comp)
+                and shape_dims(user.shape) == self._dims(comp, name)
+            ):  # computed per element it is asked for: what its own users read, in this dtype
+                out = shape_bytes(user.shape)
+                total += self._read(comp, user.name, out, depth + 1) * full / out if out else full
             elif user.opcode in ("dynamic-slice", "slice") and pos == 0:
                 total += shape_bytes(user.shape)
             elif user.opcode == "dynamic-update-slice" and pos == 0:
@@ -244,6 +255,10 @@ class _Reader:
             else:
                 return full
         return min(total, full)
+
+    def _dims(self, comp: str, name: str) -> list:
+        shape = self.module.symbols.get(comp, {}).get(name)
+        return shape_dims(shape) if shape else None
 
     def fusion_bytes(self, ins: Instruction) -> float:
         """HBM bytes a fusion reads and writes (see the module docstring's rules)."""
