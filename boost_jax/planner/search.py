@@ -280,6 +280,8 @@ def price_candidates(candidates: list, block: partitions.Block, cluster: Cluster
                 continue  # it can only be the best runnable plan, and it is not runnable
         plan = price_plan(pr, mesh, accum, layer, fpt, micro, schedule, repeats, staged)
         priced += 1
+        if plan.overrides and plan.overrides in opts.exclude:
+            continue  # compiled, it did not fit (parallel.plan=auto's fallback)
         if smallest is None or plan.memory["total"] < smallest.memory["total"]:
             smallest = plan
         if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:
