@@ -140,46 +140,74 @@ def short(plan: Plan) -> str:
 
 def fitting_plan(cfg, devices: int, device_kind: str, peak, memory, say, tries: int = 0):
     """(config, AutoPlan, what `peak` returned besides the bytes) of the planner's best runnable plan whose
-    compiled train step fits the device. `peak(config)`: (the compiled step's peak bytes per device,
-    anything the caller keeps, e.g. the compiled program); `memory(cluster)`: (the device's bytes, where
-    that number comes from). A pick over it is named in one line with both numbers, and the planner's
-    next plan (the search without the picks that did not fit) is taken, named by its own line; a
-    ConfigError (one line, with the fix) when none of `tries` (0: MAX_COMPILES) picks fits."""
+    compiled train step fits the device (`first_that_fits`). `peak(config)`: (the compiled step's peak
+    bytes per device, anything the caller keeps, e.g. the compiled program); `memory(cluster)`: (the
+    device's bytes, where that number comes from)."""
+    autos: dict = {}
+
+    def pick(exclude):
+        try:
+            run, auto = plan_run(cfg, devices, device_kind, exclude)
+        except ConfigError:
+            if not exclude:
+                raise
+            return None  # no plan left
+        autos[auto.plan.overrides] = auto
+        return auto.plan, auto.describe(), run
+
+    def fits(run, plan):
+        got, kept = peak(run)
+        return (got, *memory(autos[plan.overrides].cluster), kept)
+
+    t = cfg.train
+    run, plan, kept = first_that_fits(pick, fits, say, f"{cfg.name} at batch {t.global_batch} x seq {t.seq_len}", tries)
+    return run, autos[plan.overrides], kept
+
+
+TRAINER_FIX = "use more devices, lower train.global_batch, or set the mesh yourself with parallel.plan=explicit"
+
+
+def first_that_fits(
+    pick, fits, say, what: str, tries: int = 0, label: str = "parallel.plan=auto", fix: str = TRAINER_FIX
+):
+    """(config, Plan, kept) of the first of the planner's ranked plans whose compiled train step fits the
+    device: `pick(exclude)`: (the best plan the trainer runs other than those whose overrides are in
+    `exclude`, its line, its config) or None when none is left; `fits(config, plan)`: (compiled peak
+    bytes per device, the device's bytes, where that comes from, anything the caller keeps). Each pick is
+    said in its line (later ones as `parallel.plan=auto: next, ...`) with its flags; one over the device
+    is named in one line with both numbers and the next plan is taken; a ConfigError (one line, with the
+    fix) when none of `tries` (0: MAX_COMPILES) picks fits. `what`: the model and shape, for it; `label`:
+    what the lines start with (each pick's line starts with it too); `fix`: the error's advice."""
     tried: list = []
     over = ""
     for _ in range(tries or MAX_COMPILES):
-        try:
-            run, auto = plan_run(cfg, devices, device_kind, frozenset(p.overrides for p in tried))
-        except ConfigError:
-            if not tried:
-                raise
-            break  # no plan left: the error below names the ones that did not fit
-        line = auto.describe()
-        say(line.replace("parallel.plan=auto: ", "parallel.plan=auto: next, ", 1) if tried else line)
-        say(f"  (explicitly: {auto.plan.overrides})")
-        got, kept = peak(run)
-        limit, source = memory(auto.cluster)
-        if got <= limit:
-            return run, auto, kept
+        got = pick(frozenset(p.overrides for p in tried))
+        if got is None:
+            break
+        plan, line, run = got
+        say(line.replace(f"{label}: ", f"{label}: next, ", 1) if tried else line)
+        say(f"  (explicitly: {plan.overrides})")
+        need, limit, source, kept = fits(run, plan)
+        if need <= limit:
+            return run, plan, kept
         over = f"{limit / GB:.3g} GB per device ({source})"
         say(
-            f"parallel.plan=auto: the pick ({short(auto.plan)}) does not fit: its compiled train step needs "
-            f"{got / GB:.3g} GB per device, the device has {limit / GB:.3g} GB ({source}); taking the planner's "
+            f"{label}: the pick ({short(plan)}) does not fit: its compiled train step needs "
+            f"{need / GB:.3g} GB per device, the device has {limit / GB:.3g} GB ({source}); taking the planner's "
             "next plan"
         )
-        tried.append(auto.plan)
-    t = cfg.train
+        tried.append(plan)
     raise ConfigError(
-        f"config field `parallel.plan`: auto: none of the planner's {len(tried)} best plans for {cfg.name} at batch "
-        f"{t.global_batch} x seq {t.seq_len} compiles within {over} (the last: {short(tried[-1])}); use more "
-        "devices, lower train.global_batch, or set the mesh yourself with parallel.plan=explicit"
+        f"config field `parallel.plan`: auto: none of the planner's {len(tried)} best plans for {what} compiles "
+        f"within {over} (the last: {short(tried[-1])}); {fix}"
     )
 
 
 def apply(cfg, overrides: str):
     """A copy of cfg with the fields a plan decides reset to their defaults and the plan's
     `--config.KEY=VALUE` overrides set (each value as the field's type): the explicit config of the
-    plan (parallel.plan=explicit, parallel.cluster and parallel.device_memory_gb unset), what the run records in its config.json."""
+    plan (parallel.plan=explicit, parallel.cluster and parallel.device_memory_gb unset), what the run
+    records in its config.json."""
 
     out = cfg.copy_and_resolve_references()
     out.parallel.plan, out.parallel.cluster, out.parallel.device_memory_gb = "explicit", "", 0.0
