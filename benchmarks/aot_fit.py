@@ -321,6 +321,37 @@ def _short(flags: str) -> str:
     return ", ".join(f for f in flags.split() if f.startswith(keep))
 
 
+def _reprice_table(args) -> dict:
+    """--reprice: the recorded rows priced again (`reprice`); the table and json as they were otherwise."""
+    out = json.loads(Path(args.reprice).read_text())
+    cluster = ROOT / "configs" / "clusters" / f"{out['cluster']}.py"
+    fixed = "aot_fit_fixed" in Path(args.reprice).stem
+    for r in out["rows"] + out["smallest"]:
+        if not r.get("plan"):
+            continue
+        priced = reprice(r, cluster, out["pipelined_collectives"])
+        r.update(
+            planner_bytes=priced.memory["total"],
+            planner_parts=priced.memory,
+            ratio=priced.memory["total"] / r["peak_bytes"],
+        )
+        if not fixed and r in out["rows"]:
+            now = plan(ROOT / "configs" / f"{r['model']}.py", r["devices"], cluster=cluster)
+            r["pick_now"] = None if now is None else " ".join(f.removeprefix("--config.") for f in overrides_of(now))
+            if r["pick_now"] != r["plan"]:
+                print(f"{r['model']} on {r['devices']}: the planner now picks {r['pick_now']}", flush=True)
+    plans = (
+        f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)" if fixed else "plan (planner's pick)"
+    )
+    text = markdown(out["rows"], out["smallest"], plans, LABELS.get(out["target"], out["target"]))
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma list of configs/NAME.py")
@@ -343,6 +374,11 @@ def main(argv=None) -> dict:
         help="a json this wrote: compile its rows' plans again with this checkout and price them again "
         "(the same plans; --json/--markdown write the result)",
     )
+    ap.add_argument(
+        "--reprice",
+        help="a json this wrote: price its rows' plans again with this checkout's planner, no compile (the "
+        "compiled peaks stay as measured); a row whose pick the planner would change now says so",
+    )
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -359,6 +395,8 @@ def main(argv=None) -> dict:
     else:
         models, devices, batch, seq = args.models.split(","), [int(x) for x in args.devices.split(",")], None, None
     rows, small = [], []
+    if args.reprice:
+        return _reprice_table(args)
     if args.recompile:
         old = json.loads(Path(args.recompile).read_text())
         for group, out in (("rows", rows), ("smallest", small)):

@@ -24,6 +24,10 @@ KNOWN_UNDER = {
     ("aot_fit", "cola_1b", 64): "1F1B keeps one micro-batch's embedded input per micro-batch (issue 52, item 4)",
     ("aot_fit_a100", "cola_13b", 64): "1F1B keeps one micro-batch's embedded input per micro-batch (issue 52, item 4)",
     ("aot_fit_a100", "llama_13b", 64): "1F1B keeps one micro-batch's embedded input per micro-batch (issue 52, item 4)",
+    # At tensor 8 (and fsdp 2 x tensor 4) and seq 2048 the compiled step keeps 73 MB per layer (3.5%) beyond the
+    # count; the scanned forward's stacked residuals match it (1.845 GB per layer compiled at 8 layers, 1.852
+    # priced): the rest is in the backward, not yet found (benchmarks/RESULTS.md 2026-11-28, planner picks).
+    ("aot_fit_fixed", "cola_7b", 8): "tensor 8 / fsdp 2 x tensor 4 at seq 2048: 73 MB per layer not yet counted",
 }
 
 
