@@ -643,7 +643,8 @@ def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
 
 def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     """The GPU program's loss holds one float32 logits array at a time (cost.GPU_LOGIT_BUFFERS, the
-    float32 program three) and, in bf16, its cotangent's bf16 cast (cost.GPU_LOGIT_CAST), and 6 bytes per table element (float32 gradient, bf16 gathered cast; the
+    float32 program three) and, in bf16, its cotangent's bf16 cast (cost.GPU_LOGIT_CAST), and 6 bytes
+    per table element (float32 gradient, bf16 gathered cast; the
     float32 program 8 under FSDP); the double-buffered layer scan keeps one more [L, T, ff/t] array
     (cost.SCAN_DOUBLE_BUFFER) on unpipelined GPU plans without remat that get the flag, nothing elsewhere."""
     rows, seq, vocab = 3, 256, 1000
