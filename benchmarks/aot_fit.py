@@ -176,6 +176,81 @@ def fixed_row(
     }
 
 
+def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
+    """The planner's price now of a recorded row's plan (its `plan` flags on its model's config, on its
+    mesh; no search, no compile): the Plan, whose memory["total"] compares with the row's compiled
+    `peak_bytes`. `pipelined`: the collective pipeliner's options the row was compiled with (the
+    json's `pipelined_collectives`; None: this process's)."""
+    from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
+    from boost_jax.planner import partitions as P
+    from boost_jax.planner.cost import PIPELINER_NEEDS
+    from boost_jax.planner.verify import uniform_layer
+    from boost_jax.tools.devices import load_config
+
+    flags = r["plan"].split()
+    cfg = load_config(str(ROOT / "configs" / f"{r['model']}.py"))
+    for flag in flags:
+        key, _, value = flag.partition("=")
+        section, name = key.split(".")
+        old = cfg[section][name]
+        cfg[section][name] = (value == "true") if isinstance(old, bool) else type(old)(value)
+    p, t = cfg.parallel, cfg.train
+    m = r["mesh"]
+    mesh = Mesh(m["data"], m["fsdp"], m["tensor"], pipeline=m["pipeline"], context=m.get("context", 1))
+    layer = (
+        uniform_layer(cfg, p.strategy, bool(p.sequence_parallel))
+        if mesh.tensor > 1
+        else Layer("R", ("none",) * len(P.GROUPS), "R", "R")  # one tensor shard: nothing is split
+    )
+    opts = Options(
+        batch=int(t.global_batch),
+        seq=int(t.seq_len),
+        attention=str(cfg.model.attention),
+        check_memory=False,
+        pipelined=None if pipelined is None else set(PIPELINER_NEEDS) <= set(pipelined),
+    )
+    return plan_for(
+        cfg,
+        load_cluster(str(cluster)),
+        mesh,
+        int(t.grad_accum),
+        str(cfg.remat.policy),
+        layer,
+        opts,
+        1.0,
+        microbatches=int(p.microbatches),
+        schedule=str(p.pipeline_schedule),
+        repeats=int(p.pipeline_repeats),
+        stage_remat=str(cfg.remat.pipeline),
+        unrolled=cfg.model.scan_unroll is True,
+    )
+
+
+def recompile(r: dict, target: str, cluster: Path, pipelined: list | None) -> dict:
+    """A recorded row's plan compiled again with this checkout's program and priced again (`reprice`)."""
+    from boost_jax.tools import aot
+
+    flags = [f"--config.{f}" for f in r["plan"].split()]
+    t0 = time.perf_counter()
+    train = aot.compile_config(
+        aot.load(str(ROOT / "configs" / f"{r['model']}.py"), flags), target, r["devices"], programs=("train",)
+    )["train"]
+    priced = reprice(r, cluster, pipelined)
+    return {
+        **{k: v for k, v in r.items() if k not in ("kernels",)},
+        "planner_bytes": priced.memory["total"],
+        "planner_parts": priced.memory,
+        "peak_bytes": train["peak_bytes"],
+        "argument_bytes": train["argument_bytes"],
+        "temp_bytes": train["temp_bytes"],
+        "usable_bytes": train["usable_bytes"],
+        "fits": train["fits"],
+        "ratio": priced.memory["total"] / train["peak_bytes"],
+        "compile_s": time.perf_counter() - t0,
+        "kernels": train["kernels"],
+    }
+
+
 def smallest(
     config: Path,
     most: int = 64,
@@ -246,6 +321,37 @@ def _short(flags: str) -> str:
     return ", ".join(f for f in flags.split() if f.startswith(keep))
 
 
+def _reprice_table(args) -> dict:
+    """--reprice: the recorded rows priced again (`reprice`); the table and json as they were otherwise."""
+    out = json.loads(Path(args.reprice).read_text())
+    cluster = ROOT / "configs" / "clusters" / f"{out['cluster']}.py"
+    fixed = "aot_fit_fixed" in Path(args.reprice).stem
+    for r in out["rows"] + out["smallest"]:
+        if not r.get("plan"):
+            continue
+        priced = reprice(r, cluster, out["pipelined_collectives"])
+        r.update(
+            planner_bytes=priced.memory["total"],
+            planner_parts=priced.memory,
+            ratio=priced.memory["total"] / r["peak_bytes"],
+        )
+        if not fixed and r in out["rows"]:
+            now = plan(ROOT / "configs" / f"{r['model']}.py", r["devices"], cluster=cluster)
+            r["pick_now"] = None if now is None else " ".join(f.removeprefix("--config.") for f in overrides_of(now))
+            if r["pick_now"] != r["plan"]:
+                print(f"{r['model']} on {r['devices']}: the planner now picks {r['pick_now']}", flush=True)
+    plans = (
+        f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)" if fixed else "plan (planner's pick)"
+    )
+    text = markdown(out["rows"], out["smallest"], plans, LABELS.get(out["target"], out["target"]))
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma list of configs/NAME.py")
@@ -263,6 +369,16 @@ def main(argv=None) -> dict:
         default=str(CLUSTER.relative_to(ROOT)),
         help="the cluster config the planner plans for (default configs/clusters/h100_8x.py)",
     )
+    ap.add_argument(
+        "--recompile",
+        help="a json this wrote: compile its rows' plans again with this checkout and price them again "
+        "(the same plans; --json/--markdown write the result)",
+    )
+    ap.add_argument(
+        "--reprice",
+        help="a json this wrote: price its rows' plans again with this checkout's planner, no compile (the "
+        "compiled peaks stay as measured); a row whose pick the planner would change now says so",
+    )
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -279,6 +395,19 @@ def main(argv=None) -> dict:
     else:
         models, devices, batch, seq = args.models.split(","), [int(x) for x in args.devices.split(",")], None, None
     rows, small = [], []
+    if args.reprice:
+        return _reprice_table(args)
+    if args.recompile:
+        old = json.loads(Path(args.recompile).read_text())
+        for group, out in (("rows", rows), ("smallest", small)):
+            for r in old[group]:
+                if r.get("plan"):
+                    r = recompile(
+                        r, old["target"], ROOT / "configs" / "clusters" / f"{old['cluster']}.py", _pipelined()
+                    )
+                    print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "planner_parts")}), flush=True)
+                out.append(r)
+        models, args.target, cluster = [], old["target"], ROOT / "configs" / "clusters" / f"{old['cluster']}.py"
     if args.fixed:
         for name, mesh, strategy in FIXED:
             r = fixed_row(name, mesh, strategy, target=args.target, cluster=cluster)

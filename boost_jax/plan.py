@@ -8,7 +8,7 @@ with an α-β / GEMM-efficiency / memory cost model (boost_jax/planner), print t
         [--attention auto|xla|chunked|cudnn|pallas] [--remat none,lowrank,full] [--grad-accum N] \
         [--pipeline 1,2,4] [--microbatches M] [--schedule gpipe,circular,1f1b] [--repeats V]
         [--stage-remat none,stage] [--context 1,2,4] [--context-attention ring,all_gather]
-        [--context-kv full,bottleneck] [--verify [--target h100|a100|a100_40gb|h200]]
+        [--context-kv full,bottleneck] [--verify [--target h100|a100|a100_40gb|h200 [--device-memory GB]]]
 
 parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
 every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
@@ -27,16 +27,20 @@ the whole scanned step (pipeline, pipeline-weight, tensor and data/fsdp traffic 
 memory); pipelined st and replicated-residual (megatron, vanilla) pipelined plans are refused with
 the reason (planner/verify.py pipeline_refusal). `--verify --target h100` instead compiles the plan's
 own train step at full size for that many H100s without them (boost_jax.tools.aot, the aot extra) and
-compares the planner's peak memory per GPU with the compiled one (within 10%).
+compares the planner's peak memory per GPU with the compiled one (within 10%); where the compiled peak
+exceeds the GPU's usable memory (90%, or --device-memory GB), it says so in one line and compiles the
+search's next plan, up to 4, as `parallel.plan=auto` does on the GPUs (planner/auto.py first_that_fits).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from boost_jax.config import ST
-from boost_jax.planner import Options, load_cluster, search, verify
+from boost_jax.errors import ConfigError
+from boost_jax.planner import Options, auto, load_cluster, search, verify
 from boost_jax.planner.cost import attention_kind, handover_ticks
 from boost_jax.planner.partitions import Block
 from boost_jax.planner.search import model_flops_per_token
@@ -217,6 +221,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.target and not args.verify:
         raise SystemExit("--target compiles the plan for a GPU: it goes with --verify")
+    if args.device_memory and not args.target:
+        raise SystemExit("--device-memory is what the plan compiled for --target must fit: it goes with --target")
+    if args.device_memory < 0:
+        raise SystemExit(f"--device-memory: GB per GPU, >= 0; got {args.device_memory}")
     if args.verify and not args.target:
         emulate_cpu_devices(16)  # before anything imports jax; 16: an st plan on a 4 x 4 grid
     from boost_jax.model.attention import names as attention_names  # lazy: imports jax, after the devices are set
@@ -327,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --verify: compile the plan at full size for this GPU without one "
         "(h100, a100, a100_40gb, h200: boost_jax.tools.aot, the aot extra) and compare its peak memory",
     )
+    ap.add_argument(
+        "--device-memory",
+        type=float,
+        default=0.0,
+        help="with --verify --target: the GB per GPU the compiled plan must fit (default: 90%% of the target's "
+        "memory); a plan over it is named and the search's next plan compiled, as parallel.plan=auto does",
+    )
     return ap
 
 
@@ -403,7 +418,7 @@ def report(args, cfg, cluster, opts: Options, res, batch: int, seq: int) -> int:
         print("  " + breakdown(runnable, int(cfg.model.n_layers)).replace("\n", "\n  "))
     print(f"\nrun it with:\n  python -m boost_jax.train --config {args.config} {runnable.overrides}")
     if args.verify and args.target:
-        return 0 if run_verify_target(args.config, runnable, args.target, args.devices) else 1
+        return 0 if run_verify_target(args, cfg, cluster, opts, runnable) else 1
     if args.verify:
         return 0 if run_verify(cfg, cluster, runnable, seq) else 1
     return 0
@@ -412,27 +427,59 @@ def report(args, cfg, cluster, opts: Options, res, batch: int, seq: int) -> int:
 TARGET_MEMORY_TOLERANCE = 0.10  # the planner's peak per GPU against the deviceless GPU compile
 
 
-def run_verify_target(config: str, plan, target: str, devices: int) -> bool:
+def run_verify_target(args, cfg, cluster, opts: Options, plan) -> bool:
     """--verify --target GPU: the plan's own train step, at full size on all its devices, compiled for
-    that GPU without one (boost_jax.tools.aot); the planner's peak memory per GPU next to the compiled one."""
-    flags = [a for a in plan.overrides.split() if a.startswith("--config.")]
+    that GPU without one (boost_jax.tools.aot); where its peak per GPU exceeds the GPU's usable memory,
+    the search's next plan, compiled in turn (planner/auto.py first_that_fits, as parallel.plan=auto
+    does on the GPUs); the planner's peak memory per GPU next to the compiled one of the last compiled."""
+    target, devices = args.target, args.devices
     print(
         f"\n--verify --target {target}: the plan's train step compiled for {devices} x {target} (deviceless, full size)"
     )
+    label, compiled = f"--verify --target {target}", {}
+
+    def pick(exclude):
+        p = plan
+        if exclude:
+            p = search(cfg, cluster, devices, dataclasses.replace(opts, exclude=exclude, top=1)).best_runnable
+            if p is None:
+                return None
+        return p, f"{label}: {auto.short(p)}", p
+
+    def fits(p, _):
+        flags = [a for a in p.overrides.split() if a.startswith("--config.")]
+        rep = aot.compile_config(aot.load(args.config, flags), target, devices, programs=("train",))
+        compiled["plan"], compiled["rep"] = p, rep
+        r = rep["train"]
+        share = r["usable_bytes"] / r["device_memory_bytes"]
+        if args.device_memory:
+            return r["peak_bytes"], args.device_memory * GB, "--device-memory", rep
+        return r["peak_bytes"], r["usable_bytes"], f"{share:.0%} of the {target}'s memory", rep
+
+    what = f"{cfg.name} at batch {opts.batch} x seq {opts.seq}"
+    fix = "use more --devices or a lower --batch"
+    ok = True
     try:
         aot.require()
-        rep = aot.compile_config(aot.load(config, flags), target, devices, programs=("train",))
+        auto.first_that_fits(pick, fits, print, what, label=label, fix=fix)
     except aot.AotError as e:
-        raise SystemExit(f"--verify --target {target}: {e}") from None
+        raise SystemExit(f"{label}: {e}") from None
+    except ConfigError as e:
+        print(str(e).replace("config field `parallel.plan`: auto: ", f"{label}: "))
+        ok = False
+    if not compiled:
+        return False
+    plan, rep = compiled["plan"], compiled["rep"]
     r = rep["train"]
     predicted, peak = plan.memory["total"], r["peak_bytes"]
-    ok = abs(predicted - peak) <= TARGET_MEMORY_TOLERANCE * max(predicted, peak)
+    within = abs(predicted - peak) <= TARGET_MEMORY_TOLERANCE * max(predicted, peak)
     print(aot.to_text(rep))
     print(
         "| memory per GPU | planner | compiled | planner / compiled | within 10% |\n|---|---|---|---|---|\n"
-        f"| peak | {predicted / GB:.3f} GB | {peak / GB:.3f} GB | {predicted / peak:.3f} | {'yes' if ok else 'NO'} |"
+        f"| peak | {predicted / GB:.3f} GB | {peak / GB:.3f} GB | {predicted / peak:.3f} | "
+        f"{'yes' if within else 'NO'} |"
     )
-    return ok and r["fits"]
+    return ok and within and peak <= (args.device_memory * GB if args.device_memory else r["usable_bytes"])
 
 
 if __name__ == "__main__":

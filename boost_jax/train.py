@@ -8,6 +8,7 @@ loop is boost_jax/runtime/train_loop.py, what it settles before the loop boost_j
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from boost_jax.errors import (
 )
 from boost_jax.model import autos, flops_per_token
 from boost_jax.parallel.mesh import mesh_devices
-from boost_jax.planner.auto import plan_run
+from boost_jax.planner.auto import fitting_plan
 from boost_jax.runtime.build import build
 from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
 from boost_jax.runtime.distributed import maybe_initialize
@@ -51,6 +52,7 @@ from boost_jax.runtime.train_startup import (
     startup_line,
     use_compile_cache,
 )
+from boost_jax.tools.aot import peak_bytes
 from boost_jax.validate import validate
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.py"  # packaged (a checkout: configs/)
@@ -74,14 +76,14 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
             f"XLA_FLAGS: added {len(gpu_flags)} GPU flags (boost_jax/xla_gpu_flags.py; xla_gpu_flags=false "
             "leaves XLA_FLAGS alone)"
         )
-    planned = None
-    if cfg.parallel.plan == "auto":
-        cfg, planned = _auto_plan(cfg, say)
     use_compile_cache(cfg.compile_cache)
+    planned = built = None
+    if cfg.parallel.plan == "auto":
+        cfg, planned, built = _auto_plan(cfg, say)
     with contextlib.nullcontext(stop) if stop is not None else StopFlag() as stop:
         run_dir, lock = open_run_dir(cfg.run_dir, main_process)
         try:
-            return _train(cfg, run_dir, stop, say, config_file, planned)
+            return _train(cfg, run_dir, stop, say, config_file, planned, built)
         except OSError as e:  # a full disk or a read-only mount under run_dir: one line, not a traceback
             failure = cannot_write(e, run_dir / "checkpoints")
             if failure is None:
@@ -92,18 +94,38 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
 
 
 def _auto_plan(cfg, say):
-    """parallel.plan=auto: the config of the planner's best runnable plan for the devices this run
-    uses (boost_jax/planner/auto.py), validated, and the plan; its pick printed in one line."""
+    """parallel.plan=auto: (the config of the planner's best runnable plan whose compiled train step fits
+    the devices this run uses (boost_jax/planner/auto.py fitting_plan), validated; the plan; its build,
+    whose train step is the program compiled for the check)."""
     devices = mesh_devices(cfg.parallel)
-    cfg, planned = plan_run(cfg, len(devices), devices[0].device_kind)
-    say(planned.describe())
-    say(f"  (explicitly: {planned.plan.overrides})")
-    return validate(cfg), planned
+
+    def peak(run):
+        built = build(validate(run), validated=True)
+        compiled = built.lower_train().compile()
+        return peak_bytes(compiled.memory_analysis()), dataclasses.replace(built, train_step=compiled)
+
+    def memory(cluster):
+        return device_memory(cfg, devices[0], cluster)
+
+    cfg, planned, built = fitting_plan(cfg, len(devices), devices[0].device_kind, peak, memory, say)
+    return cfg, planned, built
 
 
-def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", planned=None) -> dict:
+def device_memory(cfg, device, cluster) -> tuple[float, str]:
+    """(bytes per device a compiled parallel.plan=auto pick must fit, where the number comes from):
+    parallel.device_memory_gb, else the device's allocator limit, else (CPUs report none) the cluster's
+    usable HBM."""
+    if cfg.parallel.device_memory_gb:
+        return cfg.parallel.device_memory_gb * 1e9, "parallel.device_memory_gb"
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return float(limit), "the device's allocator limit"
+    return cluster.usable_hbm, f"{cluster.name}'s usable HBM; the device reports none"
+
+
+def _train(cfg, run_dir: Path, stop: StopFlag, say, config_file: str = "", planned=None, built=None) -> dict:
     main_process = jax.process_index() == 0
-    built = build(cfg, validated=True)  # `run` validated it before JAX started
+    built = built or build(cfg, validated=True)  # `run` validated it before JAX started
     say(startup_line(cfg, built, config_file, planned))
     # The data, and what they make of the config (the eval split's size), before anything compiles.
     train_data, eval_data = load_data(cfg, built, cfg.data.shuffle)

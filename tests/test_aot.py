@@ -363,6 +363,39 @@ def test_plan_verify_target_compiles_the_plan_for_the_gpu(capsys):
         plan.main(["--config", TINY, "--devices", "2", "--cluster", cluster, "--target", "h100"])
 
 
+@pytest.mark.slow  # four or five deviceless compiles of the tiny model (about 2 minutes here)
+def test_plan_verify_target_falls_back_to_a_plan_that_fits(capsys):
+    """`plan --verify --target h100 --device-memory GB` under the compiled peak of the planner's pick: one
+    line names the pick with its compiled and the device's GB, and the search's next plan (the search
+    without it) is compiled and checked, as parallel.plan=auto does on the GPUs."""
+    import dataclasses
+
+    from boost_jax import plan
+    from boost_jax.planner import Options, load_cluster, search
+    from boost_jax.planner.auto import short
+    from boost_jax.tools.devices import load_config
+
+    cluster = str(Path(TINY).parents[0] / "clusters" / "h100_8x.py")
+    opts = Options(batch=8, seq=64, remat=("none",), pipeline=(1,))
+    cfg = load_config(TINY)
+    first = search(cfg, load_cluster(cluster), 2, opts).best_runnable
+    flags = [a for a in first.overrides.split() if a.startswith("--config.")]
+    peak = aot.compile_config(aot.load(TINY, flags), "h100", 2, programs=("train",))["train"]["peak_bytes"]
+    memory = 0.99 * peak / 1e9
+    argv = ["--config", TINY, "--devices", "2", "--cluster", cluster, "--batch", "8", "--seq", "64"]
+    argv += ["--remat", "none", "--pipeline", "1", "--verify", "--target", "h100", "--device-memory", str(memory)]
+    plan.main(argv)
+    lines = capsys.readouterr().out.splitlines()
+    over = next(ln for ln in lines if " does not fit: " in ln)
+    assert over.startswith(f"--verify --target h100: the pick ({short(first)}) does not fit: its compiled train ")
+    assert f"needs {peak / 1e9:.3g} GB per device, the device has {memory:.3g} GB (--device-memory)" in over
+    second = search(
+        cfg, load_cluster(cluster), 2, dataclasses.replace(opts, exclude=frozenset({first.overrides}))
+    ).best_runnable
+    assert f"--verify --target h100: next, {short(second)}" in lines
+    assert f"  (explicitly: {second.overrides})" in lines
+
+
 def test_aot_fit_smoke(tmp_path):
     """benchmarks/aot_fit.py --smoke: the planner's pick for the tiny config on 2 H100s, compiled;
     every row has the planner's and the compiled peak and their ratio."""

@@ -86,6 +86,8 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
         ("parallel.pipeline_schedule", "1f1b", "parallel.pipeline_schedule"),
         ("parallel.pipeline_repeats", 0, "parallel.pipeline_repeats"),
         ("parallel.pipeline_repeats", 2, "parallel.pipeline_repeats"),  # under gpipe
+        ("parallel.device_memory_gb", -1.0, "parallel.device_memory_gb"),
+        ("parallel.device_memory_gb", 40.0, "parallel.device_memory_gb"),  # without parallel.plan=auto
     ],
 )
 def test_invalid_values_name_the_field(make_config, field, value, needle):

@@ -2,6 +2,7 @@
 emulated CPU devices priced as H100s here), prints the pick and its prediction beside the first logged
 step times, and says in one line what it cannot do."""
 
+import dataclasses
 import json
 import re
 import shlex
@@ -14,6 +15,7 @@ from boost_jax import train
 from boost_jax.config import base_config, check_fields, sized_config
 from boost_jax.errors import ConfigError
 from boost_jax.planner import Options, load_cluster, search
+from boost_jax.planner import auto as auto_module
 from boost_jax.planner.auto import plan_run
 
 H100 = "clusters/h100_8x"
@@ -132,3 +134,74 @@ def test_readme_command(monkeypatch):
     assert f"\n{shown} (...)\n" in readme, line
     train.validate(resolved)
     assert resolved.parallel.fsdp * resolved.parallel.data * resolved.parallel.tensor * resolved.parallel.pipeline == 8
+
+
+def _peak(cfg) -> int:
+    """The compiled train step's peak bytes per device (arguments + outputs + temporaries - aliased)."""
+    m = train.build(train.validate(cfg), validated=True).lower_train().compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def test_a_pick_that_does_not_fit_the_device_falls_back(tmp_path, capsys, monkeypatch):
+    """A device memory (parallel.device_memory_gb) under the compiled peak of the planner's pick: the trainer
+    says so in one line (the pick, its compiled GB, the device's GB) and trains the planner's next plan
+    whose compiled step fits, named by its own line."""
+    monkeypatch.setattr(auto_module, "MAX_COMPILES", 8)  # however many picks the ranking puts first
+    cfg = small_config(
+        tmp_path / "run",
+        **{
+            "parallel.plan": "auto",
+            "parallel.cluster": H100,
+            "train.global_batch": 4,
+            "train.steps": 2,
+            "train.log_every": 1,
+            "train.eval_every": 0,
+        },
+    )
+    cluster = load_cluster(H100)
+    opts = Options(batch=4, seq=16, attention=cfg.model.attention, top=1)
+    first = search(cfg, cluster, 8, opts).best_runnable
+    memory = 0.95 * _peak(auto_module.apply(cfg, first.overrides))
+    cfg.parallel.device_memory_gb = memory / 1e9
+    out = train.run(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    picks = [ln.strip().removeprefix("(explicitly: ").removesuffix(")") for ln in lines if "(explicitly: " in ln]
+    over = [ln for ln in lines if " does not fit: " in ln]
+    assert picks[0] == first.overrides and len(over) == len(picks) - 1 >= 1
+    tried = []
+    for i, flags in enumerate(picks):  # each pick the planner's best runnable plan without the ones before
+        want = search(cfg, cluster, 8, dataclasses.replace(opts, exclude=frozenset(tried))).best_runnable
+        assert want.overrides == flags
+        if i < len(over):
+            line = over[i]
+            assert line.startswith(f"parallel.plan=auto: the pick ({auto_module.short(want)}) does not fit: ")
+            needs = float(re.search(r"needs ([0-9.e-]+) GB per device", line).group(1))
+            assert needs * 1e9 > memory and f"the device has {memory / 1e9:.3g} GB (parallel.device_memory_gb)" in line
+            assert any(ln.startswith("parallel.plan=auto: next, ") and str(want.mesh) in ln for ln in lines)
+        tried.append(flags)
+    last = auto_module.apply(cfg, picks[-1])
+    assert _peak(last) <= memory  # the plan it trained fits, compiled again here
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())["parallel"]
+    assert (ran["data"], ran["fsdp"], ran["tensor"], ran["strategy"]) == (
+        last.parallel.data,
+        last.parallel.fsdp,
+        last.parallel.tensor,
+        last.parallel.strategy,
+    )
+    assert out["step"] == 2
+
+
+def test_no_pick_that_fits_is_one_line(tmp_path):
+    cfg = small_config(tmp_path, **{"parallel.plan": "auto"})
+    said = []
+    with pytest.raises(ConfigError) as e:
+        auto_module.fitting_plan(cfg, 8, "H100", lambda run: (80e9, None), lambda c: (60e9, "test"), said.append)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("config field `parallel.plan`: auto: none of the planner's ")
+    assert f"{auto_module.MAX_COMPILES} best plans for" in message and "within 60 GB per device (test)" in message
+    assert message.endswith("set the mesh yourself with parallel.plan=explicit")
+    assert sum("does not fit: its compiled train step needs 80 GB per device, the device has 60 GB" in s for s in said)
+    cfg = base_config()
+    cfg.parallel.device_memory_gb = 40.0  # nothing reads it without auto
+    with pytest.raises(ConfigError, match="`parallel.device_memory_gb`: .* but parallel.plan=explicit"):
+        check_fields(cfg)

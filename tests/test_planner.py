@@ -643,13 +643,16 @@ def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
 
 def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     """The GPU program's loss holds one float32 logits array at a time (cost.GPU_LOGIT_BUFFERS, the
-    float32 program three) and 6 bytes per table element (float32 gradient, bf16 gathered cast; the
+    float32 program three) and, in bf16, its cotangent's bf16 cast (cost.GPU_LOGIT_CAST), and 6 bytes
+    per table element (float32 gradient, bf16 gathered cast; the
     float32 program 8 under FSDP); the double-buffered layer scan keeps one more [L, T, ff/t] array
     (cost.SCAN_DOUBLE_BUFFER) on unpipelined GPU plans without remat that get the flag, nothing elsewhere."""
     rows, seq, vocab = 3, 256, 1000
     assert cost.loss_bytes(rows, seq, 0, vocab, gpu=True) == rows * seq * vocab * 4
     assert cost.loss_bytes(rows, seq, 0, vocab) == 3 * rows * seq * vocab * 4
     assert cost.loss_bytes(rows, seq, 64, vocab, gpu=True) == rows * 64 * vocab * 4
+    # a bf16 step's head backward reads the logits' cotangent cast to bf16 beside the float32 one
+    assert cost.loss_bytes(rows, seq, 64, vocab, gpu=True, act_bytes=2) == rows * 64 * vocab * (4 + 2)
     assert (cost.table_bytes(8, 2), cost.table_bytes(1, 2), cost.table_bytes(8, 4), cost.table_bytes(1, 4)) == (
         6,
         6,

@@ -279,6 +279,13 @@ def _check_parallel(c: ml_collections.ConfigDict) -> None:
     for name in ("pipeline", "data", "fsdp", "context", "tensor"):
         check(p[name] == -1 or p[name] >= 1, f"parallel.{name}", "must be >= 1 or -1 (inferred)")
     check(p.plan in PLANS, "parallel.plan", f"{p.plan!r} is not one of {PLANS}")
+    check(p.device_memory_gb >= 0, "parallel.device_memory_gb", "must be >= 0 (0: the device's own memory)")
+    check(
+        p.plan == "auto" or not p.device_memory_gb,
+        "parallel.device_memory_gb",
+        f"is what parallel.plan=auto's compiled pick must fit, but parallel.plan={p.plan}; set "
+        "parallel.plan=auto or drop parallel.device_memory_gb",
+    )
     if p.plan == "auto":
         unset = {"pipeline": 1, "data": -1, "fsdp": 1, "context": 1, "tensor": 1}
         chosen = [f"parallel.{k}={p[k]}" for k, v in unset.items() if p[k] != v]

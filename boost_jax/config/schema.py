@@ -255,6 +255,9 @@ def _parallel_section(c: ml_collections.ConfigDict) -> None:
     # parallel.plan=auto: the cluster file the planner prices (configs/clusters/*.py or a packaged name
     # such as clusters/h100_8x); "": the one for the detected device kind (H100, A100)
     p.cluster = ""
+    # parallel.plan=auto: the memory per device (GB) the compiled pick must fit; 0: the device's own (its
+    # allocator's limit), or where the device reports none (CPUs) the cluster's usable HBM
+    p.device_memory_gb = 0.0
     p.num_devices = 0  # use the first N devices (0: all)
     p.pipeline = 1  # pipeline stages; the layers are split evenly
     p.microbatches = 0  # pipeline micro-batches per pass (0: 2 per stage)

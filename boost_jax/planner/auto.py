@@ -6,7 +6,9 @@ step: the cluster is parallel.cluster's file, else the packaged one for the devi
 (DEVICE_CLUSTERS); the search is `python -m boost_jax.plan`'s at the config's batch, sequence length
 and attention, every mesh, remat policy, gradient accumulation and pipeline schedule; the plan's
 `--config.*` overrides (the ones the CLI prints) are applied to the config after the fields a plan
-decides are reset to their defaults. Nothing here imports jax.
+decides are reset to their defaults. The trainer compiles the pick before it runs it (`fitting_plan`):
+where the compiled program's peak per device (memory_analysis) exceeds the device's memory, it says so
+in one line and takes the planner's next plan, up to MAX_COMPILES picks. Nothing here imports jax.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ DECIDES = (
     "train.grad_accum",
 )
 GB = 1e9
+MAX_COMPILES = 4  # picks parallel.plan=auto compiles before it gives up (each compile takes a while at 7B)
 
 
 @dataclasses.dataclass
@@ -89,16 +92,23 @@ def cluster_file(cfg, device_kind: str) -> str:
     )
 
 
-def plan_run(cfg, devices: int, device_kind: str) -> tuple[object, AutoPlan]:
+def plan_run(cfg, devices: int, device_kind: str, exclude=frozenset()) -> tuple[object, AutoPlan]:
     """(the explicit config that runs the planner's best runnable plan, the AutoPlan) for `devices` devices of
-    `device_kind`. A ConfigError (one line) when no plan the trainer runs fits."""
+    `device_kind`, other than the plans whose overrides are in `exclude`. A ConfigError (one line) when no
+    plan the trainer runs fits."""
     path = cluster_file(cfg, device_kind)
     try:
         cluster = load_cluster(path)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"config field `parallel.cluster`: {str(e).replace('--cluster: ', '')}") from None
     t = cfg.train
-    opts = Options(batch=int(t.global_batch), seq=int(t.seq_len), attention=str(cfg.model.attention), top=1)
+    opts = Options(
+        batch=int(t.global_batch),
+        seq=int(t.seq_len),
+        attention=str(cfg.model.attention),
+        top=1,
+        exclude=frozenset(exclude),
+    )
     try:
         res = search(cfg, cluster, devices, opts)
     except ValueError as e:
@@ -121,13 +131,86 @@ def plan_run(cfg, devices: int, device_kind: str) -> tuple[object, AutoPlan]:
     return apply(cfg, res.best_runnable.overrides), auto
 
 
+def short(plan: Plan) -> str:
+    """A plan in a few words: mesh, strategy, remat, accumulation (and pipeline schedule)."""
+    m = plan.mesh
+    pipe = f", {plan.schedule} M{plan.microbatches}" if m.pipeline > 1 else ""
+    return f"mesh {m}, {plan.strategy}, remat {plan.remat_label}, grad_accum {plan.grad_accum}{pipe}"
+
+
+def fitting_plan(cfg, devices: int, device_kind: str, peak, memory, say, tries: int = 0):
+    """(config, AutoPlan, what `peak` returned besides the bytes) of the planner's best runnable plan whose
+    compiled train step fits the device (`first_that_fits`). `peak(config)`: (the compiled step's peak
+    bytes per device, anything the caller keeps, e.g. the compiled program); `memory(cluster)`: (the
+    device's bytes, where that number comes from)."""
+    autos: dict = {}
+
+    def pick(exclude):
+        try:
+            run, auto = plan_run(cfg, devices, device_kind, exclude)
+        except ConfigError:
+            if not exclude:
+                raise
+            return None  # no plan left
+        autos[auto.plan.overrides] = auto
+        return auto.plan, auto.describe(), run
+
+    def fits(run, plan):
+        got, kept = peak(run)
+        return (got, *memory(autos[plan.overrides].cluster), kept)
+
+    t = cfg.train
+    run, plan, kept = first_that_fits(pick, fits, say, f"{cfg.name} at batch {t.global_batch} x seq {t.seq_len}", tries)
+    return run, autos[plan.overrides], kept
+
+
+TRAINER_FIX = "use more devices, lower train.global_batch, or set the mesh yourself with parallel.plan=explicit"
+
+
+def first_that_fits(
+    pick, fits, say, what: str, tries: int = 0, label: str = "parallel.plan=auto", fix: str = TRAINER_FIX
+):
+    """(config, Plan, kept) of the first of the planner's ranked plans whose compiled train step fits the
+    device: `pick(exclude)`: (the best plan the trainer runs other than those whose overrides are in
+    `exclude`, its line, its config) or None when none is left; `fits(config, plan)`: (compiled peak
+    bytes per device, the device's bytes, where that comes from, anything the caller keeps). Each pick is
+    said in its line (later ones as `parallel.plan=auto: next, ...`) with its flags; one over the device
+    is named in one line with both numbers and the next plan is taken; a ConfigError (one line, with the
+    fix) when none of `tries` (0: MAX_COMPILES) picks fits. `what`: the model and shape, for it; `label`:
+    what the lines start with (each pick's line starts with it too); `fix`: the error's advice."""
+    tried: list = []
+    over = ""
+    for _ in range(tries or MAX_COMPILES):
+        got = pick(frozenset(p.overrides for p in tried))
+        if got is None:
+            break
+        plan, line, run = got
+        say(line.replace(f"{label}: ", f"{label}: next, ", 1) if tried else line)
+        say(f"  (explicitly: {plan.overrides})")
+        need, limit, source, kept = fits(run, plan)
+        if need <= limit:
+            return run, plan, kept
+        over = f"{limit / GB:.3g} GB per device ({source})"
+        say(
+            f"{label}: the pick ({short(plan)}) does not fit: its compiled train step needs "
+            f"{need / GB:.3g} GB per device, the device has {limit / GB:.3g} GB ({source}); taking the planner's "
+            "next plan"
+        )
+        tried.append(plan)
+    raise ConfigError(
+        f"config field `parallel.plan`: auto: none of the planner's {len(tried)} best plans for {what} compiles "
+        f"within {over} (the last: {short(tried[-1])}); {fix}"
+    )
+
+
 def apply(cfg, overrides: str):
     """A copy of cfg with the fields a plan decides reset to their defaults and the plan's
     `--config.KEY=VALUE` overrides set (each value as the field's type): the explicit config of the
-    plan (parallel.plan=explicit, parallel.cluster unset), what the run records in its config.json."""
+    plan (parallel.plan=explicit, parallel.cluster and parallel.device_memory_gb unset), what the run
+    records in its config.json."""
 
     out = cfg.copy_and_resolve_references()
-    out.parallel.plan, out.parallel.cluster = "explicit", ""
+    out.parallel.plan, out.parallel.cluster, out.parallel.device_memory_gb = "explicit", "", 0.0
     defaults = base_config()
     for key in DECIDES:
         section, name = key.split(".")

@@ -39,6 +39,7 @@ from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_cla
 # OPTIMIZER_TRAFFIC   32          HBM bytes per parameter per AdamW update                counted (p, m, v r/w; g)
 # LOGIT_BUFFERS       3           f32 [rows, chunk, V/t] loss arrays (CPU, pipelined)     tests/test_planner.py
 # GPU_LOGIT_BUFFERS   1           the same, unpipelined GPU steps                         § 2026-11-27 (third)
+# GPU_LOGIT_CAST      1           compute-dtype [rows, chunk, V/t] cotangent, the same     § 2026-11-28 (planner picks)
 # BUFFER_OVERHEAD     1.10        XLA:CPU's packed temporaries over the live ones         benchmarks/planner_memory.py
 # GPU_BUFFER_OVERHEAD (1.0, 1.15) XLA:GPU's packing: one kind of parallelism, several     § 2026-11-27 (fifth)
 # OPTIMIZER_TEMP      9           bytes per local parameter the update holds beyond g     compiled cola_7b steps
@@ -56,6 +57,7 @@ ACCUM_BYTES = 4
 OPTIMIZER_TRAFFIC = 32
 LOGIT_BUFFERS = 3
 GPU_LOGIT_BUFFERS = 1
+GPU_LOGIT_CAST = 1
 BUFFER_OVERHEAD = 1.10
 GPU_BUFFER_OVERHEAD = (1.0, 1.15)  # indexed by whether the step mixes kinds of parallelism
 OPTIMIZER_TEMP = 9
@@ -346,12 +348,20 @@ def table_bytes(fsdp: int, act_bytes: int) -> float:
     return STATE_BYTES + (STATE_BYTES if fsdp > 1 else 0)
 
 
-def loss_bytes(rows: float, seq: int, chunk: int, vocab_local: float, gpu: bool = False) -> float:
+def loss_bytes(
+    rows: float, seq: int, chunk: int, vocab_local: float, gpu: bool = False, act_bytes: int = STATE_BYTES
+) -> float:
     """The loss's float32 [rows, chunk, V/t] buffers (one chunk of positions at a time; chunk 0 or
     >= seq: the whole sequence). rows: sequences of the micro-batch on this device. `gpu`: the
-    bf16-compute program's count (GPU_LOGIT_BUFFERS), else LOGIT_BUFFERS."""
+    bf16-compute program's count (GPU_LOGIT_BUFFERS), else LOGIT_BUFFERS; with a compute dtype
+    narrower than float32 (act_bytes), the GPU program also holds the logits' cotangent cast to it
+    (GPU_LOGIT_CAST), which the head's two backward GEMMs read (model/loss.py)."""
     positions = seq if not 0 < chunk < seq else chunk
-    return (GPU_LOGIT_BUFFERS if gpu else LOGIT_BUFFERS) * rows * positions * vocab_local * 4
+    if gpu:
+        per = GPU_LOGIT_BUFFERS * 4 + (GPU_LOGIT_CAST * act_bytes if act_bytes < STATE_BYTES else 0)
+    else:
+        per = LOGIT_BUFFERS * 4
+    return per * rows * positions * vocab_local
 
 
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")  # parallel.pipeline_schedule

@@ -165,4 +165,5 @@ def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weig
         block.loss_chunk,
         block.vocab / mesh.tensor,
         gpu and sched.stages == 1,
+        opts.act_bytes,
     ) + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)

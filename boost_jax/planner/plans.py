@@ -73,6 +73,9 @@ class Options:
     # the GPU program's layer scan is double-buffered (XLA's while-loop double buffering; see
     # cost.SCAN_DOUBLE_BUFFER); None: as boost_jax/xla_gpu_flags.py double_buffered() says here
     double_buffered: bool | None = None
+    # the trainer's --config overrides of plans not to return (parallel.plan=auto compiled them and
+    # they did not fit the device: planner/auto.py)
+    exclude: frozenset = frozenset()
 
 
 @dataclasses.dataclass

@@ -108,11 +108,13 @@ def plan_for(
     stage_remat: str = "none",
     context_attention: str = "ring",
     context_kv: str = "full",
+    unrolled: bool = False,
 ) -> Plan:
     """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan.
     `microbatches`: micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S); `schedule`,
     `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
-    `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1."""
+    `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1;
+    `unrolled`: model.scan_unroll=true (remat none; priced as the search prices it, `stacks`)."""
     block = partitions.Block.from_config(cfg)
     opts = dataclasses.replace(
         opts,
@@ -154,9 +156,10 @@ def plan_for(
             context_attention,
             context_kv,
         ),
-        cluster,
+        unrolled_cluster(cluster) if unrolled else cluster,
         remat,
         opts,
+        unrolled,
     )
     fpt = flops_per_token if flops_per_token is not None else model_flops_per_token(cfg, opts.seq)
     return price_plan(pr, mesh, grad_accum, layer, fpt, m, schedule, repeats, stage_remat)
@@ -280,6 +283,8 @@ def price_candidates(candidates: list, block: partitions.Block, cluster: Cluster
                 continue  # it can only be the best runnable plan, and it is not runnable
         plan = price_plan(pr, mesh, accum, layer, fpt, micro, schedule, repeats, staged)
         priced += 1
+        if plan.overrides and plan.overrides in opts.exclude:
+            continue  # compiled, it did not fit (parallel.plan=auto's fallback)
         if smallest is None or plan.memory["total"] < smallest.memory["total"]:
             smallest = plan
         if opts.check_memory and plan.memory["total"] > cluster.usable_hbm:

@@ -1,0 +1,91 @@
+"""The planner's memory never under the compiled program: every plan recorded in the aot_fit tables
+(benchmarks/aot_fit*.json: the planner's picks for the zoo on 8 and 64 GPUs, the fewest GPUs each model
+fits on, and the fixed seq-2048 plans), each with the peak of its deviceless GPU compile, priced again
+by the planner as it prices now (no search, no compile: seconds) and compared with that peak. A pick
+priced more than UNDER below its compile fails: a run trusting the plan would die out of memory.
+`python benchmarks/aot_fit.py --recompile benchmarks/X.json --json benchmarks/X.json` compiles the same
+plans again with this checkout's program (the numbers this test reads)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLES = ("aot_fit", "aot_fit_a100", "aot_fit_fixed")
+UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
+# Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
+# once one is priced within UNDER, so that the entry goes.
+# 1F1B picks: the GPU program keeps more of a stage than the memory model counts; 1F1B's program and its
+# memory term change with issue 52's item 4 (memory flat in the micro-batches)
+F1B = "1F1B pick: the GPU program keeps more of a stage than the 1F1B memory term counts (issue 52, item 4)"
+KNOWN_UNDER = {
+    ("aot_fit", "cola_7b", 64): F1B,
+    ("aot_fit", "cola_13b", 64): F1B,
+    ("aot_fit", "llama_13b", 64): F1B,
+    ("aot_fit", "cola_1b", 64): F1B,
+    ("aot_fit_a100", "cola_13b", 64): F1B,
+    ("aot_fit_a100", "llama_13b", 64): F1B,
+    # At tensor 8 (and fsdp 2 x tensor 4) and seq 2048 the compiled step keeps 73 MB per layer (3.5%) beyond the
+    # count; the scanned forward's stacked residuals match it (1.845 GB per layer compiled at 8 layers, 1.852
+    # priced): the rest is in the backward, not yet found (benchmarks/RESULTS.md 2026-11-28, planner picks).
+    ("aot_fit_fixed", "cola_7b", 8): "tensor 8 / fsdp 2 x tensor 4 at seq 2048: 73 MB per layer not yet counted",
+}
+
+
+def _fit():
+    spec = importlib.util.spec_from_file_location("aot_fit", ROOT / "benchmarks" / "aot_fit.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    return fit
+
+
+def _picks():
+    out = []
+    for table in TABLES:
+        d = json.loads((ROOT / "benchmarks" / f"{table}.json").read_text())
+        for r in d["rows"] + d["smallest"]:
+            if not r.get("plan"):
+                continue  # no plan fits: nothing was compiled
+            key = (table, r["model"], r["devices"])
+            mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
+            marks = [pytest.mark.xfail(reason=KNOWN_UNDER[key], strict=True)] if key in KNOWN_UNDER else []
+            out.append(pytest.param(d, r, id=f"{table}-{r['model']}-{r['devices']}-{mesh}", marks=marks))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fit():
+    return _fit()
+
+
+@pytest.mark.parametrize("table,row", _picks())
+def test_no_recorded_pick_is_under_priced(fit, table, row):
+    cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
+    plan = fit.reprice(row, cluster, table["pipelined_collectives"])
+    ratio = plan.memory["total"] / row["peak_bytes"]
+    assert ratio >= 1 - UNDER, (
+        f"priced {plan.memory['total'] / 1e9:.1f} GB, compiled {row['peak_bytes'] / 1e9:.1f} GB ({ratio:.3f})",
+        {k: round(v / 1e9, 2) for k, v in plan.memory.items()},
+    )
+
+
+def test_reprice_is_the_search_price():
+    """The re-pricing prices what the search priced: a pick recorded by the current planner (the tiny
+    config's pick on 2 H100s at batch 8 x seq 64, found here) priced again from its flags alone."""
+    from boost_jax.planner import Options, load_cluster, search
+    from boost_jax.tools.devices import load_config
+
+    fit = _fit()
+    cluster = ROOT / "configs" / "clusters" / "h100_8x.py"
+    cfg = load_config(str(ROOT / "configs" / "tiny.py"))
+    res = search(cfg, load_cluster(str(cluster)), 2, Options(batch=8, seq=64, top=3))
+    for p in [res.best_runnable] + [q for q in res.plans if q.runnable == "yes"]:
+        m = p.mesh
+        row = {
+            "model": "tiny",
+            "plan": " ".join(a.removeprefix("--config.") for a in p.overrides.split()),
+            "mesh": {"pipeline": m.pipeline, "data": m.data, "fsdp": m.fsdp, "tensor": m.tensor, "context": m.context},
+        }
+        assert fit.reprice(row, cluster).memory == pytest.approx(p.memory), p.overrides
