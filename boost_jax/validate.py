@@ -53,6 +53,7 @@ def validate(c):
         _one_of(c.data.source, data.SOURCES, "data.source")
         _one_of(p.strategy, strategies.names(), "parallel.strategy")
         _one_of(c.kernels.rmsnorm, ("auto",) + tuple(rmsnorm.IMPLS), "kernels.rmsnorm")
+        _one_of(c.kernels.residual_norm, ("auto", "fused", "separate"), "kernels.residual_norm")
         with config_lib.part():
             strategies.st_groups(p.linear_partition)
         if known["attention"]:

@@ -298,6 +298,10 @@ def _kernels_section(c: ml_collections.ConfigDict) -> None:
     # with jax-triton installed, the `gpu` extra)
     # auto: triton on NVIDIA GPUs with jax-triton, pallas on other GPUs, xla elsewhere.
     kn.rmsnorm = "auto"
+    # fused | separate: the residual adds run inside the norms that read them (one Triton kernel each
+    # way, kernels.rmsnorm=triton only; BTP's online norm and pipelined stacks keep separate adds).
+    # auto: fused where kernels.rmsnorm resolves to triton.
+    kn.residual_norm = "auto"
 
 
 def _distributed_section(c: ml_collections.ConfigDict) -> None:

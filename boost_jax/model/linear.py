@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.kernels.rmsnorm import add_rmsnorm
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import LinearKind
@@ -54,6 +55,15 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, names=RESIDUAL) -> jax.Array:
         return self.run(self.rows, x, self.scale[...], names)
+
+    def added_rows(self, x, residual, scale, impl: str | None = None):
+        """(the normalised rows of x + residual, x + residual) of an unsharded (or local) x."""
+        return add_rmsnorm(x, residual, scale, self.eps, impl=impl or self.impl)
+
+    def add(self, x: jax.Array, residual: jax.Array, names=RESIDUAL) -> tuple[jax.Array, jax.Array]:
+        """(RMSNorm(x + residual), x + residual): the residual add fused with this norm (one Triton
+        kernel each way under `impl="triton"`, kernels/rmsnorm.py `add_rmsnorm`)."""
+        return self.run.add(self.added_rows, x, residual, self.scale[...], names)
 
 
 def _runs(projs, shape):
