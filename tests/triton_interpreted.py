@@ -1,4 +1,5 @@
-"""Run the Triton RMSNorm (and residual add + RMSNorm) kernels under Triton's interpreter on CPU (no GPU, no torch, no jax-triton).
+"""Run the Triton RMSNorm (and residual add + RMSNorm) kernels under Triton's interpreter on CPU (no GPU,
+no torch, no jax-triton).
 
     TRITON_INTERPRET=1 python tests/triton_interpreted.py CASES.npz OUT.npz
 
