@@ -149,15 +149,16 @@ def _fused_add_norms(text):
 
 
 def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
-    """The `auto` defaults on one GPU (model/autos.py) resolve to what one H100 measured fastest, and
-    the compiled program is that program: the layers unrolled (one cuDNN attention per layer, no
-    layer loop), ungrouped CoLA projections, remat none, the Triton norm; the head's backward GEMMs
-    take bf16 operands. On 8 GPUs with fsdp the scan and lowrank remat come back."""
+    """The `auto` defaults on one GPU (model/autos.py) resolve to what one H100 measured fastest (the
+    A-only grouping and the fused residual adds: what the step-time table prices fastest), and the
+    compiled program is that program: the layers unrolled (one cuDNN attention per layer, no layer
+    loop), CoLA's A's grouped, remat none, the Triton norm; the head's backward GEMMs take bf16
+    operands. On 8 GPUs with fsdp the scan and lowrank remat come back."""
     pytest.importorskip("jax_triton", reason=f"the triton norm needs jax-triton: {aot.INSTALL}")
     cfg = _tiny(make_config, **{"model.attention": "auto"})
     rep = aot.compile_config(cfg, "h100", 1, programs=("train",))
     assert rep["resolved"] == {
-        "model.group_linears": False,
+        "model.group_linears": "first",
         "model.scan_unroll": True,
         "remat.policy": "none",
         "kernels.rmsnorm": "triton",
@@ -180,7 +181,7 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
         assert params and all("bf16[" in p and "f32[" not in p for p in params), (spec, params)
     fsdp = _tiny(make_config, **{"model.attention": "auto", "parallel.data": 1, "parallel.fsdp": 8})
     assert aot.compile_config(fsdp, "h100", 8, programs=("train",))["resolved"] == {
-        "model.group_linears": False,
+        "model.group_linears": "first",
         "model.scan_unroll": False,
         "remat.policy": "lowrank",
         "kernels.rmsnorm": "triton",

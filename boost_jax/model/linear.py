@@ -66,6 +66,14 @@ class RMSNorm(nnx.Module):
         return self.run.add(self.added_rows, x, residual, self.scale[...], names)
 
 
+FIRST = "first"  # model.group_linears: only the first stages grouped
+
+
+def grouping(value) -> bool | str:
+    """`model.group_linears` as `project` takes it: True, False or FIRST."""
+    return FIRST if value == FIRST else bool(value)
+
+
 def _runs(projs, shape):
     """Consecutive projections whose `shape(p)` agree: each run is one grouped GEMM."""
     i = 0
@@ -107,9 +115,12 @@ def _first_stage(projs, x, grouped: bool, norm, route):
     return out
 
 
-def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED, keep=()) -> list:
+def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=()) -> list:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
-    run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `route`
+    run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `grouped=FIRST`
+    groups the first stages only: each B is its own GEMM, so no output is sliced out of a batched one,
+    while the backward's input gradient is still one GEMM over the stacked first stages, not a sum of
+    one per projection; False runs every projection alone. `route`
     (the placement's choice for the group, boost_jax/parallel/placement.py) may fuse the norm with
     the first stage or run each projection its own way. `keep`: factored projections (of kinds
     without an extra term) whose second stage is left to the caller: for them the pair (σ(A x)
@@ -124,7 +135,8 @@ def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED, keep=()
             outs.extend(h[:, :, i] for i in range(len(run)))
             continue
         kept = lambda p: any(p is k for k in keep)  # noqa: E731
-        sub = _runs(run, lambda p: (p.second_shape, kept(p))) if grouped else ((i, [p]) for i, p in enumerate(run))
+        by_shape = grouped is True
+        sub = _runs(run, lambda p: (p.second_shape, kept(p))) if by_shape else ((i, [p]) for i, p in enumerate(run))
         for i, group in sub:
             if kept(group[0]):
                 outs.extend((h[:, :, i + j], p.second_weight(_use(h.dtype))) for j, p in enumerate(group))

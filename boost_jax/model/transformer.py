@@ -14,7 +14,7 @@ from boost_jax.model import batch as batch_lib
 from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
-from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, project
+from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, grouping, project
 from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain, gathered, take_rows
@@ -35,7 +35,7 @@ class MLP(nnx.Module):
         self.down = Projection(cfg, cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), group="mlp_out", **proj)
         # CoLA's larger models drop the SwiGLU σ: the bottleneck σ is the only nonlinearity.
         self.only_lr_act = bool(cfg.only_lr_act) and kind_class(cfg.linear).nonlinear(cfg)
-        self.grouped = bool(cfg.group_linears)
+        self.grouped = grouping(cfg.group_linears)
         factored = kind_class(cfg.linear).factored
         self.in_route, self.out_route = (placement.group(g, factored) for g in ("mlp_in", "mlp_out"))
 
