@@ -124,6 +124,8 @@ def train_variants(smoke: bool) -> list[dict]:
             ("train256", "cola_1b auto separate residual adds", "cola_1b", {"kernels.residual_norm": "separate"}),
             ("train256", "llama_1b auto separate residual adds", "llama_1b", {"kernels.residual_norm": "separate"}),
             ("train256", "cola_1b auto ungrouped", "cola_1b", {"model.group_linears": False}),
+            ("train256", "cola_1b auto float32 logits", "cola_1b", {"model.logits_dtype": "float32"}),
+            ("train256", "llama_1b auto float32 logits", "llama_1b", {"model.logits_dtype": "float32"}),
             ("train256", "cola_1b auto xla norm", "cola_1b", {"kernels.rmsnorm": "xla"}),
             ("train256", "llama_1b auto xla norm", "llama_1b", {"kernels.rmsnorm": "xla"}),
             ("train256", "cola_1b auto cuBLAS GEMMs", "cola_1b", cublas),

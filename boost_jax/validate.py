@@ -47,6 +47,7 @@ def validate(c):
                     field, _, message = problem.partition(": ")
                     raise ConfigError(f"config field `{field}`: {message}")
         _one_of(m.attention, attention.names(), "model.attention")
+        _one_of(m.logits_dtype, ("compute", "float32"), "model.logits_dtype")
         _one_of(c.remat.policy, ("auto",) + remat.POLICIES, "remat.policy")
         check(
             m.group_linears in ("auto", True, False, "first"),

@@ -162,6 +162,9 @@ def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
     m.attention = "auto"
     m.loss_chunk = 512  # positions per chunk of the head + cross-entropy (no f32 [B,T,V]); 0: one piece
+    # compute | float32: the dtype the head GEMM writes the training loss's logits in (compute: model.dtype,
+    # the cross-entropy reading them into float32; float32: a float32 [B, c, V] block and its gradient)
+    m.logits_dtype = "compute"
     m.z_loss = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the training loss
 
 

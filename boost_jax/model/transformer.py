@@ -141,6 +141,7 @@ class Transformer(nnx.Module):
         self.fuse_residual = fuse
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.loss_chunk, self.z_loss = int(cfg.loss_chunk), float(cfg.z_loss)
+        self.low_logits = cfg.get("logits_dtype", "compute") == "compute"
         if not self.tie_embeddings:
             self.lm_head = nnx.Param(
                 dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.d_model, param_dtype),
@@ -226,7 +227,9 @@ class Transformer(nnx.Module):
         labels, mask = tokens[:, 1:], batch_lib.target_mask(batch)
         # Pipelined, the head and loss run one pipeline micro-batch (and chunk of positions) at a time,
         # so their live logits block does not grow with the micro-batch count.
-        loss = functools.partial(head_loss, chunk=self.loss_chunk, z_loss=self.z_loss if with_z_loss else 0.0)
+        loss = functools.partial(
+            head_loss, chunk=self.loss_chunk, z_loss=self.z_loss if with_z_loss else 0.0, low_logits=self.low_logits
+        )
         if self.context is not None:  # h is in the context layout: the targets follow; each device
             # scans its own positions
             labels, mask = self.context.layout(labels), None if mask is None else self.context.layout(mask)
