@@ -86,6 +86,9 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
         ("parallel.pipeline_schedule", "1f1b", "parallel.pipeline_schedule"),
         ("parallel.pipeline_repeats", 0, "parallel.pipeline_repeats"),
         ("parallel.pipeline_repeats", 2, "parallel.pipeline_repeats"),  # under gpipe
+        ("kernels.residual_norm", "on", "kernels.residual_norm"),
+        ("model.logits_dtype", "bfloat16", "model.logits_dtype"),
+        ("model.group_linears", "second", "model.group_linears"),
     ],
 )
 def test_invalid_values_name_the_field(make_config, field, value, needle):
