@@ -120,6 +120,12 @@ def train_variants(smoke: bool) -> list[dict]:
             ("train256", "llama_1b auto", "llama_1b", {}),
             ("train256", "cola_1b auto seq 4096", "cola_1b", at4096),
             ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
+            # this session's changes first, each against its `auto` row above
+            ("train256", "cola_1b auto separate residual adds", "cola_1b", {"kernels.residual_norm": "separate"}),
+            ("train256", "llama_1b auto separate residual adds", "llama_1b", {"kernels.residual_norm": "separate"}),
+            ("train256", "cola_1b auto ungrouped", "cola_1b", {"model.group_linears": False}),
+            ("train256", "cola_1b auto float32 logits", "cola_1b", {"model.logits_dtype": "float32"}),
+            ("train256", "llama_1b auto float32 logits", "llama_1b", {"model.logits_dtype": "float32"}),
             ("train256", "cola_1b auto xla norm", "cola_1b", {"kernels.rmsnorm": "xla"}),
             ("train256", "llama_1b auto xla norm", "llama_1b", {"kernels.rmsnorm": "xla"}),
             ("train256", "cola_1b auto cuBLAS GEMMs", "cola_1b", cublas),

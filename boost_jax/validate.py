@@ -47,12 +47,20 @@ def validate(c):
                     field, _, message = problem.partition(": ")
                     raise ConfigError(f"config field `{field}`: {message}")
         _one_of(m.attention, attention.names(), "model.attention")
+        _one_of(m.logits_dtype, ("compute", "float32"), "model.logits_dtype")
         _one_of(c.remat.policy, ("auto",) + remat.POLICIES, "remat.policy")
-        for field in ("group_linears", "scan_unroll"):
-            check(m[field] in ("auto", True, False), f"model.{field}", f"{m[field]!r} is not auto, true or false")
+        check(
+            m.group_linears in ("auto", True, False, "first"),
+            "model.group_linears",
+            f"{m.group_linears!r} is not auto, true, false or first",
+        )
+        check(
+            m.scan_unroll in ("auto", True, False), "model.scan_unroll", f"{m.scan_unroll!r} is not auto, true or false"
+        )
         _one_of(c.data.source, data.SOURCES, "data.source")
         _one_of(p.strategy, strategies.names(), "parallel.strategy")
         _one_of(c.kernels.rmsnorm, ("auto",) + tuple(rmsnorm.IMPLS), "kernels.rmsnorm")
+        _one_of(c.kernels.residual_norm, ("auto", "fused", "separate"), "kernels.residual_norm")
         with config_lib.part():
             strategies.st_groups(p.linear_partition)
         if known["attention"]:

@@ -10,6 +10,7 @@ extra (`.ci/run` installs it); elsewhere every test here skips, naming the insta
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,16 +132,33 @@ def _called_params(hlo_text: str, op_name: str) -> list[str]:
     ]
 
 
+def _fused_add_norms(text):
+    """(forward, backward) jax-triton calls of the fused residual add + norm in a compiled program: its
+    forward returns two [R, d] arrays (y, h; the norm's returns y [R, d] and s [R]), its backward's
+    fourth operand is h's gradient [R, d] (the norm's: ds [R])."""
+    fwd = bwd = 0
+    for line in text.splitlines():
+        if 'custom_call_target="triton_kernel_call"' not in line:
+            continue
+        out = re.search(r"= \((\w+\[\d+,\d+\])\{1,0\}, (\w+\[\d+,\d+\])\{1,0\}\) custom-call", line)
+        ins = re.search(r"operand_layout_constraints=\{([^}]*(?:\}[^}]*)*?)\}, api_version", line)
+        shapes = re.findall(r"\w+\[[\d,]*\]", ins.group(1)) if ins else []
+        fwd += bool(out and out.group(1) == out.group(2))
+        bwd += len(shapes) == 4 and shapes[3] == shapes[0] and shapes[0].count(",") == 1
+    return fwd, bwd
+
+
 def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
-    """The `auto` defaults on one GPU (model/autos.py) resolve to what one H100 measured fastest, and
-    the compiled program is that program: the layers unrolled (one cuDNN attention per layer, no
-    layer loop), ungrouped CoLA projections, remat none, the Triton norm; the head's backward GEMMs
-    take bf16 operands. On 8 GPUs with fsdp the scan and lowrank remat come back."""
+    """The `auto` defaults on one GPU (model/autos.py) resolve to what one H100 measured fastest (the
+    A-only grouping and the fused residual adds: what the step-time table prices fastest), and the
+    compiled program is that program: the layers unrolled (one cuDNN attention per layer, no layer
+    loop), CoLA's A's grouped, remat none, the Triton norm; the head's backward GEMMs take bf16
+    operands. On 8 GPUs with fsdp the scan and lowrank remat come back."""
     pytest.importorskip("jax_triton", reason=f"the triton norm needs jax-triton: {aot.INSTALL}")
     cfg = _tiny(make_config, **{"model.attention": "auto"})
     rep = aot.compile_config(cfg, "h100", 1, programs=("train",))
     assert rep["resolved"] == {
-        "model.group_linears": False,
+        "model.group_linears": "first",
         "model.scan_unroll": True,
         "remat.policy": "none",
         "kernels.rmsnorm": "triton",
@@ -154,13 +172,16 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
     from boost_jax.runtime.build import build
 
     text = build(cfg, aot.devices("h100", 1)).lower_train().compile().as_text()
+    # kernels.residual_norm=auto: every norm runs as the fused residual add + norm, one kernel each way
+    # (the first block's adds zeros to the embedding; the final norm adds the last block's output)
+    assert _fused_add_norms(text) == (2 * layers + 1, 2 * layers + 1), _fused_add_norms(text)
     assert " while(" not in text  # no layer scan (and no accumulation or loss-chunk loop at these shapes)
     for spec in ("btd,btv->dv", "btv,dv->btd"):  # model/loss.py's head backward
         params = _called_params(text, f"jit(train_step)/transpose(jvp({spec}))/dot_general")
         assert params and all("bf16[" in p and "f32[" not in p for p in params), (spec, params)
     fsdp = _tiny(make_config, **{"model.attention": "auto", "parallel.data": 1, "parallel.fsdp": 8})
     assert aot.compile_config(fsdp, "h100", 8, programs=("train",))["resolved"] == {
-        "model.group_linears": False,
+        "model.group_linears": "first",
         "model.scan_unroll": False,
         "remat.policy": "lowrank",
         "kernels.rmsnorm": "triton",
@@ -191,11 +212,17 @@ def test_the_triton_norm_runs_where_the_model_is_vmapped(make_config, mesh):
     if mesh.get("pipeline", 1) > 1:
         cfg.parallel.microbatches = 4
     devices = mesh.get("pipeline", 1) * mesh["data"]
-    rep = aot.compile_config(cfg, "h100", devices, programs=("train",))
-    assert rep["resolved"]["kernels.rmsnorm"] == "triton", rep["resolved"]
+    from boost_jax.runtime.build import build
+
+    built = build(cfg, aot.devices("h100", devices))
+    text = built.lower_train().compile().as_text()
+    assert aot.resolved(built.cfg)["kernels.rmsnorm"] == "triton", aot.resolved(built.cfg)
     # each device's share of the layers: forward and backward of its norms (and the final norm's)
     layers = cfg.model.n_layers // mesh.get("pipeline", 1)
-    assert rep["train"]["kernels"]["triton kernel (jax-triton)"] >= 2 * 2 * layers, rep["train"]["kernels"]
+    assert aot.kernels(text)["triton kernel (jax-triton)"] >= 2 * 2 * layers, aot.kernels(text)
+    if mesh.get("pipeline", 1) == 1:  # the fused residual add + norm, batched the same way
+        fwd, bwd = _fused_add_norms(text)
+        assert fwd == bwd == 2 * layers + 1, (fwd, bwd)
 
 
 def _executed(hlo_text, mesh) -> dict:

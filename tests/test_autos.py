@@ -24,7 +24,8 @@ def test_the_fused_norm_on_every_gpu_mesh(sizes):
 
 def test_unroll_group_and_remat_follow_the_mesh():
     one = pick()
-    assert one["scan_unroll"] and not one["group_linears"] and one["remat"] == "none"
+    assert one["scan_unroll"] and one["group_linears"] == "first" and one["remat"] == "none"
+    assert pick(gpu=False)["group_linears"] is False
     sharded = pick(fsdp=8)
     assert not sharded["scan_unroll"] and sharded["remat"] == "lowrank"
     assert pick(tensor=2)["group_linears"] and pick(linear="dense")["group_linears"]

@@ -64,6 +64,15 @@ CASES = {
     "btp_pipeline2_tp2_c2_ring": ("btp", (1, 1, 2), 2, "ring", "full", {"parallel.pipeline": 2, "model.n_layers": 4}),
 }
 SLOW_CASES = {
+    # the residual adds deferred into the norms (per shard), the bottleneck ring's pre-normalised input
+    "megatron_tp2_c2_ring_bottleneck_fused_residual": (
+        "megatron",
+        (1, 1, 2),
+        2,
+        "ring",
+        "bottleneck",
+        {"kernels.rmsnorm": "pallas", "kernels.residual_norm": "fused"},
+    ),
     "megatron_sp_tp2_c2_ring": ("megatron", (1, 1, 2), 2, "ring", "full", {"parallel.sequence_parallel": True}),
     "vanilla_tp2_c2_ring": ("vanilla", (1, 1, 2), 2, "ring", "full", {}),
     "btp_c8_ring": ("btp", (1, 1, 1), 8, "ring", "full", {}),

@@ -5,15 +5,17 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from boost_jax import train
 from boost_jax.generate import generate
 from boost_jax.model import build_model
 
 
-def test_cached_decoding_matches_full_forward(make_config):
+@pytest.mark.parametrize("residual_norm", ["separate", "fused"])  # fused: blocks hand (stream, MLP output) on
+def test_cached_decoding_matches_full_forward(make_config, residual_norm):
     cfg = make_config(**{"model.n_kv_heads": 2})
-    model = build_model(cfg.model, seed=3)
+    model = build_model(cfg.model, seed=3, residual_norm=residual_norm)
     prompt = np.random.default_rng(0).integers(0, 256, (2, 5)).astype(np.int32)
     out = generate(model, prompt, 7, temperature=0.0)
     full, _ = model(jnp.asarray(out))

@@ -31,7 +31,7 @@ def count_dots(hlo: str) -> int:
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_grouping_uses_fewer_dots_and_same_outputs(make_config, kv_heads):
     outs, dots = {}, {}
-    for grouped in (True, False):
+    for grouped in (True, False, "first"):
         cfg = one_layer(make_config, **{"model.group_linears": grouped, "model.n_kv_heads": kv_heads})
         model = model_from_config(cfg)
         graphdef, params = nnx.split(model)
@@ -39,9 +39,20 @@ def test_grouping_uses_fewer_dots_and_same_outputs(make_config, kv_heads):
         outs[grouped] = np.asarray(fwd(params, TOKENS[:, :-1]))
         dots[grouped] = count_dots(fwd.lower(params, TOKENS[:, :-1]).compile().as_text())
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs["first"], outs[False], rtol=1e-5, atol=1e-5)
     # Ungrouped: 7 projections x 2 factors + 2 attention einsums + head = 17 dots.
     assert dots[False] == 17
     assert dots[True] < dots[False]
+    assert dots["first"] == 17 - 3  # q/k/v's A's one dot, gate/up's one dot; every B its own
+
+
+def test_first_stages_grouped_keep_gradients(make_config):
+    """group_linears=first: the stacked A's gradients (and the input's, one GEMM) equal the ungrouped."""
+    base = grads_under(one_layer(make_config, **{"model.group_linears": False}))
+    got = grads_under(one_layer(make_config, **{"model.group_linears": "first"}))
+    assert jax.tree.structure(got) == jax.tree.structure(base)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def grads_under(cfg):

@@ -47,6 +47,39 @@ def test_chunked_loss_matches_full_logits(chunk, z_loss, dtype, groups):
         )
 
 
+@pytest.mark.parametrize("chunk,masked", [(4, False), (0, True)])
+def test_low_logits_round_only_the_logits(chunk, masked):
+    """low_logits (model.logits_dtype=compute): the head GEMM writes bf16 logits, nothing else changes.
+    Against float64 numpy from the same bf16-rounded logits: value and gradients to float32 rounding,
+    and the head writes a bf16 logits block (the float32 path a float32 one)."""
+    b, t, d, v = 4, 9, 16, 50
+    ks = jax.random.split(jax.random.key(11 + chunk), 4)
+    h = jax.random.normal(ks[0], (b, t, d)).astype(jnp.bfloat16)
+    w = 0.3 * jax.random.normal(ks[1], (d, v))
+    labels = jax.random.randint(ks[2], (b, t), 0, v)
+    mask = jax.random.bernoulli(ks[3], 0.7, (b, t)) if masked else None
+    fn = lambda h, w: head_loss(h, w, labels, chunk=chunk, mask=mask, low_logits=True)  # noqa: E731
+    loss, (dh, dw) = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(h, w)
+    # float64 from the rounded logits: softmax - onehot is the logits' gradient; the head's backward
+    # GEMMs take it in bf16 (as the float32 path's do), so compare those against it rounded alike
+    hn, wn = np.asarray(h, np.float64), np.asarray(w.astype(jnp.bfloat16), np.float64)
+    logits = np.asarray(jnp.asarray(np.einsum("btd,dv->btv", hn, wn), jnp.float32).astype(jnp.bfloat16), np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    ce = lse - np.take_along_axis(logits, np.asarray(labels)[..., None], -1)[..., 0]
+    weight = np.ones((b, t)) if mask is None else np.asarray(mask, np.float64)
+    scale = 1.0 if masked else 1.0 / (b * t)
+    np.testing.assert_allclose(float(loss), scale * (ce * weight).sum(), rtol=1e-5)
+    g = (np.exp(logits - lse[..., None]) - np.eye(v)[np.asarray(labels)]) * (scale * weight)[..., None]
+    g = np.asarray(jnp.asarray(g, jnp.float32).astype(jnp.bfloat16), np.float64)
+    for got, want in ((dh, np.einsum("btv,dv->btd", g, wn)), (dw, np.einsum("btd,btv->dv", hn, g))):
+        got = np.asarray(got, np.float64)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-2 * np.abs(want).max())
+    block = f"tensor<{b}x{min(chunk or t, t)}x{v}x"  # the logits (one chunk's)
+    assert f"{block}bf16>" in jax.jit(fn).lower(h, w).as_text()
+    wide = lambda h, w: head_loss(h, w, labels, chunk=chunk, mask=mask)  # noqa: E731
+    assert f"{block}f32>" in jax.jit(wide).lower(h, w).as_text()  # model.logits_dtype=float32
+
+
 @pytest.mark.parametrize("chunk,groups", [(4, 2), (0, 3), (64, 6)])
 def test_masked_loss_in_row_groups_is_the_sum_over_counted_targets(chunk, groups):
     b, t, d, v = 6, 11, 8, 40

@@ -136,6 +136,18 @@ VARIANTS = {
     "ungrouped": {"model.group_linears": False},
     "pallas_online_norm": {"kernels.rmsnorm": "pallas"},
     "pallas_megatron": {"kernels.rmsnorm": "pallas", "parallel.strategy": "megatron"},
+    # the residual adds deferred into the norms (model/transformer.py Block), the norm per shard
+    "fused_residual_megatron": {
+        "kernels.rmsnorm": "pallas",
+        "kernels.residual_norm": "fused",
+        "parallel.strategy": "megatron",
+    },
+    # ... and where rows are split along d (BTP without online norm): XLA's add and norm
+    "fused_residual_sync_norm": {
+        "parallel.online_norm": False,
+        "kernels.rmsnorm": "pallas",
+        "kernels.residual_norm": "fused",
+    },
     "tied_embeddings_2x2x2": {"model.tie_embeddings": True, "mesh": (2, 2, 2)},
     "dense_ungrouped_2x2x2": {"model.linear": "dense", "model.group_linears": False, "mesh": (2, 2, 2)},
     "spatial_temporal_mlp_dense": {

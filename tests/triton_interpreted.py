@@ -1,11 +1,14 @@
-"""Run the Triton RMSNorm kernels under Triton's interpreter on CPU (no GPU, no torch, no jax-triton).
+"""Run the Triton RMSNorm (and residual add + RMSNorm) kernels under Triton's interpreter on CPU (no GPU,
+no torch, no jax-triton).
 
     TRITON_INTERPRET=1 python tests/triton_interpreted.py CASES.npz OUT.npz
 
 CASES.npz holds, per case i: `x{i}`, `w{i}`, `dy{i}`, `ds{i}` (bfloat16 stored as uint16 with
 `x{i}_dtype`), `eps{i}`, `rows{i}` and `programs{i}` (the backward's grid; 0: the module's choice). OUT.npz gets
 `y{i}`, `s{i}`, `dx{i}`, `dw{i}` (dw: the
-kernel's [programs, d] partials, summed) as the kernels wrote them. Triton's interpreter expects torch
+kernel's [programs, d] partials, summed) as the kernels wrote them; a case with a residual `r{i}` and
+h's gradient `dh{i}` also runs the fused residual add + norm into `add_y{i}`, `add_h{i}`, `add_dx{i}`,
+`add_dw{i}`. Triton's interpreter expects torch
 tensors; `HostArray` gives a numpy array the few torch methods it calls (the data stays in place).
 """
 
@@ -74,6 +77,19 @@ def run_case(T, x, w, dy, ds, eps, rows, programs, x_dtype):
     return y, s, dx, dw.sum(axis=0)
 
 
+def run_add_case(T, x, r, w, dy, dh, eps, rows, programs, x_dtype):
+    """The fused residual add + norm: (y, h, dx, dscale)."""
+    n, d = x.shape
+    y, h = np.zeros_like(x), np.zeros_like(x)
+    p = programs or T.programs(n, rows)
+    dx, dw = np.zeros_like(x), np.zeros((p, d), np.float32)
+    hx = lambda a: HostArray(a, x_dtype)  # noqa: E731
+    consts = dict(n_rows=n, d=d, eps=eps, ROWS=rows, BLOCK_D=T.block_d(d))
+    T.add_rmsnorm_fwd_kernel[(-(-n // rows),)](hx(x), hx(r), HostArray(w), hx(y), hx(h), **consts)
+    T.add_rmsnorm_bwd_kernel[(p,)](hx(h), HostArray(w), hx(dy), hx(dh), hx(dx), HostArray(dw), **consts, PROGRAMS=p)
+    return y, h, dx, dw.sum(axis=0)
+
+
 def main(cases_path, out_path):
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Triton is imported"
     from boost_jax.kernels import rmsnorm_triton as T
@@ -94,6 +110,20 @@ def main(cases_path, out_path):
             str(cases[f"x{i}_dtype"]),
         )
         out.update({f"{k}{i}": v for k, v in zip(("y", "s", "dx", "dw"), got)})
+        if f"r{i}" in cases:  # the same case through the fused residual add + norm
+            got = run_add_case(
+                T,
+                cases[f"x{i}"],
+                cases[f"r{i}"],
+                cases[f"w{i}"],
+                cases[f"dy{i}"],
+                cases[f"dh{i}"],
+                float(cases[f"eps{i}"]),
+                int(cases[f"rows{i}"]),
+                int(cases[f"programs{i}"]),
+                str(cases[f"x{i}_dtype"]),
+            )
+            out.update({f"add_{k}{i}": v for k, v in zip(("y", "h", "dx", "dw"), got)})
         i += 1
     np.savez(out_path, **out)
 

@@ -153,7 +153,8 @@ def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
     m.init_std = 0.02  # embedding init
     # q/k/v and gate/up first stages as one GEMM, B's as one batched dot. auto (boost_jax/model/autos.py):
     # grouped where parallel.tensor > 1 (it merges their collectives) or the kind is dense, else not.
-    m.group_linears = config_dict.FieldReference("auto", field_type=object)  # auto | true | false
+    # auto | true | false | first (only the first stages, the A's, as one GEMM; each B its own)
+    m.group_linears = config_dict.FieldReference("auto", field_type=object)
     # unroll the layer scan. auto: unrolled on GPUs where only parallel.data splits the mesh (18% faster
     # on one H100), scanned elsewhere (compile time does not grow with depth).
     m.scan_unroll = config_dict.FieldReference("auto", field_type=object)  # auto | true | false
@@ -161,6 +162,9 @@ def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
     m.attention = "auto"
     m.loss_chunk = 512  # positions per chunk of the head + cross-entropy (no f32 [B,T,V]); 0: one piece
+    # compute | float32: the dtype the head GEMM writes the training loss's logits in (compute: model.dtype,
+    # the cross-entropy reading them into float32; float32: a float32 [B, c, V] block and its gradient)
+    m.logits_dtype = "compute"
     m.z_loss = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the training loss
 
 
@@ -301,6 +305,10 @@ def _kernels_section(c: ml_collections.ConfigDict) -> None:
     # with jax-triton installed, the `gpu` extra)
     # auto: triton on NVIDIA GPUs with jax-triton, pallas on other GPUs, xla elsewhere.
     kn.rmsnorm = "auto"
+    # fused | separate: the residual adds run inside the norms that read them (one Triton kernel each
+    # way, kernels.rmsnorm=triton only; BTP's online norm and pipelined stacks keep separate adds).
+    # auto: fused where kernels.rmsnorm resolves to triton.
+    kn.residual_norm = "auto"
 
 
 def _distributed_section(c: ml_collections.ConfigDict) -> None:

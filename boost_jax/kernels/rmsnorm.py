@@ -323,6 +323,65 @@ def _triton_runs(x2, scale, block_rows):
     )
 
 
+def _triton_add_runs(x2, scale, block_rows):
+    """`_triton_runs` for the fused residual add + norm kernels."""
+
+    def compile_probe():
+        if not platform.is_nvidia():
+            raise RuntimeError("needs an NVIDIA GPU")
+        from boost_jax.kernels import rmsnorm_triton as T  # lazy: imports triton, the optional gpu extra
+
+        rows = block_rows or T.default_rows(x2.shape[1])
+
+        def probe(x, w, dy, ds):
+            del ds
+            return T.add_fwd_call(x, dy, w, 1e-6, rows), T.add_bwd_call(x, w, dy, dy, 1e-6, rows)
+
+        jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()  # on the target devices (_one_block)
+
+    return _probe(
+        "triton add",
+        x2,
+        scale,
+        block_rows,
+        compile_probe,
+        lambda backend, reason: (
+            f"boost_jax rmsnorm: the fused residual add + norm (kernels.residual_norm) cannot run on backend "
+            f"{backend!r} ({reason}); falling back to XLA's add and norm. It needs an NVIDIA GPU with triton and "
+            f"jax-triton ({install_hint('gpu')}); elsewhere set kernels.residual_norm=separate."
+        ),
+    )
+
+
+def add_rmsnorm_reference(x, residual, scale, eps):
+    """Plain jnp: (y = RMSNorm(h) [..., d] in x.dtype, h = x + residual in x.dtype)."""
+    h = x + residual.astype(x.dtype)
+    return rmsnorm_reference(h, scale, eps)[0], h
+
+
+def add_rmsnorm(x, residual, scale, eps, *, impl="triton", block_rows=None):
+    """The residual add and the norm that reads it: (y = RMSNorm(x + residual)·scale, h = x + residual),
+    both in x.dtype. impl="triton" runs them as one kernel each way (rmsnorm_triton.py
+    `add_rmsnorm_rows`), falling back to XLA loudly where it cannot; any other impl adds with XLA and
+    runs `rmsnorm` with that impl on the sum."""
+    *lead, d = x.shape
+    if impl != "triton" or x.size == 0:
+        h = x + residual.astype(x.dtype)
+        return rmsnorm(h, scale, eps, impl=impl, block_rows=block_rows)[0], h
+    if scale.shape != (d,):
+        raise ValueError(f"scale shape {scale.shape} != ({d},)")
+    x2, r2 = x.reshape(-1, d), residual.astype(x.dtype).reshape(-1, d)
+    used_key = ("triton add", platform.name(), jnp.dtype(x.dtype).name, d)
+    failure = _triton_add_runs(x2, scale, block_rows)
+    _USED[used_key] = f"xla (triton unavailable: {failure})" if failure else "triton"
+    if failure:
+        return add_rmsnorm_reference(x, residual, scale, eps)
+    from boost_jax.kernels import rmsnorm_triton as T  # lazy: imports triton, the optional gpu extra
+
+    y, h = T.add_rmsnorm_rows(x2, r2, scale, float(eps), block_rows or T.default_rows(d))
+    return y.reshape(x.shape), h.reshape(x.shape)
+
+
 def rmsnorm(x, scale, eps, *, impl="pallas", block_rows=None, interpret=None):
     """RMSNorm over the last axis; returns (y [..., d] in x.dtype, s = Σx² [...] in float32).
 

@@ -1,4 +1,5 @@
-"""The fused RMSNorm(+Σx²) forward and backward as Triton kernels, called from JAX through jax-triton.
+"""The fused RMSNorm(+Σx²) forward and backward as Triton kernels, called from JAX through jax-triton,
+and the residual add fused with the norm that reads it (`add_rmsnorm_rows`).
 
 `kernels.rmsnorm=triton` runs these; `boost_jax/kernels/rmsnorm.py` is the interface (and the
 probe-then-fall-back logic shared with the Pallas kernels). Same math and outputs as the Pallas
@@ -6,6 +7,11 @@ kernels: for x [R, d], scale [d]
 
     s = Σ_d x² (float32),  y = x · rsqrt(s/d + eps) · scale,
     dx = dy·w·r - x·(Σ dy·w·x)·r³/d + 2·x·ds,  dscale = Σ_rows dy·x·r.
+
+The fused add + norm takes the residual stream x and a branch's output r: h = x + r (stored in x's
+dtype), y = rmsnorm(h)·scale; its backward gets dy and dh (h's own gradient, from the stream's next
+add) and returns dx = dr = dh + the norm's dh, so neither the add nor the gradient sum is a separate
+pass over the rows.
 
 Why a second implementation: JAX 0.11 deprecates the Pallas Triton backend ("to keep using Triton,
 switch to the official Triton bindings and jax_triton", the Pallas changelog for 0.11.0), so when
@@ -105,6 +111,75 @@ def rmsnorm_bwd_kernel(
     tl.store(dw_ptr + pid * d + cols, acc, mask=cmask)
 
 
+@triton.jit
+def add_rmsnorm_fwd_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    h_ptr,
+    n_rows: tl.constexpr,
+    d: tl.constexpr,
+    eps: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < n_rows
+    cmask = cols < d
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # h is stored in its own dtype and normalised as stored, so the backward (which reads h back)
+    # and a separate add followed by the norm see the same values.
+    h = (x + r).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(hf * hf, axis=1) / d + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (hf * inv[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_rmsnorm_bwd_kernel(
+    h_ptr,
+    w_ptr,
+    dy_ptr,
+    dh_ptr,
+    dx_ptr,
+    dw_ptr,
+    n_rows: tl.constexpr,
+    d: tl.constexpr,
+    eps: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for step in range(0, tl.cdiv(tl.cdiv(n_rows, ROWS), PROGRAMS)):
+        rows = (pid + step * PROGRAMS) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.where(rmask, tl.rsqrt(tl.sum(h * h, axis=1) / d + eps), 0.0)
+        dyw = dy * w[None, :]
+        c = tl.sum(dyw * h, axis=1) * (r * r * r) / d
+        # the norm's gradient plus the residual stream's own: x and the residual get the same dx
+        dx = dyw * r[:, None] - h * c[:, None] + dh
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(dy * h * r[:, None], axis=0)
+    tl.store(dw_ptr + pid * d + cols, acc, mask=cmask)
+
+
 # ------------------------------------------------------------------------------------- launch plan
 
 
@@ -187,6 +262,53 @@ def bwd_call(x2, scale, dy, ds, eps, rows):
     return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
 
 
+def add_fwd_call(x2, r2, scale, eps, rows):
+    n_rows, d = x2.shape
+    row = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
+    return _jt().triton_call(
+        x2,
+        r2,
+        scale,
+        kernel=add_rmsnorm_fwd_kernel,
+        out_shape=[row, row],
+        grid=(triton.cdiv(n_rows, rows),),
+        num_warps=num_warps(rows, d),
+        num_stages=1,
+        name="add_rmsnorm_fwd",
+        **_target(),
+        n_rows=n_rows,
+        d=d,
+        eps=eps,
+        ROWS=rows,
+        BLOCK_D=block_d(d),
+    )
+
+
+def add_bwd_call(h2, scale, dy, dh, eps, rows):
+    n_rows, d = h2.shape
+    p = programs(n_rows, rows)
+    dx, dw_part = _jt().triton_call(
+        h2,
+        scale,
+        dy,
+        dh,
+        kernel=add_rmsnorm_bwd_kernel,
+        out_shape=[jax.ShapeDtypeStruct(h2.shape, h2.dtype), jax.ShapeDtypeStruct((p, d), _F32)],
+        grid=(p,),
+        num_warps=num_warps(rows, d),
+        num_stages=1,
+        name="add_rmsnorm_bwd",
+        **_target(),
+        n_rows=n_rows,
+        d=d,
+        eps=eps,
+        ROWS=rows,
+        BLOCK_D=block_d(d),
+        PROGRAMS=p,
+    )
+    return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _calls(eps, rows):
     """The forward and backward calls for (eps, rows), batched by vmap through `row_batching` (a
@@ -216,6 +338,35 @@ def _vjp_bwd(eps, rows, res, cts):
 rmsnorm_rows.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+@functools.lru_cache(maxsize=None)
+def _add_calls(eps, rows):
+    """`_calls` for the fused residual add + norm."""
+    fwd = row_batching.forward(lambda x2, r2, scale: add_fwd_call(x2, r2, scale, eps, rows))
+    bwd = row_batching.backward(lambda h2, scale, dy, dh: add_bwd_call(h2, scale, dy, dh, eps, rows))
+    return fwd, bwd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def add_rmsnorm_rows(x2, r2, scale, eps, rows):
+    """x2, r2 [R, d] (one dtype), scale [d] -> (y = rmsnorm(h) [R, d], h = x2 + r2 [R, d]). eps, rows static."""
+    return _add_calls(eps, rows)[0](x2, r2, scale)
+
+
+def _add_vjp_fwd(x2, r2, scale, eps, rows):
+    y, h = _add_calls(eps, rows)[0](x2, r2, scale)
+    return (y, h), (h, scale)
+
+
+def _add_vjp_bwd(eps, rows, res, cts):
+    h2, scale = res
+    dy, dh = cts
+    dx, dscale = _add_calls(eps, rows)[1](h2, scale, dy.astype(h2.dtype), dh.astype(h2.dtype))
+    return dx, dx, dscale
+
+
+add_rmsnorm_rows.defvjp(_add_vjp_fwd, _add_vjp_bwd)
+
+
 # ------------------------------------------------------------------- ahead-of-time compile (no GPU)
 
 _TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -224,8 +375,8 @@ _TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 def compile_for_cuda(
     x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 1e-6, rows: int | None = None, capability: int = 90
 ) -> dict:
-    """Compile both kernels for an NVIDIA GPU of compute `capability` (90: H100/H200) without one:
-    {"fwd"|"bwd": triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata)}. Pointers are
+    """Compile the kernels for an NVIDIA GPU of compute `capability` (90: H100/H200) without one:
+    {"fwd"|"bwd"|"add_fwd"|"add_bwd": triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata)}. Pointers are
     declared 16-byte aligned, the assumption jax-triton makes for every array it passes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -239,6 +390,12 @@ def compile_for_cuda(
         "bwd": (
             rmsnorm_bwd_kernel,
             [f"*{xt}", f"*{wt}", f"*{xt}", "*fp32", f"*{xt}", "*fp32"],
+            {**consts, "PROGRAMS": programs(n_rows, rows)},
+        ),
+        "add_fwd": (add_rmsnorm_fwd_kernel, [f"*{xt}", f"*{xt}", f"*{wt}", f"*{xt}", f"*{xt}"], consts),
+        "add_bwd": (
+            add_rmsnorm_bwd_kernel,
+            [f"*{xt}", f"*{wt}", f"*{xt}", f"*{xt}", f"*{xt}", "*fp32"],
             {**consts, "PROGRAMS": programs(n_rows, rows)},
         ),
     }

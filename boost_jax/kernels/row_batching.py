@@ -1,7 +1,8 @@
 """`jax.vmap` for row-wise norm kernels whose primitive has no batching rule (jax-triton's calls).
 
-A norm kernel's forward takes rows x2 [R, d] and a scale [d] and returns (y [R, d], s [R]); its
-backward takes (x2, scale, dy, ds) and returns (dx [R, d], dscale [d]). Under vmap (the trainer's
+A norm kernel's forward takes rows x2 [R, d] (the fused add + norm: x2 and a residual) and a scale [d]
+and returns row-major outputs ((y [R, d], s [R]), or (y, h)); its backward takes (x2, scale, dy, ds)
+(ds: [R], or [R, d] for h's gradient) and returns (dx [R, d], dscale [d]). Under vmap (the trainer's
 data-parallel gradient island and pipeline stages vmap the model) the calls get a leading batch dim:
 
 - forward, scale shared by the batch: the batch is more rows, so [B, R, d] runs as one call on
@@ -37,21 +38,23 @@ def _per_member(call, size: int, shared_scale: bool, scale, *rows):
 
 
 def forward(call):
-    """`call(x2, scale) -> (y, s)` as a function vmap batches (see the module docstring)."""
+    """`call(*rows, scale) -> outputs` as a function vmap batches (see the module docstring): `rows`
+    are [R, d] arrays (x2, or x2 and a residual), every output is row-major ([R, d] or [R])."""
 
     @custom_vmap
-    def fwd(x2, scale):
-        return tuple(call(x2, scale))
+    def fwd(*args):
+        return tuple(call(*args))
 
     @fwd.def_vmap
-    def rule(size, in_batched, x2, scale):
-        x_batched, scale_batched = in_batched
-        x2 = _batched(x2, x_batched, size)
-        if not scale_batched:
-            y, s = fwd(x2.reshape(-1, x2.shape[-1]), scale)
-            return (y.reshape(x2.shape), s.reshape(x2.shape[:-1])), (True, True)
-        out = _per_member(fwd, size, False, scale, x2)
-        return tuple(out), (True, True)
+    def rule(size, in_batched, *args):
+        *rows, scale = args
+        rows = [_batched(r, b, size) for r, b in zip(rows, in_batched[:-1])]
+        if not in_batched[-1]:
+            out = fwd(*(r.reshape(-1, r.shape[-1]) for r in rows), scale)
+            lead = rows[0].shape[:-1]
+            return tuple(o.reshape(lead + o.shape[1:]) for o in out), tuple(True for _ in out)
+        out = tuple(_per_member(fwd, size, False, scale, *rows))
+        return out, tuple(True for _ in out)
 
     return fwd
 

@@ -10,7 +10,9 @@ measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, ben
 
 - model.group_linears: grouped where the tensor axis splits the projections (grouping exists to merge
   their collectives) and for unfactored kinds (dense: q/k/v and gate/up as one GEMM, llama_1b 1.8%
-  faster); factored kinds on one device ungrouped (cola_1b: 1.1% faster unrolled, 11% scanned).
+  faster); factored kinds otherwise `first` on GPUs: the A's as one GEMM (the backward's input gradient
+  one GEMM, not a sum of one per projection), each B its own (fully grouped, the B outputs sliced out of
+  one batched GEMM cost more than they save: cola_1b 1.1% slower unrolled, 11% scanned); ungrouped on CPUs.
 - model.scan_unroll: the layer stack unrolled on GPUs where only `data` splits the mesh (each device
   runs the one-device program); it runs 18% faster on one H100 (cola_1b 117.0 -> 95.8 ms) because XLA
   fuses and schedules across layers and no per-layer slices and stacked gradient updates remain.
@@ -65,12 +67,18 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
         split = {a for a in AXES if sizes[a] > 1}
         unroll = gpu and (split <= {"data"} or (split <= {"data", "tensor"} and policy == "none"))
     if group == AUTO:
-        group = sizes["tensor"] > 1 or not kind_class(linear).factored
+        factored = kind_class(linear).factored
+        group = True if sizes["tensor"] > 1 or not factored else ("first" if gpu else False)
     if policy == AUTO:
         policy = "none" if unroll or not gpu else ("lowrank" if kind_class(linear).factored else "full")
     if norm == AUTO:
         norm = ("triton" if triton else "pallas") if gpu else "xla"
-    return {"group_linears": bool(group), "scan_unroll": bool(unroll), "remat": policy, "rmsnorm": norm}
+    return {
+        "group_linears": group if group == "first" else bool(group),
+        "scan_unroll": bool(unroll),
+        "remat": policy,
+        "rmsnorm": norm,
+    }
 
 
 def rules(cfg, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:

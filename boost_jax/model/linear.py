@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.kernels.rmsnorm import add_rmsnorm
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import LinearKind
@@ -54,6 +55,23 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, names=RESIDUAL) -> jax.Array:
         return self.run(self.rows, x, self.scale[...], names)
+
+    def added_rows(self, x, residual, scale, impl: str | None = None):
+        """(the normalised rows of x + residual, x + residual) of an unsharded (or local) x."""
+        return add_rmsnorm(x, residual, scale, self.eps, impl=impl or self.impl)
+
+    def add(self, x: jax.Array, residual: jax.Array, names=RESIDUAL) -> tuple[jax.Array, jax.Array]:
+        """(RMSNorm(x + residual), x + residual): the residual add fused with this norm (one Triton
+        kernel each way under `impl="triton"`, kernels/rmsnorm.py `add_rmsnorm`)."""
+        return self.run.add(self.added_rows, x, residual, self.scale[...], names)
+
+
+FIRST = "first"  # model.group_linears: only the first stages grouped
+
+
+def grouping(value) -> bool | str:
+    """`model.group_linears` as `project` takes it: True, False or FIRST."""
+    return FIRST if value == FIRST else bool(value)
 
 
 def _runs(projs, shape):
@@ -97,9 +115,12 @@ def _first_stage(projs, x, grouped: bool, norm, route):
     return out
 
 
-def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED, keep=()) -> list:
+def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=()) -> list:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
-    run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `route`
+    run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `grouped=FIRST`
+    groups the first stages only: each B is its own GEMM, so no output is sliced out of a batched one,
+    while the backward's input gradient is still one GEMM over the stacked first stages, not a sum of
+    one per projection; False runs every projection alone. `route`
     (the placement's choice for the group, boost_jax/parallel/placement.py) may fuse the norm with
     the first stage or run each projection its own way. `keep`: factored projections (of kinds
     without an extra term) whose second stage is left to the caller: for them the pair (σ(A x)
@@ -114,7 +135,8 @@ def project(projs, x, *, grouped: bool = True, norm=None, route=GROUPED, keep=()
             outs.extend(h[:, :, i] for i in range(len(run)))
             continue
         kept = lambda p: any(p is k for k in keep)  # noqa: E731
-        sub = _runs(run, lambda p: (p.second_shape, kept(p))) if grouped else ((i, [p]) for i, p in enumerate(run))
+        by_shape = grouped is True
+        sub = _runs(run, lambda p: (p.second_shape, kept(p))) if by_shape else ((i, [p]) for i, p in enumerate(run))
         for i, group in sub:
             if kept(group[0]):
                 outs.extend((h[:, :, i + j], p.second_weight(_use(h.dtype))) for j, p in enumerate(group))

@@ -7,9 +7,16 @@ time, and each chunk is rematerialised in the backward pass, so at most one [B, 
 is live. The logits stay split over the vocab (`act_vocab`): only reductions over V (max, sum, the
 label's logit picked by comparison with an iota) cross devices. With c >= T it is the plain
 full-logits loss.
+
+`low_logits=True` has the head GEMM write the logits in h's dtype (bfloat16 under bf16 compute; the GEMM
+still accumulates in float32) and the cross-entropy read them into float32 inside its reductions, as a
+bf16 PyTorch step's head and loss do: the [B, c, V] logits and their gradient cross HBM at half the
+bytes, for logits rounded to h's dtype (`model.logits_dtype=compute`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +25,8 @@ from boost_jax.parallel.rules import constrain
 
 
 def token_losses(logits, labels):
-    """(cross-entropy, logsumexp) per token of float32 logits [..., V] and int labels [...]."""
+    """(cross-entropy, logsumexp) per token of logits [..., V] (computed in float32) and int labels [...]."""
+    logits = logits.astype(jnp.float32)
     top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
     lse = jnp.log(jnp.exp(logits - top).sum(axis=-1)) + top[..., 0]
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
@@ -26,22 +34,24 @@ def token_losses(logits, labels):
     return lse - picked, lse
 
 
-def logits_of(h, w):
-    """Float32 logits [B, t, V] of hidden states [B, t, d] and the head weight [d, V], vocab-parallel.
-    The GEMM runs in h's dtype with float32 accumulation; so do its two backward GEMMs (`_head`)."""
-    return constrain(_head(h, w), ("act_batch", "act_seq", "act_vocab"))
+def logits_of(h, w, low: bool = False):
+    """Float32 logits [B, t, V] of hidden states [B, t, d] and the head weight [d, V], vocab-parallel
+    (`low`: in h's dtype). The GEMM runs in h's dtype with float32 accumulation; so do its two backward
+    GEMMs (`_head`)."""
+    return constrain(_head(h, w, low), ("act_batch", "act_seq", "act_vocab"))
 
 
-@jax.custom_vjp
-def _head(h, w):
-    return jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _head(h, w, low):
+    logits = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits.astype(h.dtype) if low else logits
 
 
-def _head_fwd(h, w):
-    return _head(h, w), (h, w)
+def _head_fwd(h, w, low):
+    return _head(h, w, low), (h, w)
 
 
-def _head_bwd(res, g):
+def _head_bwd(low, res, g):
     """The float32 logits' cotangent enters both GEMMs in h's dtype (a bfloat16 step's head backward
     would otherwise run as float32 GEMMs: 3.5 ms of a 92 ms cola_1b step on one H100); both accumulate
     in float32, and the weight's gradient comes back in float32 (its dtype), summed over chunks."""
@@ -55,8 +65,8 @@ def _head_bwd(res, g):
 _head.defvjp(_head_fwd, _head_bwd)
 
 
-def _sums(h, w, labels, valid, z_loss):
-    ce, lse = token_losses(logits_of(h, w), labels)
+def _sums(h, w, labels, valid, z_loss, low=False):
+    ce, lse = token_losses(logits_of(h, w, low), labels)
     return jnp.sum(jnp.where(valid, ce + z_loss * lse * lse, 0.0))
 
 
@@ -76,7 +86,16 @@ def _split(x, n: int, chunk: int, groups: int, seq_groups: int = 1):
 
 
 def head_loss(
-    h, w, labels, *, chunk: int = 0, z_loss: float = 0.0, mask=None, row_groups: int = 1, seq_groups: int = 1
+    h,
+    w,
+    labels,
+    *,
+    chunk: int = 0,
+    z_loss: float = 0.0,
+    mask=None,
+    row_groups: int = 1,
+    seq_groups: int = 1,
+    low_logits: bool = False,
 ):
     """Mean over tokens of cross-entropy (+ z_loss · logsumexp²). h: [B, T, d]; w: [d, V]; labels: [B, T].
 
@@ -85,19 +104,20 @@ def head_loss(
     [B/groups, c, V] however many micro-batches the pass has). mask: bool [B, T] of the targets that
     count; with it the *sum* over them is returned (the caller divides by the batch's count:
     boost_jax/runtime/step.py). seq_groups: the positions are chunked within that many equal pieces
-    (context parallelism: each device's own), every step taking one chunk of each."""
+    (context parallelism: each device's own), every step taking one chunk of each. low_logits: the
+    logits in h's dtype (the module docstring)."""
     b, t, _ = h.shape
     w = w.astype(jnp.float32)  # used in h's dtype; its gradient sums over the chunks in float32
     if mask is not None:
-        return _masked_sum(h, w, labels, mask, chunk, z_loss, row_groups, seq_groups)
+        return _masked_sum(h, w, labels, mask, chunk, z_loss, row_groups, seq_groups, low_logits)
     if (not chunk or chunk >= t) and row_groups == 1:
-        return _sums(h, w, labels, True, z_loss) / (b * t)
+        return _sums(h, w, labels, True, z_loss, low_logits) / (b * t)
     chunk, n = _chunks(t // seq_groups, chunk)
     # [groups * n, B/groups, seq_groups * c, ...]: one scan step per chunk of positions (and row group).
     split = lambda x: _split(x, n, chunk, row_groups, seq_groups)  # noqa: E731
     hs, ls = split(h), split(labels)
     vs = split(jnp.ones((row_groups, t), bool))  # [groups * n, 1, seq_groups * c]: False on the padding
-    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss))  # recompute logits in bwd
+    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss, low_logits))  # logits recomputed
 
     def step(total, xs):
         return total + body(*xs), None
@@ -112,14 +132,14 @@ def _chunks(t: int, chunk: int) -> tuple[int, int]:
     return chunk, -(-t // chunk)
 
 
-def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float, row_groups: int = 1, seq_groups: int = 1):
+def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float, row_groups: int = 1, seq_groups: int = 1, low=False):
     """Sum of the loss over the targets in `mask` [B, T], chunked like `head_loss`."""
     b, t, _ = h.shape
     if (not chunk or chunk >= t) and row_groups == 1:
-        return _sums(h, w, labels, mask, z_loss)
+        return _sums(h, w, labels, mask, z_loss, low)
     chunk, n = _chunks(t // seq_groups, chunk)
     split = lambda x: _split(x, n, chunk, row_groups, seq_groups)  # noqa: E731
-    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss))
+    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss, low))
 
     def step(total, xs):
         return total + body(*xs), None

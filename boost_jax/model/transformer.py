@@ -14,7 +14,7 @@ from boost_jax.model import batch as batch_lib
 from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
-from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, project
+from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, grouping, project
 from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain, gathered, take_rows
@@ -35,7 +35,7 @@ class MLP(nnx.Module):
         self.down = Projection(cfg, cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), group="mlp_out", **proj)
         # CoLA's larger models drop the SwiGLU σ: the bottleneck σ is the only nonlinearity.
         self.only_lr_act = bool(cfg.only_lr_act) and kind_class(cfg.linear).nonlinear(cfg)
-        self.grouped = bool(cfg.group_linears)
+        self.grouped = grouping(cfg.group_linears)
         factored = kind_class(cfg.linear).factored
         self.in_route, self.out_route = (placement.group(g, factored) for g in ("mlp_in", "mlp_out"))
 
@@ -46,18 +46,43 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, norm_impl: str = "xla", placement=LOCAL):
+    """A pre-norm block. With `fuse_residual` its residual adds run inside the norms that read them
+    (RMSNorm.add): the attention output's add in the MLP's norm, and the MLP output's add deferred to
+    the next block's first norm (the block returns (stream, MLP output) and takes that pair as its x).
+    Groups whose norm rides in the A all-reduce (BTP's online norm) keep the separate adds."""
+
+    def __init__(
+        self, cfg, *, rngs: nnx.Rngs, param_dtype, norm_impl: str = "xla", placement=LOCAL, fuse_residual=False
+    ):
         norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm_impl, run=placement.norm(norm_impl))
         self.attn_norm = RMSNorm(cfg.d_model, **norm)
         self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
+        self.fuse_residual = bool(fuse_residual)
 
     def __call__(self, x, positions, cache=None, docs=None):
-        h, cache = self.attn(x, self.attn_norm, positions, cache, docs)
+        if isinstance(x, tuple):  # (stream, the previous block's MLP output): add it in this norm
+            y, x = self.attn_norm.add(*x)
+            h, cache = self.attn(y, None, positions, cache, docs)
+        else:
+            h, cache = self.attn(x, self.attn_norm, positions, cache, docs)
+        if self.fuse_residual:
+            y, x = self.mlp_norm.add(x, h)
+            return (constrain(x, RESIDUAL), constrain(self.mlp(y, None), RESIDUAL)), cache
         x = constrain(x + h, RESIDUAL)
         x = constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL)
         return x, cache
+
+
+def fuses_residual(choice: str, norm_impl: str, placement, linear: str) -> bool:
+    """`kernels.residual_norm` resolved: `fused` (auto: where the norm is the Triton kernel) unless a
+    pipeline runs the stack (its stages pass one array) or a group fuses its norm with its first stage."""
+    if choice == "separate" or (choice == "auto" and norm_impl != "triton"):
+        return False
+    factored = kind_class(linear).factored
+    online = any(placement.group(g, factored).fuses_norm for g in ("qkv", "mlp_in"))
+    return placement.pipeline(LAYER_STACK) is None and not online
 
 
 LAYER_STACK = "layers"  # the parameters' key of the stacked layers (what a pipeline runs)
@@ -77,8 +102,10 @@ class Transformer(nnx.Module):
         norm_impl: str = "xla",
         placement=LOCAL,
         remat_pipeline: str = "none",
+        residual_norm: str = "auto",
     ):
         cfg, remat_policy, norm_impl = autos.for_model(cfg, remat_policy, norm_impl, placement.mesh)
+        fuse = fuses_residual(residual_norm, norm_impl, placement, cfg.linear)
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
         self.pipeline = placement.pipeline(LAYER_STACK)  # None: the layers run as one scan
@@ -97,7 +124,9 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stacked(r):
-            return Block(cfg, rngs=r, param_dtype=param_dtype, norm_impl=norm_impl, placement=placement)
+            return Block(
+                cfg, rngs=r, param_dtype=param_dtype, norm_impl=norm_impl, placement=placement, fuse_residual=fuse
+            )
 
         self.layers = stacked(rngs)
         self.final_norm = RMSNorm(
@@ -109,8 +138,10 @@ class Transformer(nnx.Module):
             run=placement.norm(norm_impl),
         )
         self.unroll = bool(cfg.scan_unroll)
+        self.fuse_residual = fuse
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.loss_chunk, self.z_loss = int(cfg.loss_chunk), float(cfg.z_loss)
+        self.low_logits = cfg.get("logits_dtype", "compute") == "compute"
         if not self.tie_embeddings:
             self.lm_head = nnx.Param(
                 dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.d_model, param_dtype),
@@ -132,6 +163,8 @@ class Transformer(nnx.Module):
                 layer, layer_state, x, given_positions, unroll=self.unroll, docs=docs, remat_stage=self.remat_stage
             )
         else:
+            if self.fuse_residual:  # the stream and the last block's output, added in the next norm
+                x = (x, jnp.zeros_like(x))
             x, cache = jax.lax.scan(
                 lambda h, xs: layer(h, xs[0], xs[1], positions, docs),
                 x,
@@ -194,7 +227,9 @@ class Transformer(nnx.Module):
         labels, mask = tokens[:, 1:], batch_lib.target_mask(batch)
         # Pipelined, the head and loss run one pipeline micro-batch (and chunk of positions) at a time,
         # so their live logits block does not grow with the micro-batch count.
-        loss = functools.partial(head_loss, chunk=self.loss_chunk, z_loss=self.z_loss if with_z_loss else 0.0)
+        loss = functools.partial(
+            head_loss, chunk=self.loss_chunk, z_loss=self.z_loss if with_z_loss else 0.0, low_logits=self.low_logits
+        )
         if self.context is not None:  # h is in the context layout: the targets follow; each device
             # scans its own positions
             labels, mask = self.context.layout(labels), None if mask is None else self.context.layout(mask)
@@ -225,6 +260,8 @@ def _final(norm, x):
     """One gather of the hidden state (BTP keeps it split along d; sequence parallelism along T), then
     the final norm: a vocab-parallel head runs on it without further collectives."""
     whole_rows = ("act_batch", "act_seq", None)
+    if isinstance(x, tuple):  # (stream, the last block's output): the add runs in the final norm
+        return norm.add(*(constrain(v, whole_rows) for v in x), whole_rows)[0]
     return norm(constrain(x, whole_rows), whole_rows)
 
 
@@ -235,6 +272,7 @@ def build_model(
     norm_impl: str = "xla",
     placement=LOCAL,
     remat_pipeline: str = "none",
+    residual_norm: str = "auto",
 ) -> Transformer:
     return Transformer(
         model_cfg,
@@ -243,12 +281,16 @@ def build_model(
         norm_impl=norm_impl,
         placement=placement,
         remat_pipeline=remat_pipeline,
+        residual_norm=residual_norm,
     )
 
 
 def model_from_config(cfg, placement=LOCAL) -> Transformer:
     """The model a run config describes (shapes, remat policies, norm kernel), placed by `placement`."""
-    return build_model(cfg.model, cfg.seed, cfg.remat.policy, cfg.kernels.rmsnorm, placement, cfg.remat.pipeline)
+    k = cfg.kernels
+    return build_model(
+        cfg.model, cfg.seed, cfg.remat.policy, k.rmsnorm, placement, cfg.remat.pipeline, k.get("residual_norm", "auto")
+    )
 
 
 # The projection groups (boost_jax/parallel/strategies.py PROJECTION_GROUPS): the logical axes of each

@@ -46,6 +46,10 @@ class Norm:
     def __call__(self, rows, x, scale, names):
         return rows(x, scale)
 
+    def add(self, rows, x, residual, scale, names):
+        """`rows(x, residual, scale) -> (y, x + residual)`: the fused residual add + norm."""
+        return rows(x, residual, scale)
+
 
 @dataclasses.dataclass(frozen=True)
 class PerShardNorm:
@@ -55,18 +59,26 @@ class PerShardNorm:
     mesh: Mesh
 
     def __call__(self, rows, x, scale, names):
+        return self._per_shard(rows, (x,), scale, names, lambda spec: spec)
+
+    def add(self, rows, x, residual, scale, names):
+        """`Norm.add` on each shard's rows (y and the sum come out in x's layout)."""
+        return self._per_shard(rows, (x, residual), scale, names, lambda spec: (spec, spec))
+
+    def _per_shard(self, rows, arrays, scale, names, out_specs):
+        x = arrays[0]
         spec = rules.logical_spec(names, x.shape)
         if spec is None:  # traced outside any rules: the rows as given
-            return rows(x, scale)
+            return rows(*arrays, scale)
         if len(spec) == x.ndim and spec[-1] is not None:
-            return rows(x, scale, "xla")
+            return rows(*arrays, scale, "xla")
         return jax.shard_map(
-            lambda v, w: rows(v, w),
+            lambda *a: rows(*a),
             mesh=rules.traced_mesh(self.mesh),
-            in_specs=(spec, P()),
-            out_specs=spec,
+            in_specs=(*(spec for _ in arrays), P()),
+            out_specs=out_specs(spec),
             check_vma=False,
-        )(x, scale)  # a pallas_call has no vma types
+        )(*arrays, scale)  # a pallas_call has no vma types
 
 
 @dataclasses.dataclass(frozen=True)

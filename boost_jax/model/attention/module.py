@@ -13,7 +13,7 @@ from boost_jax.model.attention.documents import Documents
 from boost_jax.model.attention.registry import attend, blockwise
 from boost_jax.model.attention.rotary import rope
 from boost_jax.model.kinds import kind_class
-from boost_jax.model.linear import Projection, project
+from boost_jax.model.linear import Projection, grouping, project
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain
 
@@ -23,7 +23,7 @@ class Attention(nnx.Module):
         d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d // h
         self.rope_theta = cfg.rope_theta
-        self.grouped = bool(cfg.group_linears)
+        self.grouped = grouping(cfg.group_linears)
         self.impl = cfg.attention
         proj = dict(rngs=rngs, param_dtype=param_dtype)
         self.q = Projection(cfg, d, h * self.head_dim, axes=("embed", "heads"), group="qkv", **proj)
