@@ -35,6 +35,8 @@ from boost_jax.tools import step_profile as sp  # noqa: E402
 HLO_DIR = HERE / "hlo"
 MEASURED = HERE / "h100_measured.json"
 TOLERANCE = 0.15
+# Two measured steps closer than this are a tie for the orders' check (one measurement each).
+TIE = 0.02
 # Fitted constants: the GEMM classes' efficiencies, then the launch cost in microseconds. Not
 # fitted: cuDNN attention's efficiency curve, efficiency x keys / (keys + half_keys)
 # (tools/step_pricing.py attention_time), through two measured kernels on one H100: 0.407 of peak at
@@ -181,9 +183,13 @@ def table(rows: list[dict], predicted: dict) -> list[dict]:
 
 
 def orders(spec: list, predicted: dict, measured: dict) -> list[dict]:
+    """Each listed order, kept when the prediction orders the two rows as measured; where the measured
+    steps differ by less than TIE (one run each: within a GPU's run-to-run noise), the order is a tie,
+    kept when the prediction also puts them within TIE of each other."""
     out = []
     for a, op, b, what in spec:
         pa, pb = predicted[a]["predicted_step_s"], predicted[b]["predicted_step_s"]
+        tie = abs(measured[a] / measured[b] - 1) < TIE
         out.append(
             {
                 "slower": a,
@@ -191,7 +197,8 @@ def orders(spec: list, predicted: dict, measured: dict) -> list[dict]:
                 "what": what,
                 "measured_ms": [measured[a], measured[b]],
                 "predicted_ms": [pa * 1e3, pb * 1e3],
-                "kept": pa > pb if op == ">" else pa < pb,
+                "tie": tie,
+                "kept": abs(pa / pb - 1) < TIE if tie else (pa > pb if op == ">" else pa < pb),
             }
         )
     return out
@@ -229,7 +236,7 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {o['what']}: {o['slower']} > {o['faster']} | {o['measured_ms'][0]:.1f} > "
             f"{o['measured_ms'][1]:.1f} | {o['predicted_ms'][0]:.1f} > {o['predicted_ms'][1]:.1f} | "
-            f"{'yes' if o['kept'] else 'NO'} |"
+            f"{('tie within ' + format(TIE, '.0%') + ': ') if o['tie'] else ''}{'yes' if o['kept'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -88,7 +88,6 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
         ("parallel.pipeline_repeats", 2, "parallel.pipeline_repeats"),  # under gpipe
         ("parallel.device_memory_gb", -1.0, "parallel.device_memory_gb"),
         ("parallel.device_memory_gb", 40.0, "parallel.device_memory_gb"),  # without parallel.plan=auto
-
         ("kernels.residual_norm", "on", "kernels.residual_norm"),
         ("model.logits_dtype", "bfloat16", "model.logits_dtype"),
         ("model.group_linears", "second", "model.group_linears"),
