@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from boost_jax import train
+from boost_jax import train, xla_gpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's boost_jax in the commands started
@@ -237,3 +237,24 @@ def test_first_command_benchmark(tmp_path, capsys):
     assert row["bar_at_first_log"]["step"] == 2 and row["bar_at_first_log"]["time_left_shown_s"] is not None, row
     assert row["load_avg"]["max"] >= row["load_avg"]["min"] >= 0
     assert "| first step (with the compile) |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    not xla_gpu_flags.plugin_without_gpu() or os.environ.get("JAX_PLATFORMS", "cpu") != "cpu",
+    reason="needs a CUDA plugin of jax (the aot extra) on a host without an NVIDIA driver",
+)
+def test_no_gpu_plugin_noise_on_a_host_without_a_gpu(make_config):
+    """With the `aot` extra's CUDA plugin installed on a host without a GPU, JAX logs a 17-line
+    "Jax plugin configuration error ... Unable to load cuFFT" traceback when it starts: the entry
+    points keep it from the user (run as a user runs them: JAX_PLATFORMS unset)."""
+    cfg = make_config(**{"train.steps": 2, "train.eval_every": 0})
+    train.run(cfg)
+    env = {k: v for k, v in ENV.items() if k != "JAX_PLATFORMS"}
+    for args in (
+        ["boost_jax.train", "--print_config"],
+        ["boost_jax.evaluate", "--checkpoint", cfg.run_dir, "--batches", "1"],
+        ["boost_jax.generate", "--checkpoint", cfg.run_dir, "--max_new_tokens", "2"],
+    ):
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "plugin" not in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

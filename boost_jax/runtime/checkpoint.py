@@ -301,6 +301,12 @@ class Checkpointer:
         self.failure = None  # the failed save already reported (its error is raised once)
         quiet_closed_loop()  # a damaged step's failed read: one line, not Orbax's loop's leftovers
         self._renames = owner and jax.process_index() == 0  # one process renames and removes
+        # Saves a stopped run left unfinished (a SIGKILL mid-save), removed now: the steps they would
+        # have been are named, so the start can say what it resumes from instead.
+        self.unfinished = sorted(
+            (int(p.name.split(".")[0]) for p in self._tmp_dirs() if p.name.split(".")[0].isdigit()), reverse=True
+        )
+        self._remove_partial()
         if owner:
             quiet_orbax_errors()  # a failed save is reported once, as one line (`_failed`)
         options = ocp.CheckpointManagerOptions(
@@ -481,10 +487,14 @@ class Checkpointer:
         )
         raise self.failure from e
 
+    def _tmp_dirs(self) -> list[Path]:
+        """The directories of unfinished saves (`N.orbax-checkpoint-tmp*`), if ours to remove."""
+        return list(self.directory.glob("*.orbax-checkpoint-tmp*")) if self._renames else []
+
     def _remove_partial(self) -> list[str]:
         """Remove the files of unfinished saves (none is in flight: the caller waited), if ours to."""
         removed = []
-        for tmp in self.directory.glob("*.orbax-checkpoint-tmp*") if self._renames else ():
+        for tmp in self._tmp_dirs():
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp.name)
         return removed

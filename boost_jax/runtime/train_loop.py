@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax
 
-from boost_jax.data.mapped import check_sizes
+from boost_jax.data.mapped import Truncated, check_sizes
 from boost_jax.errors import TrainingDiverged
 from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.runtime.build import to_global
@@ -70,6 +70,7 @@ class TrainLoop:
         kernels_used()  # start the record afresh: the first train step below traces the model
         while step < end:
             self.ckpt.check()  # a background save that failed stops the run here, not at the next save
+            self._check_data()
             local = jax.tree.map(lambda x: x.reshape(t.grad_accum, -1, *x.shape[1:]), self.data.batch(self.position))
             self.profiler.before(step + 1)
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
@@ -95,8 +96,6 @@ class TrainLoop:
             signalled = agree(signalled) if due_log else None
         due_save = step % self.cfg.checkpoint.every == 0 or step == end or signalled
         if due_log or due_save:
-            if jax.process_count() == 1:  # (several processes might see a truncation at different steps)
-                check_sizes(self.mapped)  # a token file shrunk under the run: stop cleanly before a read faults
             seen, self.unchecked = jax.device_get(self.unchecked), []
             self._check_finite(seen)
             self._count_tokens(seen)
@@ -130,6 +129,24 @@ class TrainLoop:
         if signalled:
             self.stopped = signalled
         return bool(signalled)
+
+    def _check_data(self) -> None:
+        """A token file shrunk under the run: stop cleanly before the next batch's read faults (a stat
+        per mapped file), the save in flight finished, saying what a rerun resumes from. (Several
+        processes might see a truncation at different steps: one process only.)"""
+        if jax.process_count() > 1:
+            return
+        try:
+            check_sizes(self.mapped)
+        except Truncated as e:
+            self.ckpt.wait()
+            last = self.ckpt.committed_step()
+            raise Truncated(
+                e.path,
+                "the run starts from the start (no checkpoint was complete)"
+                if last is None
+                else f"the run resumes from step {last}, its last complete checkpoint",
+            ) from None
 
     def _against_prediction(self, step: int, measured_s: float) -> None:
         """parallel.plan=auto: the first PREDICTION_WINDOWS logged step times beside the planner's
