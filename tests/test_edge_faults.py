@@ -233,6 +233,30 @@ def test_damaged_tokenizer_is_one_line_naming_it(tokenizer_files, make_config, t
     )
 
 
+def test_json_that_is_not_a_tokenizer_is_called_so(tmp_path, capsys):
+    """A valid JSON file that is no tokenizer (a model's config.json, a list) is not called "truncated
+    or damaged": the line says what it holds and what data.tokenizer takes."""
+    pytest.importorskip("tokenizers")
+    from boost_jax.data import prepare
+    from boost_jax.data.tokenizer import load_tokenizer
+
+    (tmp_path / "c.txt").write_text("hello world\n" * 5)
+    for text, holds in (
+        ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 32000}', "the keys architectures, vocab_size"),
+        ("[1, 2]", "a JSON list"),
+    ):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_tokenizer(str(tmp_path / "config.json"))
+        assert str(e.value).startswith(
+            f"config field `data.tokenizer`: {tmp_path / 'config.json'} is valid JSON but not a tokenizer file ("
+        ) and holds in str(e.value), e.value
+        assert "truncated" not in str(e.value) and "the tokenizer.json that HF `tokenizers` saves" in str(e.value)
+        argv = [str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"), "--tokenizer", str(tmp_path / "config.json")]
+        assert prepare.main([*argv, "--workers", "0", "--no-progress"]) == 1
+        assert "is valid JSON but not a tokenizer file" in one_error_line(capsys.readouterr().err)
+
+
 def test_import_checks_the_tokenizer_before_copying_it(tokenizer_files, tmp_path, capsys):
     from boost_jax import export
 

@@ -183,6 +183,14 @@ def test_tiny_export_import_generate(tiny_cwd, monkeypatch, capsys):
 
     _in(tiny_cwd, monkeypatch, "python -m boost_jax.export --checkpoint runs/tiny --out hf/cola_tiny", export.main)
     assert (tiny_cwd / "hf" / "cola_tiny" / "model.safetensors").is_file()
+    # The export given to generate (a run's tool) points at the import.
+    capsys.readouterr()
+    assert generate.main(["--checkpoint", "hf/cola_tiny"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: --checkpoint: {tiny_cwd / 'hf' / 'cola_tiny'} holds a Hugging Face model (safetensors), not a "
+        f"run's checkpoints; import it first: python -m boost_jax.export --import-hf {tiny_cwd / 'hf' / 'cola_tiny'} "
+        "--out runs/NAME, then --checkpoint runs/NAME\n"
+    )
     # The import the README shows for its CoLA export, then its generate command on the import.
     assert export.main(["--import-hf", "hf/cola_tiny", "--out", "runs/imported"]) == 0
     capsys.readouterr()

@@ -39,6 +39,7 @@ from boost_jax.runtime.checkpoint_failures import (  # noqa: F401 - re-exported
     os_reason,
     quiet_closed_loop,
     quiet_orbax_errors,
+    store_reason,
 )
 
 RESTORE_HINT = "--config.restore_from=DIR/STEP"  # how the trainer picks a step; the tools pass theirs
@@ -131,6 +132,13 @@ def read_run(checkpoint: str):
     ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
     step = ckpt.latest_step() if step is None else step
     if step is None:
+        ckpt.close()
+        if any(Path(root).glob("*.safetensors")):  # an export (boost_jax/export.py), or any HF model
+            raise CheckpointError(
+                f"--checkpoint: {root} holds a Hugging Face model (safetensors), not a run's checkpoints; "
+                f"import it first: python -m boost_jax.export --import-hf {root} --out runs/NAME, then "
+                "--checkpoint runs/NAME"
+            )
         raise CheckpointError(f"--checkpoint: no checkpoint found in {root}")
     cfg = config_from_meta(ckpt.read_meta(step))
     ckpt.close()
@@ -218,7 +226,9 @@ def _damage(step_dir: Path, e: Exception, parts) -> str:
     """What a failed read of `step_dir` tells: the first of `parts` (paths in it) that is missing,
     else Orbax's error in one line."""
     missing = [part for part in parts if not (step_dir / part).exists()]
-    return f"its {missing[0]} is missing" if missing else f"{type(e).__name__}: {one_line(e)}"
+    if missing:
+        return f"its {missing[0]} is missing"
+    return store_reason(e, step_dir) or f"{type(e).__name__}: {one_line(e)}"
 
 
 def _state_parts(step_dir: Path, whole: bool) -> list[str]:
