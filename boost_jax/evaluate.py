@@ -28,8 +28,8 @@ from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from boost_jax.data import build_loaders
 from boost_jax import xla_gpu_flags
+from boost_jax.data import build_loaders
 from boost_jax.errors import CheckpointError, ConfigError, error_lines
 from boost_jax.parallel.mesh import ONE_DEVICE
 from boost_jax.runtime.build import Built, build

@@ -260,7 +260,9 @@ def test_no_gpu_plugin_noise_on_a_host_without_a_gpu(tmp_path):
     ]
     for command, proc in zip(commands, procs):
         _, err = proc.communicate(timeout=300)
-        expected = "" if command[0] == "boost_jax.train" else f"error: --checkpoint: no checkpoint found in {tmp_path}\n"
+        expected = (
+            "" if command[0] == "boost_jax.train" else f"error: --checkpoint: no checkpoint found in {tmp_path}\n"
+        )
         assert err == expected, (command, err)
 
 

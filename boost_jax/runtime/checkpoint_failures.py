@@ -26,7 +26,7 @@ def store_reason(e: Exception, step_dir) -> str | None:
     (`[tensorstore_spec='{...}']`, the JSON of its whole driver stack) or its chain of driver
     openings; None for other errors."""
     text = " ".join(str(e).split())
-    if "tensorstore_spec" not in text and 'driver: Error' not in text:
+    if "tensorstore_spec" not in text and "driver: Error" not in text:
         return None
     text = re.split(r"\s*\[(?:tensorstore_spec|source locations)", text)[0]
     code = re.match(r"([A-Z_]+): ", text)
