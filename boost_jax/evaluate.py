@@ -28,6 +28,7 @@ from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from boost_jax import xla_gpu_flags
 from boost_jax.data import build_loaders
 from boost_jax.errors import CheckpointError, ConfigError, error_lines
 from boost_jax.parallel.mesh import ONE_DEVICE
@@ -144,6 +145,7 @@ def _finite_or_none(x):
 
 
 def main(argv=None) -> int:
+    xla_gpu_flags.quiet_gpu_plugin()  # before JAX starts its backends
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], epilog="Any other argument must be a --config.KEY=VALUE override."

@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from boost_jax import xla_gpu_flags
 from boost_jax.config import base_config
 from boost_jax.data.tokenizer import load_tokenizer
 from boost_jax.errors import CheckpointError, ConfigError, ExportError, RunDirBusy
@@ -480,6 +481,7 @@ def train_flags(cfg) -> str:
 
 
 def main(argv=None) -> int:
+    xla_gpu_flags.quiet_gpu_plugin()  # before JAX starts its backends
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -16,6 +16,7 @@ import numpy as np
 from absl import logging as absl_logging
 from flax import nnx
 
+from boost_jax import xla_gpu_flags
 from boost_jax.errors import CheckpointError, ConfigError
 from boost_jax.runtime.build import load_model
 
@@ -62,6 +63,7 @@ def generate(
 
 
 def main(argv=None) -> int:
+    xla_gpu_flags.quiet_gpu_plugin()  # before JAX starts its backends
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or one step dir")
     ap.add_argument("--prompt", default="def ")

@@ -66,6 +66,7 @@ def run(cfg, stop: StopFlag | None = None, config_file: str = "") -> dict:
     line passes its own `stop`, installed for the whole process, so that signals arriving after the
     final save are absorbed too. `config_file`: where cfg came from, for the start-up line."""
     validate(cfg)
+    xla_gpu_flags.quiet_gpu_plugin()
     gpu_flags, _ = xla_gpu_flags.apply() if cfg.xla_gpu_flags else ([], "")  # before JAX starts its backends
     maybe_initialize(cfg)  # before anything below asks JAX for devices (process_index does)
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
@@ -244,6 +245,19 @@ def _restore_or_init(cfg, built, ckpt: Checkpointer, run_dir: Path, say) -> tupl
                 "or set checkpoint.supersede=true to move them aside as N.superseded"
             )
         ckpt.move_newer_aside(None, log=say)
+    if ckpt.unfinished:  # removed by the Checkpointer: say what this start does instead
+        n = len(ckpt.unfinished)
+        say(
+            f"removed the unfinished save{'s' * (n > 1)} of step{'s' * (n > 1)} "
+            f"{', '.join(map(str, ckpt.unfinished))} in {ckpt.directory} (a run stopped mid-save); "
+            + (
+                "no complete checkpoint is left: starting from step 0"
+                if restored is None
+                else f"starting from step {restored.step} of {restored.directory}"
+                if cfg.restore_from
+                else f"resuming from step {restored.step}, the newest complete checkpoint"
+            )
+        )
     if restored is None:
         return built.init_state(), 0, 0, {}
     position = int(restored.meta["data_position"])
@@ -444,6 +458,7 @@ def _flags_error(e: Exception) -> None:
 def main(argv=None) -> int:
     from absl import app, flags
 
+    xla_gpu_flags.quiet_gpu_plugin()  # before JAX starts its backends (--print_config starts them)
     argv = _packaged_config(sys.argv if argv is None else argv)
     if _help(argv):
         return 0

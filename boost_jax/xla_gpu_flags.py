@@ -24,6 +24,7 @@ imports jax (XLA reads XLA_FLAGS once, when its backends start).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 
@@ -206,6 +207,35 @@ def gpu_expected(environ=os.environ) -> bool:
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return False
     return any(_found(name) for name in CUDA_PLUGINS) and any(os.path.exists(p) for p in NVIDIA_DRIVER)
+
+
+class _NoGpuPluginNoise(logging.Filter):
+    """Drops JAX's "Jax plugin configuration error" records about its CUDA plugin (a traceback that ends
+    in "Unable to load cuFFT"), logged when the plugin cannot start: on a host without an NVIDIA driver
+    it has nothing to say (JAX runs on the CPU, as it would without the plugin)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("Jax plugin configuration error") and "cuda" in record.getMessage().lower())
+
+
+QUIET_PLUGIN = _NoGpuPluginNoise()
+
+
+def plugin_without_gpu() -> bool:
+    """A CUDA plugin of jax is installed, but no NVIDIA driver is loaded."""
+    return any(_found(name) for name in CUDA_PLUGINS) and not any(os.path.exists(p) for p in NVIDIA_DRIVER)
+
+
+def quiet_gpu_plugin() -> bool:
+    """The entry points call this before JAX starts its backends: where a CUDA plugin of jax is
+    installed (the `aot` extra installs one) but no NVIDIA driver is loaded, its failed start is not
+    reported. Where a driver is loaded, a plugin that fails is a real problem and is reported as JAX
+    reports it. Returns whether the filter is on."""
+    if not plugin_without_gpu():
+        return False
+    logging.getLogger("jax._src.xla_bridge").addFilter(QUIET_PLUGIN)  # (added once: a Filter is kept once)
+    return True
 
 
 def _backends_started() -> bool:

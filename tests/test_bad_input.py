@@ -82,6 +82,34 @@ def test_run_dir_that_is_a_file(make_config, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("metrics.jsonl", "a directory, not a file"),
+        ("config.json", "a directory, not a file"),
+        ("checkpoints", "a file, not a directory"),
+        ("tensorboard", "a file, not a directory"),
+        ("token_cache", "a file, not a directory"),
+    ],
+)
+def test_paths_the_run_writes_are_checked_before_it_compiles(make_config, tmp_path, monkeypatch, name, kind):
+    """A path under run_dir that the run will write, of the wrong kind: one ConfigError naming it and
+    the fix, before anything is built or compiled (not a traceback, or a failed first save, after it)."""
+
+    def built(*args, **kwargs):
+        raise AssertionError("built before the run's paths were checked")
+
+    monkeypatch.setattr(train, "build", built)
+    cfg = make_config()
+    path = Path(cfg.run_dir) / name
+    path.parent.mkdir(parents=True)
+    path.mkdir() if kind.startswith("a directory") else path.write_text("in the way")
+    with pytest.raises(ConfigError) as e:
+        train.run(cfg)
+    assert str(e.value).startswith(f"config field `run_dir`: {path} is {kind} (the run writes "), e.value
+    assert str(e.value).endswith("move it aside (or make it writable), or choose another run_dir")
+
+
+@pytest.mark.parametrize(
     "line,needle",
     [
         ('{"txt": "hello"}', r"d\.jsonl:2: no field 'text' \(its fields: \['txt'\]\); set data\.jsonl_field"),

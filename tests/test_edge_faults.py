@@ -233,6 +233,30 @@ def test_damaged_tokenizer_is_one_line_naming_it(tokenizer_files, make_config, t
     )
 
 
+def test_json_that_is_not_a_tokenizer_is_called_so(tmp_path, capsys):
+    """A valid JSON file that is no tokenizer (a model's config.json, a list) is not called "truncated
+    or damaged": the line says what it holds and what data.tokenizer takes."""
+    pytest.importorskip("tokenizers")
+    from boost_jax.data import prepare
+    from boost_jax.data.tokenizer import load_tokenizer
+
+    (tmp_path / "c.txt").write_text("hello world\n" * 5)
+    for text, holds in (
+        ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 32000}', "the keys architectures, vocab_size"),
+        ("[1, 2]", "a JSON list"),
+    ):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_tokenizer(str(tmp_path / "config.json"))
+        assert str(e.value).startswith(
+            f"config field `data.tokenizer`: {tmp_path / 'config.json'} is valid JSON but not a tokenizer file ("
+        ) and holds in str(e.value), e.value
+        assert "truncated" not in str(e.value) and "the tokenizer.json that HF `tokenizers` saves" in str(e.value)
+        argv = [str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"), "--tokenizer", str(tmp_path / "config.json")]
+        assert prepare.main([*argv, "--workers", "0", "--no-progress"]) == 1
+        assert "is valid JSON but not a tokenizer file" in one_error_line(capsys.readouterr().err)
+
+
 def test_import_checks_the_tokenizer_before_copying_it(tokenizer_files, tmp_path, capsys):
     from boost_jax import export
 
@@ -553,11 +577,13 @@ def test_tensorboard_dir_removed_under_a_run_is_recreated(tmp_path):
 # ---------------------------------------------------------------- a token file truncated under a running trainer
 
 
-def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path):
+@pytest.mark.parametrize("every", [2, 1000], ids=["saved", "nothing-saved"])
+def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path, every):
     """The mapped token file shrinks while the trainer reads it: one line naming it (not "Fatal
-    Python error: Bus error"; the size check at a log point or, for a read before it, the SIGBUS
-    handler), exit status 1, and the newest checkpoint restores complete."""
-    from test_faults import long_config, saved_state, spawn, steps_on_disk, wait_for_rows
+    Python error: Bus error": the size check before each batch's read), exit status 1, the save in
+    flight finished (no `*-tmp` directory left), the newest checkpoint complete, and the line says
+    what a rerun does: resume from that step, or start from the start when nothing was saved."""
+    from test_faults import long_config, saved_state, spawn, steps_on_disk, tmp_dirs, wait_for_rows
 
     tokens = tmp_path / "t.bin"
     (np.random.default_rng(0).integers(0, 256, 400_000).astype(np.uint16)).tofile(tokens)
@@ -568,7 +594,7 @@ def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path)
             "data.source": "tokens",
             "data.path": str(tokens),
             "data.token_dtype": "uint16",
-            "checkpoint.every": 2,
+            "checkpoint.every": every,
             "checkpoint.keep": 100,
         },
     )
@@ -578,13 +604,47 @@ def test_token_file_truncated_under_a_trainer_is_one_line(make_config, tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
     lines = [ln for ln in out.splitlines() if ln.startswith("error:") or "Fatal" in ln or "Traceback" in ln]
-    assert lines == [
+    steps = steps_on_disk(cfg.run_dir)
+    said = (
         f"error: {tokens}: this memory-mapped token file became shorter while the run read it "
         "(truncated or rewritten on disk); restore it (or prepare it again) and rerun: the run "
-        "resumes from its last complete checkpoint"
-    ], out
-    last = max(steps_on_disk(cfg.run_dir))
-    assert last >= 2 and saved_state(cfg.run_dir, last, cfg)[1]["step"] == last  # complete and verified
+    )
+    exact = f"resumes from step {max(steps)}, its last complete checkpoint" if steps else "starts from the start"
+    assert len(lines) == 1 and lines[0].startswith(said), out
+    handler = "resumes from its newest complete checkpoint (from the start if it has none)"
+    if lines[0] != said + handler:  # (else a truncation between the check and the read: the SIGBUS
+        assert lines[0].startswith(said + exact), out  # handler's line, which cannot know the checkpoints)
+        assert tmp_dirs(cfg.run_dir) == []
+    if every == 2:
+        assert max(steps) >= 2 and saved_state(cfg.run_dir, max(steps), cfg)[1]["step"] == max(steps)
+    else:
+        assert steps == []
+
+
+def test_an_unfinished_save_is_removed_and_named_at_start(make_config, tmp_path, capsys):
+    """`N.orbax-checkpoint-tmp` left by a run killed mid-save: the next start removes it and says
+    what it does instead (resume from the newest complete step, or start from step 0); a complete
+    checkpoint is never touched."""
+    cfg = make_config(**{"train.steps": 4, "train.eval_every": 0})
+    train.run(cfg)  # steps 4 saved
+    ckpts = Path(cfg.run_dir) / "checkpoints"
+    before = tree_bytes(ckpts / "4")
+    (ckpts / "6.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    (ckpts / "6.orbax-checkpoint-tmp" / "state" / "part").write_bytes(b"half")
+    cfg.train.steps = 6
+    capsys.readouterr()
+    assert train.run(cfg)["step"] == 6
+    out = capsys.readouterr().out
+    assert (
+        f"removed the unfinished save of step 6 in {ckpts} (a run stopped mid-save); resuming from step 4, "
+        "the newest complete checkpoint" in out
+    ), out
+    assert tree_bytes(ckpts / "4") == before and not list(ckpts.glob("*tmp*"))
+    # Nothing complete: the start says it starts from step 0.
+    fresh = make_config(run_dir=tmp_path / "fresh", **{"train.steps": 2, "train.eval_every": 0})
+    (Path(fresh.run_dir) / "checkpoints" / "2.orbax-checkpoint-tmp").mkdir(parents=True)
+    assert train.run(fresh)["step"] == 2
+    assert "no complete checkpoint is left: starting from step 0" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- values that mean nothing
@@ -1159,7 +1219,7 @@ def test_a_read_past_a_truncated_token_file_is_one_line(tmp_path):
     assert r.stderr == (
         f"error: {tmp_path / 't.bin'}: this memory-mapped token file became shorter while the run "
         "read it (truncated or rewritten on disk); restore it (or prepare it again) and rerun: the "
-        "run resumes from its last complete checkpoint\n"
+        "run resumes from its newest complete checkpoint (from the start if it has none)\n"
     ), r.stderr
 
 

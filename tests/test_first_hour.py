@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from boost_jax import train
+from boost_jax import train, xla_gpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's boost_jax in the commands started
@@ -237,3 +237,116 @@ def test_first_command_benchmark(tmp_path, capsys):
     assert row["bar_at_first_log"]["step"] == 2 and row["bar_at_first_log"]["time_left_shown_s"] is not None, row
     assert row["load_avg"]["max"] >= row["load_avg"]["min"] >= 0
     assert "| first step (with the compile) |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    not xla_gpu_flags.plugin_without_gpu() or os.environ.get("JAX_PLATFORMS", "cpu") != "cpu",
+    reason="needs a CUDA plugin of jax (the aot extra) on a host without an NVIDIA driver",
+)
+def test_no_gpu_plugin_noise_on_a_host_without_a_gpu(tmp_path):
+    """With the `aot` extra's CUDA plugin installed on a host without a GPU, JAX logs a 17-line
+    "Jax plugin configuration error ... Unable to load cuFFT" traceback when it starts its backends:
+    the entry points keep it from the user (run as a user runs them, JAX_PLATFORMS unset; an empty
+    --checkpoint directory is looked up by Orbax, which starts them, then refused)."""
+    env = {k: v for k, v in ENV.items() if k != "JAX_PLATFORMS"}
+    commands = (
+        ["boost_jax.train", "--print_config"],
+        ["boost_jax.evaluate", "--checkpoint", str(tmp_path)],
+        ["boost_jax.generate", "--checkpoint", str(tmp_path)],
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-m", *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for c in commands
+    ]
+    for command, proc in zip(commands, procs):
+        _, err = proc.communicate(timeout=300)
+        expected = (
+            "" if command[0] == "boost_jax.train" else f"error: --checkpoint: no checkpoint found in {tmp_path}\n"
+        )
+        assert err == expected, (command, err)
+
+
+def _reporter(run_dir, steps=400):
+    from boost_jax.runtime.report import Reporter
+
+    return Reporter(
+        run_dir, name="tiny", steps=steps, tokens_per_step=1, progress=True, main_process=True, flops_per_token=1.0
+    )
+
+
+def test_the_bar_counts_each_step_when_the_device_has_finished_it(make_config, monkeypatch):
+    """With log_every above the run's steps, the bar still moves with the steps: the loop counts a
+    step when its results are ready (each step here takes 50 ms longer than its dispatch), not when
+    it was dispatched (the bar would race ahead, then sit until the log point)."""
+    import dataclasses
+
+    import jax
+
+    from boost_jax.parallel.mesh import ONE_DEVICE
+    from boost_jax.runtime import report
+
+    cfg = make_config(**{"train.steps": 6, "train.log_every": 50, "train.eval_every": 0, "checkpoint.every": 50})
+    cfg.parallel.update(ONE_DEVICE, num_devices=1)
+    slow = jax.jit(
+        lambda x: jax.pure_callback(lambda v: (time.sleep(0.05), v)[1], jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    )
+    dispatched, counted = [], []
+    real_build, real_done = train.build, report.Reporter.step_done
+
+    def build(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+
+        def delayed(state, batch, step=built.train_step):
+            state, metrics = step(state, batch)
+            metrics = {**metrics, "loss": slow(metrics["loss"])}
+            dispatched.append(metrics["loss"])
+            return state, metrics
+
+        return dataclasses.replace(built, train_step=delayed)
+
+    def step_done(self):
+        counted.append(dispatched[len(counted)].is_ready())
+        real_done(self)
+
+    monkeypatch.setattr(train, "build", build)
+    monkeypatch.setattr(report.Reporter, "step_done", step_done)
+    assert train.run(cfg)["step"] == 6
+    assert counted == [True] * 6, counted
+
+
+def test_the_bar_redraws_after_a_burst_of_fast_steps(tmp_path, capsys):
+    """A burst of steps between two redraws must not make tqdm wait for as many steps before each
+    later redraw (its dynamic `miniters`): steps 0.15 s apart are each drawn."""
+    rep = _reporter(tmp_path)
+    rep.start_bar(0)
+    rep.step_done()  # the compile
+    for _ in range(30):
+        rep.step_done()
+    for _ in range(8):
+        time.sleep(0.15)
+        rep.step_done()
+    rep.close()
+    drawn = {int(n) for n in re.findall(r"(\d+)/400", capsys.readouterr().err)}
+    assert set(range(32, 40)) <= drawn, sorted(drawn)
+
+
+def test_the_bar_draws_in_a_terminal_of_size_0x0(tmp_path, monkeypatch):
+    """A pseudo-terminal nobody sized reports 0 x 0: the bar is drawn 80 columns wide, not left empty."""
+    import fcntl
+
+    master, slave = os.openpty()  # a new pty's size is 0 x 0
+    fcntl.fcntl(master, fcntl.F_SETFL, fcntl.fcntl(master, fcntl.F_GETFL) | os.O_NONBLOCK)
+    term = os.fdopen(slave, "w")
+    assert os.get_terminal_size(term.fileno()).columns == 0
+    monkeypatch.setattr(sys, "stderr", term)
+    rep = _reporter(tmp_path, steps=3)
+    rep.start_bar(0)
+    for _ in range(3):
+        time.sleep(0.12)
+        rep.step_done()
+    rep.close()
+    term.flush()
+    shown = os.read(master, 1 << 16).decode(errors="replace")
+    term.close()
+    os.close(master)
+    assert "tiny: 100%" in shown and "3/3" in shown, repr(shown)

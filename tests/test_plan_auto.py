@@ -22,7 +22,7 @@ H100 = "clusters/h100_8x"
 ROOT = Path(__file__).resolve().parents[1]
 README_COMMAND = (
     "python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto "
-    "--config.data.path=/data/c4_tok --config.data.eval_path=/data/c4_val_tok"
+    "--config.data.path=/data/c4_tok --config.data.eval_path=/data/c4_val_tok --config.run_dir=runs/cola_1b_auto"
 )
 
 

@@ -32,6 +32,21 @@ def test_mfu_panel_resumed_rows_and_errors(tmp_path, capsys):
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+def test_a_run_dir_named_in_glyphs_the_font_lacks_plots_without_a_warning(tmp_path):
+    """The title is the run's directory name: characters the plot's font has no glyph for (CJK in
+    DejaVu Sans) are drawn as "?", without matplotlib's missing-glyph warning."""
+    import warnings
+
+    run = tmp_path / "运行_σ"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) for s in (1, 2)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert plot.main([str(run)]) == 0
+    assert not [w for w in caught if "Glyph" in str(w.message)], [str(w.message) for w in caught]
+    assert plot.drawable(f"{tmp_path.name}/运行_σ") == f"{tmp_path.name}/??_σ"  # σ: DejaVu has it
+
+
 def test_damaged_lines_are_skipped_and_counted(tmp_path, capsys):
     good = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5}]
     lines = [

@@ -30,7 +30,7 @@ COMMANDS = {
     "pip install -e '.[test]' && pytest": "the suite itself (.ci/run)",
     "python benchmarks/first_command.py": "test_first_hour.py::test_first_command_benchmark",
     "python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_tok "
-    "--config.data.eval_path=/data/c4_val_tok --config.run_dir=runs/cola_60m": "compile",
+    "--config.data.eval_path=/data/c4_val_tok --config.run_dir=runs/cola_60m_c4": "compile",
     "python -m boost_jax.data.prepare /data/c4/en/c4-train.*.json.gz --out /data/c4_tok --tokenizer t5.model": "tool",
     "python -m boost_jax.data.prepare /data/c4/en/c4-validation.*.json.gz --out /data/c4_val_tok "
     "--tokenizer t5.model": "tool",
@@ -39,7 +39,8 @@ COMMANDS = {
     "python -m boost_jax.train --config configs/llama_60m.py --config.data.path=/data/c4_tok "
     "--config.data.eval_path=/data/c4_val_tok --config.data.tokenizer=t5.model": "compile",
     "python -m boost_jax.evaluate --checkpoint runs/cola_60m --eval-tokens 10000000": "test_evaluate.py::test_eval_tokens_reads_documents_the_paper_way",
-    "python -m boost_jax.train --config.train.steps=1000 --config.model.linear=dense": "compile",
+    "python -m boost_jax.train --config.train.steps=1000 --config.model.linear=dense "
+    "--config.run_dir=runs/tiny_dense": "tiny",
     "python -m boost_jax.train --config cola_60m --config.data.source=embedded --config.model.vocab_size=256 "
     "--config.train.steps=20 --config.train.warmup_steps=2 --config.train.global_batch=8 "
     "--config.train.eval_tokens=0 --config.train.eval_batches=1 --config.run_dir=runs/cola_60m_cpu": "test_readme.py::test_zoo_short_run_on_a_cpu_starts_clean_and_compiles",
@@ -51,10 +52,11 @@ COMMANDS = {
     "--strategy btp,vanilla,megatron": "tool",
     "python -m boost_jax.tools.shardings --config configs/cola_1b.py --mesh 1,1,8 --strategy btp": "tool",
     "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m boost_jax.train --config.parallel.context=2 "
-    "--config.parallel.tensor=2 --config.parallel.data=2": "compile",
+    "--config.parallel.tensor=2 --config.parallel.data=2 --config.run_dir=runs/tiny_cp": "tiny",
     "python -m boost_jax.tools.comm_report --config configs/tiny.py --mesh 1,1,1,2,2 --strategy btp --batch 4 "
     "--seq 64 --no-memory": "test_context.py::test_comm_report_cli_shows_the_context_exchange",
-    "launch/local_multiprocess.sh 2 --config.parallel.data=2 --config.parallel.tensor=4": "compile",
+    "launch/local_multiprocess.sh 2 --config.parallel.data=2 --config.parallel.tensor=4 "
+    "--config.run_dir=runs/tiny_2proc": "compile",
     "sbatch --nodes=4 launch/slurm/train.sbatch configs/cola_1b.py --config.data.path=...": "compile",
     "python -m boost_jax.evaluate --checkpoint runs/tiny": "tiny",
     "python -m boost_jax.tools.plot runs/tiny": "tiny",
@@ -87,7 +89,7 @@ COMMANDS = {
     "python -m boost_jax.tools.step_profile --hlo NAME.hlo.gz --events NAME.events.json": "test_step_profile.py::test_trace_script_on_this_host",
     "python benchmarks/planner_time_fit.py": "test_planner_time.py::test_the_readme_command",
     "python -m boost_jax.train --config configs/cola_1b.py --config.parallel.plan=auto --config.data.path=/data/c4_tok "
-    "--config.data.eval_path=/data/c4_val_tok": "test_plan_auto.py::test_readme_command",
+    "--config.data.eval_path=/data/c4_val_tok --config.run_dir=runs/cola_1b_auto": "test_plan_auto.py::test_readme_command",
 }
 
 
@@ -136,22 +138,46 @@ def _argv(command: str) -> list[str]:
 # ---------------------------------------------------------------- "tiny": the default job and its runs/tiny
 
 
+def trains(command: str) -> bool:
+    """Whether a README command starts the trainer (not only its --help or --print_config)."""
+    return bool(re.search(r"boost_jax\.train|local_multiprocess\.sh|train\.sbatch", command)) and not re.search(
+        r"--help|--print_config", command
+    )
+
+
+def test_each_readme_training_command_has_its_own_run_dir(monkeypatch):
+    """Run one after the other in one directory, as a reader follows the README, no training command
+    may find an earlier one's run: it would resume it (a finished one: "the run is complete", nothing
+    trained) or refuse its config."""
+    from boost_jax import train
+
+    monkeypatch.chdir(ROOT)  # the config paths are the repository's
+    seen = {}
+    for command in filter(trains, readme_commands()):
+        run_dir = train.parse_config(_train_argv(command)).run_dir
+        assert run_dir not in seen, f"{command!r} writes {run_dir}, as {seen.get(run_dir)!r} before it does"
+        seen[run_dir] = command
+
+
 @pytest.fixture(scope="module")
 def tiny_cwd(tmp_path_factory):
-    """A working directory where the default job has run (stopped at step 40) into runs/tiny."""
+    """A working directory where the README's "tiny" training commands have run, in the README's
+    order: the default job (stopped at step 40) into runs/tiny, then each other one (stopped at step
+    2, without evaluations) into the run_dir it names, each a new run: a command reusing an earlier
+    one's run_dir fails here."""
     from boost_jax import train
 
     cwd = tmp_path_factory.mktemp("cwd")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
-        argv = [
-            "train",
-            *_argv("pip install -e . && python -m boost_jax.train")[3:],
-            "--config.train.stop_at_step=40",
-            "--config.train.progress=false",
-        ]
-        summary = train.run(train.parse_config(argv))
-    assert summary["step"] == 40 and summary["last_checkpoint_step"] == 40
+        for command in [c for c in readme_commands() if COMMANDS.get(c) == "tiny" and trains(c)]:
+            stop = 40 if command.endswith("boost_jax.train") else 2
+            argv = [*_train_argv(command), f"--config.train.stop_at_step={stop}", "--config.train.progress=false"]
+            argv += [] if stop == 40 else ["--config.train.eval_every=0"]
+            cfg = train.parse_config(argv)
+            assert not (cwd / cfg.run_dir).exists(), f"{command}: {cfg.run_dir} is an earlier command's run"
+            summary = train.run(cfg)
+            assert summary["step"] == stop and summary["last_checkpoint_step"] == stop, command
     return cwd
 
 
@@ -183,6 +209,14 @@ def test_tiny_export_import_generate(tiny_cwd, monkeypatch, capsys):
 
     _in(tiny_cwd, monkeypatch, "python -m boost_jax.export --checkpoint runs/tiny --out hf/cola_tiny", export.main)
     assert (tiny_cwd / "hf" / "cola_tiny" / "model.safetensors").is_file()
+    # The export given to generate (a run's tool) points at the import.
+    capsys.readouterr()
+    assert generate.main(["--checkpoint", "hf/cola_tiny"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: --checkpoint: {tiny_cwd / 'hf' / 'cola_tiny'} holds a Hugging Face model (safetensors), not a "
+        f"run's checkpoints; import it first: python -m boost_jax.export --import-hf {tiny_cwd / 'hf' / 'cola_tiny'} "
+        "--out runs/NAME, then --checkpoint runs/NAME\n"
+    )
     # The import the README shows for its CoLA export, then its generate command on the import.
     assert export.main(["--import-hf", "hf/cola_tiny", "--out", "runs/imported"]) == 0
     capsys.readouterr()

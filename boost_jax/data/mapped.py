@@ -6,8 +6,8 @@ in one of them prints one line naming the file and exits with status 1. Checkpoi
 a finished step stays complete, and a save in flight leaves only its temporary directory, which the
 next start removes. A SIGBUS outside the recorded mappings goes to the handler installed before
 (faulthandler's, or the default action). Before that, the trainer compares the sizes of its files
-with those they had when mapped at each log and save point (`check_sizes`), so a truncation seen
-there stops the run with the same line through its normal exit, the save in flight finished.
+with those they had when mapped before it reads each batch (`check_sizes`), so a truncation stops the
+run with the same line through its normal exit, the save in flight finished.
 
 The handler runs Python code in the signal's context, which is only safe because it ends the
 process: it formats one line, writes it with os.write and calls os._exit.
@@ -51,9 +51,20 @@ def mapped_since(position: int) -> dict[str, int]:
     return dict(_MAPPED[position:])
 
 
+RERUN = "the run resumes from its newest complete checkpoint (from the start if it has none)"
+
+
+class Truncated(ValueError):
+    """A mapped token file became shorter than when it was mapped (`path`)."""
+
+    def __init__(self, path: str, rerun: str = RERUN):
+        self.path = path
+        super().__init__(message(path, rerun)[len("error: ") :].rstrip("\n"))
+
+
 def check_sizes(files: dict[str, int]) -> None:
-    """Raise ValueError (the same one line) if one of `files` is now shorter than when it was mapped:
-    the trainer asks at each log and save point, so a truncation seen there stops the run cleanly (its
+    """Raise Truncated (a ValueError: the same one line) if one of `files` is now shorter than when it
+    was mapped: the trainer asks before it reads each batch, so a truncation stops the run cleanly (its
     save in flight finished) before a read of the lost pages would."""
     for path, size in files.items():
         try:
@@ -61,7 +72,7 @@ def check_sizes(files: dict[str, int]) -> None:
         except OSError:  # removed or renamed: the mapping keeps the file's pages, reads go on
             continue
         if now < size:
-            raise ValueError(message(path)[len("error: ") :].rstrip("\n"))
+            raise Truncated(path)
 
 
 def owner(address: int | None) -> str | None:
@@ -71,11 +82,12 @@ def owner(address: int | None) -> str | None:
     return next((path for lo, hi, path in reversed(_RANGES) if lo <= address < hi), None)
 
 
-def message(path: str) -> str:
+def message(path: str, rerun: str = RERUN) -> str:
+    """The one line for `path` truncated under the run; `rerun`: what a rerun does (the trainer, which
+    knows its checkpoints, says which step)."""
     return (
         f"error: {path}: this memory-mapped token file became shorter while the run read it (truncated or "
-        "rewritten on disk); restore it (or prepare it again) and rerun: the run resumes from its last "
-        "complete checkpoint\n"
+        f"rewritten on disk); restore it (or prepare it again) and rerun: {rerun}\n"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -74,6 +75,22 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+def _other_json(path: str) -> str | None:
+    """What a JSON file that is not a tokenizers JSON holds instead (None: not JSON, or a tokenizer's
+    JSON that does not load, so damaged)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}"
+    if isinstance(data.get("model"), dict):
+        return None
+    keys = ", ".join(list(data)[:5]) + (", ..." if len(data) > 5 else "")
+    return f'an object with the keys {keys}, no "model" entry' if data else "an empty object"
+
+
 def load_tokenizer(spec: str, field: str = "config field `data.tokenizer`"):
     """'byte' (or ""), a HF tokenizers .json or a SentencePiece model, loaded and checked once: a file
     that does not load (a truncated download, a corrupt model) is a ConfigError naming `field` and it."""
@@ -93,6 +110,12 @@ def load_tokenizer(spec: str, field: str = "config field `data.tokenizer`"):
         raise
     except Exception as e:  # noqa: BLE001 - the Rust and C++ libraries raise plain Exception/RuntimeError
         why = " ".join(str(e).split())[:200] or type(e).__name__
+        other = _other_json(spec) if spec.endswith(".json") else None
+        if other:
+            raise ConfigError(
+                f"{field}: {spec} is valid JSON but not a tokenizer file ({other}); give the tokenizer.json "
+                'that HF `tokenizers` saves (an object with a "model" entry), a SentencePiece .model, or "byte"'
+            ) from None
         raise ConfigError(
             f"{field}: {spec} is not a readable {kind} ({why}); it may be truncated or damaged: "
             "copy or download it again"

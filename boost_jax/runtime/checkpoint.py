@@ -39,6 +39,7 @@ from boost_jax.runtime.checkpoint_failures import (  # noqa: F401 - re-exported
     os_reason,
     quiet_closed_loop,
     quiet_orbax_errors,
+    store_reason,
 )
 
 RESTORE_HINT = "--config.restore_from=DIR/STEP"  # how the trainer picks a step; the tools pass theirs
@@ -131,6 +132,13 @@ def read_run(checkpoint: str):
     ckpt = Checkpointer(root, keep=1, create=False, hint="--checkpoint DIR/STEP")
     step = ckpt.latest_step() if step is None else step
     if step is None:
+        ckpt.close()
+        if any(Path(root).glob("*.safetensors")):  # an export (boost_jax/export.py), or any HF model
+            raise CheckpointError(
+                f"--checkpoint: {root} holds a Hugging Face model (safetensors), not a run's checkpoints; "
+                f"import it first: python -m boost_jax.export --import-hf {root} --out runs/NAME, then "
+                "--checkpoint runs/NAME"
+            )
         raise CheckpointError(f"--checkpoint: no checkpoint found in {root}")
     cfg = config_from_meta(ckpt.read_meta(step))
     ckpt.close()
@@ -218,7 +226,9 @@ def _damage(step_dir: Path, e: Exception, parts) -> str:
     """What a failed read of `step_dir` tells: the first of `parts` (paths in it) that is missing,
     else Orbax's error in one line."""
     missing = [part for part in parts if not (step_dir / part).exists()]
-    return f"its {missing[0]} is missing" if missing else f"{type(e).__name__}: {one_line(e)}"
+    if missing:
+        return f"its {missing[0]} is missing"
+    return store_reason(e, step_dir) or f"{type(e).__name__}: {one_line(e)}"
 
 
 def _state_parts(step_dir: Path, whole: bool) -> list[str]:
@@ -301,6 +311,12 @@ class Checkpointer:
         self.failure = None  # the failed save already reported (its error is raised once)
         quiet_closed_loop()  # a damaged step's failed read: one line, not Orbax's loop's leftovers
         self._renames = owner and jax.process_index() == 0  # one process renames and removes
+        # Saves a stopped run left unfinished (a SIGKILL mid-save), removed now: the steps they would
+        # have been are named, so the start can say what it resumes from instead.
+        self.unfinished = sorted(
+            (int(p.name.split(".")[0]) for p in self._tmp_dirs() if p.name.split(".")[0].isdigit()), reverse=True
+        )
+        self._remove_partial()
         if owner:
             quiet_orbax_errors()  # a failed save is reported once, as one line (`_failed`)
         options = ocp.CheckpointManagerOptions(
@@ -481,10 +497,14 @@ class Checkpointer:
         )
         raise self.failure from e
 
+    def _tmp_dirs(self) -> list[Path]:
+        """The directories of unfinished saves (`N.orbax-checkpoint-tmp*`), if ours to remove."""
+        return list(self.directory.glob("*.orbax-checkpoint-tmp*")) if self._renames else []
+
     def _remove_partial(self) -> list[str]:
         """Remove the files of unfinished saves (none is in flight: the caller waited), if ours to."""
         removed = []
-        for tmp in self.directory.glob("*.orbax-checkpoint-tmp*") if self._renames else ():
+        for tmp in self._tmp_dirs():
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp.name)
         return removed

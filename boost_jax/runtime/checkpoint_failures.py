@@ -20,6 +20,25 @@ def one_line(e: Exception, width: int = 300) -> str:
     return text if len(text) <= width else text[:width] + " ..."
 
 
+def store_reason(e: Exception, step_dir) -> str | None:
+    """A TensorStore read error (Orbax's array reads) in one clean line: its status, the array it read
+    and its innermost cause, paths relative to `step_dir`, without the spec TensorStore appends
+    (`[tensorstore_spec='{...}']`, the JSON of its whole driver stack) or its chain of driver
+    openings; None for other errors."""
+    text = " ".join(str(e).split())
+    if "tensorstore_spec" not in text and "driver: Error" not in text:
+        return None
+    text = re.split(r"\s*\[(?:tensorstore_spec|source locations)", text)[0]
+    code = re.match(r"([A-Z_]+): ", text)
+    array = re.search(r'Error reading "([^"]+?)/?\.zarray"', text)
+    cause = re.split(r":\s*(?=Error )", text)[-1].replace(f"{step_dir}/", "")
+    return (
+        f"{code.group(1) if code else 'error'}"
+        + (f" reading the array {array.group(1)}" if array else "")
+        + f": {one_line(cause, 200)}"
+    )
+
+
 def os_reason(e: Exception) -> str | None:
     """The operating system's reason inside a write's exception, e.g. "No space left on device
     [ENOSPC]": tensorstore reports it deep in a long message (`[os_error_code='28']`) that a one-line

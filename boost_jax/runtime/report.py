@@ -4,6 +4,8 @@ MFU over each logging window, evaluations, and an optional profiler trace."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 
 import jax
@@ -16,6 +18,17 @@ from boost_jax.runtime.metrics import MetricsWriter, fmt_mfu, throughput
 def _num(x) -> float | None:
     x = float(x)
     return x if math.isfinite(x) else None
+
+
+def bar_width(stream) -> dict:
+    """tqdm's width settings for a bar on `stream`: the terminal's width as it changes, or a fixed 80
+    columns (24 rows) where the terminal reports a size of 0 x 0 (a pseudo-terminal nobody sized: tqdm
+    would draw nothing at all)."""
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # not a terminal: tqdm writes plain lines
+        return {"dynamic_ncols": True}
+    return {"dynamic_ncols": True} if columns > 0 else {"ncols": 80, "nrows": 24}  # (tqdm asks for both)
 
 
 class Reporter:
@@ -42,17 +55,19 @@ class Reporter:
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
 
     def start_bar(self, step: int) -> None:
-        # smoothing=0: the rate is the steps since the compile over the time since (see _compiled). Steps
-        # are dispatched ahead of the device and the loop waits for them at log points, so a smoothed
-        # rate of recent updates would show the dispatch's speed, not the steps'.
+        # smoothing=0: the rate is the steps since the compile over the time since (see _compiled), the
+        # steady average. The loop counts a step when the device has finished it (train_loop.py
+        # _count_done); miniters=1: tqdm redraws whenever mininterval has passed, never letting a burst
+        # of fast steps raise the count it waits for between redraws.
         self.bar = tqdm(
             total=self.total,
             initial=step,
             disable=not (self.main and self.progress),
-            dynamic_ncols=True,
             desc=self.name,
             unit="step",
             smoothing=0,
+            miniters=1,
+            **bar_width(sys.stderr),
         )
         self.first_step = step + 1  # this process's first step: its call traces and compiles the program
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0

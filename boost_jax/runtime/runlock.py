@@ -66,28 +66,62 @@ class RunLock:
 
 
 def open_run_dir(path: str, main_process: bool):
-    """Create the run directory (the config's `run_dir`) and take its lock (process 0 holds it for the
-    whole run). One-line errors."""
+    """Create the run directory (the config's `run_dir`), take its lock (process 0 holds it for the
+    whole run) and check the paths the run writes there (check_write_paths). One-line errors."""
     run_dir = Path(path).expanduser().resolve()
-    lock, busy = RunLock(run_dir), None
+    lock, failed = RunLock(run_dir), None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if main_process:
             lock.acquire()
-    except RunDirBusy as e:
-        busy = e
+            check_write_paths(run_dir)
+    except (RunDirBusy, ConfigError) as e:
+        failed = e
     except OSError as e:
         raise ConfigError(
             f"config field `run_dir`: cannot write to {run_dir} ({e.strerror or e}); choose a writable directory"
         ) from e
-    if jax.process_count() > 1:  # every process learns whether process 0 got the lock
+    if failed is not None:
+        lock.release()
+    if jax.process_count() > 1:  # every process learns whether process 0 got the lock and the paths are fine
         from jax.experimental import multihost_utils
 
-        if not np.all(multihost_utils.process_allgather(np.int32(busy is None))):
-            raise busy or RunDirBusy(f"config field `run_dir`: {run_dir} is in use (see process 0)")
-    elif busy:
-        raise busy
+        if not np.all(multihost_utils.process_allgather(np.int32(failed is None))):
+            raise failed or RunDirBusy(f"config field `run_dir`: {run_dir} cannot be used (see process 0's error)")
+    elif failed:
+        raise failed
     return run_dir, lock
+
+
+# What a run writes under its run_dir: (name, whether it is a directory, what the run keeps there).
+WRITTEN = (
+    ("checkpoints", True, "its checkpoints"),
+    ("tensorboard", True, "its TensorBoard events"),
+    ("token_cache", True, "the tokenised text inputs"),
+    ("metrics.jsonl", False, "its metrics"),
+    ("config.json", False, "its config"),
+)
+
+
+def check_write_paths(run_dir: Path) -> None:
+    """Every path the run will write under `run_dir` is of the kind it writes (a directory or a file)
+    and writable, before anything compiles: one ConfigError naming each path in the way and the fix.
+    (run_dir itself is writable: its lock file was just written.)"""
+    problems = []
+    for name, is_dir, holds in WRITTEN:
+        path = run_dir / name
+        if not os.path.lexists(path):
+            continue  # created by the run, in run_dir
+        if is_dir != path.is_dir():
+            kind = "a directory, not a file" if path.is_dir() else "a file, not a directory"
+            problems.append(f"{path} is {kind} (the run writes {holds} there)")
+        elif not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
+            problems.append(f"{path} is not writable (the run writes {holds} there)")
+    if problems:
+        raise ConfigError(
+            f"config field `run_dir`: {'; '.join(problems)}; move {'them' if len(problems) > 1 else 'it'} "
+            "aside (or make it writable), or choose another run_dir"
+        )
 
 
 # Settings of one invocation, not of the run: changing them on resume is not worth a note.

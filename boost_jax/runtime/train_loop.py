@@ -3,12 +3,13 @@ health checks (non-finite steps, signals), the report, evaluation and the checkp
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
 import jax
 
-from boost_jax.data.mapped import check_sizes
+from boost_jax.data.mapped import Truncated, check_sizes
 from boost_jax.errors import TrainingDiverged
 from boost_jax.kernels.rmsnorm import kernels_used
 from boost_jax.runtime.build import to_global
@@ -18,6 +19,7 @@ from boost_jax.runtime.signals import StopFlag, agree
 
 PREDICTION_WINDOWS = 3  # parallel.plan=auto: logged step times compared with the planner's prediction
 MAX_SKIPPED_IN_A_ROW = 20  # train.nonfinite=skip still stops when the run has clearly diverged
+IN_FLIGHT = 2  # steps dispatched ahead of the device: the next batch is read while the device computes
 
 
 def stop_requested(stop: StopFlag) -> bool:
@@ -50,6 +52,7 @@ class TrainLoop:
         self.data, self.evaluate, self.position, self.skipped = train_data, evaluate, position, skipped
         self.order, self.tokens_seen = order, tokens_seen  # the data order; input tokens that were not padding
         self.unchecked = []  # (step, metrics) not yet read back: checked together at the next log or save
+        self.in_flight = collections.deque()  # metrics of the dispatched steps not yet counted as done
         self.in_a_row = 0  # non-finite steps in a row
         self.last_saved, self.stopped = None, None
         self.eval_stopped = None  # the step whose evaluation a signal stopped
@@ -70,6 +73,7 @@ class TrainLoop:
         kernels_used()  # start the record afresh: the first train step below traces the model
         while step < end:
             self.ckpt.check()  # a background save that failed stops the run here, not at the next save
+            self._check_data()
             local = jax.tree.map(lambda x: x.reshape(t.grad_accum, -1, *x.shape[1:]), self.data.batch(self.position))
             self.profiler.before(step + 1)
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
@@ -81,7 +85,8 @@ class TrainLoop:
             step += 1
             self.step = step
             self.unchecked.append((step, metrics))
-            self.report.step_done()
+            self.in_flight.append(metrics)
+            self._count_done(IN_FLIGHT)
             if self._after_step(step, end):
                 break
         return self.state, step
@@ -95,8 +100,7 @@ class TrainLoop:
             signalled = agree(signalled) if due_log else None
         due_save = step % self.cfg.checkpoint.every == 0 or step == end or signalled
         if due_log or due_save:
-            if jax.process_count() == 1:  # (several processes might see a truncation at different steps)
-                check_sizes(self.mapped)  # a token file shrunk under the run: stop cleanly before a read faults
+            self._count_done(0)
             seen, self.unchecked = jax.device_get(self.unchecked), []
             self._check_finite(seen)
             self._count_tokens(seen)
@@ -130,6 +134,32 @@ class TrainLoop:
         if signalled:
             self.stopped = signalled
         return bool(signalled)
+
+    def _count_done(self, keep: int) -> None:
+        """Wait until at most `keep` dispatched steps are unfinished, advancing the progress bar by each
+        step that finished: the bar moves with the steps the device completes, whatever log_every is
+        (dispatch alone would run it ahead, then stop it at the next log point)."""
+        while len(self.in_flight) > keep:
+            jax.block_until_ready(self.in_flight.popleft())
+            self.report.step_done()
+
+    def _check_data(self) -> None:
+        """A token file shrunk under the run: stop cleanly before the next batch's read faults (a stat
+        per mapped file), the save in flight finished, saying what a rerun resumes from. (Several
+        processes might see a truncation at different steps: one process only.)"""
+        if jax.process_count() > 1:
+            return
+        try:
+            check_sizes(self.mapped)
+        except Truncated as e:
+            self.ckpt.wait()
+            last = self.ckpt.committed_step()
+            raise Truncated(
+                e.path,
+                "the run starts from the start (no checkpoint was complete)"
+                if last is None
+                else f"the run resumes from step {last}, its last complete checkpoint",
+            ) from None
 
     def _against_prediction(self, step: int, measured_s: float) -> None:
         """parallel.plan=auto: the first PREDICTION_WINDOWS logged step times beside the planner's

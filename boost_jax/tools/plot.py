@@ -56,6 +56,16 @@ def _line(ax, series: dict[int, float], **kw) -> None:
     ax.plot(steps, [series[s] for s in steps], **kw)
 
 
+def drawable(text: str) -> str:
+    """`text` (the run's directory name, the one text a user picks) with each character the plot's
+    font has no glyph for (CJK, say, in DejaVu Sans) replaced by "?": matplotlib would draw an empty
+    box and warn about each one."""
+    from matplotlib.font_manager import FontProperties, findfont, get_font
+
+    have = get_font(findfont(FontProperties())).get_charmap()  # the default font, which titles use
+    return "".join(c if ord(c) in have or not c.isprintable() else "?" for c in text)
+
+
 def plot(run_dir, out=None) -> Path:
     try:
         import matplotlib
@@ -89,7 +99,7 @@ def plot(run_dir, out=None) -> Path:
     for ax in (loss_ax, tok_ax, mfu_ax):
         ax.grid(alpha=0.3)
     run = Path(run_dir).resolve()
-    fig.suptitle(f"{run.parent.name}/{run.name}")
+    fig.suptitle(drawable(f"{run.parent.name}/{run.name}"))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
