@@ -166,9 +166,11 @@ def stage_pass(
     def embed(m):
         return embed_fn(embed_params, micro[m])
 
-    def embed_grad(m, g, acc):
-        _, pull = jax.vjp(lambda p: embed_fn(p, micro[m]), embed_params)
-        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, pull(g)[0])
+    acc_dtype = jnp.float32
+
+    def embed_grad(m, g, acc):  # the rows' gradient added in float32 (the table widened: no rounding)
+        _, pull = jax.vjp(lambda p: embed_fn(p, micro[m]), jax.tree.map(lambda a: a.astype(acc_dtype), embed_params))
+        return jax.tree.map(jnp.add, acc, pull(g.astype(acc_dtype))[0])
 
     with rules.use_rules(here, inner[1]):
         shaped = jax.eval_shape(embed, 0)
