@@ -83,6 +83,31 @@ def compiler_options(environ=os.environ) -> dict:
     return {_name(flag).lstrip("-"): _option_value(flag.split("=", 1)[1]) for flag in added}
 
 
+# XLA:GPU tiles a Triton GEMM fusion through the transposes and reshapes fused into it: a GEMM
+# dimension that is a (outer, inner) pair of a transposed operand (attention's heads x head_dim into
+# the output projection; a tensor-train core's modes) takes only tiles that divide `inner` or that it
+# divides. The tile sizes a deviceless compile gives a fusion (no autotuning) are powers of two up to
+# TRITON_TILE, and XLA does not check them against such a pair: the compile fails ("Couldn't find
+# output tile sizes that satisfy hlo", jaxlib 0.10.2: cola_3b / llama_3b's head_dim 100, tt_1b's
+# d_ff modes 19 x 18). A program whose model has such a width runs every GEMM on cuBLAS instead.
+TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+TRITON_TILE = 64
+
+
+def triton_tiles(width: int) -> bool:
+    """Every power-of-two tile up to TRITON_TILE divides `width` or is a multiple of it."""
+    return width % TRITON_TILE == 0 or TRITON_TILE % width == 0
+
+
+def gemm_options(split_widths: dict, environ=os.environ) -> dict:
+    """{TRITON_GEMM: False} when one of `split_widths` ({what: inner width of a dimension pair a GEMM
+    operand may be tiled through}) is not `triton_tiles`, unless XLA_FLAGS names the flag (the user's
+    value wins); else {}."""
+    if TRITON_GEMM in {_name(f).lstrip("-") for f in environ.get("XLA_FLAGS", "").split()}:
+        return {}
+    return {} if all(triton_tiles(int(w)) for w in split_widths.values()) else {TRITON_GEMM: False}
+
+
 _ACCEPTED: dict = {}  # (platform, device kind, option names) -> the names this jaxlib's XLA takes
 DROPPED: set = set()  # options some program here was built without (reported once, by warning)
 

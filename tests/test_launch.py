@@ -109,3 +109,23 @@ def test_compiler_options_this_xla_lacks_are_dropped_not_fatal():
     with pytest.raises(Exception, match="No such compile option"):
         jax.jit(lambda a: a * 2, compiler_options={**kept, **retired}).lower(one).compile()
     assert G.accepted({}, dev) == {}
+
+
+def test_gemm_options_turn_triton_gemms_off_for_widths_its_tiles_cannot_split():
+    """A width that is neither a multiple of 64 nor a divisor of 64 (head_dim 100, a tensor-train mode
+    of 18 or 12) sends the program's GEMMs to cuBLAS; tileable widths keep Triton's; XLA_FLAGS naming
+    the flag wins either way. The zoo: cola_3b, llama_3b and tt_60m/350m/1b only."""
+    from boost_jax import xla_gpu_flags as G
+    from boost_jax.config import sized_config, tt_config
+    from boost_jax.model.transformer import split_widths
+
+    assert [w for w in range(1, 257) if G.triton_tiles(w)] == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256]
+    off = {G.TRITON_GEMM: False}
+    assert G.gemm_options({"head_dim": 64, "mode": 8}, {}) == {}
+    assert G.gemm_options({"head_dim": 100}, {}) == off
+    assert G.gemm_options({"head_dim": 100}, {"XLA_FLAGS": f"--{G.TRITON_GEMM}=true"}) == {}
+    for size, want in (("1b", {}), ("3b", off), ("7b", {})):
+        for linear in ("cola", "dense"):
+            assert G.gemm_options(split_widths(sized_config(size, linear).model), {}) == want, (size, linear)
+    for size, want in (("60m", off), ("130m", {}), ("350m", off), ("1b", off)):
+        assert G.gemm_options(split_widths(tt_config(size).model), {}) == want, size

@@ -176,6 +176,16 @@ class Transformer(nnx.Module):
     def _embedded(self, tokens, positions, cache, docs):
         """(the stack's input x [B, T, d], positions, the positions as given (None: 0..T-1), docs), in the
         context layout under context parallelism."""
+        tokens, positions, given_positions, docs = self._laid_out(tokens, positions, cache, docs)
+        return _embed(self._embedding(), tokens), positions, given_positions, docs
+
+    def _embedding(self):
+        """The embedding table as the model computes with it (gathered, in the compute dtype)."""
+        return gathered(self.embed[...], ("vocab_in", "embed"), self.dtype)
+
+    def _laid_out(self, tokens, positions, cache, docs):
+        """(tokens [B, T], positions, the positions as given (None: 0..T-1), docs), in the context layout
+        under context parallelism: what `_embedded` embeds."""
         self.placement.require_rules()
         b, t = tokens.shape
         given_positions = positions
@@ -186,8 +196,7 @@ class Transformer(nnx.Module):
             docs = None if docs is None else Documents.packed(self.context.layout(docs.segments))
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-        x = constrain(take_rows(gathered(self.embed[...], ("vocab_in", "embed"), self.dtype), tokens), RESIDUAL)
-        return x, positions, given_positions, docs
+        return tokens, positions, given_positions, docs
 
     def _layer_stack(self):
         """(layer(h, state, cache, positions[, docs]) -> (h, cache), the stacked layers' state [L, ...])."""
@@ -235,14 +244,16 @@ class Transformer(nnx.Module):
             labels, mask = self.context.layout(labels), None if mask is None else self.context.layout(mask)
             loss = functools.partial(loss, seq_groups=self.context.size)
         if self.pipeline is not None:  # ... and once per batch replica (the head gradient reduced once)
-            x, _, given_positions, docs = self._embedded(tokens[:, :-1], positions, None, docs)
+            inputs, _, given_positions, docs = self._laid_out(tokens[:, :-1], positions, None, docs)
             layer, layer_state = self._layer_stack()
             norm_graph, norm_state = nnx.split(self.final_norm)
             return self.pipeline.train_loss(
                 layer,
                 layer_state,
-                x,
+                inputs,
                 given_positions,
+                embed=_embed,
+                embed_params=self._embedding,
                 docs=docs,
                 unroll=self.unroll,
                 remat_stage=self.remat_stage,
@@ -254,6 +265,11 @@ class Transformer(nnx.Module):
             )
         h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
         return loss(h, self.head_weight(), labels, mask=mask)
+
+
+def _embed(table, tokens):
+    """The stack's input: the embedding rows of `tokens`, in the residual stream's layout."""
+    return constrain(take_rows(table, tokens), RESIDUAL)
 
 
 def _final(norm, x):
@@ -327,6 +343,18 @@ def projection_widths(m) -> dict[str, int]:
         "model.d_ff": int(m.d_ff),
         "model.n_kv_heads*head_dim": int(m.n_kv_heads) * (int(m.d_model) // int(m.n_heads)),
     }
+
+
+def split_widths(m) -> dict[str, int]:
+    """{what: width} of the inner dimensions of the (outer, inner) pairs the model's GEMM operands are
+    reshaped from: heads x head_dim into the output projection, and the kind's own (LinearKind
+    `split_widths`). The GPU compile reads them (boost_jax/xla_gpu_flags.py `gemm_options`)."""
+    kind = kind_class(m.linear)
+    widths = {"model.d_model/model.n_heads (head_dim)": int(m.d_model) // int(m.n_heads)}
+    for d_in, d_out in sorted(set(projection_shapes(m))):
+        for i, w in enumerate(kind.split_widths(m, d_in, d_out)):
+            widths[f"model.linear={m.linear} {d_in}x{d_out} split {i}"] = int(w)
+    return widths
 
 
 def projection_shapes(cfg) -> list[tuple[int, int]]:

@@ -291,8 +291,10 @@ def run(
 def fused_loss(
     stage_fn,
     head_fn,
+    embed_fn,
     layer_state,
     head_params,
+    embed_params,
     x,
     rows,
     targets,
@@ -309,8 +311,11 @@ def fused_loss(
     summed over the micro-batches and batch replicas (a masked sum) or averaged (mask None: means).
 
     `stage_fn(chunk_state, x_micro[, rows_micro]) -> x_micro` runs one chunk of L/(S V) layers;
-    layer_state: leaves [L, ...]; x [B, ...] the stack's input; rows: per-row inputs [B, ...] handed
-    to stage_fn (or None); targets: (labels [B, ...], mask [B, ...] or None) for head_fn. Its
+    layer_state: leaves [L, ...]; x [B, ...] what `embed_fn(embed_params, x_micro)` makes the stack's
+    input of (token ids): each micro-batch is embedded inside the schedule, where stage 0 needs it,
+    so the pass keeps no embedded block of the M micro-batches nor of their gradients; rows: per-row
+    inputs [B, ...] handed to stage_fn (or None); targets: (labels [B, ...], mask [B, ...] or None)
+    for head_fn. Its
     gradient comes from the 1F1B schedule (boost_jax/parallel/pipeline_1f1b.py), computed when the loss's
     forward runs under autodiff (a custom VJP: the forward pass computes the gradients, the backward
     scales them by the loss's cotangent); evaluated without autodiff it runs the forward ticks only.
@@ -328,6 +333,7 @@ def fused_loss(
         stage_pass,
         stage_fn=stage_fn,
         head_fn=head_fn,
+        embed_fn=embed_fn,
         stages=stages,
         microbatches=microbatches,
         repeats=repeats,
@@ -339,7 +345,7 @@ def fused_loss(
         unroll=unroll,
     )
     rows_spec = P(axes) if axes else P()
-    in_specs = (P(manual), P(), rows_spec, rows_spec, rows_spec)
+    in_specs = (P(manual), P(), P(), rows_spec, rows_spec, rows_spec)
 
     def program(backward):
         out = (P(), P(manual), P(manual), P(manual)) if backward else P()
@@ -352,7 +358,7 @@ def fused_loss(
             check_vma=False,
         )
 
-    return schedule_gradient(program, stages, n, reduce_dtype)(staged, head_params, x, rows, targets)
+    return schedule_gradient(program, stages, n, reduce_dtype)(staged, head_params, embed_params, x, rows, targets)
 
 
 def _staged_1f1b(layer_state, stages: int, n: int, repeats: int | None, mesh, manual, reduce_dtype):

@@ -9,8 +9,10 @@ over once per pass) manual in a `shard_map`: each device runs its own stage's br
 hand their activations forward and their gradients backward by collective-permute, one each way
 per tick. The backward is driven by the schedule (`jax.vjp` per stage and tick), not by autodiff
 of the tick loop, so a stage keeps only the micro-batches it has run forward and not yet backward,
-in a ring buffer whose size depends on S and V, never on M. The head and loss run at the last
-stage, per micro-batch, in the tick that finishes its forward, which also starts its backward.
+in a ring buffer whose size depends on S and V, never on M. Each micro-batch is embedded at stage 0
+in the tick its first chunk runs, and its input gradient taken into the embedding's gradient in the
+tick that chunk's backward runs; the head and loss run at the last stage, per micro-batch, in the tick
+that finishes its forward, which also starts its backward: no buffer of the pass grows with M.
 
 Ticks (lockstep: every stage does at most one forward and one backward per tick). Items are
 (micro-batch, chunk) pairs, V per micro-batch (V = 1 without interleaving). Forward item k runs at
@@ -25,7 +27,7 @@ pass takes (S - 1 + V M) (f + b) for chunk times f, b: bubble (S-1)/(V M + S-1),
 only wait for work the dependencies forbid. Lockstep ticks make a hand-over take a whole tick each
 way, so stage s holds a forward item for 2(S-1-s) + 2(V-1-v)S ticks (interleaved) before its
 backward: the ring keeps `ring_slots` items, at most 2 V S - 1, where 1F1B run asynchronously keeps
-about S (V = 1); under stage remat stage 0's first chunk is re-read from the pass's input instead.
+about S (V = 1); under stage remat stage 0's first chunk is embedded again instead.
 What an item is: its stage input under stage remat (the backward runs its forward again), else
 the residuals of its forward's `jax.vjp` that depend on it (`_Inputs`, `_Residuals`).
 
@@ -45,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from boost_jax.parallel import rules
-from boost_jax.parallel.pipeline_layout import from_microbatches, to_microbatches
+from boost_jax.parallel.pipeline_layout import to_microbatches
 
 ONE_F_ONE_B = "1f1b"
 
@@ -116,12 +118,14 @@ def _zeros(tree):
 def stage_pass(
     staged,
     head_params,
+    embed_params,
     x,
     rows,
     targets,
     *,
     stage_fn,
     head_fn,
+    embed_fn,
     stages,
     microbatches,
     repeats,
@@ -134,11 +138,14 @@ def stage_pass(
     unroll,
 ):
     """One stage's program (inside the `shard_map`): the loss of its pass (and with `backward`, the
-    gradients of its stage weights [1, V, ...], of `head_params` and of x). staged: this stage's
-    weights [1, V, L/(S V), ...]; x [rows, ...] this replica's rows of the pass's input; rows and
-    targets: pytrees of per-row arrays [rows, ...] (targets: (labels, mask or None)). `remat`: keep
-    each item's stage input and run its forward again in its backward; otherwise keep what the
-    backward reads (`_Residuals`)."""
+    gradients of its stage weights [1, V, ...], of `head_params` and of `embed_params`). staged: this
+    stage's weights [1, V, L/(S V), ...]; x [rows, ...] this replica's rows of the pass's input (token
+    ids), `embed_fn(embed_params, x_micro)` the stack's input of one micro-batch, embedded at stage 0
+    in the tick its first chunk runs (and again in its backward under stage remat), its gradient
+    added to the embedding's there: no [M, ...] block of embedded inputs or of their gradients is
+    kept. rows and targets: pytrees of per-row arrays [rows, ...] (targets: (labels, mask or None)).
+    `remat`: keep each item's stage input and run its forward again in its backward; otherwise keep
+    what the backward reads (`_Residuals`)."""
     S, V, M = stages, repeats, microbatches
     s = jax.lax.axis_index("pipeline")
     here = rules.traced_mesh(inner[0])
@@ -156,10 +163,21 @@ def stage_pass(
         labels, mask = tgt
         return head_fn(hp, h, labels, mask) * scale
 
+    def embed(m):
+        return embed_fn(embed_params, micro[m])
+
+    acc_dtype = jnp.float32
+
+    def embed_grad(m, g, acc):  # the rows' gradient added in float32 (the table widened: no rounding)
+        _, pull = jax.vjp(lambda p: embed_fn(p, micro[m]), jax.tree.map(lambda a: a.astype(acc_dtype), embed_params))
+        return jax.tree.map(jnp.add, acc, pull(g.astype(acc_dtype))[0])
+
     with rules.use_rules(here, inner[1]):
-        act = jnp.zeros(micro.shape[1:], micro.dtype)
+        shaped = jax.eval_shape(embed, 0)
+        act = jnp.zeros(shaped.shape, shaped.dtype)
         carry = {"fwd": act, "loss": jnp.zeros((), jnp.float32)}
-        tick = _Tick(s, S, V, items, run, head, weights, head_params, micro, micro_rows, micro_targets, act)
+        tick = _Tick(s, S, V, items, run, head, weights, head_params, embed, micro_rows, micro_targets, act)
+        tick.embed_grad = embed_grad
         if backward:
             tick.keep = _Inputs(run, act) if remat else _Residuals(run, weights, act, _index(micro_rows, 0))
             tick.slots, tick.remat = ring_slots(S, V, reread_first=remat), remat
@@ -169,17 +187,18 @@ def stage_pass(
                 ring=[jnp.zeros((tick.slots,) + a.shape, a.dtype) for a in tick.keep.avals],
                 grad_w=f32(weights),
                 grad_h=f32(head_params),
-                dx=jnp.zeros(micro.shape, micro.dtype),
+                grad_e=f32(embed_params),
             )
         carry, _ = jax.lax.scan(tick.both if backward else tick.forward_only, carry, jnp.arange(n_ticks), unroll=unroll)
     loss = jax.lax.psum(carry["loss"], manual)
     if not backward:
         return loss
-    # Per device: summed over the stages and replicas (the head's) and taken from stage 0 (x's) by
-    # the caller, outside the manual region (a bf16 all-reduce inside it does not compile on XLA:CPU).
+    # Per device: the head's and the embedding's summed over the stages and replicas by the caller,
+    # outside the manual region (a bf16 all-reduce inside it does not compile on XLA:CPU).
     grad_h = jax.tree.map(lambda g: g[None], carry["grad_h"])
+    grad_e = jax.tree.map(lambda g: g[None], carry["grad_e"])
     grad_w = jax.tree.map(lambda g, a: g.astype(a.dtype)[None], carry["grad_w"], weights)
-    return loss, grad_w, grad_h, from_microbatches(carry["dx"])[None]
+    return loss, grad_w, grad_h, grad_e
 
 
 @dataclasses.dataclass
@@ -201,13 +220,14 @@ class _Tick:
     head: Callable  # (head params, h, (labels, mask)) -> the scaled loss
     weights: Any  # [V, L/(S V), ...]
     head_params: Any
-    micro: Any  # [M, b, ...]
+    embed: Callable  # micro-batch m -> the stack's input of its rows (embedded here, when needed)
     micro_rows: Any
     micro_targets: Any
     act: Any  # zeros shaped as one micro-batch's activation
     keep: Any = None  # what the ring keeps per item (`both`): _Inputs or _Residuals
     slots: int = 0
     remat: bool = False
+    embed_grad: Callable | None = None  # (m, gradient of its stack input, accumulator) -> accumulator
 
     def forward_only(self, c, t):
         c = dict(c)
@@ -243,7 +263,7 @@ class _Tick:
         k = t - s
         f_ok = (k >= 0) & (k < self.items)
         m_f, v_f = _decode(jnp.clip(k, 0, self.items - 1), S, V)
-        inp = jnp.where((s == 0) & (v_f == 0), self.micro[m_f], c["fwd"])
+        inp = jnp.where((s == 0) & (v_f == 0), self.embed(m_f), c["fwd"])
         rows_f = _index(self.micro_rows, m_f)
         tgt_f = _index(self.micro_targets, m_f)
         last = (s == S - 1) & (v_f == V - 1)
@@ -278,7 +298,8 @@ class _Tick:
 
     def _backward(self, c, t, g_y):
         """The tick's backward item j = t - D + s: its chunk's gradient added to the stage's, stage 0's
-        first chunk's input gradient filed under its micro-batch; the input gradient handed back."""
+        first chunk's input gradient taken through the embedding into the embedding's; the input
+        gradient handed back."""
         S, V, s, act = self.stages, self.repeats, self.s, self.act
         j = t - delay(S, V) + s
         b_ok = (j >= 0) & (j < self.items)
@@ -287,19 +308,21 @@ class _Tick:
         first = (s == 0) & (v_b == 0)
         slot = jnp.mod(_forward_item(jc, S, V), self.slots)
         kept = [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in c["ring"]]
-        if self.remat:  # stage 0's first chunk: the pass's input again
-            kept = [jnp.where(first, self.micro[m_b], kept[0])]
+        if self.remat:  # stage 0's first chunk: its micro-batch embedded again
+            kept = [jnp.where(first, self.embed(m_b), kept[0])]
         cot = jnp.where((s == S - 1) & (v_b == V - 1), g_y, c["bwd"])
         rows_b = _index(self.micro_rows, m_b)
         w_b = _index(self.weights, v_b)
 
         def backward_step(acc):
+            acc_w, acc_e = acc
             g_w, g_x = self.keep.backward(w_b, v_b, kept, rows_b, cot)
-            return _add_at(acc, g_w, v_b), g_x.astype(act.dtype)
+            acc_e = jax.lax.cond(first, lambda e: self.embed_grad(m_b, g_x, e), lambda e: e, acc_e)
+            return (_add_at(acc_w, g_w, v_b), acc_e), g_x.astype(act.dtype)
 
-        c["grad_w"], g_x = jax.lax.cond(b_ok, backward_step, lambda acc: (acc, act), c["grad_w"])
-        done = jax.lax.dynamic_index_in_dim(c["dx"], m_b, keepdims=False)
-        c["dx"] = jax.lax.dynamic_update_index_in_dim(c["dx"], jnp.where(first & b_ok, g_x, done), m_b, 0)
+        (c["grad_w"], c["grad_e"]), g_x = jax.lax.cond(
+            b_ok, backward_step, lambda acc: (acc, act), (c["grad_w"], c["grad_e"])
+        )
         return g_x
 
 
@@ -366,32 +389,36 @@ def _item_dependent(residuals, args, n_known: int, n_out: int) -> list[bool]:
 
 
 def schedule_gradient(program, stages: int, n: int, reduce_dtype):
-    """The 1F1B loss as a function of (staged, head_params, x, rows, targets) whose gradient is the
-    schedule's: `program(backward)` is the `shard_map` of `stage_pass`; evaluated without autodiff it
-    runs the forward ticks only, under autodiff (a custom VJP) the forward pass computes the gradients
-    and the backward scales them by the loss's cotangent. n: the batch replicas of the manual map."""
+    """The 1F1B loss as a function of (staged, head_params, embed_params, x, rows, targets) whose
+    gradient is the schedule's: `program(backward)` is the `shard_map` of `stage_pass`; evaluated
+    without autodiff it runs the forward ticks only, under autodiff (a custom VJP) the forward pass
+    computes the gradients and the backward scales them by the loss's cotangent. n: the batch
+    replicas of the manual map. x (token ids), rows and targets get no gradient."""
 
     @jax.custom_vjp
-    def loss(staged, head_params, x, rows, targets):
-        return program(False)(staged, head_params, x, rows, targets)
+    def loss(staged, head_params, embed_params, x, rows, targets):
+        return program(False)(staged, head_params, embed_params, x, rows, targets)
 
-    def loss_fwd(staged, head_params, x, rows, targets):
-        value, grad_w, grad_h, dx = program(True)(staged, head_params, x, rows, targets)
-        # the head's gradient: every stage's and replica's part (zero but at the last stage), summed
-        # once in the reduction dtype; x's: stage 0's rows [S, n, B/n, ...] of every replica
-        grad_h = jax.tree.map(lambda g, a: g.astype(reduce_dtype).sum(0).astype(a.dtype), grad_h, head_params)
-        dx = dx.reshape(stages, n, *dx.shape[1:])[0].reshape(x.shape)
-        return value, (grad_w, grad_h, dx, rows, targets)
+    def summed(grads, params):  # every stage's and replica's part, summed once in the reduction dtype
+        return jax.tree.map(lambda g, a: g.astype(reduce_dtype).sum(0).astype(a.dtype), grads, params)
+
+    def loss_fwd(staged, head_params, embed_params, x, rows, targets):
+        value, grad_w, grad_h, grad_e = program(True)(staged, head_params, embed_params, x, rows, targets)
+        # the head's is zero but at the last stage, the embedding's but at stage 0
+        grads = (grad_w, summed(grad_h, head_params), summed(grad_e, embed_params))
+        return value, (grads, x, rows, targets)
 
     def loss_bwd(res, ct):
-        grad_w, grad_h, dx, rows, targets = res
+        (grad_w, grad_h, grad_e), x, rows, targets = res
         times = lambda g: (g * ct).astype(g.dtype)  # noqa: E731
+        none = lambda tree: jax.tree.map(lambda _: None, tree)  # noqa: E731
         return (
             jax.tree.map(times, grad_w),
             jax.tree.map(times, grad_h),
-            times(dx),
-            jax.tree.map(lambda _: None, rows),
-            jax.tree.map(lambda _: None, targets),
+            jax.tree.map(times, grad_e),
+            none(x),
+            none(rows),
+            none(targets),
         )
 
     loss.defvjp(loss_fwd, loss_bwd)

@@ -158,9 +158,11 @@ class Pipeline:
         self,
         layer,
         layer_state,
-        x,
+        tokens,
         positions=None,
         *,
+        embed,
+        embed_params,
         docs=None,
         unroll: bool = False,
         remat_stage: bool = False,
@@ -171,19 +173,21 @@ class Pipeline:
         mask=None,
     ):
         """The pipelined model's loss: `loss(final(norm_state, h), head_weight, labels, mask=mask)` of the
-        stack's output h, `head_params() -> (norm_state, head_weight)` (called where the head's weight
-        is first needed: after the stack under GPipe and circular). GPipe and circular run the stack
-        (`__call__`), then the final norm, then the head and loss one micro-batch's rows at a time, per
-        batch replica (parallel/pipeline.py `per_replica_loss`); 1F1B runs the final norm, head and loss
-        per micro-batch at the last stage inside its schedule (`pipeline.fused_loss`)."""
+        stack's output h on `embed(embed_params(), tokens)`, `head_params() -> (norm_state, head_weight)`
+        (called where the head's weight is first needed: after the stack under GPipe and circular).
+        GPipe and circular embed the batch, run the stack (`__call__`), then the final norm, then the
+        head and loss one micro-batch's rows at a time, per batch replica (parallel/pipeline.py
+        `per_replica_loss`); 1F1B embeds each micro-batch at stage 0 and runs the final norm, head and
+        loss per micro-batch at the last stage, inside its schedule (`pipeline.fused_loss`)."""
         if not self.fused:
+            x = embed(embed_params(), tokens)
             h = self(layer, layer_state, x, positions, unroll=unroll, docs=docs, remat_stage=remat_stage)
             norm_state, head_weight = head_params()
             run = pipeline.per_replica_loss(
                 functools.partial(loss, row_groups=self.microbatches), mesh=self.mesh, strategy=self.strategy
             )
             return run(final(norm_state, h), head_weight, labels, mask=mask)
-        stage, rows = self._stage(layer, x, positions, docs, unroll)
+        stage, rows = self._stage(layer, tokens, positions, docs, unroll)
 
         def head(params, h, labels, mask):
             return loss(final(params[0], h), params[1], labels, mask=mask)
@@ -191,9 +195,11 @@ class Pipeline:
         return pipeline.fused_loss(
             stage,
             head,
+            embed,
             layer_state,
             head_params(),
-            x,
+            embed_params(),
+            tokens,
             rows,
             (labels, mask),
             stages=self.stages,

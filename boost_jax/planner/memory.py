@@ -51,8 +51,9 @@ def memory_bytes(
         # or one layer's backward (its recomputed activations under remat, st's and the context
         # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
         "transient": 0.0,
-        # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each)
-        "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 else 0.0,
+        # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each); 1F1B embeds each
+        # micro-batch and runs its head inside the schedule: neither
+        "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 and not sched.f1b else 0.0,
         # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
         "pipeliner": pipeliner_arrays(pr, mesh, summary, sched, gpu),
         # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)

@@ -65,14 +65,11 @@ def pipeline_ends(
     """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline.py: the
     last stage hands the M finished micro-batches to every stage for the head (GPipe: a permute and
     an all-reduce, a permute back in the backward; circular: the all-reduce alone, its outputs are
-    filed where they are reduced; 1F1B runs the head at the last stage inside its ticks, and the
-    gradient of the M micro-batches' inputs, filed at stage 0, reaches every stage for the embedding's
-    in one all-reduce)."""
-    if stages <= 1:
+    filed where they are reduced; 1F1B embeds each micro-batch and runs the head inside its ticks:
+    nothing)."""
+    if stages <= 1 or schedule == "1f1b":
         return []
     done = microbatches * ctx.local(residual, ctx.block.d)
-    if schedule == "1f1b":
-        return [Coll("all-reduce", done, stages, stride, "bwd", "pipeline")]
     reduce = [Coll("all-reduce", done, stages, stride, "fwd", "pipeline")]
     if schedule == "circular":
         return reduce

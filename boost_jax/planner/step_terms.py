@@ -14,10 +14,11 @@ from boost_jax.planner.schedule import Schedule
 
 def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: list, rest: list):
     """1F1B's embedding and head traffic (boost_jax/parallel/pipeline.py `fused_loss`): the head and loss
-    run per micro-batch at the last stage (the head op of one micro-batch's rows, M times), and the
-    head's gradient (each stage and replica's float32 part) is all-reduced over pipeline x data x fsdp
-    once per pass, the embedding's over data x fsdp as GPipe's. -> (dp_rest, [(coll, times)])."""
-    head_w = rest[1].weights  # d V/t + the final norm's d
+    run per micro-batch at the last stage (the head op of one micro-batch's rows, M times), each
+    micro-batch is embedded at stage 0, and the head's and the embedding's gradients (each stage and
+    replica's float32 part) are all-reduced over pipeline x data x fsdp once per pass.
+    -> (dp_rest, [(coll, times)])."""
+    head_w = rest[0].weights + rest[1].weights  # the embedding's V d/t, the head's d V/t, the final norm's d
     ways = mesh.data * mesh.fsdp
     dp_rest = [dataclasses.replace(c, elements=c.elements - head_w) if c.kind == "all-reduce" else c for c in dp_rest]
     dp_rest.append(

@@ -24,6 +24,7 @@ from boost_jax import xla_gpu_flags
 from boost_jax.data import load_tokenizer
 from boost_jax.kernels import platform
 from boost_jax.model import autos, model_from_config
+from boost_jax.model.transformer import split_widths
 from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
@@ -116,9 +117,13 @@ def build(cfg, devices=None, optimizer=None, *, validated: bool = False) -> Buil
     with platform.target(mesh):  # the model's dtype and kernels follow the mesh's devices
         spec = state_spec(cfg, tx, mesh, strategy)
     t = cfg.train
-    # A GPU step carries the GPU XLA flags itself, wherever it is compiled (deviceless included).
+    # A GPU step carries the GPU XLA flags itself, wherever it is compiled (deviceless included), and
+    # runs its GEMMs on cuBLAS where Triton's tiles cannot split the model's widths (gemm_options).
     options = (
-        xla_gpu_flags.accepted(xla_gpu_flags.compiler_options(), mesh.devices.flat[0])
+        xla_gpu_flags.accepted(
+            {**xla_gpu_flags.compiler_options(), **xla_gpu_flags.gemm_options(split_widths(cfg.model))},
+            mesh.devices.flat[0],
+        )
         if platform.of(mesh.devices.flat[0]) == "gpu" and cfg.xla_gpu_flags
         else None
     )

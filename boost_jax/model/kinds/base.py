@@ -121,6 +121,13 @@ class LinearKind(nnx.Module):
         return {"rank": ("model.rank", int(m.rank))} if cls.factored else {}
 
     @classmethod
+    def split_widths(cls, m, d_in: int, d_out: int) -> tuple[int, ...]:
+        """The inner widths of the (outer, inner) dimension pairs its weights are built through
+        (reshapes of transposed products): a GEMM may be tiled through them (xla_gpu_flags.py
+        `gemm_options`). None for weights stored as they are multiplied."""
+        return ()
+
+    @classmethod
     def nonlinear(cls, m) -> bool:
         """True when σ at the bottleneck is a nonlinearity (so the MLP may drop SwiGLU's σ)."""
         return False

@@ -116,6 +116,11 @@ class TensorTrain(LinearKind):
         return flops
 
     @classmethod
+    def split_widths(cls, m, d_in, d_out):
+        first, second = tt_shapes(m, d_in, d_out)  # M1's rows (m_1, .., m_k) and M2's columns (o_k, .., o_1)
+        return tuple(mode for _, mode, _ in first[1:]) + tuple(mode for _, mode, _ in second[:-1])
+
+    @classmethod
     def nonlinear(cls, m):
         return m.tt_activation == "silu"
 
