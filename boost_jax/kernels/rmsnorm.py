@@ -294,8 +294,8 @@ def _pallas_lowers(x2, scale, br):
     )
 
 
-def _triton_runs(x2, scale, block_rows):
-    """Compile both Triton kernels once per (backend, dtypes, d, block_rows); the reason when they cannot."""
+def _triton_compile_probe(x2, scale, block_rows, calls):
+    """A probe compiling `calls(T, rows, x, w, dy, ds)` (T: the Triton module) on one block of rows."""
 
     def compile_probe():
         if not platform.is_nvidia():
@@ -303,18 +303,24 @@ def _triton_runs(x2, scale, block_rows):
         from boost_jax.kernels import rmsnorm_triton as T  # lazy: imports triton, the optional gpu extra
 
         rows = block_rows or T.default_rows(x2.shape[1])
-
-        def probe(x, w, dy, ds):
-            return T.fwd_call(x, w, 1e-6, rows), T.bwd_call(x, w, dy, ds, 1e-6, rows)
-
+        probe = functools.partial(calls, T, rows)
         jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()  # on the target devices (_one_block)
+
+    return compile_probe
+
+
+def _triton_runs(x2, scale, block_rows):
+    """Compile both Triton kernels once per (backend, dtypes, d, block_rows); the reason when they cannot."""
+
+    def calls(T, rows, x, w, dy, ds):
+        return T.fwd_call(x, w, 1e-6, rows), T.bwd_call(x, w, dy, ds, 1e-6, rows)
 
     return _probe(
         "triton",
         x2,
         scale,
         block_rows,
-        compile_probe,
+        _triton_compile_probe(x2, scale, block_rows, calls),
         lambda backend, reason: (
             f"boost_jax rmsnorm: kernels.rmsnorm=triton cannot run on backend {backend!r} ({reason}); falling back "
             "to the XLA implementation. It needs an NVIDIA GPU with triton and jax-triton "
@@ -326,25 +332,16 @@ def _triton_runs(x2, scale, block_rows):
 def _triton_add_runs(x2, scale, block_rows):
     """`_triton_runs` for the fused residual add + norm kernels."""
 
-    def compile_probe():
-        if not platform.is_nvidia():
-            raise RuntimeError("needs an NVIDIA GPU")
-        from boost_jax.kernels import rmsnorm_triton as T  # lazy: imports triton, the optional gpu extra
-
-        rows = block_rows or T.default_rows(x2.shape[1])
-
-        def probe(x, w, dy, ds):
-            del ds
-            return T.add_fwd_call(x, dy, w, 1e-6, rows), T.add_bwd_call(x, w, dy, dy, 1e-6, rows)
-
-        jax.jit(probe).lower(*_one_block(x2, scale, rows)).compile()  # on the target devices (_one_block)
+    def calls(T, rows, x, w, dy, ds):
+        del ds
+        return T.add_fwd_call(x, dy, w, 1e-6, rows), T.add_bwd_call(x, w, dy, dy, 1e-6, rows)
 
     return _probe(
         "triton add",
         x2,
         scale,
         block_rows,
-        compile_probe,
+        _triton_compile_probe(x2, scale, block_rows, calls),
         lambda backend, reason: (
             f"boost_jax rmsnorm: the fused residual add + norm (kernels.residual_norm) cannot run on backend "
             f"{backend!r} ({reason}); falling back to XLA's add and norm. It needs an NVIDIA GPU with triton and "

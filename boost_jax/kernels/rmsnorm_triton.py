@@ -217,96 +217,57 @@ def _target():
     return {} if cc is None else {"compute_capability": cc}
 
 
-def fwd_call(x2, scale, eps, rows):
-    n_rows, d = x2.shape
+def _launch(kernel, name, inputs, out_shape, grid, eps, rows, **consts):
+    """One jax-triton launch of a norm kernel over rows of width d (the first input's last axis)."""
+    n_rows, d = inputs[0].shape
     return _jt().triton_call(
-        x2,
-        scale,
-        kernel=rmsnorm_fwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((n_rows,), _F32)],
-        grid=(triton.cdiv(n_rows, rows),),
+        *inputs,
+        kernel=kernel,
+        out_shape=out_shape,
+        grid=grid,
         num_warps=num_warps(rows, d),
         num_stages=1,
-        name="rmsnorm_fwd",
+        name=name,
         **_target(),
         n_rows=n_rows,
         d=d,
         eps=eps,
         ROWS=rows,
         BLOCK_D=block_d(d),
+        **consts,
     )
+
+
+def _forward(kernel, name, inputs, outputs, eps, rows):
+    grid = (triton.cdiv(inputs[0].shape[0], rows),)
+    return _launch(kernel, name, inputs, outputs, grid, eps, rows)
+
+
+def _backward(kernel, name, inputs, eps, rows):
+    """(dx, dscale): each program's partial scale gradient summed here."""
+    x2, scale = inputs[0], inputs[1]
+    p = programs(x2.shape[0], rows)
+    outputs = [jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((p, x2.shape[1]), _F32)]
+    dx, dw_part = _launch(kernel, name, inputs, outputs, (p,), eps, rows, PROGRAMS=p)
+    return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
+
+
+def fwd_call(x2, scale, eps, rows):
+    outputs = [jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((x2.shape[0],), _F32)]
+    return _forward(rmsnorm_fwd_kernel, "rmsnorm_fwd", (x2, scale), outputs, eps, rows)
 
 
 def bwd_call(x2, scale, dy, ds, eps, rows):
-    n_rows, d = x2.shape
-    p = programs(n_rows, rows)
-    dx, dw_part = _jt().triton_call(
-        x2,
-        scale,
-        dy,
-        ds,
-        kernel=rmsnorm_bwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((p, d), _F32)],
-        grid=(p,),
-        num_warps=num_warps(rows, d),
-        num_stages=1,
-        name="rmsnorm_bwd",
-        **_target(),
-        n_rows=n_rows,
-        d=d,
-        eps=eps,
-        ROWS=rows,
-        BLOCK_D=block_d(d),
-        PROGRAMS=p,
-    )
-    return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
+    return _backward(rmsnorm_bwd_kernel, "rmsnorm_bwd", (x2, scale, dy, ds), eps, rows)
 
 
 def add_fwd_call(x2, r2, scale, eps, rows):
-    n_rows, d = x2.shape
     row = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
-    return _jt().triton_call(
-        x2,
-        r2,
-        scale,
-        kernel=add_rmsnorm_fwd_kernel,
-        out_shape=[row, row],
-        grid=(triton.cdiv(n_rows, rows),),
-        num_warps=num_warps(rows, d),
-        num_stages=1,
-        name="add_rmsnorm_fwd",
-        **_target(),
-        n_rows=n_rows,
-        d=d,
-        eps=eps,
-        ROWS=rows,
-        BLOCK_D=block_d(d),
-    )
+    return _forward(add_rmsnorm_fwd_kernel, "add_rmsnorm_fwd", (x2, r2, scale), [row, row], eps, rows)
 
 
 def add_bwd_call(h2, scale, dy, dh, eps, rows):
-    n_rows, d = h2.shape
-    p = programs(n_rows, rows)
-    dx, dw_part = _jt().triton_call(
-        h2,
-        scale,
-        dy,
-        dh,
-        kernel=add_rmsnorm_bwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct(h2.shape, h2.dtype), jax.ShapeDtypeStruct((p, d), _F32)],
-        grid=(p,),
-        num_warps=num_warps(rows, d),
-        num_stages=1,
-        name="add_rmsnorm_bwd",
-        **_target(),
-        n_rows=n_rows,
-        d=d,
-        eps=eps,
-        ROWS=rows,
-        BLOCK_D=block_d(d),
-        PROGRAMS=p,
-    )
-    return dx, jnp.sum(dw_part, axis=0).astype(scale.dtype)
+    return _backward(add_rmsnorm_bwd_kernel, "add_rmsnorm_bwd", (h2, scale, dy, dh), eps, rows)
 
 
 @functools.lru_cache(maxsize=None)
