@@ -72,6 +72,10 @@ def test_auto_trains_on_the_planners_pick(tmp_path, capsys):
     assert [r["planner_step_time_s"] for r in rows if "planner_step_time_s" in r] == [pytest.approx(pick.step_s)] * 4
     assert rows[0]["plan"] == "auto" and rows[0]["plan_overrides"] == pick.overrides
     assert out["step"] == 4
+    # rerun for more steps: the same pick, compiled again, takes the restored state (its shardings)
+    cfg.train.steps = 6
+    again = train.run(cfg)
+    assert again["step"] == 6 and "resum" in capsys.readouterr().out.lower()
 
 
 def test_auto_with_mesh_sizes_set_is_one_line():
