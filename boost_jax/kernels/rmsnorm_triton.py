@@ -72,6 +72,16 @@ def rmsnorm_fwd_kernel(
 
 
 @triton.jit
+def _norm_backward(x, dy, w, rmask, d: tl.constexpr, eps: tl.constexpr):
+    """(the norm's dx, the rows' dscale contribution) of a block of rows x [ROWS, BLOCK_D] in float32.
+    r = 0 on rows past the end keeps them out of dscale even when eps = 0 (rsqrt(0) = inf)."""
+    r = tl.where(rmask, tl.rsqrt(tl.sum(x * x, axis=1) / d + eps), 0.0)
+    dyw = dy * w[None, :]
+    c = tl.sum(dyw * x, axis=1) * (r * r * r) / d
+    return dyw * r[:, None] - x * c[:, None], tl.sum(dy * x * r[:, None], axis=0)
+
+
+@triton.jit
 def rmsnorm_bwd_kernel(
     x_ptr,
     w_ptr,
@@ -101,13 +111,9 @@ def rmsnorm_bwd_kernel(
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         ds = tl.load(ds_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        # r = 0 on rows past the end keeps them out of dscale even when eps = 0 (rsqrt(0) = inf).
-        r = tl.where(rmask, tl.rsqrt(tl.sum(x * x, axis=1) / d + eps), 0.0)
-        dyw = dy * w[None, :]
-        c = tl.sum(dyw * x, axis=1) * (r * r * r) / d
-        dx = dyw * r[:, None] - x * c[:, None] + 2.0 * x * ds[:, None]
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        acc += tl.sum(dy * x * r[:, None], axis=0)
+        dx, dw = _norm_backward(x, dy, w, rmask, d, eps)
+        tl.store(dx_ptr + offs, (dx + 2.0 * x * ds[:, None]).to(dx_ptr.dtype.element_ty), mask=mask)
+        acc += dw
     tl.store(dw_ptr + pid * d + cols, acc, mask=cmask)
 
 
@@ -170,13 +176,10 @@ def add_rmsnorm_bwd_kernel(
         h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        r = tl.where(rmask, tl.rsqrt(tl.sum(h * h, axis=1) / d + eps), 0.0)
-        dyw = dy * w[None, :]
-        c = tl.sum(dyw * h, axis=1) * (r * r * r) / d
+        dx, dw = _norm_backward(h, dy, w, rmask, d, eps)
         # the norm's gradient plus the residual stream's own: x and the residual get the same dx
-        dx = dyw * r[:, None] - h * c[:, None] + dh
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        acc += tl.sum(dy * h * r[:, None], axis=0)
+        tl.store(dx_ptr + offs, (dx + dh).to(dx_ptr.dtype.element_ty), mask=mask)
+        acc += dw
     tl.store(dw_ptr + pid * d + cols, acc, mask=cmask)
 
 
