@@ -164,6 +164,13 @@ def fixed_row(
         "devices": p * d * f * t,
         "plan": " ".join(a.removeprefix("--config.") for a in flags),
         "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)),
+        **compared(priced, train, t0),
+    }
+
+
+def compared(priced, train: dict, t0: float) -> dict:
+    """A row's planner memory beside its compiled program's (started at perf_counter() t0)."""
+    return {
         "planner_bytes": priced.memory["total"],
         "planner_parts": priced.memory,
         "peak_bytes": train["peak_bytes"],
@@ -238,15 +245,7 @@ def recompile(r: dict, target: str, cluster: Path, pipelined: list | None) -> di
     priced = reprice(r, cluster, pipelined)
     return {
         **{k: v for k, v in r.items() if k not in ("kernels",)},
-        "planner_bytes": priced.memory["total"],
-        "planner_parts": priced.memory,
-        "peak_bytes": train["peak_bytes"],
-        "argument_bytes": train["argument_bytes"],
-        "temp_bytes": train["temp_bytes"],
-        "usable_bytes": train["usable_bytes"],
-        "fits": train["fits"],
-        "ratio": priced.memory["total"] / train["peak_bytes"],
-        "compile_s": time.perf_counter() - t0,
+        **compared(priced, train, t0),
         "kernels": train["kernels"],
     }
 
