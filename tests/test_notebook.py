@@ -44,7 +44,7 @@ def setup_cell(path) -> str:
 def test_setup_cells_are_one_form_with_nothing_to_replace():
     """Both notebooks' setup cells are the same code, whose only input is a Colab form field that
     defaults to what works without a URL (no placeholder repository); the README says how to fill it."""
-    readme = (NOTEBOOK.parents[1] / "README.md").read_text()
+    readme = (NOTEBOOK.parents[1] / "docs" / "export.md").read_text()  # the page that says how
     cells = [setup_cell(path) for path in (NOTEBOOK, TOUR)]
     assert cells[0] == cells[1] and cells[0].count(FORM_FIELD) == 1 and "#@title" in cells[0]
     assert "OWNER" not in cells[0] and "OWNER" not in readme and "github.com/" not in cells[0]

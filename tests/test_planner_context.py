@@ -224,4 +224,4 @@ def test_readme_context_plan(capsys):
     assert plan.main(shlex.split(README_COMMAND)[3:]) == 0
     out = capsys.readouterr().out
     assert "| context C: attention / kv |" in out and "--config.parallel.context=" in out
-    assert README_COMMAND in (ROOT / "README.md").read_text()
+    assert README_COMMAND in (ROOT / "docs" / "planner.md").read_text()

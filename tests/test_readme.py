@@ -1,6 +1,7 @@
-"""Every command the README shows runs here, at the shapes it shows (compile-only where a run would be
-large), so a README command cannot break unseen: `COMMANDS` says how each one is run, and a command
-added to the README without an entry here fails `test_every_readme_command_is_run`.
+"""Every command the README and the docs/ pages show runs here, at the shapes it shows (compile-only
+where a run would be large), so a documented command cannot break unseen: `COMMANDS` says how each
+one is run, and a command added to README.md or a docs/ page without an entry here fails
+`test_every_readme_command_is_run`. A command shown on several pages is one entry, run once.
 
 How a command runs (the value in COMMANDS):
 - "tiny": in a scratch directory standing for the repository's working directory, one after the
@@ -93,11 +94,14 @@ COMMANDS = {
 }
 
 
-def readme_commands() -> list[str]:
-    """Each line of the README's bash blocks, and each inline `python -m MODULE ARGS...`,
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the README's commands first
+
+
+def commands_in(page: Path) -> list[str]:
+    """Each line of a page's bash blocks, and each inline `python -m MODULE ARGS...`,
     `python benchmarks/...`, `launch/...` or `sbatch ...` span (a bare `python -m MODULE` names a
-    command in prose; the README's full lines show how to run it)."""
-    text = (ROOT / "README.md").read_text()
+    command in prose; the full lines show how to run it)."""
+    text = page.read_text()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
@@ -112,12 +116,20 @@ def readme_commands() -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def readme_commands() -> list[str]:
+    """The commands README.md and then the docs/ pages show, each once, in that order (a reader
+    follows the README first)."""
+    return list(dict.fromkeys(c for page in DOC_PAGES for c in commands_in(page)))
+
+
 def test_every_readme_command_is_run():
+    for page in DOC_PAGES:
+        missing = [c for c in commands_in(page) if c not in COMMANDS]
+        where = page.relative_to(ROOT)
+        assert not missing, f"{where}: commands no test runs (add them to tests/test_readme.py COMMANDS): {missing}"
     shown = readme_commands()
-    missing = [c for c in shown if c not in COMMANDS]
-    assert not missing, f"README commands no test runs (add them to tests/test_readme.py COMMANDS): {missing}"
     stale = [c for c in COMMANDS if c not in shown]
-    assert not stale, f"COMMANDS entries the README no longer shows: {stale}"
+    assert not stale, f"COMMANDS entries neither the README nor docs/ shows: {stale}"
     for how in COMMANDS.values():  # a referenced test must exist where it is named
         if "::" in how:
             file, name = how.split("::")
