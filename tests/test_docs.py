@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 
 
 def mkdocs_build(root: Path, site: Path) -> subprocess.CompletedProcess:
@@ -59,10 +60,9 @@ def test_a_broken_link_or_a_page_outside_the_nav_fails_the_build(copy_of_docs, b
     assert done.returncode != 0 and named in done.stdout + done.stderr, done.stdout + done.stderr
 
 
-def table_paths(section: str) -> list[str]:
-    """The repository paths in the README table under `## {section}`: each code span with a `/`, and
-    a bare `NAME.py` beside one (in the same cell: a file of the same folder)."""
-    text = (ROOT / "README.md").read_text()
+def table_paths(section: str, text: str) -> list[str]:
+    """The repository paths in the table under `## {section}` of a README's `text`: each code span
+    with a `/`, and a bare `NAME.py` beside one (in the same cell: a file of the same folder)."""
     body = re.search(rf"^## {re.escape(section)}\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
     assert body, f"README.md has no section '## {section}'"
     paths = []
@@ -81,5 +81,23 @@ def table_paths(section: str) -> list[str]:
 
 @pytest.mark.parametrize("section", ["Layout", "Where is..."])
 def test_every_path_in_the_readme_tables_exists(section):
-    missing = [p for p in table_paths(section) if not (ROOT / p).exists()]
+    missing = [p for p in table_paths(section, README) if not (ROOT / p).exists()]
     assert not missing, f"README.md '## {section}' names paths that do not exist (moved? fix the table): {missing}"
+
+
+def test_a_moved_file_is_found_missing():
+    """The check above reads what it should: a table row naming a file that is not there, and a bare
+    name beside a folder's file, are paths it checks."""
+    text = "## Where is...\n\n| a | b |\n|---|---|\n| x | `boost_jax/no_such.py` (and `gone.py`) |\n"
+    paths = table_paths("Where is...", text)
+    assert paths == ["boost_jax/no_such.py", "boost_jax/gone.py"]
+    assert not any((ROOT / p).exists() for p in paths)
+
+
+def test_the_readme_is_a_front_door():
+    """At most 2,000 words, with the layout and the "where is..." tables starting in its first half."""
+    words = README.split()
+    assert len(words) <= 2000, f"README.md has {len(words)} words: move the detail to a docs/ page"
+    for section in ("## Layout", "## Where is..."):
+        before = README[: README.index(f"\n{section}\n")].split()
+        assert len(before) < len(words) / 2, f"README.md: {section} starts after word {len(before)} of {len(words)}"
