@@ -46,7 +46,7 @@ def predict(cluster_path=ROOT / "configs/clusters/a100_4x.py", attention: str = 
     """{strategy: Plan} for the reference setup."""
     from boost_jax.config import sized_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.partitions import uniform_plan
+    from boost_jax.planner.strategy_tables import uniform_plan
 
     cluster = cluster_path if isinstance(cluster_path, Cluster) else load_cluster(cluster_path)
     opts = Options(batch=BATCH, seq=SEQ, attention=attention, check_memory=False)
@@ -63,7 +63,7 @@ def forward_tp_collectives(strategy: str) -> list:
     seq 4096, TP 4), as the planner lays them out."""
     from boost_jax.config import sized_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.partitions import uniform_plan
+    from boost_jax.planner.strategy_tables import uniform_plan
 
     cfg = sized_config("7b", LINEAR[strategy])
     cfg.model.max_seq_len = SEQ

@@ -27,7 +27,8 @@ import dataclasses
 
 from boost_jax import xla_gpu_flags
 from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.planner.cores import attention_class
+from boost_jax.planner.operators import Attn, Coll, Op, StMatmul
 
 # The cost model's constants, one a line: its value, what it prices, where it was set ("§": that section of
 # benchmarks/RESULTS.md). How each came to its value: RESULTS.md "2026-11-28: the planner's constants, their history".

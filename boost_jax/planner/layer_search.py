@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import heapq
 
-from boost_jax.planner import cost, partitions
+from boost_jax.config import PROJECTION_GROUPS
+from boost_jax.planner import cost, projections
 from boost_jax.planner.cluster import Cluster
+from boost_jax.planner.cores import activation, attention
+from boost_jax.planner.edges import edge, norm, residual_add
+from boost_jax.planner.operators import Ctx, Op, layouts
 from boost_jax.planner.plans import Layer, Options
+from boost_jax.planner.projections import group_op, partial_input_grad
 
 SEGMENTS = (("qkv", "attention", "o"), ("mlp_in", "act", "mlp_out"))
 BUILDERS = {
-    "edge": partitions.edge,
-    "norm": partitions.norm,
-    "group": partitions.group_op,
-    "attention": partitions.attention,
-    "act": partitions.activation,
-    "add": partitions.residual_add,
+    "edge": edge,
+    "norm": norm,
+    "group": group_op,
+    "attention": attention,
+    "act": activation,
+    "add": residual_add,
 }
 
 
@@ -27,7 +32,7 @@ class Pricer:
     """Operators and their costs for one context, memoised (the DP asks for the same ones often).
     `unrolled`: the layer stack runs unrolled (remat none; see `unrolled_cluster`)."""
 
-    def __init__(self, ctx: partitions.Ctx, cluster: Cluster, policy: str, opts: Options, unrolled: bool = False):
+    def __init__(self, ctx: Ctx, cluster: Cluster, policy: str, opts: Options, unrolled: bool = False):
         self.ctx, self.cluster, self.policy, self.opts = ctx, cluster, policy, opts
         self.unrolled = unrolled
         self._ops: dict = {}
@@ -37,8 +42,8 @@ class Pricer:
         self.bounds: dict = {}  # (layer, micro-batches, stage remat) -> what lower_bound reads
         self.layers: list | None = None
 
-    def op(self, key) -> partitions.Op | None:
-        """key = (kind, *arguments of the partitions.py builder)."""
+    def op(self, key) -> Op | None:
+        """key = (kind, *arguments of its BUILDERS function)."""
         if key not in self._ops:
             self._ops[key] = BUILDERS[key[0]](self.ctx, *key[1:])
         return self._ops[key]
@@ -66,8 +71,8 @@ class Stages:
         self.layer_output = seg == SEGMENTS[-1]  # the layer's last edge is never recomputed
 
     def first(self, g) -> list:
-        """g: a choice of partitions.group_choices (name, input layout, output layout, split)."""
-        partial = partitions.partial_input_grad(self.block, g[3])
+        """g: a choice of projections.group_choices (name, input layout, output layout, split)."""
+        partial = partial_input_grad(self.block, g[3])
         if self.residual == "S" and g[1] != "S":  # sequence parallelism: normalise the token shard, then gather
             return [
                 ("norm", "S", False),
@@ -86,7 +91,7 @@ class Stages:
 
     def last(self, core: str, g) -> list:
         return [
-            ("edge", core, g[1], self.w2, partitions.partial_input_grad(self.block, g[3]), False),
+            ("edge", core, g[1], self.w2, partial_input_grad(self.block, g[3]), False),
             ("group", self.seg[2], g[3], False),
             ("edge", g[2], self.residual, self.d, False, self.layer_output),
             ("add", self.residual),
@@ -104,7 +109,7 @@ def solve_segment(pr: Pricer, seg, residual: str, k: int) -> list[tuple[float, t
     cores: dict[str, list] = {}
     for lay, paths in state.items():  # stage 2 -> state = the core's layout
         paths = heapq.nsmallest(k, paths)
-        for core in partitions.layouts(pr.ctx):
+        for core in layouts(pr.ctx):
             if pr.op((seg[1], core)) is None:
                 continue
             s = pr.seconds(st.core(lay, core))
@@ -122,7 +127,7 @@ def best_layers(pr: Pricer, k: int) -> list[Layer]:
     """The k fastest layer partitionings over every residual layout (memoised on the pricer)."""
     if pr.layers is None:
         found = []
-        for residual in partitions.layouts(pr.ctx):
+        for residual in layouts(pr.ctx):
             attn, mlp = (solve_segment(pr, seg, residual, k) for seg in SEGMENTS)
             for ta, (qkv, lay_a, o) in attn:
                 for tm, (gu, lay_m, down) in mlp:
@@ -133,7 +138,7 @@ def best_layers(pr: Pricer, k: int) -> list[Layer]:
 
 def layer_keys(pr: Pricer, layer: Layer) -> list:
     """The operator keys of a whole layer, in order."""
-    choice = dict(zip(partitions.GROUPS, layer.choices))
+    choice = dict(zip(PROJECTION_GROUPS, layer.choices))
     keys = []
     for seg, core in zip(SEGMENTS, (layer.attention, layer.act)):
         first, last = ({c[0]: c for c in group_choices(pr.ctx, g)}[choice[g]] for g in (seg[0], seg[2]))
@@ -150,10 +155,10 @@ def forget_choices() -> None:
     _CHOICES.clear()
 
 
-def group_choices(ctx: partitions.Ctx, group: str) -> list:
-    """partitions.group_choices, memoised within one search (it depends on the block, the tensor size
+def group_choices(ctx: Ctx, group: str) -> list:
+    """projections.group_choices, memoised within one search (it depends on the block, the tensor size
     and the st grid's side)."""
     key = (ctx.block, ctx.t, ctx.n, group)
     if key not in _CHOICES:
-        _CHOICES[key] = partitions.group_choices(ctx, group)
+        _CHOICES[key] = projections.group_choices(ctx, group)
     return _CHOICES[key]

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.planner import cost, partitions
+from boost_jax.config import PROJECTION_GROUPS, ST
+from boost_jax.planner import cost
 from boost_jax.planner.layer_search import Pricer, layer_keys
+from boost_jax.planner.operators import Op
+from boost_jax.planner.outside_stack import embedding, head
 from boost_jax.planner.plans import Layer, Mesh
+from boost_jax.planner.projections import st_stored
 from boost_jax.planner.trainer_flags import runnable
 
 
@@ -40,14 +44,14 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         ops = [pr.op(k) for k in keys]
         _, strategy, _ = runnable(ctx.block, Mesh(1, 1, ctx.t), layer)
         stored = [
-            partitions.st_stored(ctx, g, strategy)
-            for g, choice in zip(partitions.GROUPS, layer.choices)
-            if choice == partitions.ST and strategy
+            st_stored(ctx, g, strategy)
+            for g, choice in zip(PROJECTION_GROUPS, layer.choices)
+            if choice == ST and strategy
         ]
         extra = [c for colls, _ in stored for c in colls]
         grid_w = sum(w for _, w in stored) if stored else sum(op.grid_weights for op in ops)
         if extra:  # the strategy's stored layouts cost the st groups more than P(n x n) (see there)
-            ops.append(partitions.Op(f"st weights@{strategy}", colls=extra, recompute=False))
+            ops.append(Op(f"st weights@{strategy}", colls=extra, recompute=False))
         norm_w = sum(op.weights for op in ops if op.name.startswith("norm"))
         tensor_colls = [c for op in ops for c in op.all_colls()]
         # forward collectives the remat policy re-runs: the operators' own and the st matmuls'
@@ -97,7 +101,7 @@ def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, cost.C
     key = (residual, microbatches)
     if key not in pr.rests:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
-        rest = [partitions.embedding(ctx, residual), partitions.head(ctx, residual, microbatches)]
+        rest = [embedding(ctx, residual), head(ctx, residual, microbatches)]
         pr.rests[key] = (
             rest,
             sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), cost.Cost()),

@@ -3,7 +3,7 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
-from boost_jax.planner import cost, partitions
+from boost_jax.planner import cost, operators
 from boost_jax.planner.layer_search import Pricer
 from boost_jax.planner.layer_summary import LayerSummary
 from boost_jax.planner.plans import Layer, Mesh
@@ -23,7 +23,7 @@ def memory_bytes(
     """Peak bytes per device by term (see the comments), their allocator overhead and total."""
     ctx, opts, policy, block = pr.ctx, pr.opts, pr.policy, pr.ctx.block
     stages, staged, per_tick = sched.stages, sched.staged, sched.layers_per_tick
-    gpu = partitions.gpu(ctx)
+    gpu = operators.gpu(ctx)
     replica, accumulator = gathered_replica(mesh, summary, sched, gpu)
     # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
     f1b_items = cost.ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV
-from boost_jax.planner import cost, partitions
+from boost_jax.planner import cost
+from boost_jax.planner.operators import Block
 from boost_jax.planner.plans import Mesh, Options
 
 # GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
@@ -62,7 +63,7 @@ def context_sizes(devices: int, seq: int, opts: Options, attention: str) -> list
     return [c for c in divisors(devices) if c == 1 or seq % (2 * c) == 0]
 
 
-def context_modes(block: partitions.Block, context: int, opts: Options) -> list[tuple[str, str]]:
+def context_modes(block: Block, context: int, opts: Options) -> list[tuple[str, str]]:
     """(parallel.context_attention, parallel.context_kv) to search at this context size: each
     attention mode, with bottleneck K/V where the kind has a bottleneck. ("ring", "full") alone at
     C = 1, where neither applies."""
@@ -155,7 +156,7 @@ def unrolled_cluster(cluster):
     return dataclasses.replace(cluster, kept_passes=0.0)
 
 
-def policies(block: partitions.Block, opts: Options) -> list[str]:
+def policies(block: Block, opts: Options) -> list[str]:
     priced = cost.remat_policies()
     bad = [p for p in opts.remat if p not in priced]
     if bad:

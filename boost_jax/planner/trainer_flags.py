@@ -3,16 +3,18 @@ parallel.linear_partition) and the --config overrides that run it."""
 
 from __future__ import annotations
 
-from boost_jax.planner import partitions
+from boost_jax.config import PROJECTION_GROUPS, ST
 from boost_jax.planner.layer_search import Pricer
+from boost_jax.planner.operators import Block
 from boost_jax.planner.plans import Layer, Mesh
 from boost_jax.planner.schedule import Schedule
+from boost_jax.planner.strategy_tables import choice_names, strategy_layers
 
 
 def linear_partition(layer: Layer) -> str:
     """`parallel.linear_partition` for the layer's st groups ("" when none)."""
-    groups = [g for g, c in zip(partitions.GROUPS, layer.choices) if c == partitions.ST]
-    return partitions.ST if len(groups) == len(partitions.GROUPS) else ",".join(f"{g}={partitions.ST}" for g in groups)
+    groups = [g for g, c in zip(PROJECTION_GROUPS, layer.choices) if c == ST]
+    return ST if len(groups) == len(PROJECTION_GROUPS) else ",".join(f"{g}={ST}" for g in groups)
 
 
 _RUNNABLE: dict = {}  # runnable's answers within one search (cleared when a search or plan_for starts)
@@ -23,9 +25,9 @@ def forget_runnable() -> None:
     _RUNNABLE.clear()
 
 
-def runnable(block: partitions.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
+def runnable(block: Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
     """("yes", strategy, sequence_parallel) if the trainer runs this layer as one of its strategies
-    (their rule tables, read by partitions.strategy_layers) with its st groups spatial-temporal
+    (their rule tables, read by strategy_layers) with its st groups spatial-temporal
     (parallel.linear_partition), else ("no: why", "", False). On one tensor shard every strategy runs
     alike: the first registered one the model's kind takes."""
     key = (block.factored, block.online_norm, mesh.tensor == 1, layer)
@@ -34,21 +36,17 @@ def runnable(block: partitions.Block, mesh: Mesh, layer: Layer) -> tuple[str, st
     return _RUNNABLE[key]
 
 
-def _runnable(block: partitions.Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
-    tables = [
-        t
-        for t in partitions.strategy_layers(block.factored, block.online_norm)
-        if block.factored or not t.factored_only
-    ]
+def _runnable(block: Block, mesh: Mesh, layer: Layer) -> tuple[str, str, bool]:
+    tables = [t for t in strategy_layers(block.factored, block.online_norm) if block.factored or not t.factored_only]
     if mesh.tensor == 1 and tables:
         return "yes", tables[0].name, False
     for table in tables:
-        choices = partitions.choice_names(table, block.factored, block.online_norm)
+        choices = choice_names(table, block.factored, block.online_norm)
         if (layer.residual, layer.attention, layer.act) == (table.residual, table.attention, table.act) and all(
-            c in (base, partitions.ST) for c, base in zip(layer.choices, choices)
+            c in (base, ST) for c, base in zip(layer.choices, choices)
         ):
             return "yes", table.name, table.sequence_parallel
-    if len(set(layer.choices) - {partitions.ST}) > 1:
+    if len(set(layer.choices) - {ST}) > 1:
         return "no: mixed per-group choices", "", False
     return "no: layouts the strategy tables do not express", "", False
 
@@ -95,11 +93,7 @@ def trainer_overrides(
             + context
             + f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
             + ("--config.parallel.sequence_parallel=true " if sp else "")
-            + (
-                f"--config.parallel.linear_partition={linear_partition(layer)} "
-                if partitions.ST in layer.choices
-                else ""
-            )
+            + (f"--config.parallel.linear_partition={linear_partition(layer)} " if ST in layer.choices else "")
             + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
             + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
             f"--config.train.seq_len={opts.seq} "

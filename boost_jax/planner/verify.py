@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import re
 
-from boost_jax.planner import partitions
+from boost_jax.config import PROJECTION_GROUPS, ST
 from boost_jax.planner.cost import STATE_BYTES
-from boost_jax.planner.search import Layer, Mesh, Options, linear_partition, plan_for
+from boost_jax.planner.operators import Block
+from boost_jax.planner.plans import Layer, Mesh, Options
+from boost_jax.planner.search import plan_for
+from boost_jax.planner.strategy_tables import uniform_plan
+from boost_jax.planner.trainer_flags import linear_partition
 from boost_jax.tools.comm_report import axis_group, compile_program, memory_breakdown, report, variant_config
 from boost_jax.tools.devices import pick_devices
 from boost_jax.tools.hlo_comm import parse_collectives
@@ -226,9 +230,9 @@ def _row(name: str, p: float, m: float, tolerance: float, counts=None) -> dict:
 
 def uniform_layer(cfg, strategy: str, sequence_parallel: bool = False) -> Layer:
     """The layer a trainer strategy runs for this config's model (its kind factored or not, and
-    parallel.online_norm): partitions.uniform_plan's."""
-    b = partitions.Block.from_config(cfg)
-    return Layer(*partitions.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
+    parallel.online_norm): uniform_plan's."""
+    b = Block.from_config(cfg)
+    return Layer(*uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
 
 
 def on_cpu(cfg):
@@ -304,7 +308,7 @@ def pipeline_refusal(plan) -> str:
     """Why --verify does not compare this pipelined plan ("" when it does): what the compiled step
     does there that the planner does not price (seen at the test shapes). GPipe and circular plans
     (stage remat included) are compared."""
-    if partitions.ST in plan.layer.choices:
+    if ST in plan.layer.choices:
         return (
             "pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
             "the tick loop, which the planner prices per tick"
@@ -320,7 +324,7 @@ def pipeline_refusal(plan) -> str:
 
 def verify_repeats(plan) -> int:
     """V to compile a circular plan at on 2 stages: 2 where the plan's reorder is an all-to-all (its
-    V and S divide one another), else 3 (XLA gathers the stack; see partitions.circular_reorder)."""
+    V and S divide one another), else 3 (XLA gathers the stack; see outside_stack.circular_reorder)."""
     s, v = plan.mesh.pipeline, plan.repeats
     return 2 if v % s == 0 or s % v == 0 else 3
 
@@ -462,7 +466,7 @@ def compare_pipeline(
         layer = (
             uniform_layer(cfg, strategy, sequence_parallel)
             if mesh.tensor > 1
-            else Layer("R", ("none",) * len(partitions.GROUPS), "R", "R")
+            else Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
         )
     c, batch = pipeline_config(
         cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats, stage_remat, layers_per_chunk
