@@ -142,6 +142,7 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
     from boost_jax.planner import cost as C
     from boost_jax.planner.edges import edge
     from boost_jax.planner.operators import Ctx
+    from boost_jax.planner.plans import Cost
     from boost_jax.planner.projections import group_choices, group_op, partial_input_grad
 
     kind = C.attention_kind(opts.attention, block, seq, opts.act_bytes)
@@ -167,7 +168,7 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
                 edge(ctx, src, lin, din, partial_input_grad(block, split)),
                 edge(ctx, lout, dst, sum(douts) if group in ("qkv", "mlp_in") else block.d),
             ]
-            cost = sum((C.price(op, cluster, act_bytes=opts.act_bytes) for op in ops), C.Cost())
+            cost = sum((C.price(op, cluster, act_bytes=opts.act_bytes) for op in ops), Cost())
             gemm = sum(3 * s.n * C.gemm_seconds(s.m, s.k / s.n, s.out / s.n, cluster) for s in ops[0].st) + 3 * sum(
                 C.gemm_seconds(g.m, g.k, g.n, cluster) for g in ops[0].gemms
             )

@@ -23,12 +23,10 @@ twice the forward. Elementwise work is HBM traffic: elementwise_passes x activat
 
 from __future__ import annotations
 
-import dataclasses
-
 from boost_jax import xla_gpu_flags
 from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.cores import attention_class
-from boost_jax.planner.operators import Attn, Coll, Op, StMatmul
+from boost_jax.planner.operators import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.planner.plans import Cost
 
 # The cost model's constants, one a line: its value, what it prices, where it was set ("§": that section of
 # benchmarks/RESULTS.md). How each came to its value: RESULTS.md "2026-11-28: the planner's constants, their history".
@@ -215,24 +213,6 @@ def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, floa
 # ---------------------------------------------------------------- one operator
 
 
-@dataclasses.dataclass
-class Cost:
-    compute: float = 0.0  # GEMMs, attention, elementwise; forward + backward
-    comm: float = 0.0  # exposed tensor-axis collectives, forward + backward
-    recompute: float = 0.0  # what the remat policy re-runs in the backward (compute and collectives)
-    kept: float = 0.0  # the HBM traffic of the activations kept for the backward (cluster.kept_passes)
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.comm + self.recompute + self.kept
-
-    def __add__(self, o: Cost) -> Cost:
-        return Cost(self.compute + o.compute, self.comm + o.comm, self.recompute + o.recompute, self.kept + o.kept)
-
-    def scale(self, x: float) -> Cost:
-        return Cost(self.compute * x, self.comm * x, self.recompute * x, self.kept * x)
-
-
 def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
     """(GEMMs, st matmuls, attention?, collectives) a remat policy re-runs. `lowrank` keeps the
     reduced first-stage (A) outputs, so it redoes everything after them, collectives included unless
@@ -363,10 +343,6 @@ def loss_bytes(
     else:
         per = LOGIT_BUFFERS * 4
     return per * rows * positions * vocab_local
-
-
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")  # parallel.pipeline_schedule
-STAGE_REMAT = ("none", "stage")  # remat.pipeline
 
 
 def pipeline_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:

@@ -4,9 +4,8 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 from __future__ import annotations
 
 from boost_jax.planner import cost, operators
-from boost_jax.planner.layer_search import Pricer
-from boost_jax.planner.layer_summary import LayerSummary
 from boost_jax.planner.plans import Layer, Mesh
+from boost_jax.planner.pricer import LayerSummary, Pricer
 from boost_jax.planner.schedule import Schedule
 
 

@@ -30,9 +30,10 @@ import time
 from boost_jax.config import PROJECTION_GROUPS
 from boost_jax.planner import cost
 from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.layer_search import Pricer, best_layers, forget_choices, group_choices
+from boost_jax.planner.layer_search import best_layers
 from boost_jax.planner.operators import Block, Ctx
 from boost_jax.planner.plans import Layer, Mesh, Options, Plan, Result
+from boost_jax.planner.pricer import Pricer, forget_choices, group_choices
 from boost_jax.planner.pricing import lower_bound, price_plan
 from boost_jax.planner.search_space import (
     check_pipeline,

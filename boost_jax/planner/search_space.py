@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV
+from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV, PIPELINE_SCHEDULES
 from boost_jax.planner import cost
 from boost_jax.planner.operators import Block
-from boost_jax.planner.plans import Mesh, Options
+from boost_jax.planner.plans import STAGE_REMAT, Mesh, Options
 
 # GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
 MICROBATCHES_PER_STAGE = (1, 2, 4)
@@ -107,11 +107,11 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
     1f1b alone (more than 4S), 1f1b with V 1 only. Unpipelined: [("gpipe", 1, "none")]."""
     if stages == 1:
         return [("gpipe", 1, "none")]
-    bad = [x for x in opts.schedules if x not in cost.PIPELINE_SCHEDULES] + [
-        x for x in opts.stage_remat if x not in cost.STAGE_REMAT
+    bad = [x for x in opts.schedules if x not in PIPELINE_SCHEDULES] + [
+        x for x in opts.stage_remat if x not in STAGE_REMAT
     ]
     if bad:
-        raise ValueError(f"--schedule / --stage-remat: {bad} not in {cost.PIPELINE_SCHEDULES} / {cost.STAGE_REMAT}")
+        raise ValueError(f"--schedule / --stage-remat: {bad} not in {PIPELINE_SCHEDULES} / {STAGE_REMAT}")
     out = []
     per_stage = layers // stages
     deep = not opts.microbatches and microbatches > MICROBATCHES_PER_STAGE[-1] * stages  # searched for 1f1b only
@@ -167,10 +167,10 @@ def policies(block: Block, opts: Options) -> list[str]:
 
 def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, repeats: int, stage_remat: str):
     """The trainer's rules for a pipeline schedule (boost_jax/config/checks.py, parallel/mesh.py), as ValueError."""
-    if schedule not in cost.PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is not one of {cost.PIPELINE_SCHEDULES}")
-    if stage_remat not in cost.STAGE_REMAT:
-        raise ValueError(f"remat.pipeline {stage_remat!r} is not one of {cost.STAGE_REMAT}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    if stage_remat not in STAGE_REMAT:
+        raise ValueError(f"remat.pipeline {stage_remat!r} is not one of {STAGE_REMAT}")
     if stages == 1:
         if stage_remat != "none" or repeats != 1 or schedule != "gpipe":
             raise ValueError("pipeline_schedule, pipeline_repeats and remat.pipeline=stage need pipeline > 1")

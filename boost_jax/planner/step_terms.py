@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.planner import cost
-from boost_jax.planner.layer_search import Pricer
-from boost_jax.planner.layer_summary import LayerSummary
 from boost_jax.planner.operators import Coll
 from boost_jax.planner.outside_stack import circular_reorder, head, pipeline_ends, stage_shift
-from boost_jax.planner.plans import Layer, Mesh
+from boost_jax.planner.plans import Cost, Layer, Mesh
+from boost_jax.planner.pricer import LayerSummary, Pricer
 from boost_jax.planner.schedule import Schedule
 
 
@@ -166,7 +165,7 @@ def step_seconds(
     summary: LayerSummary,
     sched: Schedule,
     colls: StepCollectives,
-    rest_cost: cost.Cost,
+    rest_cost: Cost,
     params: float,
 ) -> tuple[float, float, float]:
     """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
