@@ -119,7 +119,7 @@ def fixed_row(
     """One FIXED plan: the planner's price of exactly this trainer plan next to its H100 compile."""
     from boost_jax.config import PROJECTION_GROUPS
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.strategy_tables import uniform_plan
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
     from boost_jax.tools import aot
 
     config = ROOT / "configs" / f"{name}.py"
@@ -191,7 +191,7 @@ def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
     json's `pipelined_collectives`; None: this process's)."""
     from boost_jax.config import PROJECTION_GROUPS
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.cost import PIPELINER_NEEDS
+    from boost_jax.planner.pricing.cost import PIPELINER_NEEDS
     from boost_jax.planner.verify import uniform_layer
     from boost_jax.tools.devices import load_config
 

@@ -61,8 +61,8 @@ SMOKE_CASES = (1,)  # --smoke: the st plan on a 2 x 2 mesh
 def measure(case) -> dict:
     from boost_jax.config import base_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.strategy_tables import uniform_plan
-    from boost_jax.planner.trainer_flags import linear_partition
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
+    from boost_jax.planner.pricing.trainer_flags import linear_partition
     from boost_jax.tools.comm_report import compile_program, memory_breakdown, variant_config
     from boost_jax.tools.devices import pick_devices
 

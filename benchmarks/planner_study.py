@@ -73,9 +73,9 @@ def describe(p, layers: int) -> dict:
 def study(config: str, cluster_name: str, devices: int, batch: int | None, seq: int | None) -> dict:
     from boost_jax.config import load_config_file
     from boost_jax.planner import Layer, Options, load_cluster, plan_for, search
-    from boost_jax.planner.operators import Block
+    from boost_jax.planner.ops.operators import Block
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
     from boost_jax.planner.search import model_flops_per_token
-    from boost_jax.planner.strategy_tables import uniform_plan
 
     cfg = load_config_file(ROOT / f"configs/{config}.py")
     cluster = load_cluster(ROOT / f"configs/clusters/{cluster_name}.py")
@@ -139,11 +139,11 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
     the plan's neighbouring layouts: GEMM time, the communication left exposed (st: permutes the GEMM
     steps do not hide, and edge collectives; the baseline: its tensor-axis collectives)."""
     from boost_jax.config import PROJECTION_GROUPS
-    from boost_jax.planner import cost as C
-    from boost_jax.planner.edges import edge
-    from boost_jax.planner.operators import Ctx
-    from boost_jax.planner.plans import Cost
-    from boost_jax.planner.projections import group_choices, group_op, partial_input_grad
+    from boost_jax.planner.ops.edges import edge
+    from boost_jax.planner.ops.operators import Ctx
+    from boost_jax.planner.ops.projections import group_choices, group_op, partial_input_grad
+    from boost_jax.planner.pricing import cost as C
+    from boost_jax.planner.pricing.plans import Cost
 
     kind = C.attention_kind(opts.attention, block, seq, opts.act_bytes)
     ctx = Ctx(block, plan.mesh.tensor, plan.tokens, seq, True, kind, opts.act_bytes)

@@ -41,10 +41,10 @@ import sys
 from boost_jax.config import ST
 from boost_jax.errors import ConfigError
 from boost_jax.planner import Options, auto, load_cluster, search, verify
-from boost_jax.planner.cost import attention_kind, handover_ticks
-from boost_jax.planner.operators import Block
+from boost_jax.planner.ops.operators import Block
+from boost_jax.planner.pricing.cost import attention_kind, handover_ticks
+from boost_jax.planner.pricing.trainer_flags import linear_partition
 from boost_jax.planner.search import model_flops_per_token
-from boost_jax.planner.trainer_flags import linear_partition
 from boost_jax.tools import aot
 from boost_jax.tools.devices import emulate_cpu_devices, load_config
 from boost_jax.tools.progress import ticking

@@ -535,7 +535,7 @@ def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(
     compile's (10.0 GB). Before the tick loop's compute-dtype weights (every tick's chunk, a scan
     residual) and the split norms' float32 arrays were priced, the planner said 8.7 GB (0.87)."""
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.strategy_tables import uniform_plan
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
 
     root = Path(__file__).resolve().parents[1]
     flags = [
@@ -692,7 +692,7 @@ def test_planner_peak_of_a_cola_fsdp_plan_under_the_collective_pipeliner_within_
     from boost_jax import xla_gpu_flags
     from boost_jax.config import PROJECTION_GROUPS
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner import cost as C
+    from boost_jax.planner.pricing import cost as C
 
     if not set(C.PIPELINER_NEEDS) <= xla_gpu_flags.pipelined({}):
         pytest.skip("this jaxlib's XLA has no collective pipeliner options (jaxlib >= 0.11)")

@@ -15,10 +15,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.sharding import Mesh as JaxMesh
 
 from boost_jax.config import PROJECTION_GROUPS, base_config, sized_config
-from boost_jax.planner import Layer, Link, Mesh, Options, cost, load_cluster, plan_for, search
-from boost_jax.planner.operators import Coll, StMatmul
+from boost_jax.planner import Layer, Link, Mesh, Options, load_cluster, plan_for, search
+from boost_jax.planner.ops.operators import Coll, StMatmul
+from boost_jax.planner.ops.strategy_tables import uniform_plan
+from boost_jax.planner.pricing import cost
 from boost_jax.planner.search_space import meshes, microbatch_counts, stage_counts
-from boost_jax.planner.strategy_tables import uniform_plan
 from boost_jax.planner.verify import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
     import dataclasses
     import sys
 
-    from boost_jax.planner.pricing import lower_bound
+    from boost_jax.planner.pricing.whole_plan import lower_bound
 
     S = sys.modules["boost_jax.planner.search"]  # the module (the package exports its `search` function)
     cfg, cluster, devices, opts = PRUNE_CASES[case]
@@ -270,7 +271,7 @@ def test_7b_tp4_fit_holds_within_10_percent():
     slower = dataclasses.replace(A100, intra=Link(0.8 * A100.intra.bandwidth, A100.intra.latency))
     assert validation.check_fit(validation.fitted_rows(slower))
     from boost_jax.config import load_config_file
-    from boost_jax.planner.cluster import from_dict
+    from boost_jax.planner.pricing.cluster import from_dict
 
     bad = load_config_file(ROOT / "configs/clusters/a100_4x.py", "--cluster")
     bad.fitted = {"nvlink_bandwidth": "a typo"}

@@ -11,8 +11,9 @@ import pytest
 from boost_jax.config import base_config, sized_config
 from boost_jax.parallel import strategies
 from boost_jax.parallel.context import traffic
-from boost_jax.planner import Mesh, Options, cores, load_cluster, search
-from boost_jax.planner.operators import Block, Ctx
+from boost_jax.planner import Mesh, Options, load_cluster, search
+from boost_jax.planner.ops import cores
+from boost_jax.planner.ops.operators import Block, Ctx
 from boost_jax.planner.verify import MEMORY, MEMORY_TOLERANCE, compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +166,7 @@ def test_remat_redoes_the_forward_of_the_exchange_only(mode):
     B GEMMs: the remote blocks of K and V), not the backward's, and the ring's re-run hops overlap the
     re-run attention as the forward's do: its recompute time is the forward's time (its own cost
     without the backward) computed here from the op's parts."""
-    from boost_jax.planner import cost as C
+    from boost_jax.planner.pricing import cost as C
 
     c = 4
     block = Block.from_config(sized_config("7b", "cola"))

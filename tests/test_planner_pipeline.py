@@ -8,9 +8,10 @@ import pytest
 from test_planner import A100, H100, with_overrides
 
 from boost_jax.config import base_config, sized_config
-from boost_jax.planner import Layer, Mesh, Options, cost, plan_for, search
+from boost_jax.planner import Layer, Mesh, Options, plan_for, search
+from boost_jax.planner.ops.strategy_tables import uniform_plan
+from boost_jax.planner.pricing import cost
 from boost_jax.planner.search_space import check_pipeline, pipeline_variants
-from boost_jax.planner.strategy_tables import uniform_plan
 from boost_jax.planner.verify import compare_pipeline, pipeline_refusal
 
 BTP = Layer(*uniform_plan("btp"))

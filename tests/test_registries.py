@@ -291,10 +291,11 @@ def test_toys_in_the_planner(toys):
     interface; a search over heads the tensor size does not divide finds the toy strategy runnable,
     and --verify agrees with the toy strategy's compiled step."""
     from boost_jax.config import base_config, sized_config
-    from boost_jax.planner import Layer, Mesh, Options, cost, load_cluster, plan_for, search
-    from boost_jax.planner.operators import Attn, Block, Ctx
-    from boost_jax.planner.projections import group_choices
-    from boost_jax.planner.strategy_tables import strategy_layers, uniform_plan
+    from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for, search
+    from boost_jax.planner.ops.operators import Attn, Block, Ctx
+    from boost_jax.planner.ops.projections import group_choices
+    from boost_jax.planner.ops.strategy_tables import strategy_layers, uniform_plan
+    from boost_jax.planner.pricing import cost
     from boost_jax.planner.verify import compare
 
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "a100_4x.py"))
@@ -456,7 +457,7 @@ def test_the_planner_prices_a_new_kind_by_its_own_flops(scaled):
     the formula written out here); its step time is the low-rank twin's (same shapes)."""
     from boost_jax.config import sized_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.strategy_tables import uniform_plan
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
 
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "a100_4x.py"))
     twin = sized_config("1b", "lowrank")

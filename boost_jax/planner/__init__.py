@@ -1,8 +1,8 @@
 """Parallelism planner: price partition plans with an α-β / GEMM-efficiency / memory model and search
 the best (mesh, per-group partition choices, remat, micro-batching) for a cluster. CLI: boost_jax.plan."""
 
-from boost_jax.planner.cluster import Cluster, Link, load_cluster
-from boost_jax.planner.plans import Layer, Mesh, Options, Plan, Result
+from boost_jax.planner.pricing.cluster import Cluster, Link, load_cluster
+from boost_jax.planner.pricing.plans import Layer, Mesh, Options, Plan, Result
 from boost_jax.planner.search import plan_for, search
 
 __all__ = ["Cluster", "Layer", "Link", "Mesh", "Options", "Plan", "Result", "load_cluster", "plan_for", "search"]

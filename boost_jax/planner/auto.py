@@ -17,8 +17,8 @@ import dataclasses
 
 from boost_jax.config import base_config
 from boost_jax.errors import ConfigError
-from boost_jax.planner.cluster import Cluster, load_cluster
-from boost_jax.planner.plans import Options, Plan
+from boost_jax.planner.pricing.cluster import Cluster, load_cluster
+from boost_jax.planner.pricing.plans import Options, Plan
 from boost_jax.planner.search import search
 
 # (a substring of jax's device_kind, the packaged cluster file for it), first match wins

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import heapq
 
-from boost_jax.planner.operators import layouts
-from boost_jax.planner.plans import Layer
-from boost_jax.planner.pricer import SEGMENTS, Pricer, Stages, group_choices
+from boost_jax.planner.ops.operators import layouts
+from boost_jax.planner.pricing.plans import Layer
+from boost_jax.planner.pricing.pricer import SEGMENTS, Pricer, Stages, group_choices
 
 
 def solve_segment(pr: Pricer, seg, residual: str, k: int) -> list[tuple[float, tuple]]:

@@ -28,13 +28,14 @@ import math
 import time
 
 from boost_jax.config import PROJECTION_GROUPS
-from boost_jax.planner import cost
-from boost_jax.planner.cluster import Cluster
 from boost_jax.planner.layer_search import best_layers
-from boost_jax.planner.operators import Block, Ctx
-from boost_jax.planner.plans import Layer, Mesh, Options, Plan, Result
-from boost_jax.planner.pricer import Pricer, forget_choices, group_choices
-from boost_jax.planner.pricing import lower_bound, price_plan
+from boost_jax.planner.ops.operators import Block, Ctx
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.cluster import Cluster
+from boost_jax.planner.pricing.plans import Layer, Mesh, Options, Plan, Result
+from boost_jax.planner.pricing.pricer import Pricer, forget_choices, group_choices
+from boost_jax.planner.pricing.trainer_flags import forget_runnable, runnable
+from boost_jax.planner.pricing.whole_plan import lower_bound, price_plan
 from boost_jax.planner.search_space import (
     check_pipeline,
     context_modes,
@@ -48,7 +49,6 @@ from boost_jax.planner.search_space import (
     stage_counts,
     unrolled_cluster,
 )
-from boost_jax.planner.trainer_flags import forget_runnable, runnable
 
 
 def model_flops_per_token(cfg, seq: int) -> float:

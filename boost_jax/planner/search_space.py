@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV, PIPELINE_SCHEDULES
-from boost_jax.planner import cost
-from boost_jax.planner.operators import Block
-from boost_jax.planner.plans import STAGE_REMAT, Mesh, Options
+from boost_jax.planner.ops.operators import Block
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import STAGE_REMAT, Mesh, Options
 
 # GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
 MICROBATCHES_PER_STAGE = (1, 2, 4)

@@ -25,12 +25,12 @@ from __future__ import annotations
 import re
 
 from boost_jax.config import PROJECTION_GROUPS, ST
-from boost_jax.planner.cost import STATE_BYTES
-from boost_jax.planner.operators import Block
-from boost_jax.planner.plans import Layer, Mesh, Options
+from boost_jax.planner.ops.operators import Block
+from boost_jax.planner.ops.strategy_tables import uniform_plan
+from boost_jax.planner.pricing.cost import STATE_BYTES
+from boost_jax.planner.pricing.plans import Layer, Mesh, Options
+from boost_jax.planner.pricing.trainer_flags import linear_partition
 from boost_jax.planner.search import plan_for
-from boost_jax.planner.strategy_tables import uniform_plan
-from boost_jax.planner.trainer_flags import linear_partition
 from boost_jax.tools.comm_report import axis_group, compile_program, memory_breakdown, report, variant_config
 from boost_jax.tools.devices import pick_devices
 from boost_jax.tools.hlo_comm import parse_collectives

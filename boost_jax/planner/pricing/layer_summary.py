@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.config import PROJECTION_GROUPS, ST
-from boost_jax.planner import cost
-from boost_jax.planner.operators import Op
-from boost_jax.planner.outside_stack import embedding, head
-from boost_jax.planner.plans import Cost, Layer, Mesh
-from boost_jax.planner.pricer import LayerSummary, Pricer, layer_keys
-from boost_jax.planner.projections import st_stored
-from boost_jax.planner.trainer_flags import runnable
+from boost_jax.planner.ops.operators import Op
+from boost_jax.planner.ops.outside_stack import embedding, head
+from boost_jax.planner.ops.projections import st_stored
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import Cost, Layer, Mesh
+from boost_jax.planner.pricing.pricer import LayerSummary, Pricer, layer_keys
+from boost_jax.planner.pricing.trainer_flags import runnable
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:

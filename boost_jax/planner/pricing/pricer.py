@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.config import PROJECTION_GROUPS
-from boost_jax.planner import cost, projections
-from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.cores import activation, attention
-from boost_jax.planner.edges import edge, norm, residual_add
-from boost_jax.planner.operators import Ctx, Op
-from boost_jax.planner.plans import Cost, Layer, Options
-from boost_jax.planner.projections import group_op, partial_input_grad
+from boost_jax.planner.ops import projections
+from boost_jax.planner.ops.cores import activation, attention
+from boost_jax.planner.ops.edges import edge, norm, residual_add
+from boost_jax.planner.ops.operators import Ctx, Op
+from boost_jax.planner.ops.projections import group_op, partial_input_grad
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.cluster import Cluster
+from boost_jax.planner.pricing.plans import Cost, Layer, Options
 
 SEGMENTS = (("qkv", "attention", "o"), ("mlp_in", "act", "mlp_out"))
 BUILDERS = {

@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 from boost_jax.config import ST
-from boost_jax.planner import cost
-from boost_jax.planner.layer_summary import layer_summary, rest_ops, stage_forward
-from boost_jax.planner.memory import memory_bytes
-from boost_jax.planner.plans import Layer, Mesh, Plan
-from boost_jax.planner.pricer import Pricer
-from boost_jax.planner.schedule import Schedule, schedule_of
-from boost_jax.planner.step_terms import link_bytes_per_step, parameters_per_device, step_collectives, step_seconds
-from boost_jax.planner.trainer_flags import linear_partition, runnable
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.layer_summary import layer_summary, rest_ops, stage_forward
+from boost_jax.planner.pricing.memory import memory_bytes
+from boost_jax.planner.pricing.plans import Layer, Mesh, Plan
+from boost_jax.planner.pricing.pricer import Pricer
+from boost_jax.planner.pricing.schedule import Schedule, schedule_of
+from boost_jax.planner.pricing.step_terms import (
+    link_bytes_per_step,
+    parameters_per_device,
+    step_collectives,
+    step_seconds,
+)
+from boost_jax.planner.pricing.trainer_flags import linear_partition, runnable
 
 
 def price_plan(

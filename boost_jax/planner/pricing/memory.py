@@ -3,10 +3,11 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
-from boost_jax.planner import cost, operators
-from boost_jax.planner.plans import Layer, Mesh
-from boost_jax.planner.pricer import LayerSummary, Pricer
-from boost_jax.planner.schedule import Schedule
+from boost_jax.planner.ops import operators
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import Layer, Mesh
+from boost_jax.planner.pricing.pricer import LayerSummary, Pricer
+from boost_jax.planner.pricing.schedule import Schedule
 
 
 def memory_bytes(

@@ -3,8 +3,8 @@ K/V exchange) and the MLP activation."""
 
 from __future__ import annotations
 
-from boost_jax.planner.kept_arrays import GPU_SAVED_SWIGLU, RING_SCORE_BLOCKS, SAVED_SWIGLU
-from boost_jax.planner.operators import Attn, Coll, Ctx, Gemm, Op, attention_class, divides, gpu
+from boost_jax.planner.ops.kept_arrays import GPU_SAVED_SWIGLU, RING_SCORE_BLOCKS, SAVED_SWIGLU
+from boost_jax.planner.ops.operators import Attn, Coll, Ctx, Gemm, Op, attention_class, divides, gpu
 
 
 def attention(ctx: Ctx, layout: str) -> Op | None:

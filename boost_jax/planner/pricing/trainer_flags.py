@@ -4,9 +4,9 @@ as parallel.linear_partition) and that flag's value (`linear_partition`)."""
 from __future__ import annotations
 
 from boost_jax.config import PROJECTION_GROUPS, ST
-from boost_jax.planner.operators import Block
-from boost_jax.planner.plans import Layer, Mesh
-from boost_jax.planner.strategy_tables import choice_names, strategy_layers
+from boost_jax.planner.ops.operators import Block
+from boost_jax.planner.ops.strategy_tables import choice_names, strategy_layers
+from boost_jax.planner.pricing.plans import Layer, Mesh
 
 
 def linear_partition(layer: Layer) -> str:

@@ -24,9 +24,9 @@ twice the forward. Elementwise work is HBM traffic: elementwise_passes x activat
 from __future__ import annotations
 
 from boost_jax import xla_gpu_flags
-from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.operators import Attn, Coll, Op, StMatmul, attention_class
-from boost_jax.planner.plans import Cost
+from boost_jax.planner.ops.operators import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.planner.pricing.cluster import Cluster
+from boost_jax.planner.pricing.plans import Cost
 
 # The cost model's constants, one a line: its value, what it prices, where it was set ("§": that section of
 # benchmarks/RESULTS.md). How each came to its value: RESULTS.md "2026-11-28: the planner's constants, their history".

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.planner import cost
-from boost_jax.planner.operators import Coll
-from boost_jax.planner.outside_stack import circular_reorder, head, pipeline_ends, stage_shift
-from boost_jax.planner.plans import Cost, Layer, Mesh
-from boost_jax.planner.pricer import LayerSummary, Pricer
-from boost_jax.planner.schedule import Schedule
+from boost_jax.planner.ops.operators import Coll
+from boost_jax.planner.ops.outside_stack import circular_reorder, head, pipeline_ends, stage_shift
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import Cost, Layer, Mesh
+from boost_jax.planner.pricing.pricer import LayerSummary, Pricer
+from boost_jax.planner.pricing.schedule import Schedule
 
 
 def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: list, rest: list):
