@@ -1,23 +1,13 @@
-"""The plan search: mesh x pipeline micro-batches x micro-batching x remat policy x per-group partition choices.
+"""The plan search (`search`) and the pricing of one given plan (`plan_for`).
 
-For every factorisation pipeline x data x fsdp x tensor of the device count (pipeline: every stage
-count that divides the layers; see `stage_counts`), every GPipe micro-batch count (S, 2S, 4S; see
-`microbatch_counts`), every gradient-accumulation count that splits the batch evenly and every remat
-policy, one transformer layer is solved by PrimePar's segmented dynamic programme: the residual
-edges cut the block into two segments (norm -> qkv -> attention -> o -> add, norm -> mlp_in -> act
--> mlp_out -> add); inside a segment the DP state is the activation's layout between operators and an
-edge between different layouts costs the redistribution. Each residual layout's segments are solved
-independently and summed; identical layers are combined by multiplying by L (by L/S per stage and
-the M+S-1 GPipe ticks under pipelining). The DP keeps the `keep` best paths per state (k-best), so
-the non-additive parts (data/fsdp traffic hidden behind the micro-batch, memory) are applied
-afterwards to a short list. Plans over the usable HBM are rejected.
-
-This module runs the search (`search`) and prices one given plan (`plan_for`); the parts live beside it
-and are re-exported here: plans.py (Mesh, Layer, Options, Plan, Result), search_space.py (meshes, context
-sizes, stage and micro-batch counts, schedules, policies), layer_search.py (the Pricer and the segment
-DP), layer_summary.py (one layer's totals), schedule.py, step_terms.py (data/fsdp and pipeline traffic,
-step seconds, link bytes), memory.py (peak memory), pricing.py (price_plan, lower_bound) and
-trainer_flags.py (runnable, the trainer's overrides).
+For every mesh pipeline x data x fsdp x context x tensor of the device count, every pipeline
+micro-batch count and schedule, every gradient-accumulation count that splits the batch evenly and
+every remat policy (search_space.py), one transformer layer is solved by PrimePar's segmented dynamic
+programme (layer_search.py), which keeps the `keep` best paths per layout; identical layers are
+combined by multiplying by L (L/S per stage, times the schedule's ticks). The non-additive parts
+(data/fsdp traffic hidden behind the micro-batch, memory) are priced afterwards on that short list
+(pricing/whole_plan.py) and plans over the usable HBM are rejected. Every plan gets a cheap lower
+bound first; only those whose bound can enter the result are priced in full (see `search`).
 """
 
 from __future__ import annotations

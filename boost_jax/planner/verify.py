@@ -1,23 +1,16 @@
 """--verify: the planner's per-layer collectives and peak memory next to the compiled step's.
 
-The plan is lowered as the trainer would run it (its strategy, with its st groups as
-parallel.linear_partition) on emulated CPU devices, at shapes small enough to compile in seconds;
-prediction and measurement use the same shapes. Collectives are compared per layer and per device
-by traffic class and kind (count and bytes): tensor-axis forward, tensor-axis backward (recompute
-included, as comm_report's backward = forward_backward - forward), the st groups' permutes that
-cross fsdp (comm_report's `grid` class), data/fsdp forward + backward (bytes only: XLA issues one
-gather per parameter), and every collective of the 2-layer program. Bytes follow comm_report:
-elements x the compute dtype on the tensor axis and the grid (bf16: 2), x 4 (fp32 parameters and
-gradients) on data/fsdp. All-reduce counts may come out lower than predicted with the same bytes:
-XLA's all-reduce combiner merges independent all-reduces into one tuple all-reduce.
-Context plans (parallel.context = C) are compiled at their C with their context_attention and
-context_kv: the exchange over `context` (collective-permutes, or all-gathers and reduce-scatters)
-is its own class (comm_report's `context`), compared by kind, count and bytes; the weights'
-gradient all-reduce over `context` is data/fsdp traffic. Collectives whose groups are single
-devices (XLA leaves a few after partitioning the island) move nothing and are left out.
-Memory: the planner's peak per device against `.memory_analysis()` of the full-depth (scanned)
-train step, compiled in float32 (the CPU backend computes bf16 partly in float32, so float32 is the
-dtype whose bytes it reports as a GPU would), priced with the attention the CPU runs.
+The plan is lowered as the trainer runs it (its strategy, st groups as parallel.linear_partition) on
+emulated CPU devices, at shapes small enough to compile in seconds; prediction and measurement use
+the same shapes. Collectives are compared per layer and per device by traffic class and kind (count
+and bytes): tensor-axis forward, tensor-axis backward (recompute included), the st groups' permutes
+that cross fsdp (`grid`), the context exchange (`context`: plans with parallel.context = C compile at
+their C and modes), data/fsdp forward + backward (bytes only: XLA issues one gather per parameter),
+and every collective of the 2-layer program. Bytes follow comm_report (the compute dtype on the tensor
+axis and the grid, float32 on data/fsdp). XLA's all-reduce combiner may merge all-reduces (fewer, same
+bytes); groups of one device move nothing and are left out. Memory: the planner's peak per device
+against `.memory_analysis()` of the full-depth train step compiled in float32 (the dtype the CPU
+backend reports as a GPU would), priced with the attention the CPU runs.
 """
 
 from __future__ import annotations

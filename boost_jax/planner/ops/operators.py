@@ -1,6 +1,6 @@
 """The records a partition choice is priced in: a transformer block's shapes (`Block`), the context of one
 pricing (`Ctx`: tensor size, tokens, layouts), and an operator's GEMMs, collectives and kept activations
-(`Op` with its `Gemm`, `StMatmul`, `Coll` and `Attn`). See boost_jax/planner/partitions.py for the layouts."""
+(`Op` with its `Gemm`, `StMatmul`, `Coll` and `Attn`). The layouts: this package's docstring."""
 
 from __future__ import annotations
 
