@@ -372,7 +372,7 @@ def test_planner_and_tools_name_no_strategy():
 
     names = set(strategies.names()) | {ST}
     found = []
-    for path in sorted((ROOT / "boost_jax").glob("planner/*.py")) + sorted((ROOT / "boost_jax").glob("tools/*.py")):
+    for path in sorted((ROOT / "boost_jax").glob("planner/**/*.py")) + sorted((ROOT / "boost_jax").glob("tools/*.py")):
         tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
         for i, tok in enumerate(tokens):
             docstring = i == 0 or tokens[i - 1].type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)

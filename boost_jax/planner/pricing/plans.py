@@ -1,5 +1,5 @@
-"""The planner's words: a mesh, one layer's partitioning, the search's options, a priced plan and a
-search's result."""
+"""The planner's words: a mesh, one layer's partitioning, the search's options, an operator's seconds by
+part (`Cost`), a priced plan and a search's result."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ class Options:
 
 @dataclasses.dataclass
 class Cost:
+    """Seconds of one operator (or a sum of them) on one device and micro-batch, by part."""
+
     compute: float = 0.0  # GEMMs, attention, elementwise; forward + backward
     comm: float = 0.0  # exposed tensor-axis collectives, forward + backward
     recompute: float = 0.0  # what the remat policy re-runs in the backward (compute and collectives)
