@@ -150,9 +150,9 @@ def unrolled_cluster(cluster):
     """The cluster an unrolled stack is priced on: no kept-activation traffic (`kept_passes` 0). The
     fitted kept term prices what the scanned stack does with its saved activations (stacked per layer,
     sliced back in the backward); unrolled, XLA fuses and schedules across the layers, and the planner
-    without that term prices the measured unrolled steps within 11% (benchmarks/planner_time_fit.py,
-    the `unmodelled` rows). Its memory is priced as the scanned remat `none` stack's, an upper bound
-    (cola_1b on one H100 at 256 x 32: 24.0 GiB compiled unrolled, 31.9 GB priced)."""
+    prices the measured unrolled steps without that term (benchmarks/planner_time_fit.py, the
+    `unmodelled` rows). Its memory is priced as the scanned remat `none` stack's, an upper bound (the
+    measurements: benchmarks/RESULTS.md 2026-11-28, "planner: the unrolled stack")."""
     return dataclasses.replace(cluster, kept_passes=0.0)
 
 

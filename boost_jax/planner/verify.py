@@ -184,7 +184,7 @@ def measured(
 
 # Under context with data or fsdp, XLA folds part of the gradient's reduction over `context` into the
 # one over data/fsdp (one all-reduce over both axes: at 2 x 2 x 2, the normed groups' A's and the
-# norms, 26% of btp's weights); the planner prices the two reductions apart, an upper bound.
+# norms); the planner prices the two reductions apart, an upper bound.
 BOUND_TOLERANCE = 0.20
 
 

@@ -103,9 +103,8 @@ def kept_weights(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule,
     # float32 replica itself): GPipe casts the stage's weights once before the tick loop (loop
     # invariant, hoisted out of the scan) and keeps that copy to the end of the backward; circular
     # selects and casts each tick's chunk inside the loop, so the scan stacks every tick's chunk as a
-    # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py:
-    # llama_7b p4 x f8 x t2 GPipe M 16 keeps bf16[8 layers, ...] stage copies, 1.62 GB; llama_1b
-    # p4 x f8 x t2 circular V 2 M 8 keeps bf16[19 ticks, 3 layers, ...], 2.87 GB per GPU).
+    # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py: RESULTS.md
+    # 2026-11-26, "the planner's memory terms against the compiled programs").
     tick_weights = 0.0
     if stages > 1 and gpu and not sched.staged and policy == "none":
         tick_weights = (sched.runs if sched.name == "circular" else per_stage) * weights * opts.act_bytes
@@ -127,8 +126,8 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     # the scanned layers keep more stacked arrays of the σ(A·x) bottleneck (cost.PIPELINED_SIGMA). Pipelined
     # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
     # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
-    # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 63.6 priced without
-    # the term (61.8 before the GPU loss and the scan's double buffer, 2026-11-27) and 71.5 with it then.
+    # ring, bottleneck) compiles with the pipeliner under what the planner prices without the term
+    # (RESULTS.md 2026-11-27, "the collective pipeliner's memory").
     return (
         cost.PIPELINED_SIGMA * per_stage * summary.bottleneck * opts.act_bytes
         if sched.stages == 1
