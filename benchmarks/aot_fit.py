@@ -117,8 +117,9 @@ def fixed_row(
     cluster: Path = CLUSTER,
 ) -> dict:
     """One FIXED plan: the planner's price of exactly this trainer plan next to its H100 compile."""
+    from boost_jax.config import PROJECTION_GROUPS
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner import partitions as P
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
     from boost_jax.tools import aot
 
     config = ROOT / "configs" / f"{name}.py"
@@ -143,10 +144,10 @@ def fixed_row(
     ]
     cfg = aot.load(str(config), flags)
     layer = (
-        Layer(*P.uniform_plan(strategy, False))
+        Layer(*uniform_plan(strategy, False))
         if t > 1
         # one tensor shard: nothing is split
-        else Layer("R", ("none",) * len(P.GROUPS), "R", "R")
+        else Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
     )
     priced = plan_for(
         cfg,
@@ -188,9 +189,9 @@ def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
     mesh; no search, no compile): the Plan, whose memory["total"] compares with the row's compiled
     `peak_bytes`. `pipelined`: the collective pipeliner's options the row was compiled with (the
     json's `pipelined_collectives`; None: this process's)."""
+    from boost_jax.config import PROJECTION_GROUPS
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner import partitions as P
-    from boost_jax.planner.cost import PIPELINER_NEEDS
+    from boost_jax.planner.pricing.cost import PIPELINER_NEEDS
     from boost_jax.planner.verify import uniform_layer
     from boost_jax.tools.devices import load_config
 
@@ -207,7 +208,7 @@ def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
     layer = (
         uniform_layer(cfg, p.strategy, bool(p.sequence_parallel))
         if mesh.tensor > 1
-        else Layer("R", ("none",) * len(P.GROUPS), "R", "R")  # one tensor shard: nothing is split
+        else Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")  # one tensor shard: nothing is split
     )
     opts = Options(
         batch=int(t.global_batch),

@@ -9,7 +9,7 @@ emulated CPU devices in float32 (the CPU backend runs bf16 partly in float32, so
 whose bytes it reports as a GPU would) and prices the same plan with the planner (act_bytes 4, the
 attention the CPU runs). Shapes: d 256, 4 heads, ff 640, r 48, 3 layers, vocab 512, loss chunks of
 64 positions, batch 4 x seq 192, so activations dominate. Two rows are marked fitted: they set
-cost.BUFFER_OVERHEAD and the factor 1/2 of partitions.StMatmul.ring; the others are held out
+cost.BUFFER_OVERHEAD and the factor 1/2 of operators.StMatmul.ring; the others are held out
 (tests/test_planner.py checks 7B-width plans and the `--verify` shapes within 15%).
 """
 
@@ -61,8 +61,8 @@ SMOKE_CASES = (1,)  # --smoke: the st plan on a 2 x 2 mesh
 def measure(case) -> dict:
     from boost_jax.config import base_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner import partitions as P
-    from boost_jax.planner.search import linear_partition
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
+    from boost_jax.planner.pricing.trainer_flags import linear_partition
     from boost_jax.tools.comm_report import compile_program, memory_breakdown, variant_config
     from boost_jax.tools.devices import pick_devices
 
@@ -70,7 +70,7 @@ def measure(case) -> dict:
     base = base_config()
     base.model.update(linear=linear, attention=attention, **SHAPES)
     cfg = variant_config(base, strategy, linear, mesh, BATCH, SEQ, "float32", remat)
-    residual, uniform, attn_layout, act = P.uniform_plan(strategy)
+    residual, uniform, attn_layout, act = uniform_plan(strategy)
     layer = (
         Layer("R", ("none",) * 4, "R", "R") if mesh[2] == 1 else Layer(residual, choices or uniform, attn_layout, act)
     )

@@ -73,7 +73,8 @@ def describe(p, layers: int) -> dict:
 def study(config: str, cluster_name: str, devices: int, batch: int | None, seq: int | None) -> dict:
     from boost_jax.config import load_config_file
     from boost_jax.planner import Layer, Options, load_cluster, plan_for, search
-    from boost_jax.planner import partitions as P
+    from boost_jax.planner.ops.operators import Block
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
     from boost_jax.planner.search import model_flops_per_token
 
     cfg = load_config_file(ROOT / f"configs/{config}.py")
@@ -83,7 +84,7 @@ def study(config: str, cluster_name: str, devices: int, batch: int | None, seq: 
     opts = Options(batch=batch, seq=seq, top=10**6)
     fpt = model_flops_per_token(cfg, seq)
     res = search(cfg, cluster, devices, opts, flops_per_token=fpt)
-    block = P.Block.from_config(cfg)
+    block = Block.from_config(cfg)
     base = "btp" if block.factored else "megatron"
     layers = block.layers
     with_st = [p for p in res.plans if "st" in p.layer.choices]
@@ -99,7 +100,7 @@ def study(config: str, cluster_name: str, devices: int, batch: int | None, seq: 
     st = picks["st"]
     groups = []
     if st is not None:
-        uniform = Layer(*P.uniform_plan(st.strategy, st.sequence_parallel))  # same strategy and residual
+        uniform = Layer(*uniform_plan(st.strategy, st.sequence_parallel))  # same strategy and residual
         pipelined = st.mesh.pipeline > 1
         picks["base@st"] = plan_for(
             cfg,
@@ -137,11 +138,15 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
     mesh, forward + backward on one device, with the redistribution into and out of the group from
     the plan's neighbouring layouts: GEMM time, the communication left exposed (st: permutes the GEMM
     steps do not hide, and edge collectives; the baseline: its tensor-axis collectives)."""
-    from boost_jax.planner import cost as C
-    from boost_jax.planner import partitions as P
+    from boost_jax.config import PROJECTION_GROUPS
+    from boost_jax.planner.ops.edges import edge
+    from boost_jax.planner.ops.operators import Ctx
+    from boost_jax.planner.ops.projections import group_choices, group_op, partial_input_grad
+    from boost_jax.planner.pricing import cost as C
+    from boost_jax.planner.pricing.plans import Cost
 
     kind = C.attention_kind(opts.attention, block, seq, opts.act_bytes)
-    ctx = P.Ctx(block, plan.mesh.tensor, plan.tokens, seq, True, kind, opts.act_bytes)
+    ctx = Ctx(block, plan.mesh.tensor, plan.tokens, seq, True, kind, opts.act_bytes)
     layer = plan.layer
     around = {
         "qkv": (layer.residual, layer.attention),
@@ -150,20 +155,20 @@ def group_breakdown(block, cluster, plan, base: str, seq: int, opts) -> list[dic
         "mlp_out": (layer.act, layer.residual),
     }
     out = []
-    for group, choice in zip(P.GROUPS, layer.choices):
+    for group, choice in zip(PROJECTION_GROUPS, layer.choices):
         if choice != "st":
             continue
         din, douts = block.projections(group)
         row = {"group": group}
         for name, c in (("st", "st"), ("base", base)):
-            _, lin, lout, split = next(x for x in P.group_choices(ctx, group) if x[0] == c)
+            _, lin, lout, split = next(x for x in group_choices(ctx, group) if x[0] == c)
             src, dst = around[group]
             ops = [
-                P.group_op(ctx, group, split),
-                P.edge(ctx, src, lin, din, P.partial_input_grad(block, split)),
-                P.edge(ctx, lout, dst, sum(douts) if group in ("qkv", "mlp_in") else block.d),
+                group_op(ctx, group, split),
+                edge(ctx, src, lin, din, partial_input_grad(block, split)),
+                edge(ctx, lout, dst, sum(douts) if group in ("qkv", "mlp_in") else block.d),
             ]
-            cost = sum((C.price(op, cluster, act_bytes=opts.act_bytes) for op in ops), C.Cost())
+            cost = sum((C.price(op, cluster, act_bytes=opts.act_bytes) for op in ops), Cost())
             gemm = sum(3 * s.n * C.gemm_seconds(s.m, s.k / s.n, s.out / s.n, cluster) for s in ops[0].st) + 3 * sum(
                 C.gemm_seconds(g.m, g.k, g.n, cluster) for g in ops[0].gemms
             )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from boost_jax.planner.cluster import Cluster  # noqa: E402
+from boost_jax.planner.pricing.cluster import Cluster  # noqa: E402
 
 REPORTED = {"megatron": 1.06, "vanilla": 1.64, "btp": 0.72}  # seconds per iteration
 # Per-layer forward TP-4 all-reduce time at batch 4 x seq 4096 (seconds): what intra_* were fitted to.
@@ -46,7 +46,7 @@ def predict(cluster_path=ROOT / "configs/clusters/a100_4x.py", attention: str = 
     """{strategy: Plan} for the reference setup."""
     from boost_jax.config import sized_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.partitions import uniform_plan
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
 
     cluster = cluster_path if isinstance(cluster_path, Cluster) else load_cluster(cluster_path)
     opts = Options(batch=BATCH, seq=SEQ, attention=attention, check_memory=False)
@@ -63,7 +63,7 @@ def forward_tp_collectives(strategy: str) -> list:
     seq 4096, TP 4), as the planner lays them out."""
     from boost_jax.config import sized_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner.partitions import uniform_plan
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
 
     cfg = sized_config("7b", LINEAR[strategy])
     cfg.model.max_seq_len = SEQ
@@ -84,8 +84,8 @@ def forward_tp_collectives(strategy: str) -> list:
 def fitted_rows(cluster=ROOT / "configs/clusters/a100_4x.py") -> list[dict]:
     """The comparisons the cluster's fitted constants were chosen to reproduce (in-sample).
     `cluster`: a Cluster or a cluster file."""
-    from boost_jax.planner import cost as C
     from boost_jax.planner import load_cluster
+    from boost_jax.planner.pricing import cost as C
 
     cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     rows = []
@@ -130,7 +130,7 @@ def fit() -> tuple[float, float]:
     REPORTED_TP_COMM: each time = link bytes / bandwidth + ring steps x latency."""
     import numpy as np
 
-    from boost_jax.planner import cost as C
+    from boost_jax.planner.pricing import cost as C
 
     rows, times = [], []
     for k, want in REPORTED_TP_COMM.items():
@@ -169,7 +169,7 @@ def sensitivity(cluster) -> list[dict]:
     """The held-out ratios Megatron/BTP and vanilla/BTP with one cluster constant changed at a time."""
     import dataclasses
 
-    from boost_jax.planner.cluster import Link
+    from boost_jax.planner.pricing.cluster import Link
 
     rows = []
     for field, values in SENSITIVITY:

@@ -41,8 +41,9 @@ import sys
 from boost_jax.config import ST
 from boost_jax.errors import ConfigError
 from boost_jax.planner import Options, auto, load_cluster, search, verify
-from boost_jax.planner.cost import attention_kind, handover_ticks
-from boost_jax.planner.partitions import Block
+from boost_jax.planner.ops.operators import Block
+from boost_jax.planner.pricing.cost import attention_kind, handover_ticks
+from boost_jax.planner.pricing.trainer_flags import linear_partition
 from boost_jax.planner.search import model_flops_per_token
 from boost_jax.tools import aot
 from boost_jax.tools.devices import emulate_cpu_devices, load_config
@@ -174,7 +175,7 @@ def run_verify(cfg, cluster, plan, seq: int) -> bool:
             mesh, batch, vseq = verify.shrink(plan.mesh, seq, grid=st)
         except ValueError as e:
             raise SystemExit(f"--verify: {e}") from e
-        groups = f" + {verify.linear_partition(plan.layer)} on the fsdp x tensor grid" if st else ""
+        groups = f" + {linear_partition(plan.layer)} on the fsdp x tensor grid" if st else ""
         print(
             f"\n--verify: {plan.strategy}{' (SP)' if sp else ''}{groups}, mesh {mesh}, batch {batch} x seq {vseq}, "
             f"remat {plan.remat}, compiled on emulated CPU devices (bytes per layer per device; memory: the "

@@ -535,7 +535,7 @@ def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(
     compile's (10.0 GB). Before the tick loop's compute-dtype weights (every tick's chunk, a scan
     residual) and the split norms' float32 arrays were priced, the planner said 8.7 GB (0.87)."""
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner import partitions as P
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
 
     root = Path(__file__).resolve().parents[1]
     flags = [
@@ -561,7 +561,7 @@ def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(
         Mesh(1, 2, 2, pipeline=2),
         1,
         "none",
-        Layer(*P.uniform_plan("megatron", True)),
+        Layer(*uniform_plan("megatron", True)),
         Options(batch=128, seq=256, check_memory=False),
         microbatches=4,
         schedule="circular",
@@ -690,15 +690,15 @@ def test_planner_peak_of_a_cola_fsdp_plan_under_the_collective_pipeliner_within_
     512 over benchmarks/aot_fit*.json). Without them the H100 peak is more than 10% under (0.87; the
     A100's 0.89)."""
     from boost_jax import xla_gpu_flags
+    from boost_jax.config import PROJECTION_GROUPS
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner import cost as C
-    from boost_jax.planner import partitions as P
+    from boost_jax.planner.pricing import cost as C
 
     if not set(C.PIPELINER_NEEDS) <= xla_gpu_flags.pipelined({}):
         pytest.skip("this jaxlib's XLA has no collective pipeliner options (jaxlib >= 0.11)")
     root = Path(__file__).resolve().parents[1]
     cfg = aot.load(str(root / "configs" / "cola_1b.py"), COLA_FSDP)
-    layer = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
+    layer = Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
     priced = {
         on: plan_for(
             cfg,

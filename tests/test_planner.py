@@ -14,10 +14,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.sharding import Mesh as JaxMesh
 
-from boost_jax.config import base_config, sized_config
-from boost_jax.planner import Layer, Link, Mesh, Options, cost, load_cluster, plan_for, search
-from boost_jax.planner import partitions as P
-from boost_jax.planner.search import meshes, microbatch_counts, stage_counts
+from boost_jax.config import PROJECTION_GROUPS, base_config, sized_config
+from boost_jax.planner import Layer, Link, Mesh, Options, load_cluster, plan_for, search
+from boost_jax.planner.ops.operators import Coll, StMatmul
+from boost_jax.planner.ops.strategy_tables import uniform_plan
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.search_space import meshes, microbatch_counts, stage_counts
 from boost_jax.planner.verify import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ def test_link_is_picked_by_whether_the_group_spans_nodes():
     assert A100.link(1, 4) is A100.intra  # 4 consecutive GPUs: one A100 node
     assert A100.link(1, 8) is A100.inter and A100.link(4, 2) is A100.inter
     assert H100.link(1, 8) is H100.intra and H100.link(8, 8) is H100.inter
-    ar = P.Coll("all-reduce", 1e9, 8, 1, "fwd")  # 2 GB of bf16 over 8 A100s: crosses Slingshot
+    ar = Coll("all-reduce", 1e9, 8, 1, "fwd")  # 2 GB of bf16 over 8 A100s: crosses Slingshot
     assert cost.coll_seconds(ar, A100, 2) == pytest.approx(2 * 7 / 8 * 2e9 / 20e9 + 14 * 20e-6)
 
 
@@ -99,6 +101,8 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
     import dataclasses
     import sys
 
+    from boost_jax.planner.pricing.whole_plan import lower_bound
+
     S = sys.modules["boost_jax.planner.search"]  # the module (the package exports its `search` function)
     cfg, cluster, devices, opts = PRUNE_CASES[case]
     cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), opts.seq)
@@ -108,7 +112,7 @@ def test_the_pruned_search_returns_the_exhaustive_plans(case, monkeypatch):
 
     def checked(pr, mesh, accum, layer, fpt, *pipeline):
         plan = price_plan(pr, mesh, accum, layer, fpt, *pipeline)
-        bounds.append((S.lower_bound(pr, mesh, accum, layer, *pipeline), plan.step_s, plan))
+        bounds.append((lower_bound(pr, mesh, accum, layer, *pipeline), plan.step_s, plan))
         return plan
 
     monkeypatch.setattr(S, "price_plan", checked)
@@ -202,7 +206,7 @@ def test_search_covers_64_devices_with_pipeline_stages():
 def test_pipeline_step_time_grows_with_the_bubble(stages):
     """Fewer GPipe micro-batches (same S, same batch): a bigger bubble, (S-1)/(M+S-1), and a slower step
     that tracks the ticks per micro-batch, (M+S-1)/M (bigger micro-batches run slightly better GEMMs)."""
-    cfg, btp = sized_config("13b", "cola"), Layer(*P.uniform_plan("btp"))
+    cfg, btp = sized_config("13b", "cola"), Layer(*uniform_plan("btp"))
     plans = [
         plan_for(cfg, H100, Mesh(2, 1, 4, stages), 1, "full", btp, Options(batch=512, seq=256), 1.0, m)
         for m in (4 * stages, 2 * stages, stages)
@@ -267,7 +271,7 @@ def test_7b_tp4_fit_holds_within_10_percent():
     slower = dataclasses.replace(A100, intra=Link(0.8 * A100.intra.bandwidth, A100.intra.latency))
     assert validation.check_fit(validation.fitted_rows(slower))
     from boost_jax.config import load_config_file
-    from boost_jax.planner.cluster import from_dict
+    from boost_jax.planner.pricing.cluster import from_dict
 
     bad = load_config_file(ROOT / "configs/clusters/a100_4x.py", "--cluster")
     bad.fitted = {"nvlink_bandwidth": "a typo"}
@@ -286,7 +290,7 @@ def test_btp_forward_traffic_is_7r_per_token():
         Mesh(1, 1, 4),
         1,
         "none",
-        Layer(*P.uniform_plan("btp")),
+        Layer(*uniform_plan("btp")),
         Options(batch=4, seq=4096, check_memory=False),
         flops_per_token=1.0,
     )
@@ -326,7 +330,7 @@ def test_st_permutes_match_the_primitive():
         jax.ShapeDtypeStruct((b, t, n_out), jnp.float32, sharding=act),
     ]
     measured = parse_collectives(jax.jit(f).lower(*args).compile().as_text(), mesh)
-    predicted = P.StMatmul(b * t / 2, k, n_out, 2, "W").colls()  # m: one device's tokens
+    predicted = StMatmul(b * t / 2, k, n_out, 2, "W").colls()  # m: one device's tokens
     assert {c.kind for c in measured} == {"collective-permute"}
     assert len(measured) == len(predicted)
     assert sorted(c.elements for c in measured) == sorted(c.elements for c in predicted)
@@ -394,7 +398,7 @@ def test_runnable_top_plans_compile(linear):
             p.mesh.tensor,
         )
         # The planner speaks the trainer's group names (qkv, o, mlp_in, mlp_out).
-        assert strategy.st_groups == {g for g, c in zip(P.GROUPS, p.layer.choices) if c == "st"}
+        assert strategy.st_groups == {g for g, c in zip(PROJECTION_GROUPS, p.layer.choices) if c == "st"}
         compiled = built.lower_train().compile()
         m = compiled.memory_analysis()
         xla = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
@@ -451,7 +455,7 @@ def test_verify_st_plans_agree_with_the_compiled_step(name):
     planner's per-layer bytes and counts by class and kind, the st grid's permutes included,
     against the compiled programs (5%), and its peak memory against the compiled step's (15%)."""
     strategy, linear, choices = VERIFY_ST[name]
-    residual, _, attention, act = P.uniform_plan(strategy)
+    residual, _, attention, act = uniform_plan(strategy)
     rows = compare(
         small_verify_config(linear),
         A100,
@@ -478,7 +482,7 @@ def run_grid4() -> dict[str, str]:
     out = {}
     for name, (strategy, linear, choices) in GRID4.items():
         try:
-            residual, _, attention, act = P.uniform_plan(strategy)
+            residual, _, attention, act = uniform_plan(strategy)
             check_verify_rows(
                 compare(
                     small_verify_config(linear),
@@ -578,7 +582,7 @@ def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
     parallelism alone, remat,
     the float32 CPU program, or a program without the pipeliner."""
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
-    layer = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
+    layer = Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
 
     def part(linear, mesh, remat="none", act_bytes=2, pipelined=True, **kw):
         cfg = sized_config("1b", linear)
@@ -614,8 +618,8 @@ def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
     whatever its mesh."""
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
     cfg = sized_config("1b", "dense")
-    megatron = Layer(*P.uniform_plan("megatron", False))
-    replicated = Layer("R", ("none",) * len(P.GROUPS), "R", "R")
+    megatron = Layer(*uniform_plan("megatron", False))
+    replicated = Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
 
     def factor(mesh, layer, act_bytes=2):
         m = plan_for(
@@ -665,7 +669,11 @@ def test_the_gpu_loss_and_the_scan_double_buffer_terms():
     layers, ff = cfg.model.n_layers, cfg.model.d_ff
 
     def part(
-        mesh, layer=Layer("R", ("none",) * len(P.GROUPS), "R", "R"), remat="none", act_bytes=2, double_buffered=True
+        mesh,
+        layer=Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R"),
+        remat="none",
+        act_bytes=2,
+        double_buffered=True,
     ):
         return plan_for(
             cfg,
@@ -678,7 +686,7 @@ def test_the_gpu_loss_and_the_scan_double_buffer_terms():
         ).memory["double_buffer"]
 
     assert part(Mesh(1, 8, 1)) == pytest.approx(layers * (64 // 8 * 256) * ff * 2)
-    megatron = Layer(*P.uniform_plan("megatron", False))
+    megatron = Layer(*uniform_plan("megatron", False))
     assert part(Mesh(1, 4, 2), megatron) == pytest.approx(layers * (64 // 4 * 256) * ff / 2 * 2)
     assert part(Mesh(1, 8, 1), remat="full") == 0
     assert part(Mesh(1, 8, 1), act_bytes=4) == 0

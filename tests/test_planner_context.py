@@ -12,7 +12,8 @@ from boost_jax.config import base_config, sized_config
 from boost_jax.parallel import strategies
 from boost_jax.parallel.context import traffic
 from boost_jax.planner import Mesh, Options, load_cluster, search
-from boost_jax.planner import partitions as P
+from boost_jax.planner.ops import cores
+from boost_jax.planner.ops.operators import Block, Ctx
 from boost_jax.planner.verify import MEMORY, MEMORY_TOLERANCE, compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,12 +166,12 @@ def test_remat_redoes_the_forward_of_the_exchange_only(mode):
     B GEMMs: the remote blocks of K and V), not the backward's, and the ring's re-run hops overlap the
     re-run attention as the forward's do: its recompute time is the forward's time (its own cost
     without the backward) computed here from the op's parts."""
-    from boost_jax.planner import cost as C
+    from boost_jax.planner.pricing import cost as C
 
     c = 4
-    block = P.Block.from_config(sized_config("7b", "cola"))
-    ctx = P.Ctx(block, 2, 2 * 32768 // c, 32768, False, "chunked", 2, c, mode, "bottleneck")
-    op = P.attention(ctx, "H")
+    block = Block.from_config(sized_config("7b", "cola"))
+    ctx = Ctx(block, 2, 2 * 32768 // c, 32768, False, "chunked", 2, c, mode, "bottleneck")
+    op = cores.attention(ctx, "H")
     rebuild = C.gemm_seconds(ctx.tokens, block.rank, block.kv_heads * block.head_dim / 2, H100)
     attn_fwd = C.attention_seconds(op.attn, "chunked", H100)[0]
     fwd = [x for x in op.colls if x.phase == "fwd"]

@@ -8,12 +8,13 @@ import pytest
 from test_planner import A100, H100, with_overrides
 
 from boost_jax.config import base_config, sized_config
-from boost_jax.planner import Layer, Mesh, Options, cost, plan_for, search
-from boost_jax.planner import partitions as P
-from boost_jax.planner.search import check_pipeline, pipeline_variants
+from boost_jax.planner import Layer, Mesh, Options, plan_for, search
+from boost_jax.planner.ops.strategy_tables import uniform_plan
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.search_space import check_pipeline, pipeline_variants
 from boost_jax.planner.verify import compare_pipeline, pipeline_refusal
 
-BTP = Layer(*P.uniform_plan("btp"))
+BTP = Layer(*uniform_plan("btp"))
 
 
 def small_config():
@@ -326,6 +327,6 @@ def test_verify_refuses_what_it_does_not_compare():
     assert pipeline_refusal(circ) == ""  # compared (test_verify_circular_plans_agree_with_the_compiled_step)
     st = plan_for(cfg, A100, Mesh(1, 2, 2, 2), 1, "none", Layer("H", ("btp", "st", "btp", "btp"), "H", "H"), opts, 1.0)
     assert "st" in pipeline_refusal(st)
-    meg = plan_for(cfg, A100, Mesh(2, 1, 2, 2), 1, "none", Layer(*P.uniform_plan("megatron")), opts, 1.0)
+    meg = plan_for(cfg, A100, Mesh(2, 1, 2, 2), 1, "none", Layer(*uniform_plan("megatron")), opts, 1.0)
     assert "residual" in pipeline_refusal(meg)
     assert pipeline_refusal(plan_for(cfg, A100, Mesh(2, 1, 2, 2), 1, "none", BTP, opts, 1.0)) == ""

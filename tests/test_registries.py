@@ -291,22 +291,25 @@ def test_toys_in_the_planner(toys):
     interface; a search over heads the tensor size does not divide finds the toy strategy runnable,
     and --verify agrees with the toy strategy's compiled step."""
     from boost_jax.config import base_config, sized_config
-    from boost_jax.planner import Layer, Mesh, Options, cost, load_cluster, plan_for, search
-    from boost_jax.planner import partitions as P
+    from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for, search
+    from boost_jax.planner.ops.operators import Attn, Block, Ctx
+    from boost_jax.planner.ops.projections import group_choices
+    from boost_jax.planner.ops.strategy_tables import strategy_layers, uniform_plan
+    from boost_jax.planner.pricing import cost
     from boost_jax.planner.verify import compare
 
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "a100_4x.py"))
 
-    residual, choices, attn, act = P.uniform_plan("toy_split")
+    residual, choices, attn, act = uniform_plan("toy_split")
     assert (residual, attn, act) == ("H", "R", "H")
     # qkv, o and mlp_in are split as no other table splits them (mlp_in: BTP's split without the
     # online norm); mlp_out exactly as BTP's.
     assert choices == ("toy_split", "toy_split", "toy_split", "btp")
-    table = P.strategy_layers(True)[-1]
+    table = strategy_layers(True)[-1]
     assert [(s.first, s.second) for s in table.splits] == [("in", ""), ("", "out"), ("in", "out"), ("in", "out")]
 
     # The toy cost class against its formula: blocks of 128 keys, (blocks + 1) / (2 blocks) of them computed.
-    a = P.Attn(queries=4096, keys=4096, heads=8, head_dim=128, imbalance=1.0)
+    a = Attn(queries=4096, keys=4096, heads=8, head_dim=128, imbalance=1.0)
     flops = 4 * 4096 * 4096 * 128 * 8
     gemm = flops / (cluster.peak_flops * cost.gemm_efficiency(4096, 128, 128, cluster))
     traffic = 4096 * 4096 * 8 / cluster.hbm_bandwidth
@@ -319,7 +322,7 @@ def test_toys_in_the_planner(toys):
     cfg = sized_config("1b", "cola")
     opts = dict(batch=64, seq=2048, check_memory=False)
     price = lambda strategy, attn, c=cfg: plan_for(  # noqa: E731
-        c, cluster, Mesh(1, 1, 4), 1, "none", Layer(*P.uniform_plan(strategy)), Options(attention=attn, **opts), 1.0
+        c, cluster, Mesh(1, 1, 4), 1, "none", Layer(*uniform_plan(strategy)), Options(attention=attn, **opts), 1.0
     )
     toy = price("toy_split", "toy_attention")
     assert (toy.runnable, toy.strategy) == ("yes", "toy_split")
@@ -333,16 +336,16 @@ def test_toys_in_the_planner(toys):
     # its layer is a plan the trainer runs; the search mixes its groups with the others'.
     gqa = cfg.copy_and_resolve_references()
     gqa.model.update(n_heads=6, n_kv_heads=6, d_model=1536)
-    ctx = P.Ctx(P.Block.from_config(gqa), 4, 2048, 2048)
-    assert [c[0] for c in P.group_choices(ctx, "qkv")] == ["vanilla", "toy_split"]
-    assert [c[0] for c in P.group_choices(ctx, "o")] == ["vanilla", "toy_split"]
+    ctx = Ctx(Block.from_config(gqa), 4, 2048, 2048)
+    assert [c[0] for c in group_choices(ctx, "qkv")] == ["vanilla", "toy_split"]
+    assert [c[0] for c in group_choices(ctx, "o")] == ["vanilla", "toy_split"]
     plan = plan_for(
         gqa,
         cluster,
         Mesh(1, 2, 4),
         1,
         "none",
-        Layer(*P.uniform_plan("toy_split")),
+        Layer(*uniform_plan("toy_split")),
         Options(attention="toy_attention", **opts),
         1.0,
     )
@@ -369,7 +372,7 @@ def test_planner_and_tools_name_no_strategy():
 
     names = set(strategies.names()) | {ST}
     found = []
-    for path in sorted((ROOT / "boost_jax").glob("planner/*.py")) + sorted((ROOT / "boost_jax").glob("tools/*.py")):
+    for path in sorted((ROOT / "boost_jax").glob("planner/**/*.py")) + sorted((ROOT / "boost_jax").glob("tools/*.py")):
         tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
         for i, tok in enumerate(tokens):
             docstring = i == 0 or tokens[i - 1].type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
@@ -454,14 +457,14 @@ def test_the_planner_prices_a_new_kind_by_its_own_flops(scaled):
     the formula written out here); its step time is the low-rank twin's (same shapes)."""
     from boost_jax.config import sized_config
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
-    from boost_jax.planner import partitions as P
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
 
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "a100_4x.py"))
     twin = sized_config("1b", "lowrank")
     cfg = twin.copy_and_resolve_references()
     cfg.model.linear = "scaled_lowrank"
     opts = Options(batch=64, seq=2048, check_memory=False, attention="xla")
-    plan = lambda c: plan_for(c, cluster, Mesh(1, 1, 4), 1, "none", Layer(*P.uniform_plan("btp")), opts)  # noqa: E731
+    plan = lambda c: plan_for(c, cluster, Mesh(1, 1, 4), 1, "none", Layer(*uniform_plan("btp")), opts)  # noqa: E731
     ours, theirs = plan(cfg), plan(twin)
     assert ours.runnable == "yes" and ours.step_s == pytest.approx(theirs.step_s)
     m = cfg.model

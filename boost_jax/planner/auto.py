@@ -17,8 +17,9 @@ import dataclasses
 
 from boost_jax.config import base_config
 from boost_jax.errors import ConfigError
-from boost_jax.planner.cluster import Cluster, load_cluster
-from boost_jax.planner.search import Options, Plan, search
+from boost_jax.planner.pricing.cluster import Cluster, load_cluster
+from boost_jax.planner.pricing.plans import Options, Plan
+from boost_jax.planner.search import search
 
 # (a substring of jax's device_kind, the packaged cluster file for it), first match wins
 DEVICE_CLUSTERS = (("H100", "clusters/h100_8x"), ("A100", "clusters/a100_4x"))

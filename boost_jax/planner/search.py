@@ -1,23 +1,13 @@
-"""The plan search: mesh x pipeline micro-batches x micro-batching x remat policy x per-group partition choices.
+"""The plan search (`search`) and the pricing of one given plan (`plan_for`).
 
-For every factorisation pipeline x data x fsdp x tensor of the device count (pipeline: every stage
-count that divides the layers; see `stage_counts`), every GPipe micro-batch count (S, 2S, 4S; see
-`microbatch_counts`), every gradient-accumulation count that splits the batch evenly and every remat
-policy, one transformer layer is solved by PrimePar's segmented dynamic programme: the residual
-edges cut the block into two segments (norm -> qkv -> attention -> o -> add, norm -> mlp_in -> act
--> mlp_out -> add); inside a segment the DP state is the activation's layout between operators and an
-edge between different layouts costs the redistribution. Each residual layout's segments are solved
-independently and summed; identical layers are combined by multiplying by L (by L/S per stage and
-the M+S-1 GPipe ticks under pipelining). The DP keeps the `keep` best paths per state (k-best), so
-the non-additive parts (data/fsdp traffic hidden behind the micro-batch, memory) are applied
-afterwards to a short list. Plans over the usable HBM are rejected.
-
-This module runs the search (`search`) and prices one given plan (`plan_for`); the parts live beside it
-and are re-exported here: plans.py (Mesh, Layer, Options, Plan, Result), search_space.py (meshes, context
-sizes, stage and micro-batch counts, schedules, policies), layer_search.py (the Pricer and the segment
-DP), layer_summary.py (one layer's totals), schedule.py, step_terms.py (data/fsdp and pipeline traffic,
-step seconds, link bytes), memory.py (peak memory), pricing.py (price_plan, lower_bound) and
-trainer_flags.py (runnable, the trainer's overrides).
+For every mesh pipeline x data x fsdp x context x tensor of the device count, every pipeline
+micro-batch count and schedule, every gradient-accumulation count that splits the batch evenly and
+every remat policy (search_space.py), one transformer layer is solved by PrimePar's segmented dynamic
+programme (layer_search.py), which keeps the `keep` best paths per layout; identical layers are
+combined by multiplying by L (L/S per stage, times the schedule's ticks). The non-additive parts
+(data/fsdp traffic hidden behind the micro-batch, memory) are priced afterwards on that short list
+(pricing/whole_plan.py) and plans over the usable HBM are rejected. Every plan gets a cheap lower
+bound first; only those whose bound can enter the result are priced in full (see `search`).
 """
 
 from __future__ import annotations
@@ -27,27 +17,16 @@ import heapq
 import math
 import time
 
-from boost_jax.planner import cost, partitions
-from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.layer_search import (  # noqa: F401 - re-exported
-    BUILDERS,
-    SEGMENTS,
-    Pricer,
-    Stages,
-    best_layers,
-    forget_choices,
-    group_choices,
-    layer_keys,
-    solve_segment,
-)
-from boost_jax.planner.layer_summary import LayerSummary, layer_summary, rest_ops, stage_forward  # noqa: F401
-from boost_jax.planner.memory import memory_bytes  # noqa: F401 - re-exported
-from boost_jax.planner.plans import Layer, Mesh, Options, Plan, Result  # noqa: F401 - re-exported
-from boost_jax.planner.pricing import lower_bound, price_plan  # noqa: F401 - re-exported
-from boost_jax.planner.schedule import Schedule, schedule_of  # noqa: F401 - re-exported
-from boost_jax.planner.search_space import (  # noqa: F401 - re-exported
-    MICROBATCHES_PER_STAGE,
-    MICROBATCHES_PER_STAGE_1F1B,
+from boost_jax.config import PROJECTION_GROUPS
+from boost_jax.planner.layer_search import best_layers
+from boost_jax.planner.ops.operators import Block, Ctx
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.cluster import Cluster
+from boost_jax.planner.pricing.plans import Layer, Mesh, Options, Plan, Result
+from boost_jax.planner.pricing.pricer import Pricer, forget_choices, group_choices
+from boost_jax.planner.pricing.trainer_flags import forget_runnable, runnable
+from boost_jax.planner.pricing.whole_plan import lower_bound, price_plan
+from boost_jax.planner.search_space import (
     check_pipeline,
     context_modes,
     context_sizes,
@@ -60,21 +39,6 @@ from boost_jax.planner.search_space import (  # noqa: F401 - re-exported
     stage_counts,
     unrolled_cluster,
 )
-from boost_jax.planner.step_terms import (  # noqa: F401 - re-exported
-    StepCollectives,
-    data_colls,
-    f1b_rest,
-    link_bytes_per_step,
-    parameters_per_device,
-    step_collectives,
-    step_seconds,
-)
-from boost_jax.planner.trainer_flags import (  # noqa: F401 - re-exported
-    forget_runnable,
-    linear_partition,
-    runnable,
-    trainer_overrides,
-)
 
 
 def model_flops_per_token(cfg, seq: int) -> float:
@@ -83,7 +47,7 @@ def model_flops_per_token(cfg, seq: int) -> float:
     return flops_per_token(cfg.model, seq, training=True)
 
 
-def plan_attention(opts: Options, block: partitions.Block, context: int) -> str:
+def plan_attention(opts: Options, block: Block, context: int) -> str:
     """The attention cost class a plan at this context size runs: opts.attention's
     (cost.attention_kind), under context as it runs there (model/attention/registry.py under_context)."""
     from boost_jax.model.attention import under_context  # lazy: imports jax; once per search
@@ -110,12 +74,12 @@ def plan_for(
     context_kv: str = "full",
     unrolled: bool = False,
 ) -> Plan:
-    """Price one given plan (no search), e.g. a trainer strategy: see partitions.uniform_plan.
+    """Price one given plan (no search), e.g. a trainer strategy: see strategy_tables.uniform_plan.
     `microbatches`: micro-batches per pass when mesh.pipeline > 1 (0: the trainer's 2S); `schedule`,
     `repeats`, `stage_remat`: parallel.pipeline_schedule, parallel.pipeline_repeats, remat.pipeline;
     `context_attention`, `context_kv`: parallel.context_attention / context_kv when mesh.context > 1;
     `unrolled`: model.scan_unroll=true (remat none; priced as the search prices it, `stacks`)."""
-    block = partitions.Block.from_config(cfg)
+    block = Block.from_config(cfg)
     opts = dataclasses.replace(
         opts,
         pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
@@ -144,7 +108,7 @@ def plan_for(
         )
     kind = plan_attention(opts, block, mesh.context)
     pr = Pricer(
-        partitions.Ctx(
+        Ctx(
             block,
             mesh.tensor,
             micro * opts.seq // mesh.context,
@@ -175,7 +139,7 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
     the best runnable one cannot enter the result, so it is not priced (opts.prune; False prices
     every plan). The result is the same either way; `smallest` is the least memory among the plans
     priced, which is every plan when none fits (the case it explains)."""
-    block = partitions.Block.from_config(cfg)
+    block = Block.from_config(cfg)
     opts = dataclasses.replace(
         opts,
         pipelined=cost.pipeliner(opts.pipelined),  # read once, not per plan
@@ -208,7 +172,7 @@ def search(cfg, cluster: Cluster, devices: int, opts: Options, flops_per_token: 
 
 
 def plan_candidates(
-    cfg, block: partitions.Block, cluster: Cluster, devices: int, opts: Options, contexts: list, kinds: dict
+    cfg, block: Block, cluster: Cluster, devices: int, opts: Options, contexts: list, kinds: dict
 ) -> list:
     """Every plan of the space, in search order, as (lower bound (0 without opts.prune), index, pricer,
     mesh, accum, layer, micro, schedule, repeats, stage remat); `kinds`: the attention cost class per
@@ -219,10 +183,7 @@ def plan_candidates(
         ways = mesh.data * mesh.fsdp
         grid = mesh.fsdp == mesh.tensor and mesh.context == 1
         kind = kinds[mesh.context]
-        if any(
-            not group_choices(partitions.Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g)
-            for g in partitions.GROUPS
-        ):
+        if any(not group_choices(Ctx(block, mesh.tensor, opts.seq, opts.seq, grid), g) for g in PROJECTION_GROUPS):
             continue  # no choice splits some group over this tensor size
         accums = [opts.grad_accum] if opts.grad_accum else divisors(opts.batch)
         for accum in accums:
@@ -241,7 +202,7 @@ def plan_candidates(
                 ]:
                     key = (mesh.tensor, tokens, policy, grid, mesh.context, attention, kv, unrolled)
                     if key not in pricers:
-                        ctx = partitions.Ctx(
+                        ctx = Ctx(
                             block,
                             mesh.tensor,
                             tokens,
@@ -269,7 +230,7 @@ def plan_candidates(
     return candidates
 
 
-def price_candidates(candidates: list, block: partitions.Block, cluster: Cluster, opts: Options, fpt: float):
+def price_candidates(candidates: list, block: Block, cluster: Cluster, opts: Options, fpt: float):
     """Price the candidates in order, stopping (opts.prune) where no later bound can enter the result:
     ([(plan that fits, index)], plans priced, plans over the usable HBM, the smallest plan priced)."""
     plans, priced, rejected, smallest = [], 0, 0, None

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV
-from boost_jax.planner import cost, partitions
-from boost_jax.planner.plans import Mesh, Options
+from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV, PIPELINE_SCHEDULES
+from boost_jax.planner.ops.operators import Block
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import STAGE_REMAT, Mesh, Options
 
 # GPipe micro-batches searched per pass, as multiples of the stage count S (the trainer's default is 2S).
 MICROBATCHES_PER_STAGE = (1, 2, 4)
@@ -62,7 +63,7 @@ def context_sizes(devices: int, seq: int, opts: Options, attention: str) -> list
     return [c for c in divisors(devices) if c == 1 or seq % (2 * c) == 0]
 
 
-def context_modes(block: partitions.Block, context: int, opts: Options) -> list[tuple[str, str]]:
+def context_modes(block: Block, context: int, opts: Options) -> list[tuple[str, str]]:
     """(parallel.context_attention, parallel.context_kv) to search at this context size: each
     attention mode, with bottleneck K/V where the kind has a bottleneck. ("ring", "full") alone at
     C = 1, where neither applies."""
@@ -106,11 +107,11 @@ def pipeline_variants(layers: int, stages: int, microbatches: int, opts: Options
     1f1b alone (more than 4S), 1f1b with V 1 only. Unpipelined: [("gpipe", 1, "none")]."""
     if stages == 1:
         return [("gpipe", 1, "none")]
-    bad = [x for x in opts.schedules if x not in cost.PIPELINE_SCHEDULES] + [
-        x for x in opts.stage_remat if x not in cost.STAGE_REMAT
+    bad = [x for x in opts.schedules if x not in PIPELINE_SCHEDULES] + [
+        x for x in opts.stage_remat if x not in STAGE_REMAT
     ]
     if bad:
-        raise ValueError(f"--schedule / --stage-remat: {bad} not in {cost.PIPELINE_SCHEDULES} / {cost.STAGE_REMAT}")
+        raise ValueError(f"--schedule / --stage-remat: {bad} not in {PIPELINE_SCHEDULES} / {STAGE_REMAT}")
     out = []
     per_stage = layers // stages
     deep = not opts.microbatches and microbatches > MICROBATCHES_PER_STAGE[-1] * stages  # searched for 1f1b only
@@ -149,13 +150,13 @@ def unrolled_cluster(cluster):
     """The cluster an unrolled stack is priced on: no kept-activation traffic (`kept_passes` 0). The
     fitted kept term prices what the scanned stack does with its saved activations (stacked per layer,
     sliced back in the backward); unrolled, XLA fuses and schedules across the layers, and the planner
-    without that term prices the measured unrolled steps within 11% (benchmarks/planner_time_fit.py,
-    the `unmodelled` rows). Its memory is priced as the scanned remat `none` stack's, an upper bound
-    (cola_1b on one H100 at 256 x 32: 24.0 GiB compiled unrolled, 31.9 GB priced)."""
+    prices the measured unrolled steps without that term (benchmarks/planner_time_fit.py, the
+    `unmodelled` rows). Its memory is priced as the scanned remat `none` stack's, an upper bound (the
+    measurements: benchmarks/RESULTS.md 2026-11-28, "planner: the unrolled stack")."""
     return dataclasses.replace(cluster, kept_passes=0.0)
 
 
-def policies(block: partitions.Block, opts: Options) -> list[str]:
+def policies(block: Block, opts: Options) -> list[str]:
     priced = cost.remat_policies()
     bad = [p for p in opts.remat if p not in priced]
     if bad:
@@ -166,10 +167,10 @@ def policies(block: partitions.Block, opts: Options) -> list[str]:
 
 def check_pipeline(layers: int, stages: int, microbatches: int, schedule: str, repeats: int, stage_remat: str):
     """The trainer's rules for a pipeline schedule (boost_jax/config/checks.py, parallel/mesh.py), as ValueError."""
-    if schedule not in cost.PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is not one of {cost.PIPELINE_SCHEDULES}")
-    if stage_remat not in cost.STAGE_REMAT:
-        raise ValueError(f"remat.pipeline {stage_remat!r} is not one of {cost.STAGE_REMAT}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
+    if stage_remat not in STAGE_REMAT:
+        raise ValueError(f"remat.pipeline {stage_remat!r} is not one of {STAGE_REMAT}")
     if stages == 1:
         if stage_remat != "none" or repeats != 1 or schedule != "gpipe":
             raise ValueError("pipeline_schedule, pipeline_repeats and remat.pipeline=stage need pipeline > 1")

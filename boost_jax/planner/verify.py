@@ -1,32 +1,29 @@
 """--verify: the planner's per-layer collectives and peak memory next to the compiled step's.
 
-The plan is lowered as the trainer would run it (its strategy, with its st groups as
-parallel.linear_partition) on emulated CPU devices, at shapes small enough to compile in seconds;
-prediction and measurement use the same shapes. Collectives are compared per layer and per device
-by traffic class and kind (count and bytes): tensor-axis forward, tensor-axis backward (recompute
-included, as comm_report's backward = forward_backward - forward), the st groups' permutes that
-cross fsdp (comm_report's `grid` class), data/fsdp forward + backward (bytes only: XLA issues one
-gather per parameter), and every collective of the 2-layer program. Bytes follow comm_report:
-elements x the compute dtype on the tensor axis and the grid (bf16: 2), x 4 (fp32 parameters and
-gradients) on data/fsdp. All-reduce counts may come out lower than predicted with the same bytes:
-XLA's all-reduce combiner merges independent all-reduces into one tuple all-reduce.
-Context plans (parallel.context = C) are compiled at their C with their context_attention and
-context_kv: the exchange over `context` (collective-permutes, or all-gathers and reduce-scatters)
-is its own class (comm_report's `context`), compared by kind, count and bytes; the weights'
-gradient all-reduce over `context` is data/fsdp traffic. Collectives whose groups are single
-devices (XLA leaves a few after partitioning the island) move nothing and are left out.
-Memory: the planner's peak per device against `.memory_analysis()` of the full-depth (scanned)
-train step, compiled in float32 (the CPU backend computes bf16 partly in float32, so float32 is the
-dtype whose bytes it reports as a GPU would), priced with the attention the CPU runs.
+The plan is lowered as the trainer runs it (its strategy, st groups as parallel.linear_partition) on
+emulated CPU devices, at shapes small enough to compile in seconds; prediction and measurement use
+the same shapes. Collectives are compared per layer and per device by traffic class and kind (count
+and bytes): tensor-axis forward, tensor-axis backward (recompute included), the st groups' permutes
+that cross fsdp (`grid`), the context exchange (`context`: plans with parallel.context = C compile at
+their C and modes), data/fsdp forward + backward (bytes only: XLA issues one gather per parameter),
+and every collective of the 2-layer program. Bytes follow comm_report (the compute dtype on the tensor
+axis and the grid, float32 on data/fsdp). XLA's all-reduce combiner may merge all-reduces (fewer, same
+bytes); groups of one device move nothing and are left out. Memory: the planner's peak per device
+against `.memory_analysis()` of the full-depth train step compiled in float32 (the dtype the CPU
+backend reports as a GPU would), priced with the attention the CPU runs.
 """
 
 from __future__ import annotations
 
 import re
 
-from boost_jax.planner import partitions
-from boost_jax.planner.cost import STATE_BYTES
-from boost_jax.planner.search import Layer, Mesh, Options, linear_partition, plan_for
+from boost_jax.config import PROJECTION_GROUPS, ST
+from boost_jax.planner.ops.operators import Block
+from boost_jax.planner.ops.strategy_tables import uniform_plan
+from boost_jax.planner.pricing.cost import STATE_BYTES
+from boost_jax.planner.pricing.plans import Layer, Mesh, Options
+from boost_jax.planner.pricing.trainer_flags import linear_partition
+from boost_jax.planner.search import plan_for
 from boost_jax.tools.comm_report import axis_group, compile_program, memory_breakdown, report, variant_config
 from boost_jax.tools.devices import pick_devices
 from boost_jax.tools.hlo_comm import parse_collectives
@@ -187,7 +184,7 @@ def measured(
 
 # Under context with data or fsdp, XLA folds part of the gradient's reduction over `context` into the
 # one over data/fsdp (one all-reduce over both axes: at 2 x 2 x 2, the normed groups' A's and the
-# norms, 26% of btp's weights); the planner prices the two reductions apart, an upper bound.
+# norms); the planner prices the two reductions apart, an upper bound.
 BOUND_TOLERANCE = 0.20
 
 
@@ -226,9 +223,9 @@ def _row(name: str, p: float, m: float, tolerance: float, counts=None) -> dict:
 
 def uniform_layer(cfg, strategy: str, sequence_parallel: bool = False) -> Layer:
     """The layer a trainer strategy runs for this config's model (its kind factored or not, and
-    parallel.online_norm): partitions.uniform_plan's."""
-    b = partitions.Block.from_config(cfg)
-    return Layer(*partitions.uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
+    parallel.online_norm): uniform_plan's."""
+    b = Block.from_config(cfg)
+    return Layer(*uniform_plan(strategy, sequence_parallel, factored=b.factored, online_norm=b.online_norm))
 
 
 def on_cpu(cfg):
@@ -304,7 +301,7 @@ def pipeline_refusal(plan) -> str:
     """Why --verify does not compare this pipelined plan ("" when it does): what the compiled step
     does there that the planner does not price (seen at the test shapes). GPipe and circular plans
     (stage remat included) are compared."""
-    if partitions.ST in plan.layer.choices:
+    if ST in plan.layer.choices:
         return (
             "pipelined st plans are not compared: XLA hoists the st weights' loop-invariant grid moves out of "
             "the tick loop, which the planner prices per tick"
@@ -320,7 +317,7 @@ def pipeline_refusal(plan) -> str:
 
 def verify_repeats(plan) -> int:
     """V to compile a circular plan at on 2 stages: 2 where the plan's reorder is an all-to-all (its
-    V and S divide one another), else 3 (XLA gathers the stack; see partitions.circular_reorder)."""
+    V and S divide one another), else 3 (XLA gathers the stack; see outside_stack.circular_reorder)."""
     s, v = plan.mesh.pipeline, plan.repeats
     return 2 if v % s == 0 or s % v == 0 else 3
 
@@ -462,7 +459,7 @@ def compare_pipeline(
         layer = (
             uniform_layer(cfg, strategy, sequence_parallel)
             if mesh.tensor > 1
-            else Layer("R", ("none",) * len(partitions.GROUPS), "R", "R")
+            else Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
         )
     c, batch = pipeline_config(
         cfg, mesh, strategy, sequence_parallel, remat, m, seq, layer, schedule, repeats, stage_remat, layers_per_chunk

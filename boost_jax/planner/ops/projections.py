@@ -8,9 +8,9 @@ import types
 
 from boost_jax.config import PROJECTION_GROUPS as GROUPS
 from boost_jax.config import ST
-from boost_jax.planner.kept_arrays import GPU_SAVED_ONLINE_NORM32, SAVED_LINEAR, SAVED_ONLINE_NORM, SAVED_SIGMA
-from boost_jax.planner.operators import Block, Coll, Ctx, Gemm, Op, StMatmul, divides, gpu
-from boost_jax.planner.strategy_tables import GRID, NONE, Split, strategy_layers
+from boost_jax.planner.ops.kept_arrays import GPU_SAVED_ONLINE_NORM32, SAVED_LINEAR, SAVED_ONLINE_NORM, SAVED_SIGMA
+from boost_jax.planner.ops.operators import Block, Coll, Ctx, Gemm, Op, StMatmul, divides, gpu
+from boost_jax.planner.ops.strategy_tables import GRID, NONE, Split, strategy_layers
 
 
 def group_choices(ctx: Ctx, group: str) -> list[tuple[str, str, str, Split]]:

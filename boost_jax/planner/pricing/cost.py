@@ -1,33 +1,26 @@
-"""Seconds and bytes: the α-β communication model, the GEMM/attention compute model and the memory model.
+"""Seconds and bytes of one operator: the α-β communication model, the GEMM/attention compute model,
+the kept-activation and memory terms, and the cost model's constants (one a line below).
 
-Communication (per device; p = group size, B = payload bytes, β/α from the group's link):
+Communication (per device; p = group size, B = payload bytes, β/α from the group's link: intra-node
+when the group fits in one node, else inter-node):
     all-reduce (ring)          2(p-1)/p · B/β + 2(p-1)·α
     all-gather, reduce-scatter  (p-1)/p · B/β +  (p-1)·α     (B = the whole gathered tensor)
     all-to-all                  (p-1)/p · B/β +  (p-1)·α     (B = this device's block)
     collective-permute                    B/β +        α
-β and α are the cluster's intra-node link when the group fits in one node, else the inter-node one.
-Tensor-axis collectives sit on the critical path (their result feeds the next GEMM); P(n x n)'s
-permutes overlap the step's GEMM (Σ_t max(compute, comm)); data/fsdp collectives hide behind the
-whole micro-batch (see step_terms.step_seconds). Pipeline stage hand-overs (one collective-permute of the
-residual per GPipe tick, each way) sit on the critical path too: the next tick's stage reads them.
-
-Kept activations: every byte an operator keeps for the backward (saved_bytes, by the remat policy)
-moves through HBM cluster.kept_passes times (fitted to measured steps: the scanned layer stack writes
-it into its stacked residual and reads it back in the backward, with the copies XLA adds around the
-loop); it is why a step that keeps little (remat) can be faster than one that keeps everything.
-
-Compute: a GEMM (m, k, n) takes 2mkn / (peak · e · s(m) s(k) s(n)), s(x) = x / (x + h): the skinny-GEMM
-penalty (h = cluster.gemm_half_dim). Backward = 2 GEMMs of the same shape up to transposition, so
-twice the forward. Elementwise work is HBM traffic: elementwise_passes x activation bytes.
+Tensor-axis collectives and pipeline hand-overs sit on the critical path; P(n x n)'s permutes overlap
+its GEMMs (Σ_t max(compute, comm)); data/fsdp collectives hide behind the whole micro-batch
+(step_terms.step_seconds). A GEMM (m, k, n) takes 2mkn / (peak · e · s(m) s(k) s(n)) with
+s(x) = x / (x + h), h = cluster.gemm_half_dim; the backward twice the forward; elementwise work is
+elementwise_passes x activation bytes of HBM traffic. Every byte kept for the backward moves through
+HBM cluster.kept_passes times (the scanned stack writes it into its stacked residual and reads it back).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from boost_jax import xla_gpu_flags
-from boost_jax.planner.cluster import Cluster
-from boost_jax.planner.partitions import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.planner.ops.operators import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.planner.pricing.cluster import Cluster
+from boost_jax.planner.pricing.plans import Cost
 
 # The cost model's constants, one a line: its value, what it prices, where it was set ("§": that section of
 # benchmarks/RESULTS.md). How each came to its value: RESULTS.md "2026-11-28: the planner's constants, their history".
@@ -214,24 +207,6 @@ def attention_seconds(a: Attn, kind: str, cluster: Cluster) -> tuple[float, floa
 # ---------------------------------------------------------------- one operator
 
 
-@dataclasses.dataclass
-class Cost:
-    compute: float = 0.0  # GEMMs, attention, elementwise; forward + backward
-    comm: float = 0.0  # exposed tensor-axis collectives, forward + backward
-    recompute: float = 0.0  # what the remat policy re-runs in the backward (compute and collectives)
-    kept: float = 0.0  # the HBM traffic of the activations kept for the backward (cluster.kept_passes)
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.comm + self.recompute + self.kept
-
-    def __add__(self, o: Cost) -> Cost:
-        return Cost(self.compute + o.compute, self.comm + o.comm, self.recompute + o.recompute, self.kept + o.kept)
-
-    def scale(self, x: float) -> Cost:
-        return Cost(self.compute * x, self.comm * x, self.recompute * x, self.kept * x)
-
-
 def recomputed(op: Op, policy: str) -> tuple[list, list, bool, list]:
     """(GEMMs, st matmuls, attention?, collectives) a remat policy re-runs. `lowrank` keeps the
     reduced first-stage (A) outputs, so it redoes everything after them, collectives included unless
@@ -362,10 +337,6 @@ def loss_bytes(
     else:
         per = LOGIT_BUFFERS * 4
     return per * rows * positions * vocab_local
-
-
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")  # parallel.pipeline_schedule
-STAGE_REMAT = ("none", "stage")  # remat.pipeline
 
 
 def pipeline_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:

@@ -3,11 +3,11 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
-from boost_jax.planner import cost, partitions
-from boost_jax.planner.layer_search import Pricer
-from boost_jax.planner.layer_summary import LayerSummary
-from boost_jax.planner.plans import Layer, Mesh
-from boost_jax.planner.schedule import Schedule
+from boost_jax.planner.ops import operators
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import Layer, Mesh
+from boost_jax.planner.pricing.pricer import LayerSummary, Pricer
+from boost_jax.planner.pricing.schedule import Schedule
 
 
 def memory_bytes(
@@ -23,7 +23,7 @@ def memory_bytes(
     """Peak bytes per device by term (see the comments), their allocator overhead and total."""
     ctx, opts, policy, block = pr.ctx, pr.opts, pr.policy, pr.ctx.block
     stages, staged, per_tick = sched.stages, sched.staged, sched.layers_per_tick
-    gpu = partitions.gpu(ctx)
+    gpu = operators.gpu(ctx)
     replica, accumulator = gathered_replica(mesh, summary, sched, gpu)
     # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
     f1b_items = cost.ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
@@ -103,9 +103,8 @@ def kept_weights(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule,
     # float32 replica itself): GPipe casts the stage's weights once before the tick loop (loop
     # invariant, hoisted out of the scan) and keeps that copy to the end of the backward; circular
     # selects and casts each tick's chunk inside the loop, so the scan stacks every tick's chunk as a
-    # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py:
-    # llama_7b p4 x f8 x t2 GPipe M 16 keeps bf16[8 layers, ...] stage copies, 1.62 GB; llama_1b
-    # p4 x f8 x t2 circular V 2 M 8 keeps bf16[19 ticks, 3 layers, ...], 2.87 GB per GPU).
+    # residual, ticks x L/(S V) layers (the deviceless H100 compiles of benchmarks/aot_fit.py: RESULTS.md
+    # 2026-11-26, "the planner's memory terms against the compiled programs").
     tick_weights = 0.0
     if stages > 1 and gpu and not sched.staged and policy == "none":
         tick_weights = (sched.runs if sched.name == "circular" else per_stage) * weights * opts.act_bytes
@@ -127,8 +126,8 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     # the scanned layers keep more stacked arrays of the σ(A·x) bottleneck (cost.PIPELINED_SIGMA). Pipelined
     # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
     # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
-    # ring, bottleneck) compiles for 64 H100s at 58.9 GB with the pipeliner, against 63.6 priced without
-    # the term (61.8 before the GPU loss and the scan's double buffer, 2026-11-27) and 71.5 with it then.
+    # ring, bottleneck) compiles with the pipeliner under what the planner prices without the term
+    # (RESULTS.md 2026-11-27, "the collective pipeliner's memory").
     return (
         cost.PIPELINED_SIGMA * per_stage * summary.bottleneck * opts.act_bytes
         if sched.stages == 1

@@ -5,32 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.planner import cost, partitions
-from boost_jax.planner.layer_search import Pricer, layer_keys
-from boost_jax.planner.plans import Layer, Mesh
-from boost_jax.planner.trainer_flags import runnable
-
-
-@dataclasses.dataclass
-class LayerSummary:
-    """What a plan needs of one layer partitioning on one pricer (mesh-independent, memoised)."""
-
-    ops: list
-    cost: cost.Cost  # one layer, one micro-batch
-    norm_w: float  # norm weights (not fsdp-sharded)
-    fsdp_w: float  # the rest of the layer's weights on one tensor shard but st's
-    grid_w: float  # st's weights on one tensor shard (fsdp-split, never gathered)
-    tensor_colls: list  # tensor-axis collectives, forward + backward
-    recomputed: list  # forward collectives the remat policy re-runs
-    saved: float  # activation bytes kept for the backward (the remat policy's, plus its carry)
-    working: float  # one layer's recomputed activations during its backward under remat
-    tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
-    kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
-    bottleneck: float = 0.0  # σ(A·x) A output elements the layer keeps (see cost.PIPELINED_SIGMA)
-    # seconds of the layer's forward alone (what remat.pipeline=stage re-runs) and the collectives it
-    # runs (tensor axis; st's permutes): priced on first use (stage_forward)
-    forward: float | None = None
-    forward_colls: list | None = None
+from boost_jax.config import PROJECTION_GROUPS, ST
+from boost_jax.planner.ops.operators import Op
+from boost_jax.planner.ops.outside_stack import embedding, head
+from boost_jax.planner.ops.projections import st_stored
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import Cost, Layer, Mesh
+from boost_jax.planner.pricing.pricer import LayerSummary, Pricer, layer_keys
+from boost_jax.planner.pricing.trainer_flags import runnable
 
 
 def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
@@ -40,14 +22,14 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
         ops = [pr.op(k) for k in keys]
         _, strategy, _ = runnable(ctx.block, Mesh(1, 1, ctx.t), layer)
         stored = [
-            partitions.st_stored(ctx, g, strategy)
-            for g, choice in zip(partitions.GROUPS, layer.choices)
-            if choice == partitions.ST and strategy
+            st_stored(ctx, g, strategy)
+            for g, choice in zip(PROJECTION_GROUPS, layer.choices)
+            if choice == ST and strategy
         ]
         extra = [c for colls, _ in stored for c in colls]
         grid_w = sum(w for _, w in stored) if stored else sum(op.grid_weights for op in ops)
         if extra:  # the strategy's stored layouts cost the st groups more than P(n x n) (see there)
-            ops.append(partitions.Op(f"st weights@{strategy}", colls=extra, recompute=False))
+            ops.append(Op(f"st weights@{strategy}", colls=extra, recompute=False))
         norm_w = sum(op.weights for op in ops if op.name.startswith("norm"))
         tensor_colls = [c for op in ops for c in op.all_colls()]
         # forward collectives the remat policy re-runs: the operators' own and the st matmuls'
@@ -61,9 +43,9 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             )
         pr.summaries[layer] = LayerSummary(
             ops=ops,
-            cost=sum((pr.cost(k) for k in keys), cost.Cost())
-            + sum((cost.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys) :]), cost.Cost())
-            + cost.Cost(kept=cl.kept_passes * carry / cl.hbm_bandwidth),  # the layer input a remat policy keeps
+            cost=sum((pr.cost(k) for k in keys), Cost())
+            + sum((cost.price(op, cl, "none", ctx.attention, opts.act_bytes) for op in ops[len(keys) :]), Cost())
+            + Cost(kept=cl.kept_passes * carry / cl.hbm_bandwidth),  # the layer input a remat policy keeps
             norm_w=norm_w,
             fsdp_w=sum(op.weights for op in ops) - norm_w,
             grid_w=grid_w,
@@ -91,15 +73,15 @@ def stage_forward(pr: Pricer, s: LayerSummary) -> LayerSummary:
     return s
 
 
-def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, cost.Cost]:
+def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, Cost]:
     """Embedding, head and loss (and their cost) of one accumulation micro-batch: outside the
     pipeline they run on all its rows, on every stage."""
     key = (residual, microbatches)
     if key not in pr.rests:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
-        rest = [partitions.embedding(ctx, residual), partitions.head(ctx, residual, microbatches)]
+        rest = [embedding(ctx, residual), head(ctx, residual, microbatches)]
         pr.rests[key] = (
             rest,
-            sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), cost.Cost()),
+            sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), Cost()),
         )
     return pr.rests[key]

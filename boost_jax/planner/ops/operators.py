@@ -1,6 +1,6 @@
 """The records a partition choice is priced in: a transformer block's shapes (`Block`), the context of one
 pricing (`Ctx`: tensor size, tokens, layouts), and an operator's GEMMs, collectives and kept activations
-(`Op` with its `Gemm`, `StMatmul`, `Coll` and `Attn`). See boost_jax/planner/partitions.py for the layouts."""
+(`Op` with its `Gemm`, `StMatmul`, `Coll` and `Attn`). The layouts: this package's docstring."""
 
 from __future__ import annotations
 
@@ -232,3 +232,12 @@ def gpu(ctx: Ctx) -> bool:
     """Whether the priced program is the GPU's: computed in bf16/fp16 (the CPU checks compile float32,
     as XLA:CPU runs bf16 partly in float32), so its kept arrays are the GPU_SAVED_* counts."""
     return ctx.act_bytes != 4
+
+
+def attention_class(name: str):
+    """The attention cost class registered as `name` (boost_jax/model/attention/registry.py COST_CLASSES)."""
+    from boost_jax.model.attention import COST_CLASSES  # lazy: imports jax; once, then a dict lookup
+
+    if name not in COST_CLASSES:
+        raise ValueError(f"attention cost class {name!r} is not one of {tuple(COST_CLASSES)}")
+    return COST_CLASSES[name]

@@ -1,12 +1,13 @@
-"""The planner's words: a mesh, one layer's partitioning, the search's options, a priced plan and a
-search's result."""
+"""The planner's words: a mesh, one layer's partitioning, the search's options, an operator's seconds by
+part (`Cost`), a priced plan and a search's result."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV
-from boost_jax.planner import cost
+from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV, PIPELINE_SCHEDULES
+
+STAGE_REMAT = ("none", "stage")  # remat.pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +50,9 @@ class Options:
     grad_accum: int = 0  # 0: search
     pipeline: tuple = ()  # pipeline stage counts to search; (): every one that divides devices and layers
     microbatches: int = 0  # pipeline micro-batches per pass when pipelined; 0: search S, 2S, 4S
-    schedules: tuple = cost.PIPELINE_SCHEDULES  # parallel.pipeline_schedule values searched
+    schedules: tuple = PIPELINE_SCHEDULES  # parallel.pipeline_schedule values searched
     repeats: int = 0  # circular: chunks per stage V; 0: search every divisor > 1 of L/S
-    stage_remat: tuple = cost.STAGE_REMAT  # remat.pipeline values searched
+    stage_remat: tuple = STAGE_REMAT  # remat.pipeline values searched
     top: int = 5
     keep: int = 8  # DP paths kept per state
     act_bytes: int = 2  # bf16 activations
@@ -79,6 +80,26 @@ class Options:
 
 
 @dataclasses.dataclass
+class Cost:
+    """Seconds of one operator (or a sum of them) on one device and micro-batch, by part."""
+
+    compute: float = 0.0  # GEMMs, attention, elementwise; forward + backward
+    comm: float = 0.0  # exposed tensor-axis collectives, forward + backward
+    recompute: float = 0.0  # what the remat policy re-runs in the backward (compute and collectives)
+    kept: float = 0.0  # the HBM traffic of the activations kept for the backward (cluster.kept_passes)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm + self.recompute + self.kept
+
+    def __add__(self, o: Cost) -> Cost:
+        return Cost(self.compute + o.compute, self.comm + o.comm, self.recompute + o.recompute, self.kept + o.kept)
+
+    def scale(self, x: float) -> Cost:
+        return Cost(self.compute * x, self.comm * x, self.recompute * x, self.kept * x)
+
+
+@dataclasses.dataclass
 class Plan:
     mesh: Mesh
     grad_accum: int
@@ -89,8 +110,8 @@ class Plan:
     mfu: float
     memory: dict  # bytes per GPU by part, and "total"
     link_bytes: dict  # bytes per GPU per step: intra / inter
-    layer_cost: cost.Cost  # one layer, one micro-batch
-    rest_cost: cost.Cost  # embedding, head, loss: one micro-batch
+    layer_cost: Cost  # one layer, one micro-batch
+    rest_cost: Cost  # embedding, head, loss: one micro-batch
     exposed_dp_s: float  # data/fsdp traffic not hidden behind the micro-batch
     optimizer_s: float
     layer_colls: list  # one layer, one micro-batch: tensor and data/fsdp collectives (no recompute)

@@ -1,16 +1,22 @@
-"""A whole plan priced: its step time, memory, link bytes and the trainer's overrides (`price_plan`), and
-the cheap lower bound on its step time the search prunes with (`lower_bound`)."""
+"""A whole plan priced: its step time, memory, link bytes and the trainer's overrides (`price_plan`,
+`trainer_overrides`), and the cheap lower bound on its step time the search prunes with (`lower_bound`)."""
 
 from __future__ import annotations
 
-from boost_jax.planner import cost
-from boost_jax.planner.layer_search import Pricer
-from boost_jax.planner.layer_summary import layer_summary, rest_ops, stage_forward
-from boost_jax.planner.memory import memory_bytes
-from boost_jax.planner.plans import Layer, Mesh, Plan
-from boost_jax.planner.schedule import schedule_of
-from boost_jax.planner.step_terms import link_bytes_per_step, parameters_per_device, step_collectives, step_seconds
-from boost_jax.planner.trainer_flags import trainer_overrides
+from boost_jax.config import ST
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.layer_summary import layer_summary, rest_ops, stage_forward
+from boost_jax.planner.pricing.memory import memory_bytes
+from boost_jax.planner.pricing.plans import Layer, Mesh, Plan
+from boost_jax.planner.pricing.pricer import Pricer
+from boost_jax.planner.pricing.schedule import Schedule, schedule_of
+from boost_jax.planner.pricing.step_terms import (
+    link_bytes_per_step,
+    parameters_per_device,
+    step_collectives,
+    step_seconds,
+)
+from boost_jax.planner.pricing.trainer_flags import linear_partition, runnable
 
 
 def price_plan(
@@ -112,3 +118,56 @@ def lower_bound(
     runs = cost.pipeline_ticks(stages, m, repeats) * (per_stage // repeats)
     params = per_stage * (sharded_w / mesh.fsdp + norm_w) + rest_fsdp_w / mesh.fsdp + b.d
     return grad_accum * (runs * layer_s + rest_s) + params * cost.OPTIMIZER_TRAFFIC / pr.cluster.hbm_bandwidth
+
+
+def trainer_overrides(
+    pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, sched: Schedule
+) -> tuple[str, str, bool, str]:
+    """(runnable status, strategy, sequence_parallel, the trainer's --config overrides that run the plan)."""
+    ctx, opts, block, stages = pr.ctx, pr.opts, pr.ctx.block, sched.stages
+    status, strategy, sp = runnable(block, mesh, layer)
+    from boost_jax.parallel.strategies import registered  # lazy: imports jax; not at the planner's import
+
+    if status == "yes" and ctx.context_kv == "bottleneck" and not registered(strategy).keeps_whole_rank:
+        status, strategy, sp = (
+            (
+                f"no: context_kv=bottleneck rebuilds K/V from the whole r-wide activations, which "
+                f"{strategy} splits over tensor"
+            ),
+            "",
+            False,
+        )
+    context = ""
+    if mesh.context > 1:
+        context = (
+            f"--config.parallel.context={mesh.context} --config.parallel.context_attention="
+            f"{ctx.context_attention} --config.parallel.context_kv={ctx.context_kv} "
+        )
+    flags = ""
+    if status == "yes":
+        flags = (
+            (
+                f"--config.parallel.pipeline={stages} --config.parallel.microbatches={sched.microbatches} "
+                if stages > 1
+                else ""
+            )
+            + (
+                f"--config.parallel.pipeline_schedule=circular --config.parallel.pipeline_repeats={sched.repeats} "
+                if sched.name == "circular"
+                else ""
+            )
+            + ("--config.parallel.pipeline_schedule=1f1b " if sched.f1b else "")
+            + (f"--config.parallel.pipeline_repeats={sched.repeats} " if sched.f1b and sched.repeats > 1 else "")
+            + f"--config.parallel.data={mesh.data} --config.parallel.fsdp={mesh.fsdp} "
+            + context
+            + f"--config.parallel.tensor={mesh.tensor} --config.parallel.strategy={strategy} "
+            + ("--config.parallel.sequence_parallel=true " if sp else "")
+            + (f"--config.parallel.linear_partition={linear_partition(layer)} " if ST in layer.choices else "")
+            + (f"--config.model.attention={opts.attention} " if opts.attention != "auto" else "")
+            + f"--config.train.global_batch={opts.batch} --config.train.grad_accum={grad_accum} "
+            f"--config.train.seq_len={opts.seq} "
+            + (f"--config.model.max_seq_len={opts.seq} " if opts.seq > block.max_seq_len else "")
+            + f"--config.remat.policy={pr.policy} --config.model.scan_unroll={str(pr.unrolled).lower()}"
+            + (" --config.remat.pipeline=stage" if sched.staged else "")
+        )
+    return status, strategy, sp, flags

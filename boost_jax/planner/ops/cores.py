@@ -3,8 +3,8 @@ K/V exchange) and the MLP activation."""
 
 from __future__ import annotations
 
-from boost_jax.planner.kept_arrays import GPU_SAVED_SWIGLU, RING_SCORE_BLOCKS, SAVED_SWIGLU
-from boost_jax.planner.operators import Attn, Coll, Ctx, Gemm, Op, divides, gpu
+from boost_jax.planner.ops.kept_arrays import GPU_SAVED_SWIGLU, RING_SCORE_BLOCKS, SAVED_SWIGLU
+from boost_jax.planner.ops.operators import Attn, Coll, Ctx, Gemm, Op, attention_class, divides, gpu
 
 
 def attention(ctx: Ctx, layout: str) -> Op | None:
@@ -102,15 +102,6 @@ def context_exchange(ctx: Ctx, op: Op, fs: int) -> None:
         gathered = 2 * ctx.tokens * c * kv_local + (2 * ctx.tokens * c * b.rank if bottleneck else 0.0)
         op.acts += gathered
         op.saved += gathered
-
-
-def attention_class(name: str):
-    """The attention cost class registered as `name` (boost_jax/model/attention/registry.py COST_CLASSES)."""
-    from boost_jax.model.attention import COST_CLASSES  # lazy: imports jax; once, then a dict lookup
-
-    if name not in COST_CLASSES:
-        raise ValueError(f"attention cost class {name!r} is not one of {tuple(COST_CLASSES)}")
-    return COST_CLASSES[name]
 
 
 def activation(ctx: Ctx, layout: str) -> Op | None:

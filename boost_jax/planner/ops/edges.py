@@ -3,8 +3,8 @@ RMSNorms and the residual add."""
 
 from __future__ import annotations
 
-from boost_jax.planner.kept_arrays import GPU_SAVED_NORM, GPU_SAVED_NORM_XLA, SAVED_NORM
-from boost_jax.planner.operators import Coll, Ctx, Op, gpu
+from boost_jax.planner.ops.kept_arrays import GPU_SAVED_NORM, GPU_SAVED_NORM_XLA, SAVED_NORM
+from boost_jax.planner.ops.operators import Coll, Ctx, Op, gpu
 
 
 def edge(

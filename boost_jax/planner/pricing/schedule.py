@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.planner import cost
+from boost_jax.planner.pricing import cost
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,8 @@ hand-overs between stages, its once-per-pass ends and the circular schedule's we
 
 from __future__ import annotations
 
-from boost_jax.planner.edges import edge
-from boost_jax.planner.operators import Coll, Ctx, Gemm, Op
+from boost_jax.planner.ops.edges import edge
+from boost_jax.planner.ops.operators import Coll, Ctx, Gemm, Op
 
 
 def embedding(ctx: Ctx, residual: str) -> Op:

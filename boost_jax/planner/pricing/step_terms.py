@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.planner import cost, partitions
-from boost_jax.planner.layer_search import Pricer
-from boost_jax.planner.layer_summary import LayerSummary
-from boost_jax.planner.plans import Layer, Mesh
-from boost_jax.planner.schedule import Schedule
+from boost_jax.planner.ops.operators import Coll
+from boost_jax.planner.ops.outside_stack import circular_reorder, head, pipeline_ends, stage_shift
+from boost_jax.planner.pricing import cost
+from boost_jax.planner.pricing.plans import Cost, Layer, Mesh
+from boost_jax.planner.pricing.pricer import LayerSummary, Pricer
+from boost_jax.planner.pricing.schedule import Schedule
 
 
 def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: list, rest: list):
@@ -22,7 +23,7 @@ def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: 
     ways = mesh.data * mesh.fsdp
     dp_rest = [dataclasses.replace(c, elements=c.elements - head_w) if c.kind == "all-reduce" else c for c in dp_rest]
     dp_rest.append(
-        partitions.Coll(
+        Coll(
             "all-reduce",
             head_w,
             mesh.pipeline * ways,
@@ -31,7 +32,7 @@ def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: 
             "pipeline_weights" if ways > 1 else "pipeline",
         )
     )
-    one = partitions.head(pr.ctx, residual, 1)
+    one = head(pr.ctx, residual, 1)
     return dp_rest, [(c, 1) for c in rest[0].colls] + [(c, microbatches) for c in one.colls]
 
 
@@ -42,7 +43,7 @@ def data_colls(
     remat: str,
     pipelined: bool = False,
     grid_weights: float = 0.0,
-) -> tuple[list[partitions.Coll], list[partitions.Coll]]:
+) -> tuple[list[Coll], list[Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
@@ -66,27 +67,25 @@ def data_colls(
     once, per_pass = [], []
     if pipelined and not grid_weights:
         if f > 1:
-            once.append(partitions.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+            once.append(Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
         if d * f > 1:
-            once.append(partitions.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+            once.append(Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
     else:
         if grid_weights and d > 1:
-            per_pass.append(partitions.Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
+            per_pass.append(Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
         if f > 1:
-            once.append(partitions.Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+            once.append(Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
             if remat != "none":
-                per_pass.append(partitions.Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
+                per_pass.append(Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
         if d > 1 or (pipelined and f > 1):
-            per_pass.append(partitions.Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+            per_pass.append(Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
         elif f > 1:
             per_pass += [
-                partitions.Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
-                partitions.Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp"),
+                Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
+                Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp"),
             ]
     if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
-        per_pass.append(
-            partitions.Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd", "data_fsdp")
-        )
+        per_pass.append(Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd", "data_fsdp"))
     return once, per_pass
 
 
@@ -116,13 +115,13 @@ def step_collectives(
 ) -> StepCollectives:
     ctx, cluster, act_bytes = pr.ctx, pr.cluster, pr.opts.act_bytes
     stages, pipelined = sched.stages, sched.stages > 1
-    shift = partitions.stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, sched.name)
-    ends = partitions.pipeline_ends(
+    shift = stage_shift(ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, sched.name)
+    ends = pipeline_ends(
         ctx, layer.residual, stages, mesh.data * mesh.fsdp * mesh.tensor, sched.microbatches, sched.name
     )
     if sched.name == "circular" or (sched.f1b and sched.repeats > 1):  # interleaved 1F1B: circular's chunk layout
         stage_weights = sched.layers_per_stage * ((summary.fsdp_w + summary.grid_w) / mesh.fsdp + summary.norm_w)
-        ends += partitions.circular_reorder(stage_weights, stages, sched.repeats, mesh.data * mesh.fsdp * mesh.tensor)
+        ends += circular_reorder(stage_weights, stages, sched.repeats, mesh.data * mesh.fsdp * mesh.tensor)
     # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
     # but the scanned step runs it).
     shifts = [(c, sched.handovers) for c in shift]
@@ -166,7 +165,7 @@ def step_seconds(
     summary: LayerSummary,
     sched: Schedule,
     colls: StepCollectives,
-    rest_cost: cost.Cost,
+    rest_cost: Cost,
     params: float,
 ) -> tuple[float, float, float]:
     """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
