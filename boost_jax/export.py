@@ -66,7 +66,6 @@ from boost_jax.config import base_config
 from boost_jax.data.tokenizer import load_tokenizer
 from boost_jax.errors import CheckpointError, ConfigError, ExportError, RunDirBusy
 from boost_jax.hf_files import (
-    EXPORT_FILES,  # noqa: F401 - re-exported
     load_safetensors,
     move_aside,
     reason,

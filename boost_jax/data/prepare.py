@@ -48,22 +48,8 @@ import threading
 import time
 from pathlib import Path
 
-# The work is done by reading.py (the inputs), shards.py (a unit into a shard, the workers) and
-# shard_dir.py (--out's locks and files); the public names this module had before they were split
-# off stay importable from here.
-from boost_jax.data.reading import (  # noqa: F401 - re-exported
-    JSONL,
-    PARQUET,
-    TEXT,
-    TEXT_CHUNK,
-    file_format,
-    read_documents,
-    splittable,
-)
-from boost_jax.data.shard_dir import (  # noqa: F401 - re-exported
-    LOCK,
+from boost_jax.data.shard_dir import (
     PLAN,
-    WORKERS_LOCK,
     OutLock,
     WriteError,
     error_reason,
@@ -72,9 +58,7 @@ from boost_jax.data.shard_dir import (  # noqa: F401 - re-exported
     wait_for_workers,
     write_whole,
 )
-from boost_jax.data.shards import (  # noqa: F401 - re-exported
-    BATCH_BYTES,
-    PR_SET_PDEATHSIG,
+from boost_jax.data.shards import (
     init_worker,
     plan_units,
     run_unit,
