@@ -425,7 +425,7 @@ def import_hf(
     # Build the state on one device; a checkpoint restores onto any mesh later.
     one = cfg.copy_and_resolve_references()
     one.parallel.update(data=1, fsdp=1, tensor=1)
-    built = build(one, jax.devices()[:1])
+    built = build(one, jax.devices()[:1], validated=True)  # cfg validated above; one device fits any
     spec, tx = built.spec, built.tx
     params = jax.device_put(from_hf(tensors, spec.abstract["params"], cfg.model, file_d_ff), spec.shardings["params"])
     state = {
