@@ -4,34 +4,12 @@
     python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_t5 \\
         --config.data.tokenizer=t5.model
 
-Inputs: files, directories or globs of `.jsonl`/`.json` (one JSON object per line, the text in
-`--field`), `.txt`/`.md`/`.text` (a file is one document, tokenised in 8 MB pieces cut at line ends)
-and `.parquet` (the `--field` column; needs pyarrow), each optionally `.gz` or `.zst` (needs
-zstandard). Uncompressed JSONL is cut at line starts into work units of about `--unit-mb` MB, so one
-large file still spreads over the worker processes; small files share a unit, and any other file is
-one unit. Each unit streams through the tokenizer in batches of documents (memory stays bounded by
-the batch, whatever the input size), every document ends with the tokenizer's EOS (the byte
-tokenizer has none: its 256 ids are all bytes), and the unit becomes one raw shard
-`shard_NNNNN.bin` of uint16 (vocabulary <= 65536) or uint32 tokens, with `shard_NNNNN.idx` the end
-offset (int64, in tokens) of every document in it, so `data.batching=packed|document` finds
-documents without scanning for EOS, and `shard_NNNNN.json` its counts, each written as `NAME.tmp`
-and renamed when complete (the `.json` last: a shard is finished once it exists). A rerun
-with the same arguments keeps the finished shards and redoes only the rest (`plan.json` records the
-inputs and tokenizer, so a rerun with different ones is refused instead of mixing them). Last,
-`index.json` lists the shards in input order with the tokenizer, vocabulary size, dtype, document
-and token counts, which the `tokens` source checks against the run's config.
-
-One run at a time per `--out`: a run holds an exclusive `flock` on `OUT/.lock` (which records its
-pid and start time) while it works, so two runs never write the same `.tmp` files; a second one is
-refused in one line naming the holder. The kernel drops the lock when its holder exits in any way.
-Stopping: SIGINT (Ctrl-C) or SIGTERM stops the workers (they ignore SIGINT: the main process stops
-the pool), keeps the finished shards, removes the unfinished units' `.tmp` files and exits with
-status 130 (SIGINT) or 143 (SIGTERM) after one line saying how many shards are kept. A full disk (or
-any other error writing under `--out`, here or in a worker) is one line naming the file and the
-reason, with the same clean-up: free space and rerun the same command to resume. SIGKILL leaves
-`.tmp` files behind, which are never read and are overwritten or removed by the next run; the
-workers die with the main process (Linux: the kernel kills them when it dies), and while any is
-alive it holds a shared lock on `OUT/.workers.lock` for which a rerun waits before it writes.
+Each input unit becomes one raw shard `shard_NNNNN.bin` (uint16 or uint32 tokens, every document
+ending with the tokenizer's EOS) with `.idx` (document end offsets) and `.json` (counts, written
+last: a shard is finished once it exists); `index.json` lists the shards with the tokenizer,
+vocabulary size and dtype, which the `tokens` source checks against the run's config. A rerun with
+the same arguments resumes; one run at a time holds `OUT/.lock`; SIGINT/SIGTERM or a failed write
+keep the finished shards and remove the rest. The whole contract: `DETAILS` (the command's --help).
 """
 
 from __future__ import annotations
@@ -67,6 +45,38 @@ from boost_jax.data.shards import (
 from boost_jax.data.sources import FORMAT, INDEX, expand_paths
 from boost_jax.data.tokenizer import load_tokenizer, tokenizer_id
 from boost_jax.errors import PrepareError
+
+DETAILS = """\
+Inputs: files, directories or globs of `.jsonl`/`.json` (one JSON object per line, the text in
+`--field`), `.txt`/`.md`/`.text` (a file is one document, tokenised in 8 MB pieces cut at line ends)
+and `.parquet` (the `--field` column; needs pyarrow), each optionally `.gz` or `.zst` (needs
+zstandard). Uncompressed JSONL is cut at line starts into work units of about `--unit-mb` MB, so one
+large file still spreads over the worker processes; small files share a unit, and any other file is
+one unit. Each unit streams through the tokenizer in batches of documents (memory stays bounded by
+the batch, whatever the input size), every document ends with the tokenizer's EOS (the byte
+tokenizer has none: its 256 ids are all bytes), and the unit becomes one raw shard
+`shard_NNNNN.bin` of uint16 (vocabulary <= 65536) or uint32 tokens, with `shard_NNNNN.idx` the end
+offset (int64, in tokens) of every document in it, so `data.batching=packed|document` finds
+documents without scanning for EOS, and `shard_NNNNN.json` its counts, each written as `NAME.tmp`
+and renamed when complete (the `.json` last: a shard is finished once it exists). A rerun
+with the same arguments keeps the finished shards and redoes only the rest (`plan.json` records the
+inputs and tokenizer, so a rerun with different ones is refused instead of mixing them). Last,
+`index.json` lists the shards in input order with the tokenizer, vocabulary size, dtype, document
+and token counts, which the `tokens` source checks against the run's config.
+
+One run at a time per `--out`: a run holds an exclusive `flock` on `OUT/.lock` (which records its
+pid and start time) while it works, so two runs never write the same `.tmp` files; a second one is
+refused in one line naming the holder. The kernel drops the lock when its holder exits in any way.
+Stopping: SIGINT (Ctrl-C) or SIGTERM stops the workers (they ignore SIGINT: the main process stops
+the pool), keeps the finished shards, removes the unfinished units' `.tmp` files and exits with
+status 130 (SIGINT) or 143 (SIGTERM) after one line saying how many shards are kept. A full disk (or
+any other error writing under `--out`, here or in a worker) is one line naming the file and the
+reason, with the same clean-up: free space and rerun the same command to resume. SIGKILL leaves
+`.tmp` files behind, which are never read and are overwritten or removed by the next run; the
+workers die with the main process (Linux: the kernel kills them when it dies), and while any is
+alive it holds a shared lock on `OUT/.workers.lock` for which a rerun waits before it writes.
+
+"""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -339,7 +349,9 @@ def main(argv=None) -> int:
 
 def _cli(argv) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"{__doc__}\n{DETAILS}",
     )
     ap.add_argument("inputs", nargs="+", help="files, directories or globs")
     ap.add_argument("--out", required=True, help="the directory of shards (rerun with it to resume)")
