@@ -39,10 +39,11 @@ from boost_jax.validate import validate
 
 
 def build_for_eval(cfg, devices=None) -> Built:
-    """The run's mesh on these devices if they fit it, else one device (cfg.parallel is updated to match)."""
+    """The run's mesh on these devices if they fit it, else one device (cfg.parallel is updated to match).
+    `cfg` is validated (the caller's entry point did)."""
     devices = list(jax.devices() if devices is None else devices)
     try:
-        return build(cfg, devices)
+        return build(cfg, devices, validated=True)  # `evaluate` validated it
     except ConfigError as e:
         print(f"note: evaluating on one device ({e})", file=sys.stderr)
         cfg.parallel.update(ONE_DEVICE)

@@ -3,50 +3,12 @@
     python -m boost_jax.export --checkpoint RUN_DIR --out HF_DIR      # latest step (or give a step dir)
     python -m boost_jax.export --import-hf HF_DIR --out RUN_DIR       # -> RUN_DIR/checkpoints/0
 
-Needs `safetensors` (the `hf` extra: `pip install -e '.[hf]'` in a checkout, `pip install safetensors`
-elsewhere); transformers and torch are needed only to load the result in PyTorch.
-
-Neither direction overwrites what is there: an import's RUN_DIR must be new or empty (a run there
-is refused; `--supersede` renames its steps to N.superseded), and an export's HF_DIR new, empty or
-an earlier export (files it does not write, e.g. another model's tokenizer, are refused;
-`--supersede` renames them to NAME.superseded). An export writes every file as NAME.tmp and renames
-them only when all are written, so a full disk or a read-only mount leaves HF_DIR as it was; an
-import takes RUN_DIR's trainer lock and loads a tokenizer file once before copying it.
-
-Full-rank models (model.linear=dense) export as a plain `LlamaForCausalLM` that
-`transformers.LlamaForCausalLM.from_pretrained(HF_DIR)` loads: our RoPE is the same rotate-half over
-the head dim (no q/k permutation), our RMSNorm is HF's, and every weight is transposed to HF's
-[out, in]. `model.safetensors` (float32) holds:
-
-    model.embed_tokens.weight                          [vocab, d]
-    model.layers.{i}.input_layernorm.weight            [d]          layers/attn_norm/scale[i]
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   [out, in]    layers/attn/{q,k,v,o}/w[i].T
-    model.layers.{i}.post_attention_layernorm.weight   [d]          layers/mlp_norm/scale[i]
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight    [out, in]    layers/mlp/{gate,up,down}/w[i].T
-    model.norm.weight                                  [d]          final_norm/scale
-    lm_head.weight                                     [vocab, d]   lm_head.T (absent when tied)
-
-CoLA and low-rank models (model.linear=cola|lowrank) export in the layout of the official CoLA
-implementation (`ColaForCausalLM`, config `model_type: "cola"`): the same names, except that every
-`X_proj.weight` becomes the two factors of `y = act(x @ cola_a) @ cola_b`, stored like ours (no transpose):
-
-    model.layers.{i}.self_attn.q_proj.cola_a           [in, r]      layers/attn/q/a[i]
-    model.layers.{i}.self_attn.q_proj.cola_b           [r, out]     layers/attn/q/b[i]
-
-with act = SiLU (cola, `lr_act_type: "silu"`) or identity (lowrank, `lr_act_type: "linear"`), and
-`only_lr_act` true for the MLP form down(gate * up) (false: down(silu(gate) * up)). That config class
-silently defaults every field it does not find (rank d/4, only_lr_act true, eps 1e-6, rope_theta 1e4,
-bos/eos ids 1/2), so config.json sets each of them. The official code has no GQA (k and v are
-num_heads * head_dim wide): a GQA model exports exactly by repeating each KV head's columns of the
-k/v `cola_b` (what grouped attention computes), with `boost_num_key_value_heads` recording our KV
-heads so that the import folds them back. `--import-hf` reads both forms (and sharded
-`*.safetensors` directories, float32/float16/bfloat16) back into an Orbax checkpoint at step 0 with
-fresh optimizer state, which `python -m boost_jax.generate` and training resume use.
-`--intermediate-multiple M` zero-pads intermediate_size up to a multiple of M (the official 1B's 5461
-= 43 x 127 splits over no power-of-two tensor-parallel size): the padded gate/up columns and down rows start
-at zero, get zero gradients (their activations and the weights reading them are zero) and so stay
-zero under AdamW, clipping and weight decay; the model computes and trains exactly as the unpadded one
-(an export of it writes the padded width, which loads and computes the same).
+Needs `safetensors` (the `hf` extra); transformers and torch only to load the result in PyTorch.
+Neither direction overwrites what is there: an import's RUN_DIR must be new or empty and an export's
+HF_DIR new, empty or an earlier export (`--supersede` renames what is in the way to NAME.superseded);
+an export renames its NAME.tmp files only when all are written. Dense models export as a plain
+`LlamaForCausalLM`, CoLA and low-rank ones in the official CoLA layout (`ColaForCausalLM`); the
+layouts, GQA and `--intermediate-multiple` padding: `LAYOUTS` below.
 """
 
 from __future__ import annotations
@@ -66,7 +28,6 @@ from boost_jax.config import base_config
 from boost_jax.data.tokenizer import load_tokenizer
 from boost_jax.errors import CheckpointError, ConfigError, ExportError, RunDirBusy
 from boost_jax.hf_files import (
-    EXPORT_FILES,  # noqa: F401 - re-exported
     load_safetensors,
     move_aside,
     reason,
@@ -79,6 +40,43 @@ from boost_jax.runtime.build import build, load_model
 from boost_jax.runtime.checkpoint import Checkpointer
 from boost_jax.runtime.runlock import RunLock
 from boost_jax.validate import validate
+
+# LAYOUTS: what an export writes and an import reads.
+#
+# Full-rank models (model.linear=dense) export as a plain `LlamaForCausalLM` that
+# `transformers.LlamaForCausalLM.from_pretrained(HF_DIR)` loads: our RoPE is the same rotate-half over
+# the head dim (no q/k permutation), our RMSNorm is HF's, and every weight is transposed to HF's
+# [out, in]. `model.safetensors` (float32) holds:
+#
+#     model.embed_tokens.weight                          [vocab, d]
+#     model.layers.{i}.input_layernorm.weight            [d]          layers/attn_norm/scale[i]
+#     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   [out, in]    layers/attn/{q,k,v,o}/w[i].T
+#     model.layers.{i}.post_attention_layernorm.weight   [d]          layers/mlp_norm/scale[i]
+#     model.layers.{i}.mlp.{gate,up,down}_proj.weight    [out, in]    layers/mlp/{gate,up,down}/w[i].T
+#     model.norm.weight                                  [d]          final_norm/scale
+#     lm_head.weight                                     [vocab, d]   lm_head.T (absent when tied)
+#
+# CoLA and low-rank models (model.linear=cola|lowrank) export in the layout of the official CoLA
+# implementation (`ColaForCausalLM`, config `model_type: "cola"`): the same names, except that every
+# `X_proj.weight` becomes the two factors of `y = act(x @ cola_a) @ cola_b`, stored like ours (no transpose):
+#
+#     model.layers.{i}.self_attn.q_proj.cola_a           [in, r]      layers/attn/q/a[i]
+#     model.layers.{i}.self_attn.q_proj.cola_b           [r, out]     layers/attn/q/b[i]
+#
+# with act = SiLU (cola, `lr_act_type: "silu"`) or identity (lowrank, `lr_act_type: "linear"`), and
+# `only_lr_act` true for the MLP form down(gate * up) (false: down(silu(gate) * up)). That config class
+# silently defaults every field it does not find (rank d/4, only_lr_act true, eps 1e-6, rope_theta 1e4,
+# bos/eos ids 1/2), so config.json sets each of them. The official code has no GQA (k and v are
+# num_heads * head_dim wide): a GQA model exports exactly by repeating each KV head's columns of the
+# k/v `cola_b` (what grouped attention computes), with `boost_num_key_value_heads` recording our KV
+# heads so that the import folds them back. `--import-hf` reads both forms (and sharded
+# `*.safetensors` directories, float32/float16/bfloat16) back into an Orbax checkpoint at step 0 with
+# fresh optimizer state, which `python -m boost_jax.generate` and training resume use.
+# `--intermediate-multiple M` zero-pads intermediate_size up to a multiple of M (the official 1B's 5461
+# = 43 x 127 splits over no power-of-two tensor-parallel size): the padded gate/up columns and down rows start
+# at zero, get zero gradients (their activations and the weights reading them are zero) and so stay
+# zero under AdamW, clipping and weight decay; the model computes and trains exactly as the unpadded one
+# (an export of it writes the padded width, which loads and computes the same).
 
 LLAMA_FIELDS = {  # HF Llama config key -> our model.* field
     "vocab_size": "vocab_size",
@@ -426,7 +424,7 @@ def import_hf(
     # Build the state on one device; a checkpoint restores onto any mesh later.
     one = cfg.copy_and_resolve_references()
     one.parallel.update(data=1, fsdp=1, tensor=1)
-    built = build(one, jax.devices()[:1])
+    built = build(one, jax.devices()[:1], validated=True)  # cfg validated above; one device fits any
     spec, tx = built.spec, built.tx
     params = jax.device_put(from_hf(tensors, spec.abstract["params"], cfg.model, file_d_ff), spec.shardings["params"])
     state = {

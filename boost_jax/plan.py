@@ -10,26 +10,11 @@ with an α-β / GEMM-efficiency / memory cost model (boost_jax/planner), print t
         [--stage-remat none,stage] [--context 1,2,4] [--context-attention ring,all_gather]
         [--context-kv full,bottleneck] [--verify [--target h100|a100|a100_40gb|h200 [--device-memory GB]]]
 
-parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
-every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
-and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search_space.py
-context_sizes); a context plan runs its attention's block form (`auto`: chunked's, model/attention/registry.py
-under_context), its exchange priced from the formula the comm report checks; --verify compiles it at context 2 with
-its modes.
-
---verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
-devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
-<= 128) with boost_jax.tools.comm_report and prints the planner's per-layer collectives (bytes and
-counts by class and kind) and peak memory next to the compiled step's; a GPipe plan (remat.pipeline
-none or stage) is compiled with 2 stages of 2 layers, a circular one with 2 stages of V = 2 or 3
-chunks of 1 layer (V 2 where the plan's weight reorder is an all-to-all, else 3), and compared over
-the whole scanned step (pipeline, pipeline-weight, tensor and data/fsdp traffic by kind, peak
-memory); pipelined st and replicated-residual (megatron, vanilla) pipelined plans are refused with
-the reason (planner/verify.py pipeline_refusal). `--verify --target h100` instead compiles the plan's
-own train step at full size for that many H100s without them (boost_jax.tools.aot, the aot extra) and
-compares the planner's peak memory per GPU with the compiled one (within 10%); where the compiled peak
-exceeds the GPU's usable memory (90%, or --device-memory GB), it says so in one line and compiles the
-search's next plan, up to 4, as `parallel.plan=auto` does on the GPUs (planner/auto.py first_that_fits).
+Context splits (parallel.context) are searched where the micro-batch's rows run out: the comment
+above `search_options`. `--verify` compiles the best plan the trainer can run (emulated CPU devices,
+shrunk, with the comm report; or with `--target`, the plan's own step for that many GPUs without
+them) and compares the planner's collectives and peak memory with the compiled step's: the comment
+above `run_verify`.
 """
 
 from __future__ import annotations
@@ -136,6 +121,19 @@ def breakdown(p, layers: int) -> str:
     )
 
 
+# --verify lowers the best plan the trainer can run on emulated CPU devices (shrunk to at most 8
+# devices, an st plan's fsdp x tensor grid kept whole up to 4 x 4; one sequence per batch shard, seq
+# <= 128) with boost_jax.tools.comm_report and prints the planner's per-layer collectives (bytes and
+# counts by class and kind) and peak memory next to the compiled step's; a GPipe plan (remat.pipeline
+# none or stage) is compiled with 2 stages of 2 layers, a circular one with 2 stages of V = 2 or 3
+# chunks of 1 layer (V 2 where the plan's weight reorder is an all-to-all, else 3), and compared over
+# the whole scanned step (pipeline, pipeline-weight, tensor and data/fsdp traffic by kind, peak
+# memory); pipelined st and replicated-residual (megatron, vanilla) pipelined plans are refused with
+# the reason (planner/verify.py pipeline_refusal). `--verify --target h100` instead compiles the plan's
+# own train step at full size for that many H100s without them (boost_jax.tools.aot, the aot extra) and
+# compares the planner's peak memory per GPU with the compiled one (within 10%); where the compiled peak
+# exceeds the GPU's usable memory (90%, or --device-memory GB), it says so in one line and compiles the
+# search's next plan, up to 4, as `parallel.plan=auto` does on the GPUs (planner/auto.py first_that_fits).
 def run_verify(cfg, cluster, plan, seq: int) -> bool:
     st = ST in plan.layer.choices
     sp = plan.sequence_parallel
@@ -346,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# parallel.context (the sequence split over C devices, boost_jax/parallel/context.py) is searched at
+# every C dividing the devices that cuts seq into 2C equal chunks, with ring and all_gather attention
+# and full or (bottleneck kinds) bottleneck K/V, where the micro-batch's rows run out (planner/search_space.py
+# context_sizes); a context plan runs its attention's block form (`auto`: chunked's, model/attention/registry.py
+# under_context), its exchange priced from the formula the comm report checks; --verify compiles it at context 2 with
+# its modes.
 def search_options(args, batch: int, seq: int) -> Options:
     """The search's options from the command line, each checked (a one-line SystemExit naming the flag)."""
     if args.devices < 1 or batch < 1 or seq < 1 or args.top < 1:

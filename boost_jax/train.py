@@ -22,7 +22,7 @@ from boost_jax.errors import (
     CheckpointError,
     ConfigError,
     DistributedError,
-    RunDirBusy,  # noqa: F401 - re-exported
+    RunDirBusy,
     TrainingDiverged,
     error_lines,
 )
@@ -30,18 +30,14 @@ from boost_jax.model import autos, flops_per_token
 from boost_jax.parallel.mesh import mesh_devices
 from boost_jax.planner.auto import fitting_plan
 from boost_jax.runtime.build import build
-from boost_jax.runtime.checkpoint import Checkpointer, cannot_write, restore
+from boost_jax.runtime.checkpoint import Checkpointer, restore
+from boost_jax.runtime.checkpoint_failures import cannot_write
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss
 from boost_jax.runtime.report import Reporter
 from boost_jax.runtime.runlock import note_config_change, open_run_dir
 from boost_jax.runtime.signals import STOP_SIGNALS, StopFlag
-from boost_jax.runtime.train_loop import (  # noqa: F401 - re-exported
-    MAX_SKIPPED_IN_A_ROW,
-    PREDICTION_WINDOWS,
-    TrainLoop,
-    stop_requested,
-)
+from boost_jax.runtime.train_loop import TrainLoop, stop_requested
 from boost_jax.runtime.train_startup import (
     check_data,
     complete_line,
@@ -101,7 +97,7 @@ def _auto_plan(cfg, say):
     devices = mesh_devices(cfg.parallel)
 
     def peak(run):
-        built = build(validate(run), validated=True)
+        built = build(run, validated=True)  # the planner's pick of a validated config (tests/test_plan_auto.py)
         compiled = built.lower_train().compile()
         return peak_bytes(compiled.memory_analysis()), dataclasses.replace(built, train_step=compiled)
 

@@ -4,21 +4,14 @@ and this module's command prints them.
     python -m boost_jax.xla_gpu_flags            # $XLA_FLAGS plus every flag below it does not set
     python -m boost_jax.xla_gpu_flags --explain  # the flags with what each is for
 
-They overlap communication with compute (the latency-hiding scheduler; FSDP's gathers and gradient
-reduce-scatters pipelined across the layer scan; collectives combined up to 128 MiB); CUDA graphs stay
-on (XLA's default). A flag already named in `XLA_FLAGS` is left as the user set it. `MEASURE` lists flags
-worth an A/B run that are not applied. XLA aborts at start-up on a flag it does not know, whatever
-the backend, so `tests/test_launch.py` checks every name against the installed jaxlib (checked with
-jaxlib 0.10.2; the GPU machines run jax 0.11: run that test there after an upgrade).
-
-It sits at the bottom of the layers (no project imports), beside the config. A step built for GPU
-devices (runtime/build.py) carries them as compiler options (`compiler_options()`),
-so a program compiled for GPUs on a host without one (`python -m boost_jax.tools.aot`) is compiled as
-the GPU run compiles it. `train.run` also calls `apply()` before JAX initialises its backends, when `xla_gpu_flags`
-is true (the
-default), a CUDA plugin of jax is installed and JAX_PLATFORMS does not exclude GPUs: a GPU run gets
-these flags whether it was started by the SLURM template, by hand or from a notebook. Nothing here
-imports jax (XLA reads XLA_FLAGS once, when its backends start).
+They overlap communication with compute (the latency-hiding scheduler, pipelined FSDP collectives,
+combined collectives); CUDA graphs stay on. A flag already named in `XLA_FLAGS` is left as the user
+set it; `MEASURE` lists flags worth an A/B run that are not applied. XLA aborts at start-up on a flag
+it does not know, so `tests/test_launch.py` checks every name against the installed jaxlib. A step
+built for GPU devices (runtime/build.py) carries them as compiler options (`compiler_options()`),
+deviceless compiles included; `train.run` calls `apply()` before JAX starts its backends when
+`xla_gpu_flags` is true and a CUDA plugin is installed. Nothing here imports jax, and the module sits
+at the bottom of the layers (no project imports).
 """
 
 from __future__ import annotations
@@ -42,13 +35,12 @@ FLAGS = (  # (flag, what it is for)
 MEASURE = (  # worth an A/B run; not applied
     (
         "--xla_gpu_enable_command_buffer=",
-        "empty: no CUDA graphs (XLA's default runs them: one H100, cola_1b at "
-        "seq 256 x 32 is 3% faster with them, at the same peak memory)",
+        "empty: no CUDA graphs (XLA's default runs them; the A/B: benchmarks/RESULTS.md 2026-11-27 (sixth))",
     ),
     (
         "--xla_gpu_enable_triton_gemm=false",
-        "cuBLAS for every GEMM: the low-rank GEMMs are skinny and either may win (one H100, 1B steps at seq 4096, "
-        "scanned: 4-6% slower; one H200, the auto defaults at 256 x 32: cola_1b 0.8% faster, llama_1b 0.2% slower)",
+        "cuBLAS for every GEMM: the low-rank GEMMs are skinny and either may win (the A/B runs: "
+        "benchmarks/RESULTS.md 2026-11-28 (H200))",
     ),
 )
 # what `pip install jax[cuda13|cuda12]` installs (the plugins register under jax_plugins; older

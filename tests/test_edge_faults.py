@@ -864,11 +864,11 @@ def test_a_rerun_waits_for_workers_of_an_earlier_run(tmp_path, capsys):
     import fcntl
     import threading
 
-    from boost_jax.data import prepare as prep
+    from boost_jax.data.shard_dir import WORKERS_LOCK, wait_for_workers
 
     out = tmp_path / "out"
     out.mkdir()
-    fd = os.open(out / prep.WORKERS_LOCK, os.O_RDWR | os.O_CREAT)
+    fd = os.open(out / WORKERS_LOCK, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_SH)
     released = []
 
@@ -878,7 +878,7 @@ def test_a_rerun_waits_for_workers_of_an_earlier_run(tmp_path, capsys):
         os.close(fd)
 
     threading.Thread(target=release).start()
-    prep.wait_for_workers(out)
+    wait_for_workers(out)
     assert released and time.monotonic() >= released[0]
     assert "waiting for the workers of an earlier data.prepare" in capsys.readouterr().err
 

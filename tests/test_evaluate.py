@@ -335,7 +335,7 @@ def test_a_split_smaller_than_one_batch_is_read_once_in_every_batching(tmp_path)
     from flax import nnx
 
     from boost_jax.data import build_loaders
-    from boost_jax.model import model_from_config
+    from boost_jax.model import autos, model_from_config
     from boost_jax.parallel.mesh import ONE_DEVICE
     from boost_jax.runtime.build import build
     from boost_jax.runtime.evaluation import eval_loss, plan_eval
@@ -357,6 +357,7 @@ def test_a_split_smaller_than_one_batch_is_read_once_in_every_batching(tmp_path)
             params = jax.device_get(build(cfg).init_state()["params"])
             one = cfg.copy_and_resolve_references()
             one.parallel.update(ONE_DEVICE)
+            one = autos.apply(one, autos.chosen(one))  # `auto` resolved for one device
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_from_config(one)))  # noqa: B023
             model = nnx.merge(graphdef, params)
         sums, targets, tokens = 0.0, 0, 0

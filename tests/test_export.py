@@ -16,7 +16,8 @@ from flax import nnx  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from boost_jax import export, train  # noqa: E402
-from boost_jax.errors import ConfigError  # noqa: E402
+from boost_jax.errors import ConfigError, ExportError  # noqa: E402
+from boost_jax.hf_files import load_safetensors  # noqa: E402
 from boost_jax.model.kinds.lowrank import GQA_KEY  # noqa: E402 - the CoLA layout lives with its kinds
 from boost_jax.model.transformer import build_model  # noqa: E402
 from boost_jax.runtime.build import load_model  # noqa: E402
@@ -50,7 +51,7 @@ def dense_export(tmp_path_factory):
 
 def test_dense_export_import_is_bit_identical(dense_export, tmp_path):
     cfg, hf = dense_export
-    st = export.load_safetensors(hf / "model.safetensors")
+    st = load_safetensors(hf / "model.safetensors")
     assert st["model.layers.1.self_attn.k_proj.weight"].shape == (16, 32)  # [kv*head_dim, d]: HF [out, in]
     assert st["lm_head.weight"].shape == (256, 32)
     hf_cfg = json.loads((hf / "config.json").read_text())
@@ -132,7 +133,7 @@ def cola_export(tmp_path_factory):
 
 def test_cola_export_official_layout(cola_export):
     cfg, hf = cola_export
-    st = export.load_safetensors(hf / "model.safetensors")
+    st = load_safetensors(hf / "model.safetensors")
     layers = pure(load_model(cfg.run_dir)[0])["layers"]
     want = {"model.embed_tokens.weight": (256, 32), "model.norm.weight": (32,), "lm_head.weight": (256, 32)}
     for i in range(2):
@@ -182,7 +183,7 @@ def test_cola_config_fields_round_trip():
 
 def test_gqa_fold_checks_the_repeated_heads(cola_export):
     cfg, hf = cola_export
-    tensors = export.load_safetensors(hf / "model.safetensors")
+    tensors = load_safetensors(hf / "model.safetensors")
     assert export.kv_heads_repeated(tensors, cfg.model)
     # Trained on in the official code, the copies of a KV head drift apart: the import keeps all heads.
     name = "model.layers.1.self_attn.v_proj.cola_b"
@@ -202,7 +203,7 @@ def test_gqa_fold_checks_the_repeated_heads(cola_export):
 )
 def test_import_rejects_cola_variants(bad, why):
     hf = {**COLA_CONFIG, **bad}
-    with pytest.raises(export.ExportError, match=why):
+    with pytest.raises(ExportError, match=why):
         export.model_fields(hf)
 
 
@@ -288,7 +289,7 @@ def test_transformers_llama_matches_tied_embeddings(tmp_path):
     pytest.importorskip("transformers", reason="pip install transformers")
     cfg = trained_run(tmp_path / "run", **{"model.linear": "dense", "model.tie_embeddings": True})
     export.export(cfg.run_dir, tmp_path / "hf")
-    assert "lm_head.weight" not in export.load_safetensors(tmp_path / "hf" / "model.safetensors")
+    assert "lm_head.weight" not in load_safetensors(tmp_path / "hf" / "model.safetensors")
     _compare_with_transformers(cfg.run_dir, tmp_path / "hf")
 
 
@@ -386,7 +387,7 @@ def test_official_cola_layout_loads_strictly_and_matches_logits(cola_export, tmp
         cfg = trained_run(tmp_path / "run", **{"model.n_kv_heads": 4})
         hf = export.export(cfg.run_dir, tmp_path / "hf")
     model = official_cola_lm(torch, json.loads((hf / "config.json").read_text()))
-    state = {k: torch.from_numpy(np.array(v)) for k, v in export.load_safetensors(hf / "model.safetensors").items()}
+    state = {k: torch.from_numpy(np.array(v)) for k, v in load_safetensors(hf / "model.safetensors").items()}
     model.load_state_dict(state, strict=True)  # raises on any missing or unexpected tensor
     tokens = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
     with torch.no_grad():

@@ -25,9 +25,9 @@ from tests_support import metric_rows
 
 from boost_jax import train
 from boost_jax.config import base_config
+from boost_jax.errors import CheckpointError, ConfigError, CorruptCheckpoint, RunDirBusy, TrainingDiverged
 from boost_jax.runtime import step as step_lib
-from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint, fingerprint
-from boost_jax.runtime.runlock import RunDirBusy
+from boost_jax.runtime.checkpoint import Checkpointer, fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -361,7 +361,7 @@ def test_nan_under_stop_names_the_step_and_saves_nothing_after_it(reference, tmp
     cfg = make(tmp_path / "run", **{"train.log_every": 3})  # the NaN step 5 is neither logged nor saved
     poison_step(monkeypatch, cfg, 5)
     with pytest.raises(
-        train.TrainingDiverged,
+        TrainingDiverged,
         match=r"step 5: loss nan, grad norm nan or the updated weights "
         r"not finite; stopping \(train.nonfinite=stop\)\. No good "
         r"checkpoint is left",
@@ -547,7 +547,7 @@ def test_resume_false_on_a_run_dir_with_checkpoints(make_config, tmp_path):
     cfg = make_config(**{"run_dir": str(tmp_path / "run"), "train.stop_at_step": 4})
     train.run(cfg)
     again = make_config(**{"run_dir": str(tmp_path / "run"), "checkpoint.resume": False, "checkpoint.every": 2})
-    with pytest.raises(train.ConfigError, match=r"checkpoint\.resume.*steps \[4\].*checkpoint\.supersede=true"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume.*steps \[4\].*checkpoint\.supersede=true"):
         train.run(again)
     assert steps_on_disk(cfg.run_dir) == [4]
     again.checkpoint.supersede = True
@@ -570,7 +570,7 @@ def test_changed_data_under_a_resumed_run(make_config, tmp_path, capsys):
     train.run(cfg)
     text.write_text(text.read_text().replace("return x", "return -x"))  # same files, other tokens
     cfg.train.stop_at_step = 0
-    with pytest.raises(train.ConfigError, match=rf"data\.allow_changed.*changed since the checkpoint.*\({text}\)"):
+    with pytest.raises(ConfigError, match=rf"data\.allow_changed.*changed since the checkpoint.*\({text}\)"):
         train.run(cfg)
     assert steps_on_disk(cfg.run_dir) == [4]
     cfg.data.allow_changed = True
@@ -580,7 +580,7 @@ def test_changed_data_under_a_resumed_run(make_config, tmp_path, capsys):
     assert [r["step"] for r in rows if r.get("data_changed")] == [4]
     cfg.data.batching = "packed"  # the same data cut into other rows: the position means something else
     cfg.train.steps, cfg.data.allow_changed = 12, False
-    with pytest.raises(train.ConfigError, match=r"data\.allow_changed.*\(data\.batching\)"):
+    with pytest.raises(ConfigError, match=r"data\.allow_changed.*\(data\.batching\)"):
         train.run(cfg)
 
 

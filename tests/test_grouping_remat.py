@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boost_jax.model import model_from_config
+from boost_jax.model import autos, model_from_config
 from boost_jax.parallel.mesh import BATCH_AXES
 from boost_jax.runtime.build import build
 from boost_jax.runtime.step import next_token_loss
@@ -33,7 +33,7 @@ def test_grouping_uses_fewer_dots_and_same_outputs(make_config, kv_heads):
     outs, dots = {}, {}
     for grouped in (True, False, "first"):
         cfg = one_layer(make_config, **{"model.group_linears": grouped, "model.n_kv_heads": kv_heads})
-        model = model_from_config(cfg)
+        model = model_from_config(autos.apply(cfg, autos.chosen(cfg)))  # `auto` resolved for one device
         graphdef, params = nnx.split(model)
         fwd = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)[0])
         outs[grouped] = np.asarray(fwd(params, TOKENS[:, :-1]))
@@ -56,7 +56,7 @@ def test_first_stages_grouped_keep_gradients(make_config):
 
 
 def grads_under(cfg):
-    model = model_from_config(cfg)
+    model = model_from_config(autos.apply(cfg, autos.chosen(cfg)))
     graphdef, params = nnx.split(model)
     return jax.jit(jax.grad(lambda p, t: next_token_loss(graphdef, p, t)))(params, TOKENS)
 

@@ -17,6 +17,8 @@ from boost_jax.errors import ConfigError
 from boost_jax.planner import Options, load_cluster, search
 from boost_jax.planner import auto as auto_module
 from boost_jax.planner.auto import plan_run
+from boost_jax.runtime.build import build
+from boost_jax.validate import validate
 
 H100 = "clusters/h100_8x"
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,13 +138,13 @@ def test_readme_command(monkeypatch):
     line = auto.describe()
     shown = line.split(" (clusters/h100_8x;")[0]
     assert f"\n{shown} (...)\n" in readme, line
-    train.validate(resolved)
+    validate(resolved)
     assert resolved.parallel.fsdp * resolved.parallel.data * resolved.parallel.tensor * resolved.parallel.pipeline == 8
 
 
 def _peak(cfg) -> int:
     """The compiled train step's peak bytes per device (arguments + outputs + temporaries - aliased)."""
-    m = train.build(train.validate(cfg), validated=True).lower_train().compile().memory_analysis()
+    m = build(validate(cfg), validated=True).lower_train().compile().memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 

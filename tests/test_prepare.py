@@ -16,9 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from boost_jax.data import build_loaders
+from boost_jax.data import build_loaders, shards
 from boost_jax.data import prepare as prep
+from boost_jax.data.shard_dir import OutLock
 from boost_jax.data.tokenizer import load_tokenizer
+from boost_jax.errors import PrepareError
 
 
 def _documents(rng, n):
@@ -98,7 +100,7 @@ def test_shards_equal_in_process_tokenisation(corpus, bpe, tmp_path, tokenizer, 
 def test_resume_after_an_interrupted_run(corpus, tmp_path, monkeypatch):
     root, texts = corpus
     out = tmp_path / "out"
-    real = prep.run_unit
+    real = shards.run_unit
 
     def interrupted(i, *args, **kw):
         if i == 3:
@@ -121,7 +123,7 @@ def test_resume_after_an_interrupted_run(corpus, tmp_path, monkeypatch):
     np.testing.assert_array_equal(stream(out), reference(texts, "byte"))
 
     # Another tokenizer, field or input set in the same directory is refused, not mixed in.
-    with pytest.raises(prep.PrepareError, match="choose a new --out"):
+    with pytest.raises(PrepareError, match="choose a new --out"):
         prep.prepare(inputs(root)[:2], out, unit_bytes=3000, progress=False)
 
 
@@ -365,7 +367,7 @@ def test_a_second_run_on_the_same_out_is_refused(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     command = [*inputs(root), "--out", str(out), "--workers", "0", "--no-progress"]
-    with prep.OutLock(out):  # another run holds it
+    with OutLock(out):  # another run holds it
         holder = json.loads((out / ".lock").read_text())
         assert prep.main(command) == 1
         assert _one_line(capsys) == (

@@ -514,6 +514,7 @@ def test_export_round_trips_a_new_kind_through_its_own_layout(make_config, scale
     from safetensors.numpy import load_file, save_file
 
     from boost_jax import export
+    from boost_jax.errors import ExportError
     from boost_jax.model import build_model
     from boost_jax.runtime.build import load_model
 
@@ -536,7 +537,7 @@ def test_export_round_trips_a_new_kind_through_its_own_layout(make_config, scale
     assert fields == {k: m[k] for k in fields} and fields["linear"] == "scaled_lowrank", fields
     back = export.from_hf(tensors, params, m)
     jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, params))
-    with pytest.raises(export.ExportError, match="lr_scale is missing"):
+    with pytest.raises(ExportError, match="lr_scale is missing"):
         export.model_fields({k: v for k, v in hf.items() if k != "lr_scale"})
 
     src = tmp_path / "hf"

@@ -227,34 +227,3 @@ def test_blocks_with_deferred_adds_equal_the_separate_adds(make_config):
     assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         _close(a, b, 1e-4)
-
-
-class _Route:
-    def __init__(self, fuses_norm):
-        self.fuses_norm = fuses_norm
-
-
-class _Placement:
-    """What `fuses_residual` asks a placement: the groups' routes and whether a pipeline runs the stack."""
-
-    def __init__(self, online=(), pipeline=False):
-        self.online, self.piped = online, pipeline
-
-    def group(self, name, factored):
-        return _Route(name in self.online and factored)
-
-    def pipeline(self, stack):
-        return object() if self.piped else None
-
-
-def test_auto_fuses_where_the_triton_norm_runs_and_nothing_else_needs_the_adds():
-    from boost_jax.model.transformer import fuses_residual
-
-    local = _Placement()
-    assert fuses_residual("auto", "triton", local, "cola")
-    assert not fuses_residual("auto", "pallas", local, "cola") and not fuses_residual("auto", "xla", local, "cola")
-    assert fuses_residual("fused", "xla", local, "cola") and not fuses_residual("separate", "triton", local, "cola")
-    assert not fuses_residual("auto", "triton", _Placement(pipeline=True), "cola")  # stages pass one array
-    for group in ("qkv", "mlp_in"):  # BTP's online norm: the statistics ride in the A all-reduce
-        assert not fuses_residual("auto", "triton", _Placement(online=(group,)), "cola")
-        assert fuses_residual("auto", "triton", _Placement(online=(group,)), "dense")  # not factored: no online norm

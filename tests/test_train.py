@@ -15,7 +15,8 @@ from tests_support import metric_rows
 
 from boost_jax import train
 from boost_jax.config import base_config
-from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError
+from boost_jax.errors import CheckpointError, TrainingDiverged
+from boost_jax.runtime.checkpoint import Checkpointer
 
 
 def final_params(run_dir, step):
@@ -100,7 +101,7 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(make_config):
         }
     )
     with pytest.raises(
-        train.TrainingDiverged,
+        TrainingDiverged,
         match=r"step (\d+): .*The last good checkpoint \(its state's "
         r"next step was finite\) is step (\d+)",
     ) as e:

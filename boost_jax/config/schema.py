@@ -155,8 +155,8 @@ def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
     # grouped where parallel.tensor > 1 (it merges their collectives) or the kind is dense, else not.
     # auto | true | false | first (only the first stages, the A's, as one GEMM; each B its own)
     m.group_linears = config_dict.FieldReference("auto", field_type=object)
-    # unroll the layer scan. auto: unrolled on GPUs where only parallel.data splits the mesh (18% faster
-    # on one H100), scanned elsewhere (compile time does not grow with depth).
+    # unroll the layer scan. auto: unrolled on GPUs where only parallel.data splits the mesh (faster on
+    # one H100, benchmarks/RESULTS.md), scanned elsewhere (compile time does not grow with depth).
     m.scan_unroll = config_dict.FieldReference("auto", field_type=object)  # auto | true | false
     # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention/). auto: cudnn on a GPU in
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).

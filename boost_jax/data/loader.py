@@ -2,29 +2,17 @@
 
 A loader serves *samples*: sample i of the run is unit order_e[i mod n] of epoch e = i // n, with
 order_e a permutation of the n units seeded by (seed, e) (`data.shuffle`: the stateless Feistel
-permutation of boost_jax/data/shuffle.py, evaluated per index in O(1) memory, or the materialised
-numpy permutation that checkpoints written before `data.shuffle` used). A batch is therefore a pure
-function of its position (samples consumed so far): resuming needs one integer, and every process
-computes its own rows of the same global batch. What a unit is depends on `data.batching`:
+permutation of boost_jax/data/shuffle.py, or the materialised numpy permutation that checkpoints
+written before `data.shuffle` used). A batch is therefore a pure function of its position (samples
+consumed so far): resuming needs one integer, and every process computes its own rows of the same
+global batch. A unit, by `data.batching` (each loader's docstring has the details):
 
-- stream: a window of seq_len+1 tokens of the concatenated stream (windows do not overlap; they
-  cross document boundaries). A batch is an int32 array [rows, seq_len+1].
-- document: one document (CoLA's recipe): the whole document if it fits in seq_len tokens, else its
-  first seq_len-1 tokens and then its EOS (as CoLA's T5 tokenizer call with truncation=True,
-  max_length=seq_len makes the row; a document that does not end with the tokenizer's EOS, or a
-  tokenizer without one, keeps its first seq_len tokens), then padding. A batch is
-  {"tokens": [rows, seq_len+1], "lengths": [rows]}; position t holds a token iff t < length.
-- packed: a row of seq_len tokens holding whole documents. Documents are packed greedily in corpus
-  order within blocks of PACK_BLOCK documents (a document longer than a row is cut into row-sized
-  pieces, each its own segment; a last piece goes into the first of the OPEN_ROWS latest rows with
-  room), counted once when the loader starts (vectorised over the blocks) and laid out per block when
-  a row is read; the rows are what is shuffled (as Levanter packs). A batch is {"tokens", "segments", "positions"},
-  each [rows, seq_len+1]: segment
-  ids 1, 2, ... per piece (0: padding) and positions restarting at 0 in every piece.
-  Row seq_len (the last column) is always padding: a row's targets stay inside its documents.
+- stream (`TokenLoader`): a window of seq_len+1 tokens of the concatenated stream, int32 [rows, seq_len+1];
+- document (`DocumentLoader`): one document, truncated and padded: {"tokens", "lengths"};
+- packed (`PackedLoader`): a row of whole documents: {"tokens", "segments", "positions"}.
 
-A mixture keeps the pure-function property: which source sample i comes from, and that source's
-own sample index, are pure functions of i.
+A mixture (`MixtureLoader`) keeps the pure-function property: which source sample i comes from, and
+that source's own sample index, are pure functions of i.
 """
 
 from __future__ import annotations
@@ -185,8 +173,11 @@ class _Documents:
 
 
 class DocumentLoader(Loader):
-    """data.batching=document: one document per row, truncated to seq_len tokens (the last of them
-    the document's EOS, `eos_id`, when it ends with one) and padded."""
+    """data.batching=document: one document per row (CoLA's recipe): the whole document if it fits in
+    seq_len tokens, else its first seq_len-1 tokens and then its EOS (`eos_id`; as CoLA's T5 tokenizer
+    call with truncation=True, max_length=seq_len makes the row; a document that does not end with the
+    tokenizer's EOS, or a tokenizer without one, keeps its first seq_len tokens), then padding. A batch
+    is {"tokens": [rows, seq_len+1], "lengths": [rows]}; position t holds a token iff t < length."""
 
     batching = "document"
 
@@ -276,7 +267,14 @@ def count_packed_rows(lengths: np.ndarray, seq_len: int, open_rows: int = OPEN_R
 
 
 class PackedLoader(Loader):
-    """data.batching=packed: rows of whole documents (see the module docstring)."""
+    """data.batching=packed: a row of seq_len tokens holding whole documents. Documents are packed
+    greedily in corpus order within blocks of PACK_BLOCK documents (a document longer than a row is
+    cut into row-sized pieces, each its own segment; a last piece goes into the first of the OPEN_ROWS
+    latest rows with room), counted once when the loader starts (vectorised over the blocks) and laid
+    out per block when a row is read; the rows are what is shuffled (as Levanter packs). A batch is
+    {"tokens", "segments", "positions"}, each [rows, seq_len+1]: segment ids 1, 2, ... per piece (0:
+    padding) and positions restarting at 0 in every piece. Row seq_len (the last column) is always
+    padding: a row's targets stay inside its documents."""
 
     batching = "packed"
 

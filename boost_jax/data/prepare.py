@@ -4,6 +4,49 @@
     python -m boost_jax.train --config configs/cola_60m.py --config.data.path=/data/c4_t5 \\
         --config.data.tokenizer=t5.model
 
+Each input unit becomes one raw shard `shard_NNNNN.bin` (uint16 or uint32 tokens, every document
+ending with the tokenizer's EOS) with `.idx` (document end offsets) and `.json` (counts, written
+last: a shard is finished once it exists); `index.json` lists the shards with the tokenizer,
+vocabulary size and dtype, which the `tokens` source checks against the run's config. A rerun with
+the same arguments resumes; one run at a time holds `OUT/.lock`; SIGINT/SIGTERM or a failed write
+keep the finished shards and remove the rest. The whole contract: `DETAILS` (the command's --help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from boost_jax.data.shard_dir import (
+    PLAN,
+    OutLock,
+    WriteError,
+    error_reason,
+    make_out,
+    remove_tmp,
+    wait_for_workers,
+    write_whole,
+)
+from boost_jax.data.shards import (
+    init_worker,
+    plan_units,
+    run_unit,
+    token_dtype,
+)
+from boost_jax.data.sources import FORMAT, INDEX, expand_paths
+from boost_jax.data.tokenizer import load_tokenizer, tokenizer_id
+from boost_jax.errors import PrepareError
+
+DETAILS = """\
 Inputs: files, directories or globs of `.jsonl`/`.json` (one JSON object per line, the text in
 `--field`), `.txt`/`.md`/`.text` (a file is one document, tokenised in 8 MB pieces cut at line ends)
 and `.parquet` (the `--field` column; needs pyarrow), each optionally `.gz` or `.zst` (needs
@@ -32,57 +75,8 @@ reason, with the same clean-up: free space and rerun the same command to resume.
 `.tmp` files behind, which are never read and are overwritten or removed by the next run; the
 workers die with the main process (Linux: the kernel kills them when it dies), and while any is
 alive it holds a shared lock on `OUT/.workers.lock` for which a rerun waits before it writes.
+
 """
-
-from __future__ import annotations
-
-import argparse
-import contextlib
-import json
-import math
-import multiprocessing
-import os
-import signal
-import sys
-import threading
-import time
-from pathlib import Path
-
-# The work is done by reading.py (the inputs), shards.py (a unit into a shard, the workers) and
-# shard_dir.py (--out's locks and files); the public names this module had before they were split
-# off stay importable from here.
-from boost_jax.data.reading import (  # noqa: F401 - re-exported
-    JSONL,
-    PARQUET,
-    TEXT,
-    TEXT_CHUNK,
-    file_format,
-    read_documents,
-    splittable,
-)
-from boost_jax.data.shard_dir import (  # noqa: F401 - re-exported
-    LOCK,
-    PLAN,
-    WORKERS_LOCK,
-    OutLock,
-    WriteError,
-    error_reason,
-    make_out,
-    remove_tmp,
-    wait_for_workers,
-    write_whole,
-)
-from boost_jax.data.shards import (  # noqa: F401 - re-exported
-    BATCH_BYTES,
-    PR_SET_PDEATHSIG,
-    init_worker,
-    plan_units,
-    run_unit,
-    token_dtype,
-)
-from boost_jax.data.sources import FORMAT, INDEX, expand_paths
-from boost_jax.data.tokenizer import load_tokenizer, tokenizer_id
-from boost_jax.errors import PrepareError
 
 
 class Interrupted(KeyboardInterrupt):
@@ -355,7 +349,9 @@ def main(argv=None) -> int:
 
 def _cli(argv) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"{__doc__}\n{DETAILS}",
     )
     ap.add_argument("inputs", nargs="+", help="files, directories or globs")
     ap.add_argument("--out", required=True, help="the directory of shards (rerun with it to resume)")

@@ -1,7 +1,7 @@
 """A stateless pseudo-random permutation of [0, n), evaluated per index in O(1) memory.
 
-Why: a materialised `np.random` permutation costs 8 bytes and ~60 ns per sample, paid again at every
-start and every epoch (778M windows of a 2e11-token corpus: ~6 GiB and ~1 minute). `Permutation(n,
+Why: a materialised `np.random` permutation costs 8 bytes and a shuffle step per sample, paid again
+at every start and every epoch (gigabytes for a corpus of 1e11 tokens). `Permutation(n,
 seed)(i)` instead computes where sample i goes with a keyed Feistel network over the smallest even
 power of two >= n, walking the cycle (re-encrypting) until the result falls back into [0, n).
 

@@ -5,28 +5,12 @@ For x: [..., d], scale: [d]:
     y = x · rsqrt(s/d + eps) · scale   (cast back to x.dtype)
 
 Under TP each device holds a slice of d: it needs its local s (to all-reduce) and its locally
-normalised rows, so the kernel emits both from one pass over x.
-
-`impl="pallas"` runs Pallas kernels (forward and backward, via `jax.custom_vjp`) lowered through
-the Triton backend on GPU and the interpreter on CPU. `impl="triton"` runs the same fused kernels
-written in Triton and called through jax-triton (`boost_jax/kernels/rmsnorm_triton.py`), NVIDIA GPUs
-only. `impl="xla"` is the plain-jnp reference. Block strategy: rows are flattened to
-[R, d]; a forward program owns `block_rows` rows and the whole row width, read as power-of-two
-column pieces (Triton needs power-of-two block shapes; d = 3200 is 2048 + 1024 + 128 lanes, not
-4096). The backward runs a fixed grid of at most 128 programs, each looping over its row blocks
-and accumulating its partial dscale in registers, so the partials are [programs, d] float32
-whatever R is. Masked lanes read as 0 and are not stored; no padded copy of x is materialised.
-
-When a kernel cannot run (Pallas does not lower on this GPU; Triton without an NVIDIA GPU or
-without jax-triton) it falls back to XLA loudly: a warning (once per process), an absl log line, and
-`kernels_used()` (which the trainer writes to metrics.jsonl) names what ran and why.
-
-JAX versions: every `pallas_call` here passes the Triton backend's `CompilerParams` explicitly, which
-pins the Triton lowering (JAX >= 0.10 otherwise defaults Pallas on GPU to Mosaic GPU,
-`jax_pallas_use_mosaic_gpu`). JAX 0.11 deprecates that backend ("to keep using Triton, switch to the
-official Triton bindings and jax_triton", the Pallas changelog for 0.11.0): it still lowers there, and
-should `jax.experimental.pallas.triton` disappear, `impl="pallas"` falls back loudly as above while
-`impl="triton"` keeps running natively. The renamed `TritonCompilerParams` (before jax 0.7) is accepted.
+normalised rows, so the kernel emits both from one pass over x. `impl` is "pallas" (Pallas kernels
+through the Triton backend on GPU, the interpreter on CPU), "triton" (the same kernels in Triton
+through jax-triton, kernels/rmsnorm_triton.py, NVIDIA GPUs only) or "xla" (plain jnp); which one a
+model uses is kernels/norm_choice.py's choice. A kernel that cannot run falls back to XLA loudly: a
+warning (once per process), an absl log line, and `kernels_used()` (in metrics.jsonl) names what ran
+and why. Block strategy and the JAX versions the Pallas backend supports: the comments below.
 """
 
 from __future__ import annotations
@@ -44,6 +28,12 @@ from jax.experimental import pallas as pl
 from boost_jax.errors import install_hint
 from boost_jax.kernels import platform
 
+# JAX versions: every `pallas_call` here passes the Triton backend's `CompilerParams` explicitly, which
+# pins the Triton lowering (JAX >= 0.10 otherwise defaults Pallas on GPU to Mosaic GPU,
+# `jax_pallas_use_mosaic_gpu`). JAX 0.11 deprecates that backend ("to keep using Triton, switch to the
+# official Triton bindings and jax_triton", the Pallas changelog for 0.11.0): it still lowers there, and
+# should `jax.experimental.pallas.triton` disappear, `impl="pallas"` falls back loudly as above while
+# `impl="triton"` keeps running natively. The renamed `TritonCompilerParams` (before jax 0.7) is accepted.
 try:  # Pallas's Triton backend (deprecated in jax 0.11): without it, impl="pallas" falls back loudly
     from jax.experimental.pallas import triton as plgpu
 
@@ -79,6 +69,13 @@ def rmsnorm_reference(x, scale, eps):
 
 
 # ----------------------------------------------------------------------------------------- kernels
+#
+# Block strategy: rows are flattened to
+# [R, d]; a forward program owns `block_rows` rows and the whole row width, read as power-of-two
+# column pieces (Triton needs power-of-two block shapes; d = 3200 is 2048 + 1024 + 128 lanes, not
+# 4096). The backward runs a fixed grid of at most 128 programs, each looping over its row blocks
+# and accumulating its partial dscale in registers, so the partials are [programs, d] float32
+# whatever R is. Masked lanes read as 0 and are not stored; no padded copy of x is materialised.
 #
 # Refs are whole arrays; a program addresses its rows and columns with static-width slices:
 # - columns: d is covered by power-of-two pieces (its binary digits down to _MIN_PIECE, then one

@@ -3,25 +3,10 @@ and the residual add fused with the norm that reads it (`add_rmsnorm_rows`).
 
 `kernels.rmsnorm=triton` runs these; `boost_jax/kernels/rmsnorm.py` is the interface (and the
 probe-then-fall-back logic shared with the Pallas kernels). Same math and outputs as the Pallas
-kernels: for x [R, d], scale [d]
-
-    s = Σ_d x² (float32),  y = x · rsqrt(s/d + eps) · scale,
-    dx = dy·w·r - x·(Σ dy·w·x)·r³/d + 2·x·ds,  dscale = Σ_rows dy·x·r.
-
-The fused add + norm takes the residual stream x and a branch's output r: h = x + r (stored in x's
-dtype), y = rmsnorm(h)·scale; its backward gets dy and dh (h's own gradient, from the stream's next
-add) and returns dx = dr = dh + the norm's dh, so neither the add nor the gradient sum is a separate
-pass over the rows.
-
-Why a second implementation: JAX 0.11 deprecates the Pallas Triton backend ("to keep using Triton,
-switch to the official Triton bindings and jax_triton", the Pallas changelog for 0.11.0), so when
-Pallas-on-Triton stops lowering on a GPU image these kernels still run natively.
-
-Layout: a forward program owns `ROWS` rows and the whole row, one power-of-two `BLOCK_D` >= d wide
-(masked lanes read 0 and are not stored; d is a compile-time constant, so row starts are provably
-16-byte aligned for d % 8 == 0 and the loads vectorise). The backward runs a fixed grid of at most
-`MAX_PROGRAMS` programs, each looping over every `MAX_PROGRAMS`-th row block and keeping its partial
-dscale in registers; the [programs, d] float32 partials are summed outside the kernel (no atomics).
+kernels; the fused add + norm takes the residual stream x and a branch's output r: h = x + r,
+y = rmsnorm(h)·scale, and its backward returns dx = dr = dh + the norm's dh in the same pass.
+Why a second implementation (JAX 0.11 deprecates the Pallas Triton backend), the math and the block
+layout: the comments below.
 
 This module imports `triton` at import time and `jax_triton` only when a kernel is called, so
 `compile_for_cuda` (used by the tests) runs on a CPU-only host with just `triton` installed.
@@ -40,6 +25,26 @@ import triton
 import triton.language as tl
 
 from boost_jax.kernels import platform, row_batching
+
+# The math, for x [R, d], scale [d]:
+#
+#     s = Σ_d x² (float32),  y = x · rsqrt(s/d + eps) · scale,
+#     dx = dy·w·r - x·(Σ dy·w·x)·r³/d + 2·x·ds,  dscale = Σ_rows dy·x·r.
+#
+# The fused add + norm takes the residual stream x and a branch's output r: h = x + r (stored in x's
+# dtype), y = rmsnorm(h)·scale; its backward gets dy and dh (h's own gradient, from the stream's next
+# add) and returns dx = dr = dh + the norm's dh, so neither the add nor the gradient sum is a separate
+# pass over the rows.
+#
+# Why a second implementation: JAX 0.11 deprecates the Pallas Triton backend ("to keep using Triton,
+# switch to the official Triton bindings and jax_triton", the Pallas changelog for 0.11.0), so when
+# Pallas-on-Triton stops lowering on a GPU image these kernels still run natively.
+#
+# Layout: a forward program owns `ROWS` rows and the whole row, one power-of-two `BLOCK_D` >= d wide
+# (masked lanes read 0 and are not stored; d is a compile-time constant, so row starts are provably
+# 16-byte aligned for d % 8 == 0 and the loads vectorise). The backward runs a fixed grid of at most
+# `MAX_PROGRAMS` programs, each looping over every `MAX_PROGRAMS`-th row block and keeping its partial
+# dscale in registers; the [programs, d] float32 partials are summed outside the kernel (no atomics).
 
 _F32 = jnp.float32
 MAX_PROGRAMS = 512  # the backward's grid cap: partials are [<=512, d] float32 (8 MiB at d=4096)

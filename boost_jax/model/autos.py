@@ -3,35 +3,13 @@
     picks = chosen(cfg, mesh)    # {field: value} of the autos alone (the start-up line prints them)
     cfg = apply(cfg, picks)      # a copy with every `auto` below replaced by its value here
 
-runtime/build.py resolves every config it builds (and a model built directly, e.g. by a test,
-resolves what is left for its own placement), so the trainer, the tools, the planner's `--verify`
-and the benchmarks run the same program for the same config and mesh. The rules, from one H100's
-measurements (benchmarks/RESULTS.md, 2026-11-27 (sixth), seq 256 x batch 32, benchmarks/gpu_speed.json):
-
-- model.group_linears: grouped where the tensor axis splits the projections (grouping exists to merge
-  their collectives) and for unfactored kinds (dense: q/k/v and gate/up as one GEMM, llama_1b 1.8%
-  faster); factored kinds otherwise `first` on GPUs: the A's as one GEMM (the backward's input gradient
-  one GEMM, not a sum of one per projection), each B its own (fully grouped, the B outputs sliced out of
-  one batched GEMM cost more than they save: cola_1b 1.1% slower unrolled, 11% scanned); ungrouped on CPUs.
-- model.scan_unroll: the layer stack unrolled on GPUs where only `data` splits the mesh (each device
-  runs the one-device program); it runs 18% faster on one H100 (cola_1b 117.0 -> 95.8 ms) because XLA
-  fuses and schedules across layers and no per-layer slices and stacked gradient updates remain.
-  Where the tensor axis splits the layers too (and only data besides), the stack is unrolled when
-  remat.policy is `none`: the scan would keep the same activations and copy them into and out of its
-  stacks besides (the step-time table's copies/layout on a TP 4 group, benchmarks/RESULTS.md
-  2026-11-28); with a remat policy it keeps the scan, which then recomputes.
-  Pipeline, fsdp and context splits keep the scan (bounded per-layer gathers, stages and ring
-  blocks). The planner prices both stacks where only data splits (planner/search_space.py `stacks`).
-- remat.policy: an unrolled stack keeps every activation (`none`: XLA would fold a policy's recompute
-  back into the forward anyway, as jax.checkpoint here does not prevent common-subexpression
-  elimination); a scanned stack on a GPU recomputes: `lowrank` for factored kinds (17% faster than
-  `none` at a third of the memory), `full` for dense ones; CPUs keep everything (`none`).
-- kernels.rmsnorm: the fused Triton kernel on NVIDIA GPUs when jax-triton is installed, else the
-  fused Pallas kernel on GPUs (8% faster, 9 GiB less than XLA's norm at cola_1b); XLA's norm elsewhere.
-  Where the trainer vmaps the model (a pipeline's stages, the data-parallel gradient island) the
-  kernels are batched by kernels/row_batching.py.
-
-A value other than `auto` is kept as given.
+runtime/build.py resolves every config it builds, once, and what it builds reads the result (a model
+built directly, e.g. by a test, resolves through `for_model`), so the trainer, the tools, the
+planner's `--verify` and the benchmarks run the same program for the same config and mesh. The rules
+(`pick`) are each field's reasons, measured on one H100 (benchmarks/RESULTS.md, 2026-11-27 (sixth)
+and 2026-11-28): model.group_linears, model.scan_unroll and remat.policy follow the mesh's splits and
+the linear kind; kernels.rmsnorm is kernels/norm_choice.py's kernel. A value other than `auto` is
+kept as given.
 """
 
 from __future__ import annotations
@@ -39,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 
 from boost_jax.kernels import platform
+from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import AXES, mesh_shape
 
@@ -59,6 +38,26 @@ def triton_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("triton", "jax_triton"))
 
 
+# The rules' reasons (their measurements: benchmarks/RESULTS.md 2026-11-27 (sixth), "the one-device
+# step at the defaults' speed", and 2026-11-28):
+# - model.group_linears: grouped where the tensor axis splits the projections (grouping exists to merge
+#   their collectives) and for unfactored kinds (dense: q/k/v and gate/up as one GEMM); factored kinds
+#   otherwise `first` on GPUs: the A's as one GEMM (the backward's input gradient one GEMM, not a sum
+#   of one per projection), each B its own (the B outputs sliced out of one batched GEMM cost more than
+#   they save); ungrouped on CPUs.
+# - model.scan_unroll: the layer stack unrolled on GPUs where only `data` splits the mesh (each device
+#   runs the one-device program): XLA fuses and schedules across layers and no per-layer slices and
+#   stacked gradient updates remain. Where the tensor axis splits the layers too (and only data
+#   besides), the stack is unrolled when remat.policy is `none`: the scan would keep the same
+#   activations and copy them into and out of its stacks besides; with a remat policy it keeps the
+#   scan, which then recomputes. Pipeline, fsdp and context splits keep the scan (bounded per-layer
+#   gathers, stages and ring blocks). The planner prices both stacks where only data splits.
+# - remat.policy: an unrolled stack keeps every activation (`none`: XLA would fold a policy's
+#   recompute back into the forward anyway); a scanned stack on a GPU recomputes: `lowrank` for
+#   factored kinds, `full` for dense ones; CPUs keep everything (`none`).
+# - kernels.rmsnorm: the fused Triton kernel on NVIDIA GPUs when jax-triton is installed, else the
+#   fused Pallas kernel on GPUs; XLA's norm elsewhere (kernels/norm_choice.py). Where the trainer vmaps
+#   the model the kernels are batched by kernels/row_batching.py.
 def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
     """{"group_linears", "scan_unroll", "remat", "rmsnorm"}: each given value, or its rule's value where it
     is `auto`, on a GPU (or not) with mesh `sizes` (axis -> size)."""
@@ -71,8 +70,7 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
         group = True if sizes["tensor"] > 1 or not factored else ("first" if gpu else False)
     if policy == AUTO:
         policy = "none" if unroll or not gpu else ("lowrank" if kind_class(linear).factored else "full")
-    if norm == AUTO:
-        norm = ("triton" if triton else "pallas") if gpu else "xla"
+    norm = choose_norm(norm, gpu=gpu, triton=triton).kernel  # the kernel part of the norm choice
     return {
         "group_linears": group if group == "first" else bool(group),
         "scan_unroll": bool(unroll),

@@ -53,7 +53,7 @@ def _head_fwd(h, w, low):
 
 def _head_bwd(low, res, g):
     """The float32 logits' cotangent enters both GEMMs in h's dtype (a bfloat16 step's head backward
-    would otherwise run as float32 GEMMs: 3.5 ms of a 92 ms cola_1b step on one H100); both accumulate
+    would otherwise run as float32 GEMMs, benchmarks/RESULTS.md 2026-11-28 (bf16 logits)); both accumulate
     in float32, and the weight's gradient comes back in float32 (its dtype), summed over chunks."""
     h, w = res
     g = g.astype(h.dtype)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.kernels import platform
+from boost_jax.kernels.norm_choice import NormChoice
 from boost_jax.model import autos, remat
 from boost_jax.model import batch as batch_lib
 from boost_jax.model.attention import Attention, Documents
@@ -18,6 +19,8 @@ from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, grouping, proj
 from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain, gathered, take_rows
+
+LOCAL_NORM = LOCAL.norm_choice()  # XLA's norm with separate adds on one device (kernels/norm_choice.py)
 
 
 def compute_dtype(name: str):
@@ -46,20 +49,19 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """A pre-norm block. With `fuse_residual` its residual adds run inside the norms that read them
+    """A pre-norm block; `norm` is the placement's choice (kernels/norm_choice.py). With its `fused_add`
+    the block's residual adds run inside the norms that read them
     (RMSNorm.add): the attention output's add in the MLP's norm, and the MLP output's add deferred to
     the next block's first norm (the block returns (stream, MLP output) and takes that pair as its x).
     Groups whose norm rides in the A all-reduce (BTP's online norm) keep the separate adds."""
 
-    def __init__(
-        self, cfg, *, rngs: nnx.Rngs, param_dtype, norm_impl: str = "xla", placement=LOCAL, fuse_residual=False
-    ):
-        norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm_impl, run=placement.norm(norm_impl))
-        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, norm: NormChoice = LOCAL_NORM, placement=LOCAL):
+        kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, impl=norm.kernel, run=placement.norm(norm))
+        self.attn_norm = RMSNorm(cfg.d_model, **kw)
         self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
-        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.mlp_norm = RMSNorm(cfg.d_model, **kw)
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
-        self.fuse_residual = bool(fuse_residual)
+        self.fuse_residual = bool(norm.fused_add)
 
     def __call__(self, x, positions, cache=None, docs=None):
         if isinstance(x, tuple):  # (stream, the previous block's MLP output): add it in this norm
@@ -75,17 +77,17 @@ class Block(nnx.Module):
         return x, cache
 
 
-def fuses_residual(choice: str, norm_impl: str, placement, linear: str) -> bool:
-    """`kernels.residual_norm` resolved: `fused` (auto: where the norm is the Triton kernel) unless a
-    pipeline runs the stack (its stages pass one array) or a group fuses its norm with its first stage."""
-    if choice == "separate" or (choice == "auto" and norm_impl != "triton"):
-        return False
-    factored = kind_class(linear).factored
-    online = any(placement.group(g, factored).fuses_norm for g in ("qkv", "mlp_in"))
-    return placement.pipeline(LAYER_STACK) is None and not online
-
-
 LAYER_STACK = "layers"  # the parameters' key of the stacked layers (what a pipeline runs)
+
+
+def _resolved(cfg, remat_policy: str, norm_impl: str) -> None:
+    """A model reads its config as the builder resolved it (runtime/build.py; `build_model` for one
+    built directly): an `auto` left here is refused, naming the field."""
+    given = {"model.group_linears": cfg.group_linears, "model.scan_unroll": cfg.scan_unroll}
+    given.update({"remat.policy": remat_policy, "kernels.rmsnorm": norm_impl})
+    left = [k for k, v in given.items() if v == autos.AUTO]
+    if left:
+        raise ValueError(f"{', '.join(left)} still `auto`: build the model through runtime/build.py or build_model")
 
 
 class Transformer(nnx.Module):
@@ -104,8 +106,8 @@ class Transformer(nnx.Module):
         remat_pipeline: str = "none",
         residual_norm: str = "auto",
     ):
-        cfg, remat_policy, norm_impl = autos.for_model(cfg, remat_policy, norm_impl, placement.mesh)
-        fuse = fuses_residual(residual_norm, norm_impl, placement, cfg.linear)
+        _resolved(cfg, remat_policy, norm_impl)
+        norm = placement.norm_choice(norm_impl, residual_norm, kind_class(cfg.linear).factored)
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.placement = placement
         self.pipeline = placement.pipeline(LAYER_STACK)  # None: the layers run as one scan
@@ -124,9 +126,7 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stacked(r):
-            return Block(
-                cfg, rngs=r, param_dtype=param_dtype, norm_impl=norm_impl, placement=placement, fuse_residual=fuse
-            )
+            return Block(cfg, rngs=r, param_dtype=param_dtype, norm=norm, placement=placement)
 
         self.layers = stacked(rngs)
         self.final_norm = RMSNorm(
@@ -134,11 +134,11 @@ class Transformer(nnx.Module):
             eps=cfg.norm_eps,
             param_dtype=param_dtype,
             axis="head_norm",
-            impl=norm_impl,
-            run=placement.norm(norm_impl),
+            impl=norm.kernel,
+            run=placement.norm(norm),
         )
         self.unroll = bool(cfg.scan_unroll)
-        self.fuse_residual = fuse
+        self.fuse_residual = norm.fused_add
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.loss_chunk, self.z_loss = int(cfg.loss_chunk), float(cfg.z_loss)
         self.low_logits = cfg.get("logits_dtype", "compute") == "compute"
@@ -290,6 +290,13 @@ def build_model(
     remat_pipeline: str = "none",
     residual_norm: str = "auto",
 ) -> Transformer:
+    """A model built directly (tests, tools): what is left `auto` is resolved here for `placement`
+    (model/autos.py `for_model`); the builder's models come from `model_from_config`, resolved."""
+    model_cfg, remat_policy, norm_impl = autos.for_model(model_cfg, remat_policy, norm_impl, placement.mesh)
+    return _model(model_cfg, seed, remat_policy, norm_impl, placement, remat_pipeline, residual_norm)
+
+
+def _model(model_cfg, seed, remat_policy, norm_impl, placement, remat_pipeline, residual_norm) -> Transformer:
     return Transformer(
         model_cfg,
         rngs=nnx.Rngs(params=seed),
@@ -302,9 +309,10 @@ def build_model(
 
 
 def model_from_config(cfg, placement=LOCAL) -> Transformer:
-    """The model a run config describes (shapes, remat policies, norm kernel), placed by `placement`."""
+    """The model a run config describes (shapes, remat policies, norm kernel), placed by `placement`: the
+    config as runtime/build.py resolved it (no field left `auto`)."""
     k = cfg.kernels
-    return build_model(
+    return _model(
         cfg.model, cfg.seed, cfg.remat.policy, k.rmsnorm, placement, cfg.remat.pipeline, k.get("residual_norm", "auto")
     )
 

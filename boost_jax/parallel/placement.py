@@ -4,8 +4,8 @@ The model never asks which strategy is running. `Placement(mesh, strategy)` (or 
 device, no mesh) chooses once, at construction, the objects the model's modules apply, and the
 modules keep them as fields, where a reader sees them:
 
-- `norm(impl)`: how an RMSNorm kernel runs: as XLA partitions it (`Norm`), or, for a Pallas/Triton
-  call that GSPMD cannot partition, once per shard inside `shard_map` (`PerShardNorm`);
+- `norm(choice)`: how the `norm_choice` (kernels/norm_choice.py) runs: as XLA partitions it (`Norm`),
+  or, a Pallas/Triton call GSPMD cannot partition, once per shard in `shard_map` (`PerShardNorm`);
 - `group(name, factored)`: how a projection group's GEMMs run: the model's own grouped GEMMs
   (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
   PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from boost_jax.kernels.norm_choice import NormChoice, choose_norm
 from boost_jax.parallel import pipeline, rules
 from boost_jax.parallel.context import Context
 from boost_jax.parallel.online_norm import online_norm_matmul
@@ -280,15 +281,33 @@ class Placement:
     mesh: Mesh | None = None
     strategy: Strategy | None = None
 
-    def norm(self, impl: str):
-        return Norm() if self.mesh is None or impl == "xla" else PerShardNorm(self.mesh)
+    def norm_choice(self, kernel: str = "xla", residual: str = "separate", factored: bool = False) -> NormChoice:
+        """The norm that runs here (kernels/norm_choice.py `choose_norm`) for `kernel` (kernels.rmsnorm,
+        resolved) and `residual` (kernels.residual_norm) under a linear kind that is `factored` or not."""
+        if self.mesh is None:
+            return choose_norm(kernel, residual, factored=factored)
+        s = self.strategy
+        return choose_norm(
+            kernel,
+            residual,
+            mesh=True,
+            tensor=int(self.mesh.shape["tensor"]),
+            pipeline=self.mesh.shape.get("pipeline", 1) > 1,
+            online_norm=bool(s.online_norm),
+            factored=factored,
+            st_groups=tuple(s.st_groups),
+        )
+
+    def norm(self, choice: NormChoice):
+        """How a norm of `choice` (`norm_choice`) runs: per shard, or as XLA partitions it."""
+        return PerShardNorm(self.mesh) if choice.per_shard else Norm()
 
     def group(self, name: str, factored: bool):
         if self.mesh is None:
             return GROUPED
         if name in self.strategy.st_groups:
             return SpatialTemporal(self.mesh, self.strategy)
-        if self.strategy.online_norm and self.mesh.shape["tensor"] > 1 and factored:
+        if self.norm_choice(factored=factored).online:
             return OnlineNorm(self.mesh, self.strategy.grad_reduce_dtype)
         return GROUPED
 

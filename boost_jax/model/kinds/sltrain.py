@@ -4,19 +4,7 @@ The low-rank part is an ordinary bottleneck (A row-parallel, B column-parallel u
 fixed support drawn uniformly at random at initialisation (from the params seed, so it differs per
 layer and projection) and learned values. The support is stored in the model state as integer
 arrays (`Support` variables): saved with every checkpoint, never differentiated or updated.
-
-Layout: S is block-sparse. Its support is a uniform random set of b x b blocks (b =
-`model.sparse_block`; b = 1 is SLTrain's element-wise support), holding `model.sparse_density` of
-the d_in x d_out entries. S·x gathers the input blocks each nonzero block reads ([B, T, n_blocks, b]),
-runs one batched GEMM against the block values and scatter-adds the products into their output
-blocks. No dense d_in x d_out matrix is ever formed; the gathered input holds nnz/b values per token
-(b = 1: nnz, which is why larger blocks are the default for big models), and the products are GEMMs
-a GPU runs on tensor cores.
-
-Parallel plans: S·x needs the whole normalised input row, so a strategy that splits the input
-features (BTP's residual split along d, Megatron's row-parallel o/down inputs) all-gathers the input
-once per projection group; every tensor device computes the whole S·x (replicated over `tensor`, the
-block values FSDP-sharded and gathered at use like any weight) and keeps its own output columns.
+The block-sparse layout and how parallel plans run S·x: `SparseLowRank`.
 """
 
 from __future__ import annotations
@@ -40,6 +28,20 @@ def n_blocks(m, d_in: int, d_out: int) -> int:
 
 
 class SparseLowRank(LowRank):
+    """Layout: S is block-sparse. Its support is a uniform random set of b x b blocks (b =
+    `model.sparse_block`; b = 1 is SLTrain's element-wise support), holding `model.sparse_density` of
+    the d_in x d_out entries. S·x gathers the input blocks each nonzero block reads ([B, T, n_blocks, b]),
+    runs one batched GEMM against the block values and scatter-adds the products into their output
+    blocks. No dense d_in x d_out matrix is ever formed; the gathered input holds nnz/b values per token
+    (b = 1: nnz, which is why larger blocks are the default for big models), and the products are GEMMs
+    a GPU runs on tensor cores.
+
+    Parallel plans: S·x needs the whole normalised input row, so a strategy that splits the input
+    features (BTP's residual split along d, Megatron's row-parallel o/down inputs) all-gathers the input
+    once per projection group; every tensor device computes the whole S·x (replicated over `tensor`, the
+    block values FSDP-sharded and gathered at use like any weight) and keeps its own output columns.
+    """
+
     family = "sltrain"
     has_extra = True
     hf = None  # no Hugging Face layout holds S

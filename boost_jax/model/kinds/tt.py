@@ -8,19 +8,7 @@ s_h = 1, multiplies out to M2 [r_mid, d_out] (o_h, the LAST core's mode, the mos
 the output index). The layer is then two GEMMs through the r_mid bottleneck, x·M1 then σ then ·M2,
 with σ = `model.tt_activation` (none | silu).
 
-Inner ranks: every rank between two cores of a half is min(`model.tt_inner_rank` (0: r_mid), the TT
-bound), the TT bound being the smaller of the sizes on either side of that bond (so no core is wider
-than the matrix it can represent).
-
-Parallel plans see only M1 and M2. The first core's mode carries the input's logical axis and the
-last core's mode the output's, so BTP splits them over `tensor`: M1's rows and M2's columns come out
-split in contiguous blocks (row-parallel first GEMM whose r_mid-wide partial product is all-reduced,
-column-parallel second GEMM), exactly like a CoLA layer. A mode the tensor size does not divide stays
-replicated and the reconstructed matrix is sliced locally. Middle cores are tiny and replicated.
-
-Init: each core N(0, 1)·(r_left·r_right)^(-1/4)·s^(1/cores) with s² = 1/(d_in + d_out): every bond
-index is summed over in the product, so the reconstructed d_in x d_out weight has entry variance s²,
-the dense layer's.
+Inner ranks, how parallel plans split the halves, and the init: `TensorTrain`.
 """
 
 from __future__ import annotations
@@ -64,6 +52,21 @@ def tt_shapes(m, d_in: int, d_out: int) -> tuple[list[tuple[int, int, int]], lis
 
 
 class TensorTrain(LinearKind):
+    """Inner ranks: every rank between two cores of a half is min(`model.tt_inner_rank` (0: r_mid), the TT
+    bound), the TT bound being the smaller of the sizes on either side of that bond (so no core is wider
+    than the matrix it can represent).
+
+    Parallel plans see only M1 and M2. The first core's mode carries the input's logical axis and the
+    last core's mode the output's, so BTP splits them over `tensor`: M1's rows and M2's columns come out
+    split in contiguous blocks (row-parallel first GEMM whose r_mid-wide partial product is all-reduced,
+    column-parallel second GEMM), exactly like a CoLA layer. A mode the tensor size does not divide stays
+    replicated and the reconstructed matrix is sliced locally. Middle cores are tiny and replicated.
+
+    Init: each core N(0, 1)·(r_left·r_right)^(-1/4)·s^(1/cores) with s² = 1/(d_in + d_out): every bond
+    index is summed over in the product, so the reconstructed d_in x d_out weight has entry variance s²,
+    the dense layer's.
+    """
+
     family = "tt"
     fields = {
         "tt_cores": Field(
