@@ -25,7 +25,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 
 from boost_jax.config import load_config_file  # noqa: E402
-from boost_jax.tools.comm_report import compile_program  # noqa: E402
+from boost_jax.tools.comm_report.programs import compile_program  # noqa: E402
 from boost_jax.validate import validate  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

@@ -85,7 +85,7 @@ def train_row(kind: str, fields: dict, steps: int, layers: int | None = None) ->
 
 def comm_row(kind: str, fields: dict, seq: int = 4096) -> dict:
     from boost_jax.config import sized_config
-    from boost_jax.tools import comm_report
+    from boost_jax.tools.comm_report import command as comm_report
 
     cfg = sized_config("7b", kind)
     cfg.model.update(only_lr_act=False, **fields)

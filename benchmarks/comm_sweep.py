@@ -23,7 +23,7 @@ GIB = 2**30
 
 
 def sweep(sizes, tensors, strategies, batch, seq) -> list[dict]:
-    from boost_jax.tools.comm_report import report
+    from boost_jax.tools.comm_report.command import report
 
     rows = []
     for size in sizes:

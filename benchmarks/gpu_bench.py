@@ -401,10 +401,10 @@ def profile(step, state, tokens, out_dir: str, name: str, step_s: float) -> dict
 
     from step_profile_trace import trace_compiled
 
-    from boost_jax.tools import step_profile as sp
+    from boost_jax.tools.step_profile import traces as step_traces
 
     found = trace_compiled(step, state, tokens, Path(out_dir), _slug(name), PROFILE_STEPS, step_s)
-    got = sp.measured(found["events"], step.as_text())
+    got = step_traces.measured(found["events"], step.as_text())
     return {"kernels": sum(e["count"] for e in found["events"]["events"]), **got}
 
 

@@ -63,7 +63,7 @@ def measure(case) -> dict:
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner.ops.strategy_tables import uniform_plan
     from boost_jax.planner.pricing.trainer_flags import linear_partition
-    from boost_jax.tools.comm_report import compile_program, memory_breakdown, variant_config
+    from boost_jax.tools.comm_report.programs import compile_program, memory_breakdown, variant_config
     from boost_jax.tools.devices import pick_devices
 
     strategy, linear, mesh, choices, remat, attention = case

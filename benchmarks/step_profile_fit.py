@@ -30,7 +30,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from boost_jax.tools import step_profile as sp  # noqa: E402
+from boost_jax.tools.step_profile import categories as step_categories  # noqa: E402
+from boost_jax.tools.step_profile import command as step_command  # noqa: E402
+from boost_jax.tools.step_profile import kernels as step_kernels  # noqa: E402
+from boost_jax.tools.step_profile import pricing as step_pricing  # noqa: E402
 
 HLO_DIR = HERE / "hlo"
 MEASURED = HERE / "h100_measured.json"
@@ -111,10 +114,10 @@ def _portable(text: str) -> str:
     return re.sub(r'"[^"\n]*?/(boost_jax/[^"\n]*)"', r'"\1"', text)
 
 
-def costs_of(x, fitted_on=(), share: float = REMAT_CLONE_SHARE) -> sp.Costs:
-    n = len(sp.GEMM_CLASSES)
-    eff = dict(zip(sp.GEMM_CLASSES, (float(v) for v in x[:n])))
-    return sp.Costs(
+def costs_of(x, fitted_on=(), share: float = REMAT_CLONE_SHARE) -> step_pricing.Costs:
+    n = len(step_pricing.GEMM_CLASSES)
+    eff = dict(zip(step_pricing.GEMM_CLASSES, (float(v) for v in x[:n])))
+    return step_pricing.Costs(
         eff,
         ATTENTION_EFFICIENCY,
         float(x[n]) * 1e-6,
@@ -125,23 +128,23 @@ def costs_of(x, fitted_on=(), share: float = REMAT_CLONE_SHARE) -> sp.Costs:
     )
 
 
-def predict(programs: dict, target: str, c: sp.Costs) -> dict:
-    return {name: sp.price(ks, target, c) for name, ks in programs.items()}
+def predict(programs: dict, target: str, c: step_pricing.Costs) -> dict:
+    return {name: step_pricing.price(ks, target, c) for name, ks in programs.items()}
 
 
-def fit(programs: dict, rows: list[dict], target: str) -> sp.Costs:
+def fit(programs: dict, rows: list[dict], target: str) -> step_pricing.Costs:
     """Least squares of log(predicted / measured) over the fitted rows."""
     import numpy as np
     from scipy.optimize import minimize
 
     fitted = [r for r in rows if r.get("fit")]
-    lo = [BOUNDS[c][0] for c in sp.GEMM_CLASSES] + [LAUNCH_US[0]]
-    hi = [BOUNDS[c][1] for c in sp.GEMM_CLASSES] + [LAUNCH_US[1]]
+    lo = [BOUNDS[c][0] for c in step_pricing.GEMM_CLASSES] + [LAUNCH_US[0]]
+    hi = [BOUNDS[c][1] for c in step_pricing.GEMM_CLASSES] + [LAUNCH_US[1]]
 
     def loss(x):
         c = costs_of(np.clip(x, lo, hi))
         return sum(
-            math.log(sp.price(programs[r["name"]], target, c)["predicted_step_s"] * 1e3 / r["step_ms"]) ** 2
+            math.log(step_pricing.price(programs[r["name"]], target, c)["predicted_step_s"] * 1e3 / r["step_ms"]) ** 2
             for r in fitted
         )
 
@@ -206,7 +209,7 @@ def orders(spec: list, predicted: dict, measured: dict) -> list[dict]:
 
 def markdown(result: dict) -> str:
     c = result["costs"]
-    cats = [k for k in sp.CATEGORIES]
+    cats = [k for k in step_categories.CATEGORIES]
     lines = [
         f"# Step-time table vs measured {result['device']} steps",
         "",
@@ -254,27 +257,27 @@ def main(argv=None) -> dict:
     rows = spec["rows"]
     programs = {}
     for r in rows:
-        programs[r["name"]] = sp.kernels(hlo_text(r, args.target, args.recompile))
+        programs[r["name"]] = step_kernels.kernels(hlo_text(r, args.target, args.recompile))
     if args.check:
-        c = sp.costs(args.target)
+        c = step_pricing.costs(args.target)
     else:
         c = fit(programs, rows, args.target)
-        table_ = json.loads(sp.COSTS_FILE.read_text()) if sp.COSTS_FILE.is_file() else {}
+        table_ = json.loads(step_pricing.COSTS_FILE.read_text()) if step_pricing.COSTS_FILE.is_file() else {}
         table_[args.target] = {
-            **sp.costs_dict(c),
+            **step_command.costs_dict(c),
             "fitted_on": list(c.fitted_on),
             "measured": str(Path(args.measured).resolve().relative_to(ROOT))
             if Path(args.measured).resolve().is_relative_to(ROOT)
             else args.measured,
         }
-        sp.COSTS_FILE.write_text(json.dumps(table_, indent=1) + "\n")
+        step_pricing.COSTS_FILE.write_text(json.dumps(table_, indent=1) + "\n")
     predicted = predict(programs, args.target, c)
     measured = {r["name"]: r["step_ms"] for r in rows}
     result = {
         "device": spec.get("device", args.target),
         "target": args.target,
         "command": "python benchmarks/step_profile_fit.py" + (" --check" if args.check else ""),
-        "costs": sp.costs_dict(c),
+        "costs": step_command.costs_dict(c),
         "rows": table(rows, predicted),
         "orders": orders(spec.get("orders", []), predicted, measured),
         "tolerance": TOLERANCE,

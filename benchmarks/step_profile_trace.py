@@ -38,7 +38,9 @@ def trace_row(row: dict, out: Path, steps: int, warmup: int, size: dict | None =
     import jax
     from step_time import build, timed_steps
 
-    from boost_jax.tools import step_profile as sp
+    from boost_jax.tools.step_profile import command as step_command
+    from boost_jax.tools.step_profile import pricing as step_pricing
+    from boost_jax.tools.step_profile import traces as step_traces
 
     size = dict(size or {})
     row = {**row, "seq": size.pop("seq", row["seq"]), "batch": size.pop("batch", row["batch"])}
@@ -50,10 +52,10 @@ def trace_row(row: dict, out: Path, steps: int, warmup: int, size: dict | None =
     state, _, step_s = timed_steps(compiled, state, tokens, warmup, steps)
     found = trace_compiled(compiled, state, tokens, out, slug(row["name"]), steps, step_s)
     text = compiled.as_text()
-    predicted = sp.profile(text, "h100")
-    got = sp.measured(found["events"], text)
+    predicted = step_pricing.profile(text, "h100")
+    got = step_traces.measured(found["events"], text)
     print(f"{row['name']}: measured step {step_s * 1e3:.1f} ms ({len(found['events']['events'])} kernels traced)")
-    print(sp.side_by_side(predicted, got))
+    print(step_command.side_by_side(predicted, got))
     return {
         "name": row["name"],
         "step_s": step_s,
@@ -71,7 +73,7 @@ def trace_compiled(compiled, state, tokens, out: Path, name: str, steps: int, st
     one place the project traces a step (gpu_bench.py --profile calls it too)."""
     import jax
 
-    from boost_jax.tools import step_profile as sp
+    from boost_jax.tools.step_profile import traces as step_traces
 
     out.mkdir(parents=True, exist_ok=True)
     text = compiled.as_text()
@@ -84,8 +86,13 @@ def trace_compiled(compiled, state, tokens, out: Path, name: str, steps: int, st
     jax.block_until_ready(metrics)
     jax.profiler.stop_trace()
     xspace = sorted(glob.glob(str(trace_dir / "**" / "*.xplane.pb"), recursive=True))[-1]
-    module = sp.module_name(text)
-    events = {"steps": steps, "step_s": step_s, "hlo_module": module, "events": sp.trace_events(xspace, module)}
+    module = step_traces.module_name(text)
+    events = {
+        "steps": steps,
+        "step_s": step_s,
+        "hlo_module": module,
+        "events": step_traces.trace_events(xspace, module),
+    }
     (out / f"{name}.events.json").write_text(json.dumps(events, indent=1) + "\n")
     return {"state": state, "events": events}
 

@@ -59,7 +59,7 @@ def timed_steps(step, state, batch, warmup: int, steps: int):
 def run(args) -> dict:
     import jax
 
-    from boost_jax.tools.comm_report import parse_strategies, variant_config
+    from boost_jax.tools.comm_report.programs import parse_strategies, variant_config
     from boost_jax.tools.devices import load_config
 
     devices = jax.devices()

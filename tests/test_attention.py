@@ -182,7 +182,7 @@ def test_pallas_runs_the_public_mha_when_the_private_backward_changed(monkeypatc
 def test_chunked_adds_no_collective_under_btp(make_config, monkeypatch):
     """The blockwise loops stay head-local: the compiled train step's collectives (kind, axes, count,
     elements) are those of the xla attention (data 2 x tensor 4, GQA, 4 chunks of 64)."""
-    from boost_jax.tools.comm_report import compile_program
+    from boost_jax.tools.comm_report.programs import compile_program
     from boost_jax.tools.hlo_comm import parse_collectives, summarize
 
     monkeypatch.setattr(chunked_impl, "CHUNK", 64)

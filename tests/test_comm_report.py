@@ -5,7 +5,9 @@ shardings CLI. Targets are the BOOST traffic formulas per token per layer on the
 import pytest
 
 from boost_jax.config import base_config
-from boost_jax.tools import comm_report, shardings
+from boost_jax.tools import shardings
+from boost_jax.tools.comm_report import command as comm_report
+from boost_jax.tools.comm_report import programs as comm_programs
 
 D, H, I, R = 512, 8, 1376, 128
 MESH = (1, 1, 4)
@@ -103,11 +105,11 @@ def test_megatron_dense_is_2d(columns):
 
 
 def test_strategy_spec_parsing():
-    assert comm_report.parse_strategies("btp,megatron:cola") == [("btp", None), ("megatron", "cola")]
-    cfg = comm_report.variant_config(model_config(), "megatron", "cola", MESH, 2, 64, "bfloat16")
+    assert comm_programs.parse_strategies("btp,megatron:cola") == [("btp", None), ("megatron", "cola")]
+    cfg = comm_programs.variant_config(model_config(), "megatron", "cola", MESH, 2, 64, "bfloat16")
     assert cfg.model.linear == "cola"
     with pytest.raises(SystemExit, match="--strategy"):
-        comm_report.parse_strategies("btp,zero")
+        comm_programs.parse_strategies("btp,zero")
 
 
 def test_shardings_cli_puts_tensor_on_btp_a_input_dim(capsys, tmp_path):
@@ -130,7 +132,7 @@ def test_shardings_cli_puts_tensor_on_btp_a_input_dim(capsys, tmp_path):
 
 def test_pipeline_report_shows_collective_permutes():
     from boost_jax.config import base_config
-    from boost_jax.tools.comm_report import pipeline_report
+    from boost_jax.tools.comm_report.pipeline import pipeline_report
 
     cfg = base_config()
     cfg.model.update(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, rank=16)

@@ -170,7 +170,8 @@ def test_document_rows_under_context(make_config):
 
 def _exchange(cfg):
     """The compiled train step's collectives over `context` alone: {kind: {count, elements}}."""
-    from boost_jax.tools.comm_report import context_section, tally_collectives
+    from boost_jax.tools.comm_report.command import context_section
+    from boost_jax.tools.comm_report.tallies import tally_collectives
     from boost_jax.tools.hlo_comm import parse_collectives
 
     built = build(cfg)
@@ -202,7 +203,7 @@ def test_exchange_equals_formula(make_config, mode, kv, c):
 def test_comm_report_cli_shows_the_context_exchange(tmp_path, capsys):
     from pathlib import Path
 
-    from boost_jax.tools import comm_report
+    from boost_jax.tools.comm_report import command as comm_report
 
     tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.py")
     rep = comm_report.main(

@@ -293,7 +293,7 @@ def test_zoo_short_run_on_a_cpu_starts_clean_and_compiles(tmp_path, monkeypatch,
 
 @pytest.mark.slow  # ~2 min: three 7B strategies compiled at 1 and 2 layers
 def test_comm_report_7b(capsys):
-    from boost_jax.tools import comm_report
+    from boost_jax.tools.comm_report import command as comm_report
 
     rep = comm_report.main(
         _argv(

@@ -254,7 +254,7 @@ def test_toys_in_the_comm_report(toys):
     1; o's A is whole) and one statistic per norm (its rows are split along d), with the toy kind and
     the toy attention too."""
     from boost_jax.config import base_config
-    from boost_jax.tools import comm_report
+    from boost_jax.tools.comm_report import command as comm_report
 
     c = base_config()
     r = 32
@@ -479,7 +479,7 @@ def test_the_comm_report_runs_a_new_kind(scaled):
     """Under BTP the scaled kind's traffic is the low-rank twin's: the r-wide partial products of
     the row-parallel A's and the norm statistics."""
     from boost_jax.config import base_config
-    from boost_jax.tools import comm_report
+    from boost_jax.tools.comm_report import command as comm_report
 
     c = base_config()
     c.model.update(
@@ -609,7 +609,7 @@ def test_export_and_config_name_no_kind():
     sltrain_config and their tables: recipes that pick a kind and set its fields, as configs/*.py do)
     and model.linear's default value."""
     found = []
-    for path in ("export.py", "tools/comm_report.py", "train.py"):
+    for path in ("export.py", "tools/comm_report/command.py", "train.py"):
         found += _kind_literals(ROOT / "boost_jax" / path)
     assert not found, found
     config = ROOT / "boost_jax" / "config" / "schema.py"

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from boost_jax.tools import aot
-from boost_jax.tools import step_profile as sp
+from boost_jax.tools.step_profile import command as step_command
+from boost_jax.tools.step_profile import kernels as step_kernels
+from boost_jax.tools.step_profile import pricing as step_pricing
 
 needs_aot = pytest.mark.skipif(not aot.available(), reason=f"needs the aot extra ({aot.missing()})")
 
@@ -88,7 +90,7 @@ HLO = HLO.replace("TRIP_CFG", 'backend_config={"known_trip_count":{"n":"%d"}}' %
 @pytest.fixture
 def costs():
     rng = np.random.default_rng()
-    return sp.Costs({c: float(rng.uniform(0.3, 0.9)) for c in sp.GEMM_CLASSES}, 0.4, 0.0)
+    return step_pricing.Costs({c: float(rng.uniform(0.3, 0.9)) for c in step_pricing.GEMM_CLASSES}, 0.4, 0.0)
 
 
 def expected_times(t, c):
@@ -103,7 +105,7 @@ def expected_times(t, c):
 
 
 def test_windows_hold_the_compute_between_start_and_done():
-    ks = {k.name: k for k in sp.kernels(HLO)}
+    ks = {k.name: k for k in step_kernels.kernels(HLO)}
     assert ks["s1"].window == (("main", "g1", 1.0), ("main", "e1", 1.0))
     assert ks["s2"].window == ks["s3"].window == (("main", "g2", 1.0),)
     assert ks["s4"].window == ()  # async, nothing scheduled beside it
@@ -115,11 +117,11 @@ def test_windows_hold_the_compute_between_start_and_done():
 
 
 def test_exposed_collectives_and_the_step(costs):
-    t = sp.TARGETS["h100"]
+    t = step_pricing.TARGETS["h100"]
     gemm, elem, ar = expected_times(t, costs)
     counter = (12 + 9) / t.hbm_bytes_per_s  # the loop's add (two s32 in, one out) and compare (pred out)
-    ks = sp.kernels(HLO)
-    p = sp.price(ks, t, costs)
+    ks = step_kernels.kernels(HLO)
+    p = step_pricing.price(ks, t, costs)
     # The ring all-reduce of an f32 [R, C] over 2 GPUs takes longer than the GEMM and the negation
     # beside it and shorter than the loop's TRIPS GEMMs (the shapes are chosen so): s1 is exposed by
     # the difference, s2 and s3 share one GEMM, s6 hides entirely.
@@ -140,17 +142,17 @@ def test_exposed_collectives_and_the_step(costs):
     compute = 2 * gemm + elem + TRIPS * (gemm + counter) + root_add
     assert math.isclose(p["predicted_step_s"], compute + total, rel_tol=1e-9)
     assert got["ar5"]["async"] is False and got["s1"]["async"] is True
-    text = sp.to_text(sp.summary(ks, p))
+    text = step_command.to_text(step_pricing.summary(ks, p))
     assert "collectives priced" in text and "exposed" in text and "roofline" in text
 
 
 def test_roofline_is_each_kernel_at_the_peaks(costs):
     """The step's roofline: every kernel at max(FLOPs / peak, HBM bytes / datasheet bandwidth), the
     collectives at their link bytes over the link bandwidth times their exposed share."""
-    t = sp.TARGETS["h100"]
-    assert math.isclose(t.hbm_bytes_per_s, sp.COPY_SHARE * 3.35e12) and t.hbm_peak() == 3.35e12
-    ks = sp.kernels(HLO)
-    p = sp.price(ks, t, costs)
+    t = step_pricing.TARGETS["h100"]
+    assert math.isclose(t.hbm_bytes_per_s, step_pricing.COPY_SHARE * 3.35e12) and t.hbm_peak() == 3.35e12
+    ks = step_kernels.kernels(HLO)
+    p = step_pricing.price(ks, t, costs)
     gemm = max(2.0 * M * N * K / 989e12, 2 * (M * K + K * N + M * N) / 3.35e12)
     elem = 2 * R * C * 4 / 3.35e12
     counter = (12 + 9) / 3.35e12
@@ -204,9 +206,9 @@ def test_a_deviceless_tensor_parallel_program():
     args = [sharded((m, d), P()), sharded((d, f), P(None, "tensor")), sharded((f, d), P("tensor", None))]
     with platform.target(devs[0]):
         text = jax.jit(jax.grad(loss, argnums=(1, 2))).lower(*args).compile().as_text()
-    ks = sp.kernels(text)
-    t = sp.TARGETS["h100"]
-    p = sp.price(ks, t)
+    ks = step_kernels.kernels(text)
+    t = step_pricing.TARGETS["h100"]
+    p = step_pricing.price(ks, t)
     colls = [k for k in ks if k.kind == "collective"]
     assert colls and any(k.window for k in colls)
     by_key = {(k.computation, k.name): k for k in ks}
@@ -267,6 +269,6 @@ ENTRY %main (w: f32[{L},{m},{n}]) -> (bf16[1,{m},{n}], bf16[{L},{m},{n}]) {{
   ROOT %t = (bf16[1,{m},{n}]{{2,1,0}}, bf16[{L},{m},{n}]{{2,1,0}}) tuple(%one, %all)
 }}
 """
-    ks = {k.name: k for k in sp.kernels(text)}
+    ks = {k.name: k for k in step_kernels.kernels(text)}
     assert ks["one"].bytes == m * n * 4 + m * n * 2
     assert ks["all"].bytes == L * m * n * 4 + L * m * n * 2

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from boost_jax.tools import aot
-from boost_jax.tools import step_profile as sp
+from boost_jax.tools.step_profile import categories as step_categories
+from boost_jax.tools.step_profile import command as step_command
+from boost_jax.tools.step_profile import kernels as step_kernels
+from boost_jax.tools.step_profile import pricing as step_pricing
+from boost_jax.tools.step_profile import traces as step_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_aot = pytest.mark.skipif(not aot.available(), reason=f"needs the aot extra ({aot.missing()})")
@@ -90,7 +94,7 @@ def by_name(ks):
 
 
 def test_kernels_of_a_hand_written_loop():
-    ks = by_name(sp.kernels(HLO))
+    ks = by_name(step_kernels.kernels(HLO))
     row, buf = COLS * 4, ROWS * COLS * 4
     assert set(ks) == {"row", "g", "upd", "next", "lt", "ar", "cp", "cond (loop predicate)"}
     # The loop body runs TRIPS times; the condition's compare too; entry kernels once.
@@ -136,14 +140,14 @@ def test_kernels_of_a_hand_written_loop():
 
 def test_price_is_max_of_compute_and_memory_plus_launches():
     rng = np.random.default_rng(0)
-    eff = {c: float(rng.uniform(0.3, 0.9)) for c in sp.GEMM_CLASSES}
-    c = sp.Costs(eff, float(rng.uniform(0.2, 0.6)), float(rng.uniform(1e-6, 9e-6)))
-    t = sp.TARGETS["h100"]
-    ks = sp.kernels(HLO)
-    p = sp.price(ks, "h100", c)
+    eff = {c: float(rng.uniform(0.3, 0.9)) for c in step_pricing.GEMM_CLASSES}
+    c = step_pricing.Costs(eff, float(rng.uniform(0.2, 0.6)), float(rng.uniform(1e-6, 9e-6)))
+    t = step_pricing.TARGETS["h100"]
+    ks = step_kernels.kernels(HLO)
+    p = step_pricing.price(ks, "h100", c)
     g = by_name(ks)["g"]
     want_g = max(2.0 * M * N * K / (t.bf16_flops * eff["medium"]), g.bytes / t.hbm_bytes_per_s)
-    assert sp.gemm_class(g.gemm) == "medium" and math.isclose(g.time_s, want_g)
+    assert step_pricing.gemm_class(g.gemm) == "medium" and math.isclose(g.time_s, want_g)
     ar = by_name(ks)["ar"]
     assert math.isclose(ar.time_s, ROWS * COLS * 4 / t.link_bytes_per_s + 2 * t.link_latency_s)
     launches = sum(k.count for k in ks)
@@ -161,21 +165,21 @@ def test_attention_time_grows_with_keys_and_adds_the_backward_side_passes():
     plus its side passes (14 bytes per query element at the copy bandwidth); a flat efficiency when
     half_keys is 0; and the fit's curve passes through both measured kernels it is drawn through."""
     rng = np.random.default_rng(1)
-    t = sp.TARGETS["h200"]
+    t = step_pricing.TARGETS["h200"]
     eff, half = float(rng.uniform(0.3, 0.6)), float(rng.uniform(100, 2000))
     b, h, sq, d = 4, 8, 256, 64
-    c = sp.Costs({k: 0.5 for k in sp.GEMM_CLASSES}, eff, 0.0, attention_half_keys=half)
+    c = step_pricing.Costs({k: 0.5 for k in step_pricing.GEMM_CLASSES}, eff, 0.0, attention_half_keys=half)
     for sk in (256, 4096):
         for backward in (False, True):
             flops = 4.0 * b * h * sq * sk * d * (2.5 if backward else 1.0) * 0.5
-            k = sp.Kernel("a", "custom-call", "attention", 1, flops=flops, bytes=1.0)
+            k = step_kernels.Kernel("a", "custom-call", "attention", 1, flops=flops, bytes=1.0)
             k.attention = (b, h, sq, sk, d, backward, True)
             want = flops / (t.bf16_flops * eff * sk / (sk + half))
             want += 14.0 * b * sq * h * d / t.hbm_bytes_per_s if backward else 0.0
-            assert math.isclose(sp.kernel_time(k, t, c), want)
-            flat = sp.Costs(c.gemm_efficiency, eff, 0.0)
+            assert math.isclose(step_pricing.kernel_time(k, t, c), want)
+            flat = step_pricing.Costs(c.gemm_efficiency, eff, 0.0)
             assert math.isclose(
-                sp.kernel_time(k, t, flat) - (want - flops / (t.bf16_flops * eff * sk / (sk + half))),
+                step_pricing.kernel_time(k, t, flat) - (want - flops / (t.bf16_flops * eff * sk / (sk + half))),
                 flops / (t.bf16_flops * eff),
             )
     fit = _fit_module()
@@ -185,21 +189,26 @@ def test_attention_time_grows_with_keys_and_adds_the_backward_side_passes():
 
 
 def test_gemm_classes():
-    assert sp.gemm_class((1, 8192, 32000, 2048, "bf16")) == "large"
-    assert sp.gemm_class((1, 8192, 512, 2048, "bf16")) == "medium"
-    assert sp.gemm_class((1, 8192, 2048, 1024, "bf16")) == "medium"
-    assert sp.gemm_class((3, 8192, 2048, 2048, "bf16")) == "batched"
+    assert step_pricing.gemm_class((1, 8192, 32000, 2048, "bf16")) == "large"
+    assert step_pricing.gemm_class((1, 8192, 512, 2048, "bf16")) == "medium"
+    assert step_pricing.gemm_class((1, 8192, 2048, 1024, "bf16")) == "medium"
+    assert step_pricing.gemm_class((3, 8192, 2048, 2048, "bf16")) == "batched"
 
 
 def test_remat_clones_are_priced_at_their_share():
     """A clone XLA's rematerialization made (NAME.remat, NAME.remat2) costs `remat_clone_share` of its
     time; the price says what the clones would add in full."""
     text = HLO.replace("%upd = ", "%upd.remat2 = ").replace("(%next, %upd, %a, %b)", "(%next, %upd.remat2, %a, %b)")
-    ks = sp.kernels(text)
-    assert [k.name for k in ks if k.remat_clone] == ["upd.remat2"] and not sp.remat_clone("upd.rematerialized")
+    ks = step_kernels.kernels(text)
+    assert [k.name for k in ks if k.remat_clone] == ["upd.remat2"] and not step_kernels.remat_clone(
+        "upd.rematerialized"
+    )
     for share in (0.0, 0.5, 1.0):
-        c = sp.Costs({k: 0.5 for k in sp.GEMM_CLASSES}, 0.4, 2e-6, share)
-        p, full = sp.price(ks, "h100", c), sp.price(ks, "h100", sp.Costs(c.gemm_efficiency, 0.4, 2e-6, 1.0))
+        c = step_pricing.Costs({k: 0.5 for k in step_pricing.GEMM_CLASSES}, 0.4, 2e-6, share)
+        p, full = (
+            step_pricing.price(ks, "h100", c),
+            step_pricing.price(ks, "h100", step_pricing.Costs(c.gemm_efficiency, 0.4, 2e-6, 1.0)),
+        )
         clone = next(k for k in ks if k.remat_clone)
         assert math.isclose(
             full["predicted_step_s"] - p["predicted_step_s"], (1 - share) * (clone.total_s() + clone.count * 2e-6)
@@ -264,14 +273,14 @@ def test_remat_clones_are_priced_at_their_share():
     ],
 )
 def test_categorize(kernel, category):
-    assert sp.categorize(kernel) == category
+    assert step_categories.categorize(kernel) == category
 
 
 def test_measured_groups_trace_events_by_the_same_categories():
     """A synthetic trace of the hand-written program: each kernel's events take its HLO instruction's
     category; events naming no instruction go by kernel name; the idle rest of the step is launch."""
     rng = np.random.default_rng(1)
-    expect = dict.fromkeys(sp.CATEGORIES, 0.0)
+    expect = dict.fromkeys(step_categories.CATEGORIES, 0.0)
     own = {
         "row": "copies/layout",
         "g": "gemm",
@@ -300,20 +309,20 @@ def test_measured_groups_trace_events_by_the_same_categories():
         expect[cat] += us / 1e6 / steps
     busy = sum(expect.values())
     step_s = busy * 1.25
-    got = sp.measured({"steps": steps, "step_s": step_s, "events": events}, HLO)
+    got = step_traces.measured({"steps": steps, "step_s": step_s, "events": events}, HLO)
     expect["launch"] += step_s - busy
-    for cat in sp.CATEGORIES:
+    for cat in step_categories.CATEGORIES:
         assert math.isclose(got["time_by_category"][cat], expect[cat], rel_tol=1e-9, abs_tol=1e-15), cat
     assert math.isclose(got["step_s"], step_s) and math.isclose(got["busy_s"], busy)
     with pytest.raises(ValueError, match="duration_us"):
-        sp.measured([{"name": "x", "hlo_op": "g", "duration": 3}], HLO)
+        step_traces.measured([{"name": "x", "hlo_op": "g", "duration": 3}], HLO)
     # Other units and `kernel` for the name read the same.
     other = [
         {"kernel": e["name"], "hlo_op": e["hlo_op"], "duration_ns": e["duration_us"] * 1e3, "count": e["count"]}
         for e in events
     ]
-    again = sp.measured({"steps": steps, "step_s": step_s, "events": other}, HLO)
-    for cat in sp.CATEGORIES:
+    again = step_traces.measured({"steps": steps, "step_s": step_s, "events": other}, HLO)
+    for cat in step_categories.CATEGORIES:
         assert math.isclose(again["time_by_category"][cat], expect[cat], rel_tol=1e-9, abs_tol=1e-15), cat
 
 
@@ -335,10 +344,10 @@ def test_trace_events_of_a_cpu_trace(tmp_path):
     jax.profiler.stop_trace()
     path = glob.glob(str(tmp_path / "**" / "*.xplane.pb"), recursive=True)[0]
     text = compiled.as_text()
-    rows = sp.trace_events(path, sp.module_name(text))
-    assert rows and all(r["hlo_module"].startswith(sp.module_name(text)) for r in rows)
+    rows = step_traces.trace_events(path, step_traces.module_name(text))
+    assert rows and all(r["hlo_module"].startswith(step_traces.module_name(text)) for r in rows)
     assert sum(r["count"] for r in rows) >= 3 and all(r["duration_us"] >= 0 for r in rows)
-    got = sp.measured({"steps": 3, "events": rows}, text)
+    got = step_traces.measured({"steps": 3, "events": rows}, text)
     assert math.isclose(sum(got["time_by_category"].values()), sum(r["duration_us"] for r in rows) / 3e6)
 
 
@@ -367,7 +376,7 @@ def test_kernels_of_a_deviceless_h100_scan():
     with platform.target(dev):
         args = [platform.abstract((m, k), jnp.bfloat16), platform.abstract((L, k, n), jnp.bfloat16)]
         text = jax.jit(f).lower(*args).compile().as_text()
-    ks = sp.kernels(text)
+    ks = step_kernels.kernels(text)
     assert sum(kk.flops * kk.count for kk in ks if kk.category == "gemm") == L * 2 * m * n * k
     (stack,) = [kk for kk in ks if "dynamic-update-slice" in kk.fused]
     assert stack.count * (2 if "double_buffer" in text else 1) >= L
@@ -398,7 +407,7 @@ def test_every_measured_h100_row_within_15_percent(capsys):
     the measured orders (remat none slower than lowrank, grouped slower than ungrouped on one GPU, the
     fused norms faster than XLA's)."""
     fit = _fit_module()
-    c = sp.costs("h100")
+    c = step_pricing.costs("h100")
     assert set(c.fitted_on) == {r["name"] for r in MEASURED["rows"] if r["fit"]}
     assert {r["name"] for r in MEASURED["rows"] if not r["fit"]}  # some rows are held out
     result = fit.main(["--check"])
@@ -425,10 +434,10 @@ def test_every_measured_h200_row_within_15_percent():
 @pytest.mark.slow  # two deviceless 1B compiles (~1-2 minutes): the cached programs are the code's
 def test_fresh_compiles_within_15_percent():
     fit = _fit_module()
-    c = sp.costs("h100")
+    c = step_pricing.costs("h100")
     for name in ("cola_1b lowrank 256", "llama_1b 256"):
         row = next(r for r in MEASURED["rows"] if r["name"] == name)
-        ms = sp.price(sp.kernels(fit.compile_row(row, "h100")), "h100", c)["predicted_step_s"] * 1e3
+        ms = step_pricing.price(step_kernels.kernels(fit.compile_row(row, "h100")), "h100", c)["predicted_step_s"] * 1e3
         assert abs(ms / row["step_ms"] - 1) <= 0.15, (name, ms, row["step_ms"])
 
 
@@ -479,7 +488,7 @@ def test_aot_profile_cli_json_and_table(tmp_path, capsys):
         text = capsys.readouterr().out
         assert "train step time table: predicted step" in text and "top kernels:" in text
         p = json.loads(out.read_text())["profile"]
-        assert set(p["time_by_category"]) == set(sp.CATEGORIES)
+        assert set(p["time_by_category"]) == set(step_categories.CATEGORIES)
         assert math.isclose(p["predicted_step_s"], sum(p["time_by_category"].values()))
         assert p["time_by_category"]["gemm"] > 0 and p["top_kernels"]
         assert p["time_by_category"]["collectives"] > 0 and p["bytes_by_category"]["collectives"] > 0
@@ -524,7 +533,7 @@ def test_trace_script_on_this_host(tmp_path, capsys):
     assert math.isclose(sum(got["time_by_category"].values()), max(got["busy_s"], events["step_s"]), rel_tol=1e-9)
     assert json.loads((tmp_path / "summary.json").read_text())["rows"][0]["name"] == "cola_1b lowrank 256"
     capsys.readouterr()
-    out = sp.main(
+    out = step_command.main(
         [
             "--hlo",
             str(tmp_path / "cola_1b_lowrank_256.hlo.gz"),
@@ -538,4 +547,4 @@ def test_trace_script_on_this_host(tmp_path, capsys):
     with pytest.raises(SystemExit):
         trace.main(["--out", str(tmp_path), "--rows", "no such row"])
     with pytest.raises(SystemExit):
-        sp.main(["--hlo", str(tmp_path / "missing.hlo")])
+        step_command.main(["--hlo", str(tmp_path / "missing.hlo")])

@@ -24,7 +24,9 @@ from boost_jax.planner.pricing.cost import STATE_BYTES
 from boost_jax.planner.pricing.plans import Layer, Mesh, Options
 from boost_jax.planner.pricing.trainer_flags import linear_partition
 from boost_jax.planner.search import plan_for
-from boost_jax.tools.comm_report import axis_group, compile_program, memory_breakdown, report, variant_config
+from boost_jax.tools.comm_report.command import report
+from boost_jax.tools.comm_report.programs import compile_program, memory_breakdown, variant_config
+from boost_jax.tools.comm_report.tallies import axis_group
 from boost_jax.tools.devices import pick_devices
 from boost_jax.tools.hlo_comm import parse_collectives
 

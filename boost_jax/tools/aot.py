@@ -1,24 +1,16 @@
 """Compile the real train step (and eval step) for GPUs this host does not have, and say whether it fits.
 
     python -m boost_jax.tools.aot --target h100 --devices 8 --config configs/cola_7b.py --mesh 1,1,1,8
-    python -m boost_jax.tools.aot --target a100 --devices 1 --config configs/tiny.py --json aot.json \\
-        --config.model.attention=cudnn --config.kernels.rmsnorm=pallas
 
-XLA compiles for a GPU without one ("deviceless AOT"): the devices come from a topology described by
-a target config (`boost_jax/tools/targets/NAME.txtpb`: the GPU's core count, memory, compute
-capability), the steps are the trainer's own (`runtime/build.py`), built for those devices, so the
-model, the kernels and the XLA flags take their GPU paths (`kernels/platform.py`): cuDNN attention
-under `auto`, the Pallas/Triton norm, bf16 under `model.dtype=auto`. Printed per device: argument /
-output / temp / peak bytes and whether the peak fits the GPU's memory (times `--usable`, the share a
-run may allocate: set XLA_PYTHON_CLIENT_MEM_FRACTION to it), the GPU kernels in the program
-(cuDNN attention, Triton kernels by name, cuBLAS and Triton GEMMs), the collectives per step (kind,
-executions through loops, bytes) and the compile time. Memory, kernels and the collective schedule
-of a deviceless compile are the GPU's; its run-time estimates are not (no GEMM autotuning without a
-device), so XLA's times are not printed: `--profile` prices the train step's kernels on the target's
-numbers instead (tools/step_profile.py: a step-time table by category, fitted to measured H100 steps).
-
-Needs the `aot` extra (`pip install -e '.[aot]'` in a checkout: jax's CUDA plugin and the NVIDIA compilers as
-wheels; no GPU, driver or CUDA toolkit). Nothing here imports jax at module level.
+XLA compiles for a GPU without one ("deviceless AOT"): the devices come from a target config
+(`targets/NAME.txtpb`: cores, memory, compute capability), the steps are the trainer's own
+(`runtime/build.py`), so the model, kernels and XLA flags take their GPU paths (`kernels/platform.py`).
+Printed per device: argument / output / temp / peak bytes and whether the peak fits the GPU's memory
+times `--usable`, the GPU kernels, the collectives per step and the compile time. A deviceless
+compile's memory, kernels and collective schedule are the GPU's, its run-time estimates are not (no
+GEMM autotuning), so `--profile` prices the train step's kernels instead (tools/step_profile/).
+Needs the `aot` extra (jax's CUDA plugin and the NVIDIA compilers as wheels; no GPU, driver or CUDA
+toolkit). Nothing here imports jax at module level.
 """
 
 from __future__ import annotations
@@ -35,11 +27,12 @@ from pathlib import Path
 
 from boost_jax.config import config_path, load_config_file
 from boost_jax.errors import ConfigError, install_hint
-from boost_jax.tools import step_profile
-from boost_jax.tools.comm_tallies import itemsize
+from boost_jax.tools.comm_report.tallies import itemsize
 from boost_jax.tools.devices import mesh_fields, parse_mesh
 from boost_jax.tools.hlo_comm import parse_collectives
 from boost_jax.tools.progress import ticking
+from boost_jax.tools.step_profile import command as step_command
+from boost_jax.tools.step_profile import pricing as step_pricing
 
 TARGETS_DIR = Path(__file__).with_name("targets")
 INSTALL = install_hint("aot")  # for how this package was installed
@@ -109,10 +102,9 @@ _DEVICES: dict = {}
 # program's arguments and outputs (gpu_hlo_schedule.cc GetSchedulerMemoryLimit). On a GPU, jaxlib
 # passes the allocator's limit as that memory (XLA_PYTHON_CLIENT_MEM_FRACTION of the free memory,
 # 0.9 by default); a deviceless compile has no allocator and XLA takes 80% of the target's memory,
-# a budget ~8 GB tighter on an H100, under which XLA rematerializes kernels the GPU does not run
-# (llama_1b at seq 256 x 32 on one H100: 84 extra kernels, 75 GB more HBM traffic per step, the same
-# peak). `devices(..., gpu_budget=True)` describes the topology with memory USABLE / XLA_SHARE of
-# the GPU's, so that XLA's share of it is the GPU's budget.
+# a tighter budget, under which XLA rematerializes kernels the GPU does not run (benchmarks/RESULTS.md
+# has the kernels and traffic it added to llama_1b). `devices(..., gpu_budget=True)` describes the
+# topology with memory USABLE / XLA_SHARE of the GPU's, so that XLA's share of it is the GPU's budget.
 XLA_SHARE = 0.8
 
 
@@ -263,7 +255,7 @@ def compile_config(
 ) -> dict:
     """Build `cfg` (its parallel.* mesh) on n deviceless `target` GPUs and compile its steps:
     {"target", "devices", "mesh", "train": analyze(...) + compile_s, "eval": ...}; with `profile`,
-    "profile": the train step's time table (tools/step_profile.py), the steps then compiled under the
+    "profile": the train step's time table (tools/step_profile/), the steps then compiled under the
     GPU's memory budget (`devices(gpu_budget=True)`: the program the GPU runs, whose memory can
     differ from the plain deviceless compile's where XLA rematerializes)."""
     from boost_jax.runtime.build import build  # lazy: loads JAX, which aot must not import at load
@@ -311,7 +303,7 @@ def compile_config(
             "compile_s": time.perf_counter() - t0,
         }
         if profile and program == "train":
-            out["profile"] = step_profile.profile(compiled.as_text(), target, int(cfg.train.grad_accum), built.mesh)
+            out["profile"] = step_pricing.profile(compiled.as_text(), target, int(cfg.train.grad_accum), built.mesh)
     return out
 
 
@@ -357,7 +349,7 @@ def to_text(rep: dict) -> str:
             ),
         ]
     if "profile" in rep:
-        lines.append(step_profile.to_text(rep["profile"], "train step time table: "))
+        lines.append(step_command.to_text(rep["profile"], "train step time table: "))
     return "\n".join(lines)
 
 
@@ -418,7 +410,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="price the train step's kernels on the target (a step-time table by category; tools/step_profile.py)",
+        help="price the train step's kernels on the target (a step-time table by category; tools/step_profile/)",
     )
     args = ap.parse_args(rest)
     try:

@@ -1,32 +1,16 @@
-"""Account for every collective in the optimized HLO of a compiled JAX program.
+"""Every collective in the optimized HLO of a compiled JAX program (``compiled_collectives``, or
+``parse_collectives(jax.jit(f).lower(*args).compile().as_text())``), and the HLO module parser the
+step-time table reads kernels with. Counted per participating device:
 
-Feed it ``jax.jit(f).lower(*args).compile().as_text()`` (or use ``compiled_collectives``).
-
-Counting rules (per participating device, static: an op inside a ``while`` body is counted once,
-look at ``in_loop`` and multiply by the trip count yourself):
-
-* ``elements`` is the payload in ELEMENTS, not bytes. XLA's CPU backend combines independent
-  all-reduces into one tuple all-reduce and carries bf16 all-reduces as f32 (convert before and
-  after), so bytes read off the HLO would not match the program you wrote; elements do.
-  all-reduce / all-to-all / collective-permute: operand size; all-gather: gathered (output) size;
-  reduce-scatter: input size. Tuple operands are summed.
-* Async ``*-start`` ops count as their base kind; ``*-done`` halves are ignored. (The CPU
-  backend emits only synchronous collectives; GPU emits ``all-reduce-start`` & co and wraps
-  all-to-all / reduce-scatter in ``async-start(...), calls=%comp``: the op inside ``%comp`` counts.)
-* ``in_loop``: the computation is reachable from a ``while``'s ``body=``/``condition=`` through
-  any ``calls=``/``to_apply=``/``branch_computations=``... edge (scan and fori_loop lower to
-  ``while``; ``lax.cond`` inside them to ``conditional`` with ``branch_computations``).
-* ``trips``: how many times the op runs per execution of the program: the product of the
-  ``known_trip_count`` XLA records on every enclosing ``while`` (1 outside loops; None when an
-  enclosing loop has no known trip count). ``elements * trips`` is the executed payload.
-* Replica-group ids (with ``use_global_device_ids=true``) are LOGICAL ids: positions in the
-  compiled device assignment, i.e. in ``mesh.devices.flat`` order, not ``device.id``. (Checked:
-  a mesh built from permuted devices yields the same replica_groups as the identity mesh.)
-
-Replica-group syntaxes understood (all seen from XLA as shipped with jax 0.10):
-  explicit ``{{0,1,2,3},{4,5,6,7}}``; empty ``{}`` (all devices); iota ``[2,4]<=[8]`` and
-  ``[4,2]<=[2,4]T(1,0)``; mesh-axes ``mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0))
-  {'axis_1'}`` with sub-axes ``'axis_0':(2)2`` (emitted by GSPMD/Shardy partitioning).
+* ``elements``, not bytes (XLA:CPU combines all-reduces into tuples and carries bf16 ones as f32):
+  all-reduce / all-to-all / collective-permute: operand size; all-gather: output size;
+  reduce-scatter: input size; tuple operands summed. ``partitioned_hlo`` gives the dtypes.
+* Async ``*-start`` ops count as their base kind, ``*-done`` halves not; a collective wrapped in
+  ``async-start(...), calls=%comp`` counts inside ``%comp``.
+* ``in_loop``: reachable from a ``while`` body or condition through any call edge; ``trips``: the
+  product of the ``known_trip_count`` of every enclosing ``while`` (None when one has none).
+* Replica-group ids are LOGICAL (positions in ``mesh.devices.flat``, not ``device.id``); explicit,
+  empty, iota (``[2,4]<=[8]``, ``[4,2]<=[2,4]T(1,0)``) and mesh-axes group syntaxes are understood.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The project source a kernel came from: the stack-frame tables XLA prints ahead of an HLO module
-that kept its source locations (tools/step_profile.py categorizes kernels by them)."""
+that kept its source locations (tools/step_profile/ categorizes kernels by them)."""
 
 from __future__ import annotations
 

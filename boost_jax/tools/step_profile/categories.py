@@ -1,4 +1,4 @@
-"""The categories of a step's kernels (tools/step_profile.py): by what runs (GEMM, attention,
+"""The categories of a step's kernels (tools/step_profile/): by what runs (GEMM, attention,
 collectives), by the project source a kernel came from (norm, loss, optimizer), else by whether it
 only moves data (copies/layout) or computes (elementwise)."""
 

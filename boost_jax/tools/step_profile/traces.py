@@ -1,12 +1,12 @@
 """A measured step beside its prediction: the kernels of a jax.profiler trace, grouped into the
-categories tools/step_profile.py prices (`measured`). Nothing here imports jax at module level."""
+categories tools/step_profile/ prices (`measured`). Nothing here imports jax at module level."""
 
 from __future__ import annotations
 
 import re
 
-from boost_jax.tools.step_categories import CATEGORIES
-from boost_jax.tools.step_kernels import Kernel, kernels
+from boost_jax.tools.step_profile.categories import CATEGORIES
+from boost_jax.tools.step_profile.kernels import Kernel, kernels
 
 
 def trace_events(xspace_path: str, module: str | None = None) -> list[dict]:

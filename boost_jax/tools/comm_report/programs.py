@@ -1,4 +1,4 @@
-"""The programs tools/comm_report.py reads: each strategy column's config, and the trainer's steps
+"""The programs tools/comm_report/ reads: each strategy column's config, and the trainer's steps
 (forward loss, forward+backward, train step) compiled from abstract shapes at a given depth."""
 
 from __future__ import annotations

@@ -1,84 +1,15 @@
-"""Where a GPU step's time goes, read from its compiled program: every kernel of the optimized HLO,
-priced on a target GPU's numbers and grouped into categories.
-
-    python -m boost_jax.tools.aot --target h100 --devices 1 --config cola_1b --profile \\
-        --config.train.seq_len=256 --config.train.global_batch=32 --config.remat.policy=lowrank
-
-A kernel is what the GPU launches: a fusion, a GEMM (a Triton GEMM fusion, a cuBLAS or cuDNN call),
-cuDNN attention, a Pallas/Triton kernel, a copy, a collective. Each instruction of a computation the
-GPU executes (the entry, while bodies and conditions, conditional branches, async computations) is
-one kernel, run as many times per step as its loops' trip counts say (tools/hlo_comm.py reads them;
-a loop whose count the program hides, the accumulation loop, runs `accumulation` times; each branch
-of a conditional counts as if it ran, and each loop iteration reads its predicate back as one more
-launch). Bitcasts,
-tuples, parameters, constants and the `-done` halves of async pairs launch nothing. Each kernel
-carries:
-
-* FLOPs: a dot's 2 x output x contraction (GEMM), cuDNN attention's two (forward) or five (backward)
-  batched GEMMs, halved under a causal mask;
-* bytes: what it reads and writes in HBM: each operand once and each output, except that a
-  dynamic-update-slice writes its update slice in place (its buffer is neither read nor rewritten)
-  and a dynamic-slice or slice of an operand reads the slice, not the operand;
-* for a collective, the bytes it moves over the target's links (hlo_comm's payload rules).
-
-`price` gives each kernel a time on a `Target` (HBM bandwidth, dense bf16 peak, NVLink and network
-bandwidth and latency) under `Costs` fitted to measured steps (benchmarks/step_profile_fit.py): a
-GEMM runs at max(FLOPs / (peak x efficiency of its shape class), bytes / bandwidth), attention at a
-fixed efficiency, everything else at HBM bandwidth, a collective at its ring's bandwidth and latency,
-and every kernel launch costs `launch_s` (the "launch" category). A deviceless compile has no GEMM
-autotuner, so its GEMMs are Triton fusions with default tiles where the GPU would pick cuBLAS or
-better tiles per shape: a GEMM is priced by its shape (`gemm_class`), never by the backend named.
-A collective counts in the step at its exposed part: an asynchronous one (a start/done pair of the
-scheduled program) overlaps the compute XLA scheduled between its start and its done, up to its own
-time, each kernel's time handed to one collective only; the rest, and every synchronous collective,
-is exposed (tools/step_overlap.py). `no_overlap_step_s` adds them in full, the bound without overlap.
-The roofline beside each category and the step: each kernel at the GPU's dense bf16 peak or its
-datasheet HBM bandwidth, whichever binds (`roofline_time`), the collectives at the link bandwidth
-times their exposed share.
-
-`categorize(kernel)` puts a kernel in one of CATEGORIES by what runs (GEMM, attention, collective,
-copy) and, for the rest, by the project source line the kernel came from (the HLO's stack frames:
-kernels/rmsnorm.py -> norm, model/loss.py -> loss, the train step's update in runtime/step.py or
-optax -> optimizer); data movement alone (transposes, slices, updates in place, copies) is
-copies/layout, any other fusion elementwise. `measured(events, hlo_text)` groups the kernels of a
-jax.profiler trace of the same program (`trace_events`) by the same function, so a measured step and
-its prediction sit side by side (`side_by_side`).
-
-Nothing here imports jax at module level.
-"""
+"""The step-time table's command and text: `to_text` (a profile's table), `side_by_side` (predicted
+beside measured), `main` (`python -m boost_jax.tools.step_profile --hlo --events`). The rules are in
+this package's docstring. Nothing here imports jax at module level."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
 
-from boost_jax.tools.hlo_shapes import shape_bytes, shape_dims  # noqa: F401 - re-exported
-from boost_jax.tools.hlo_sources import Frame, stack_frames  # noqa: F401 - re-exported
-from boost_jax.tools.step_categories import CATEGORIES, MOVES, categorize  # noqa: F401 - re-exported
-from boost_jax.tools.step_kernels import (  # noqa: F401 - re-exported
-    COLLECTIVE_OPS,
-    FREE,
-    Kernel,
-    kernels,
-    remat_clone,
-)
-from boost_jax.tools.step_pricing import (  # noqa: F401 - re-exported
-    COPY_SHARE,
-    COSTS_FILE,
-    DEFAULT_COSTS,
-    GEMM_CLASSES,
-    LARGE_DIM,
-    TARGETS,
-    Costs,
-    Target,
-    costs,
-    gemm_class,
-    kernel_time,
-    price,
-    profile,
-    summary,
-)
-from boost_jax.tools.step_traces import measured, module_name, trace_events  # noqa: F401 - re-exported
+from boost_jax.tools.step_profile.categories import CATEGORIES
+from boost_jax.tools.step_profile.pricing import TARGETS, Costs, profile
+from boost_jax.tools.step_profile.traces import measured
 
 
 def to_text(p: dict, title: str = "") -> str:

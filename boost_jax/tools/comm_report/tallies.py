@@ -1,4 +1,4 @@
-"""Tallies of a program's collectives, {"kind@axes": {count, elements, bytes}} (tools/comm_report.py):
+"""Tallies of a program's collectives, {"kind@axes": {count, elements, bytes}} (tools/comm_report/):
 counted as executed, combined (per layer = 2 layers - 1 layer), summed by traffic class."""
 
 from __future__ import annotations

@@ -1,6 +1,16 @@
-"""Every kernel of an optimized GPU program (tools/step_profile.py's module docstring says what a
-kernel is and how its FLOPs and bytes are counted): read from the HLO text, with its executions per
-step through the loops' trip counts."""
+"""Every kernel of an optimized GPU program, read from its HLO text. A kernel is what the GPU launches:
+a fusion, a GEMM (a Triton GEMM fusion, a cuBLAS or cuDNN call), cuDNN attention, a Pallas/Triton
+kernel, a copy, a collective. Each instruction of a computation the GPU executes (the entry, while
+bodies and conditions, conditional branches, async computations) is one kernel, run as many times
+per step as its loops' trip counts say (a loop whose count the program hides, the accumulation loop,
+runs `accumulation` times; each branch of a conditional counts as if it ran; each loop iteration
+reads its predicate back as one more launch). Bitcasts, tuples, parameters, constants and the `-done`
+halves of async pairs launch nothing. Each kernel carries its FLOPs (a dot's 2 x output x
+contraction; cuDNN attention's batched GEMMs, halved under a causal mask), the bytes it reads and
+writes in HBM (each operand once and each output, except that a dynamic-update-slice writes its
+update in place and a slice reads the slice) and, for a collective, the bytes it moves over the
+target's links (hlo_comm's payload rules).
+"""
 
 from __future__ import annotations
 
@@ -18,10 +28,10 @@ from boost_jax.tools.hlo_comm import (
     parse_module,
     parse_replica_groups,
 )
-from boost_jax.tools.hlo_shapes import DTYPE_BYTES, shape_bytes, shape_dims, shape_dtype, tuple_members
-from boost_jax.tools.hlo_sources import Frame, short_path, stack_frames
-from boost_jax.tools.step_categories import categorize
-from boost_jax.tools.step_overlap import called, windows
+from boost_jax.tools.step_profile.categories import categorize
+from boost_jax.tools.step_profile.overlap import called, windows
+from boost_jax.tools.step_profile.shapes import DTYPE_BYTES, shape_bytes, shape_dims, shape_dtype, tuple_members
+from boost_jax.tools.step_profile.sources import Frame, short_path, stack_frames
 
 # Instructions that launch nothing: views, bookkeeping, the halves of async pairs that only wait.
 FREE = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from boost_jax.tools.comm_programs import compile_program, variant_config
+from boost_jax.tools.comm_report.programs import compile_program, variant_config
 from boost_jax.tools.devices import load_config, pick_devices
 from boost_jax.tools.hlo_comm import parse_collectives, summarize
 

@@ -1,5 +1,5 @@
 """Sizes and element types of HLO shapes as an optimized program prints them (`bf16[8,128]{1,0}`,
-tuples of them): what tools/step_profile.py prices a kernel's bytes by."""
+tuples of them): what tools/step_profile/ prices a kernel's bytes by."""
 
 from __future__ import annotations
 

@@ -1,29 +1,17 @@
 """Per-device communication of each tensor-parallel strategy, read from compiled HLO (nothing allocated).
 
+The command: each strategy measured (`measure`: a column's numbers from its three programs at 1 and
+2 layers), the report over strategies (`report`), and `main`:
+
     python -m boost_jax.tools.comm_report --config configs/cola_7b.py --mesh 1,1,4 \
         --strategy btp,vanilla,megatron [--batch 4] [--seq 4096] [--dtype bfloat16] \
         [--json PATH] [--markdown PATH] [--no-memory]
 
-For each strategy the model is lowered from abstract shapes (ShapeDtypeStructs carrying the state's
-shardings) and compiled three ways: the forward loss, forward+backward (jax.grad of the loss, grads
-in the parameters' layout) and the real train step (`boost_jax/runtime/build.py`, the trainer's). Each is compiled
-with the
-layer scan unrolled at n_layers=1 and 2 so every layer's collectives are listed separately:
-per layer = (2 layers) - (1 layer), the rest (embedding, head, loss, optimizer) = (1 layer) - per
-layer, and the whole model = rest + L x per layer ("lowered at 1 and 2 layers, scaled to L").
-
-Strategies: any registered (`btp`, `vanilla`, `megatron`, ...: boost_jax/parallel/strategies.py; by
-default every one), optionally `NAME:LINEAR` (LINEAR: any linear kind, boost_jax/model/kinds/). A name
-alone measures the kind its registry entry reports it on (`report_linear`: `megatron` alone means the
-full-rank (dense) twin of the config, the baseline BOOST compares with; `megatron:cola` forces the
-low-rank model), else the config's own `model.linear`.
-
-Bytes are elements x each collective's own dtype as the program has it right after SPMD
-partitioning (`hlo_comm.partitioned_hlo`, from the same compile): there a bf16 weight gather or
-activation all-reduce is bf16 and a float32 gradient reduction float32. The optimized CPU program's
-dtypes are not used: XLA's CPU backend carries bf16 all-reduces and all-gathers as float32. Counts
-and elements are read from the optimized program; each kind@axes class is priced at its
-partitioned bytes per element.
+Strategies: any registered (boost_jax/parallel/strategies.py; by default every one), optionally
+`NAME:LINEAR` (any linear kind, boost_jax/model/kinds/). A name alone measures the kind its registry
+entry reports it on (`report_linear`: `megatron` alone means the full-rank twin of the config, the
+baseline BOOST compares with), else the config's own `model.linear`. Counts and elements are read
+from the optimized program, each kind@axes class priced at its partitioned bytes per element.
 """
 
 from __future__ import annotations
@@ -35,21 +23,19 @@ import sys
 import time
 
 from boost_jax.errors import ConfigError
-from boost_jax.tools.comm_pipeline import pipeline_report
-from boost_jax.tools.comm_programs import (  # noqa: F401 - re-exported
+from boost_jax.tools.comm_report.pipeline import pipeline_report
+from boost_jax.tools.comm_report.programs import (
     compile_program,
     cost_flops,
     memory_breakdown,
     parse_strategies,
     variant_config,
 )
-from boost_jax.tools.comm_tables import GIB, SHORT, pipeline_markdown, to_markdown  # noqa: F401 - re-exported
-from boost_jax.tools.comm_tallies import (  # noqa: F401 - re-exported
-    FIELDS,
+from boost_jax.tools.comm_report.tables import pipeline_markdown, to_markdown
+from boost_jax.tools.comm_report.tallies import (
     axis_group,
     bytes_per_element,
     combine,
-    itemsize,
     sum_by,
     tally_collectives,
 )
@@ -225,7 +211,9 @@ METHOD = (
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m boost_jax.tools.comm_report",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", required=True, help="a configs/*.py file, e.g. configs/cola_7b.py")
     ap.add_argument(

@@ -1,9 +1,9 @@
-"""The tables tools/comm_report.py prints: one column per strategy (`to_markdown`), and a pipelined
+"""The tables tools/comm_report/ prints: one column per strategy (`to_markdown`), and a pipelined
 step's collectives (`pipeline_markdown`)."""
 
 from __future__ import annotations
 
-from boost_jax.tools.comm_tallies import axis_group
+from boost_jax.tools.comm_report.tallies import axis_group
 
 GIB = 2**30
 SHORT = {

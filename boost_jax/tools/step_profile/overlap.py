@@ -1,22 +1,15 @@
 """Which collectives of a scheduled GPU program run beside compute, and how much of each the step
-waits for (tools/step_profile.py prices them).
+waits for (the step-time table prices them).
 
-An optimized GPU module is scheduled: each computation's instructions run in their textual order on
-the compute stream, and an asynchronous collective runs on its own stream from its start to its
-done (`all-reduce-start` ... `all-reduce-done`, likewise all-gather, collective-permute,
-reduce-scatter and all-to-all, or an `async-start` ... `async-done` pair around a computation that
-holds the collective). The kernels scheduled between a start and its done, and everything the
-loops, calls and conditionals between them run, are compute the collective can hide behind: its
-window. A synchronous collective (a plain `all-reduce`, ...) has none: the step waits for all of it.
-
-`windows(module, ks)` gives each collective kernel its window, `exposure(ks, share)` prices the
-overlap once the kernels carry their times: a collective overlaps min(its time, the compute in its
-window) and the rest is exposed. Compute is handed out in schedule order, each kernel's time once:
-two collectives in flight over the same kernels share them, so no compute hides two collectives.
-A done that waits for a start of the previous loop iteration (a collective XLA pipelined across
-the loop) is not paired here: such a collective counts as exposed, the upper bound.
-
-Nothing here imports jax.
+A scheduled module runs each computation's instructions in textual order on the compute stream; an
+asynchronous collective runs on its own stream from its start to its done (`*-start` ... `*-done`,
+or an `async-start` ... `async-done` pair around a computation holding it). The kernels scheduled
+between them, and all the loops, calls and conditionals there run, are its window; a synchronous
+collective has none. `windows(module, ks)` gives each collective kernel its window; `exposure(ks,
+share)`: a collective overlaps min(its time, the compute in its window), the rest is exposed.
+Compute is handed out in schedule order, each kernel's time once, so no compute hides two
+collectives. A done waiting for a start of the previous loop iteration is not paired: that
+collective counts as exposed, the upper bound. Nothing here imports jax.
 """
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
-"""A step's kernels priced on a target GPU (tools/step_profile.py's module docstring: the rules):
-the GPUs' numbers, the constants fitted to measured steps, each kernel's time, and the step's table
-by category."""
+"""A step's kernels priced on a target GPU: the GPUs' numbers (`Target`), the constants fitted to
+measured steps (`Costs`, targets/step_costs.json, benchmarks/step_profile_fit.py), each kernel's
+time and the step's table by category (`price`, `profile`). A GEMM runs at max(FLOPs / (peak x the
+efficiency of its shape class), bytes / bandwidth), priced by its shape (`gemm_class`), never by the
+backend named (a deviceless compile has no GEMM autotuner); attention at a fitted efficiency; the
+rest at HBM bandwidth; a collective at its ring's bandwidth and latency, counted at its exposed part
+(overlap.py; `no_overlap_step_s` adds them in full); every launch costs `launch_s`. The roofline
+beside each category: each kernel at the GPU's dense bf16 peak or datasheet HBM bandwidth,
+whichever binds (`roofline_time`), the collectives at link bandwidth times their exposed share.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +15,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boost_jax.tools.step_categories import CATEGORIES
-from boost_jax.tools.step_kernels import Kernel, kernels
-from boost_jax.tools.step_overlap import exposure
+from boost_jax.tools.step_profile.categories import CATEGORIES
+from boost_jax.tools.step_profile.kernels import Kernel, kernels
+from boost_jax.tools.step_profile.overlap import exposure
 
-COSTS_FILE = Path(__file__).with_name("targets") / "step_costs.json"
+COSTS_FILE = Path(__file__).parents[1] / "targets" / "step_costs.json"
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class Target:
 
 
 # The H100's copy bandwidth is measured (benchmarks/gpu_bench.json, rmsnorm part, "copy (x + 1)" on
-# [16384, 4096] bf16: 2,269 GB/s, 68% of the 3.35 TB/s datasheet figure); the other GPUs take the
+# [16384, 4096] bf16; benchmarks/RESULTS.md), a share of its datasheet figure; the other GPUs take the
 # same share of their datasheet bandwidth. Peaks are datasheet dense bf16; link figures are those of
 # configs/clusters (nccl-tests ring bandwidths).
 COPY_SHARE = 2268.7e9 / 3.35e12
@@ -176,8 +183,9 @@ ATTENTION_BWD_SIDE_BYTES = 2 + 2 + 4 + 4 + 2
 
 def attention_time(k: Kernel, target: Target, c: Costs, memory: float) -> float:
     """cuDNN attention: its FLOPs at a fraction of peak that grows with the keys per row,
-    efficiency x keys / (keys + half_keys) (short rows keep the tensor cores less busy: measured
-    0.13 of peak at 256 keys, 0.41 at 4096), plus the backward's side passes at the copy bandwidth."""
+    efficiency x keys / (keys + half_keys) (short rows keep the tensor cores less busy: the
+    measured shares per row length are in benchmarks/RESULTS.md), plus the backward's side passes at
+    the copy bandwidth."""
     eff = c.attention_efficiency
     side = 0.0
     if k.attention:
@@ -205,7 +213,7 @@ def roofline_time(k: Kernel, target: Target) -> float:
 def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = None) -> dict:
     """Each kernel's time on `target`; the step's time by category (seconds; `launch` = launches x
     `launch_s`; a loop's predicate read-back counts as a launch); the step's time the sum of all, the
-    collectives at their exposed part (`step_overlap.exposure`: what the compute scheduled beside them
+    collectives at their exposed part (`overlap.exposure`: what the compute scheduled beside them
     does not hide; "no_overlap_step_s" adds them in full, the bound without overlap). XLA's
     rematerialized clones count `remat_clone_share` of their time and launches; "remat_clones" says
     what they would add in full. The roofline (`roofline_time`) by category and for the step, the
@@ -248,7 +256,7 @@ def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = Non
 
 
 def collectives(ks: list[Kernel], t: Target, share: float = 1.0) -> dict:
-    """The priced collectives' overlap with compute (step_overlap.exposure): per step, "priced_s",
+    """The priced collectives' overlap with compute (overlap.exposure): per step, "priced_s",
     "overlapped_s", "exposed_s", their roofline in full and at each one's exposed share, and
     "by_kernel" (each collective: name, kind, runs per step, async or not, seconds priced and
     exposed, source), the costliest exposed first."""
