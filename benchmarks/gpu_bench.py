@@ -32,7 +32,7 @@ Model dtype is `auto` (bf16 on GPU) and attention `auto` (cuDNN on GPU), the tra
 time is short; each row's compiled peak is still its own). `--profile DIR` traces each train variant's
 steps after timing them (jax.profiler, benchmarks/step_profile_trace.py): DIR/NAME.events.json holds
 the device time per kernel and HLO instruction, DIR/NAME.hlo.gz the compiled program, and the row its
-measured time by category (boost_jax/tools/step_profile.py), beside the deviceless prediction.
+measured time by category (boost_jax/tools/step_profile/), beside the deviceless prediction.
 
 `--aot TARGET` (needs the aot extra, `boost_jax/tools/aot.py`) times nothing: it compiles every program
 the selected parts would time for TARGET GPUs on this host, without one (XLA's deviceless compile), at
@@ -396,7 +396,7 @@ def profile(step, state, tokens, out_dir: str, name: str, step_s: float) -> dict
     `trace_compiled`, the one place the project traces a step): under out_dir, NAME.events.json (the
     device time per kernel and HLO instruction) and NAME.hlo.gz (the compiled program they name), read
     by `python -m boost_jax.tools.step_profile --hlo NAME.hlo.gz --events NAME.events.json` beside the
-    deviceless prediction. Returns the measured time by category (tools/step_profile.py `measured`)."""
+    deviceless prediction. Returns the measured time by category (tools/step_profile/traces.py `measured`)."""
     from pathlib import Path
 
     from step_profile_trace import trace_compiled

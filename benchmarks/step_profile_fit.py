@@ -1,4 +1,4 @@
-"""Fit the step-time table's constants (boost_jax/tools/step_profile.py) to measured GPU steps, and
+"""Fit the step-time table's constants (boost_jax/tools/step_profile/) to measured GPU steps, and
 show every measured row beside its prediction, fitted rows and held-out rows apart.
 
     python benchmarks/step_profile_fit.py [--measured benchmarks/h100_measured.json] [--target h100]
@@ -42,12 +42,12 @@ TOLERANCE = 0.15
 TIE = 0.02
 # Fitted constants: the GEMM classes' efficiencies, then the launch cost in microseconds. Not
 # fitted: cuDNN attention's efficiency curve, efficiency x keys / (keys + half_keys)
-# (tools/step_pricing.py attention_time), through two measured kernels on one H100: 0.407 of peak at
+# (tools/step_profile/pricing.py attention_time), through two measured kernels on one H100: 0.407 of peak at
 # 4096 keys (benchmarks/gpu_bench.json attention part: fwd+bwd at [1, 4096, 32, 128], 402 TFLOP/s) and
 # 0.131 at 256 keys (the cuDNN kernels of cola_1b auto's trace at 256 x 32,
 # benchmarks/gpu_profile/cola_1b_auto.*: 5.56 ms per step for its 0.722 TFLOP, 48 calls at
 # [32, 32, 256, 256] x 64); and the share of XLA's rematerialized clones priced, 0
-# (tools/step_profile.py remat_clone; the table shows each row's ratio with them priced in full too).
+# (tools/step_profile/kernels.py remat_clone; the table shows each row's ratio with them priced in full too).
 ATTENTION_MEASURED = ((4096, 402.3e12 / 989e12), (256, 0.7216e12 / 5.564e-3 / 989e12))
 
 

@@ -1,5 +1,5 @@
 """On a GPU: the step-time table of a real train step, measured by jax.profiler, beside the table
-boost_jax/tools/step_profile.py predicts from the same compiled program.
+boost_jax/tools/step_profile/ predicts from the same compiled program.
 
     python benchmarks/step_profile_trace.py --out DIR [--rows "cola_1b lowrank 256,llama_1b 256"]
         [--measured benchmarks/h100_measured.json] [--steps 3] [--warmup 2]

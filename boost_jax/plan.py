@@ -35,7 +35,7 @@ from boost_jax.tools.devices import emulate_cpu_devices, load_config
 from boost_jax.tools.progress import ticking
 
 GB = 1e9
-# The activation layouts in the plans' layout column (boost_jax/planner/partitions.py).
+# The activation layouts in the plans' layout column (boost_jax/planner/ops/).
 LEGEND = (
     "layouts: R replicated over tensor, P partial sums (before their all-reduce), H split along the "
     "features over tensor, S split along the sequence over tensor"

@@ -188,7 +188,7 @@ def pipelined(environ=os.environ, jaxlib=None) -> frozenset:
 
 
 # XLA's while-loop double buffering (FLAGS: the layer scan unrolled x2), which keeps one more stacked
-# residual of the scan (planner/cost.py SCAN_DOUBLE_BUFFER)
+# residual of the scan (planner/pricing/cost.py SCAN_DOUBLE_BUFFER)
 DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
 
 

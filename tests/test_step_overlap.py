@@ -1,4 +1,4 @@
-"""tools/step_overlap.py and the roofline of tools/step_pricing.py: the compute scheduled between an
+"""tools/step_profile/overlap.py and the roofline of tools/step_profile/pricing.py: the compute scheduled between an
 async collective's start and done hides it, each kernel's time once; a synchronous collective is
 exposed; the roofline is each kernel at the GPU's peaks. Every expected number is computed here from
 the shapes and the target's numbers, not read back from the code under test."""

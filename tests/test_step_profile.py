@@ -1,4 +1,4 @@
-"""tools/step_profile.py: kernels read from compiled GPU programs, priced, grouped; measured traces
+"""tools/step_profile/: kernels read from compiled GPU programs, priced, grouped; measured traces
 grouped the same way; the fitted table within 15% of every measured H100 row."""
 
 import json

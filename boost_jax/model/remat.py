@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 
 POLICIES = ("none", "full", "dots", "lowrank", "offload_lowrank")  # remat.policy
-# The policies the planner prices (boost_jax/planner/cost.py `recomputed`, `saved_bytes`), in the order
+# The policies the planner prices (boost_jax/planner/pricing/cost.py `recomputed`, `saved_bytes`), in the order
 # it searches them, with what the backward finds kept; the others are not priced.
 PRICED = {"none": "everything", "lowrank": "the bottleneck outputs and norm statistics", "full": "each layer's input"}
 SAVED_NAMES = ("lowrank", "norm_stats")  # r-wide reduced A outputs; per-row norm statistics

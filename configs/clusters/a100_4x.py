@@ -1,6 +1,6 @@
 """Perlmutter-like A100 nodes, the BOOST paper's setup: 4 x A100-SXM4 per node, NVLink3 inside,
 Slingshot-11 between. Bandwidths are per GPU and *effective* (what a ring collective achieves), so
-the α-β formulas in boost_jax/planner/cost.py use them directly.
+the α-β formulas in boost_jax/planner/pricing/cost.py use them directly.
 
 Provenance: three numbers are FITTED to BOOST's reported LLaMA-7B TP-4 measurements (listed in
 `c.fitted` below, reproduced by `python benchmarks/planner_validation.py --fit`, and guarded by

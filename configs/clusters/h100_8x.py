@@ -39,7 +39,7 @@ def get_config():
     # FlashAttention-2 on H100 reaches ~350 TFLOP/s fwd+bwd, FlashAttention-3 ~600: take 0.45 of peak.
     c.flash_efficiency = 0.45
     c.elementwise_passes = 6  # see a100_4x.py
-    # HBM passes per byte of activation kept for the backward (boost_jax/planner/cost.py): not known
+    # HBM passes per byte of activation kept for the backward (boost_jax/planner/pricing/cost.py): not known
     # from a datasheet; 0 leaves it unpriced, the fitted block below sets it
     c.kept_passes = 0.0
     c.fitted = {}

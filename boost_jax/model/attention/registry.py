@@ -23,7 +23,7 @@ CHUNK = 512  # chunked: query and key block length
 @dataclasses.dataclass(frozen=True)
 class CostClass:
     """How the planner prices an implementation (boost_jax/planner: cost.attention_seconds, the time;
-    partitions.attention, what the backward keeps), described without hardware. Scores either pass
+    planner/ops/cores.py, what the backward keeps), described without hardware. Scores either pass
     through HBM (`block` keys at a time, 0: a query's whole row; the blocks above the diagonal
     skipped) or stay inside one `fused` kernel that skips the masked blocks and runs at the cluster's
     flash efficiency. The `kept*` counts are read from compiled steps (tests/test_planner.py)."""
