@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.mesh import split_by_tensor
-from boost_jax.parallel.pipeline_schedules import ticks
+from boost_jax.parallel.pipeline.arithmetic import ticks
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
 

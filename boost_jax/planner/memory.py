@@ -3,6 +3,7 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
+from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner import cost, partitions
 from boost_jax.planner.layer_search import Pricer
 from boost_jax.planner.layer_summary import LayerSummary
@@ -26,7 +27,7 @@ def memory_bytes(
     gpu = partitions.gpu(ctx)
     replica, accumulator = gathered_replica(mesh, summary, sched, gpu)
     # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
-    f1b_items = cost.ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
+    f1b_items = ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
     microbatches = sched.microbatches
     loss = loss_peak(pr, mesh, sched, gpu, rest_fsdp_weights)
     residual = ctx.local(layer.residual, block.d)  # one stage input

@@ -3,6 +3,7 @@ the cheap lower bound on its step time the search prunes with (`lower_bound`).""
 
 from __future__ import annotations
 
+from boost_jax.parallel.pipeline.arithmetic import bubble_fraction
 from boost_jax.planner import cost
 from boost_jax.planner.layer_search import Pricer
 from boost_jax.planner.layer_summary import layer_summary, rest_ops, stage_forward
@@ -65,7 +66,7 @@ def price_plan(
         sequence_parallel=sp,
         overrides=flags,
         microbatches=sched.microbatches,
-        bubble=cost.bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
+        bubble=bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
         shift_s=colls.shift_seconds,
         pipeline_colls=colls.shift,
         step_colls=[(c, sched.executed) for c in summary.tensor_colls + summary.recomputed] + colls.counted,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 
+from boost_jax.parallel.pipeline.arithmetic import ticks_1f1b
 from boost_jax.planner import partitions
 from boost_jax.planner.cost import STATE_BYTES
 from boost_jax.planner.search import Layer, Mesh, Options, linear_partition, plan_for
@@ -413,8 +414,6 @@ def _executions(col, c) -> int:
     branch = _TICK_BRANCHES.search(col.op_name) if p.pipeline_schedule == "1f1b" else None
     if branch is None:
         return col.trips
-    from boost_jax.parallel.pipeline import ticks_1f1b  # lazy: imports jax; not at the planner's import
-
     stages, m, v = int(p.pipeline), int(p.microbatches), int(p.pipeline_repeats)
     ticks = ticks_1f1b(stages, m, v)
     runs = m * v if branch.group(1).count("cond/") == 1 else m

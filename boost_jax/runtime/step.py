@@ -18,7 +18,7 @@ from flax import nnx
 from boost_jax.kernels import platform
 from boost_jax.model import batch as batch_lib
 from boost_jax.parallel.grad_reduce import accumulate_grads, accumulation_pieces
-from boost_jax.parallel.pipeline import to_microbatches
+from boost_jax.parallel.pipeline.layout import to_microbatches
 from boost_jax.parallel.rules import use_rules
 from boost_jax.runtime.state import trainable, with_frozen
 
@@ -66,7 +66,7 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         else:
             loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x)  # noqa: E731
         if pipeline is not None:
-            # The stage weights' gradient over data x fsdp once per step (parallel/pipeline.py).
+            # The stage weights' gradient over data x fsdp once per step (parallel/pipeline/stack.py).
             loss, grads = pipeline.accumulate(loss_fn, trained, batch, param_specs)
         else:
             # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.

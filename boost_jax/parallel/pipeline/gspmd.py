@@ -1,5 +1,5 @@
 """The GPipe and circular (interleaved) pipeline schedules over the `pipeline` mesh axis, written for
-GSPMD (`parallel.pipeline_schedule` = gpipe | circular; boost_jax/parallel/pipeline.py `run` calls them).
+GSPMD (`parallel.pipeline_schedule` = gpipe | circular; stack.py `Pipeline` calls `run`).
 
 The layer stack [L, ...] is cut into S stages of L/S consecutive layers (the `layers` dim is split
 over `pipeline`). The batch is cut into M micro-batches. At every tick all S stages run at once
@@ -20,26 +20,30 @@ output waits in between in a stage-local buffer [M, b, ...] (the size of GPipe's
 every schedule), which the chunks are not: the circular layout moves the stage weights once per
 pass, before the tick loop (one all-to-all over `pipeline` per weight, in its stored fsdp/tensor
 split, of which (S-1)/S leaves the device), and their summed gradient once after it (pinned by
-`pipeline_layout.on_stages`; left to GSPMD the gradient's reorder fell back to replicating it).
+`layout.on_stages`; left to GSPMD the gradient's reorder fell back to replicating it).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
-from boost_jax.parallel.pipeline_layout import from_microbatches, to_microbatches
-
-
-def ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
-    """Ticks of one pass: every micro-batch crosses every stage `repeats` times (V M items), the last
-    one entering stage 0 at tick V M - 1 and leaving stage S-1 S-1 ticks later."""
-    return repeats * microbatches + stages - 1
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The idle share of the stage-ticks: (S-1)/(V M + S-1) (gpipe: V = 1)."""
-    return (stages - 1) / ticks(stages, microbatches, repeats)
+from boost_jax.parallel import rules
+from boost_jax.parallel.grad_reduce import without_axis
+from boost_jax.parallel.pipeline.arithmetic import ticks
+from boost_jax.parallel.pipeline.layout import (
+    STEP_COPIES,
+    copy_spec,
+    from_microbatches,
+    once_per_pass_axes,
+    replica_copies,
+    stage_layout,
+    to_microbatches,
+)
 
 
 @jax.custom_vjp
@@ -130,3 +134,86 @@ def circular(run_stages, staged, x, stages, microbatches, unroll, rows=None, *, 
     loop = jnp.zeros((stages,) + micro.shape, x.dtype)  # [S, M, b, ...]
     (_, loop), _ = jax.lax.scan(tick, (inputs, loop), jnp.arange(ticks(stages, microbatches, repeats)), unroll=unroll)
     return from_microbatches(loop[0])
+
+
+def run(
+    stage_fn,
+    layer_state,
+    x: jax.Array,
+    *,
+    stages: int,
+    microbatches: int,
+    mesh,
+    strategy,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    unroll: bool = False,
+    rows=None,
+    remat: bool = False,
+) -> jax.Array:
+    """Run `stage_fn(stage_state, x_micro[, rows_micro]) -> x_micro` over the stages for every
+    micro-batch, on `mesh` under `strategy` (bound when the model was built: parallel/placement.py),
+    as the `schedule` (gpipe | circular with `repeats` chunks per stage) orders it.
+
+    layer_state: a pytree whose leaves have a leading [L] layer dim; x: [B, ...]. stage_fn gets one
+    stage's (circular: one chunk's) layers and must take micro-batches of any row count (each batch
+    replica runs the schedule on its own rows). `rows`: an optional pytree of per-row inputs [B, ...]
+    (document segments, positions) handed to stage_fn beside its micro-batch. `remat`
+    (remat.pipeline=stage): each stage (with its chunk selection) is one jax.checkpoint, so the tick
+    loop keeps only the stage's input per tick."""
+    if schedule not in ("gpipe", "circular"):
+        raise ValueError(f"parallel.pipeline_schedule: {schedule!r} is not gpipe or circular")
+    repeats = repeats if schedule == "circular" else None  # None: gpipe's layout and schedule
+    if repeats is not None:
+        inner_fn = stage_fn
+
+        def stage_fn(stage_state, x_micro, v, *extra):  # noqa: F811 - the chunk v of the stage's V
+            chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), stage_state)
+            return inner_fn(chunk, x_micro, *extra)
+
+    if remat:  # remat.pipeline=stage: the tick loop keeps the stage's input; the stage (with its chunk
+        # selection, so no chunk of weights is kept per tick) is recomputed in the backward
+        stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
+    schedule_fn = gpipe if repeats is None else functools.partial(circular, repeats=repeats)
+    axes = once_per_pass_axes(mesh, strategy)
+    given = STEP_COPIES.get()
+    if not axes:
+        staged = jax.tree.map(lambda a: stage_layout(a, stages, repeats), layer_state)
+        return schedule_fn(jax.vmap(stage_fn, spmd_axis_name="pipeline"), staged, x, stages, microbatches, unroll, rows)
+    n = math.prod(mesh.shape[a] for a in axes)
+    inner = without_axis(strategy, *axes)
+    spmd = ("pipeline",) + axes
+    dtype = jnp.dtype(strategy.grad_reduce_dtype)
+
+    def replicas(a):
+        return replica_copies(a, stages, n, NamedSharding(mesh, copy_spec(spmd, a.ndim, repeats)), dtype, repeats)
+
+    if given is not None:  # the train step's copies (`accumulate`): it reduces their gradient itself
+        leaves, treedef = jax.tree.flatten(layer_state)
+        copies = jax.tree.leaves(given, is_leaf=lambda x: x is None)
+        assert len(copies) == len(leaves) and all(
+            c is None or c.shape[0] == stages * n and c.size == n * a.size for c, a in zip(copies, leaves)
+        ), "the train step's stage copies do not match the layer stack"
+        # integer leaves (no gradient) are laid out here
+        staged = treedef.unflatten([replicas(a) if c is None else c for c, a in zip(copies, leaves)])
+    else:
+        staged = jax.tree.map(replicas, layer_state)
+
+    def replica(stage_state, *inputs):
+        with rules.use_rules(mesh, inner):
+            return stage_fn(stage_state, *inputs)
+
+    # One vmap over (stage, replica) pairs: stage s's replica i runs on the i-th contiguous block of
+    # the micro-batch's rows, which is where the batch split already puts them. (Nesting a replica
+    # vmap in the stage vmap trips JAX's varying-axes checks in the shard_maps inside the layers.)
+    vmapped = jax.vmap(replica, spmd_axis_name=spmd)
+
+    def run_stages(staged, inputs, *extra):
+        split = lambda a: a.reshape(stages * n, a.shape[1] // n, *a.shape[2:])  # noqa: E731
+        if repeats is not None:  # extra[0]: the chunk index per stage, the same for the stage's replicas
+            extra = (jnp.repeat(extra[0], n),) + tuple(jax.tree.map(split, e) for e in extra[1:])
+        else:
+            extra = jax.tree.map(split, extra)
+        return vmapped(staged, split(inputs), *extra).reshape(inputs.shape)
+
+    return schedule_fn(run_stages, staged, x, stages, microbatches, unroll, rows)
