@@ -281,7 +281,7 @@ def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_
     """4 steps with every group spatial-temporal on (data, fsdp, tensor) = (2, 2, 2) follow the
     one-device curve, and the checkpoint they save holds the weights in the ordinary layout: it
     restores onto one device under plain BTP with the one-device run's values."""
-    from boost_jax.runtime.checkpoint import restore
+    from boost_jax.runtime.checkpoints.store import restore
 
     one = single_device_run(make_config, tmp_path_factory)
     single = par_config(make_config, "btp", "cola", (1, 1, 1), run_dir=str(one), **CURVE)

@@ -15,7 +15,8 @@ from tests_support import metric_rows
 
 from boost_jax import train
 from boost_jax.config import base_config
-from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError
+from boost_jax.errors import CheckpointError
+from boost_jax.runtime.checkpoints.store import Checkpointer
 
 
 def final_params(run_dir, step):

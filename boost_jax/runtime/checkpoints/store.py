@@ -32,9 +32,7 @@ import orbax.checkpoint as ocp
 
 from boost_jax.config import base_config
 from boost_jax.errors import CheckpointError, CorruptCheckpoint
-from boost_jax.runtime.checkpoint_failures import (  # noqa: F401 - re-exported
-    WRITE_ERRNOS,
-    cannot_write,
+from boost_jax.runtime.checkpoints.failures import (
     one_line,
     os_reason,
     quiet_closed_loop,
