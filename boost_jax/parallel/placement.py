@@ -1,25 +1,16 @@
 """What a strategy on a mesh hands the model when the model is built.
 
 The model never asks which strategy is running. `Placement(mesh, strategy)` (or `LOCAL`: one
-device, no mesh) chooses once, at construction, the objects the model's modules apply, and the
-modules keep them as fields, where a reader sees them:
-
-- `norm(impl)`: how an RMSNorm kernel runs: as XLA partitions it (`Norm`), or, for a Pallas/Triton
-  call that GSPMD cannot partition, once per shard inside `shard_map` (`PerShardNorm`);
-- `group(name, factored)`: how a projection group's GEMMs run: the model's own grouped GEMMs
-  (`GROUPED`), with the norm's statistics riding in the A all-reduce (`OnlineNorm`, BTP), or as
-  PrimePar's P(n x n) GEMMs on the (fsdp, tensor) grid (`SpatialTemporal`);
-- `pipeline(stack)`: None (the model scans its layers), or the pipeline schedule (gpipe | circular |
-  1f1b) over the `pipeline` axis for the model's stacked layers (`stack`: their parameters' key),
-  which runs the model's loss on them (`Pipeline.train_loss`: 1f1b runs the head and loss inside its
-  schedule) and accumulates the train step's gradient (`Pipeline.accumulate`);
-- `context()`: None, or the sequence split over the `context` axis (boost_jax/parallel/context.py:
-  the load-balanced layout and the attention island).
+device, no mesh) chooses once, at construction, the objects the model's modules apply and keep as
+fields: `norm(impl)` how an RMSNorm kernel runs (`Norm`, or `PerShardNorm` for a Pallas/Triton call
+GSPMD cannot partition); `group(name, factored)` how a projection group's GEMMs run (`GROUPED`,
+`OnlineNorm` for BTP, `SpatialTemporal` for PrimePar's grid); `pipeline(stack)` None or the
+pipelined layer stack (parallel/pipeline/stack.py `Pipeline`, every schedule); `context()` None or
+the sequence split over `context` (parallel/context.py).
 
 They are frozen dataclasses: equal when built alike and hashable, as fields of an NNX graph
 definition must be. Activation layouts inside them are still looked up in the rules current while
-tracing (`rules.constrain`, `rules.logical_spec`): the step builder sets those, and the data and
-pipeline islands narrow them for their replicas.
+tracing (`rules.constrain`, `rules.logical_spec`): the step builder sets those.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """The GPipe and circular (interleaved) pipeline schedules over the `pipeline` mesh axis, written for
 GSPMD (`parallel.pipeline_schedule` = gpipe | circular; stack.py `Pipeline` calls `run`).
 
-The layer stack [L, ...] is cut into S stages of L/S consecutive layers (the `layers` dim is split
-over `pipeline`). The batch is cut into M micro-batches. At every tick all S stages run at once
-(a vmap over the stage dim, which GSPMD splits over `pipeline`), then the stage outputs shift one
-stage down (a roll of the stage dim: one collective-permute) and the next micro-batch enters stage 0.
-After M + S - 1 ticks every micro-batch has crossed every stage; the bubble is (S-1)/(M+S-1) of the
-ticks. Autodiff of the loop gives the backward (all micro-batches' activations are kept, as in
-GPipe; combine with a remat policy). Tensor parallelism acts inside each stage unchanged, because
-the strategy's constraints are batched with `spmd_axis_name="pipeline"`.
-
-Circular (`circular`, `parallel.pipeline_repeats` = V): stage s holds the V chunks s, S+s, 2S+s, ...
-of L/(S V) layers; each micro-batch goes round the ring V times (stage S-1 hands to stage 0: the same
-roll, which wraps), so a tick runs L/(S V) layers and the pass takes V M + S - 1 ticks: the bubble
-is (S-1)/(V M + S-1). It needs M >= S: micro-batch m's round v leaves stage S-1 at tick
-v M + m + S - 1 and its round v+1 starts at stage 0 at tick (v+1) M + m, which must be later; the
-output waits in between in a stage-local buffer [M, b, ...] (the size of GPipe's output buffer). The stored
-[L, ...] stacks are split over `pipeline` in contiguous blocks (so checkpoints are the same for
-every schedule), which the chunks are not: the circular layout moves the stage weights once per
-pass, before the tick loop (one all-to-all over `pipeline` per weight, in its stored fsdp/tensor
-split, of which (S-1)/S leaves the device), and their summed gradient once after it (pinned by
-`layout.on_stages`; left to GSPMD the gradient's reorder fell back to replicating it).
+The layer stack [L, ...] is cut into S stages (the `layers` dim split over `pipeline`), the batch
+into M micro-batches. At every tick all S stages run at once (a vmap over the stage dim, which GSPMD
+splits over `pipeline`), then the stage outputs shift one stage down (a roll of the stage dim: one
+collective-permute) and the next micro-batch enters stage 0: M + S - 1 ticks, V M + S - 1 for
+circular (arithmetic.py). Autodiff of the loop gives the backward (every micro-batch's activations
+are kept, as in GPipe; combine with a remat policy). Tensor parallelism acts inside each stage
+unchanged: the strategy's constraints are batched with `spmd_axis_name="pipeline"`. Circular's
+ring, its M >= S condition and its weight reorder: `circular`.
 """
 
 from __future__ import annotations
@@ -107,7 +95,18 @@ def circular(run_stages, staged, x, stages, microbatches, unroll, rows=None, *, 
     round v-1 from stage S-1, which the shift hands to stage 0 at tick t - M + S - 1 <= t - 1 (M >= S)
     and stage 0 files in `loop` until it is read. After V M + S - 1 ticks `loop`'s stage-0 row holds
     every micro-batch's last round. Ticks outside 0 <= t - s < V M compute on stale inputs whose
-    outputs are overwritten before they are read (zero cotangent)."""
+    outputs are overwritten before they are read (zero cotangent).
+
+    Stage s holds the V chunks s, S+s, 2S+s, ... of L/(S V) layers; each micro-batch goes round the
+    ring V times (stage S-1 hands to stage 0: the same roll, which wraps), so a tick runs L/(S V)
+    layers: bubble (S-1)/(V M + S-1). It needs M >= S: micro-batch m's round v leaves stage S-1 at
+    tick v M + m + S - 1 and its round v+1 starts at stage 0 at tick (v+1) M + m, which must be later;
+    the output waits in between in a stage-local buffer [M, b, ...] (the size of GPipe's). The stored
+    [L, ...] stacks are split over `pipeline` in contiguous blocks (checkpoints are the same for
+    every schedule), which the chunks are not: the circular layout moves the stage weights once per
+    pass, before the tick loop (one all-to-all over `pipeline` per weight, in its stored fsdp/tensor
+    split), and their summed gradient once after it (pinned by layout.py `on_stages`; left to GSPMD
+    the gradient's reorder fell back to replicating it)."""
     micro = to_microbatches(x, microbatches)  # [M, b, ...]
     micro_rows = None if rows is None else jax.tree.map(lambda a: to_microbatches(a, microbatches), rows)
     stage_ids = jnp.arange(stages)

@@ -1,41 +1,17 @@
 """The 1F1B pipeline schedule (`parallel.pipeline_schedule=1f1b`, interleaved with
-`parallel.pipeline_repeats` V > 1): one stage's program of a pass (`stage_pass`) and the custom VJP
-that makes its gradients the loss's (`schedule_gradient`); `fused_loss` runs it in a `shard_map`
-(stack.py `Pipeline.train_loss` calls it).
+`parallel.pipeline_repeats` V > 1): `fused_loss` (stack.py `Pipeline.train_loss` calls it) runs one
+stage's program of a pass (`stage_pass`) in a `shard_map` and makes its gradients the loss's
+(`schedule_gradient`, a custom VJP).
 
 One jitted program, the pipeline axis (and the batch axes the stage weights' gradient is reduced
-over once per pass) manual in a `shard_map`: each device runs its own stage's branch of a tick
-(`lax.cond` on its stage index, so a stage with nothing to do at a tick skips it) and the stages
-hand their activations forward and their gradients backward by collective-permute, one each way
-per tick. The backward is driven by the schedule (`jax.vjp` per stage and tick), not by autodiff
-of the tick loop, so a stage keeps only the micro-batches it has run forward and not yet backward,
-in a ring buffer whose size depends on S and V, never on M. Each micro-batch is embedded at stage 0
-in the tick its first chunk runs, and its input gradient taken into the embedding's gradient in the
-tick that chunk's backward runs; the head and loss run at the last stage, per micro-batch, in the tick
-that finishes its forward, which also starts its backward: no buffer of the pass grows with M.
-
-Ticks (lockstep: every stage does at most one forward and one backward per tick). Items are
-(micro-batch, chunk) pairs, V per micro-batch (V = 1 without interleaving). Forward item k runs at
-stage s at tick k + s; in the interleaved order micro-batches go in groups of S: item k is group
-g = k // (S V), chunk v = (k mod S V) // S, micro-batch g S + k mod S, so the item stage S-1
-finishes at tick t is the one stage 0 starts at tick t + 1 (the ring wraps, no buffer in between;
-hence M divisible by S when V > 1). Backward item j (the same order, chunks reversed) runs at
-stage s at tick j + D - s, D = V S + S - 2: a micro-batch's last chunk is run forward and backward
-at stage S-1 in the same tick, and each backward hand-over arrives the tick its stage needs it.
-V M + D ticks in all: the first V S - 1 run forwards only, the last V S - 1 backwards only, so a
-pass takes (S - 1 + V M) (f + b) for chunk times f, b: bubble (S-1)/(V M + S-1), as the stages
-only wait for work the dependencies forbid. Lockstep ticks make a hand-over take a whole tick each
-way, so stage s holds a forward item for 2(S-1-s) + 2(V-1-v)S ticks (interleaved) before its
-backward: the ring keeps `ring_slots` items, at most 2 V S - 1, where 1F1B run asynchronously keeps
-about S (V = 1); under stage remat stage 0's first chunk is embedded again instead.
-What an item is: its stage input under stage remat (the backward runs its forward again), else
-the residuals of its forward's `jax.vjp` that depend on it (`_Inputs`, `_Residuals`).
-
-The map runs unchecked (check_vma=False): nested in it, jax 0.10's checked partial evaluation of a
-layer's own shard_map island gives its residuals the outer map's axes, which Shardy rejects. Its
-autodiff is ours, so no implicit psum is needed; the islands and shardings inside name the traced
-(partly manual) mesh (`rules.traced_mesh`), and kernels XLA cannot partition there run per shard
-(`rules.per_shard`: cuDNN attention).
+over once per pass) manual: each device runs its own stage's branch of a tick (`lax.cond` on its
+stage index, so a stage with nothing to do skips it), and the stages hand activations forward and
+gradients backward by collective-permute, one each way per tick. The backward is driven by the
+schedule (`jax.vjp` per stage and tick), not by autodiff of the tick loop, so a stage keeps only
+the items it has run forward and not yet backward, in a ring whose size depends on S and V, never
+on M. Each micro-batch is embedded at stage 0 in the tick its first chunk runs; the head and loss
+run at the last stage, per micro-batch: no buffer of the pass grows with M. The tick order: `_Tick`;
+its counts: arithmetic.py.
 """
 
 from __future__ import annotations
@@ -172,11 +148,28 @@ class _Tick:
     """A tick of one stage's pass, the body of its `lax.scan` over the ticks: `forward_only` (the
     loss without autodiff) or `both` (a forward and a backward item), and the values they read.
 
+    Ticks (lockstep: every stage does at most one forward and one backward per tick). Items are
+    (micro-batch, chunk) pairs, V per micro-batch (V = 1 without interleaving). Forward item k runs
+    at stage s at tick k + s; in the interleaved order micro-batches go in groups of S: item k is
+    group g = k // (S V), chunk v = (k mod S V) // S, micro-batch g S + k mod S, so the item stage
+    S-1 finishes at tick t is the one stage 0 starts at tick t + 1 (the ring wraps, no buffer in
+    between; hence M divisible by S when V > 1). Backward item j (the same order, chunks reversed)
+    runs at stage s at tick j + D - s, D = V S + S - 2: a micro-batch's last chunk is run forward and
+    backward at stage S-1 in the same tick, and each backward hand-over arrives the tick its stage
+    needs it. V M + D ticks in all: the first V S - 1 run forwards only, the last V S - 1 backwards
+    only, so a pass takes (S - 1 + V M) (f + b) for chunk times f, b: bubble (S-1)/(V M + S-1).
+    Lockstep ticks make a hand-over take a whole tick each way, so stage s holds a forward item for
+    2(S-1-s) + 2(V-1-v)S ticks before its backward: the ring keeps `ring_slots` items, at most
+    2 V S - 1, where 1F1B run asynchronously keeps about S (V = 1); under stage remat stage 0's
+    first chunk is embedded again instead. What an item is: its stage input under stage remat (the
+    backward runs its forward again), else the residuals of its forward's `jax.vjp` that depend on it
+    (`_Inputs`, `_Residuals`).
+
     The forward's branch computes one item's values and the ring is updated outside it, in place
-    (a ring passed through the branch is copied: +5.6 GB on cola_13b's 32-H100 pick); a skipped
-    tick writes zeros to slot k mod slots, rewritten only after its item's backward. The gradient
-    accumulators go through the branches and are updated there, in place (returned as a tick's
-    gradient, a stage-sized float32 array would be one more buffer: +1.0 GB there)."""
+    (a ring passed through the branch is copied: benchmarks/RESULTS.md, "numbers moved out of the
+    code"); a skipped tick writes zeros to slot k mod slots, rewritten only after its item's
+    backward. The gradient accumulators go through the branches and are updated there, in place
+    (returned as a tick's gradient, a stage-sized float32 array would be one more buffer)."""
 
     s: Any  # this stage's index along `pipeline` (traced)
     stages: int
@@ -458,6 +451,11 @@ def fused_loss(
             in_specs=in_specs,
             out_specs=out,
             axis_names=set(manual),
+            # Unchecked: nested in it, jax 0.10's checked partial evaluation of a layer's own shard_map
+            # island gives its residuals the outer map's axes, which Shardy rejects. Its autodiff is
+            # ours, so no implicit psum is needed; the islands and shardings inside name the traced
+            # (partly manual) mesh (`rules.traced_mesh`), and kernels XLA cannot partition there run
+            # per shard (`rules.per_shard`: cuDNN attention).
             check_vma=False,
         )
 
