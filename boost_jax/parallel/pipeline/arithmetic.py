@@ -10,6 +10,12 @@ from __future__ import annotations
 ONE_F_ONE_B = "1f1b"  # parallel.pipeline_schedule: the head and loss run inside the schedule
 
 
+def layout_chunks(schedule: str, repeats: int) -> int | None:
+    """The layer chunks per stage of the stage layout (layout.py `stage_layout`): V for circular and
+    interleaved 1F1B, None for gpipe's (and plain 1F1B's) contiguous blocks."""
+    return repeats if schedule == "circular" or (schedule == ONE_F_ONE_B and repeats > 1) else None
+
+
 def ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
     """Ticks of one GPipe / circular pass: every micro-batch crosses every stage `repeats` times (V M
     items), the last one entering stage 0 at tick V M - 1 and leaving stage S-1 S-1 ticks later."""

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.grad_reduce import without_axis
-from boost_jax.parallel.pipeline.arithmetic import ticks
+from boost_jax.parallel.pipeline.arithmetic import layout_chunks, ticks
 from boost_jax.parallel.pipeline.layout import (
     STEP_COPIES,
     copy_spec,
@@ -162,7 +162,7 @@ def run(
     loop keeps only the stage's input per tick."""
     if schedule not in ("gpipe", "circular"):
         raise ValueError(f"parallel.pipeline_schedule: {schedule!r} is not gpipe or circular")
-    repeats = repeats if schedule == "circular" else None  # None: gpipe's layout and schedule
+    repeats = layout_chunks(schedule, repeats)  # None: gpipe's layout and schedule
     if repeats is not None:
         inner_fn = stage_fn
 

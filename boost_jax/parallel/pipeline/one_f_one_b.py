@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.grad_reduce import without_axis
-from boost_jax.parallel.pipeline.arithmetic import decode, delay, forward_item, ring_slots
+from boost_jax.parallel.pipeline.arithmetic import ONE_F_ONE_B, decode, delay, forward_item, layout_chunks, ring_slots
 from boost_jax.parallel.pipeline.layout import (
     STEP_COPIES,
     copy_spec,
@@ -420,7 +420,7 @@ def fused_loss(
     axes = once_per_pass_axes(mesh, strategy)
     manual = ("pipeline",) + axes
     n = math.prod(mesh.shape[a] for a in axes)
-    V = repeats if repeats > 1 else None
+    V = layout_chunks(ONE_F_ONE_B, repeats)
     reduce_dtype = jnp.dtype(strategy.grad_reduce_dtype)
     staged = _staged_1f1b(layer_state, stages, n, V, mesh, manual if axes else None, reduce_dtype)
     mask = targets[1]

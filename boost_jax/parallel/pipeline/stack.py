@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.parallel import rules
 from boost_jax.parallel.grad_reduce import each_micro_batch, without_axis
 from boost_jax.parallel.pipeline import gspmd, one_f_one_b
-from boost_jax.parallel.pipeline.arithmetic import ONE_F_ONE_B
+from boost_jax.parallel.pipeline.arithmetic import ONE_F_ONE_B, layout_chunks
 from boost_jax.parallel.pipeline.layout import (
     STEP_COPIES,
     copy_spec,
@@ -43,8 +43,13 @@ from boost_jax.parallel.rules import Strategy
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """The layer stack as a pipeline schedule over the `pipeline` axis, the one entry for every schedule:
-    gpipe, circular with `repeats` layer chunks per stage, or 1f1b (interleaved with repeats > 1).
+    """The layer stack as a pipeline over the `pipeline` axis: the one entry a pipelined step goes
+    through, for every schedule (gpipe, circular with `repeats` layer chunks per stage, 1f1b,
+    interleaved with repeats > 1). The train step calls `accumulate` (every schedule alike: per-replica
+    stage-weight copies, their gradient reduced once per step); the model's loss calls `train_loss`,
+    which dispatches: gpipe and circular run the stack through gspmd.py `run` and the head per batch
+    replica (`per_replica_loss`), 1f1b the stack, head and loss in one_f_one_b.py `fused_loss`; the
+    model's hidden states (no loss) call `__call__` (1f1b's layers run as gpipe or circular).
     `stack`: the key of the stacked layers' parameters in the model's parameter tree."""
 
     mesh: Mesh
@@ -223,7 +228,7 @@ def accumulate(
     Without batch axes to defer (`once_per_pass_axes` empty) this is the plain accumulation loop."""
     axes = once_per_pass_axes(mesh, strategy)
     a = jax.tree.leaves(batch)[0].shape[0]
-    repeats = repeats if schedule == "circular" or (schedule == ONE_F_ONE_B and repeats > 1) else None
+    repeats = layout_chunks(schedule, repeats)
     if not axes:
         copies_f = None
     else:
