@@ -7,7 +7,7 @@
 4 micro-batches, mesh pipeline 2 x data 2 x fsdp 2, seq 16, float32): data/fsdp reduction elements
 executed per step (every all-reduce / reduce-scatter over data or fsdp, times its loops' trip
 counts, loops as compiled) and the step's temp memory, for the placements of
-`boost_jax/parallel/pipeline.py`: once per pass over data x fsdp (the default), over data only
+`boost_jax/parallel/pipeline/stack.py`: once per pass over data x fsdp (the default), over data only
 (fsdp per tick), and GSPMD's own (every tick). A second table: gpipe and circular (V = 2) at
 grad_accum 1 and 4 (global batch 16 per accumulation micro-batch), the stage weights' gradient
 reduced once per optimizer step (`pipeline.accumulate`, the default) against once per accumulation
@@ -85,7 +85,7 @@ PIPELINE_PLACEMENTS = {
 def pipeline_executed(
     placement: str, stages: int = 2, data: int = 2, fsdp: int = 2, micro: int = 4, seq: int = 16
 ) -> dict:
-    from boost_jax.parallel import pipeline
+    from boost_jax.parallel.pipeline import gspmd, stack
 
     cfg = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
     cfg.model.update(n_layers=4, d_ff=256, dtype="float32")
@@ -98,7 +98,10 @@ def pipeline_executed(
     patch = (
         None
         if axes is None
-        else (pipeline, "once_per_pass_axes", lambda mesh, strategy: tuple(a for a in axes if mesh.shape[a] > 1))
+        else [
+            (m, "once_per_pass_axes", lambda mesh, strategy: tuple(a for a in axes if mesh.shape[a] > 1))
+            for m in (stack, gspmd)  # where the gpipe step reads it
+        ]
     )
     compiled, ops = _data_fsdp_reductions(cfg, patch)
     return {
@@ -113,7 +116,7 @@ def pipeline_executed(
 def pipeline_accumulation(schedule: str, repeats: int, accum: int, per_step: bool) -> dict:
     """Executed data/fsdp reduction elements of the tiny pipelined step under grad_accum `accum`;
     per_step False: the stage gradient reduced once per accumulation micro-batch instead."""
-    from boost_jax.parallel import pipeline
+    from boost_jax.parallel.pipeline import stack
 
     cfg = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
     cfg.model.update(n_layers=4, d_ff=256, dtype="float32")
@@ -131,11 +134,15 @@ def pipeline_accumulation(schedule: str, repeats: int, accum: int, per_step: boo
     validate(cfg)
     import jax
 
-    plain = (
-        pipeline,
-        "accumulate",
-        lambda loss_fn, trained, batch, **_: grad_reduce.accumulate_grads(jax.value_and_grad(loss_fn), trained, batch),
-    )  # the plain loop: _replicas reduces per pass
+    plain = [
+        (
+            stack,
+            "accumulate",
+            lambda loss_fn, trained, batch, **_: grad_reduce.accumulate_grads(
+                jax.value_and_grad(loss_fn), trained, batch
+            ),
+        )
+    ]  # the plain loop: _replicas reduces per pass
     _, ops = _data_fsdp_reductions(cfg, None if per_step else plain)
     return {
         "schedule": schedule,
@@ -147,16 +154,15 @@ def pipeline_accumulation(schedule: str, repeats: int, accum: int, per_step: boo
 
 
 def _data_fsdp_reductions(cfg, patch=None):
-    """(compiled train step, its all-reduces and reduce-scatters over data or fsdp); `patch`: (module,
-    attribute, value) swapped in while the step compiles."""
-    if patch is not None:
-        module, name, value = patch
-        default = getattr(module, name)
+    """(compiled train step, its all-reduces and reduce-scatters over data or fsdp); `patch`: [(module,
+    attribute, value)] swapped in while the step compiles."""
+    defaults = [(module, name, getattr(module, name)) for module, name, _ in patch or []]
+    for module, name, value in patch or []:
         setattr(module, name, value)
     try:
         compiled = _compile(cfg)
     finally:
-        if patch is not None:
+        for module, name, default in defaults:
             setattr(module, name, default)
     return compiled, [
         c

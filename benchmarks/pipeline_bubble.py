@@ -84,7 +84,7 @@ def schedules(microbatches: list[int], path: str, smoke: bool = False, shape: st
     import jax
 
     from boost_jax.config import sized_config
-    from boost_jax.parallel.pipeline import bubble_fraction, ticks, ticks_1f1b
+    from boost_jax.parallel.pipeline.arithmetic import bubble_fraction, ticks, ticks_1f1b
     from boost_jax.runtime.build import build
 
     rows = []
@@ -192,7 +192,7 @@ def main(argv=None):
     args.json = args.json or os.path.join(here, name.format("pipeline_bubble"))
     emulate_cpu_devices(args.stages)
     from boost_jax.config import base_config
-    from boost_jax.parallel.pipeline import bubble_fraction
+    from boost_jax.parallel.pipeline.arithmetic import bubble_fraction
 
     rows = []
     for m in (int(x) for x in (args.microbatches or ("2" if args.smoke else "2,4,8")).split(",")):

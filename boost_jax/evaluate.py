@@ -33,7 +33,7 @@ from boost_jax.data import build_loaders
 from boost_jax.errors import CheckpointError, ConfigError, error_lines
 from boost_jax.parallel.mesh import ONE_DEVICE
 from boost_jax.runtime.build import Built, build
-from boost_jax.runtime.checkpoint import read_newest, restore
+from boost_jax.runtime.checkpoints.store import read_newest, restore
 from boost_jax.runtime.evaluation import eval_loss, plan_eval
 from boost_jax.validate import validate
 

@@ -37,8 +37,8 @@ from boost_jax.hf_files import (
 )
 from boost_jax.model import kinds
 from boost_jax.runtime.build import build, load_model
-from boost_jax.runtime.checkpoint import Checkpointer
-from boost_jax.runtime.runlock import RunLock
+from boost_jax.runtime.checkpoints.runlock import RunLock
+from boost_jax.runtime.checkpoints.store import Checkpointer
 from boost_jax.validate import validate
 
 # LAYOUTS: what an export writes and an import reads.

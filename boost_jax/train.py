@@ -30,12 +30,12 @@ from boost_jax.model import autos, flops_per_token
 from boost_jax.parallel.mesh import mesh_devices
 from boost_jax.planner.auto import fitting_plan
 from boost_jax.runtime.build import build
-from boost_jax.runtime.checkpoint import Checkpointer, restore
-from boost_jax.runtime.checkpoint_failures import cannot_write
+from boost_jax.runtime.checkpoints.failures import cannot_write
+from boost_jax.runtime.checkpoints.runlock import note_config_change, open_run_dir
+from boost_jax.runtime.checkpoints.store import Checkpointer, restore
 from boost_jax.runtime.distributed import maybe_initialize
 from boost_jax.runtime.evaluation import EvalInterrupted, eval_loss
 from boost_jax.runtime.report import Reporter
-from boost_jax.runtime.runlock import note_config_change, open_run_dir
 from boost_jax.runtime.signals import STOP_SIGNALS, StopFlag
 from boost_jax.runtime.train_loop import TrainLoop, stop_requested
 from boost_jax.runtime.train_startup import (

@@ -63,7 +63,7 @@ def test_import_never_writes_into_a_run(tmp_path, capsys):
     """--import-hf into a dir holding a run is refused (the run's steps untouched), the same import
     twice says what exists, and --supersede moves the old steps aside: the newest step is the import's."""
     from boost_jax import export
-    from boost_jax.runtime.checkpoint import read_run
+    from boost_jax.runtime.checkpoints.store import read_run
 
     first, second = hf_model(tmp_path, "a", seed=1), hf_model(tmp_path, "b", seed=2)
     run = tmp_path / "run"
@@ -442,7 +442,8 @@ def test_a_failed_save_is_reported_once_and_leaves_no_partial_step(tmp_path):
     """Orbax raises a failed save again at every later wait, and its other writer threads may still
     create files after the error: the one line names the step (never "step None") and no
     N.orbax-checkpoint-tmp is left."""
-    from boost_jax.runtime.checkpoint import Checkpointer, CheckpointError
+    from boost_jax.errors import CheckpointError
+    from boost_jax.runtime.checkpoints.store import Checkpointer
 
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, async_save=True, owner=True)
     (tmp_path / "checkpoints" / "3").mkdir()  # a finished step
@@ -890,9 +891,9 @@ def test_evaluate_retries_on_the_newest_step_when_rotation_removes_its_step(tmp_
     import shutil
 
     from boost_jax import evaluate as ev
-    from boost_jax.runtime import checkpoint as ck
+    from boost_jax.errors import CorruptCheckpoint
     from boost_jax.runtime.build import load_model
-    from boost_jax.runtime.checkpoint import CorruptCheckpoint
+    from boost_jax.runtime.checkpoints import store as ck
 
     cfg = small_config(
         tmp_path / "run", **{"train.steps": 4, "train.eval_every": 0, "checkpoint.every": 2, "checkpoint.keep": 1}

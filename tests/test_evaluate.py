@@ -259,7 +259,7 @@ def test_weights_that_overflow_exit_1(run, tmp_path, capsys):
     """A real non-finite loss: finite weights (the checkpoint accepts them) too large for float32 math."""
     import jax
 
-    from boost_jax.runtime.checkpoint import Checkpointer, read_run, restore
+    from boost_jax.runtime.checkpoints.store import Checkpointer, read_run, restore
 
     run_dir, (step, _) = run
     cfg, root, step = read_run(run_dir)

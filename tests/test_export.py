@@ -21,7 +21,7 @@ from boost_jax.hf_files import load_safetensors  # noqa: E402
 from boost_jax.model.kinds.lowrank import GQA_KEY  # noqa: E402 - the CoLA layout lives with its kinds
 from boost_jax.model.transformer import build_model  # noqa: E402
 from boost_jax.runtime.build import load_model  # noqa: E402
-from boost_jax.runtime.checkpoint import Checkpointer  # noqa: E402
+from boost_jax.runtime.checkpoints.store import Checkpointer  # noqa: E402
 
 
 def trained_run(run_dir, **overrides):

@@ -27,7 +27,7 @@ from boost_jax import train
 from boost_jax.config import base_config
 from boost_jax.errors import CheckpointError, ConfigError, CorruptCheckpoint, RunDirBusy, TrainingDiverged
 from boost_jax.runtime import step as step_lib
-from boost_jax.runtime.checkpoint import Checkpointer, fingerprint
+from boost_jax.runtime.checkpoints.store import Checkpointer, fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def saved_state(run_dir, step, cfg):
     """The raw state arrays of a checkpoint (restored and verified on one device)."""
     from boost_jax.parallel.mesh import ONE_DEVICE
     from boost_jax.runtime.build import build
-    from boost_jax.runtime.checkpoint import restore
+    from boost_jax.runtime.checkpoints.store import restore
 
     one = cfg.copy_and_resolve_references()
     one.parallel.update(ONE_DEVICE)

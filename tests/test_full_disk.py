@@ -169,7 +169,7 @@ def test_closed_event_loops_are_not_printed_but_other_unraisables_are(capsys):
     """The hook a checkpointer that owns its run installs: "Event loop is closed" from asyncio's
     call_soon_threadsafe (a writer thread completing a failed save's future) is dropped; anything
     else still reaches the previous hook (here Python's own, which prints it)."""
-    from boost_jax.runtime.checkpoint import quiet_orbax_errors
+    from boost_jax.runtime.checkpoints.failures import quiet_orbax_errors
 
     loop = asyncio.new_event_loop()
     loop.close()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from boost_jax.config import base_config
+from boost_jax.errors import DistributedError
 from boost_jax.runtime import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,10 +174,10 @@ def test_distributed_settings_from_config_env_and_slurm(monkeypatch):
     monkeypatch.setenv("BOOST_PROCESS_ID", "2")
     assert distributed.settings(_cfg()) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
     assert distributed.settings(_cfg(process_id=3))["process_id"] == 3  # the config wins
-    with pytest.raises(distributed.DistributedError, match=r"distributed\.process_id.*outside"):
+    with pytest.raises(DistributedError, match=r"distributed\.process_id.*outside"):
         distributed.settings(_cfg(process_id=4))
     monkeypatch.delenv("BOOST_COORDINATOR")
-    with pytest.raises(distributed.DistributedError, match=r"distributed\.coordinator_address.*BOOST_COORDINATOR"):
+    with pytest.raises(DistributedError, match=r"distributed\.coordinator_address.*BOOST_COORDINATOR"):
         distributed.settings(_cfg())
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_NTASKS", "4")
@@ -186,7 +187,7 @@ def test_distributed_settings_from_config_env_and_slurm(monkeypatch):
     assert distributed.settings(_cfg()) == {}  # initialize() with no arguments: JAX reads SLURM
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed.settings(_cfg()) is None  # a one-task allocation is a single process
-    with pytest.raises(distributed.DistributedError, match="cpu_collectives"):
+    with pytest.raises(DistributedError, match="cpu_collectives"):
         distributed.maybe_initialize(
             _cfg(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0, cpu_collectives="nccl")
         )

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax import train
 from boost_jax.data import build_loaders
-from boost_jax.parallel import pipeline
 from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE
+from boost_jax.parallel.pipeline import arithmetic
 from boost_jax.runtime.build import build
 from boost_jax.runtime.state import trainable, with_frozen
 from boost_jax.runtime.step import next_token_loss
@@ -281,7 +281,7 @@ def test_spatial_temporal_training_curve_matches_single_device(make_config, tmp_
     """4 steps with every group spatial-temporal on (data, fsdp, tensor) = (2, 2, 2) follow the
     one-device curve, and the checkpoint they save holds the weights in the ordinary layout: it
     restores onto one device under plain BTP with the one-device run's values."""
-    from boost_jax.runtime.checkpoint import restore
+    from boost_jax.runtime.checkpoints.store import restore
 
     one = single_device_run(make_config, tmp_path_factory)
     single = par_config(make_config, "btp", "cola", (1, 1, 1), run_dir=str(one), **CURVE)
@@ -416,6 +416,6 @@ def test_pipeline_schedules_match_single_device(make_config, strategy, schedule)
     p = cfg.parallel
     m, v = p.microbatches or 2 * p.pipeline, p.pipeline_repeats if p.pipeline_schedule == "circular" else 1
     trips = [c.trips for c in colls if c.kind == "collective-permute" and c.axes == ("pipeline",) and c.in_loop]
-    assert len(trips) == 2 and set(trips) == {pipeline.ticks(p.pipeline, m, v)} == {v * m + p.pipeline - 1}, trips
+    assert len(trips) == 2 and set(trips) == {arithmetic.ticks(p.pipeline, m, v)} == {v * m + p.pipeline - 1}, trips
     # Of the S x ticks stage-ticks, V M S do work (every micro-batch crosses every stage V times).
-    assert pipeline.bubble_fraction(p.pipeline, m, v) == pytest.approx(1 - v * m / trips[0])
+    assert arithmetic.bubble_fraction(p.pipeline, m, v) == pytest.approx(1 - v * m / trips[0])

@@ -16,7 +16,7 @@ from test_parallel import assert_close_tree, par_config, reference
 from tests_support import metric_rows
 
 from boost_jax import train
-from boost_jax.parallel import pipeline
+from boost_jax.parallel.pipeline import arithmetic
 from boost_jax.runtime.build import build
 from boost_jax.runtime.state import trainable
 
@@ -221,7 +221,7 @@ def test_1f1b_train_step_matches_one_device(make_config, case):
     # The hand-overs run once per lockstep tick; anything else over `pipeline` in a loop runs once per
     # accumulation micro-batch (x's gradient taken from stage 0, which XLA may lower to a permute).
     ticks = {t for t in trips if t > accum}
-    assert ticks == {accum * pipeline.ticks_1f1b(stages, m, v)} == {accum * (v * m + v * stages + stages - 2)}, trips
+    assert ticks == {accum * arithmetic.ticks_1f1b(stages, m, v)} == {accum * (v * m + v * stages + stages - 2)}, trips
     assert trips - ticks <= {accum}, trips
 
 

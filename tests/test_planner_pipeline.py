@@ -3,11 +3,16 @@ search space and flags, and `--verify` of pipelined plans against the compiled, 
 (collectives by class and kind, peak memory), or its one-line refusal."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_planner import A100, H100, with_overrides
 
 from boost_jax.config import base_config, sized_config
+from boost_jax.parallel.pipeline.arithmetic import bubble_fraction, ring_slots, ticks_1f1b
 from boost_jax.planner import Layer, Mesh, Options, plan_for, search
 from boost_jax.planner.ops.strategy_tables import uniform_plan
 from boost_jax.planner.pricing import cost
@@ -15,6 +20,7 @@ from boost_jax.planner.search_space import check_pipeline, pipeline_variants
 from boost_jax.planner.verify import compare_pipeline, pipeline_refusal
 
 BTP = Layer(*uniform_plan("btp"))
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def small_config():
@@ -30,7 +36,7 @@ def test_ticks_bubble_and_what_a_tick_runs():
     for schedule, v in (("gpipe", 1), ("circular", 2), ("circular", 5)):
         p = plan_for(cfg, H100, Mesh(1, 1, 4, 4), 4, "full", BTP, opts, 1.0, 8, schedule, v)
         ticks = v * 8 + 3
-        assert p.bubble == pytest.approx(3 / ticks) == cost.bubble_fraction(4, 8, v)
+        assert p.bubble == pytest.approx(3 / ticks) == bubble_fraction(4, 8, v)
         permutes = [
             t
             for c, t in p.step_colls
@@ -47,14 +53,12 @@ def test_ticks_bubble_and_what_a_tick_runs():
 def test_1f1b_keeps_items_set_by_the_stages_and_hands_over_every_lockstep_tick():
     """1F1B: V M + V S + S - 2 lockstep ticks hand over (one permute each way) and compute V M + S - 1
     ticks' worth (circular's bubble); no per-tick stage-0 all-reduce; its kept activations do not
-    grow with M (ring_slots + 2 items, as pipeline.py keeps them) where GPipe's do; the interleaved
+    grow with M (ring_slots + 2 items, as parallel/pipeline/one_f_one_b.py keeps them) where GPipe's do; the interleaved
     plan reorders its weights like circular."""
-    from boost_jax.parallel import pipeline
-
     for s_, v in ((2, 1), (4, 1), (4, 2), (2, 4)):
-        for reread in (True, False):
-            assert cost.ring_slots(s_, v, reread) == pipeline.ring_slots(s_, v, reread)
-        assert cost.handover_ticks(s_, 8, v, "1f1b") == pipeline.ticks_1f1b(s_, 8, v) == v * 8 + v * s_ + s_ - 2
+        assert ring_slots(s_, v, False) == _simulated_ring(s_, v, False) == 2 * v * s_ - 1
+        assert ring_slots(s_, v, True) == _simulated_ring(s_, v, True) == 2 * v * s_ - 3
+        assert cost.handover_ticks(s_, 8, v, "1f1b") == ticks_1f1b(s_, 8, v) == v * 8 + v * s_ + s_ - 2
     cfg = sized_config("13b", "cola")
     plans = {}
     for m in (4, 16):  # micro-batches of 16 rows per data replica: the global batch grows with M
@@ -82,6 +86,36 @@ def test_1f1b_keeps_items_set_by_the_stages_and_hands_over_every_lockstep_tick()
     assert gpipe[1] / gpipe[0] == pytest.approx((16 + 3) / (4 + 3))  # a stage input per tick
     per_token = {m: plans["1f1b", 1, "stage", m].step_s / m for m in (4, 16)}
     assert per_token[16] < per_token[4]  # the bubble shrinks
+
+
+def _simulated_ring(stages: int, repeats: int, reread_first: bool) -> int:
+    """The ring a 1F1B stage needs, from the schedule's ticks themselves: items (micro-batch m, chunk
+    v) in groups of S micro-batches, forward k at stage s at tick k + s, backward (chunks reversed)
+    j at tick j + V S + S - 2 - s. Every tick writes slot (t - s) mod slots before the backward reads,
+    so a kept item survives iff slots exceeds the ticks from its forward to its backward."""
+    groups = 4
+    order = [(g * stages + i, v) for g in range(groups) for v in range(repeats) for i in range(stages)]
+    back = [(g * stages + i, repeats - 1 - v) for g in range(groups) for v in range(repeats) for i in range(stages)]
+    backward_at = {item: j for j, item in enumerate(back)}
+    waits = [
+        backward_at[item] + repeats * stages + stages - 2 - s - (k + s)
+        for s in range(stages)
+        for k, item in enumerate(order)
+        if not (reread_first and s == 0 and item[1] == 0)
+    ]
+    return 1 + max(waits + [0])
+
+
+def test_schedule_arithmetic_loads_without_jax():
+    """The planner counts with parallel/pipeline/arithmetic.py at its import: it must not load JAX."""
+    code = (
+        "import sys; import boost_jax.parallel.pipeline.arithmetic, boost_jax.planner.cost; "
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))[:5]"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}
+    )
+    assert out.returncode == 0, out.stderr
 
 
 def test_stage_remat_keeps_one_input_per_tick_and_pays_a_forward():

@@ -7,7 +7,7 @@ import pytest
 
 from boost_jax import train
 from boost_jax.runtime.build import build
-from boost_jax.runtime.checkpoint import Checkpointer, read_run, restore
+from boost_jax.runtime.checkpoints.store import Checkpointer, read_run, restore
 
 # Heads 8 so tensor=8 divides them; saved on (data, fsdp, tensor) = (1, 1, 8) with btp.
 SAVED = {

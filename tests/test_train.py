@@ -16,7 +16,7 @@ from tests_support import metric_rows
 from boost_jax import train
 from boost_jax.config import base_config
 from boost_jax.errors import CheckpointError, TrainingDiverged
-from boost_jax.runtime.checkpoint import Checkpointer
+from boost_jax.runtime.checkpoints.store import Checkpointer
 
 
 def final_params(run_dir, step):

@@ -1,46 +1,17 @@
 """Context parallelism: the sequence split over the `context` mesh axis (`parallel.context` = C).
 
-Layout (causal load balance). A row of T positions is cut into 2C chunks of L = T/(2C); device c of
-the `context` axis holds chunks c and 2C-1-c, so under the causal mask every device has the same
-attention work. The model sees the sequence in that order (`layout`): tokens, positions (RoPE),
-document segment ids, targets and their mask are permuted alike where the batch enters the model,
-on each device's own rows (the batch arrives split over the batch axes only), so nothing moves, and
-the loss, a sum over positions, is unchanged. The loader, the data order and the checkpoints do not
-know C. Every activation is then split along the sequence over `context` (the strategies' rule
-tables map `act_seq` / `act_res_seq` to it): norms, projections and the MLP are per token, and the
-chunked loss scans each device's own positions (`seq_groups` of boost_jax/model/loss.py).
+Layout (causal load balance): a row of T positions is cut into 2C chunks; device c of `context`
+holds chunks c and 2C-1-c, so under the causal mask every device has the same attention work. The
+model sees the sequence in that order (`layout`): tokens, positions, segment ids, targets and mask
+are permuted alike on each device's own rows where the batch enters the model, so nothing moves and
+the loss, a sum over positions, is unchanged; the loader, the data order and the checkpoints do not
+know C. Every activation is then split along the sequence over `context`: norms, projections and the
+MLP are per token, and the chunked loss scans each device's own positions.
 
-Attention is the one place tokens meet, run here in a `shard_map` island over the whole mesh
-(`Context.attend`), on the model's block form of its attention implementation
-(boost_jax/model/attention/registry.py `Blockwise`: a query block against a key block with its log-sum-exp):
-
-- ring (`parallel.context_attention=ring`): each device keeps its queries and passes its K/V block
-  around the ring of C devices (K and V in one collective-permute per step, C-1 steps); the partial
-  results are merged with an online softmax (out, log-sum-exp). Step 0 is the device's own block, causal in local
-  order (chunk c precedes chunk 2C-1-c). At step s the block of device j = c - s arrives: if j < c its
-  first chunk lies before both of ours and its second after both (only the first is visited, by both
-  our chunks), else only our second chunk sees it, and all of it: the fully masked half of every block
-  pair is never computed, and every step costs L x 2L scores on every device. The permute of the next
-  block is issued before the current block's attention, so the two can overlap (XLA's async
-  collective-permute start/done around the block's fusions on GPU). The backward runs the ring again
-  with the merged out / log-sum-exp (FlashAttention-2's backward: the blocks' gradients add up); each
-  step's dK/dV of the block it holds goes straight back to the block's device (one permute by -s).
-- all_gather (`parallel.context_attention=all_gather`): K/V gathered over `context` once per layer
-  (MaxText's default), each of the two local chunks attending to the keys before it (the
-  implementation skips the key blocks above the diagonal); the backward reduce-scatters dK/dV.
-
-Documents (packed rows, and document rows as segment ids): the full row's segment ids, in layout
-order, are on every device (int32 [B, T], not split over `context`), so a block's key segments are
-read where they are and never sent.
-
-`parallel.context_kv=bottleneck` (factored kinds under btp/megatron): the ring passes the r-wide
-bottleneck activations σ(A_k x), σ(A_v x) instead of K and V; every device rebuilds each block's K
-and V with its own B_k, B_v (column-parallel: its heads) and RoPE at the block's positions, whose
-gradients (and the r-wide activations') the backward returns: 2r instead of 2 kv_dim elements per
-token per hop, for 2 extra [2L, r] x [r, kv_dim/tensor] GEMMs per step (4 more in the backward).
-
-`traffic` gives the per-step context traffic and memory of a config by formula (what the comm
-report checks against the compiled program, and what the planner prices).
+Attention, the one place tokens meet, runs in a `shard_map` island over the whole mesh (`Context`:
+ring or all_gather, K/V or the bottleneck activations passed). `traffic` gives the per-step context
+traffic and memory of a config by formula (what the comm report checks against the compiled
+program, and what the planner prices).
 """
 
 from __future__ import annotations
@@ -56,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.mesh import split_by_tensor
-from boost_jax.parallel.pipeline_schedules import ticks
+from boost_jax.parallel.pipeline.arithmetic import ticks
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
 
@@ -364,7 +335,36 @@ def _attend_whole(blocks, n, q, k_all, v_all, seg):
 @dataclasses.dataclass(frozen=True)
 class Context:
     """The sequence split over `context` on `mesh` under `strategy` (its context_attention and
-    context_kv): what the placement hands the model when the mesh has context > 1."""
+    context_kv): what the placement hands the model when the mesh has context > 1.
+
+    Attention is the one place tokens meet, run here in a `shard_map` island over the whole mesh
+    (`Context.attend`), on the model's block form of its attention implementation
+    (boost_jax/model/attention/registry.py `Blockwise`: a query block against a key block with its log-sum-exp):
+
+    - ring (`parallel.context_attention=ring`): each device keeps its queries and passes its K/V block
+      around the ring of C devices (K and V in one collective-permute per step, C-1 steps); the partial
+      results are merged with an online softmax (out, log-sum-exp). Step 0 is the device's own block, causal in local
+      order (chunk c precedes chunk 2C-1-c). At step s the block of device j = c - s arrives: if j < c its
+      first chunk lies before both of ours and its second after both (only the first is visited, by both
+      our chunks), else only our second chunk sees it, and all of it: the fully masked half of every block
+      pair is never computed, and every step costs L x 2L scores on every device. The permute of the next
+      block is issued before the current block's attention, so the two can overlap (XLA's async
+      collective-permute start/done around the block's fusions on GPU). The backward runs the ring again
+      with the merged out / log-sum-exp (FlashAttention-2's backward: the blocks' gradients add up); each
+      step's dK/dV of the block it holds goes straight back to the block's device (one permute by -s).
+    - all_gather (`parallel.context_attention=all_gather`): K/V gathered over `context` once per layer
+      (MaxText's default), each of the two local chunks attending to the keys before it (the
+      implementation skips the key blocks above the diagonal); the backward reduce-scatters dK/dV.
+
+    Documents (packed rows, and document rows as segment ids): the full row's segment ids, in layout
+    order, are on every device (int32 [B, T], not split over `context`), so a block's key segments are
+    read where they are and never sent.
+
+    `parallel.context_kv=bottleneck` (factored kinds under btp/megatron): the ring passes the r-wide
+    bottleneck activations σ(A_k x), σ(A_v x) instead of K and V; every device rebuilds each block's K
+    and V with its own B_k, B_v (column-parallel: its heads) and RoPE at the block's positions, whose
+    gradients (and the r-wide activations') the backward returns: 2r instead of 2 kv_dim elements per
+    token per hop, for 2 extra [2L, r] x [r, kv_dim/tensor] GEMMs per step (4 more in the backward)."""
 
     mesh: Mesh
     strategy: Strategy
@@ -443,7 +443,7 @@ def layer_exchange(c: int, attention: str, rows: float, seq: int, width: float) 
     `count` equal collectives are sent in float32 (the ring's dK/dV going home; the rest in the compute
     dtype). The one
     formula of the exchange: `traffic` sums it over a step, the planner prices it
-    (boost_jax/planner/partitions.py). Empty when C = 1.
+    (boost_jax/planner/ops/). Empty when C = 1.
 
     ring: the forward sends the (K, V) block C-1 times, the backward C-1 times again and their
     gradients (float32) C-1 times, K and V in one collective-permute: C-1 and 2(C-1) collective-permutes

@@ -1,23 +1,17 @@
 """Gradient accumulation with one reduction over `data` per optimizer step, in `parallel.grad_reduce_dtype`.
 
-Left to GSPMD, a step of `grad_accum` micro-batches all-reduces the gradient over `data` inside the
-accumulation loop, once per micro-batch, in whatever dtype the backward produced (bf16 under bf16
-compute). Here each data replica computes its own gradient instead: the micro-batch is viewed as
-[data, rows/data, T+1] and the loss is vmapped over that leading dim with `spmd_axis_name="data"`,
-under the strategy's rules with `data` removed (inside, the batch is split over `fsdp` alone). The
-per-replica gradients [data, ...] are accumulated in float32 across micro-batches, still split
-over `data`, and summed over that dim once at the end: one all-reduce per step, in the configured
-dtype, whatever grad_accum is.
+Left to GSPMD, a step of `grad_accum` micro-batches all-reduces the gradient over `data` once per
+micro-batch, in the backward's dtype. Here each data replica computes its own gradient: the
+micro-batch is viewed as [data, rows/data, T+1] and the loss vmapped over that dim with
+`spmd_axis_name="data"`, under the strategy's rules with `data` removed; the per-replica gradients
+are accumulated in float32, still split over `data`, and summed once at the end. Over `fsdp` the
+gradient is still reduce-scattered once per micro-batch: that keeps the accumulator sharded like
+the parameters, and deferring it would need an unsharded gradient buffer on every device.
 
-Over `fsdp` the gradient is still reduce-scattered once per micro-batch inside the loop. That is
-the right place: it keeps the accumulator sharded like the parameters (1/fsdp of the gradient per
-device) and its traffic is what FSDP must send anyway; deferring it would need a full, unsharded
-gradient buffer on every device.
-
-Used when the mesh has data > 1 and no pipeline or spatial-temporal projections (whose own
-schedules/islands place their reductions); otherwise the plain accumulation loop runs. The mesh and
-strategy are passed in by the step builder (boost_jax/runtime/step.py), never read from the ambient
-rules, so the step compiles to one program wherever it is traced.
+Used when the mesh has data > 1 and no pipeline or spatial-temporal projections (whose schedules
+place their own reductions); otherwise the plain accumulation loop runs. The mesh and strategy are
+passed in by the step builder (runtime/step.py), never read from the ambient rules, so the step
+compiles to one program wherever it is traced.
 """
 
 from __future__ import annotations
@@ -61,13 +55,10 @@ def each_micro_batch(micro, init, batch, loss_shape: tuple = ()):
     through an optimization barrier), so XLA:GPU runs it as written, one micro-batch per iteration.
     With a known count its while-loop double buffering (a project GPU flag) unrolls the loop, two
     micro-batches per iteration or all of them at grad_accum 2, and the scheduler ran a micro-batch's
-    forward before the previous one's backward: both kept their activations. Deviceless compiles,
-    peak per GPU, known -> hidden count: llama_1b on fsdp 8 A100 40GB at grad_accum 2 59.5 -> 31.9 GB
-    and at 4 24.8 -> 19.4 (planner 33.3 and 20.4); cola_1b on fsdp 8 H100 at grad_accum 2 56.1 ->
-    32.9 (planner 33.5); llama_13b circular p2 x f8 x t4 on 64 A100 at grad_accum 4 55.6 -> 36.4
-    (planner 33.1). (Ordering the micro-batches with a barrier on the parameters instead fixed the
-    first and left the others at 27.4, 40.1 and 72.0 GB.) The inner layer scans keep their known
-    counts and their double buffering. The price: the GPU reads the loop's predicate back once per
+    forward before the previous one's backward: both kept their activations (the deviceless peaks,
+    known against hidden count: benchmarks/RESULTS.md, 2026-11-27 "the GPU step's accumulation loop
+    runs one micro-batch per iteration"). The inner layer scans keep their known counts and their
+    double buffering. The price: the GPU reads the loop's predicate back once per
     micro-batch (a loop of unknown count), not measured. The collectives inside this loop have no
     known trip count in the GPU program: they run grad_accum times (tools/aot.py counts them so).
     The CPU program keeps the scan (no such flag there; its comm report reads every trip count)."""

@@ -34,7 +34,7 @@ class Strategy:
     online_norm: bool = False  # BTP: a norm in front of row-parallel A's sends its statistics with them
     st_groups: frozenset = frozenset()  # projection groups run as PrimePar P(n x n) on (fsdp, tensor)
     microbatches: int = 1  # pipeline micro-batches per pass (used when the mesh has pipeline > 1)
-    pipeline_schedule: str = "gpipe"  # gpipe | circular (boost_jax/parallel/pipeline.py)
+    pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b (boost_jax/parallel/pipeline/)
     pipeline_repeats: int = 1  # circular: layer chunks per stage (V)
     grad_reduce_dtype: str = "float32"  # dtype of the once-per-step gradient all-reduce over `data`
     context_attention: str = "ring"  # ring | all_gather: attention when `context` splits the sequence

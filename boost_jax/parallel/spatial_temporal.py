@@ -1,60 +1,12 @@
-"""PrimePar's spatial-temporal partition P(n x n): a linear layer on an n x n device grid that
-communicates only point-to-point (Cannon's algorithm), with a matching backward.
+"""PrimePar's spatial-temporal partition P(n x n): a linear layer O = I @ W on an n x n device grid
+(two mesh axes of equal size) that communicates only point-to-point (Cannon's algorithm), with a
+matching backward.
 
-    O[..., M, K] = I[..., M, N] @ W[N, K]
-
-Grid and blocks
----------------
-Two mesh axes of equal size n form the grid: device (r, c) has index r on ``row_axis`` and c on
-``col_axis``. M, N and K are each cut into n equal contiguous blocks; X<a, b> denotes block a of
-the second-to-last dim and block b of the last dim of X (all leading/batch dims kept whole).
-Indices are mod n throughout.
-
-Layouts (all are *global* arrays sharded with the plain block spec
-``P(*batch, row_axis, col_axis)`` over their last two dims, so the block at position (r, c) of the
-array is what device (r, c) holds):
-
-* plain     X<r, c> on (r, c): the ordinary layout.        Used for O and dO.
-* skewed I  Is<r, c> = I<r, r + c>: row r's N-blocks rotated left by r.  Used for I and dI.
-* skewed W  Ws<r, c> = W<r + c, c>: column c's N-blocks rotated up by c. Used for W and dW.
-
-``skew_input``/``unskew_input`` and ``skew_weight``/``unskew_weight`` convert between the plain
-and skewed global arrays (pure block permutations, usable on host or unsharded arrays).
-``skew_sharded``/``unskew_sharded`` do the I <-> skewed-I conversion of an already block-sharded
-activation with a single collective-permute (e.g. to feed O of one st_matmul into the next).
-
-Schedules (step t = 0 .. n-1; "from (a, b)" = what is received before the next step)
------------------------------------------------------------------------------------
-* forward   O<r, c> stays.  Holds I<r, s>, W<s, c> with s = r + c + t.
-            I from (r, c+1) (row ring), W from (r+1, c) (column ring).
-* dI        dI<r, r+c> stays (= skewed-I layout).  Holds dO<r, k>, W<r+c, k> with k = c + t.
-            dO from (r, c+1) (row ring), W from (r-1, c+1) (anti-diagonal ring).
-* dW        dW<r+c, c> stays (= skewed-W layout).  Holds I<i, r+c>, dO<i, c> with i = r + t.
-            dO from (r+1, c) (column ring), I from (r+1, c-1) (anti-diagonal ring).
-
-Every step's send depends only on the previous step's inputs, never on its result, so XLA may
-overlap it with the matmul. Only the forward's own I block and the weight (already resident) are
-saved for the backward. Deviations from the paper's wording, both because JAX arrays are
-immutable: the dI phase does n-1 hops and drops its rotated W copy instead of hopping it back to
-the forward layout (the original W is still there), and the dW phase starts from the *original*
-stashed I block (not the forward's last rotated copy), which makes dW land directly in the
-skewed-W layout, so the paper's final one-hop redistribution of dW is not needed.
-
-Batch dims: the first leading dim of I may also be split over ``batch_axes`` (plain data
-parallelism); then dW is summed over those axes with a psum (the only non-permute collective, and
-absent when batch_axes is None).
-
-Rows on the batch dim (``row_dim=0``): the M blocks need not be blocks of the second-to-last dim.
-With ``row_dim=0`` the row axis splits the FIRST dim of I (after ``batch_axes``, as the spec
-``P((*batch_axes, row_axis), ..., col_axis)`` orders them): M is then every token of the batch
-and device (r, c)'s M-block is its share of whole sequences, which is how a trainer that splits the
-batch over (data, fsdp) already holds its activations, so entering the grid costs nothing but the
-skew.
-
-Weights in another layout: ``skew_weight_sharded`` turns a weight stored block-sharded in any of
-the layouts a rule table gives it over the two grid axes (either dim on either axis, or replicated)
-into the skewed-W layout with at most one collective-permute (plus local slices of replicated
-dims); its transpose brings dW back the same way.
+`st_matmul` runs it on operands in the skewed layouts (its docstring: the grid, the layouts and the
+forward, dI and dW schedules); `skew_input` / `skew_weight` and their inverses convert global
+arrays, `skew_sharded` / `unskew_sharded` / `skew_weight_sharded` convert already-sharded ones with
+one collective-permute; `project_sharded` runs a model projection this way (the placement's
+`SpatialTemporal`).
 """
 
 from __future__ import annotations
@@ -233,7 +185,60 @@ def st_matmul(
 
     Differentiable: dI comes back in the skewed-I layout and dW in the skewed-W layout.
     i_skewed: [..., M, N] (first dim split over batch_axes if given; with row_dim=0 the row axis
-    splits the first dim too, see the module notes); w_skewed: [N, K].
+    splits the first dim too, see below); w_skewed: [N, K].
+
+    Grid and blocks
+    ---------------
+    Two mesh axes of equal size n form the grid: device (r, c) has index r on ``row_axis`` and c on
+    ``col_axis``. M, N and K are each cut into n equal contiguous blocks; X<a, b> denotes block a of
+    the second-to-last dim and block b of the last dim of X (all leading/batch dims kept whole).
+    Indices are mod n throughout.
+
+    Layouts (all are *global* arrays sharded with the plain block spec
+    ``P(*batch, row_axis, col_axis)`` over their last two dims, so the block at position (r, c) of the
+    array is what device (r, c) holds):
+
+    * plain     X<r, c> on (r, c): the ordinary layout.        Used for O and dO.
+    * skewed I  Is<r, c> = I<r, r + c>: row r's N-blocks rotated left by r.  Used for I and dI.
+    * skewed W  Ws<r, c> = W<r + c, c>: column c's N-blocks rotated up by c. Used for W and dW.
+
+    ``skew_input``/``unskew_input`` and ``skew_weight``/``unskew_weight`` convert between the plain
+    and skewed global arrays (pure block permutations, usable on host or unsharded arrays).
+    ``skew_sharded``/``unskew_sharded`` do the I <-> skewed-I conversion of an already block-sharded
+    activation with a single collective-permute (e.g. to feed O of one st_matmul into the next).
+
+    Schedules (step t = 0 .. n-1; "from (a, b)" = what is received before the next step)
+    -----------------------------------------------------------------------------------
+    * forward   O<r, c> stays.  Holds I<r, s>, W<s, c> with s = r + c + t.
+                I from (r, c+1) (row ring), W from (r+1, c) (column ring).
+    * dI        dI<r, r+c> stays (= skewed-I layout).  Holds dO<r, k>, W<r+c, k> with k = c + t.
+                dO from (r, c+1) (row ring), W from (r-1, c+1) (anti-diagonal ring).
+    * dW        dW<r+c, c> stays (= skewed-W layout).  Holds I<i, r+c>, dO<i, c> with i = r + t.
+                dO from (r+1, c) (column ring), I from (r+1, c-1) (anti-diagonal ring).
+
+    Every step's send depends only on the previous step's inputs, never on its result, so XLA may
+    overlap it with the matmul. Only the forward's own I block and the weight (already resident) are
+    saved for the backward. Deviations from the paper's wording, both because JAX arrays are
+    immutable: the dI phase does n-1 hops and drops its rotated W copy instead of hopping it back to
+    the forward layout (the original W is still there), and the dW phase starts from the *original*
+    stashed I block (not the forward's last rotated copy), which makes dW land directly in the
+    skewed-W layout, so the paper's final one-hop redistribution of dW is not needed.
+
+    Batch dims: the first leading dim of I may also be split over ``batch_axes`` (plain data
+    parallelism); then dW is summed over those axes with a psum (the only non-permute collective, and
+    absent when batch_axes is None).
+
+    Rows on the batch dim (``row_dim=0``): the M blocks need not be blocks of the second-to-last dim.
+    With ``row_dim=0`` the row axis splits the FIRST dim of I (after ``batch_axes``, as the spec
+    ``P((*batch_axes, row_axis), ..., col_axis)`` orders them): M is then every token of the batch
+    and device (r, c)'s M-block is its share of whole sequences, which is how a trainer that splits the
+    batch over (data, fsdp) already holds its activations, so entering the grid costs nothing but the
+    skew.
+
+    Weights in another layout: ``skew_weight_sharded`` turns a weight stored block-sharded in any of
+    the layouts a rule table gives it over the two grid axes (either dim on either axis, or replicated)
+    into the skewed-W layout with at most one collective-permute (plus local slices of replicated
+    dims); its transpose brings dW back the same way.
     """
     if w_skewed.ndim != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {w_skewed.shape}")

@@ -3,7 +3,7 @@
 A strategy is one `register(Registered(...))` entry: its name (`parallel.strategy`), its rule table
 and whether online RMSNorm applies. Config validation, the trainer, the comm report and the planner
 all read this registry, and the planner prices a strategy from its table (what each projection group
-splits over `tensor`, where the activations live: boost_jax/planner/partitions.py), so a new strategy
+splits over `tensor`, where the activations live: boost_jax/planner/ops/), so a new strategy
 is one entry.
 
 Parameter names: embed (hidden d), heads / kv_heads (attention widths), mlp (I), rank (r),

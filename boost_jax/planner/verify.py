@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from boost_jax.config import PROJECTION_GROUPS, ST
+from boost_jax.parallel.pipeline.arithmetic import ticks_1f1b
 from boost_jax.planner.ops.operators import Block
 from boost_jax.planner.ops.strategy_tables import uniform_plan
 from boost_jax.planner.pricing.cost import STATE_BYTES
@@ -412,8 +413,6 @@ def _executions(col, c) -> int:
     branch = _TICK_BRANCHES.search(col.op_name) if p.pipeline_schedule == "1f1b" else None
     if branch is None:
         return col.trips
-    from boost_jax.parallel.pipeline import ticks_1f1b  # lazy: imports jax; not at the planner's import
-
     stages, m, v = int(p.pipeline), int(p.microbatches), int(p.pipeline_repeats)
     ticks = ticks_1f1b(stages, m, v)
     runs = m * v if branch.group(1).count("cond/") == 1 else m

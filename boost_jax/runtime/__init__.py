@@ -1,2 +1,2 @@
-"""The runtime: train state, the compiled-step builder, optimizer, checkpoints, metrics, the run lock,
-multi-process start-up and the XLA GPU flags. Above the model, parallel and data layers."""
+"""The runtime: train state, the compiled-step builder, optimizer, checkpoints and the run lock
+(checkpoints/), metrics, evaluation, multi-process start-up. Above the model, parallel and data layers."""

@@ -28,7 +28,7 @@ from boost_jax.model.transformer import split_widths
 from boost_jax.parallel.mesh import BATCH_AXES, ONE_DEVICE, make_mesh
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.strategies import get_strategy
-from boost_jax.runtime.checkpoint import read_newest, restore
+from boost_jax.runtime.checkpoints.store import read_newest, restore
 from boost_jax.runtime.optim import make_optimizer
 from boost_jax.runtime.state import StateSpec, init_state, state_spec
 from boost_jax.runtime.step import bind, make_eval_step, make_train_step, next_token_loss

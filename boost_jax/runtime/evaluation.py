@@ -168,7 +168,7 @@ def eval_loss(
     seen = int(sum(np.sum(r[2]) for r in results))
     counted = int(targets.sum())
     loss = float(sums.sum()) / max(counted, 1) if counted else float("nan")  # no target: no loss (0 reads perfect)
-    # Slice j of a batch holds its rows j, slices+j, ... (parallel/pipeline.py to_microbatches).
+    # Slice j of a batch holds its rows j, slices+j, ... (parallel/pipeline/layout.py to_microbatches).
     held = np.arange(slices)[None, :] < np.array(sizes)[:, None]
     batch_means = (sums / np.maximum(targets, 1) * held).sum(axis=1) / held.sum(axis=1)
     if not counted:

@@ -18,7 +18,7 @@ from flax import nnx
 from boost_jax.kernels import platform
 from boost_jax.model import batch as batch_lib
 from boost_jax.parallel.grad_reduce import accumulate_grads, accumulation_pieces
-from boost_jax.parallel.pipeline import to_microbatches
+from boost_jax.parallel.pipeline.layout import to_microbatches
 from boost_jax.parallel.rules import use_rules
 from boost_jax.runtime.state import trainable, with_frozen
 
@@ -66,7 +66,7 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         else:
             loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x)  # noqa: E731
         if pipeline is not None:
-            # The stage weights' gradient over data x fsdp once per step (parallel/pipeline.py).
+            # The stage weights' gradient over data x fsdp once per step (parallel/pipeline/stack.py).
             loss, grads = pipeline.accumulate(loss_fn, trained, batch, param_specs)
         else:
             # One reduction over `data` per step (parallel/grad_reduce.py), of the trainable leaves only.
@@ -91,7 +91,7 @@ def optimizer_update(tx, grads, opt_state, trained, loss):
     skipped (parameters and state kept as they were) when the loss or the gradient norm is not finite.
     That predicate is known before the update, so the choice between the new and the old state fuses
     into the optimizer's one pass over the parameters (a predicate read from the updated weights
-    would take a second pass: 7.7 ms of a 92 ms cola_1b step on one H100). Finite loss and gradients
+    would take a second pass: benchmarks/RESULTS.md, "The optimizer in one pass"). Finite loss and gradients
     can still overflow a weight (a huge lr): such a weight keeps its value, checked element by element
     in the same pass, so the kept state is always finite."""
     grad_norm = optax.tree.norm(grads)

@@ -19,7 +19,7 @@ from boost_jax.errors import ConfigError
 from boost_jax.model import autos
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import BATCH_AXES
-from boost_jax.runtime.checkpoint import Checkpointer
+from boost_jax.runtime.checkpoints.store import Checkpointer
 from boost_jax.runtime.evaluation import plan_eval
 
 

@@ -18,6 +18,7 @@ HBM cluster.kept_passes times (the scanned stack writes it into its stacked resi
 from __future__ import annotations
 
 from boost_jax import xla_gpu_flags
+from boost_jax.parallel.pipeline.arithmetic import ticks, ticks_1f1b
 from boost_jax.planner.ops.operators import Attn, Coll, Op, StMatmul, attention_class
 from boost_jax.planner.pricing.cluster import Cluster
 from boost_jax.planner.pricing.plans import Cost
@@ -342,37 +343,17 @@ def loss_bytes(
 def pipeline_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
     """Ticks of one pass: GPipe M + S - 1; circular (V chunks per stage, V rounds of the ring)
     V M + S - 1. Every tick every stage runs one chunk of L/(S V) layers."""
-    return repeats * microbatches + stages - 1 if stages > 1 else 1
+    return ticks(stages, microbatches, repeats) if stages > 1 else 1
 
 
 def handover_ticks(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> int:
     """Ticks that hand over (one collective-permute each way per tick): the pass's ticks; 1F1B's lockstep
     ticks each run at most one forward and one backward, V M + V S + S - 2 of them, whose compute adds
     up to V M + S - 1 ticks of both (its warm-up ticks run forwards only, its last ones backwards only;
-    = boost_jax.parallel.pipeline.ticks_1f1b)."""
+    parallel/pipeline/arithmetic.py `ticks_1f1b`)."""
     if schedule == "1f1b" and stages > 1:
-        return repeats * microbatches + repeats * stages + stages - 2
+        return ticks_1f1b(stages, microbatches, repeats)
     return pipeline_ticks(stages, microbatches, repeats)
-
-
-def ring_slots(stages: int, repeats: int = 1, reread_first: bool = True) -> int:
-    """1F1B's kept items per stage (= boost_jax.parallel.pipeline.ring_slots): one more than the longest
-    wait of an item between its forward and its backward, 2(S-1-s) + 2(V-1-v)S ticks at stage s for
-    chunk v; `reread_first` (stage remat): stage 0's first chunk is read from the pass's input again."""
-    delay = repeats * stages + stages - 2
-    waits = [
-        (repeats - 1 - 2 * v) * stages + delay - 2 * s
-        for s in range(stages)
-        for v in range(repeats)
-        if not (reread_first and s == 0 and v == 0)
-    ]
-    return 1 + max(waits + [0])
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The idle share of the ticks, (S-1)/(V M + S-1) (V = 1: GPipe's (S-1)/(M+S-1); 1F1B's as well,
-    = boost_jax.parallel.pipeline.bubble_fraction, which imports jax)."""
-    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 def state_bytes(params: float, grad_accum: int) -> float:

@@ -3,6 +3,7 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
+from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner.ops import operators
 from boost_jax.planner.pricing import cost
 from boost_jax.planner.pricing.plans import Layer, Mesh
@@ -26,7 +27,7 @@ def memory_bytes(
     gpu = operators.gpu(ctx)
     replica, accumulator = gathered_replica(mesh, summary, sched, gpu)
     # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
-    f1b_items = cost.ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
+    f1b_items = ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
     microbatches = sched.microbatches
     loss = loss_peak(pr, mesh, sched, gpu, rest_fsdp_weights)
     residual = ctx.local(layer.residual, block.d)  # one stage input
@@ -38,7 +39,7 @@ def memory_bytes(
         "gathered": replica,
         # under autodiff the tick loop keeps every tick's stage activations (the scan's residuals);
         # remat.pipeline=stage keeps only each tick's stage input
-        # 1F1B keeps cost.ring_slots items per stage whatever M is
+        # 1F1B keeps ring_slots items per stage whatever M is
         "activations": (
             f1b_items * (residual * opts.act_bytes if staged else per_tick * summary.saved)
             if sched.f1b

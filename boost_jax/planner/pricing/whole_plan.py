@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from boost_jax.config import ST
+from boost_jax.parallel.pipeline.arithmetic import bubble_fraction
 from boost_jax.planner.pricing import cost
 from boost_jax.planner.pricing.layer_summary import layer_summary, rest_ops, stage_forward
 from boost_jax.planner.pricing.memory import memory_bytes
@@ -71,7 +72,7 @@ def price_plan(
         sequence_parallel=sp,
         overrides=flags,
         microbatches=sched.microbatches,
-        bubble=cost.bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
+        bubble=bubble_fraction(sched.stages, sched.microbatches, sched.repeats),
         shift_s=colls.shift_seconds,
         pipeline_colls=colls.shift,
         step_colls=[(c, sched.executed) for c in summary.tensor_colls + summary.recomputed] + colls.counted,

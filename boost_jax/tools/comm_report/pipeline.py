@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from boost_jax.parallel.pipeline.arithmetic import bubble_fraction, ticks, ticks_1f1b
 from boost_jax.tools.comm_report.programs import compile_program, variant_config
 from boost_jax.tools.devices import load_config, pick_devices
 from boost_jax.tools.hlo_comm import parse_collectives, summarize
@@ -27,7 +28,6 @@ def pipeline_report(
     for circular and 1f1b). The per-layer method of `report` does not apply: layers only exist in
     whole stages. 1f1b's forward and backward sit in branches its stages take V M of its lockstep
     ticks: the counts are the unrolled program's operations, the branches' in every tick."""
-    from boost_jax.parallel.pipeline import bubble_fraction, ticks, ticks_1f1b  # lazy: loads JAX; devices first
     from boost_jax.parallel.strategies import names  # lazy: loads JAX; the callers set the emulated devices first
 
     strategy = strategy or names()[0]

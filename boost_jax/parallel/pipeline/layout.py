@@ -1,14 +1,20 @@
 """How the pipeline stages hold the layer stack and the batch: micro-batches, the stage layouts of
 the stored [L, ...] stacks (gpipe's contiguous blocks, circular's interleaved chunks), and the
 per-replica float32 copies of a stage's weights whose gradient is summed over the batch replicas
-once per pass (boost_jax/parallel/pipeline.py's module docstring says why)."""
+once per pass (stack.py's module docstring says why)."""
 
 from __future__ import annotations
+
+import contextvars
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+# The train step's per-replica copies of the layer stack while it traces its loss (stack.py `accumulate`);
+# the schedules take them in place of the stack's own layout.
+STEP_COPIES: contextvars.ContextVar = contextvars.ContextVar("stage_copies", default=None)
 
 
 def to_microbatches(x: jax.Array, m: int) -> jax.Array:
@@ -23,7 +29,7 @@ def from_microbatches(x: jax.Array) -> jax.Array:
 
 def once_per_pass_axes(mesh, strategy) -> tuple[str, ...]:
     """The batch axes over which the stages' weight gradients are reduced once per pass (see
-    boost_jax/parallel/pipeline.py); () leaves the reduction where GSPMD places it, every tick.
+    parallel/pipeline/stack.py); () leaves the reduction where GSPMD places it, every tick.
     Spatial-temporal projections keep GSPMD's placement: their Cannon schedule runs on the (fsdp,
     tensor) grid itself."""
     if strategy.st_groups:

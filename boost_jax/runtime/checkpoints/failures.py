@@ -1,6 +1,6 @@
 """How a failed checkpoint read or write is reported: in one line (`one_line`, the operating system's
 reason `os_reason`, a full or read-only run dir `cannot_write`), without the noise Orbax and
-TensorStore print around it (`quiet_orbax_errors`, `quiet_closed_loop`). runtime/checkpoint.py uses
+TensorStore print around it (`quiet_orbax_errors`, `quiet_closed_loop`). store.py uses
 them and re-exports them."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class _OrbaxErrors(logging.Filter):
     """Drops Orbax's own ERROR records (a failed save logs hundreds of lines of tracebacks from its
     background threads), and those of the asyncio and thread-pool machinery its writers run on (a
     save failing mid-way leaves futures whose loop has closed); the Checkpointer reports the failure
-    as one line (`Checkpointer._failed`, runtime/checkpoint.py)."""
+    as one line (`Checkpointer._failed`, store.py)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (

@@ -3,18 +3,15 @@
 A checkpoint step holds two items: `state` (params, optimizer state, step, rng; restored into
 abstract target shardings, so any mesh can read any checkpoint) and `meta` (JSON: data position,
 the config, the parameter shapes, a checksum per array). Before restoring, the saved shapes are
-compared with the model being built, so an incompatible checkpoint fails with the names of the
-mismatched parameters and nothing on disk is touched.
+compared with the model being built: an incompatible checkpoint fails naming the mismatched
+parameters, and nothing on disk is touched. `restore(source, abstract_state, ...)` is what train,
+evaluate, generate and export call: the whole state or the parameters only, the newest good step or
+a given one, onto whatever mesh the abstract tree's shardings describe, checksums verified.
 
-`restore(source, abstract_state, ...)` is what train, evaluate, generate and export call: the whole
-state or the parameters only, the newest good step or a given one, onto whatever mesh and strategy
-the abstract tree's shardings describe, checksums verified.
-
-Integrity: a state is saved only if every parameter and optimizer array is finite, and the
-checksum of every array (computed on device, independent of the sharding) is stored in `meta`
-and verified after a restore. A step that fails to read, or whose arrays do not match their
-checksums or are not finite, is `CorruptCheckpoint`; `restore_newest_good` then falls back to the
-newest good step and renames the bad ones aside (`N.corrupt`), never deleting them.
+Integrity: a state is saved only if every parameter and optimizer array is finite; every array's
+checksum (computed on device, independent of the sharding) is verified after a restore. A step that
+fails to read or to verify is `CorruptCheckpoint`: `restore_newest_good` falls back to the newest
+good step and renames the bad ones aside (`N.corrupt`), never deleting them.
 """
 
 from __future__ import annotations
@@ -32,9 +29,7 @@ import orbax.checkpoint as ocp
 
 from boost_jax.config import base_config
 from boost_jax.errors import CheckpointError, CorruptCheckpoint
-from boost_jax.runtime.checkpoint_failures import (  # noqa: F401 - re-exported
-    WRITE_ERRNOS,
-    cannot_write,
+from boost_jax.runtime.checkpoints.failures import (
     one_line,
     os_reason,
     quiet_closed_loop,

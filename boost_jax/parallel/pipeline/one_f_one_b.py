@@ -1,100 +1,42 @@
 """The 1F1B pipeline schedule (`parallel.pipeline_schedule=1f1b`, interleaved with
-`parallel.pipeline_repeats` V > 1): one stage's program of a pass (`stage_pass`) and the custom VJP
-that makes its gradients the loss's (`schedule_gradient`); boost_jax/parallel/pipeline.py
-`fused_loss` runs it in a `shard_map`.
+`parallel.pipeline_repeats` V > 1): `fused_loss` (stack.py `Pipeline.train_loss` calls it) runs one
+stage's program of a pass (`stage_pass`) in a `shard_map` and makes its gradients the loss's
+(`schedule_gradient`, a custom VJP).
 
 One jitted program, the pipeline axis (and the batch axes the stage weights' gradient is reduced
-over once per pass) manual in a `shard_map`: each device runs its own stage's branch of a tick
-(`lax.cond` on its stage index, so a stage with nothing to do at a tick skips it) and the stages
-hand their activations forward and their gradients backward by collective-permute, one each way
-per tick. The backward is driven by the schedule (`jax.vjp` per stage and tick), not by autodiff
-of the tick loop, so a stage keeps only the micro-batches it has run forward and not yet backward,
-in a ring buffer whose size depends on S and V, never on M. Each micro-batch is embedded at stage 0
-in the tick its first chunk runs, and its input gradient taken into the embedding's gradient in the
-tick that chunk's backward runs; the head and loss run at the last stage, per micro-batch, in the tick
-that finishes its forward, which also starts its backward: no buffer of the pass grows with M.
-
-Ticks (lockstep: every stage does at most one forward and one backward per tick). Items are
-(micro-batch, chunk) pairs, V per micro-batch (V = 1 without interleaving). Forward item k runs at
-stage s at tick k + s; in the interleaved order micro-batches go in groups of S: item k is group
-g = k // (S V), chunk v = (k mod S V) // S, micro-batch g S + k mod S, so the item stage S-1
-finishes at tick t is the one stage 0 starts at tick t + 1 (the ring wraps, no buffer in between;
-hence M divisible by S when V > 1). Backward item j (the same order, chunks reversed) runs at
-stage s at tick j + D - s, D = V S + S - 2: a micro-batch's last chunk is run forward and backward
-at stage S-1 in the same tick, and each backward hand-over arrives the tick its stage needs it.
-V M + D ticks in all: the first V S - 1 run forwards only, the last V S - 1 backwards only, so a
-pass takes (S - 1 + V M) (f + b) for chunk times f, b: bubble (S-1)/(V M + S-1), as the stages
-only wait for work the dependencies forbid. Lockstep ticks make a hand-over take a whole tick each
-way, so stage s holds a forward item for 2(S-1-s) + 2(V-1-v)S ticks (interleaved) before its
-backward: the ring keeps `ring_slots` items, at most 2 V S - 1, where 1F1B run asynchronously keeps
-about S (V = 1); under stage remat stage 0's first chunk is embedded again instead.
-What an item is: its stage input under stage remat (the backward runs its forward again), else
-the residuals of its forward's `jax.vjp` that depend on it (`_Inputs`, `_Residuals`).
-
-The map runs unchecked (check_vma=False): nested in it, jax 0.10's checked partial evaluation of a
-layer's own shard_map island gives its residuals the outer map's axes, which Shardy rejects. Its
-autodiff is ours, so no implicit psum is needed; the islands and shardings inside name the traced
-(partly manual) mesh (`rules.traced_mesh`), and kernels XLA cannot partition there run per shard
-(`rules.per_shard`: cuDNN attention).
+over once per pass) manual: each device runs its own stage's branch of a tick (`lax.cond` on its
+stage index, so a stage with nothing to do skips it), and the stages hand activations forward and
+gradients backward by collective-permute, one each way per tick. The backward is driven by the
+schedule (`jax.vjp` per stage and tick), not by autodiff of the tick loop, so a stage keeps only
+the items it has run forward and not yet backward, in a ring whose size depends on S and V, never
+on M. Each micro-batch is embedded at stage 0 in the tick its first chunk runs; the head and loss
+run at the last stage, per micro-batch: no buffer of the pass grows with M. The tick order: `_Tick`;
+its counts: arithmetic.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
-from boost_jax.parallel.pipeline_layout import to_microbatches
-
-ONE_F_ONE_B = "1f1b"
-
-
-def delay(stages: int, repeats: int = 1) -> int:
-    """D: backward item j runs at stage s at tick j + D - s."""
-    return repeats * stages + stages - 2
-
-
-def ticks_1f1b(stages: int, microbatches: int, repeats: int = 1) -> int:
-    """Ticks of a 1F1B pass (forward and backward): V M + V S + S - 2."""
-    return repeats * microbatches + delay(stages, repeats)
-
-
-def lifetime(stages: int, repeats: int, stage: int, chunk: int) -> int:
-    """Ticks from an item's forward to its backward at `stage`, for its `chunk` (0..V-1)."""
-    return (repeats - 1 - 2 * chunk) * stages + delay(stages, repeats) - 2 * stage
-
-
-def ring_slots(stages: int, repeats: int = 1, reread_first: bool = True) -> int:
-    """Slots of a stage's ring of forward items (indexed by item mod slots): one more than the longest
-    lifetime of a kept item, so an item's slot is rewritten only after its backward. `reread_first`:
-    stage 0's first chunk is read from the pass's input again, not kept."""
-    return 1 + max(
-        [
-            lifetime(stages, repeats, s, v)
-            for s in range(stages)
-            for v in range(repeats)
-            if not (reread_first and s == 0 and v == 0)
-        ]
-        + [0]
-    )
-
-
-def _decode(item, stages: int, repeats: int, backward: bool = False):
-    """(micro-batch, chunk) of forward item `item` (backward: chunks in reverse order)."""
-    per_group = stages * repeats
-    within = item % per_group
-    v = within // stages
-    return (item // per_group) * stages + within % stages, (repeats - 1 - v) if backward else v
-
-
-def _forward_item(item, stages: int, repeats: int):
-    """The forward index of backward item `item` (same micro-batch and chunk)."""
-    per_group = stages * repeats
-    within = item % per_group
-    return (item // per_group) * per_group + (repeats - 1 - within // stages) * stages + within % stages
+from boost_jax.parallel.grad_reduce import without_axis
+from boost_jax.parallel.pipeline.arithmetic import ONE_F_ONE_B, decode, delay, forward_item, layout_chunks, ring_slots
+from boost_jax.parallel.pipeline.layout import (
+    STEP_COPIES,
+    copy_spec,
+    once_per_pass_axes,
+    replica_copies,
+    stage_layout,
+    to_microbatches,
+)
 
 
 def _index(tree, i):
@@ -206,11 +148,28 @@ class _Tick:
     """A tick of one stage's pass, the body of its `lax.scan` over the ticks: `forward_only` (the
     loss without autodiff) or `both` (a forward and a backward item), and the values they read.
 
+    Ticks (lockstep: every stage does at most one forward and one backward per tick). Items are
+    (micro-batch, chunk) pairs, V per micro-batch (V = 1 without interleaving). Forward item k runs
+    at stage s at tick k + s; in the interleaved order micro-batches go in groups of S: item k is
+    group g = k // (S V), chunk v = (k mod S V) // S, micro-batch g S + k mod S, so the item stage
+    S-1 finishes at tick t is the one stage 0 starts at tick t + 1 (the ring wraps, no buffer in
+    between; hence M divisible by S when V > 1). Backward item j (the same order, chunks reversed)
+    runs at stage s at tick j + D - s, D = V S + S - 2: a micro-batch's last chunk is run forward and
+    backward at stage S-1 in the same tick, and each backward hand-over arrives the tick its stage
+    needs it. V M + D ticks in all: the first V S - 1 run forwards only, the last V S - 1 backwards
+    only, so a pass takes (S - 1 + V M) (f + b) for chunk times f, b: bubble (S-1)/(V M + S-1).
+    Lockstep ticks make a hand-over take a whole tick each way, so stage s holds a forward item for
+    2(S-1-s) + 2(V-1-v)S ticks before its backward: the ring keeps `ring_slots` items, at most
+    2 V S - 1, where 1F1B run asynchronously keeps about S (V = 1); under stage remat stage 0's
+    first chunk is embedded again instead. What an item is: its stage input under stage remat (the
+    backward runs its forward again), else the residuals of its forward's `jax.vjp` that depend on it
+    (`_Inputs`, `_Residuals`).
+
     The forward's branch computes one item's values and the ring is updated outside it, in place
-    (a ring passed through the branch is copied: +5.6 GB on cola_13b's 32-H100 pick); a skipped
-    tick writes zeros to slot k mod slots, rewritten only after its item's backward. The gradient
-    accumulators go through the branches and are updated there, in place (returned as a tick's
-    gradient, a stage-sized float32 array would be one more buffer: +1.0 GB there)."""
+    (a ring passed through the branch is copied: benchmarks/RESULTS.md, "numbers moved out of the
+    code"); a skipped tick writes zeros to slot k mod slots, rewritten only after its item's
+    backward. The gradient accumulators go through the branches and are updated there, in place
+    (returned as a tick's gradient, a stage-sized float32 array would be one more buffer)."""
 
     s: Any  # this stage's index along `pipeline` (traced)
     stages: int
@@ -262,7 +221,7 @@ class _Tick:
         S, V, s = self.stages, self.repeats, self.s
         k = t - s
         f_ok = (k >= 0) & (k < self.items)
-        m_f, v_f = _decode(jnp.clip(k, 0, self.items - 1), S, V)
+        m_f, v_f = decode(jnp.clip(k, 0, self.items - 1), S, V)
         inp = jnp.where((s == 0) & (v_f == 0), self.embed(m_f), c["fwd"])
         rows_f = _index(self.micro_rows, m_f)
         tgt_f = _index(self.micro_targets, m_f)
@@ -304,9 +263,9 @@ class _Tick:
         j = t - delay(S, V) + s
         b_ok = (j >= 0) & (j < self.items)
         jc = jnp.clip(j, 0, self.items - 1)
-        m_b, v_b = _decode(jc, S, V, backward=True)
+        m_b, v_b = decode(jc, S, V, backward=True)
         first = (s == 0) & (v_b == 0)
-        slot = jnp.mod(_forward_item(jc, S, V), self.slots)
+        slot = jnp.mod(forward_item(jc, S, V), self.slots)
         kept = [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in c["ring"]]
         if self.remat:  # stage 0's first chunk: its micro-batch embedded again
             kept = [jnp.where(first, self.embed(m_b), kept[0])]
@@ -423,3 +382,105 @@ def schedule_gradient(program, stages: int, n: int, reduce_dtype):
 
     loss.defvjp(loss_fwd, loss_bwd)
     return loss
+
+
+def fused_loss(
+    stage_fn,
+    head_fn,
+    embed_fn,
+    layer_state,
+    head_params,
+    embed_params,
+    x,
+    rows,
+    targets,
+    *,
+    stages: int,
+    microbatches: int,
+    mesh,
+    strategy,
+    repeats: int = 1,
+    remat: bool = False,
+    unroll: bool = False,
+) -> jax.Array:
+    """The 1F1B pass: the loss of `head_fn(head_params, h, labels, mask)` on the layer stack's output h,
+    summed over the micro-batches and batch replicas (a masked sum) or averaged (mask None: means).
+
+    `stage_fn(chunk_state, x_micro[, rows_micro]) -> x_micro` runs one chunk of L/(S V) layers;
+    layer_state: leaves [L, ...]; x [B, ...] what `embed_fn(embed_params, x_micro)` makes the stack's
+    input of (token ids): each micro-batch is embedded inside the schedule, where stage 0 needs it,
+    so the pass keeps no embedded block of the M micro-batches nor of their gradients; rows: per-row
+    inputs [B, ...] handed to stage_fn (or None); targets: (labels [B, ...], mask [B, ...] or None)
+    for head_fn. Its
+    gradient comes from the 1F1B schedule (`stage_pass`, `schedule_gradient` above), computed when the loss's
+    forward runs under autodiff (a custom VJP: the forward pass computes the gradients, the backward
+    scales them by the loss's cotangent); evaluated without autodiff it runs the forward ticks only.
+    The stack's gradient is reduced over data x fsdp once per pass, or once per step through the
+    train step's copies (`accumulate`), as the GPipe path does."""
+    axes = once_per_pass_axes(mesh, strategy)
+    manual = ("pipeline",) + axes
+    n = math.prod(mesh.shape[a] for a in axes)
+    V = layout_chunks(ONE_F_ONE_B, repeats)
+    reduce_dtype = jnp.dtype(strategy.grad_reduce_dtype)
+    staged = _staged_1f1b(layer_state, stages, n, V, mesh, manual if axes else None, reduce_dtype)
+    mask = targets[1]
+    scale = 1.0 if mask is not None else 1.0 / (microbatches * n)
+    local = functools.partial(
+        stage_pass,
+        stage_fn=stage_fn,
+        head_fn=head_fn,
+        embed_fn=embed_fn,
+        stages=stages,
+        microbatches=microbatches,
+        repeats=repeats,
+        manual=manual,
+        inner=(mesh, without_axis(strategy, *axes)),
+        scale=scale,
+        reduce_dtype=reduce_dtype,
+        remat=remat,
+        unroll=unroll,
+    )
+    rows_spec = P(axes) if axes else P()
+    in_specs = (P(manual), P(), P(), rows_spec, rows_spec, rows_spec)
+
+    def program(backward):
+        out = (P(), P(manual), P(manual), P(manual)) if backward else P()
+        return jax.shard_map(
+            functools.partial(local, backward=backward),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out,
+            axis_names=set(manual),
+            # Unchecked: nested in it, jax 0.10's checked partial evaluation of a layer's own shard_map
+            # island gives its residuals the outer map's axes, which Shardy rejects. Its autodiff is
+            # ours, so no implicit psum is needed; the islands and shardings inside name the traced
+            # (partly manual) mesh (`rules.traced_mesh`), and kernels XLA cannot partition there run
+            # per shard (`rules.per_shard`: cuDNN attention).
+            check_vma=False,
+        )
+
+    return schedule_gradient(program, stages, n, reduce_dtype)(staged, head_params, embed_params, x, rows, targets)
+
+
+def _staged_1f1b(layer_state, stages: int, n: int, repeats: int | None, mesh, manual, reduce_dtype):
+    """Every stage's weights as the 1F1B program takes them, [S n, V, L/(S V), ...]: with batch axes
+    to reduce once per pass (`manual`: the map's axes, else None) the per-replica copies (the train
+    step's, `accumulate`, where it laid them out), else the stage layout."""
+    given = STEP_COPIES.get()
+    if manual is not None:
+
+        def replicas(a):
+            return replica_copies(
+                a, stages, n, NamedSharding(mesh, copy_spec(manual, a.ndim, repeats)), reduce_dtype, repeats
+            )
+
+        if given is not None:
+            leaves, treedef = jax.tree.flatten(layer_state)
+            copies = jax.tree.leaves(given, is_leaf=lambda c: c is None)
+            assert len(copies) == len(leaves), "the train step's stage copies do not match the layer stack"
+            staged = treedef.unflatten([replicas(a) if c is None else c for c, a in zip(copies, leaves)])
+        else:
+            staged = jax.tree.map(replicas, layer_state)
+    else:
+        staged = jax.tree.map(lambda a: stage_layout(a, stages, repeats), layer_state)
+    return jax.tree.map(lambda a: a if repeats is not None else a[:, None], staged)
