@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from boost_jax import train, xla_gpu_flags
+from boost_jax.runtime.build import build as real_build
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's boost_jax in the commands started
@@ -291,7 +292,7 @@ def test_the_bar_counts_each_step_when_the_device_has_finished_it(make_config, m
         lambda x: jax.pure_callback(lambda v: (time.sleep(0.05), v)[1], jax.ShapeDtypeStruct(x.shape, x.dtype), x)
     )
     dispatched, counted = [], []
-    real_build, real_done = train.build, report.Reporter.step_done
+    real_done = report.Reporter.step_done
 
     def build(*args, **kwargs):
         built = real_build(*args, **kwargs)

@@ -1,5 +1,6 @@
 """The launch scripts: shell syntax, argument checks, and the SLURM template's XLA flags exist."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -74,7 +75,7 @@ def test_xla_gpu_flags_keep_the_users_values_and_apply_only_for_a_gpu(monkeypatc
     monkeypatch.setattr(G, "_backends_started", lambda: False)
     env = {"XLA_FLAGS": user, "JAX_PLATFORMS": "cpu"}
     assert G.apply(env)[0] == [] and env["XLA_FLAGS"] == user
-    monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: object() if name in G.CUDA_PLUGINS else None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in G.CUDA_PLUGINS else None)
     monkeypatch.setattr(G, "NVIDIA_DRIVER", ())  # a plugin without a driver (the aot extra on a CPU host): no
     env = {"XLA_FLAGS": user}
     assert G.apply(env)[0] == [] and env["XLA_FLAGS"] == user

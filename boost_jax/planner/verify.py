@@ -405,7 +405,7 @@ _TICK_BRANCHES = re.compile(r"shard_map/while/body/(?:closed_call/)?((?:cond/bra
 
 
 def _executions(col, c) -> int:
-    """How often a collective of the compiled step runs. 1F1B's tick loop (parallel/pipeline.py) runs its
+    """How often a collective of the compiled step runs. 1F1B's tick loop (parallel/pipeline/one_f_one_b.py) runs its
     forward and backward in `lax.cond` branches a stage takes V M of the V M + V S + S - 2 ticks, and
     the head (a branch in the forward's) M of them at the last stage: the HLO's trip count is the
     ticks', so a collective in those branches is counted by the branch's runs (the last stage's)."""

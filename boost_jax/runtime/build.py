@@ -1,7 +1,7 @@
 """The one place a run config becomes programs: mesh, strategy, abstract state, the jitted steps.
 
     built = build(cfg)                  # validated; nothing is allocated
-    state = built.init_state()          # or restored into built.spec.abstract (runtime/checkpoint.py)
+    state = built.init_state()          # or restored into built.spec.abstract (runtime/checkpoints/store.py)
     state, metrics = built.train_step(state, batch)     # batch in built.batch_sharding
     compiled = built.lower_train().compile()            # the same program, from abstract shapes
 

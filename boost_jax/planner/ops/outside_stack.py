@@ -43,7 +43,7 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
 
 
 def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int, schedule: str = "gpipe") -> list[Coll]:
-    """One tick's pipeline traffic (boost_jax/parallel/pipeline.py): every stage's output, the residual
+    """One tick's pipeline traffic (boost_jax/parallel/pipeline/): every stage's output, the residual
     stream of one pipeline micro-batch in its layout, moves one stage on (a roll over the `pipeline`
     axis: one collective-permute); the backward sends its gradient back, and (GPipe, circular) sums the
     gradient of the micro-batch entering stage 0 over the pipeline axis (the micro-batch buffer it is
@@ -62,7 +62,7 @@ def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int, schedule: str
 def pipeline_ends(
     ctx: Ctx, residual: str, stages: int, stride: int, microbatches: int, schedule: str = "gpipe"
 ) -> list[Coll]:
-    """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline.py: the
+    """The pipeline's once-per-pass traffic, as GSPMD compiles boost_jax/parallel/pipeline/: the
     last stage hands the M finished micro-batches to every stage for the head (GPipe: a permute and
     an all-reduce, a permute back in the backward; circular: the all-reduce alone, its outputs are
     filed where they are reduced; 1F1B embeds each micro-batch and runs the head inside its ticks:
@@ -81,7 +81,7 @@ def pipeline_ends(
 
 
 def circular_reorder(stage_weights: float, stages: int, repeats: int, stride: int) -> list[Coll]:
-    """The circular schedule's once-per-pass weight moves, as GSPMD compiles boost_jax/parallel/pipeline.py
+    """The circular schedule's once-per-pass weight moves, as GSPMD compiles boost_jax/parallel/pipeline/
     (its `_copies` / `_sum_copies`, read from the compiled step): the stored contiguous blocks of layers
     become the stage's V chunks in their stored (fsdp, tensor) split, before the tick loop, and their
     summed float32 gradient goes back the same way after it. When the [L] split over S devices reshapes

@@ -14,7 +14,7 @@ from boost_jax.planner.pricing.schedule import Schedule
 
 
 def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: list, rest: list):
-    """1F1B's embedding and head traffic (boost_jax/parallel/pipeline.py `fused_loss`): the head and loss
+    """1F1B's embedding and head traffic (parallel/pipeline/one_f_one_b.py `fused_loss`): the head and loss
     run per micro-batch at the last stage (the head op of one micro-batch's rows, M times), each
     micro-batch is embedded at stage 0, and the head's and the embedding's gradients (each stage and
     replica's float32 part) are all-reduced over pipeline x data x fsdp once per pass.
@@ -50,7 +50,7 @@ def data_colls(
     backward when remat recomputes the forward). The gradients are reduce-scattered over fsdp alone,
     else all-reduced over data (x fsdp), as the compiled HLO does; the trainer sums micro-batch
     gradients in the parameters' layout, so this happens once per micro-batch.
-    Pipelined (boost_jax/parallel/pipeline.py, read from its compiled HLO): the stage's weights are
+    Pipelined (boost_jax/parallel/pipeline/, read from its compiled HLO): the stage's weights are
     gathered once before the tick loop, every batch replica accumulates its own float32 gradient over
     the ticks, and that is all-reduced over data x fsdp once per pass, at full size (the accumulator is
     the whole stage's gradient), so both land in `once`; nothing over data/fsdp runs per tick, remat
@@ -139,7 +139,7 @@ def step_collectives(
         data_rest, rest_colls = f1b_rest(pr, layer.residual, mesh, sched.microbatches, data_rest, rest)
     redo = summary.forward_colls if sched.staged else []  # remat.pipeline=stage: the stage's forward, again
     # Pipelined (but st), the stage's gather and gradient reduction run once per optimizer step, not
-    # per accumulation micro-batch (boost_jax/parallel/pipeline.py): 1/grad_accum of them per micro-batch.
+    # per accumulation micro-batch (boost_jax/parallel/pipeline/): 1/grad_accum of them per micro-batch.
     once = sched.layers_per_stage / grad_accum if pipelined and not summary.grid_w else sched.layers_per_stage
     counted = (
         [(c, sched.executed) for c in data + redo]
