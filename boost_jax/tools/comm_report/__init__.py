@@ -12,3 +12,7 @@ XLA's CPU backend widens bf16 collectives to float32 in the optimized program.
 - tables: the markdown tables; pipeline: a pipelined step's collectives by kind and axis;
 - command: one strategy measured (`measure`), every strategy (`report`) and `main`.
 """
+
+from boost_jax.tools.comm_report.command import measure, report
+
+__all__ = ["measure", "report"]  # the package's face: `comm_report.report(...)`, as the notebooks call it
