@@ -236,20 +236,29 @@ DOC_LAYOUTS = [[5, 9, 2], [16], [2, 5, 5], [9, 5]]
 MORE_ROWS = [[16], [5, 5, 5], [1, 9, 5], [9]]  # 8 rows: every pipeline micro-batch holds some
 
 
+def _by_length(docs) -> dict:
+    """{length: [documents of that length]}: documents of one length run alone side by side, as the
+    rows of one stream batch (rows never see each other)."""
+    out: dict = {}
+    for _, _, doc in docs:
+        out.setdefault(len(doc), []).append(doc)
+    return out
+
+
 def _alone(cfg, params, docs):
-    """Loss sum and gradients of every document run alone (a stream batch of its own length)."""
+    """Loss sum and gradients of every document run alone (stream rows of its own length)."""
     single = cfg.copy_and_resolve_references()
     single.parallel.update(
         pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe", pipeline_repeats=1
     )
     total, grads = 0.0, None
-    for _, _, doc in docs:
-        if len(doc) < 2:
+    for n, same in _by_length(docs).items():
+        if n < 2:
             continue
-        single.train.seq_len = len(doc) - 1
+        single.train.seq_len = n - 1
         single.data.batching = "stream"
-        loss, g = loss_and_grads(single, params, doc[None])
-        scale = len(doc) - 1  # the stream loss is a mean over its targets; the packed one a sum
+        loss, g = loss_and_grads(single, params, np.stack(same))
+        scale = len(same) * (n - 1)  # the stream loss is a mean over its targets; the packed one a sum
         total += loss * scale
         g = jax.tree.map(lambda x: x * scale, g)
         grads = g if grads is None else jax.tree.map(np.add, grads, g)
@@ -280,10 +289,12 @@ def test_packed_row_equals_documents_alone(make_config, impl):
             docs=Documents.packed(jnp.asarray(batch["segments"][:, :t])),
         )
     )()
+    alone = {n: built.bind(lambda: model(jnp.asarray(np.stack(same))))()[0] for n, same in _by_length(docs).items()}
+    seen = {n: 0 for n in alone}
     for r, at, doc in docs:
-        alone, _ = built.bind(lambda: model(jnp.asarray(doc[None])))()
+        row, seen[len(doc)] = seen[len(doc)], seen[len(doc)] + 1
         n = min(len(doc), t - at)
-        np.testing.assert_allclose(logits[r, at : at + n], alone[0, :n], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(logits[r, at : at + n], alone[len(doc)][row, :n], rtol=1e-4, atol=1e-5)
 
 
 PIPE = {"parallel.pipeline": 2, "model.n_layers": 4}
