@@ -3,9 +3,9 @@ the suite's compiles cheap: compiling is most of its time.
 
 - LLVM's optimisation level 0 for XLA:CPU's generated code (`--xla_backend_optimization_level=0`):
   a third less compile time; and with jaxlib 0.10, XLA:CPU's older fusion code generators
-  (`--xla_cpu_use_fusion_emitters=false`): about half the rest. XLA's HLO passes (SPMD
-  partitioning, collectives, buffer assignment: what the tests read) are unchanged; results may
-  differ from the default build in the last bits, so the one test of recorded bits,
+  (`--xla_cpu_use_fusion_emitters=false`): about half the rest. SPMD partitioning and the
+  collectives (what most tests read) are unchanged, temp buffer sizes may move slightly; results
+  may differ from the default build in the last bits, so the one test of recorded bits,
   tests/test_golden.py, runs with the default flags. BOOST_TEST_XLA_OPT=default keeps the defaults.
 - A persistent compilation cache under the user's cache directory: the suite compiles many identical
   programs (the same small model in many tests, in several worker processes and the trainers they
