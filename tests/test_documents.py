@@ -231,22 +231,34 @@ def _packed(rng, layouts, t, vocab):
 
 
 LAYOUTS = [[5, 9, 2], [16], [3, 3, 3, 4], [7, 8]]  # each fits 16 inputs (the last column is padding)
+# The same kinds of rows from four document lengths: the references below compile once per length.
+DOC_LAYOUTS = [[5, 9, 2], [16], [2, 5, 5], [9, 5]]
+MORE_ROWS = [[16], [5, 5, 5], [1, 9, 5], [9]]  # 8 rows: every pipeline micro-batch holds some
+
+
+def _by_length(docs) -> dict:
+    """{length: [documents of that length]}: documents of one length run alone side by side, as the
+    rows of one stream batch (rows never see each other)."""
+    out: dict = {}
+    for _, _, doc in docs:
+        out.setdefault(len(doc), []).append(doc)
+    return out
 
 
 def _alone(cfg, params, docs):
-    """Loss sum and gradients of every document run alone (a stream batch of its own length)."""
+    """Loss sum and gradients of every document run alone (stream rows of its own length)."""
     single = cfg.copy_and_resolve_references()
     single.parallel.update(
         pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe", pipeline_repeats=1
     )
     total, grads = 0.0, None
-    for _, _, doc in docs:
-        if len(doc) < 2:
+    for n, same in _by_length(docs).items():
+        if n < 2:
             continue
-        single.train.seq_len = len(doc) - 1
+        single.train.seq_len = n - 1
         single.data.batching = "stream"
-        loss, g = loss_and_grads(single, params, doc[None])
-        scale = len(doc) - 1  # the stream loss is a mean over its targets; the packed one a sum
+        loss, g = loss_and_grads(single, params, np.stack(same))
+        scale = len(same) * (n - 1)  # the stream loss is a mean over its targets; the packed one a sum
         total += loss * scale
         g = jax.tree.map(lambda x: x * scale, g)
         grads = g if grads is None else jax.tree.map(np.add, grads, g)
@@ -262,7 +274,7 @@ def test_packed_row_equals_documents_alone(make_config, impl):
     built = build(cfg.copy_and_resolve_references())
     params = jax.device_get(built.init_state()["params"])
     rng = np.random.default_rng(7)
-    batch, docs = _packed(rng, LAYOUTS, cfg.train.seq_len, 256)
+    batch, docs = _packed(rng, DOC_LAYOUTS, cfg.train.seq_len, 256)
     loss, grads = loss_and_grads(cfg, params, batch)
     want_loss, want_grads = _alone(cfg, params, docs)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
@@ -277,10 +289,12 @@ def test_packed_row_equals_documents_alone(make_config, impl):
             docs=Documents.packed(jnp.asarray(batch["segments"][:, :t])),
         )
     )()
+    alone = {n: built.bind(lambda: model(jnp.asarray(np.stack(same))))()[0] for n, same in _by_length(docs).items()}
+    seen = {n: 0 for n in alone}
     for r, at, doc in docs:
-        alone, _ = built.bind(lambda: model(jnp.asarray(doc[None])))()
+        row, seen[len(doc)] = seen[len(doc)], seen[len(doc)] + 1
         n = min(len(doc), t - at)
-        np.testing.assert_allclose(logits[r, at : at + n], alone[0, :n], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(logits[r, at : at + n], alone[len(doc)][row, :n], rtol=1e-4, atol=1e-5)
 
 
 PIPE = {"parallel.pipeline": 2, "model.n_layers": 4}
@@ -318,8 +332,7 @@ def test_packed_rows_under_tensor_parallelism(make_config, strategy, mesh, extra
         pipeline=1, data=1, fsdp=1, tensor=1, num_devices=1, pipeline_schedule="gpipe", pipeline_repeats=1
     )
     params = jax.device_get(build(single).init_state()["params"])
-    layouts = LAYOUTS + [[16], [4, 4, 4, 4], [1, 15], [10]]  # 8 rows: every pipeline micro-batch holds some
-    batch, docs = _packed(np.random.default_rng(11), layouts, cfg.train.seq_len, cfg.model.vocab_size)
+    batch, docs = _packed(np.random.default_rng(11), DOC_LAYOUTS + MORE_ROWS, cfg.train.seq_len, cfg.model.vocab_size)
     loss, grads = loss_and_grads(cfg, params, batch)
     want_loss, want_grads = _alone(cfg, params, docs)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)

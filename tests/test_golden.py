@@ -134,7 +134,7 @@ def _run(cases):
     env["XLA_FLAGS"] = " ".join(
         f
         for f in env.get("XLA_FLAGS", "").split()
-        if f != FAST_COMPILE and not f.startswith("--xla_force_host_platform_device_count")
+        if f not in FAST_COMPILE.split() and not f.startswith("--xla_force_host_platform_device_count")
     )
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--json", *cases],
