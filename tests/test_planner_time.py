@@ -123,3 +123,88 @@ def test_the_readme_command(fit, tmp_path, capsys):
     assert set(report["fitted"]) == {n for n, _ in H100.fitted}
     for name, value in report["fitted"].items():
         assert getattr(H100, name) == pytest.approx(value, rel=1e-3), name
+
+
+# The 7B TP-4 rows (benchmarks/tp7b/*.json, each `tools.aot --profile` of the config at seq 4096, 4
+# micro-batches of one row, remat none, the `auto` defaults; the commands in benchmarks/RESULTS.md): the
+# step-time table's step, and the cluster file that prices the same GPU in the planner.
+TP7B = ROOT / "benchmarks" / "tp7b"
+TP7B_ROWS = [("cola_7b", "btp"), ("cola_7b", "vanilla"), ("llama_7b", "megatron")]
+TP7B_CLUSTERS = {"h100": "h100_8x", "a100_40gb": "a100_4x"}
+
+
+def tp7b_ratios(clusters: dict, unrolled=None) -> dict:
+    """{(config, strategy, target): planner step / table step} for the six rows; `clusters`: target ->
+    Cluster; `unrolled`: the stack the planner prices (None: the one `auto` runs there)."""
+    from boost_jax.planner import Layer, Mesh, Options, plan_for
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
+    from boost_jax.planner.search_space import auto_unrolls
+    from boost_jax.tools.devices import load_config
+
+    mesh = Mesh(1, 1, 4)
+    out = {}
+    for target, cluster in clusters.items():
+        for config, strategy in TP7B_ROWS:
+            rec = json.loads((TP7B / f"{config}_{strategy}_{target}.json").read_text())
+            # the recorded program is the one priced: its target, mesh and what `auto` resolved to
+            assert rec["target"] == target and rec["config"] == f"configs/{config}.py"
+            assert rec["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 4}
+            assert rec["resolved"]["remat.policy"] == "none"
+            assert rec["resolved"]["model.scan_unroll"] == auto_unrolls(mesh, "none")
+            cfg = load_config(str(ROOT / "configs" / f"{config}.py"))
+            cfg.model.max_seq_len = 4096
+            plan = plan_for(
+                cfg,
+                cluster,
+                mesh,
+                4,
+                "none",
+                Layer(*uniform_plan(strategy)),
+                Options(batch=4, seq=4096, check_memory=False),
+                unrolled=rec["resolved"]["model.scan_unroll"] if unrolled is None else unrolled,
+            )
+            out[(config, strategy, target)] = plan.step_s / rec["profile"]["predicted_step_s"]
+    return out
+
+
+def test_the_7b_tp4_steps_within_15_percent_of_the_step_time_table():
+    """BOOST's 7B TP-4 rows (cola_7b BTP and vanilla, llama_7b Megatron; 4 H100s and 4 A100-40GB): the
+    planner's step within 15% of the step-time table's for the program `auto` compiles (unrolled)."""
+    clusters = {t: load_cluster(ROOT / f"configs/clusters/{c}.py") for t, c in TP7B_CLUSTERS.items()}
+    ratios = tp7b_ratios(clusters)
+    assert len(ratios) == 6
+    assert max(abs(r - 1) for r in ratios.values()) <= 0.15, ratios
+    # What the check catches: the scanned stack's pricing (its kept-activation traffic) where the
+    # program is unrolled, and the A100's former GEMM and attention shares (0.85, 0.6 of peak).
+    scanned = tp7b_ratios({"h100": clusters["h100"]}, unrolled=False)
+    assert max(scanned.values()) > 1.15, scanned
+    old = dataclasses.replace(clusters["a100_40gb"], gemm_efficiency=0.85, flash_efficiency=0.6)
+    assert min(tp7b_ratios({"a100_40gb": old}).values()) < 0.85
+
+
+@pytest.mark.parametrize("policy", ["none", "lowrank", "full"])
+def test_the_planner_unrolls_where_auto_does(policy):
+    """search_space.auto_unrolls (JAX-free) says what model/autos.py `pick` resolves scan_unroll to on a
+    GPU, for every set of split mesh axes."""
+    import itertools
+
+    from boost_jax.model.autos import pick
+    from boost_jax.parallel.mesh import AXES
+    from boost_jax.planner import Mesh
+    from boost_jax.planner.search_space import auto_unrolls
+
+    for n in range(len(AXES) + 1):
+        for split in itertools.combinations(AXES, n):
+            sizes = {a: 2 if a in split else 1 for a in AXES}
+            mesh = Mesh(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["pipeline"], sizes["context"])
+            want = pick(
+                group=False,
+                unroll="auto",
+                policy=policy,
+                norm="auto",
+                linear="cola",
+                gpu=True,
+                sizes=sizes,
+                triton=False,
+            )["scan_unroll"]
+            assert auto_unrolls(mesh, policy) == want, (split, policy)
