@@ -1,0 +1,124 @@
+"""The planner against the step-time table on BOOST's 7B TP-4 rows (cola_7b BTP and vanilla, llama_7b Megatron
+on 4 H100s and 4 A100-40GB; seq 4096, 4 micro-batches of one row, remat none, the `auto` defaults).
+
+    python benchmarks/tp7b.py [--stack auto|scanned] [--clusters configs/clusters] [--markdown PATH]
+        [--exposure]
+
+Each row's table is benchmarks/tp7b/CONFIG_STRATEGY_TARGET.json, written by `python -m boost_jax.tools.aot
+--target TARGET --devices 4 --config configs/CONFIG.py --mesh 1,1,4 --train-only --profile
+--config.parallel.strategy=STRATEGY --config.train.seq_len=4096 --config.train.global_batch=4
+--config.train.grad_accum=4 --config.remat.policy=none --config.model.max_seq_len=4096 --json ...`.
+The planner prices the strategy's plan (strategy_tables.uniform_plan) on the cluster file of that GPU
+with the stack the recorded program ran (`--stack scanned`: the scanned stack, as the planner priced a
+tensor mesh before it mirrored `auto`'s unrolling). tests/test_planner_time.py holds the rows within 15%.
+`--exposure`: the share s of the layers' backward tensor-axis collectives the step would wait for (the
+forward ones on the critical path) that fits the six rows best (least squares of planner / table - 1,
+s from 0 to 1.5), and the all-reduces per layer and micro-batch, planner and compiled program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [("cola_7b", "btp"), ("cola_7b", "vanilla"), ("llama_7b", "megatron")]
+CLUSTERS = {"h100": "h100_8x", "a100_40gb": "a100_4x"}
+
+
+def rows(stack: str = "auto", clusters: Path = ROOT / "configs" / "clusters") -> list[dict]:
+    """One dict per row: config, strategy, target, table_ms, planner_ms, ratio."""
+    from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
+    from boost_jax.planner.pricing import cost
+    from boost_jax.tools.devices import load_config
+
+    out = []
+    for target, name in CLUSTERS.items():
+        cluster = load_cluster(Path(clusters) / f"{name}.py")
+        for config, strategy in ROWS:
+            rec = json.loads((ROOT / "benchmarks" / "tp7b" / f"{config}_{strategy}_{target}.json").read_text())
+            cfg = load_config(str(ROOT / "configs" / f"{config}.py"))
+            cfg.model.max_seq_len = 4096
+            plan = plan_for(
+                cfg,
+                cluster,
+                Mesh(1, 1, 4),
+                4,
+                "none",
+                Layer(*uniform_plan(strategy)),
+                Options(batch=4, seq=4096, check_memory=False),
+                unrolled=stack == "auto" and bool(rec["resolved"]["model.scan_unroll"]),
+            )
+            table = rec["profile"]["predicted_step_s"] * 1e3
+            tensor = [c for c in plan.layer_colls if c.axis == "tensor"]
+            backward = sum(cost.coll_seconds(c, cluster, 2) for c in tensor if c.phase != "fwd") * 4 * 32e3
+            out.append(
+                dict(
+                    config=config,
+                    strategy=strategy,
+                    target=target,
+                    table_ms=table,
+                    planner_ms=plan.step_s * 1e3,
+                    ratio=plan.step_s * 1e3 / table,
+                    backward_ms=backward,
+                    planner_all_reduces=sum(c.kind == "all-reduce" for c in tensor),
+                    table_all_reduces=rec["train"]["collectives"]["all-reduce"]["count"] / (4 * 32),
+                )
+            )
+    return out
+
+
+def exposure(rs: list[dict]) -> tuple[float, float]:
+    """(s, RMS of planner / table - 1) with the backward layer collectives priced at share s."""
+    import numpy as np
+
+    shares = np.linspace(0.0, 1.5, 151)
+    rms = [
+        np.sqrt(np.mean([((r["planner_ms"] - (1 - s) * r["backward_ms"]) / r["table_ms"] - 1) ** 2 for r in rs]))
+        for s in shares
+    ]
+    i = int(np.argmin(rms))
+    return float(shares[i]), float(rms[i])
+
+
+def markdown(rs: list[dict]) -> str:
+    lines = ["| row | GPU | table ms | planner ms | planner / table |", "|---|---|---|---|---|"]
+    for r in rs:
+        lines.append(
+            f"| {r['config']} {r['strategy']} | {r['target']} | {r['table_ms']:.1f} | {r['planner_ms']:.1f} "
+            f"| {r['ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stack", choices=("auto", "scanned"), default="auto", help="the stack the planner prices")
+    ap.add_argument("--clusters", default=str(ROOT / "configs" / "clusters"), help="the cluster files' folder")
+    ap.add_argument("--markdown", help="also write the table here")
+    ap.add_argument("--exposure", action="store_true", help="also fit the backward collectives' exposed share")
+    args = ap.parse_args(argv)
+    rs = rows(args.stack, Path(args.clusters))
+    text = markdown(rs)
+    if args.exposure:
+        share, rms = exposure(rs)
+        at_one = exposure([dict(r, backward_ms=0.0) for r in rs])[1]
+        text += (
+            f"\n\nbackward exposed share fitted: {share:.2f} (RMS {rms:.3f}; at 1, as priced: {at_one:.3f}); "
+            "all-reduces per layer and micro-batch, planner / compiled: "
+            + ", ".join(
+                f"{r['config']} {r['strategy']} {r['target']} {r['planner_all_reduces']} / {r['table_all_reduces']:.1f}"
+                for r in rs
+            )
+        )
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
