@@ -2,7 +2,7 @@
 on 4 H100s and 4 A100-40GB; seq 4096, 4 micro-batches of one row, remat none, the `auto` defaults).
 
     python benchmarks/tp7b.py [--stack auto|scanned] [--clusters configs/clusters] [--markdown PATH]
-        [--exposure]
+        [--exposure] [--parts]
 
 Each row's table is benchmarks/tp7b/CONFIG_STRATEGY_TARGET.json, written by `python -m boost_jax.tools.aot
 --target TARGET --devices 4 --config configs/CONFIG.py --mesh 1,1,4 --train-only --profile
@@ -14,6 +14,8 @@ tensor mesh before it mirrored `auto`'s unrolling). tests/test_planner_time.py h
 `--exposure`: the share s of the layers' backward tensor-axis collectives the step would wait for (the
 forward ones on the critical path) that fits the six rows best (least squares of planner / table - 1,
 s from 0 to 1.5), and the all-reduces per layer and micro-batch, planner and compiled program.
+`--parts`: the layers' GEMMs, attention, bandwidth-bound work and tensor collectives, planner and table
+(the table's elementwise, norm and copies/layout together; its collectives at their exposed part).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def rows(stack: str = "auto", clusters: Path = ROOT / "configs" / "clusters") ->
                 unrolled=stack == "auto" and bool(rec["resolved"]["model.scan_unroll"]),
             )
             table = rec["profile"]["predicted_step_s"] * 1e3
+            by = {k: v * 1e3 for k, v in rec["profile"]["time_by_category"].items()}
             tensor = [c for c in plan.layer_colls if c.axis == "tensor"]
             backward = sum(cost.coll_seconds(c, cluster, 2) for c in tensor if c.phase != "fwd") * 4 * 32e3
             out.append(
@@ -66,9 +69,43 @@ def rows(stack: str = "auto", clusters: Path = ROOT / "configs" / "clusters") ->
                     backward_ms=backward,
                     planner_all_reduces=sum(c.kind == "all-reduce" for c in tensor),
                     table_all_reduces=rec["train"]["collectives"]["all-reduce"]["count"] / (4 * 32),
+                    planner_parts=layer_parts(cfg, cluster, strategy),
+                    table_parts={
+                        "gemm": by["gemm"],
+                        "attention": by["attention"],
+                        "elementwise": by["elementwise"] + by["norm"] + by["copies/layout"],
+                        "collectives": by["collectives"],
+                    },
                 )
             )
     return out
+
+
+def layer_parts(cfg, cluster, strategy: str) -> dict:
+    """ms per step of the layers' GEMMs, attention, elementwise work and tensor collectives, as the planner
+    prices them (4 micro-batches x 32 layers)."""
+    from boost_jax.planner import Layer, Options
+    from boost_jax.planner.ops.operators import Block, Ctx
+    from boost_jax.planner.ops.strategy_tables import uniform_plan
+    from boost_jax.planner.pricing import cost
+    from boost_jax.planner.pricing.layer_summary import layer_summary
+    from boost_jax.planner.pricing.pricer import Pricer
+    from boost_jax.planner.search import plan_attention
+
+    opts = Options(batch=4, seq=4096, check_memory=False)
+    block = Block.from_config(cfg)
+    kind = plan_attention(opts, block, 1)
+    pr = Pricer(Ctx(block, 4, 4096, 4096, False, kind, 2, 1, "ring", "full"), cluster, "none", opts)
+    ops = layer_summary(pr, Layer(*uniform_plan(strategy))).ops
+    n = 4 * 32 * 1e3
+    return {
+        "gemm": n
+        * sum(op.gemm_passes * sum(cost.gemm_seconds(g.m, g.k, g.n, cluster) for g in op.gemms) for op in ops),
+        "attention": n * sum(sum(cost.attention_seconds(op.attn, kind, cluster)) for op in ops if op.attn),
+        "elementwise": n * sum(cluster.elementwise_passes * op.acts * 2 / cluster.hbm_bandwidth for op in ops),
+        "collectives": n
+        * sum(cost.coll_seconds(c, cluster, 2) for op in ops for c in op.all_colls() if c.axis == "tensor"),
+    }
 
 
 def exposure(rs: list[dict]) -> tuple[float, float]:
@@ -100,9 +137,16 @@ def main(argv=None) -> int:
     ap.add_argument("--clusters", default=str(ROOT / "configs" / "clusters"), help="the cluster files' folder")
     ap.add_argument("--markdown", help="also write the table here")
     ap.add_argument("--exposure", action="store_true", help="also fit the backward collectives' exposed share")
+    ap.add_argument("--parts", action="store_true", help="also the layers' parts, planner / table")
     args = ap.parse_args(argv)
     rs = rows(args.stack, Path(args.clusters))
     text = markdown(rs)
+    if args.parts:
+        text += "\n\n| row | GPU | " + " | ".join(f"{k} planner / table ms" for k in rs[0]["table_parts"]) + " |"
+        text += "\n|---|---|" + "---|" * len(rs[0]["table_parts"])
+        for r in rs:
+            cells = " | ".join(f"{r['planner_parts'][k]:.1f} / {v:.1f}" for k, v in r["table_parts"].items())
+            text += f"\n| {r['config']} {r['strategy']} | {r['target']} | {cells} |"
     if args.exposure:
         share, rms = exposure(rs)
         at_one = exposure([dict(r, backward_ms=0.0) for r in rs])[1]
