@@ -141,8 +141,9 @@ def divisors(n: int) -> list[int]:
 def stacks(mesh: Mesh, policy: str, opts: Options) -> list[bool]:
     """The layer stacks a plan may run (False: scanned, True: unrolled). The trainer's `auto` unrolls
     (model/autos.py `pick`, mirrored by `auto_unrolls`) where only `data` splits the mesh, and where
-    `tensor` splits it too with remat none; so the unrolled stack is searched there, as remat `none`."""
-    return [False, True] if opts.unroll and policy == "none" and auto_unrolls(mesh, policy) else [False]
+    `tensor` splits it too with remat none; so the unrolled stack is searched there, as remat `none`,
+    first (where the two price alike, as without a kept-activation term, the search keeps what `auto` runs)."""
+    return [True, False] if opts.unroll and policy == "none" and auto_unrolls(mesh, policy) else [False]
 
 
 def auto_unrolls(mesh: Mesh, policy: str) -> bool:
