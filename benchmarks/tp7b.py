@@ -30,18 +30,33 @@ ROWS = [("cola_7b", "btp"), ("cola_7b", "vanilla"), ("llama_7b", "megatron")]
 CLUSTERS = {"h100": "h100_8x", "a100_40gb": "a100_4x"}
 
 
-def rows(stack: str = "auto", clusters: Path = ROOT / "configs" / "clusters") -> list[dict]:
-    """One dict per row: config, strategy, target, table_ms, planner_ms, ratio."""
+MESH = {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 4}
+
+
+def record(config: str, strategy: str, target: str) -> dict:
+    """The recorded table of one row, checked to be the program the row names (ValueError otherwise)."""
+    path = ROOT / "benchmarks" / "tp7b" / f"{config}_{strategy}_{target}.json"
+    rec = json.loads(path.read_text())
+    got = (rec.get("target"), rec.get("config"), rec.get("mesh"), rec.get("resolved", {}).get("remat.policy"))
+    if got != (target, f"configs/{config}.py", MESH, "none") or "profile" not in rec:
+        raise ValueError(f"{path}: not the {config} {target} TP-4 remat-none step with --profile; rerun its command")
+    return rec
+
+
+def rows(stack: str = "auto", clusters=ROOT / "configs" / "clusters") -> list[dict]:
+    """One dict per row: config, strategy, target, table_ms, planner_ms, ratio, ... `clusters`: the cluster
+    files' folder, or {target: Cluster} (those targets alone)."""
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner.ops.strategy_tables import uniform_plan
     from boost_jax.planner.pricing import cost
     from boost_jax.tools.devices import load_config
 
+    if not isinstance(clusters, dict):
+        clusters = {t: load_cluster(Path(clusters) / f"{name}.py") for t, name in CLUSTERS.items()}
     out = []
-    for target, name in CLUSTERS.items():
-        cluster = load_cluster(Path(clusters) / f"{name}.py")
+    for target, cluster in clusters.items():
         for config, strategy in ROWS:
-            rec = json.loads((ROOT / "benchmarks" / "tp7b" / f"{config}_{strategy}_{target}.json").read_text())
+            rec = record(config, strategy, target)
             cfg = load_config(str(ROOT / "configs" / f"{config}.py"))
             cfg.model.max_seq_len = 4096
             plan = plan_for(

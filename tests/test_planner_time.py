@@ -125,61 +125,32 @@ def test_the_readme_command(fit, tmp_path, capsys):
         assert getattr(H100, name) == pytest.approx(value, rel=1e-3), name
 
 
-# The 7B TP-4 rows (benchmarks/tp7b/*.json, each `tools.aot --profile` of the config at seq 4096, 4
-# micro-batches of one row, remat none, the `auto` defaults; the commands in benchmarks/RESULTS.md): the
-# step-time table's step, and the cluster file that prices the same GPU in the planner.
-TP7B = ROOT / "benchmarks" / "tp7b"
-TP7B_ROWS = [("cola_7b", "btp"), ("cola_7b", "vanilla"), ("llama_7b", "megatron")]
-TP7B_CLUSTERS = {"h100": "h100_8x", "a100_40gb": "a100_4x"}
+@pytest.fixture(scope="module")
+def tp7b():
+    """benchmarks/tp7b.py: BOOST's 7B TP-4 rows, the planner against their recorded step-time tables."""
+    spec = importlib.util.spec_from_file_location("tp7b", ROOT / "benchmarks/tp7b.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def tp7b_ratios(clusters: dict, unrolled=None) -> dict:
-    """{(config, strategy, target): planner step / table step} for the six rows; `clusters`: target ->
-    Cluster; `unrolled`: the stack the planner prices (None: the one `auto` runs there)."""
-    from boost_jax.planner import Layer, Mesh, Options, plan_for
-    from boost_jax.planner.ops.strategy_tables import uniform_plan
+def test_the_7b_tp4_steps_within_15_percent_of_the_step_time_table(tp7b):
+    """BOOST's 7B TP-4 rows (cola_7b BTP and vanilla, llama_7b Megatron; 4 H100s and 4 A100-40GB; each
+    recorded table the program `auto` compiles, unrolled): the planner's step within 15% of the table's."""
+    from boost_jax.planner import Mesh
     from boost_jax.planner.search_space import auto_unrolls
-    from boost_jax.tools.devices import load_config
 
-    mesh = Mesh(1, 1, 4)
-    out = {}
-    for target, cluster in clusters.items():
-        for config, strategy in TP7B_ROWS:
-            rec = json.loads((TP7B / f"{config}_{strategy}_{target}.json").read_text())
-            # the recorded program is the one priced: its target, mesh and what `auto` resolved to
-            assert rec["target"] == target and rec["config"] == f"configs/{config}.py"
-            assert rec["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 4}
-            assert rec["resolved"]["remat.policy"] == "none"
-            assert rec["resolved"]["model.scan_unroll"] == auto_unrolls(mesh, "none")
-            cfg = load_config(str(ROOT / "configs" / f"{config}.py"))
-            cfg.model.max_seq_len = 4096
-            plan = plan_for(
-                cfg,
-                cluster,
-                mesh,
-                4,
-                "none",
-                Layer(*uniform_plan(strategy)),
-                Options(batch=4, seq=4096, check_memory=False),
-                unrolled=rec["resolved"]["model.scan_unroll"] if unrolled is None else unrolled,
-            )
-            out[(config, strategy, target)] = plan.step_s / rec["profile"]["predicted_step_s"]
-    return out
-
-
-def test_the_7b_tp4_steps_within_15_percent_of_the_step_time_table():
-    """BOOST's 7B TP-4 rows (cola_7b BTP and vanilla, llama_7b Megatron; 4 H100s and 4 A100-40GB): the
-    planner's step within 15% of the step-time table's for the program `auto` compiles (unrolled)."""
-    clusters = {t: load_cluster(ROOT / f"configs/clusters/{c}.py") for t, c in TP7B_CLUSTERS.items()}
-    ratios = tp7b_ratios(clusters)
-    assert len(ratios) == 6
-    assert max(abs(r - 1) for r in ratios.values()) <= 0.15, ratios
+    rows = tp7b.rows()
+    assert len(rows) == 6 and {r["target"] for r in rows} == {"h100", "a100_40gb"}
+    assert all(tp7b.record(r["config"], r["strategy"], r["target"])["resolved"]["model.scan_unroll"] for r in rows)
+    assert auto_unrolls(Mesh(1, 1, 4), "none")  # the stack the planner prices is the recorded one
+    assert max(abs(r["ratio"] - 1) for r in rows) <= 0.15, [(r["config"], r["target"], r["ratio"]) for r in rows]
     # What the check catches: the scanned stack's pricing (its kept-activation traffic) where the
     # program is unrolled, and the A100's former GEMM and attention shares (0.85, 0.6 of peak).
-    scanned = tp7b_ratios({"h100": clusters["h100"]}, unrolled=False)
-    assert max(scanned.values()) > 1.15, scanned
-    old = dataclasses.replace(clusters["a100_40gb"], gemm_efficiency=0.85, flash_efficiency=0.6)
-    assert min(tp7b_ratios({"a100_40gb": old}).values()) < 0.85
+    assert max(r["ratio"] for r in tp7b.rows("scanned", {"h100": H100})) > 1.15
+    a100 = load_cluster(ROOT / "configs/clusters/a100_4x.py")
+    old = dataclasses.replace(a100, gemm_efficiency=0.85, flash_efficiency=0.6)
+    assert min(r["ratio"] for r in tp7b.rows("auto", {"a100_40gb": old})) < 0.85
 
 
 @pytest.mark.parametrize("policy", ["none", "lowrank", "full"])
