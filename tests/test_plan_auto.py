@@ -174,6 +174,8 @@ def test_a_pick_that_does_not_fit_the_device_falls_back(tmp_path, capsys, monkey
     picks = [ln.strip().removeprefix("(explicitly: ").removesuffix(")") for ln in lines if "(explicitly: " in ln]
     over = [ln for ln in lines if " does not fit: " in ln]
     assert picks[0] == first.overrides and len(over) == len(picks) - 1 >= 1
+    nexts = [ln for ln in lines if ln.startswith("parallel.plan=auto: next, ")]
+    assert len(nexts) == len(over)
     tried = []
     for i, flags in enumerate(picks):  # each pick the planner's best runnable plan without the ones before
         want = search(cfg, cluster, 8, dataclasses.replace(opts, exclude=frozenset(tried))).best_runnable
@@ -183,7 +185,9 @@ def test_a_pick_that_does_not_fit_the_device_falls_back(tmp_path, capsys, monkey
             assert line.startswith(f"parallel.plan=auto: the pick ({auto_module.short(want)}) does not fit: ")
             needs = float(re.search(r"needs ([0-9.e-]+) GB per device", line).group(1))
             assert needs * 1e9 > memory and f"the device has {memory / 1e9:.3g} GB (parallel.device_memory_gb)" in line
-            assert any(ln.startswith("parallel.plan=auto: next, ") and str(want.mesh) in ln for ln in lines)
+        if i > 0:  # taken as the next plan after the pick before it did not fit: its line names it
+            assert f"mesh {want.mesh} " in nexts[i - 1]
+            assert f"strategy {want.strategy}, remat {want.remat_label}, " in nexts[i - 1]
         tried.append(flags)
     last = auto_module.apply(cfg, picks[-1])
     assert _peak(last) <= memory  # the plan it trained fits, compiled again here

@@ -109,7 +109,7 @@ def _simulated_ring(stages: int, repeats: int, reread_first: bool) -> int:
 def test_schedule_arithmetic_loads_without_jax():
     """The planner counts with parallel/pipeline/arithmetic.py at its import: it must not load JAX."""
     code = (
-        "import sys; import boost_jax.parallel.pipeline.arithmetic, boost_jax.planner.cost; "
+        "import sys; import boost_jax.parallel.pipeline.arithmetic, boost_jax.planner.pricing.cost; "
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))[:5]"
     )
     out = subprocess.run(

@@ -123,3 +123,59 @@ def test_the_readme_command(fit, tmp_path, capsys):
     assert set(report["fitted"]) == {n for n, _ in H100.fitted}
     for name, value in report["fitted"].items():
         assert getattr(H100, name) == pytest.approx(value, rel=1e-3), name
+
+
+@pytest.fixture(scope="module")
+def tp7b():
+    """benchmarks/tp7b.py: BOOST's 7B TP-4 rows, the planner against their recorded step-time tables."""
+    spec = importlib.util.spec_from_file_location("tp7b", ROOT / "benchmarks/tp7b.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_7b_tp4_steps_within_15_percent_of_the_step_time_table(tp7b):
+    """BOOST's 7B TP-4 rows (cola_7b BTP and vanilla, llama_7b Megatron; 4 H100s and 4 A100-40GB; each
+    recorded table the program `auto` compiles, unrolled): the planner's step within 15% of the table's."""
+    from boost_jax.planner import Mesh
+    from boost_jax.planner.search_space import auto_unrolls
+
+    rows = tp7b.rows()
+    assert len(rows) == 6 and {r["target"] for r in rows} == {"h100", "a100_40gb"}
+    assert all(tp7b.record(r["config"], r["strategy"], r["target"])["resolved"]["model.scan_unroll"] for r in rows)
+    assert auto_unrolls(Mesh(1, 1, 4), "none")  # the stack the planner prices is the recorded one
+    assert max(abs(r["ratio"] - 1) for r in rows) <= 0.15, [(r["config"], r["target"], r["ratio"]) for r in rows]
+    # What the check catches: the scanned stack's pricing (its kept-activation traffic) where the
+    # program is unrolled, and the A100's former GEMM and attention shares (0.85, 0.6 of peak).
+    assert max(r["ratio"] for r in tp7b.rows("scanned", {"h100": H100})) > 1.15
+    a100 = load_cluster(ROOT / "configs/clusters/a100_4x.py")
+    old = dataclasses.replace(a100, gemm_efficiency=0.85, flash_efficiency=0.6)
+    assert min(r["ratio"] for r in tp7b.rows("auto", {"a100_40gb": old})) < 0.85
+
+
+@pytest.mark.parametrize("policy", ["none", "lowrank", "full"])
+def test_the_planner_unrolls_where_auto_does(policy):
+    """search_space.auto_unrolls (JAX-free) says what model/autos.py `pick` resolves scan_unroll to on a
+    GPU, for every set of split mesh axes."""
+    import itertools
+
+    from boost_jax.model.autos import pick
+    from boost_jax.parallel.mesh import AXES
+    from boost_jax.planner import Mesh
+    from boost_jax.planner.search_space import auto_unrolls
+
+    for n in range(len(AXES) + 1):
+        for split in itertools.combinations(AXES, n):
+            sizes = {a: 2 if a in split else 1 for a in AXES}
+            mesh = Mesh(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["pipeline"], sizes["context"])
+            want = pick(
+                group=False,
+                unroll="auto",
+                policy=policy,
+                norm="auto",
+                linear="cola",
+                gpu=True,
+                sizes=sizes,
+                triton=False,
+            )["scan_unroll"]
+            assert auto_unrolls(mesh, policy) == want, (split, policy)

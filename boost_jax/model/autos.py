@@ -51,7 +51,7 @@ def triton_available() -> bool:
 #   besides), the stack is unrolled when remat.policy is `none`: the scan would keep the same
 #   activations and copy them into and out of its stacks besides; with a remat policy it keeps the
 #   scan, which then recomputes. Pipeline, fsdp and context splits keep the scan (bounded per-layer
-#   gathers, stages and ring blocks). The planner prices both stacks where only data splits.
+#   gathers, stages and ring blocks). The planner prices both stacks where auto unrolls (search_space.py).
 # - remat.policy: an unrolled stack keeps every activation (`none`: XLA would fold a policy's
 #   recompute back into the forward anyway); a scanned stack on a GPU recomputes: `lowrank` for
 #   factored kinds, `full` for dense ones; CPUs keep everything (`none`).

@@ -140,10 +140,19 @@ def divisors(n: int) -> list[int]:
 
 def stacks(mesh: Mesh, policy: str, opts: Options) -> list[bool]:
     """The layer stacks a plan may run (False: scanned, True: unrolled). The trainer's `auto` unrolls
-    where only `data` splits the mesh (model/autos.py), with remat none (XLA folds an unrolled stack's
-    recompute back into the forward), so the unrolled stack is searched there, as remat `none`."""
-    data_only = mesh.pipeline == mesh.fsdp == mesh.tensor == mesh.context == 1
-    return [False, True] if opts.unroll and policy == "none" and data_only else [False]
+    (model/autos.py `pick`, mirrored by `auto_unrolls`) where only `data` splits the mesh, and where
+    `tensor` splits it too with remat none; so the unrolled stack is searched there, as remat `none`,
+    first (where the two price alike, as without a kept-activation term, the search keeps what `auto` runs)."""
+    return [True, False] if opts.unroll and policy == "none" and auto_unrolls(mesh, policy) else [False]
+
+
+def auto_unrolls(mesh: Mesh, policy: str) -> bool:
+    """Whether the trainer's `auto` unrolls the layer stack on a GPU on this mesh under this remat
+    policy: model/autos.py `pick`'s rule (the splits at most data, or data and tensor with remat
+    none), restated here without JAX (tests/test_planner_time.py checks the two agree)."""
+    sizes = {"pipeline": mesh.pipeline, "data": mesh.data, "fsdp": mesh.fsdp, "context": mesh.context}
+    split = {a for a, n in {**sizes, "tensor": mesh.tensor}.items() if n > 1}
+    return split <= {"data"} or (split <= {"data", "tensor"} and policy == "none")
 
 
 def unrolled_cluster(cluster):

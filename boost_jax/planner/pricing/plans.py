@@ -69,7 +69,7 @@ class Options:
     # see cost.PIPELINED_SIGMA); None: as boost_jax/xla_gpu_flags.py pipelined() says here
     pipelined: bool | None = None
     # also price the unrolled layer stack (remat none) where the trainer's `auto` unrolls it: meshes that
-    # only `data` splits (model/autos.py); False: scanned stacks only
+    # only `data` splits, or `data` and `tensor` (search_space.auto_unrolls); False: scanned stacks only
     unroll: bool = True
     # the GPU program's layer scan is double-buffered (XLA's while-loop double buffering; see
     # cost.SCAN_DOUBLE_BUFFER); None: as boost_jax/xla_gpu_flags.py double_buffered() says here
