@@ -35,18 +35,14 @@ def get_config():
     # Latency per ring step across the dragonfly network: ~20 µs (NCCL over libfabric/CXI).
     c.inter_bandwidth = 20e9
     c.inter_latency = 20e-6
-    # Large bf16 GEMMs: 0.75 of peak, the H100 file's share, as the step-time table prices the A100's
-    # compiled GEMMs (tools/step_profile: the H100-fitted shares on both GPUs; 0.85, cuBLAS's 4096^3
-    # figure, priced the 7B TP-4 steps 18% under the table: benchmarks/RESULTS.md 2026-11-28, "planner
-    # on the TP step"). Skinny-GEMM penalty: each
+    # Large bf16 GEMMs run at ~85% of peak (cuBLAS, 4096^3: ~265 TFLOP/s). Skinny-GEMM penalty: each
     # dim x of an (m, k, n) GEMM scales that by x / (x + 96). 96 makes r/p = 256 (vanilla TP-4 at
     # r = 1024) reach 0.8x the efficiency of r = 1024 (BTP), BOOST's measured 59% vs 70-75% HFU.
-    c.gemm_efficiency = 0.75
+    c.gemm_efficiency = 0.85
     c.gemm_half_dim = 96
-    # Fused (cuDNN flash) attention: 0.45 of peak, the H100 file's share, as the step-time table prices
-    # the A100's compiled attention (the FA2 paper's ~190 TFLOP/s, 0.6, priced it 36% under the table:
-    # benchmarks/RESULTS.md 2026-11-28, "planner on the TP step").
-    c.flash_efficiency = 0.45
+    # FlashAttention-2, causal, head dim 128, fwd+bwd on A100: ~190 TFLOP/s (FA2 paper) = 0.6 of peak.
+    # Only used with --attention flash (our XLA attention materialises the scores; see cost.py).
+    c.flash_efficiency = 0.6
     # Memory-bound elementwise work (norms, σ, RoPE, residual adds, SwiGLU products): every activation
     # element produced is moved through HBM about this many times over forward + backward (written,
     # read by its consumer, read again by the backward, its gradient written and read).
