@@ -151,6 +151,20 @@ def test_the_7b_tp4_steps_within_15_percent_of_the_step_time_table(tp7b):
     assert max(r["ratio"] for r in tp7b.rows("scanned", {"h100": H100})) > 1.15
 
 
+def test_the_tp7b_command(tp7b, capsys):
+    """`python benchmarks/tp7b.py` as docs/planner.md shows it: the six rows' table, each ratio the
+    planner's step over the recorded table's."""
+    assert tp7b.main([]) == 0
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "ms" not in ln]
+    rows = {(r["config"], r["strategy"], r["target"]): r for r in tp7b.rows()}
+    assert len(table) == 6
+    for line in table:
+        name, target, table_ms, planner_ms, ratio = [c.strip() for c in line.strip("|").split("|")]
+        r = rows[(*name.split(), target)]
+        assert float(ratio) == pytest.approx(float(planner_ms) / float(table_ms), abs=2e-3)
+        assert float(table_ms) == pytest.approx(r["table_ms"], abs=0.05)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="the step-time table prices the A100's kernels at the H100-fitted shares of peak, the planner at "

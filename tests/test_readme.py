@@ -79,6 +79,7 @@ COMMANDS = {
     "python -m boost_jax.plan --config configs/cola_7b.py --devices 8 --cluster configs/clusters/h100_8x.py --verify "
     "--target h100": "test_aot.py::test_readme_commands",
     "python benchmarks/aot_fit.py --smallest": "test_aot.py::test_aot_fit_readme_command",
+    "python benchmarks/tp7b.py": "test_planner_time.py::test_the_tp7b_command",
     "python benchmarks/gpu_bench.py --parts device,train256 --one-process --profile gpu_profile": "test_benchmarks_smoke.py::test_gpu_bench_train256_one_process_profile",
     "python benchmarks/vs_torch.py --cola-repo /path/to/CoLA": "test_benchmarks_smoke.py::test_vs_torch",
     "python benchmarks/aot_fit.py --fixed": "test_aot.py::test_aot_fit_fixed_plans_within_10_percent",
