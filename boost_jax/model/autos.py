@@ -20,6 +20,7 @@ from boost_jax.kernels import platform
 from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.mesh import AXES, mesh_shape
+from boost_jax.parallel.unroll import unrolls
 
 AUTO = "auto"
 FIELDS = ("model.group_linears", "model.scan_unroll", "remat.policy", "kernels.rmsnorm")
@@ -64,7 +65,7 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     if unroll == AUTO:
         split = {a for a in AXES if sizes[a] > 1}
-        unroll = gpu and (split <= {"data"} or (split <= {"data", "tensor"} and policy == "none"))
+        unroll = gpu and unrolls(split, policy)
     if group == AUTO:
         factored = kind_class(linear).factored
         group = True if sizes["tensor"] > 1 or not factored else ("first" if gpu else False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.config import CONTEXT_ATTENTION, CONTEXT_KV, PIPELINE_SCHEDULES
+from boost_jax.parallel.unroll import unrolls
 from boost_jax.planner.ops.operators import Block
 from boost_jax.planner.pricing import cost
 from boost_jax.planner.pricing.plans import STAGE_REMAT, Mesh, Options
@@ -148,11 +149,9 @@ def stacks(mesh: Mesh, policy: str, opts: Options) -> list[bool]:
 
 def auto_unrolls(mesh: Mesh, policy: str) -> bool:
     """Whether the trainer's `auto` unrolls the layer stack on a GPU on this mesh under this remat
-    policy: model/autos.py `pick`'s rule (the splits at most data, or data and tensor with remat
-    none), restated here without JAX (tests/test_planner_time.py checks the two agree)."""
+    policy (parallel/unroll.py, the rule model/autos.py `pick` reads too)."""
     sizes = {"pipeline": mesh.pipeline, "data": mesh.data, "fsdp": mesh.fsdp, "context": mesh.context}
-    split = {a for a, n in {**sizes, "tensor": mesh.tensor}.items() if n > 1}
-    return split <= {"data"} or (split <= {"data", "tensor"} and policy == "none")
+    return unrolls({a for a, n in {**sizes, "tensor": mesh.tensor}.items() if n > 1}, policy)
 
 
 def unrolled_cluster(cluster):
