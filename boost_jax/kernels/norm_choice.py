@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 
-KERNELS = ("xla", "pallas", "triton")
 NORM_GROUPS = ("qkv", "mlp_in")  # the projection groups a norm feeds (their first stages read it)
 
 
