@@ -1,15 +1,16 @@
 """Online RMSNorm fused with row-parallel A GEMMs: one all-reduce carries both (BOOST, exact).
 
 With x split along d into x_i (width d_i) on the `tensor` axis, each device
-  1. s_i = Σ x_i²;  rms_i = sqrt(s_i/d_i + eps);  x̂_i = γ_i ⊙ x_i / rms_i   (well-scaled GEMM input)
-  2. H_i = (x̂_i · A_i) · rms_i                                             (local partial product)
-  3. [H, S] = Σ_i [H_i, s_i]                                                (ONE all-reduce)
-  4. Y = H / sqrt(S/d + eps)
-rms_i cancels, so Y = (γ ⊙ x)·A / rms(x) exactly; the norm needs no collective of its own.
+  1. s_i = Σ x_i²;  H_i = (γ_i ⊙ x_i)·A_i                 (local partial product, x's dtype)
+  2. [H, S] = Σ_i [H_i, s_i]                               (the A all-reduce; S rides beside H)
+  3. Y = H / sqrt(S/d + eps)
+so Y = (γ ⊙ x)·A / rms(x) exactly; the norm needs no collective of its own, and no local rms: a
+local normalisation by rms_i = sqrt(s_i/d_i + eps) would cancel against H_i's rescale by rms_i, and
+costs two passes over the f32 partial product each way (benchmarks/RESULTS.md 2026-11-28, online
+norm without its local rms). The scaling by γ_i fuses into the GEMM's operand.
 
-Steps 1-2 run per shard in `shard_map` (where the Pallas norm kernel can run) and return the
-partials stacked along a leading axis split over `tensor`; the sum over that axis is the all-reduce
-(XLA combines the H and S reductions into one tuple all-reduce). The reduced H and S are tagged for
+Step 1 runs per shard in `shard_map` and returns the partials stacked along a leading axis split
+over `tensor`; the sum over that axis is the all-reduce. The reduced H and S are tagged for
 activation checkpointing, so a low-rank remat policy recomputes only the local, collective-free part.
 """
 
@@ -21,7 +22,6 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from boost_jax.kernels.rmsnorm import rmsnorm
 from boost_jax.parallel.rules import logical_spec, weight_einsum
 
 
@@ -54,10 +54,11 @@ def online_norm_matmul(
     batch, seq = (rows + (None, None))[:2]
 
     def local(x, scale, a):
-        xhat, s = rmsnorm(x, scale, eps, impl=impl)  # locally normalised rows and the local Σx²
-        rms_i = jnp.sqrt(s / x.shape[-1] + eps)
-        h = weight_einsum("btd,gdr->btgr", xhat, a, preferred_element_type=jnp.float32)
-        h = (h * rms_i[..., None, None]).astype(x.dtype)
+        # H_i = (γ_i ⊙ x_i)·A_i: the local partial product needs no local rms (it would cancel), so the
+        # GEMM reads the scaled rows (XLA fuses the scaling into its operand) and writes H_i in x's dtype.
+        xs = (x.astype(jnp.float32) * scale).astype(x.dtype)
+        h = weight_einsum("btd,gdr->btgr", xs, a)
+        s = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1)  # the local Σx²
         return h[None], s[None]
 
     # A enters widened to the gradient-reduction dtype (it was gathered in the compute dtype, so
@@ -70,8 +71,7 @@ def online_norm_matmul(
         mesh=mesh,
         in_specs=(P(batch, seq, axis), P(axis), P(None, axis, None)),
         out_specs=(P(axis, batch, seq, None, None), P(axis, batch, seq)),
-        check_vma=impl == "xla",
-    )(x, scale, a_stack)  # a Pallas/Triton call carries no varying-axis types
+    )(x, scale, a_stack)
     h = checkpoint_name(_sum_parts(h_parts), "lowrank")
     s = checkpoint_name(s_parts.sum(axis=0), "norm_stats")
     return (h.astype(jnp.float32) / jnp.sqrt(s / d + eps)[..., None, None]).astype(x.dtype)
