@@ -197,11 +197,34 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=
     batch axes that GSPMD places right on that product (x's rows are split over data/fsdp) then runs
     in that dtype instead of x's (left to autodiff it would be x's: bf16 under bf16 compute). The
     input gradient is computed in x's dtype. `spec`: two operands, no ellipsis, every index in two of
-    x, w and the output. Outside a strategy: the plain einsum."""
+    x, w and the output. On a mesh with a `tensor` axis the backward computes the weight gradient
+    together with the input gradient (`_gradients_together`). Outside a strategy: the plain einsum."""
     ctx = _CURRENT.get()
-    if ctx is None or not _batch_is_split(*ctx):
+    if ctx is None:
         return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=preferred_element_type)
+    # Not inside shard_map: an optimization barrier there gives its outputs the union of their manual
+    # axes (and the maps' GEMMs are local: no all-reduce of their input gradient to run beside).
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    together = _gradients_together if ctx[0].shape.get("tensor", 1) > 1 and not manual else lambda *a: a
+    if not _batch_is_split(*ctx):
+        x, wc = together(x, w.astype(x.dtype))  # the barrier before the gradient's cast to w's dtype
+        return jnp.einsum(spec, x, wc, preferred_element_type=preferred_element_type)
+    x, w = together(x, w)
     return _weight_einsum(spec, preferred_element_type, jnp.dtype(ctx[1].grad_reduce_dtype), x, w)
+
+
+@jax.custom_vjp
+def _gradients_together(x, w):
+    """(x, w) unchanged; the backward hands on their cotangents through one optimization barrier, so
+    the weight gradient is computed before the input gradient is used. Where the input gradient is
+    all-reduced over `tensor` (a GEMM whose output dim is split there: BTP's B, Megatron's
+    column-parallel weights), XLA's latency-hiding scheduler then runs the weight-gradient GEMM beside
+    that all-reduce; left free, it schedules every weight gradient of the backward at its end, beside
+    the last all-reduce alone (benchmarks/RESULTS.md 2026-11-28, weight gradients beside the all-reduces)."""
+    return x, w
+
+
+_gradients_together.defvjp(lambda x, w: ((x, w), None), lambda _, g: tuple(jax.lax.optimization_barrier(g)))
 
 
 def _batch_is_split(mesh: Mesh, strategy: Strategy) -> bool:
