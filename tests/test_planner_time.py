@@ -165,13 +165,11 @@ def test_the_tp7b_command(tp7b, capsys):
         assert float(table_ms) == pytest.approx(r["table_ms"], abs=0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the step-time table prices the A100's kernels at the H100-fitted shares of peak, the planner at "
-    "the A100 cluster's (GEMM 0.85, flash 0.6), which BOOST's measured A100 times support; the table needs "
-    "measured A100 rows (benchmarks/RESULTS.md 2026-11-28, planner on the TP step)",
-)
 def test_the_7b_tp4_a100_rows_within_15_percent_of_the_step_time_table(tp7b):
+    """The same rows on 4 A100-40GB, with the cluster file's fitted constants as they were when these
+    rows were 18% apart: the recorded programs moved (the online norm without its local rms, the
+    weight gradients beside the backward all-reduces; benchmarks/RESULTS.md 2026-11-28, the TP step
+    without its waste). The table still prices the A100's kernels at H100-fitted shares of peak."""
     a100 = [r for r in tp7b.rows() if r["target"] == "a100_40gb"]
     assert len(a100) == 3
     assert max(abs(r["ratio"] - 1) for r in a100) <= 0.15, [(r["config"], r["ratio"]) for r in a100]
