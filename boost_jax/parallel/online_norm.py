@@ -43,9 +43,7 @@ _sum_parts.defvjp(
 )
 
 
-def online_norm_matmul(
-    x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", impl: str = "xla", reduce_dtype=None
-):
+def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", reduce_dtype=None):
     """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g.
     `reduce_dtype`: the strategy's gradient-reduction dtype (parallel.grad_reduce_dtype)."""
     d = x.shape[-1]

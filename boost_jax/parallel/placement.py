@@ -92,8 +92,11 @@ class OnlineNorm(Grouped):
     fuses_norm = True
 
     def norm_first_stage(self, x, scale, a_stack, *, eps, impl):
+        """norm(x)·A_g for the group's stacked A's. `impl` (the norm's kernel) is not used: the local
+        statistics are a plain reduction XLA fuses (parallel/online_norm.py)."""
+        del impl
         return online_norm_matmul(
-            x, scale, a_stack, eps=eps, mesh=rules.traced_mesh(self.mesh), impl=impl, reduce_dtype=self.reduce_dtype
+            x, scale, a_stack, eps=eps, mesh=rules.traced_mesh(self.mesh), reduce_dtype=self.reduce_dtype
         )
 
 
