@@ -321,6 +321,14 @@ def _short(flags: str) -> str:
     return ", ".join(f for f in flags.split() if f.startswith(keep))
 
 
+def _chosen(r: dict, only: str | None) -> bool:
+    """Whether --only names recorded row `r` (MODEL:GPUS or MODEL:GPUS:PxDxFxT; None: every row)."""
+    if not only:
+        return True
+    mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
+    return any(w in (f"{r['model']}:{r['devices']}", f"{r['model']}:{r['devices']}:{mesh}") for w in only.split(","))
+
+
 def _reprice_table(args) -> dict:
     """--reprice: the recorded rows priced again (`reprice`); the table and json as they were otherwise."""
     out = json.loads(Path(args.reprice).read_text())
@@ -379,6 +387,11 @@ def main(argv=None) -> dict:
         help="a json this wrote: price its rows' plans again with this checkout's planner, no compile (the "
         "compiled peaks stay as measured); a row whose pick the planner would change now says so",
     )
+    ap.add_argument(
+        "--only",
+        help="with --recompile: a comma list of MODEL:GPUS (or MODEL:GPUS:PxDxFxT) rows to compile again; "
+        "the others stay as recorded",
+    )
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -401,7 +414,7 @@ def main(argv=None) -> dict:
         old = json.loads(Path(args.recompile).read_text())
         for group, out in (("rows", rows), ("smallest", small)):
             for r in old[group]:
-                if r.get("plan"):
+                if r.get("plan") and _chosen(r, args.only):
                     r = recompile(
                         r, old["target"], ROOT / "configs" / "clusters" / f"{old['cluster']}.py", _pipelined()
                     )
@@ -428,7 +441,7 @@ def main(argv=None) -> dict:
         rows,
         small,
         f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)"
-        if args.fixed
+        if args.fixed or "aot_fit_fixed" in Path(args.recompile or "").stem
         else "plan (planner's pick)",
         LABELS.get(args.target, args.target),
     )

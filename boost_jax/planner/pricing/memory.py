@@ -3,6 +3,7 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
+from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner.ops import operators
 from boost_jax.planner.pricing import cost
@@ -45,7 +46,7 @@ def memory_bytes(
             if sched.f1b
             else sched.ticks * residual * opts.act_bytes
             if staged
-            else sched.runs * summary.saved
+            else sched.runs * (summary.saved + fused_add_carry(pr, mesh, sched, gpu) * residual * opts.act_bytes)
         ),
         # the peak's transient part: the loss's float32 logits chunk with the embedding table and
         # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
@@ -168,3 +169,25 @@ def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weig
         gpu and sched.stages == 1,
         opts.act_bytes,
     ) + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)
+
+
+def fused_add_carry(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool) -> int:
+    """Arrays of the residual stream's width a remat policy keeps per layer beyond the layer input
+    (the summary's carry): where the residual adds run inside the norms (kernels/norm_choice.py's
+    `fused_add`), a layer hands the next its input and its un-added MLP output, and the scan keeps
+    both (benchmarks/RESULTS.md 2026-11-28, "the fused add's second carry")."""
+    block = pr.ctx.block
+    if not gpu or pr.policy == "none":
+        return 0
+    choice = choose_norm(
+        block.norm_kernel,
+        block.residual_norm,
+        gpu=True,
+        triton=True,  # the GPU programs plans are priced for have jax-triton (the gpu extra)
+        mesh=True,
+        tensor=mesh.tensor,
+        pipeline=sched.stages > 1,
+        online_norm=block.online_norm,
+        factored=block.factored,
+    )
+    return int(choice.fused_add)
