@@ -230,7 +230,7 @@ def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
         schedule=str(p.pipeline_schedule),
         repeats=int(p.pipeline_repeats),
         stage_remat=str(cfg.remat.pipeline),
-        unrolled=cfg.model.scan_unroll is True,
+        unrolled=str(cfg.model.scan_unroll).lower() == "true",  # the flag reads back as a string over `auto`
     )
 
 

@@ -61,6 +61,12 @@ def memory_bytes(
         # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
         "double_buffer": double_buffer_array(pr, mesh, sched, gpu),
     }
+    if pr.unrolled and gpu:
+        # Unrolled, each layer's backward writes its float32 gradient (added into the accumulator
+        # when accumulating) as it frees that layer's kept activations, which are larger: the peak
+        # holds the parameters and moments with every layer's activations, the gradient only beyond them
+        grads = memory["states"] - params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)
+        memory["states"] -= min(grads, memory["activations"])
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
     # the layer policy keeps, then runs their backward one layer at a time.
@@ -68,6 +74,12 @@ def memory_bytes(
     # remat with FSDP, and one tick's stage weight gradient before it is added).
     stage_copy = cost.STAGE_COPY * summary.kept_none if policy == "none" and per_tick > 1 else 0.0
     working = accumulator + (per_tick * summary.saved + summary.working + stage_copy if staged else summary.working)
+    if sched.f1b and gpu:
+        # 1F1B embeds and runs the head inside its schedule: the tables as used and their float32
+        # gradient accumulators live through the pass, beside the stage's backward
+        table = rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)
+        memory["pipeline"], loss = table, loss - table
+        kept += table
     memory["transient"] = max(loss, working, params * cost.OPTIMIZER_TEMP - kept)
     arguments = params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)  # parameters, Adam m and v
     # XLA's packing: tight on a step with one kind of parallelism, looser where several meet
@@ -88,8 +100,8 @@ def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bo
         else 0.0
     )
     # under stage remat with FSDP, one tick's gradient of the weights it ran (a chunk: 1/V of the stage)
-    # waits before it is added
-    accumulator = replica * (1 + (staged and mesh.fsdp > 1) / sched.repeats)
+    # waits before it is added; so under 1F1B, whose backward takes each tick's gradient by `jax.vjp`
+    accumulator = replica * (1 + (sched.f1b or (staged and mesh.fsdp > 1)) / sched.repeats)
     if sched.name == "circular" and not staged and not gpu:  # the reordered stage copies (cost.CIRCULAR_COPIES)
         accumulator += cost.CIRCULAR_COPIES * per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
     return replica, accumulator
@@ -145,11 +157,12 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
 
 def double_buffer_array(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool) -> float:
     """Unpipelined without remat, the GPU program's double-buffered layer scan keeps one more stacked
-    [layers, T, ff/t] array (cost.SCAN_DOUBLE_BUFFER), when the program gets the flag."""
+    [layers, T, ff/t] array (cost.SCAN_DOUBLE_BUFFER), when the program gets the flag; an unrolled
+    stack has no scan to double-buffer."""
     ctx, opts = pr.ctx, pr.opts
     return (
         cost.SCAN_DOUBLE_BUFFER * sched.layers_per_stage * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
-        if sched.stages == 1 and gpu and pr.policy == "none" and opts.double_buffered
+        if sched.stages == 1 and gpu and pr.policy == "none" and opts.double_buffered and not pr.unrolled
         else 0.0
     )
 
