@@ -63,10 +63,10 @@ def memory_bytes(
     }
     if pr.unrolled and gpu:
         # Unrolled, each layer's backward writes its float32 gradient (added into the accumulator
-        # when accumulating) as it frees that layer's kept activations, which are larger: the peak
-        # holds the parameters and moments with every layer's activations, the gradient only beyond them
+        # when accumulating) into what it frees of that layer's kept activations: the peak holds the
+        # states with the activations beyond the gradient's bytes
         grads = memory["states"] - params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)
-        memory["states"] -= min(grads, memory["activations"])
+        memory["activations"] = max(memory["activations"] - grads, 0.0)
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
     # the layer policy keeps, then runs their backward one layer at a time.
