@@ -74,7 +74,8 @@ def row(
     flags = overrides_of(best)  # the plan's mesh, strategy, batch, accumulation, sequence and remat
     cfg = aot.load(str(config), flags)
     t0 = time.perf_counter()
-    rep = aot.compile_config(cfg, target, devices, programs=("train",))
+    rep = REUSE.get((config.stem, devices, target, " ".join(f.removeprefix("--config.") for f in flags)))
+    rep = rep or aot.compile_config(cfg, target, devices, programs=("train",))
     train = rep["train"]
     return {
         **out,
@@ -92,6 +93,25 @@ def row(
         "compile_s": time.perf_counter() - t0,
         "kernels": train["kernels"],
     }
+
+
+# (model, GPUs, target, plan flags) -> a compile recorded by an earlier run (--reuse): taken, not compiled again
+REUSE: dict = {}
+
+
+def reuse(paths: str) -> None:
+    """--reuse: the compiled numbers of the rows these jsons hold, for a plan compiled with this checkout."""
+    for path in paths.split(","):
+        d = json.loads(Path(path).read_text())
+        for r in d["rows"] + d["smallest"]:
+            if r.get("plan") and "device_kind" in r:
+                train = {k: r[k] for k in ("peak_bytes", "argument_bytes", "temp_bytes", "usable_bytes", "fits")}
+                train["kernels"] = r.get("kernels", [])
+                REUSE[(r["model"], r["devices"], d["target"], r["plan"])] = {
+                    "device_kind": r["device_kind"],
+                    "mesh": r["mesh"],
+                    "train": train,
+                }
 
 
 # Fixed plans at long sequences (seq 2048, global batch 8, bf16, cuDNN attention, the Pallas norm, one
@@ -392,6 +412,10 @@ def main(argv=None) -> dict:
         help="with --recompile: a comma list of MODEL:GPUS (or MODEL:GPUS:PxDxFxT) rows to compile again; "
         "the others stay as recorded",
     )
+    ap.add_argument(
+        "--reuse",
+        help="comma list of jsons this wrote with this checkout's program: a plan they hold is not compiled again",
+    )
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -408,6 +432,8 @@ def main(argv=None) -> dict:
     else:
         models, devices, batch, seq = args.models.split(","), [int(x) for x in args.devices.split(",")], None, None
     rows, small = [], []
+    if args.reuse:
+        reuse(args.reuse)
     if args.reprice:
         return _reprice_table(args)
     if args.recompile:

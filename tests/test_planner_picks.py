@@ -21,10 +21,6 @@ UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
 # memory term change with issue 52's item 4 (memory flat in the micro-batches)
 F1B = "1F1B pick: the GPU program keeps more of a stage than the 1F1B memory term counts (issue 52, item 4)"
 KNOWN_UNDER = {
-    ("aot_fit", "cola_7b", 64): F1B,
-    ("aot_fit", "cola_13b", 64): F1B,
-    ("aot_fit", "llama_13b", 64): F1B,
-    ("aot_fit", "cola_1b", 64): F1B,
     ("aot_fit_a100", "cola_13b", 64): F1B,
     ("aot_fit_a100", "llama_13b", 64): F1B,
     # At tensor 8 (and fsdp 2 x tensor 4) and seq 2048 the compiled step keeps 73 MB per layer (3.5%) beyond the
