@@ -94,14 +94,12 @@ def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bo
     """(each batch replica's float32 copy of its stage's weights, the float32 bytes its backward holds
     for their gradient): pipelined over data x fsdp, st aside; 0 otherwise."""
     stages, staged, per_stage = sched.stages, sched.staged, sched.layers_per_stage
-    replica = (
-        per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
-        if mesh.data * mesh.fsdp > 1 and stages > 1 and not summary.grid_w
-        else 0.0
-    )
-    # under stage remat with FSDP, one tick's gradient of the weights it ran (a chunk: 1/V of the stage)
-    # waits before it is added; so under 1F1B, whose backward takes each tick's gradient by `jax.vjp`
-    accumulator = replica * (1 + (sched.f1b or (staged and mesh.fsdp > 1)) / sched.repeats)
+    stage32 = 0.0 if summary.grid_w else per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
+    replica = stage32 if mesh.data * mesh.fsdp > 1 and stages > 1 else 0.0
+    # one tick's float32 gradient of the weights it ran (a chunk: 1/V of the stage) waits before it is
+    # added: under stage remat with FSDP, and under 1F1B, whose backward takes each tick's by `jax.vjp`
+    tick = sched.f1b and stages > 1 and (gpu or replica > 0) or (staged and mesh.fsdp > 1 and replica > 0)
+    accumulator = replica + (stage32 / sched.repeats if tick else 0.0)
     if sched.name == "circular" and not staged and not gpu:  # the reordered stage copies (cost.CIRCULAR_COPIES)
         accumulator += cost.CIRCULAR_COPIES * per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
     return replica, accumulator
