@@ -54,7 +54,7 @@ def memory_bytes(
         # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
         "transient": 0.0,
         # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each); 1F1B embeds each
-        # micro-batch and runs its head inside the schedule: neither
+        # micro-batch and runs its head inside the schedule: neither, but the tables (set below)
         "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 and not sched.f1b else 0.0,
         # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
         "pipeliner": pipeliner_arrays(pr, mesh, summary, sched, gpu),
