@@ -74,7 +74,8 @@ def row(
     flags = overrides_of(best)  # the plan's mesh, strategy, batch, accumulation, sequence and remat
     cfg = aot.load(str(config), flags)
     t0 = time.perf_counter()
-    rep = aot.compile_config(cfg, target, devices, programs=("train",))
+    rep = REUSE.get((config.stem, devices, target, " ".join(f.removeprefix("--config.") for f in flags)))
+    rep = rep or aot.compile_config(cfg, target, devices, programs=("train",))
     train = rep["train"]
     return {
         **out,
@@ -92,6 +93,25 @@ def row(
         "compile_s": time.perf_counter() - t0,
         "kernels": train["kernels"],
     }
+
+
+# (model, GPUs, target, plan flags) -> a compile recorded by an earlier run (--reuse): taken, not compiled again
+REUSE: dict = {}
+
+
+def reuse(paths: str) -> None:
+    """--reuse: the compiled numbers of the rows these jsons hold, for a plan compiled with this checkout."""
+    for path in paths.split(","):
+        d = json.loads(Path(path).read_text())
+        for r in d["rows"] + d["smallest"]:
+            if r.get("plan") and "device_kind" in r:
+                train = {k: r[k] for k in ("peak_bytes", "argument_bytes", "temp_bytes", "usable_bytes", "fits")}
+                train["kernels"] = r.get("kernels", [])
+                REUSE[(r["model"], r["devices"], d["target"], r["plan"])] = {
+                    "device_kind": r["device_kind"],
+                    "mesh": r["mesh"],
+                    "train": train,
+                }
 
 
 # Fixed plans at long sequences (seq 2048, global batch 8, bf16, cuDNN attention, the Pallas norm, one
@@ -230,7 +250,7 @@ def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
         schedule=str(p.pipeline_schedule),
         repeats=int(p.pipeline_repeats),
         stage_remat=str(cfg.remat.pipeline),
-        unrolled=cfg.model.scan_unroll is True,
+        unrolled=str(cfg.model.scan_unroll).lower() == "true",  # the flag reads back as a string over `auto`
     )
 
 
@@ -321,6 +341,14 @@ def _short(flags: str) -> str:
     return ", ".join(f for f in flags.split() if f.startswith(keep))
 
 
+def _chosen(r: dict, only: str | None) -> bool:
+    """Whether --only names recorded row `r` (MODEL:GPUS or MODEL:GPUS:PxDxFxT; None: every row)."""
+    if not only:
+        return True
+    mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
+    return any(w in (f"{r['model']}:{r['devices']}", f"{r['model']}:{r['devices']}:{mesh}") for w in only.split(","))
+
+
 def _reprice_table(args) -> dict:
     """--reprice: the recorded rows priced again (`reprice`); the table and json as they were otherwise."""
     out = json.loads(Path(args.reprice).read_text())
@@ -379,6 +407,15 @@ def main(argv=None) -> dict:
         help="a json this wrote: price its rows' plans again with this checkout's planner, no compile (the "
         "compiled peaks stay as measured); a row whose pick the planner would change now says so",
     )
+    ap.add_argument(
+        "--only",
+        help="with --recompile: a comma list of MODEL:GPUS (or MODEL:GPUS:PxDxFxT) rows to compile again; "
+        "the others stay as recorded",
+    )
+    ap.add_argument(
+        "--reuse",
+        help="comma list of jsons this wrote with this checkout's program: a plan they hold is not compiled again",
+    )
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -395,13 +432,15 @@ def main(argv=None) -> dict:
     else:
         models, devices, batch, seq = args.models.split(","), [int(x) for x in args.devices.split(",")], None, None
     rows, small = [], []
+    if args.reuse:
+        reuse(args.reuse)
     if args.reprice:
         return _reprice_table(args)
     if args.recompile:
         old = json.loads(Path(args.recompile).read_text())
         for group, out in (("rows", rows), ("smallest", small)):
             for r in old[group]:
-                if r.get("plan"):
+                if r.get("plan") and _chosen(r, args.only):
                     r = recompile(
                         r, old["target"], ROOT / "configs" / "clusters" / f"{old['cluster']}.py", _pipelined()
                     )
@@ -428,7 +467,7 @@ def main(argv=None) -> dict:
         rows,
         small,
         f"plan (fixed: batch {FIXED_BATCH} x seq {FIXED_SEQ}, cudnn, pallas norm)"
-        if args.fixed
+        if args.fixed or "aot_fit_fixed" in Path(args.recompile or "").stem
         else "plan (planner's pick)",
         LABELS.get(args.target, args.target),
     )

@@ -17,16 +17,7 @@ TABLES = ("aot_fit", "aot_fit_a100", "aot_fit_fixed")
 UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
 # Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
 # once one is priced within UNDER, so that the entry goes.
-# 1F1B picks: the GPU program keeps more of a stage than the memory model counts; 1F1B's program and its
-# memory term change with issue 52's item 4 (memory flat in the micro-batches)
-F1B = "1F1B pick: the GPU program keeps more of a stage than the 1F1B memory term counts (issue 52, item 4)"
 KNOWN_UNDER = {
-    ("aot_fit", "cola_7b", 64): F1B,
-    ("aot_fit", "cola_13b", 64): F1B,
-    ("aot_fit", "llama_13b", 64): F1B,
-    ("aot_fit", "cola_1b", 64): F1B,
-    ("aot_fit_a100", "cola_13b", 64): F1B,
-    ("aot_fit_a100", "llama_13b", 64): F1B,
     # At tensor 8 (and fsdp 2 x tensor 4) and seq 2048 the compiled step keeps 73 MB per layer (3.5%) beyond the
     # count; the scanned forward's stacked residuals match it (1.845 GB per layer compiled at 8 layers, 1.852
     # priced): the rest is in the backward, not yet found (benchmarks/RESULTS.md 2026-11-28, planner picks).

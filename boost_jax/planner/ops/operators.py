@@ -28,6 +28,8 @@ class Block:
     nonlinear: bool = False  # σ at the bottleneck is a nonlinearity (cola; tt with silu)
     loss_chunk: int = 0  # model.loss_chunk: positions per chunk of the head + loss (0: one piece)
     fused_norm: bool = False  # kernels.rmsnorm is a fused kernel (not XLA's norm)
+    norm_kernel: str = "auto"  # kernels.rmsnorm and kernels.residual_norm as configured (the memory model
+    residual_norm: str = "auto"  # resolves them per plan: kernels/norm_choice.py)
     max_seq_len: int = 0  # model.max_seq_len: a plan at a longer train.seq_len raises it in its flags
 
     @classmethod
@@ -56,6 +58,8 @@ class Block:
             nonlinear=kind.factored and kind.nonlinear(m),
             loss_chunk=int(m.loss_chunk),
             fused_norm=cfg.kernels.rmsnorm != "xla",  # `auto` is a fused kernel on the GPUs plans are priced for
+            norm_kernel=str(cfg.kernels.rmsnorm),
+            residual_norm=str(cfg.kernels.get("residual_norm", "auto")),
             max_seq_len=int(m.max_seq_len),
         )
 

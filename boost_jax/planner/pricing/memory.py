@@ -3,6 +3,7 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
+from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner.ops import operators
 from boost_jax.planner.pricing import cost
@@ -45,7 +46,7 @@ def memory_bytes(
             if sched.f1b
             else sched.ticks * residual * opts.act_bytes
             if staged
-            else sched.runs * summary.saved
+            else sched.runs * (summary.saved + fused_add_carry(pr, mesh, sched, gpu) * residual * opts.act_bytes)
         ),
         # the peak's transient part: the loss's float32 logits chunk with the embedding table and
         # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
@@ -53,13 +54,19 @@ def memory_bytes(
         # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
         "transient": 0.0,
         # the pipelined micro-batches' inputs and outputs ([M, rows/M, T, d] each); 1F1B embeds each
-        # micro-batch and runs its head inside the schedule: neither
+        # micro-batch and runs its head inside the schedule: neither, but the tables (set below)
         "pipeline": 2 * residual * microbatches * opts.act_bytes if stages > 1 and not sched.f1b else 0.0,
         # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
         "pipeliner": pipeliner_arrays(pr, mesh, summary, sched, gpu),
         # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
         "double_buffer": double_buffer_array(pr, mesh, sched, gpu),
     }
+    if pr.unrolled and gpu:
+        # Unrolled, each layer's backward writes its float32 gradient (added into the accumulator
+        # when accumulating) into what it frees of that layer's kept activations: the peak holds the
+        # states with the activations beyond the gradient's bytes
+        grads = memory["states"] - params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)
+        memory["activations"] = max(memory["activations"] - grads, 0.0)
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
     # the layer policy keeps, then runs their backward one layer at a time.
@@ -67,6 +74,12 @@ def memory_bytes(
     # remat with FSDP, and one tick's stage weight gradient before it is added).
     stage_copy = cost.STAGE_COPY * summary.kept_none if policy == "none" and per_tick > 1 else 0.0
     working = accumulator + (per_tick * summary.saved + summary.working + stage_copy if staged else summary.working)
+    if sched.f1b and gpu:
+        # 1F1B embeds and runs the head inside its schedule: the tables as used and their float32
+        # gradient accumulators live through the pass, beside the stage's backward
+        table = rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)
+        memory["pipeline"], loss = table, loss - table
+        kept += table
     memory["transient"] = max(loss, working, params * cost.OPTIMIZER_TEMP - kept)
     arguments = params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)  # parameters, Adam m and v
     # XLA's packing: tight on a step with one kind of parallelism, looser where several meet
@@ -81,14 +94,12 @@ def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bo
     """(each batch replica's float32 copy of its stage's weights, the float32 bytes its backward holds
     for their gradient): pipelined over data x fsdp, st aside; 0 otherwise."""
     stages, staged, per_stage = sched.stages, sched.staged, sched.layers_per_stage
-    replica = (
-        per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
-        if mesh.data * mesh.fsdp > 1 and stages > 1 and not summary.grid_w
-        else 0.0
-    )
-    # under stage remat with FSDP, one tick's gradient of the weights it ran (a chunk: 1/V of the stage)
-    # waits before it is added
-    accumulator = replica * (1 + (staged and mesh.fsdp > 1) / sched.repeats)
+    stage32 = 0.0 if summary.grid_w else per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
+    replica = stage32 if mesh.data * mesh.fsdp > 1 and stages > 1 else 0.0
+    # one tick's float32 gradient of the weights it ran (a chunk: 1/V of the stage) waits before it is
+    # added: under stage remat with FSDP, and under 1F1B, whose backward takes each tick's by `jax.vjp`
+    tick = sched.f1b and stages > 1 and (gpu or replica > 0) or (staged and mesh.fsdp > 1 and replica > 0)
+    accumulator = replica + (stage32 / sched.repeats if tick else 0.0)
     if sched.name == "circular" and not staged and not gpu:  # the reordered stage copies (cost.CIRCULAR_COPIES)
         accumulator += cost.CIRCULAR_COPIES * per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
     return replica, accumulator
@@ -144,11 +155,12 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
 
 def double_buffer_array(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool) -> float:
     """Unpipelined without remat, the GPU program's double-buffered layer scan keeps one more stacked
-    [layers, T, ff/t] array (cost.SCAN_DOUBLE_BUFFER), when the program gets the flag."""
+    [layers, T, ff/t] array (cost.SCAN_DOUBLE_BUFFER), when the program gets the flag; an unrolled
+    stack has no scan to double-buffer."""
     ctx, opts = pr.ctx, pr.opts
     return (
         cost.SCAN_DOUBLE_BUFFER * sched.layers_per_stage * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
-        if sched.stages == 1 and gpu and pr.policy == "none" and opts.double_buffered
+        if sched.stages == 1 and gpu and pr.policy == "none" and opts.double_buffered and not pr.unrolled
         else 0.0
     )
 
@@ -168,3 +180,25 @@ def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weig
         gpu and sched.stages == 1,
         opts.act_bytes,
     ) + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)
+
+
+def fused_add_carry(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool) -> int:
+    """Arrays of the residual stream's width a remat policy keeps per layer beyond the layer input
+    (the summary's carry): where the residual adds run inside the norms (kernels/norm_choice.py's
+    `fused_add`), a layer hands the next its input and its un-added MLP output, and the scan keeps
+    both (benchmarks/RESULTS.md 2026-11-28, "the fused add's second carry")."""
+    block = pr.ctx.block
+    if not gpu or pr.policy == "none":
+        return 0
+    choice = choose_norm(
+        block.norm_kernel,
+        block.residual_norm,
+        gpu=True,
+        triton=True,  # the GPU programs plans are priced for have jax-triton (the gpu extra)
+        mesh=True,
+        tensor=mesh.tensor,
+        pipeline=sched.stages > 1,
+        online_norm=block.online_norm,
+        factored=block.factored,
+    )
+    return int(choice.fused_add)
