@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.kernels import platform
+from boost_jax.kernels.gate import gate_product
 from boost_jax.kernels.norm_choice import NormChoice
 from boost_jax.model import autos, remat
 from boost_jax.model import batch as batch_lib
@@ -44,7 +45,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, norm):
         g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route)
-        h = g * u if self.only_lr_act else jax.nn.silu(g) * u
+        h = gate_product(g, u, "none" if self.only_lr_act else "silu", impl="pallas")
         return project([self.down], constrain(h, CORE_AXES["act"]), grouped=False, route=self.out_route)[0]
 
 

@@ -1,0 +1,112 @@
+"""The MLP's gate·up product as one Pallas kernel each way: h = act(g)·u, and (dg, du) from dh in one pass.
+
+    h = gate_product(g, u, act="none" | "silu", impl="pallas" | "xla")   # g, u: [..., F]
+
+act="none" is CoLA's larger models' down(gate·up), "silu" SwiGLU's down(silu(gate)·up). Left to XLA,
+the backward is two loop fusions, dg = dh·u·act'(g) and du = dh·act(g), each reading dh (and both
+reading g and u): three passes over [B, T, F] the forward's and two of the backward's five reads and two
+writes. The kernel's backward reads dh, g, u once and writes dg, du (float32 math, stored in the
+inputs' dtype). `gate_reference` is the plain-jnp product the tests compare against; impl="xla" runs it.
+Elements are addressed as one flat vector in power-of-two blocks; the last block starts at n - block
+(never out of bounds) and masks the elements the previous block wrote. On CPU the kernel runs in
+Pallas's interpreter. `model.gate_kernel` chooses it (model/autos.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from boost_jax.kernels import platform
+from boost_jax.kernels.rmsnorm import _CompilerParams, plgpu
+
+_F32 = jnp.float32
+ACTS = ("none", "silu")
+BLOCK = 4096  # elements per program (a power of two, as Triton's blocks must be)
+
+
+def gate_reference(g: jax.Array, u: jax.Array, act: str = "none") -> jax.Array:
+    """act(g)·u in the inputs' dtype (plain jnp: what autodiff differentiates)."""
+    return (jax.nn.silu(g) if act == "silu" else g) * u
+
+
+def _block(pid, n, block):
+    start = jnp.minimum(pid * block, n - block)
+    idx = start + jnp.arange(block)
+    return start, idx >= pid * block
+
+
+def _fwd_kernel(g_ref, u_ref, h_ref, *, n, block, act):
+    start, mask = _block(pl.program_id(0), n, block)
+    at = pl.ds(start, block)
+    g = plgpu.load(g_ref.at[at], mask=mask, other=0.0).astype(_F32)
+    u = plgpu.load(u_ref.at[at], mask=mask, other=0.0).astype(_F32)
+    a = g * jax.nn.sigmoid(g) if act == "silu" else g
+    plgpu.store(h_ref.at[at], (a * u).astype(h_ref.dtype), mask=mask)
+
+
+def _bwd_kernel(g_ref, u_ref, dh_ref, dg_ref, du_ref, *, n, block, act):
+    start, mask = _block(pl.program_id(0), n, block)
+    at = pl.ds(start, block)
+    g = plgpu.load(g_ref.at[at], mask=mask, other=0.0).astype(_F32)
+    u = plgpu.load(u_ref.at[at], mask=mask, other=0.0).astype(_F32)
+    dh = plgpu.load(dh_ref.at[at], mask=mask, other=0.0).astype(_F32)
+    if act == "silu":
+        sig = jax.nn.sigmoid(g)
+        a, da = g * sig, sig * (1.0 + g * (1.0 - sig))
+    else:
+        a, da = g, 1.0
+    plgpu.store(dg_ref.at[at], (dh * u * da).astype(dg_ref.dtype), mask=mask)
+    plgpu.store(du_ref.at[at], (dh * a).astype(du_ref.dtype), mask=mask)
+
+
+def _call(kernel, inputs, n_out, act, interpret):
+    n = inputs[0].shape[0]
+    block = min(BLOCK, 1 << (n.bit_length() - 1))
+    like = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
+    return pl.pallas_call(
+        functools.partial(kernel, n=n, block=block, act=act),
+        grid=(pl.cdiv(n, block),),
+        out_shape=[like] * n_out,
+        compiler_params=_CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"gate_{kernel.__name__.strip('_').split('_')[0]}",
+    )(*inputs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gate_flat(g, u, act, interpret):
+    return _call(_fwd_kernel, (g, u), 1, act, interpret)[0]
+
+
+def _vjp_fwd(g, u, act, interpret):
+    return _gate_flat(g, u, act, interpret), (g, u)
+
+
+def _vjp_bwd(act, interpret, res, dh):
+    g, u = res
+    dg, du = _call(_bwd_kernel, (g, u, dh.astype(g.dtype)), 2, act, interpret)
+    return dg, du
+
+
+_gate_flat.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def gate_product(g: jax.Array, u: jax.Array, act: str = "none", *, impl: str = "pallas", interpret=None):
+    """act(g)·u (g, u of one shape and dtype). impl="pallas": the kernels above (interpreted on CPU
+    unless `interpret` says otherwise); "xla": `gate_reference`."""
+    if act not in ACTS:
+        raise ValueError(f"unknown gate activation {act!r}; one of {ACTS}")
+    if impl == "xla" or g.size == 0:
+        return gate_reference(g, u, act)
+    if impl != "pallas":
+        raise ValueError(f"unknown gate impl {impl!r}; pallas or xla")
+    if g.shape != u.shape or g.dtype != u.dtype:
+        raise ValueError(f"gate and up differ: {g.shape} {g.dtype} vs {u.shape} {u.dtype}")
+    if interpret is None:
+        interpret = platform.name() == "cpu"
+    h = _gate_flat(g.reshape(-1), u.reshape(-1), act, bool(interpret))
+    return h.reshape(g.shape)
