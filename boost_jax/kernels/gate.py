@@ -9,19 +9,28 @@ writes. The kernel's backward reads dh, g, u once and writes dg, du (float32 mat
 inputs' dtype). `gate_reference` is the plain-jnp product the tests compare against; impl="xla" runs it.
 Elements are addressed as one flat vector in power-of-two blocks; the last block starts at n - block
 (never out of bounds) and masks the elements the previous block wrote. On CPU the kernel runs in
-Pallas's interpreter. `model.gate_kernel` chooses it (model/autos.py).
+Pallas's interpreter; under vmap the batch is more elements (one call). `model.gate_kernel` chooses it
+(model/autos.py); a jax without Pallas's Triton backend runs XLA's product, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
 
 from boost_jax.kernels import platform
-from boost_jax.kernels.rmsnorm import _CompilerParams, plgpu
+
+try:  # Pallas's Triton backend (deprecated in jax 0.11; kernels/rmsnorm.py says why it is pinned)
+    from jax.experimental.pallas import triton as plgpu
+
+    _PARAMS = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed jax
+    plgpu = _PARAMS = None
 
 _F32 = jnp.float32
 ACTS = ("none", "silu")
@@ -64,17 +73,31 @@ def _bwd_kernel(g_ref, u_ref, dh_ref, dg_ref, du_ref, *, n, block, act):
 
 
 def _call(kernel, inputs, n_out, act, interpret):
-    n = inputs[0].shape[0]
-    block = min(BLOCK, 1 << (n.bit_length() - 1))
-    like = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
-    return pl.pallas_call(
-        functools.partial(kernel, n=n, block=block, act=act),
-        grid=(pl.cdiv(n, block),),
-        out_shape=[like] * n_out,
-        compiler_params=_CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name=f"gate_{kernel.__name__.strip('_').split('_')[0]}",
-    )(*inputs)
+    """The kernel on same-shape inputs, as one flat vector; vmapped, on the batched arrays (elementwise:
+    a batch is more elements), unbatched inputs broadcast."""
+
+    @custom_vmap
+    def call(*xs):
+        shape = xs[0].shape
+        n = xs[0].size
+        block = min(BLOCK, 1 << (n.bit_length() - 1))
+        like = jax.ShapeDtypeStruct((n,), xs[0].dtype)
+        out = pl.pallas_call(
+            functools.partial(kernel, n=n, block=block, act=act),
+            grid=(pl.cdiv(n, block),),
+            out_shape=[like] * n_out,
+            compiler_params=_PARAMS(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name=kernel.__name__.strip("_"),
+        )(*(x.reshape(-1) for x in xs))
+        return tuple(o.reshape(shape) for o in out)
+
+    @call.def_vmap
+    def rule(size, in_batched, *xs):
+        xs = [x if b else jnp.broadcast_to(x, (size, *x.shape)) for x, b in zip(xs, in_batched)]
+        return call(*xs), (True,) * n_out
+
+    return call(*inputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -103,10 +126,26 @@ def gate_product(g: jax.Array, u: jax.Array, act: str = "none", *, impl: str = "
     if impl == "xla" or g.size == 0:
         return gate_reference(g, u, act)
     if impl != "pallas":
-        raise ValueError(f"unknown gate impl {impl!r}; pallas or xla")
+        raise ValueError(f"model.gate_kernel={impl!r}: set pallas, xla or auto")
     if g.shape != u.shape or g.dtype != u.dtype:
         raise ValueError(f"gate and up differ: {g.shape} {g.dtype} vs {u.shape} {u.dtype}")
     if interpret is None:
         interpret = platform.name() == "cpu"
-    h = _gate_flat(g.reshape(-1), u.reshape(-1), act, bool(interpret))
-    return h.reshape(g.shape)
+    if plgpu is None or g.size >= 2**31:  # (the flat index is int32)
+        _fallback()
+        return gate_reference(g, u, act)
+    return _gate_flat(g, u, act, bool(interpret))
+
+
+_WARNED: list = []
+
+
+def _fallback():
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(
+            "boost_jax gate: no Pallas Triton backend in this jax (or over 2**31 elements); the MLP's gate "
+            "product runs on XLA "
+            "(set model.gate_kernel=xla to silence this)",
+            stacklevel=3,
+        )
