@@ -48,7 +48,7 @@ def _block(pid, n, block):
     return start, idx >= pid * block
 
 
-def _fwd_kernel(g_ref, u_ref, h_ref, *, n, block, act):
+def _gate_fwd(g_ref, u_ref, h_ref, *, n, block, act):
     start, mask = _block(pl.program_id(0), n, block)
     at = pl.ds(start, block)
     g = plgpu.load(g_ref.at[at], mask=mask, other=0.0).astype(_F32)
@@ -57,7 +57,7 @@ def _fwd_kernel(g_ref, u_ref, h_ref, *, n, block, act):
     plgpu.store(h_ref.at[at], (a * u).astype(h_ref.dtype), mask=mask)
 
 
-def _bwd_kernel(g_ref, u_ref, dh_ref, dg_ref, du_ref, *, n, block, act):
+def _gate_bwd(g_ref, u_ref, dh_ref, dg_ref, du_ref, *, n, block, act):
     start, mask = _block(pl.program_id(0), n, block)
     at = pl.ds(start, block)
     g = plgpu.load(g_ref.at[at], mask=mask, other=0.0).astype(_F32)
@@ -102,7 +102,7 @@ def _call(kernel, inputs, n_out, act, interpret):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _gate_flat(g, u, act, interpret):
-    return _call(_fwd_kernel, (g, u), 1, act, interpret)[0]
+    return _call(_gate_fwd, (g, u), 1, act, interpret)[0]
 
 
 def _vjp_fwd(g, u, act, interpret):
@@ -111,7 +111,7 @@ def _vjp_fwd(g, u, act, interpret):
 
 def _vjp_bwd(act, interpret, res, dh):
     g, u = res
-    dg, du = _call(_bwd_kernel, (g, u, dh.astype(g.dtype)), 2, act, interpret)
+    dg, du = _call(_gate_bwd, (g, u, dh.astype(g.dtype)), 2, act, interpret)
     return dg, du
 
 
