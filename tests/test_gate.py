@@ -106,15 +106,31 @@ def test_gate_kernels_compile_for_h100_without_a_gpu():
     is no multiple of the block): the program holds them as named Triton calls."""
     from jax.sharding import SingleDeviceSharding
 
+    from boost_jax.kernels import platform
     from boost_jax.tools import aot
 
     dev = aot.devices("h100", 1)[0]
     x = jax.ShapeDtypeStruct((3, 100, 547), jnp.bfloat16, sharding=SingleDeviceSharding(dev))
 
     def step(g, u, dh):
-        h, pull = jax.vjp(lambda g, u: gate_product(g, u, "silu", impl="pallas", interpret=False), g, u)
+        h, pull = jax.vjp(lambda g, u: gate_product(g, u, "silu", impl="pallas"), g, u)
         return h, pull(dh)
 
-    text = jax.jit(step).lower(x, x, x).compile().as_text()
+    with platform.target([dev]):  # what the builder sets: the kernels (and their probe) compile for the H100
+        text = jax.jit(step).lower(x, x, x).compile().as_text()
     kernels = aot.kernels(text)
     assert kernels.get("triton kernel gate_fwd") == 1 and kernels.get("triton kernel gate_bwd") == 1, kernels
+
+
+def test_a_jax_without_pallas_triton_runs_xlas_product_loudly(monkeypatch):
+    """Where the kernels cannot compile (here: no Pallas Triton backend), XLA's product runs, with a
+    warning naming why."""
+    from boost_jax.kernels import gate
+
+    monkeypatch.setattr(gate, "plgpu", None)
+    monkeypatch.setattr(gate, "_LOWERS", {})
+    g, u, dh = _inputs((3, 17), jnp.float32, seed=21)
+    with pytest.warns(UserWarning, match="no Pallas Triton backend"):
+        h, pull = jax.vjp(lambda g, u: gate_product(g, u, "silu", impl="pallas"), g, u)
+    for got, want in zip((h, *pull(dh)), _np_gate(g, u, dh, "silu")):
+        _close(got, want, 1e-6)

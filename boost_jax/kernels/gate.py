@@ -131,21 +131,33 @@ def gate_product(g: jax.Array, u: jax.Array, act: str = "none", *, impl: str = "
         raise ValueError(f"gate and up differ: {g.shape} {g.dtype} vs {u.shape} {u.dtype}")
     if interpret is None:
         interpret = platform.name() == "cpu"
-    if plgpu is None or g.size >= 2**31:  # (the flat index is int32)
-        _fallback()
+    failure = "over 2**31 elements (the flat index is int32)" if g.size >= 2**31 else _lowers(g.dtype, act, interpret)
+    if failure:
         return gate_reference(g, u, act)
     return _gate_flat(g, u, act, bool(interpret))
 
 
-_WARNED: list = []
+_LOWERS: dict = {}  # (backend, device kind, dtype, act, interpret) -> "" when the kernels compile, else why not
 
 
-def _fallback():
-    if not _WARNED:
-        _WARNED.append(True)
-        warnings.warn(
-            "boost_jax gate: no Pallas Triton backend in this jax (or over 2**31 elements); the MLP's gate "
-            "product runs on XLA "
-            "(set model.gate_kernel=xla to silence this)",
-            stacklevel=3,
-        )
+def _lowers(dtype, act, interpret) -> str:
+    """Compile both kernels once per target, dtype and activation on one block; the reason when they
+    cannot (warned once, and XLA's product runs)."""
+    kind = str(getattr(platform.device(), "device_kind", ""))
+    key = (platform.name(), kind, jnp.dtype(dtype).name, act, interpret)
+    if key not in _LOWERS:
+        try:
+            if plgpu is None:
+                raise ImportError("this jax has no Pallas Triton backend")
+            x = platform.abstract((BLOCK + 1,), dtype)
+            step = lambda g, u: jax.vjp(lambda g, u: _gate_flat(g, u, act, interpret), g, u)[1](g)  # noqa: E731
+            jax.jit(step).lower(x, x).compile()
+            _LOWERS[key] = ""
+        except Exception as e:  # noqa: BLE001 - any import/lowering/compile failure means "use XLA"
+            _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
+            warnings.warn(
+                f"boost_jax gate: the Pallas gate kernel does not compile here ({_LOWERS[key]}); the MLP's "
+                "gate product runs on XLA (model.gate_kernel=xla says so without this warning)",
+                stacklevel=3,
+            )
+    return _LOWERS[key]
