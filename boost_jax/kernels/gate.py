@@ -3,14 +3,13 @@
     h = gate_product(g, u, act="none" | "silu", impl="pallas" | "xla")   # g, u: [..., F]
 
 act="none" is CoLA's larger models' down(gate·up), "silu" SwiGLU's down(silu(gate)·up). Left to XLA,
-the backward is two loop fusions, dg = dh·u·act'(g) and du = dh·act(g), each reading dh (and both
-reading g and u): three passes over [B, T, F] the forward's and two of the backward's five reads and two
-writes. The kernel's backward reads dh, g, u once and writes dg, du (float32 math, stored in the
-inputs' dtype). `gate_reference` is the plain-jnp product the tests compare against; impl="xla" runs it.
+the backward is two loop fusions, dg = dh·u·act'(g) and du = dh·act(g), each reading dh, g and u (six
+passes over [B, T, F]); the kernel's backward reads them once and writes dg and du (five), float32
+math stored in the inputs' dtype. `gate_reference` is the plain-jnp product (impl="xla" runs it).
 Elements are addressed as one flat vector in power-of-two blocks; the last block starts at n - block
 (never out of bounds) and masks the elements the previous block wrote. On CPU the kernel runs in
 Pallas's interpreter; under vmap the batch is more elements (one call). `model.gate_kernel` chooses it
-(model/autos.py); a jax without Pallas's Triton backend runs XLA's product, with a warning.
+(model/autos.py); where the kernels do not compile, XLA's product runs, with a warning.
 """
 
 from __future__ import annotations
