@@ -29,8 +29,8 @@ def token_losses(logits, labels):
     logits = logits.astype(jnp.float32)
     top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
     lse = jnp.log(jnp.exp(logits - top).sum(axis=-1)) + top[..., 0]
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    picked = jnp.where(vocab == labels[..., None], logits, 0.0).sum(axis=-1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape[-1:], 0)
+    picked = (logits * (vocab == labels[..., None])).sum(axis=-1)
     return lse - picked, lse
 
 
