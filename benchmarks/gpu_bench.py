@@ -121,6 +121,8 @@ def train_variants(smoke: bool) -> list[dict]:
             ("train256", "cola_1b auto seq 4096", "cola_1b", at4096),
             ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
             # this session's changes first, each against its `auto` row above
+            ("train256", "cola_1b auto xla gate product", "cola_1b", {"model.gate_kernel": "xla"}),
+            ("train256", "llama_1b auto pallas gate product", "llama_1b", {"model.gate_kernel": "pallas"}),
             ("train256", "cola_1b auto separate residual adds", "cola_1b", {"kernels.residual_norm": "separate"}),
             ("train256", "llama_1b auto separate residual adds", "llama_1b", {"kernels.residual_norm": "separate"}),
             ("train256", "cola_1b auto ungrouped", "cola_1b", {"model.group_linears": False}),

@@ -167,6 +167,7 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
         "model.scan_unroll": True,
         "remat.policy": "none",
         "kernels.rmsnorm": "triton",
+        "model.gate_kernel": "pallas",
     }, aot.resolved(built.cfg)
     text = built.lower_train().compile().as_text()
     k = aot.kernels(text)
@@ -176,6 +177,8 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
     # kernels.residual_norm=auto: every norm runs as the fused residual add + norm, one kernel each way
     # (the first block's adds zeros to the embedding; the final norm adds the last block's output)
     assert _fused_add_norms(text) == (2 * layers + 1, 2 * layers + 1), _fused_add_norms(text)
+    # model.gate_kernel=auto: the MLP's gate product as one Pallas kernel each way per layer
+    assert k["triton kernel gate_fwd"] == k["triton kernel gate_bwd"] == layers, k
     assert " while(" not in text  # no layer scan (and no accumulation or loss-chunk loop at these shapes)
     for spec in ("btd,btv->dv", "btv,dv->btd"):  # model/loss.py's head backward
         params = _called_params(text, f"jit(train_step)/transpose(jvp({spec}))/dot_general")
@@ -186,6 +189,7 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
         "model.scan_unroll": False,
         "remat.policy": "lowrank",
         "kernels.rmsnorm": "triton",
+        "model.gate_kernel": "pallas",
     }
     dense = _tiny(make_config, **{"model.linear": "dense"})
     from boost_jax.model import autos
@@ -196,6 +200,7 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
         "model.scan_unroll": False,
         "remat.policy": "none",
         "kernels.rmsnorm": "xla",
+        "model.gate_kernel": "xla",
     }
 
 
@@ -221,6 +226,8 @@ def test_the_triton_norm_runs_where_the_model_is_vmapped(make_config, mesh):
     # each device's share of the layers: forward and backward of its norms (and the final norm's)
     layers = cfg.model.n_layers // mesh.get("pipeline", 1)
     assert aot.kernels(text)["triton kernel (jax-triton)"] >= 2 * 2 * layers, aot.kernels(text)
+    kernels = aot.kernels(text)  # the gate product's kernels, per device (vmapped: batched as more elements)
+    assert kernels["triton kernel gate_fwd"] >= layers and kernels["triton kernel gate_bwd"] >= layers, kernels
     if mesh.get("pipeline", 1) == 1:  # the fused residual add + norm, batched the same way
         fwd, bwd = _fused_add_norms(text)
         assert fwd == bwd == 2 * layers + 1, (fwd, bwd)

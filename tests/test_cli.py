@@ -41,7 +41,7 @@ def test_print_config_shows_the_resolved_config(capsys):
     assert body.strip() == str(cfg).strip() and "  steps: 123" in out and "  batching: document" in out
     # The last line: what `auto` resolves to here (model/autos.py): CPUs keep XLA's norm and the scan.
     assert auto.startswith("# auto, on 8 x ") and auto.endswith(
-        "group_linears false, scan_unroll false, remat none, rmsnorm xla"
+        "group_linears false, scan_unroll false, remat none, rmsnorm xla, gate_kernel xla"
     ), auto
     assert "  group_linears: auto" in body and "  policy: auto" in body
 

@@ -90,6 +90,7 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
         ("parallel.device_memory_gb", 40.0, "parallel.device_memory_gb"),  # without parallel.plan=auto
         ("kernels.residual_norm", "on", "kernels.residual_norm"),
         ("model.logits_dtype", "bfloat16", "model.logits_dtype"),
+        ("model.gate_kernel", "triton", "model.gate_kernel"),
         ("model.group_linears", "second", "model.group_linears"),
     ],
 )

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 from test_parallel import assert_close_tree, loss_and_grads, par_config, reference
 
 from boost_jax.model import build_model
@@ -114,6 +115,32 @@ def test_no_float32_full_logits_in_the_compiled_step():
     chunked_count, chunked_temp, _ = _f32_logit_buffers(64)
     assert chunked_count == 0
     assert chunked_temp < one_buffer / 2, (chunked_temp, one_buffer)  # a few [B, 64, V] blocks
+
+
+def _casts_of(jaxpr, shape, inside=False):
+    """(casts of a float32 array of `shape` to bfloat16 outside any scan, inside one) in a jaxpr."""
+    out, within = 0, 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            a = eqn.invars[0].aval
+            if a.shape == shape and a.dtype == jnp.float32 and eqn.outvars[0].aval.dtype == jnp.bfloat16:
+                within, out = (within + 1, out) if inside else (within, out + 1)
+        for sub in jaxprs_in_params(eqn.params):
+            o, w = _casts_of(sub, shape, inside or eqn.primitive.name == "scan")
+            out, within = out + o, within + w
+    return out, within
+
+
+def test_the_chunk_loop_casts_the_head_weight_once():
+    """Under bf16 compute the head weight is cast to bf16 before the chunk loop, not in every chunk
+    (forward and backward), and its gradient still comes back in float32."""
+    h = jax.random.normal(jax.random.key(1), (2, 12, 8)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (8, 40))
+    labels = jax.random.randint(jax.random.key(3), (2, 12), 0, 40)
+    grad = jax.grad(lambda h, w: head_loss(h, w, labels, chunk=4, low_logits=True), argnums=(0, 1))
+    outside, inside = _casts_of(jax.make_jaxpr(grad)(h, w).jaxpr, w.shape)
+    assert outside >= 1 and inside == 0, (outside, inside)
+    assert grad(h, w)[1].dtype == jnp.float32
 
 
 def test_sharded_chunked_loss_matches_single_device_plain(make_config):

@@ -158,6 +158,16 @@ VARIANTS = {
         "kernels.rmsnorm": "pallas",
         "kernels.residual_norm": "fused",
     },
+    # the MLP's gate product as the Pallas kernel (kernels/gate.py), once per shard: split along d_ff
+    # under Megatron inside the data island's vmap, and along the batch under fsdp
+    "gate_kernel_megatron": {"model.gate_kernel": "pallas", "parallel.strategy": "megatron"},
+    "gate_kernel_fsdp": {"model.gate_kernel": "pallas", "mesh": (1, 2, 4), "parallel.strategy": "vanilla"},
+    "gate_kernel_pipeline": {
+        "model.gate_kernel": "pallas",
+        "parallel.pipeline": 2,
+        "model.n_layers": 4,
+        "mesh": (1, 2, 2),
+    },
     "tied_embeddings_2x2x2": {"model.tie_embeddings": True, "mesh": (2, 2, 2)},
     "dense_ungrouped_2x2x2": {"model.linear": "dense", "model.group_linears": False, "mesh": (2, 2, 2)},
     "spatial_temporal_mlp_dense": {

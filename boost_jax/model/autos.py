@@ -23,7 +23,7 @@ from boost_jax.parallel.mesh import AXES, mesh_shape
 from boost_jax.parallel.unroll import unrolls
 
 AUTO = "auto"
-FIELDS = ("model.group_linears", "model.scan_unroll", "remat.policy", "kernels.rmsnorm")
+FIELDS = ("model.group_linears", "model.scan_unroll", "remat.policy", "kernels.rmsnorm", "model.gate_kernel")
 
 
 def _sizes(cfg, mesh) -> dict[str, int]:
@@ -59,9 +59,15 @@ def triton_available() -> bool:
 # - kernels.rmsnorm: the fused Triton kernel on NVIDIA GPUs when jax-triton is installed, else the
 #   fused Pallas kernel on GPUs; XLA's norm elsewhere (kernels/norm_choice.py). Where the trainer vmaps
 #   the model the kernels are batched by kernels/row_batching.py.
-def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
-    """{"group_linears", "scan_unroll", "remat", "rmsnorm"}: each given value, or its rule's value where it
-    is `auto`, on a GPU (or not) with mesh `sizes` (axis -> size)."""
+# - model.gate_kernel: the Pallas gate·up kernel on GPUs where the gate and up outputs are separate
+#   GEMMs' (a factored kind whose B's are not grouped): the backward's two gradients in one pass
+#   (benchmarks/RESULTS.md 2026-11-28, "the gate product in one kernel each way"); where a dense kind's
+#   gate/up (or grouped B's) run as one GEMM, XLA's product reads and writes the grouped output in place.
+def pick(
+    *, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str, int], triton: bool, gate=AUTO
+) -> dict:
+    """{"group_linears", "scan_unroll", "remat", "rmsnorm", "gate_kernel"}: each given value, or its rule's
+    value where it is `auto`, on a GPU (or not) with mesh `sizes` (axis -> size)."""
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     if unroll == AUTO:
         split = {a for a in AXES if sizes[a] > 1}
@@ -72,11 +78,14 @@ def pick(*, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str
     if policy == AUTO:
         policy = "none" if unroll or not gpu else ("lowrank" if kind_class(linear).factored else "full")
     norm = choose_norm(norm, gpu=gpu, triton=triton).kernel  # the kernel part of the norm choice
+    if gate == AUTO:
+        gate = "pallas" if gpu and kind_class(linear).factored and group is not True else "xla"
     return {
         "group_linears": group if group == "first" else bool(group),
         "scan_unroll": bool(unroll),
         "remat": policy,
         "rmsnorm": norm,
+        "gate_kernel": gate,
     }
 
 
@@ -92,11 +101,13 @@ def rules(cfg, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
         gpu=gpu,
         sizes=sizes,
         triton=triton,
+        gate=m.get("gate_kernel", AUTO),
     )
-    given = dict(zip(FIELDS, (m.group_linears, m.scan_unroll, cfg.remat.policy, cfg.kernels.rmsnorm)))
+    gate = m.get("gate_kernel", AUTO)
+    given = dict(zip(FIELDS, (m.group_linears, m.scan_unroll, cfg.remat.policy, cfg.kernels.rmsnorm, gate)))
     return {
         field: values[name]
-        for field, name in zip(FIELDS, ("group_linears", "scan_unroll", "remat", "rmsnorm"))
+        for field, name in zip(FIELDS, ("group_linears", "scan_unroll", "remat", "rmsnorm", "gate_kernel"))
         if given[field] == AUTO
     }
 
@@ -142,9 +153,11 @@ def for_model(m, remat_policy: str, norm_impl: str, mesh=None):
         gpu=gpu,
         sizes=sizes,
         triton=gpu and triton_available(),
+        gate=m.get("gate_kernel", AUTO),
     )
-    if AUTO in (m.group_linears, m.scan_unroll):
+    if AUTO in (m.group_linears, m.scan_unroll, m.get("gate_kernel", AUTO)):
         m = m.copy_and_resolve_references()
         with m.unlocked(), m.ignore_type():
             m.group_linears, m.scan_unroll = v["group_linears"], v["scan_unroll"]
+            m.gate_kernel = v["gate_kernel"]
     return m, v["remat"], v["rmsnorm"]

@@ -29,16 +29,18 @@ def token_losses(logits, labels):
     logits = logits.astype(jnp.float32)
     top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
     lse = jnp.log(jnp.exp(logits - top).sum(axis=-1)) + top[..., 0]
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    picked = jnp.where(vocab == labels[..., None], logits, 0.0).sum(axis=-1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape[-1:], 0)
+    picked = (logits * (vocab == labels[..., None])).sum(axis=-1)
     return lse - picked, lse
 
 
-def logits_of(h, w, low: bool = False):
+def logits_of(h, w, low: bool = False, cast=None):
     """Float32 logits [B, t, V] of hidden states [B, t, d] and the head weight [d, V], vocab-parallel
     (`low`: in h's dtype). The GEMM runs in h's dtype with float32 accumulation; so do its two backward
-    GEMMs (`_head`)."""
-    return constrain(_head(h, w, low), ("act_batch", "act_seq", "act_vocab"))
+    GEMMs (`_head`). `cast`: w already in h's dtype (the chunk loop casts it once, not once a chunk);
+    w then only receives the gradient (`_head_cast`)."""
+    logits = _head(h, w, low) if cast is None else _head_cast(h, jax.lax.stop_gradient(cast), w, low)
+    return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -65,8 +67,31 @@ def _head_bwd(low, res, g):
 _head.defvjp(_head_fwd, _head_bwd)
 
 
-def _sums(h, w, labels, valid, z_loss, low=False):
-    ce, lse = token_losses(logits_of(h, w, low), labels)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _head_cast(h, w_cast, w, low):
+    """`_head` with the weight given in h's dtype (`w_cast`) beside w itself, which takes the gradient."""
+    del w
+    logits = jnp.einsum("btd,dv->btv", h, w_cast, preferred_element_type=jnp.float32)
+    return logits.astype(h.dtype) if low else logits
+
+
+def _head_cast_fwd(h, w_cast, w, low):
+    return _head_cast(h, w_cast, w, low), (h, w_cast, jnp.zeros((0,), w.dtype))
+
+
+def _head_cast_bwd(low, res, g):
+    h, w_cast, like = res
+    g = g.astype(h.dtype)  # as `_head_bwd`; the weight's gradient in w's dtype (float32), not w_cast's
+    dh = jnp.einsum("btv,dv->btd", g, w_cast, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btd,btv->dv", h, g, preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), jnp.zeros_like(w_cast), dw.astype(like.dtype)
+
+
+_head_cast.defvjp(_head_cast_fwd, _head_cast_bwd)
+
+
+def _sums(h, w, labels, valid, z_loss, low=False, cast=None):
+    ce, lse = token_losses(logits_of(h, w, low, cast), labels)
     return jnp.sum(jnp.where(valid, ce + z_loss * lse * lse, 0.0))
 
 
@@ -117,7 +142,8 @@ def head_loss(
     split = lambda x: _split(x, n, chunk, row_groups, seq_groups)  # noqa: E731
     hs, ls = split(h), split(labels)
     vs = split(jnp.ones((row_groups, t), bool))  # [groups * n, 1, seq_groups * c]: False on the padding
-    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss, low_logits))  # logits recomputed
+    cast = w.astype(h.dtype)  # once, not once a chunk
+    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss, low_logits, cast))  # logits recomputed
 
     def step(total, xs):
         return total + body(*xs), None
@@ -139,7 +165,8 @@ def _masked_sum(h, w, labels, mask, chunk: int, z_loss: float, row_groups: int =
         return _sums(h, w, labels, mask, z_loss, low)
     chunk, n = _chunks(t // seq_groups, chunk)
     split = lambda x: _split(x, n, chunk, row_groups, seq_groups)  # noqa: E731
-    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss, low))
+    cast = w.astype(h.dtype)  # once, not once a chunk
+    body = jax.checkpoint(lambda h_c, l_c, v_c: _sums(h_c, w, l_c, v_c, z_loss, low, cast))
 
     def step(total, xs):
         return total + body(*xs), None

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.kernels import platform
+from boost_jax.kernels.gate import gate_product
 from boost_jax.kernels.norm_choice import NormChoice
 from boost_jax.model import autos, remat
 from boost_jax.model import batch as batch_lib
@@ -18,7 +19,7 @@ from boost_jax.model.kinds.base import dense_init
 from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, grouping, project
 from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.parallel.placement import LOCAL
-from boost_jax.parallel.rules import constrain, gathered, take_rows
+from boost_jax.parallel.rules import constrain, gathered, logical_spec, take_rows, traced_mesh
 
 LOCAL_NORM = LOCAL.norm_choice()  # XLA's norm with separate adds on one device (kernels/norm_choice.py)
 
@@ -41,11 +42,23 @@ class MLP(nnx.Module):
         self.grouped = grouping(cfg.group_linears)
         factored = kind_class(cfg.linear).factored
         self.in_route, self.out_route = (placement.group(g, factored) for g in ("mlp_in", "mlp_out"))
+        self.gate_kernel, self.mesh = cfg.get("gate_kernel", "xla"), placement.mesh
 
     def __call__(self, x, norm):
         g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route)
-        h = g * u if self.only_lr_act else jax.nn.silu(g) * u
+        h = self._gate(g, u)
         return project([self.down], constrain(h, CORE_AXES["act"]), grouped=False, route=self.out_route)[0]
+
+    def _gate(self, g, u):
+        """act(g)·u: `model.gate_kernel` (kernels/gate.py), the Pallas call once per shard on a mesh
+        (elementwise: any layout of the activation splits it into independent pieces)."""
+        product = functools.partial(gate_product, act="none" if self.only_lr_act else "silu", impl=self.gate_kernel)
+        spec = logical_spec(CORE_AXES["act"], g.shape) if self.gate_kernel != "xla" else None
+        if spec is None or self.mesh is None:
+            return product(g, u)
+        return jax.shard_map(
+            product, mesh=traced_mesh(self.mesh), in_specs=(spec, spec), out_specs=spec, check_vma=False
+        )(g, u)  # a pallas_call has no vma types
 
 
 class Block(nnx.Module):
@@ -84,6 +97,7 @@ def _resolved(cfg, remat_policy: str, norm_impl: str) -> None:
     """A model reads its config as the builder resolved it (runtime/build.py; `build_model` for one
     built directly): an `auto` left here is refused, naming the field."""
     given = {"model.group_linears": cfg.group_linears, "model.scan_unroll": cfg.scan_unroll}
+    given["model.gate_kernel"] = cfg.get("gate_kernel", "xla")
     given.update({"remat.policy": remat_policy, "kernels.rmsnorm": norm_impl})
     left = [k for k, v in given.items() if v == autos.AUTO]
     if left:
