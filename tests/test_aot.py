@@ -245,19 +245,12 @@ ST, PIPELINE = ((1, 1, 2, 2), "btp", {"parallel.linear_partition": "st"}), ((2, 
     [
         ((1, 1, 1, 8), "btp", {}, "scalars"),
         ((1, 1, 2, 4), "megatron", {}, "scalars"),
-        (*ST, None),  # compiled for the GPU only here; against the CPU program in the slow run (the suite's time)
-        (*PIPELINE, None),
+        # the point-to-point rings: compiled for the GPU and against the CPU program in the slow run only
+        # (the default suite's time; a pipelined GPU compile stays there, in the planner's peak test below)
         pytest.param(*ST, "fewer", marks=pytest.mark.slow),
         pytest.param(*PIPELINE, "fewer", marks=pytest.mark.slow),
     ],
-    ids=[
-        "btp-tensor8",
-        "megatron-fsdp2-tensor4",
-        "st-2x2",
-        "pipeline2-tensor4",
-        "st-2x2-vs-cpu",
-        "pipeline2-tensor4-vs-cpu",
-    ],
+    ids=["btp-tensor8", "megatron-fsdp2-tensor4", "st-2x2-vs-cpu", "pipeline2-tensor4-vs-cpu"],
 )
 def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
     """cola_1b-shaped, 2 layers: what the H100 program's collectives move per step (through its loops'
@@ -281,8 +274,6 @@ def test_gpu_collectives_are_the_cpu_programs(mesh, strategy, extra, tolerance):
     gpu = {kind: c["elements"] for kind, c in rep["train"]["collectives"].items()}
     kinds = {"collective-permute"} if "linear_partition" in extra or mesh[0] > 1 else {"all-reduce"}
     assert kinds <= set(gpu) and all(v > 0 for v in gpu.values())  # the ring's (or tensor's) collectives are there
-    if tolerance is None:
-        return
     cpu_cfg = _cola_1b_shaped(mesh, strategy, **{"model.dtype": "bfloat16", "model.attention": "xla", **same, **extra})
     built = build(cpu_cfg, jax.devices("cpu")[:n])
     cpu = _executed(built.lower_train().compile().as_text(), built.mesh)

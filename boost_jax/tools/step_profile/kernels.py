@@ -236,7 +236,9 @@ class _Reader:
         slice reads its slice, a dynamic-update-slice's buffer nothing (updated in place), a bitcast,
         a tuple element, a nested fusion's parameter or an elementwise op of the same shape
         (`_PER_ELEMENT`, not the root) what their own users read; any other use all."""
-        users = self._users_of.setdefault(comp, self._users(comp))
+        users = self._users_of.get(comp)
+        if users is None:  # (setdefault would rebuild the index on every call)
+            users = self._users_of[comp] = self._users(comp)
         total = 0.0
         for user, pos in users.get(name, []):
             if depth > 8:
