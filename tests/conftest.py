@@ -3,14 +3,15 @@ the suite's compiles cheap: compiling is most of its time.
 
 - LLVM's optimisation level 0 for XLA:CPU's generated code (`--xla_backend_optimization_level=0`):
   a third less compile time; and with jaxlib 0.10, XLA:CPU's older fusion code generators
-  (`--xla_cpu_use_fusion_emitters=false`): about half the rest. SPMD partitioning and the
-  collectives (what most tests read) are unchanged, temp buffer sizes may move slightly; results
-  may differ from the default build in the last bits, so the one test of recorded bits,
-  tests/test_golden.py, runs with the default flags. BOOST_TEST_XLA_OPT=default keeps the defaults.
+  (`--xla_cpu_use_fusion_emitters=false`): about half the rest, and one LLVM module per program
+  (`--xla_cpu_parallel_codegen_split_count=1`: on small programs, splitting the module for parallel
+  codegen costs more CPU than it saves; benchmarks/RESULTS.md, "the suite's time"). SPMD
+  partitioning and the collectives (what most tests read) are unchanged, temp buffer sizes may
+  move slightly; results may differ from the default build in the last bits, so the one test of
+  recorded bits, tests/test_golden.py, runs with the default flags. BOOST_TEST_XLA_OPT=default keeps the defaults.
 - A persistent compilation cache under the user's cache directory: the suite compiles many identical
-  programs (the same small model in many tests, in several worker processes and the trainers they
-  start), and a rerun compiles next to nothing. BOOST_TEST_COMPILE_CACHE=0 turns it off; =DIR puts
-  it elsewhere.
+  programs (in many tests, worker processes and the trainers they start), and a rerun compiles next
+  to nothing. BOOST_TEST_COMPILE_CACHE=0 turns it off; =DIR puts it elsewhere.
 The variables reach the subprocesses the tests start."""
 
 import importlib.metadata
@@ -20,7 +21,7 @@ from pathlib import Path
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 # XLA aborts on a flag it does not know: this one is named only for the jaxlib it was checked with.
 if importlib.metadata.version("jaxlib").startswith("0.10."):
-    FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
+    FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8"
