@@ -57,13 +57,13 @@ def test_layout_gives_every_device_chunks_i_and_2c_minus_1_minus_i(c):
 
 CASES = {
     "btp_tp2_c4_ring": ("btp", (1, 1, 2), 4, "ring", "full", {}),
-    "megatron_tp2_c4_ring": ("megatron", (1, 1, 2), 4, "ring", "full", {}),
     "btp_data2_tp2_c2_all_gather": ("btp", (2, 1, 2), 2, "all_gather", "full", {}),
     "megatron_fsdp2_tp2_c2_ring_bottleneck": ("megatron", (1, 2, 2), 2, "ring", "bottleneck", {}),
-    "btp_gqa_tp2_c4_ring_bottleneck": ("btp", (1, 1, 2), 4, "ring", "bottleneck", {"model.n_kv_heads": 4}),
     "btp_pipeline2_tp2_c2_ring": ("btp", (1, 1, 2), 2, "ring", "full", {"parallel.pipeline": 2, "model.n_layers": 4}),
 }
-SLOW_CASES = {
+SLOW_CASES = {  # rows whose paths the default rows take too (the suite's time)
+    "btp_gqa_tp2_c4_ring_bottleneck": ("btp", (1, 1, 2), 4, "ring", "bottleneck", {"model.n_kv_heads": 4}),
+    "megatron_tp2_c4_ring": ("megatron", (1, 1, 2), 4, "ring", "full", {}),
     # the residual adds deferred into the norms (per shard), the bottleneck ring's pre-normalised input
     "megatron_tp2_c2_ring_bottleneck_fused_residual": (
         "megatron",
@@ -133,7 +133,11 @@ DOC_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DOC_CASES) + [pytest.param("btp_pipeline2_c2_ring", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case",
+    ["btp_c2_ring", "btp_c4_ring_bottleneck"]
+    + [pytest.param(c, marks=pytest.mark.slow) for c in ("megatron_c4_all_gather", "btp_pipeline2_c2_ring")],
+)
 def test_packed_rows_under_context(make_config, case):
     """Packed rows (several documents per row, positions restarting): one device's loss and gradients."""
     strategy, mesh, c, mode, kv, extra = DOC_CASES.get(
@@ -181,7 +185,12 @@ def _exchange(cfg):
 
 @pytest.mark.parametrize(
     "mode,kv,c",
-    [("ring", "full", 4), ("ring", "bottleneck", 4), ("all_gather", "full", 2), ("all_gather", "bottleneck", 2)],
+    [
+        pytest.param("ring", "full", 4, marks=pytest.mark.slow),
+        ("ring", "bottleneck", 4),
+        ("all_gather", "full", 2),
+        pytest.param("all_gather", "bottleneck", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_exchange_equals_formula(make_config, mode, kv, c):
     """What the comm report shows for context (kind, count, elements per step, read from the compiled

@@ -454,7 +454,7 @@ VERIFY_ST = {
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("vanilla") else n for n in VERIFY_ST]
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith(("vanilla", "megatron")) else n for n in VERIFY_ST]
 )
 def test_verify_st_plans_agree_with_the_compiled_step(name):
     """Plans with st groups around btp, megatron (whose factored o-B is stored whole along tensor:

@@ -47,7 +47,7 @@ def context_config():
     [
         pytest.param("ring", "full", marks=pytest.mark.slow),
         ("ring", "bottleneck"),
-        ("all_gather", "full"),
+        pytest.param("all_gather", "full", marks=pytest.mark.slow),  # the ring row's check (the suite's time)
         pytest.param("all_gather", "bottleneck", marks=pytest.mark.slow),
     ],
 )

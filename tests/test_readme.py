@@ -7,6 +7,7 @@ How a command runs (the value in COMMANDS):
 - "tiny": in a scratch directory standing for the repository's working directory, one after the
   other (the default job, then generate/evaluate/plot/export/import on its `runs/tiny`). The
   default job stops at step 40 with `--config.train.stop_at_step` (the same shapes and schedule);
+  the other "tiny" training commands run (2 steps each, into their own run_dirs) with `-m slow`;
 - "compile": the train command's config, parsed as the command line parses it, built and its train
   step compiled from abstract shapes (nothing is allocated): the zoo's shapes compile on emulated
   CPU devices (the multi-process launcher and the SLURM template start this same program; their own
@@ -172,26 +173,41 @@ def test_each_readme_training_command_has_its_own_run_dir(monkeypatch):
         seen[run_dir] = command
 
 
-@pytest.fixture(scope="module")
-def tiny_cwd(tmp_path_factory):
-    """A working directory where the README's "tiny" training commands have run, in the README's
-    order: the default job (stopped at step 40) into runs/tiny, then each other one (stopped at step
-    2, without evaluations) into the run_dir it names, each a new run: a command reusing an earlier
-    one's run_dir fails here."""
+def _train_tiny(cwd, command: str, stop: int) -> None:
+    """`command` run in `cwd` until step `stop` (no evaluations but the default job's), as a new run."""
     from boost_jax import train
 
+    argv = [*_train_argv(command), f"--config.train.stop_at_step={stop}", "--config.train.progress=false"]
+    argv += [] if command.endswith("boost_jax.train") else ["--config.train.eval_every=0"]
+    cfg = train.parse_config(argv)
+    assert not (cwd / cfg.run_dir).exists(), f"{command}: {cfg.run_dir} is an earlier command's run"
+    summary = train.run(cfg)
+    assert summary["step"] == stop and summary["last_checkpoint_step"] == stop, command
+
+
+TINY_TRAINING = [c for c in readme_commands() if COMMANDS.get(c) == "tiny" and trains(c)]
+DEFAULT_JOB = next(c for c in TINY_TRAINING if c.endswith("boost_jax.train"))
+
+
+@pytest.fixture(scope="module")
+def tiny_cwd(tmp_path_factory):
+    """A working directory where the README's default job has run (stopped at step 40) into runs/tiny."""
     cwd = tmp_path_factory.mktemp("cwd")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
-        for command in [c for c in readme_commands() if COMMANDS.get(c) == "tiny" and trains(c)]:
-            stop = 40 if command.endswith("boost_jax.train") else 2
-            argv = [*_train_argv(command), f"--config.train.stop_at_step={stop}", "--config.train.progress=false"]
-            argv += [] if stop == 40 else ["--config.train.eval_every=0"]
-            cfg = train.parse_config(argv)
-            assert not (cwd / cfg.run_dir).exists(), f"{command}: {cfg.run_dir} is an earlier command's run"
-            summary = train.run(cfg)
-            assert summary["step"] == stop and summary["last_checkpoint_step"] == stop, command
+        _train_tiny(cwd, DEFAULT_JOB, 40)
     return cwd
+
+
+@pytest.mark.slow  # each compiles its own mesh's step (the suite's time)
+@pytest.mark.parametrize(
+    "command", [c for c in TINY_TRAINING if c != DEFAULT_JOB], ids=lambda c: c.rpartition("run_dir=")[2]
+)
+def test_the_other_tiny_training_commands(tmp_path, monkeypatch, command):
+    """The README's other "tiny" training commands (context parallelism on 8 emulated devices, the dense
+    twin), 2 steps each into the run_dir each names."""
+    monkeypatch.chdir(tmp_path)
+    _train_tiny(tmp_path, command, 2)
 
 
 def _in(cwd, monkeypatch, command: str, main) -> None:
