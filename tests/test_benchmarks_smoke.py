@@ -5,7 +5,9 @@ tests/conftest.py), with `--smoke` or small-shape arguments, writing to tmp_path
 JSON/MD results in benchmarks/ are never touched. The numbers are not measurements; the tests check
 that each part ran and that what it wrote is there, finite and positive.
 
-Run elsewhere in the default suite, not repeated here: grad_reduce.py --pipeline
+The heavier smoke runs (each compiling several programs of paths the feature tests cover: the
+pipeline schedules, batching modes, the comm sweep, the planner study, ...) are marked slow and run
+with `pytest -m slow`. Run elsewhere in the default suite, not repeated here: grad_reduce.py --pipeline
 (tests/test_readme.py), gpu_bench.py --smoke's kernel, attention and test parts (a subprocess,
 tests/test_gpu_bench.py).
 """
@@ -98,6 +100,7 @@ def test_attention_memory(tmp_path):
     assert positive(row["temp_gib"], row["total_gib"]) and row["total_gib"] > row["temp_gib"], row
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_batching(tmp_path):
     out = tmp_path / "batching.json"
     assert load("batching").main(["--smoke", "--modes", "packed,document", "--json", str(out)]) == 0
@@ -111,6 +114,7 @@ def test_batching(tmp_path):
     assert all(positive(m["temp_bytes"]) for m in res["memory"])
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_bottleneck_zoo(tmp_path):
     out = tmp_path / "zoo.json"
     load("bottleneck_zoo").main(["--smoke", "--kinds", "cola", "--json", str(out)])
@@ -121,6 +125,7 @@ def test_bottleneck_zoo(tmp_path):
     assert positive(row["tp_fwd_elements_per_token"], row["tp_fwd_in_r"], row["tp_fwd_collectives"]), row
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_comm_sweep(tmp_path):
     load("comm_sweep").main(
         ["--sizes", "60m", "--tensor", "2", "--strategy", "btp", "--batch", "1", "--seq", "32", "--out", str(tmp_path)]
@@ -152,6 +157,7 @@ def test_gpu_bench_train_variant():
     assert (row["seq"], row["batch"]) == (bench.shapes(True)["seq"], bench.shapes(True)["batch1b"])
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_gpu_bench_aot_h100(tmp_path, capsys):
     """`gpu_bench.py --aot h100` compiles what it would time for an H100 without one: here the
     attention part and the one 7B-layer train variant at --smoke shapes."""
@@ -207,6 +213,7 @@ def test_loader_start(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_pipeline_bubble(tmp_path):
     bench = load("pipeline_bubble")
     out = tmp_path / "schedules.json"
@@ -250,6 +257,7 @@ def test_planner_speed(tmp_path):
     assert 0 < runs["pruned"]["priced"] <= runs["exhaustive"]["priced"] and positive(runs["pruned"]["cpu_s"])
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_planner_study(tmp_path):
     out = tmp_path / "planner_study.json"
     assert load("planner_study").main(["--smoke", "--json", str(out)]) == 0
@@ -268,6 +276,7 @@ def test_planner_validation(tmp_path):
     assert res["pass"] == (rc == 0) and "BTP (BOOST)" in md.read_text()
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_remat_memory(tmp_path):
     out = tmp_path / "remat.json"
     load("remat_memory").main(
@@ -339,6 +348,7 @@ def test_vs_torch(tmp_path, capsys):
     assert "| llama_1b | hf | bf16 params + AdamW state |" in table and "needs --cola-repo" in table
 
 
+@pytest.mark.slow  # a heavier smoke run: with -m slow (the default suite's time)
 def test_gpu_bench_train256_one_process_profile(tmp_path):
     """`gpu_bench.py --parts device,train256 --one-process --profile DIR` at --smoke shapes: the defaults
     before and the `auto` defaults in one process, each traced (on a CPU the host's events stand in for

@@ -140,8 +140,18 @@ def test_pipeline_report_shows_collective_permutes():
     permutes = [c for c in rep["collectives"] if c["kind"] == "collective-permute" and c["axes"] == ["pipeline"]]
     assert permutes and permutes[0]["count"] >= rep["ticks"] - 1  # stage outputs shift at least once a tick
     assert rep["bubble"] == (2 - 1) / (4 + 2 - 1)
-    # 1F1B: one hand-over each way per lockstep tick (4 + 2 of them; unrolled, XLA drops the last tick's
-    # forward one, which nothing reads, and the first tick's backward one, which sends zeros), the same bubble
+
+
+@pytest.mark.slow  # a second pipeline compile (the default suite's time)
+def test_pipeline_report_shows_1f1b_hand_overs():
+    """1F1B: one hand-over each way per lockstep tick (4 + 2 of them; unrolled, XLA drops the last
+    tick's forward one, which nothing reads, and the first tick's backward one, which sends zeros), the
+    bubble of GPipe's."""
+    from boost_jax.config import base_config
+    from boost_jax.tools.comm_report.pipeline import pipeline_report
+
+    cfg = base_config()
+    cfg.model.update(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, rank=16)
     rep = pipeline_report(cfg, (2, 1, 1, 2), "btp", batch=8, seq=16, dtype="float32", schedule="1f1b")
     permutes = [c for c in rep["collectives"] if c["kind"] == "collective-permute" and c["axes"] == ["pipeline"]]
     assert (rep["schedule"], rep["ticks"], rep["bubble"]) == ("1f1b", 6, (2 - 1) / (4 + 2 - 1))

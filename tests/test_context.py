@@ -333,6 +333,7 @@ def test_ring_permutes_overlap_the_block_compute_on_h100(make_config):
     assert any(cond for cond, _ in overlapped), overlapped  # a block's attention runs while its successor moves
 
 
+@pytest.mark.slow  # the benchmark's smoke run (the default suite's time)
 def test_context_memory_benchmark_smoke(tmp_path):
     """benchmarks/context_memory.py at a small shape: rows for C = 1 and 2, the exchange for C = 2."""
     import importlib.util

@@ -39,7 +39,7 @@ def test_a_kernel_call_on_a_mesh_runs_per_shard_and_xla_does_not():
 def test_online_norm_needs_a_tensor_split_a_factored_kind_and_the_strategy():
     on = choose_norm("xla", "separate", **TENSOR_MESH)
     assert on.online and "online norm with tensor 2 and a factored kind" in on.reason
-    assert on.name == "online rmsnorm (xla)"
+    assert on.name == "online rmsnorm, final norm xla"
     for off in (dict(tensor=1), dict(online_norm=False), dict(factored=False), dict(mesh=False)):
         assert not choose_norm("xla", "separate", **{**TENSOR_MESH, **off}).online, off
 

@@ -30,11 +30,11 @@ class NormChoice:
 
     @property
     def name(self) -> str:
-        """'fused triton add+norm', 'online rmsnorm (pallas)', 'per-shard pallas', 'pallas', 'xla', ..."""
+        """'fused triton add+norm', 'online rmsnorm, final norm pallas', 'per-shard pallas', 'pallas', 'xla', ..."""
         if self.fused_add:
             return f"fused {self.kernel} add+norm" + (" per shard" if self.per_shard else "")
         if self.online:
-            return f"online rmsnorm ({self.kernel})"
+            return f"online rmsnorm, final norm {self.kernel}"  # the online groups call no norm kernel
         return f"per-shard {self.kernel}" if self.per_shard else self.kernel
 
 
