@@ -16,12 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 H100 = load_cluster(ROOT / "configs/clusters/h100_8x.py")
 
 
-@pytest.fixture(scope="module")
-def fit():
-    spec = importlib.util.spec_from_file_location("planner_time_fit", ROOT / "benchmarks/planner_time_fit.py")
+def _bench(name: str):
+    """benchmarks/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def fit():
+    return _bench("planner_time_fit")
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +133,7 @@ def test_the_readme_command(fit, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tp7b():
     """benchmarks/tp7b.py: BOOST's 7B TP-4 rows, the planner against their recorded step-time tables."""
-    spec = importlib.util.spec_from_file_location("tp7b", ROOT / "benchmarks/tp7b.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _bench("tp7b")
 
 
 def test_the_7b_tp4_steps_within_15_percent_of_the_step_time_table(tp7b):
