@@ -489,9 +489,25 @@ def test_aot_fit_fixed_plans_within_10_percent(tmp_path):
     out = fit.main(["--fixed", "--json", str(tmp_path / "fit.json")])
     assert len(out["rows"]) == len(fit.FIXED)
     for r in out["rows"]:
-        # 1.11 above: cola_1b on fsdp 8 prices 1.100 of its compile since the head's backward GEMMs run
-        # in bf16 (model/loss.py), which the memory model (fitted before) does not yet count
-        assert 0.9 <= r["ratio"] <= 1.11, (r["model"], r["mesh"], r["planner_parts"], r["peak_bytes"])
+        mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
+        why = (r["model"], mesh, r["planner_parts"], r["peak_bytes"])
+        assert r["ratio"] >= 0.9, why  # never priced more than 10% under its compile
+        if (r["model"], mesh) in FIXED_OVER:  # fails once the row is back within 11%: drop its entry
+            assert r["ratio"] > 1.11, ("back within 11%, drop it from FIXED_OVER", *why)
+        else:
+            # 1.11 above: cola_1b on fsdp 8 priced 1.100 of its compile once the head's backward GEMMs ran
+            # in bf16 (model/loss.py), which the memory model (fitted before) does not yet count
+            assert r["ratio"] <= 1.11, why
+
+
+# Fixed plans the memory model over-prices by more than 11% since the merged programs of 2026-11-28 (the
+# online norm without its float32 local-rms arrays, parallel/online_norm.py; the chunked loss without its
+# iota, model/loss.py) kept less than the terms fitted before them count (benchmarks/RESULTS.md, "the
+# suite's time"): safe side, until the memory model is re-fitted on today's programs (issue 52, item 1).
+FIXED_OVER = {
+    ("cola_7b", "1x1x2x4"): "compiled 42.7 GB, priced 61.3 (1.43)",
+    ("cola_1b", "1x1x8x1"): "compiled 8.0 GB, priced 9.0 (1.12)",
+}
 
 
 README_AOT = (
