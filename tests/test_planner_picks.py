@@ -17,12 +17,7 @@ TABLES = ("aot_fit", "aot_fit_a100", "aot_fit_fixed")
 UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
 # Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
 # once one is priced within UNDER, so that the entry goes.
-KNOWN_UNDER = {
-    # At tensor 8 (and fsdp 2 x tensor 4) and seq 2048 the compiled step keeps 73 MB per layer (3.5%) beyond the
-    # count; the scanned forward's stacked residuals match it (1.845 GB per layer compiled at 8 layers, 1.852
-    # priced): the rest is in the backward, not yet found (benchmarks/RESULTS.md 2026-11-28, planner picks).
-    ("aot_fit_fixed", "cola_7b", 8): "tensor 8 / fsdp 2 x tensor 4 at seq 2048: 73 MB per layer not yet counted",
-}
+KNOWN_UNDER = {}
 
 
 def _fit():

@@ -92,6 +92,7 @@ def pick(
 def rules(cfg, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
     """{field: value} for each FIELDS entry set to `auto` in cfg, on a GPU (or not) with mesh `sizes`."""
     m = cfg.model
+    gate = m.get("gate_kernel", AUTO)
     values = pick(
         group=m.group_linears,
         unroll=m.scan_unroll,
@@ -101,9 +102,8 @@ def rules(cfg, gpu: bool, sizes: dict[str, int], triton: bool) -> dict:
         gpu=gpu,
         sizes=sizes,
         triton=triton,
-        gate=m.get("gate_kernel", AUTO),
+        gate=gate,
     )
-    gate = m.get("gate_kernel", AUTO)
     given = dict(zip(FIELDS, (m.group_linears, m.scan_unroll, cfg.remat.policy, cfg.kernels.rmsnorm, gate)))
     return {
         field: values[name]
