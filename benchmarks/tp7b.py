@@ -13,7 +13,7 @@ with the stack the recorded program ran (`--stack scanned`: the scanned stack, a
 tensor mesh before it mirrored `auto`'s unrolling). tests/test_planner_time.py holds the rows within 15%.
 `--exposure`: the share s of the layers' backward tensor-axis collectives the step would wait for (the
 forward ones on the critical path) that fits the six rows best (least squares of planner / table - 1,
-s from 0 to 1.5), and the all-reduces per layer and micro-batch, planner and compiled program.
+s from 0 to 1.5), and the layers' all-reduces per layer and micro-batch, planner and compiled program.
 `--parts`: the layers' GEMMs, attention, bandwidth-bound work and tensor collectives, planner and table
 (the table's elementwise, norm and copies/layout together; its collectives at their exposed part).
 """
@@ -83,7 +83,7 @@ def rows(stack: str = "auto", clusters=ROOT / "configs" / "clusters") -> list[di
                     ratio=plan.step_s * 1e3 / table,
                     backward_ms=backward,
                     planner_all_reduces=sum(c.kind == "all-reduce" for c in tensor),
-                    table_all_reduces=rec["train"]["collectives"]["all-reduce"]["count"] / (4 * 32),
+                    table_all_reduces=layer_all_reduces(rec),
                     planner_parts=layer_parts(cfg, cluster, strategy),
                     table_parts={
                         "gemm": by["gemm"],
@@ -94,6 +94,19 @@ def rows(stack: str = "auto", clusters=ROOT / "configs" / "clusters") -> list[di
                 )
             )
     return out
+
+
+# Where the layers' all-reduces come from in the compiled program (the step-time table's sources); the
+# loss's, the embedding's and the optimizer's are the step's, not a layer's.
+LAYER_SOURCES = ("parallel/rules.py:weight_einsum", "parallel/online_norm.py", "parallel/placement.py")
+
+
+def layer_all_reduces(rec: dict) -> float:
+    """The recorded program's all-reduces per layer and micro-batch (4 x 32 of them): those the layers'
+    code issues (LAYER_SOURCES), each as often as the step runs it."""
+    ks = rec["profile"]["collectives"]["by_kernel"]
+    n = sum(k["count"] for k in ks if k["kind"] == "all-reduce" and any(s in k["source"] for s in LAYER_SOURCES))
+    return n / (4 * 32)
 
 
 def layer_parts(cfg, cluster, strategy: str) -> dict:

@@ -177,6 +177,18 @@ def test_the_7b_tp4_a100_rows_within_15_percent_of_the_step_time_table(tp7b):
     assert max(abs(r["ratio"] - 1) for r in a100) <= 0.15, [(r["config"], r["ratio"]) for r in a100]
 
 
+def test_the_7b_tp4_all_reduces_per_layer_as_compiled(tp7b):
+    """The planner's tensor all-reduces per layer and micro-batch are the recorded programs' (the layers'
+    sources in each step-time table, 4 micro-batches x 32 layers): BTP's online norm sends its float32
+    statistics in an all-reduce of their own; Megatron's and vanilla's per-shard norm sends none."""
+    got = {
+        (r["config"], r["strategy"], r["target"]): (r["planner_all_reduces"], r["table_all_reduces"])
+        for r in tp7b.rows()
+    }
+    assert all(planner == table for planner, table in got.values()), got
+    assert {k[1]: v[0] for k, v in got.items()} == {"btp": 10, "vanilla": 8, "megatron": 4}
+
+
 @pytest.mark.parametrize("policy", ["none", "lowrank", "full"])
 def test_the_planner_unrolls_where_auto_does(policy):
     """search_space.auto_unrolls (JAX-free) says what model/autos.py `pick` resolves scan_unroll to on a

@@ -87,6 +87,9 @@ class Coll:
     axis: str = "tensor"
     saved: bool = False  # its result is what low-rank checkpointing keeps: never recomputed
     float32: bool = False  # sent in float32 whatever the compute dtype (the context ring's dK/dV)
+    # runs beside its op's first GEMM, which does not read it (BTP's norm statistics beside the A
+    # GEMM): priced at the part of it that GEMM leaves exposed
+    beside_gemm: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

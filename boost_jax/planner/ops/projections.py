@@ -48,8 +48,10 @@ def partial_input_grad(block: Block, split: Split) -> bool:
 
 def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op:
     """The work of one projection group under one split (see the BOOST notes for the row- and
-    column-parallel stages and the PrimePar notes for st). `fused_norm`: a norm's statistics ride in
-    the A all-reduce. Partial input gradients (partial_input_grad) are charged to the edge in front."""
+    column-parallel stages and the PrimePar notes for st). `fused_norm`: the norm in front is BTP's
+    online RMSNorm (parallel/online_norm.py): its float32 statistics are all-reduced beside the A
+    products, in an all-reduce of their own. Partial input gradients (partial_input_grad) are charged
+    to the edge in front."""
     b, t, m = ctx.block, ctx.t, ctx.tokens
     din, douts = b.projections(group)
     g, r, dsum = len(douts), b.rank, sum(douts)
@@ -84,8 +86,11 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
             Coll("reduce-scatter", m * g * r, t, 1, "fwd", saved=True),
             Coll("all-gather", m * g * r, t, 1, "bwd"),
         ]
-    elif first == "in":  # the partial r-wide products (and the norm's statistics) all-reduced
-        op.colls = [Coll("all-reduce", m * g * r + stats, t, 1, "fwd", saved=True)]
+    elif first == "in":  # the partial r-wide products all-reduced, the norm's float32 statistics beside
+        # them in their own all-reduce (XLA combines no all-reduces of different dtypes)
+        op.colls = [Coll("all-reduce", m * g * r, t, 1, "fwd", saved=True)]
+        if fused:
+            op.colls.append(Coll("all-reduce", m, t, 1, "fwd", saved=True, float32=True, beside_gemm=True))
     if second == "out" and first != "rank":  # B's input gradient is partial over its output columns
         op.colls.append(Coll("all-reduce", m * g * r, t, 1, "bwd"))
     r_kept = g * r / t if first == "rank" or second == "rank" else g * r  # A's output on this device

@@ -275,7 +275,11 @@ def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "mate
     elementwise = cluster.elementwise_passes * op.acts * act_bytes / cluster.hbm_bandwidth
     cost = Cost(
         compute=op.gemm_passes * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
-        comm=sum(coll_seconds(c, cluster, act_bytes) for c in op.colls if not ring_permute(c))
+        comm=sum(
+            max(0.0, coll_seconds(c, cluster, act_bytes) - (gemm[0] if c.beside_gemm and gemm else 0.0))
+            for c in op.colls
+            if not ring_permute(c)
+        )
         + ring_exposed(op, attn, cluster, act_bytes),
         kept=cluster.kept_passes * saved_bytes(op, policy, act_bytes) / cluster.hbm_bandwidth
         if cluster.kept_passes
