@@ -63,18 +63,18 @@ class PerShardNorm:
             return rows(*arrays, scale)
         if len(spec) == x.ndim and spec[-1] is not None:
             return rows(*arrays, scale, "xla")
-        # Manual over the axes that split the rows alone: over an axis the rows are replicated on
-        # (`tensor` under Megatron), the map's transpose would all-reduce x's cotangent, which every
-        # device already holds whole (check_vma=False: it divides the incoming one and sums it back).
-        split = {a for s in spec for a in rules.as_tuple(s)}
-        if not split:
+        if not any(rules.as_tuple(s) for s in spec):
+            # Rows split over no axis (Megatron's and vanilla's stream under tensor parallelism alone):
+            # the call on the whole rows. A map would all-reduce x's cotangent over the axes the rows
+            # are replicated on (check_vma=False: its transpose divides the incoming cotangent and sums
+            # it back), which every device already holds whole. A map manual over the splitting axes
+            # alone would do for split rows, but XLA:GPU gathers a kernel call's operands whole there.
             return rows(*arrays, scale)
         return jax.shard_map(
             lambda *a: rows(*a),
             mesh=rules.traced_mesh(self.mesh),
             in_specs=(*(spec for _ in arrays), P()),
             out_specs=out_specs(spec),
-            axis_names=split,
             check_vma=False,
         )(*arrays, scale)  # a pallas_call has no vma types
 
