@@ -63,12 +63,15 @@ class PerShardNorm:
             return rows(*arrays, scale)
         if len(spec) == x.ndim and spec[-1] is not None:
             return rows(*arrays, scale, "xla")
-        if not any(rules.as_tuple(s) for s in spec):
-            # Rows split over no axis (Megatron's and vanilla's stream under tensor parallelism alone):
-            # the call on the whole rows. A map would all-reduce x's cotangent over the axes the rows
-            # are replicated on (check_vma=False: its transpose divides the incoming cotangent and sums
-            # it back), which every device already holds whole. A map manual over the splitting axes
-            # alone would do for split rows, but XLA:GPU gathers a kernel call's operands whole there.
+        if not any(rules.as_tuple(s) for s in spec) and all(
+            n == 1 for a, n in self.mesh.shape.items() if a != "tensor"
+        ):
+            # Tensor parallelism alone, rows replicated (Megatron's and vanilla's stream): the call on the
+            # whole rows. The map would all-reduce x's cotangent over `tensor` (check_vma=False: its
+            # transpose divides the incoming cotangent and sums it back), which every device already
+            # holds whole. Elsewhere the rows may be split where the spec does not say (the data
+            # island's vmap over `data`), and a kernel call outside a map is then gathered whole on
+            # GPU; so is one in a map manual over the splitting axes alone.
             return rows(*arrays, scale)
         return jax.shard_map(
             lambda *a: rows(*a),
