@@ -1,15 +1,16 @@
 """BOOST's table re-priced: full-rank (llama_* with `parallel.strategy=megatron`), vanilla low-rank TP (cola_*
-`vanilla`) and BTP (cola_* `btp`) for the paper's 3B TP 2, 7B TP 4 and 13B TP 4 x PP 2 rows on A100-40GB
-(seq 4096, 4 micro-batches of one row, remat none, the `auto` defaults), each priced by the step-time table
-of its compiled program and by the planner, beside BOOST's measured iteration times, with the speedups.
+`vanilla`) and BTP (cola_* `btp`) for the paper's 3B TP 2, 7B TP 4 and 13B TP 4 x PP 2 rows (seq 4096, 4
+micro-batches of one row, the `auto` defaults; remat none, and 13B at remat full too), each priced by the
+step-time table of its compiled program and by the planner, beside BOOST's measured iteration times (A100),
+with BTP's speedups.
 
-    python benchmarks/boost_table.py [--out DIR] [--cluster configs/clusters/a100_4x.py]
+    python benchmarks/boost_table.py [--target a100_40gb|h100] [--out DIR] [--cluster FILE]
 
-Each row's table is the `tools.aot --profile` record of its program: benchmarks/tp7b/CONFIG_STRATEGY_a100_40gb.json
-for 7B (benchmarks/tp7b.py's), benchmarks/boost_table/CONFIG_STRATEGY_a100_40gb.json for 3B and 13B, written by
-`command(...)` (13B: pipeline 2 x tensor 4, parallel.microbatches=4 under the default gpipe schedule, no
-accumulation). The planner prices the strategy's plan (strategy_tables.uniform_plan) on the cluster file
-with the stack the recorded program ran. Writes OUT/boost_table.md and OUT/boost_table.json (OUT: benchmarks/).
+Each row's table is the `tools.aot --profile` record of its program, written by `command(...)`: 7B's in
+benchmarks/tp7b/ (benchmarks/tp7b.py's), 3B's and 13B's in benchmarks/boost_table/ (13B: pipeline 2 x
+tensor 4, parallel.microbatches=4 under the default gpipe schedule, no accumulation). The planner prices
+the strategy's plan (strategy_tables.uniform_plan) on the target's cluster file with the stack the program
+ran. Writes OUT/boost_table.md and .json (h100: boost_table_h100.*; OUT: benchmarks/).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from boost_jax.planner.ops.strategy_tables import uniform_plan
 from boost_jax.tools.devices import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET = "a100_40gb"
-CLUSTER = ROOT / "configs" / "clusters" / "a100_4x.py"
+TARGET = "a100_40gb"  # the paper's GPU (its nodes: a100_4x); h100 rows too, without paper numbers
+CLUSTERS = {"a100_40gb": "a100_4x", "h100": "h100_8x"}
+CLUSTER_DIR = ROOT / "configs" / "clusters"
 # (size, tensor, pipeline, remat.policy): the paper's rows, remat none as BOOST runs 7B; 13B's remat-none steps
 # do not fit 40 GB (their compiled peak is shown), so 13B is priced with remat full too
 SHAPES = [("3b", 2, 1, "none"), ("7b", 4, 1, "none"), ("13b", 4, 2, "none"), ("13b", 4, 2, "full")]
@@ -60,13 +62,13 @@ def gemm_params(cfg) -> float:
     return m.n_layers * per_layer + d * m.vocab_size
 
 
-def path_of(config: str, strategy: str, remat: str = "none") -> Path:
+def path_of(config: str, strategy: str, remat: str = "none", target: str = TARGET) -> Path:
     folder = "tp7b" if "_7b" in config else "boost_table"
     tail = "" if remat == "none" else f"_remat_{remat}"
-    return ROOT / "benchmarks" / folder / f"{config}_{strategy}{tail}_{TARGET}.json"
+    return ROOT / "benchmarks" / folder / f"{config}_{strategy}{tail}_{target}.json"
 
 
-def command(config: str, strategy: str, tensor: int, pipeline: int, remat: str = "none") -> str:
+def command(config: str, strategy: str, tensor: int, pipeline: int, remat: str = "none", target: str = TARGET) -> str:
     """The tools.aot command that records a row's table (into path_of)."""
     devices = tensor * pipeline
     mesh = f"1,1,{tensor}" if pipeline == 1 else f"{pipeline},1,1,{tensor}"
@@ -76,16 +78,24 @@ def command(config: str, strategy: str, tensor: int, pipeline: int, remat: str =
         else f"--config.train.grad_accum=1 --config.parallel.microbatches={MICRO}"
     )
     return (
-        f"python -m boost_jax.tools.aot --target {TARGET} --devices {devices} --config configs/{config}.py "
+        f"python -m boost_jax.tools.aot --target {target} --devices {devices} --config configs/{config}.py "
         f"--mesh {mesh} --train-only --profile --config.parallel.strategy={strategy} "
         f"--config.train.seq_len={SEQ} --config.train.global_batch={MICRO} {batches} "
         f"--config.remat.policy={remat} --config.model.max_seq_len={SEQ} "
-        f"--json {path_of(config, strategy, remat).relative_to(ROOT)}"
+        f"--json {path_of(config, strategy, remat, target).relative_to(ROOT)}"
     )
 
 
 def check(
-    rec: dict, cfg, config: str, strategy: str, tensor: int, pipeline: int, where: str, remat: str = "none"
+    rec: dict,
+    cfg,
+    config: str,
+    strategy: str,
+    tensor: int,
+    pipeline: int,
+    where: str,
+    remat: str = "none",
+    target: str = TARGET,
 ) -> None:
     """ValueError unless `rec` is the program the row names: target, config, mesh, remat policy, a profile, the
     step's tokens (its GEMM FLOPs per device from 0.9 x to 1.1 x 6 x GEMM parameters x tokens / devices, 8 x
@@ -93,10 +103,10 @@ def check(
     all-reduce volume per token per layer within BOUNDS of the strategy's, x 1.5 under remat full, x the ticks)."""
     mesh = {"pipeline": pipeline, "data": 1, "fsdp": 1, "context": 1, "tensor": tensor}
     got = (rec.get("target"), rec.get("config"), rec.get("mesh"), rec.get("resolved", {}).get("remat.policy"))
-    redo = f"rerun `{command(config, strategy, tensor, pipeline, remat)}`"
-    if got != (TARGET, f"configs/{config}.py", mesh, remat) or "profile" not in rec:
+    redo = f"rerun `{command(config, strategy, tensor, pipeline, remat, target)}`"
+    if got != (target, f"configs/{config}.py", mesh, remat) or "profile" not in rec:
         raise ValueError(
-            f"{where}: not the {config} {TARGET} TP {tensor} x PP {pipeline} remat-{remat} step with --profile; {redo}"
+            f"{where}: not the {config} {target} TP {tensor} x PP {pipeline} remat-{remat} step with --profile; {redo}"
         )
     m = cfg.model
     # a pipelined step runs M + S - 1 ticks of every stage for M micro-batches (gpipe: the bubble's ticks compute too)
@@ -117,13 +127,14 @@ def check(
         raise ValueError(f"{where}: all-reduce volume {share:.2f}x what {strategy} sends, not its program; {redo}")
 
 
-def record(config: str, strategy: str, tensor: int, pipeline: int, remat: str = "none") -> dict:
+def record(config: str, strategy: str, tensor: int, pipeline: int, remat: str = "none", target: str = TARGET) -> dict:
     """The recorded table of one row, checked to be the program the row names (ValueError otherwise)."""
-    path = path_of(config, strategy, remat)
+    path = path_of(config, strategy, remat, target)
+    redo = command(config, strategy, tensor, pipeline, remat, target)
     if not path.exists():
-        raise ValueError(f"{path}: missing; record it with `{command(config, strategy, tensor, pipeline, remat)}`")
+        raise ValueError(f"{path}: missing; record it with `{redo}`")
     rec = json.loads(path.read_text())
-    check(rec, model_config(config), config, strategy, tensor, pipeline, str(path.relative_to(ROOT)), remat)
+    check(rec, model_config(config), config, strategy, tensor, pipeline, str(path.relative_to(ROOT)), remat, target)
     return rec
 
 
@@ -150,17 +161,18 @@ def planner_ms(config: str, strategy: str, tensor: int, pipeline: int, remat: st
     return plan.step_s * 1e3
 
 
-def rows(cluster=CLUSTER) -> list[dict]:
+def rows(target: str = TARGET, cluster=None) -> list[dict]:
     """One dict per row: size, tensor, pipeline, config, strategy, name, table_ms, planner_ms, paper_ms (None
-    where BOOST measured none), peak_gb and fits (the compiled step's memory on the 40 GB GPU). `cluster`: a
-    cluster file or a loaded Cluster."""
+    where BOOST measured none: every row but its GPU's 7B), peak_gb and fits (the compiled step's memory on the
+    GPU). `cluster`: a cluster file or a loaded Cluster (None: the target's, CLUSTERS)."""
+    cluster = CLUSTER_DIR / f"{CLUSTERS[target]}.py" if cluster is None else cluster
     if isinstance(cluster, (str, Path)):
         cluster = load_cluster(Path(cluster))
     out = []
     for size, tensor, pipeline, remat in SHAPES:
         for family, strategy, name in STRATEGIES:
             config = f"{family}_{size}"
-            rec = record(config, strategy, tensor, pipeline, remat)
+            rec = record(config, strategy, tensor, pipeline, remat, target)
             out.append(
                 dict(
                     size=size,
@@ -174,7 +186,7 @@ def rows(cluster=CLUSTER) -> list[dict]:
                     planner_ms=planner_ms(
                         config, strategy, tensor, pipeline, remat, bool(rec["resolved"]["model.scan_unroll"]), cluster
                     ),
-                    paper_ms=PAPER_MS.get((size, strategy)) if remat == "none" else None,
+                    paper_ms=PAPER_MS.get((size, strategy)) if (remat, target) == ("none", TARGET) else None,
                     peak_gb=int(rec["train"]["peak_bytes"]) / 1e9,
                     fits=bool(rec["train"]["fits"]),
                 )
@@ -206,10 +218,10 @@ def _x(v) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
-def markdown(rs: list[dict], ups: list[dict]) -> str:
+def markdown(rs: list[dict], ups: list[dict], target: str = TARGET) -> str:
     lines = [
         f"| model | TP x PP | remat | strategy | table ms | planner ms | planner / table | paper ms "
-        f"| compiled peak GB (fits {TARGET}) |",
+        f"| compiled peak GB (fits {target}) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rs:
@@ -238,20 +250,23 @@ def markdown(rs: list[dict], ups: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for boost_table.md and .json")
-    ap.add_argument("--cluster", default=str(CLUSTER), help="the cluster file the planner prices")
+    ap.add_argument("--target", choices=sorted(CLUSTERS), default=TARGET, help="the GPU the rows are compiled for")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for boost_table[_TARGET].md and .json")
+    ap.add_argument("--cluster", help="the cluster file the planner prices (default: the target's, CLUSTERS)")
     args = ap.parse_args(argv)
     try:
-        rs = rows(Path(args.cluster))
+        rs = rows(args.target, args.cluster)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ups = speedups(rs)
-    text = markdown(rs, ups)
+    text = markdown(rs, ups, args.target)
     print(text)
+    name = "boost_table" if args.target == TARGET else f"boost_table_{args.target}"
     out = Path(args.out)
-    (out / "boost_table.md").write_text(text + "\n")
-    (out / "boost_table.json").write_text(json.dumps({"target": TARGET, "rows": rs, "speedups": ups}, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text + "\n")
+    saved = {"target": args.target, "rows": rs, "speedups": ups}
+    (out / f"{name}.json").write_text(json.dumps(saved, indent=1) + "\n")
     return 0
 
 

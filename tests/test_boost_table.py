@@ -30,24 +30,28 @@ def bt():
     return module
 
 
+TARGETS = ["a100_40gb", "h100"]
+
+
 @pytest.fixture(scope="module")
 def rows(bt):
-    return bt.rows()
+    return {target: bt.rows(target) for target in TARGETS}
 
 
-def test_every_row_recorded_and_priced_by_the_planner(bt, rows):
-    """Twelve rows (3B, 7B, 13B at remat none and full x full-rank / vanilla / BTP), each a recorded table and
-    a planner price; the paper's numbers on the 7B rows alone."""
-    assert [(r["size"], r["remat"], r["strategy"]) for r in rows] == [
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_row_recorded_and_priced_by_the_planner(bt, rows, target):
+    """Twelve rows per GPU (3B, 7B, 13B at remat none and full x full-rank / vanilla / BTP), each a recorded
+    table and a planner price; the paper's numbers on the A100's 7B rows alone."""
+    rs = rows[target]
+    assert [(r["size"], r["remat"], r["strategy"]) for r in rs] == [
         (s, remat, st) for s, _, _, remat in bt.SHAPES for _, st, _ in bt.STRATEGIES
     ]
-    assert len(rows) == 12
-    assert all(r["table_ms"] > 0 and r["planner_ms"] > 0 for r in rows)
-    assert {(r["size"], r["strategy"]): r["paper_ms"] for r in rows if r["paper_ms"]} == {
-        ("7b", "megatron"): 1060.0,
-        ("7b", "vanilla"): 1640.0,
-        ("7b", "btp"): 720.0,
-    }
+    assert len(rs) == 12
+    assert all(r["table_ms"] > 0 and r["planner_ms"] > 0 for r in rs)
+    paper = {("7b", "megatron"): 1060.0, ("7b", "vanilla"): 1640.0, ("7b", "btp"): 720.0}
+    assert {(r["size"], r["strategy"]): r["paper_ms"] for r in rs if r["paper_ms"]} == (
+        paper if target == "a100_40gb" else {}
+    )
 
 
 def test_the_docs_command_is_the_rows_command(bt):
@@ -82,13 +86,16 @@ def test_a_record_not_its_rows_program_fails(bt, wrong):
         bt.check(bad, model, "cola_3b", strategy, 2, 1, "here")
 
 
-def test_the_table_and_its_speedups_come_from_the_rows(bt, rows, tmp_path, capsys):
-    """`python benchmarks/boost_table.py` (docs/planner.md): each printed ms is its row's, each speedup the
-    ratio of the printed ms (full-rank or vanilla over BTP), "n/a" where the paper measured none; the JSON
-    holds the same."""
-    assert bt.main(["--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_table_and_its_speedups_come_from_the_rows(bt, rows, target, tmp_path, capsys):
+    """`python benchmarks/boost_table.py` (docs/planner.md; `--target h100`): each printed ms is its row's,
+    each speedup the ratio of the printed ms (full-rank or vanilla over BTP), "n/a" where the paper measured
+    none; the JSON holds the same."""
+    assert bt.main(["--out", str(tmp_path), "--target", target]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == (tmp_path / "boost_table.md").read_text().strip()
+    name = "boost_table" if target == "a100_40gb" else f"boost_table_{target}"
+    assert out.strip() == (tmp_path / f"{name}.md").read_text().strip()
+    rows = rows[target]
     tables = [
         [[c.strip() for c in ln.strip("|").split("|")] for ln in block.splitlines()[2:]]
         for block in out.split("\n\n")[:2]
@@ -112,10 +119,11 @@ def test_the_table_and_its_speedups_come_from_the_rows(bt, rows, tmp_path, capsy
                     assert got == "n/a"
                 else:
                     assert float(got.rstrip("x")) == pytest.approx(want / ms[(size, remat, "btp")][i], abs=0.006)
-    saved = json.loads((tmp_path / "boost_table.json").read_text())
-    assert saved["rows"] == json.loads(json.dumps(rows))
-    assert saved["speedups"][1]["paper_vs_megatron"] == pytest.approx(1060 / 720)
-    assert saved["speedups"][1]["paper_vs_vanilla"] == pytest.approx(1640 / 720)
+    saved = json.loads((tmp_path / f"{name}.json").read_text())
+    assert saved["target"] == target and saved["rows"] == json.loads(json.dumps(rows))
+    if target == "a100_40gb":
+        assert saved["speedups"][1]["paper_vs_megatron"] == pytest.approx(1060 / 720)
+        assert saved["speedups"][1]["paper_vs_vanilla"] == pytest.approx(1640 / 720)
 
 
 def test_a_missing_record_is_a_one_line_error(bt, monkeypatch, tmp_path, capsys):

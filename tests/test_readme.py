@@ -82,6 +82,7 @@ COMMANDS = {
     "python benchmarks/aot_fit.py --smallest": "test_aot.py::test_aot_fit_readme_command",
     "python benchmarks/tp7b.py": "test_planner_time.py::test_the_tp7b_command",
     "python benchmarks/boost_table.py": "test_boost_table.py::test_the_table_and_its_speedups_come_from_the_rows",
+    "python benchmarks/boost_table.py --target h100": "test_boost_table.py::test_the_table_and_its_speedups_come_from_the_rows",
     "python -m boost_jax.tools.aot --target a100_40gb --devices 2 --config configs/cola_3b.py --mesh 1,1,2 --train-only "
     "--profile --config.parallel.strategy=btp --config.train.seq_len=4096 --config.train.global_batch=4 "
     "--config.train.grad_accum=4 --config.remat.policy=none --config.model.max_seq_len=4096 "
