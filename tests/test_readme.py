@@ -81,6 +81,12 @@ COMMANDS = {
     "--target h100": "test_aot.py::test_readme_commands",
     "python benchmarks/aot_fit.py --smallest": "test_aot.py::test_aot_fit_readme_command",
     "python benchmarks/tp7b.py": "test_planner_time.py::test_the_tp7b_command",
+    "python benchmarks/boost_table.py": "test_boost_table.py::test_the_table_and_its_speedups_come_from_the_rows",
+    "python benchmarks/boost_table.py --target h100": "test_boost_table.py::test_the_table_and_its_speedups_come_from_the_rows",
+    "python -m boost_jax.tools.aot --target a100_40gb --devices 2 --config configs/cola_3b.py --mesh 1,1,2 --train-only "
+    "--profile --config.parallel.strategy=btp --config.train.seq_len=4096 --config.train.global_batch=4 "
+    "--config.train.grad_accum=4 --config.remat.policy=none --config.model.max_seq_len=4096 "
+    "--json benchmarks/boost_table/cola_3b_btp_a100_40gb.json": "test_boost_table.py::test_the_recording_command",
     "python benchmarks/gpu_bench.py --parts device,train256 --one-process --profile gpu_profile": "test_benchmarks_smoke.py::test_gpu_bench_train256_one_process_profile",
     "python benchmarks/vs_torch.py --cola-repo /path/to/CoLA": "test_benchmarks_smoke.py::test_vs_torch",
     "python benchmarks/aot_fit.py --fixed": "test_aot.py::test_aot_fit_fixed_plans_within_10_percent",
