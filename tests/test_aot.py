@@ -64,9 +64,12 @@ def _check_memory(r):
 
 
 def test_tiny_on_one_h100_takes_the_gpu_paths(make_config):
-    """Document rows: cuDNN with per-row lengths (mask PADDING_CAUSAL) forward and backward, the
-    Pallas norm as Triton kernels, bf16 compute under dtype=auto; the eval step compiles too."""
-    cfg = _tiny(make_config, **{"data.batching": "document", "model.attention": "auto", "kernels.rmsnorm": "pallas"})
+    """Document rows: cuDNN with per-row lengths (mask PADDING_CAUSAL) forward and backward at a head dim
+    it pads (10, as 3B's 100), the Pallas norm as Triton kernels, bf16 compute under dtype=auto; the eval
+    step compiles too."""
+    odd_heads = {"model.d_model": 40, "model.n_heads": 4, "model.n_kv_heads": 2}
+    extra = {"data.batching": "document", "model.attention": "auto", "kernels.rmsnorm": "pallas", **odd_heads}
+    cfg = _tiny(make_config, **extra)
     rep = aot.compile_config(cfg, "h100", 1)
     train, ev = rep["train"], rep["eval"]
     layers = cfg.model.n_layers

@@ -472,3 +472,45 @@ def test_attention_module_keeps_documents_apart(make_config):
     pos = jnp.broadcast_to(jnp.arange(4), (2, 4))
     with_docs, _ = attn(x[:, :4], norm, pos, cache, docs=A.Documents.packed(seg[:, :4]))
     np.testing.assert_array_equal(with_docs, attn(x[:, :4], norm, pos, cache)[0])
+
+
+def test_cudnn_pads_a_head_dim_it_does_not_take():
+    """cudnn's wrapper zero-pads head dim 10 to 16 at the unpadded scale: value and gradients equal the
+    causal softmax attention at dim 10 in float64 (numpy), on fresh inputs; auto takes it on a GPU."""
+    from boost_jax.model.attention.cudnn import padded_head_dim
+
+    rng = np.random.default_rng()
+    b, t, h, d = 2, 7, 3, 10
+    q, k, v, w = (rng.standard_normal((b, t, h, d)) for _ in range(4))
+    seen = []
+
+    def xla(q, k, v, **kw):
+        seen.append(q.shape[-1])
+        return jax.nn.dot_product_attention(q, k, v, **kw)
+
+    def loss(q, k, v):
+        out = padded_head_dim(xla)(q, k, v, is_causal=True, implementation="xla")
+        return jnp.sum(out * w), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        *(jnp.asarray(a, jnp.float32) for a in (q, k, v))
+    )
+    assert seen == [16] and out.shape == (b, t, h, d)
+
+    def ref(q, k, v):  # numpy float64, causal
+        s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+        s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+    np.testing.assert_allclose(out, ref(q, k, v), rtol=1e-4, atol=1e-5)
+    eps = 1e-6
+    for i, g in enumerate(grads):  # central differences of sum(ref * w) along a random direction
+        u = rng.standard_normal(g.shape)
+        args = [q, k, v]
+        hi, lo = list(args), list(args)
+        hi[i], lo[i] = args[i] + eps * u, args[i] - eps * u
+        fd = (np.sum(ref(*hi) * w) - np.sum(ref(*lo) * w)) / (2 * eps)
+        np.testing.assert_allclose(np.sum(np.asarray(g) * u), fd, rtol=1e-3, atol=1e-4)
+    assert A.auto_impl(True, True, 100, 4096, 4096) == "cudnn"  # 3B's head dim, padded to 104
+    assert A.auto_impl(True, True, 130, 4096, 4096) == "chunked"  # 136 padded: past cuDNN's 128

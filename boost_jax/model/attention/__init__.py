@@ -32,7 +32,7 @@ visible to query t of row b iff s <= t and segments[b, s] == segments[b, t]. The
 #   Documents go in as the kernel's segment ids.
 # - cudnn: `jax.nn.dot_product_attention(implementation="cudnn")`, bf16/fp16 on an NVIDIA GPU. Takes
 #   one document per row only (its query / key-value sequence lengths), not packed rows.
-# - auto: cudnn on a GPU in bf16/fp16 (head dim a multiple of 8, at most 128), else xla up to
+# - auto: cudnn on a GPU in bf16/fp16 (head dim at most 128; cudnn pads it to a multiple of 8), else xla up to
 #   `AUTO_XLA_MAX_KEYS` keys, else chunked; packed rows never run cudnn.
 #
 # A decode step (a traced offset) runs `chunked` under the fused kernels, which take offset 0 only.

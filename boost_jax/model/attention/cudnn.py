@@ -1,7 +1,10 @@
 """`cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, bf16/fp16 on an NVIDIA GPU; one
-document per row only (its query / key-value sequence lengths)."""
+document per row only (its query / key-value sequence lengths). A head dim cuDNN's fused kernel does not
+take (not a multiple of 8, e.g. 3B's 100) runs zero-padded to the next multiple of 8 at the unpadded scale."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +32,12 @@ def cudnn_attention(q, k, v, offset, *, docs: Documents | None = None):
         )
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"cudnn attention needs as many keys as queries, got {q.shape[1]} and {k.shape[1]}")
+    call = padded_head_dim(jax.nn.dot_product_attention)
     # per_shard: per head shard where XLA cannot partition the call (inside the 1F1B pipeline's stages)
     heads, kv_heads = ("act_batch", "act_seq", "act_heads", None), ("act_batch", "act_seq", "act_kv_heads", None)
     if docs is None:
         out = per_shard(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+            lambda q, k, v: call(q, k, v, is_causal=True, implementation="cudnn"),
             (q, k, v),
             (heads, kv_heads, kv_heads),
             heads,
@@ -45,7 +49,7 @@ def cudnn_attention(q, k, v, offset, *, docs: Documents | None = None):
             "(data.batching=document), not packed rows; use chunked, xla or auto"
         )
     out = per_shard(
-        lambda q, k, v, n: jax.nn.dot_product_attention(
+        lambda q, k, v, n: call(
             q, k, v, is_causal=True, implementation="cudnn", query_seq_lengths=n, key_value_seq_lengths=n
         ),
         (q, k, v, docs.lengths),
@@ -53,3 +57,23 @@ def cudnn_attention(q, k, v, offset, *, docs: Documents | None = None):
         heads,
     )
     return checkpoint_name(out, "attn_out")
+
+
+HEAD_DIM_MULTIPLE = 8  # cuDNN's fused attention takes head dims that are multiples of 8
+
+
+def padded_head_dim(attend):
+    """`attend(q, k, v, **kw)` ([B, T, heads, D] each) with D zero-padded to a multiple of
+    HEAD_DIM_MULTIPLE and the output sliced back: padded q·k products are unchanged, padded v columns
+    give zero output columns; the softmax scale stays 1/sqrt(D)."""
+
+    def call(q, k, v, **kw):
+        dim = q.shape[-1]
+        extra = -dim % HEAD_DIM_MULTIPLE
+        if not extra:
+            return attend(q, k, v, **kw)
+        pad = [(0, 0)] * (q.ndim - 1) + [(0, extra)]
+        q, k, v = (jnp.pad(a, pad) for a in (q, k, v))
+        return attend(q, k, v, scale=1.0 / math.sqrt(dim), **kw)[..., :dim]
+
+    return call

@@ -159,11 +159,11 @@ def masks(name: str, kind: str) -> bool:
 
 def auto_impl(on_gpu: bool, half: bool, head_dim: int, queries: int, keys: int, documents: str | None = None) -> str:
     """What `auto` runs: cudnn on a GPU in bf16/fp16 where cuDNN's fused kernel takes the shapes
-    (head dim a multiple of 8, at most 128, as many keys as queries), else xla up to
+    (head dim at most 128 once padded to a multiple of 8, as many keys as queries), else xla up to
     AUTO_XLA_MAX_KEYS keys, else chunked. `documents`: None (no documents), "lengths" (one document
     per row) or "segments" (packed rows: cudnn is out). (The planner prices plans with it.)"""
     cudnn_ok = documents is None or masks("cudnn", documents)
-    if on_gpu and half and head_dim % 8 == 0 and head_dim <= 128 and keys == queries and cudnn_ok:
+    if on_gpu and half and -(-head_dim // 8) * 8 <= 128 and keys == queries and cudnn_ok:
         return "cudnn"
     return "xla" if keys <= AUTO_XLA_MAX_KEYS else "chunked"
 
