@@ -75,7 +75,7 @@ def row(
     cfg = aot.load(str(config), flags)
     t0 = time.perf_counter()
     rep = REUSE.get((config.stem, devices, target, " ".join(f.removeprefix("--config.") for f in flags)))
-    rep = rep or aot.compile_config(cfg, target, devices, programs=("train",))
+    rep = rep or aot.compile_config(cfg, target, devices, programs=("train",), table=True)
     train = rep["train"]
     return {
         **out,
@@ -92,7 +92,17 @@ def row(
         "ratio": best.memory["total"] / train["peak_bytes"],
         "compile_s": time.perf_counter() - t0,
         "kernels": train["kernels"],
+        **step_ms(best, rep),
     }
+
+
+def step_ms(priced, rep: dict) -> dict:
+    """The planner's step ms of a plan beside the step-time table's of its compile (`table_ms`, where the
+    compile was priced: tools/step_profile on the same deviceless program, no extra compile)."""
+    out = {"planner_ms": priced.step_s * 1e3}
+    if rep.get("profile"):
+        out["table_ms"] = rep["profile"]["predicted_step_s"] * 1e3
+    return out
 
 
 # (model, GPUs, target, plan flags) -> a compile recorded by an earlier run (--reuse): taken, not compiled again
@@ -111,6 +121,7 @@ def reuse(paths: str) -> None:
                     "device_kind": r["device_kind"],
                     "mesh": r["mesh"],
                     "train": train,
+                    **({"profile": {"predicted_step_s": r["table_ms"] / 1e3}} if "table_ms" in r else {}),
                 }
 
 
@@ -179,13 +190,14 @@ def fixed_row(
         Options(batch=batch, seq=seq, attention="cudnn", check_memory=False),
     )
     t0 = time.perf_counter()
-    train = aot.compile_config(cfg, target, p * d * f * t, programs=("train",))["train"]
+    rep = aot.compile_config(cfg, target, p * d * f * t, programs=("train",), table=True)
     return {
         "model": name,
         "devices": p * d * f * t,
         "plan": " ".join(a.removeprefix("--config.") for a in flags),
         "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)),
-        **compared(priced, train, t0),
+        **compared(priced, rep["train"], t0),
+        **step_ms(priced, rep),
     }
 
 
@@ -260,14 +272,19 @@ def recompile(r: dict, target: str, cluster: Path, pipelined: list | None) -> di
 
     flags = [f"--config.{f}" for f in r["plan"].split()]
     t0 = time.perf_counter()
-    train = aot.compile_config(
-        aot.load(str(ROOT / "configs" / f"{r['model']}.py"), flags), target, r["devices"], programs=("train",)
-    )["train"]
+    rep = aot.compile_config(
+        aot.load(str(ROOT / "configs" / f"{r['model']}.py"), flags),
+        target,
+        r["devices"],
+        programs=("train",),
+        table=True,
+    )
     priced = reprice(r, cluster, pipelined)
     return {
         **{k: v for k, v in r.items() if k not in ("kernels",)},
-        **compared(priced, train, t0),
-        "kernels": train["kernels"],
+        **compared(priced, rep["train"], t0),
+        "kernels": rep["train"]["kernels"],
+        **step_ms(priced, rep),
     }
 
 
@@ -438,10 +455,12 @@ def main(argv=None) -> dict:
         return _reprice_table(args)
     if args.recompile:
         old = json.loads(Path(args.recompile).read_text())
+        done: dict = {}  # a plan in both tables compiles once
         for group, out in (("rows", rows), ("smallest", small)):
             for r in old[group]:
                 if r.get("plan") and _chosen(r, args.only):
-                    r = recompile(
+                    key = (r["model"], r["devices"], r["plan"])
+                    done[key] = r = done.get(key) or recompile(
                         r, old["target"], ROOT / "configs" / "clusters" / f"{old['cluster']}.py", _pipelined()
                     )
                     print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "planner_parts")}), flush=True)
