@@ -44,6 +44,10 @@ def edge(
         # the weight gradient (a normalised row gathered); with XLA's norm the GPU program keeps the
         # token shard instead (GPU_SAVED_NORM_XLA["S"])
         op.saved = op.acts
+        # The GPU program keeps the token shard with the fused norm too and gathers it again in its
+        # backward: no [layers, T, d] in llama_1b / llama_7b megatron-SP f16 x t4's buffers
+        # (benchmarks/RESULTS.md 2026-11-29); the time terms still count the pass (`saved`)
+        op.kept = (0.0, 0.0) if gpu(ctx) else None
     return op
 
 

@@ -8,7 +8,13 @@ import types
 
 from boost_jax.config import PROJECTION_GROUPS as GROUPS
 from boost_jax.config import ST
-from boost_jax.planner.ops.kept_arrays import GPU_SAVED_ONLINE_NORM32, SAVED_LINEAR, SAVED_ONLINE_NORM, SAVED_SIGMA
+from boost_jax.planner.ops.kept_arrays import (
+    GPU_SAVED_ONLINE_NORM32,
+    GPU_UNROLLED_SIGMA,
+    SAVED_LINEAR,
+    SAVED_ONLINE_NORM,
+    SAVED_SIGMA,
+)
 from boost_jax.planner.ops.operators import Block, Coll, Ctx, Gemm, Op, StMatmul, divides, gpu
 from boost_jax.planner.ops.strategy_tables import GRID, NONE, Split, strategy_layers
 
@@ -106,6 +112,7 @@ def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
         if on_gpu:
             op.saved = a_out * kept
             op.saved32 = a_out * GPU_SAVED_ONLINE_NORM32 if fused else 0.0
+            op.kept_unrolled = (a_out * min(kept, GPU_UNROLLED_SIGMA), 0.0)
         else:
             op.saved = a_out * (kept + (SAVED_ONLINE_NORM if fused else 0))
     return op
