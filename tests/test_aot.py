@@ -500,14 +500,9 @@ def test_aot_fit_fixed_plans_within_10_percent(tmp_path):
             assert r["ratio"] <= 1.11, why
 
 
-# Fixed plans the memory model over-prices by more than 11% since the merged programs of 2026-11-28 (the
-# online norm without its float32 local-rms arrays, parallel/online_norm.py; the chunked loss without its
-# iota, model/loss.py) kept less than the terms fitted before them count (benchmarks/RESULTS.md, "the
-# suite's time"): safe side, until the memory model is re-fitted on today's programs (issue 52, item 1).
-FIXED_OVER = {
-    ("cola_7b", "1x1x2x4"): "compiled 42.7 GB, priced 61.3 (1.43)",
-    ("cola_1b", "1x1x8x1"): "compiled 8.0 GB, priced 9.0 (1.12)",
-}
+# Fixed plans the memory model over-prices by more than 11%, each with why (none since the re-fit of
+# 2026-11-29, benchmarks/RESULTS.md: the collective pipeliner's term and XLA's packing).
+FIXED_OVER: dict = {}
 
 
 README_AOT = (
@@ -545,11 +540,9 @@ NOT_PIPELINED = (
 
 
 # The compiled peak fell from 8.4 to 7.7 GB when the chunked loss stopped building a [B, c, V] iota
-# and casting the head weight per chunk (model/loss.py, 2026-11-28): the planner's pipelined loss term
-# (cost.LOGIT_BUFFERS, fitted on the old program) now prices the plan 1.15x, on the safe side. A strict
-# xfail until the loss term is re-fitted on today's programs (issue 52, item 1).
+# and casting the head weight per chunk (model/loss.py, 2026-11-28); the planner priced it 1.15x until
+# XLA's packing overhead was left to pipelines under a remat policy (2026-11-29).
 @pytest.mark.slow
-@pytest.mark.xfail(reason="pipelined loss term not re-fitted after the chunked loss's iota went", strict=True)
 def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(tmp_path):
     """llama_1b's widths with 8 layers, circular V 2 over pipeline 2 x fsdp 2 x tensor 2 (megatron-SP),
     M 4, batch 128 x seq 256, XLA's norm: the planner's peak per GPU within 10% of the deviceless H100

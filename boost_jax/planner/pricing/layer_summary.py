@@ -56,6 +56,11 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             tensor_links=links,
             kept_none=sum(cost.kept_bytes(op, "none", opts.act_bytes, pr.unrolled) for op in ops),
             bottleneck=sum(op.bottleneck for op in ops),
+            regathered=sum(
+                cost.saved_bytes(op, policy, opts.act_bytes) - cost.kept_bytes(op, policy, opts.act_bytes)
+                for op in ops
+                if op.kept is not None
+            ),
         )
     return pr.summaries[layer]
 
