@@ -4,6 +4,8 @@ the planner's prediction.
     python benchmarks/aot_fit.py [--json benchmarks/aot_fit.json] [--markdown benchmarks/aot_fit.md]
     python benchmarks/aot_fit.py --models cola_1b --devices 8 --smallest   # one model; smallest fitting mesh
     python benchmarks/aot_fit.py --smoke       # the tiny config on 2 H100s: checks the command
+    python benchmarks/aot_fit.py --recompile benchmarks/aot_fit.json --only cola_7b:8 --json /tmp/fit.json
+    python benchmarks/aot_fit.py --smallest --reuse /tmp/fit.json --json benchmarks/aot_fit.json
     python benchmarks/aot_fit.py --target a100_40gb --cluster configs/clusters/a100_4x.py \
         --json benchmarks/aot_fit_a100.json --markdown benchmarks/aot_fit_a100.md   # 40 GB A100s
 
@@ -11,11 +13,15 @@ For each model and GPU count the planner (`boost_jax.plan`, cluster configs/clus
 config's recipe batch and sequence) picks the best plan the trainer runs; that plan's overrides are
 applied to the config and its train step is compiled for that many H100s without them
 (`boost_jax.tools.aot`): the compiled peak per GPU, whether it fits 90% of the 80 GB
-(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), and the planner's own peak for the
-same plan, with their ratio. `--target` and `--cluster` pick another GPU and the cluster the planner
-plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have 40 GB). `--smallest` also finds,
-per model, the fewest GPUs (powers of two) on
-which the planner's best plan compiles within the usable memory. Needs the aot extra.
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), the planner's own peak for the same
+plan with their ratio, and the planner's step ms beside the step-time table's for the compiled program
+(`table_ms`: tools/step_profile on the same compile). `--target` and `--cluster` pick another GPU and the
+cluster the planner plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have
+40 GB). `--smallest` also finds, per model, the fewest GPUs (powers of two) on which the planner's best
+plan compiles within the usable memory. `--recompile` compiles a json's plans again with this checkout
+(`--only` some of its rows), `--reprice` prices them again without a compile, and `--reuse` takes the
+compiles of jsons this checkout wrote, so that a table re-run compiles only the picks that changed.
+Needs the aot extra.
 """
 
 from __future__ import annotations
@@ -309,31 +315,47 @@ def smallest(
 
 def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's pick)", gpu: str = "H100") -> str:
     usable = next((r["usable_bytes"] for r in rows if r.get("plan")), 0) / GB
+    ms = any("table_ms" in r for r in rows + small)  # the step ms columns, where the compiles were priced
     lines = [
-        f"| model | {gpu}s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB | planner / compiled |",
-        "|---|---|---|---|---|---|---|",
+        f"| model | {gpu}s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB | planner / compiled |"
+        + (" planner ms | table ms | planner / table |" if ms else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|---|" if ms else ""),
     ]
     for r in rows:
         if r.get("plan") is None:
-            lines.append(f"| {r['model']} | {r['devices']} | no plan fits (planner) | - | no | - | - |")
+            lines.append(
+                f"| {r['model']} | {r['devices']} | no plan fits (planner) | - | no | - | - |"
+                + (" - | - | - |" if ms else "")
+            )
             continue
         mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
         lines.append(
             f"| {r['model']} | {r['devices']} | mesh {mesh}, {_short(r['plan'])} | {r['peak_bytes'] / GB:.1f} "
-            f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |"
+            f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |" + _ms(r, ms)
         )
     if small:
         lines += [
             "",
-            f"| model | fewest {gpu}s that fit | mesh p x d x f x t | compiled peak GB/GPU | plan |",
-            "|---|---|---|---|---|",
+            f"| model | fewest {gpu}s that fit | mesh p x d x f x t | compiled peak GB/GPU | planner / compiled "
+            "| plan |",
+            "|---|---|---|---|---|---|",
         ]
         for r in small:
             mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
             lines.append(
-                f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |"
+                f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {r['ratio']:.2f} "
+                f"| {_short(r['plan'])} |"
             )
     return "\n".join(lines)
+
+
+def _ms(r: dict, ms: bool) -> str:
+    """A row's step ms cells: the planner's, the step-time table's of its compile, their ratio."""
+    if not ms:
+        return ""
+    if "table_ms" not in r:
+        return " - | - | - |"
+    return f" {r['planner_ms']:.1f} | {r['table_ms']:.1f} | {r['planner_ms'] / r['table_ms']:.2f} |"
 
 
 def _pipelined() -> list[str]:

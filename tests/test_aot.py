@@ -424,7 +424,8 @@ def test_plan_verify_target_falls_back_to_a_plan_that_fits(capsys):
 
 def test_aot_fit_smoke(tmp_path):
     """benchmarks/aot_fit.py --smoke: the planner's pick for the tiny config on 2 H100s, compiled;
-    every row has the planner's and the compiled peak and their ratio."""
+    every row has the planner's and the compiled peak and their ratio, the planner's step ms and the
+    step-time table's of the same compile (`table_ms`)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("aot_fit", Path(TINY).parents[1] / "benchmarks" / "aot_fit.py")
@@ -440,6 +441,8 @@ def test_aot_fit_smoke(tmp_path):
             and r["ratio"] == pytest.approx(r["planner_bytes"] / r["peak_bytes"])
         )
         assert math.prod(r["mesh"].values()) == r["devices"]
+        assert r["planner_ms"] > 0 and r["table_ms"] > 0
+        assert f"| {r['planner_ms']:.1f} | {r['table_ms']:.1f} |" in (tmp_path / "fit.md").read_text()
     assert "| tiny | 2 |" in (tmp_path / "fit.md").read_text()
 
 
