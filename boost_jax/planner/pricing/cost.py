@@ -35,7 +35,7 @@ from boost_jax.planner.pricing.plans import Cost
 # GPU_LOGIT_BUFFERS   1           the same, unpipelined GPU steps                         § 2026-11-27 (third)
 # GPU_LOGIT_CAST      1           compute-dtype [rows, chunk, V/t] cotangent, the same     § 2026-11-28 (planner picks)
 # BUFFER_OVERHEAD     1.10        XLA:CPU's packed temporaries over the live ones         benchmarks/planner_memory.py
-# GPU_BUFFER_OVERHEAD (1.0, 1.15) XLA:GPU's packing: else, pipelined remat with another  § 2026-11-29
+# GPU_BUFFER_OVERHEAD (1.0, 1.15) XLA:GPU's packing: else, a pipeline with another axis  § 2026-11-29
 # OPTIMIZER_TEMP      9           bytes per local parameter the update holds beyond g     compiled cola_7b steps
 # BACKWARD_LIVE       0.7         a backward's activation gradients, x its kept set       tests/test_planner.py
 # STAGE_COPY          1.0         kept sets a stage-remat tick's backward holds more      tests/test_planner_pipeline.py
@@ -85,8 +85,8 @@ def double_buffering(on: bool | None = None) -> bool:
 
 def buffer_overhead(gpu: bool, mixed: bool) -> float:
     """The allocation over the live temporaries: BUFFER_OVERHEAD for the float32 (CPU) program, else
-    GPU_BUFFER_OVERHEAD by whether the step mixes kinds of parallelism (a pipeline under a remat
-    policy with data x fsdp, tensor or context: memory.memory_bytes)."""
+    GPU_BUFFER_OVERHEAD by whether the step mixes kinds of parallelism (a pipeline with data x fsdp,
+    tensor or context, but 1F1B without remat: memory.memory_bytes)."""
     return GPU_BUFFER_OVERHEAD[mixed] if gpu else BUFFER_OVERHEAD
 
 

@@ -59,7 +59,7 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             regathered=sum(
                 cost.saved_bytes(op, policy, opts.act_bytes) - cost.kept_bytes(op, policy, opts.act_bytes)
                 for op in ops
-                if op.kept is not None
+                if op.kept is not None and "->" in op.name  # the edges' (sequence-parallel gathers')
             ),
         )
     return pr.summaries[layer]

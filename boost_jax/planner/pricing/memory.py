@@ -28,8 +28,9 @@ def memory_bytes(
     ctx, opts, policy, block = pr.ctx, pr.opts, pr.policy, pr.ctx.block
     stages, staged, per_tick = sched.stages, sched.staged, sched.layers_per_tick
     if stages > 1 and summary.regathered:
-        # Pipelined, the sequence-parallel gathers' outputs count as kept: unmeasured apart, and the
-        # circular megatron-SP plan of tests/test_aot.py compiles 6% over the price without them
+        # Pipelined, the sequence-parallel gathers' outputs count as kept: llama_7b's and llama_13b's
+        # megatron-SP GPipe plans on p4 x f8 x t2 (benchmarks/aot_fit_nopipe.json) compile 9% over the
+        # price without them
         r = summary.regathered
         summary = dataclasses.replace(
             summary,
@@ -94,12 +95,13 @@ def memory_bytes(
         kept += table
     memory["transient"] = max(loss, working, params * cost.OPTIMIZER_TEMP - kept)
     arguments = params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)  # parameters, Adam m and v
-    # XLA's packing: what the counts above miss where a pipeline under a remat policy meets another kind of
-    # parallelism (cola 1F1B lowrank on 64 H100s). Elsewhere the step allocates what they count: cola_7b btp
-    # f2 x t4 at seq 2048 (arguments and stacked arrays are the whole peak), llama_1b megatron-SP f16 x t4
-    # and llama_1b 1F1B p4 x d2 x f8 without remat (0.99 and 1.03 of the compile without the gap)
+    # XLA's packing: what the counts above miss where a pipeline meets another kind of parallelism (cola
+    # 1F1B lowrank on 64 H100s, GPipe and circular plans without remat). Elsewhere the step allocates
+    # what they count: cola_7b btp f2 x t4 at seq 2048 (arguments and stacked arrays are the whole peak),
+    # llama_1b megatron-SP f16 x t4 and llama_1b 1F1B p4 x d2 x f8 without remat (0.99 and 1.03 of the
+    # compile without the gap)
     others = sum(n > 1 for n in (mesh.data * mesh.fsdp, mesh.context, mesh.tensor))
-    mixed = stages > 1 and policy != "none" and others > 0
+    mixed = stages > 1 and others > 0 and (policy != "none" or not sched.f1b)
     overhead = cost.buffer_overhead(gpu, mixed)
     memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments)
     memory["total"] = sum(memory.values())
@@ -162,12 +164,15 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
     # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
     # ring, bottleneck) compiles with the pipeliner under what the planner prices without the term
-    # (RESULTS.md 2026-11-27, "the collective pipeliner's memory").
+    # (RESULTS.md 2026-11-27, "the collective pipeliner's memory"). Nor on a tensor-split (online-norm) layer:
+    # cola_7b btp f2 x t4 at seq 2048 stacks one more bf16 qkv A output and one float32 copy of it fewer
+    # (RESULTS.md 2026-11-29).
     return (
         cost.PIPELINED_SIGMA * per_stage * summary.bottleneck * opts.act_bytes
         if sched.stages == 1
         and mesh.fsdp > 1
         and mesh.context == 1
+        and mesh.tensor == 1
         and gpu
         and pr.policy == "none"
         and summary.bottleneck
