@@ -628,8 +628,8 @@ def test_the_pipeliner_term_prices_unpipelined_fsdp_bottleneck_plans_only():
 
 
 def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
-    """cost.GPU_BUFFER_OVERHEAD: a GPU step is priced at what it keeps, but where a pipeline under a
-    remat policy meets another kind of parallelism (data x fsdp, tensor or context):
+    """cost.GPU_BUFFER_OVERHEAD: a GPU step is priced at what it keeps, but where a pipeline meets another
+    kind of parallelism (data x fsdp, tensor or context), 1F1B without remat aside:
     GPU_BUFFER_OVERHEAD[1] times its temporaries (what is not a parameter or an Adam moment); the
     float32 CPU program BUFFER_OVERHEAD whatever its mesh."""
     cluster = load_cluster(str(ROOT / "configs" / "clusters" / "h100_8x.py"))
@@ -637,10 +637,9 @@ def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
     megatron = Layer(*uniform_plan("megatron", False))
     replicated = Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
 
-    def factor(mesh, layer, act_bytes=2, remat="none"):
-        m = plan_for(
-            cfg, cluster, mesh, 1, remat, layer, Options(batch=64, seq=256, check_memory=False, act_bytes=act_bytes)
-        ).memory
+    def factor(mesh, layer, act_bytes=2, remat="none", schedule="gpipe"):
+        opts = Options(batch=64, seq=256, check_memory=False, act_bytes=act_bytes)
+        m = plan_for(cfg, cluster, mesh, 1, remat, layer, opts, 1.0, 4, schedule).memory
         kept = sum(v for k, v in m.items() if k not in ("total", "allocator"))
         arguments = m["states"] * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES) / cost.ADAM_STATE_BYTES
         assert m["total"] == pytest.approx(kept + m["allocator"])
@@ -653,13 +652,15 @@ def test_xla_packing_overhead_by_the_kinds_of_parallelism_a_step_mixes():
         (Mesh(1, 1, 8), megatron),
         (Mesh(1, 1, 1, pipeline=8), replicated),
         (Mesh(1, 4, 2), megatron),
-        (Mesh(1, 4, 1, pipeline=2), replicated),
     )
     for mesh, layer in one_kind:
         assert factor(mesh, layer) == pytest.approx(cost.GPU_BUFFER_OVERHEAD[0]), mesh
     assert factor(Mesh(1, 1, 1, pipeline=8), replicated, remat="full") == pytest.approx(cost.GPU_BUFFER_OVERHEAD[0])
-    for mesh, layer in ((Mesh(1, 4, 1, pipeline=2), replicated), (Mesh(1, 1, 2, pipeline=2), megatron)):
-        assert factor(mesh, layer, remat="full") == pytest.approx(cost.GPU_BUFFER_OVERHEAD[1]), mesh
+    pipelined = ((Mesh(1, 4, 1, pipeline=2), replicated), (Mesh(1, 1, 2, pipeline=2), megatron))
+    for mesh, layer in pipelined:
+        assert factor(mesh, layer) == pytest.approx(cost.GPU_BUFFER_OVERHEAD[1]), mesh
+        assert factor(mesh, layer, remat="full", schedule="1f1b") == pytest.approx(cost.GPU_BUFFER_OVERHEAD[1]), mesh
+        assert factor(mesh, layer, schedule="1f1b") == pytest.approx(cost.GPU_BUFFER_OVERHEAD[0]), mesh
     for mesh, layer in one_kind[:1] + ((Mesh(1, 4, 2), megatron),):
         assert factor(mesh, layer, act_bytes=4) == pytest.approx(cost.BUFFER_OVERHEAD), mesh
 
