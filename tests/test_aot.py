@@ -685,9 +685,7 @@ def _compile_in_process(tmp_path, target: str, devices: int, config: str, mesh: 
     return json.loads(out.read_text())["train"]
 
 
-# The program PIPELINED_SIGMA was fitted on: grouped linears and XLA's norm (the defaults then). `auto`
-# picks ungrouped linears and the fused norm on this mesh; the planner prices that program's peak
-# 16% (H100) and 17% (A100 40GB) above its compile: on the safe side, not yet re-fitted.
+# The program PIPELINED_SIGMA was first fitted on: grouped linears and XLA's norm (the defaults then).
 COLA_FSDP = [
     "--config.model.group_linears=true",
     "--config.kernels.rmsnorm=xla",
@@ -710,10 +708,10 @@ COLA_FSDP = [
 def test_planner_peak_of_a_cola_fsdp_plan_under_the_collective_pipeliner_within_10_percent(tmp_path, target, cluster):
     """cola_1b on fsdp 8 (btp, batch 256 x seq 256: half the recipe's, no remat), compiled for 8 H100s
     and for 8 A100 40GB with the project's GPU flags, XLA's collective pipeliner included (as jaxlib
-    0.10 takes them): the planner's peak per GPU within 10% of the compiled one (1.00 and 1.02) once it
-    prices the pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA, fitted at the recipe's batch
-    512 over benchmarks/aot_fit*.json). Without them the H100 peak is more than 10% under (0.87; the
-    A100's 0.89)."""
+    0.10 takes them): the planner's peak per GPU within 10% of the compiled one once it prices the
+    pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA, fitted at the recipe's batch 512 on
+    benchmarks/aot_fit*.json's cola FSDP rows, this row held out). Without them the H100 peak is more
+    than 10% under."""
     from boost_jax import xla_gpu_flags
     from boost_jax.config import PROJECTION_GROUPS
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
