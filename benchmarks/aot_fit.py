@@ -4,6 +4,8 @@ the planner's prediction.
     python benchmarks/aot_fit.py [--json benchmarks/aot_fit.json] [--markdown benchmarks/aot_fit.md]
     python benchmarks/aot_fit.py --models cola_1b --devices 8 --smallest   # one model; smallest fitting mesh
     python benchmarks/aot_fit.py --smoke       # the tiny config on 2 H100s: checks the command
+    python benchmarks/aot_fit.py --recompile benchmarks/aot_fit.json --only cola_7b:8 --json /tmp/fit.json
+    python benchmarks/aot_fit.py --smallest --reuse /tmp/fit.json --json benchmarks/aot_fit.json
     python benchmarks/aot_fit.py --target a100_40gb --cluster configs/clusters/a100_4x.py \
         --json benchmarks/aot_fit_a100.json --markdown benchmarks/aot_fit_a100.md   # 40 GB A100s
 
@@ -11,11 +13,15 @@ For each model and GPU count the planner (`boost_jax.plan`, cluster configs/clus
 config's recipe batch and sequence) picks the best plan the trainer runs; that plan's overrides are
 applied to the config and its train step is compiled for that many H100s without them
 (`boost_jax.tools.aot`): the compiled peak per GPU, whether it fits 90% of the 80 GB
-(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), and the planner's own peak for the
-same plan, with their ratio. `--target` and `--cluster` pick another GPU and the cluster the planner
-plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have 40 GB). `--smallest` also finds,
-per model, the fewest GPUs (powers of two) on
-which the planner's best plan compiles within the usable memory. Needs the aot extra.
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), the planner's own peak for the same
+plan with their ratio, and the planner's step ms beside the step-time table's for the compiled program
+(`table_ms`: tools/step_profile on the same compile). `--target` and `--cluster` pick another GPU and the
+cluster the planner plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have
+40 GB). `--smallest` also finds, per model, the fewest GPUs (powers of two) on which the planner's best
+plan compiles within the usable memory. `--recompile` compiles a json's plans again with this checkout
+(`--only` some of its rows), `--reprice` prices them again without a compile, and `--reuse` takes the
+compiles of jsons this checkout wrote, so that a table re-run compiles only the picks that changed.
+Needs the aot extra.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ def row(
     cfg = aot.load(str(config), flags)
     t0 = time.perf_counter()
     rep = REUSE.get((config.stem, devices, target, " ".join(f.removeprefix("--config.") for f in flags)))
-    rep = rep or aot.compile_config(cfg, target, devices, programs=("train",))
+    rep = rep or aot.compile_config(cfg, target, devices, programs=("train",), table=True)
     train = rep["train"]
     return {
         **out,
@@ -92,7 +98,17 @@ def row(
         "ratio": best.memory["total"] / train["peak_bytes"],
         "compile_s": time.perf_counter() - t0,
         "kernels": train["kernels"],
+        **step_ms(best, rep),
     }
+
+
+def step_ms(priced, rep: dict) -> dict:
+    """The planner's step ms of a plan beside the step-time table's of its compile (`table_ms`, where the
+    compile was priced: tools/step_profile on the same deviceless program, no extra compile)."""
+    out = {"planner_ms": priced.step_s * 1e3}
+    if rep.get("profile"):
+        out["table_ms"] = rep["profile"]["predicted_step_s"] * 1e3
+    return out
 
 
 # (model, GPUs, target, plan flags) -> a compile recorded by an earlier run (--reuse): taken, not compiled again
@@ -111,6 +127,7 @@ def reuse(paths: str) -> None:
                     "device_kind": r["device_kind"],
                     "mesh": r["mesh"],
                     "train": train,
+                    **({"profile": {"predicted_step_s": r["table_ms"] / 1e3}} if "table_ms" in r else {}),
                 }
 
 
@@ -179,13 +196,14 @@ def fixed_row(
         Options(batch=batch, seq=seq, attention="cudnn", check_memory=False),
     )
     t0 = time.perf_counter()
-    train = aot.compile_config(cfg, target, p * d * f * t, programs=("train",))["train"]
+    rep = aot.compile_config(cfg, target, p * d * f * t, programs=("train",), table=True)
     return {
         "model": name,
         "devices": p * d * f * t,
         "plan": " ".join(a.removeprefix("--config.") for a in flags),
         "mesh": dict(zip(("pipeline", "data", "fsdp", "tensor"), mesh)),
-        **compared(priced, train, t0),
+        **compared(priced, rep["train"], t0),
+        **step_ms(priced, rep),
     }
 
 
@@ -260,14 +278,19 @@ def recompile(r: dict, target: str, cluster: Path, pipelined: list | None) -> di
 
     flags = [f"--config.{f}" for f in r["plan"].split()]
     t0 = time.perf_counter()
-    train = aot.compile_config(
-        aot.load(str(ROOT / "configs" / f"{r['model']}.py"), flags), target, r["devices"], programs=("train",)
-    )["train"]
+    rep = aot.compile_config(
+        aot.load(str(ROOT / "configs" / f"{r['model']}.py"), flags),
+        target,
+        r["devices"],
+        programs=("train",),
+        table=True,
+    )
     priced = reprice(r, cluster, pipelined)
     return {
         **{k: v for k, v in r.items() if k not in ("kernels",)},
-        **compared(priced, train, t0),
-        "kernels": train["kernels"],
+        **compared(priced, rep["train"], t0),
+        "kernels": rep["train"]["kernels"],
+        **step_ms(priced, rep),
     }
 
 
@@ -292,31 +315,47 @@ def smallest(
 
 def markdown(rows: list[dict], small: list[dict], plans: str = "plan (planner's pick)", gpu: str = "H100") -> str:
     usable = next((r["usable_bytes"] for r in rows if r.get("plan")), 0) / GB
+    ms = any("table_ms" in r for r in rows + small)  # the step ms columns, where the compiles were priced
     lines = [
-        f"| model | {gpu}s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB | planner / compiled |",
-        "|---|---|---|---|---|---|---|",
+        f"| model | {gpu}s | {plans} | compiled peak GB/GPU | fits {usable:.1f} GB | planner GB | planner / compiled |"
+        + (" planner ms | table ms | planner / table |" if ms else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|---|" if ms else ""),
     ]
     for r in rows:
         if r.get("plan") is None:
-            lines.append(f"| {r['model']} | {r['devices']} | no plan fits (planner) | - | no | - | - |")
+            lines.append(
+                f"| {r['model']} | {r['devices']} | no plan fits (planner) | - | no | - | - |"
+                + (" - | - | - |" if ms else "")
+            )
             continue
         mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
         lines.append(
             f"| {r['model']} | {r['devices']} | mesh {mesh}, {_short(r['plan'])} | {r['peak_bytes'] / GB:.1f} "
-            f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |"
+            f"| {'yes' if r['fits'] else 'NO'} | {r['planner_bytes'] / GB:.1f} | {r['ratio']:.2f} |" + _ms(r, ms)
         )
     if small:
         lines += [
             "",
-            f"| model | fewest {gpu}s that fit | mesh p x d x f x t | compiled peak GB/GPU | plan |",
-            "|---|---|---|---|---|",
+            f"| model | fewest {gpu}s that fit | mesh p x d x f x t | compiled peak GB/GPU | planner / compiled "
+            "| plan |",
+            "|---|---|---|---|---|---|",
         ]
         for r in small:
             mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
             lines.append(
-                f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {_short(r['plan'])} |"
+                f"| {r['model']} | {r['devices']} | {mesh} | {r['peak_bytes'] / GB:.1f} | {r['ratio']:.2f} "
+                f"| {_short(r['plan'])} |"
             )
     return "\n".join(lines)
+
+
+def _ms(r: dict, ms: bool) -> str:
+    """A row's step ms cells: the planner's, the step-time table's of its compile, their ratio."""
+    if not ms:
+        return ""
+    if "table_ms" not in r:
+        return " - | - | - |"
+    return f" {r['planner_ms']:.1f} | {r['table_ms']:.1f} | {r['planner_ms'] / r['table_ms']:.2f} |"
 
 
 def _pipelined() -> list[str]:
@@ -438,10 +477,12 @@ def main(argv=None) -> dict:
         return _reprice_table(args)
     if args.recompile:
         old = json.loads(Path(args.recompile).read_text())
+        done: dict = {}  # a plan in both tables compiles once
         for group, out in (("rows", rows), ("smallest", small)):
             for r in old[group]:
                 if r.get("plan") and _chosen(r, args.only):
-                    r = recompile(
+                    key = (r["model"], r["devices"], r["plan"])
+                    done[key] = r = done.get(key) or recompile(
                         r, old["target"], ROOT / "configs" / "clusters" / f"{old['cluster']}.py", _pipelined()
                     )
                     print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "planner_parts")}), flush=True)

@@ -2,7 +2,8 @@
 (benchmarks/aot_fit*.json: the planner's picks for the zoo on 8 and 64 GPUs, the fewest GPUs each model
 fits on, and the fixed seq-2048 plans), each with the peak of its deviceless GPU compile, priced again
 by the planner as it prices now (no search, no compile: seconds) and compared with that peak. A pick
-priced more than UNDER below its compile fails: a run trusting the plan would die out of memory.
+priced more than UNDER below its compile fails: a run trusting the plan would die out of memory; one
+priced more than OVER above it fails too (the planner would refuse plans that fit).
 `python benchmarks/aot_fit.py --recompile benchmarks/X.json --json benchmarks/X.json` compiles the same
 plans again with this checkout's program (the numbers this test reads)."""
 
@@ -15,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = ("aot_fit", "aot_fit_a100", "aot_fit_fixed")
 UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
+OVER = 0.10  # and at most 10% above it
 # Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
 # once one is priced within UNDER, so that the entry goes.
 KNOWN_UNDER = {}
@@ -51,10 +53,12 @@ def test_no_recorded_pick_is_under_priced(fit, table, row):
     cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
     plan = fit.reprice(row, cluster, table["pipelined_collectives"])
     ratio = plan.memory["total"] / row["peak_bytes"]
-    assert ratio >= 1 - UNDER, (
+    why = (
         f"priced {plan.memory['total'] / 1e9:.1f} GB, compiled {row['peak_bytes'] / 1e9:.1f} GB ({ratio:.3f})",
         {k: round(v / 1e9, 2) for k, v in plan.memory.items()},
     )
+    assert ratio >= 1 - UNDER, why
+    assert ratio <= 1 + OVER, why
 
 
 def test_reprice_is_the_search_price():
@@ -75,3 +79,15 @@ def test_reprice_is_the_search_price():
             "mesh": {"pipeline": m.pipeline, "data": m.data, "fsdp": m.fsdp, "tensor": m.tensor, "context": m.context},
         }
         assert fit.reprice(row, cluster).memory == pytest.approx(p.memory), p.overrides
+
+
+def test_an_under_priced_pick_fails(fit):
+    """The check fails on a pick whose compile holds more than the planner prices (a recorded row with
+    its peak raised 5% over the planner's price), and on one priced more than OVER above its compile."""
+    table = json.loads((ROOT / "benchmarks" / "aot_fit.json").read_text())
+    row = next(r for r in table["rows"] if r.get("plan"))
+    cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
+    priced = fit.reprice(row, cluster, table["pipelined_collectives"]).memory["total"]
+    for peak in (priced * 1.05, priced / (1 + OVER) * 0.99):
+        with pytest.raises(AssertionError):
+            test_no_recorded_pick_is_under_priced(fit, table, {**row, "peak_bytes": peak})

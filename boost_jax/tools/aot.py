@@ -251,13 +251,21 @@ def resolved(cfg) -> dict:
 
 
 def compile_config(
-    cfg, target: str, n_devices: int, *, programs=("train", "eval"), usable: float = USABLE, profile: bool = False
+    cfg,
+    target: str,
+    n_devices: int,
+    *,
+    programs=("train", "eval"),
+    usable: float = USABLE,
+    profile: bool = False,
+    table: bool = False,
 ) -> dict:
     """Build `cfg` (its parallel.* mesh) on n deviceless `target` GPUs and compile its steps:
     {"target", "devices", "mesh", "train": analyze(...) + compile_s, "eval": ...}; with `profile`,
     "profile": the train step's time table (tools/step_profile/), the steps then compiled under the
     GPU's memory budget (`devices(gpu_budget=True)`: the program the GPU runs, whose memory can
-    differ from the plain deviceless compile's where XLA rematerializes)."""
+    differ from the plain deviceless compile's where XLA rematerializes); with `table` (and not
+    `profile`), the same table of the plain deviceless compile, at no extra compile."""
     from boost_jax.runtime.build import build  # lazy: loads JAX, which aot must not import at load
 
     cfg = cfg.copy_and_resolve_references()
@@ -302,7 +310,7 @@ def compile_config(
             **analyze(compiled, built.mesh, memory, usable, int(cfg.train.grad_accum)),
             "compile_s": time.perf_counter() - t0,
         }
-        if profile and program == "train":
+        if (profile or table) and program == "train":
             out["profile"] = step_pricing.profile(compiled.as_text(), target, int(cfg.train.grad_accum), built.mesh)
     return out
 

@@ -3,7 +3,13 @@ K/V exchange) and the MLP activation."""
 
 from __future__ import annotations
 
-from boost_jax.planner.ops.kept_arrays import GPU_SAVED_SWIGLU, RING_SCORE_BLOCKS, SAVED_SWIGLU
+from boost_jax.planner.ops.kept_arrays import (
+    GPU_SAVED_SWIGLU,
+    GPU_UNROLLED_ATTENTION,
+    GPU_UNROLLED_SWIGLU,
+    RING_SCORE_BLOCKS,
+    SAVED_SWIGLU,
+)
 from boost_jax.planner.ops.operators import Attn, Coll, Ctx, Gemm, Op, attention_class, divides, gpu
 
 
@@ -40,6 +46,9 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
         op.saved32 = rows
     if ctx.context > 1:
         context_exchange(ctx, op, fs)
+    elif gpu(ctx):  # the memory of an unrolled stack (kept_arrays.GPU_UNROLLED_ATTENTION)
+        more = GPU_UNROLLED_ATTENTION if ctx.t > 1 or not b.factored else 0
+        op.kept_unrolled = (op.saved + more * ctx.local(layout, q), op.saved32)
     return op
 
 
@@ -114,4 +123,5 @@ def activation(ctx: Ctx, layout: str) -> Op | None:
         f"act@{layout}",
         acts=width * (1 if ctx.block.only_lr_act else 2),
         saved=width * (GPU_SAVED_SWIGLU if gpu(ctx) else SAVED_SWIGLU)[ctx.block.only_lr_act],
+        kept_unrolled=(width * GPU_UNROLLED_SWIGLU, 0.0) if gpu(ctx) else None,  # the memory of an unrolled stack
     )

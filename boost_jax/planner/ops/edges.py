@@ -3,7 +3,12 @@ RMSNorms and the residual add."""
 
 from __future__ import annotations
 
-from boost_jax.planner.ops.kept_arrays import GPU_SAVED_NORM, GPU_SAVED_NORM_XLA, SAVED_NORM
+from boost_jax.planner.ops.kept_arrays import (
+    GPU_KEPT_ONLINE_NORM_INPUT32,
+    GPU_SAVED_NORM,
+    GPU_SAVED_NORM_XLA,
+    SAVED_NORM,
+)
 from boost_jax.planner.ops.operators import Coll, Ctx, Op, gpu
 
 
@@ -44,6 +49,10 @@ def edge(
         # the weight gradient (a normalised row gathered); with XLA's norm the GPU program keeps the
         # token shard instead (GPU_SAVED_NORM_XLA["S"])
         op.saved = op.acts
+        # The GPU program keeps the token shard with the fused norm too and gathers it again in its
+        # backward: no [layers, T, d] in llama_1b / llama_7b megatron-SP f16 x t4's buffers
+        # (benchmarks/RESULTS.md 2026-11-29); the time terms still count the pass (`saved`)
+        op.kept = (0.0, 0.0) if gpu(ctx) else None
     return op
 
 
@@ -64,6 +73,9 @@ def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
         saved=kept * width,
         saved32=kept32 * width + ctx.tokens / ts,
     )
+    if fused and gpu(ctx) and ctx.block.fused_norm:  # the online norm's float32 arrays, in memory (scanned)
+        op.kept = (op.saved, op.saved32 + GPU_KEPT_ONLINE_NORM_INPUT32 * width)
+        op.kept_unrolled = (op.saved, op.saved32)
     if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed
         op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p, saved=p == "fwd") for p in ("fwd", "bwd")]
     return op

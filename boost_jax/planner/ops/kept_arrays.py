@@ -29,7 +29,26 @@ GPU_SAVED_NORM = (2, 0)
 # bf16[T, d/t] x 4 (one of them attention's output view) and f32[T, d/t] x 4 (cola_7b f16 x t4 the
 # same f32 arrays).
 GPU_SAVED_NORM_XLA = {"R": (1, 2), "S": (1, 2), "H": (1.5, 2)}
-GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output
+GPU_SAVED_ONLINE_NORM32 = 2  # float32 arrays of the A output (what the time terms count)
+# BTP's online norm without its local rms, in memory (Op.kept): the scanned stack keeps float32 copies of
+# qkv's A output twice, of mlp_in's once, and with a fused norm kernel two float32 arrays of the norm's
+# local width per norm (cola_7b btp t8 at seq 2048 stacks f32[L, T, 3, r] x 2, f32[L, T, 2, r] x 1 and
+# f32[L, T, d/8] x 4; cola_1b btp circular p2 x d4 x f4 x t2 the same; cola_7b f2 x t4: 1, 1 and 6).
+GPU_KEPT_ONLINE_NORM32 = {"qkv": 2, "mlp_in": 1}
+GPU_KEPT_ONLINE_NORM_INPUT32 = 2
+# What the GPU program keeps in memory where that differs from the counts above (Op.kept_unrolled; the
+# time terms keep reading the counts above). The unrolled stack (model.scan_unroll, remat none) lets XLA
+# recompute elementwise work in its backward and keeps other arrays (benchmarks/RESULTS.md 2026-11-29: the
+# memory reports of llama_1b data 8, cola_1b data 8 and cola_7b tensor 2 at seq 256): no float32 copy of
+# BTP's online-norm A outputs; a σ(A·x) bottleneck keeps A's output and σ's, no internals (cola_7b:
+# [T, 3r] x 2, [T, 2r] x 2, [T, r] x 2 each for o and mlp_out); the MLP core its gate, up and their
+# product (llama_1b [T, 2 ff] + [T, ff]; cola_7b [T, 2 ff/t] in 28 of 32 layers + [T, ff/t]; cola_1b
+# 3.2 ff); attention 3 arrays of q's width more than the scanned layer where the layer is dense or
+# tensor-split (outside the projections and the MLP llama_1b keeps 12.4 d, cola_7b on tensor 2 12 d/t,
+# where the scanned counts give 9; a factored layer on one tensor shard, cola_1b on data 8, 8.9 d).
+GPU_UNROLLED_SIGMA = 2
+GPU_UNROLLED_SWIGLU = 3
+GPU_UNROLLED_ATTENTION = 3
 # The MLP core in the GPU program: llama_1b on 1 H100 (pallas norm) stacks bf16[L, T, ff] x 5 beside the
 # double-buffer copy of a sixth (cost.SCAN_DOUBLE_BUFFER), llama_7b megatron on tensor 8 bf16[L, T, ff/8]
 # x 5 and the copy. cola's gate·up keeps 2: cola_1b on 1 H100 stacks 3 distinct bf16[L, T, ff] buffers with

@@ -171,6 +171,11 @@ class Op:
     saved: float = 0.0
     saved32: float = 0.0
     saved_lowrank: float = 0.0  # what the `lowrank` remat policy keeps (compute dtype)
+    # (compute dtype, float32) elements the GPU program keeps in memory where that differs from (saved,
+    # saved32), which the time terms read as passes: with the scanned stack, and unrolled (the memory
+    # terms read them: cost.kept_bytes; None: saved, saved32)
+    kept: tuple | None = None
+    kept_unrolled: tuple | None = None
     weights: float = 0.0  # parameter elements on this device after the tensor split (before fsdp)
     grid_weights: float = 0.0  # the same for st's weights, which stay fsdp-split (never gathered)
     recompute: bool = True  # False: its output is the layer's output, which no remat policy redoes

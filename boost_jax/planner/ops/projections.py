@@ -8,7 +8,14 @@ import types
 
 from boost_jax.config import PROJECTION_GROUPS as GROUPS
 from boost_jax.config import ST
-from boost_jax.planner.ops.kept_arrays import GPU_SAVED_ONLINE_NORM32, SAVED_LINEAR, SAVED_ONLINE_NORM, SAVED_SIGMA
+from boost_jax.planner.ops.kept_arrays import (
+    GPU_KEPT_ONLINE_NORM32,
+    GPU_SAVED_ONLINE_NORM32,
+    GPU_UNROLLED_SIGMA,
+    SAVED_LINEAR,
+    SAVED_ONLINE_NORM,
+    SAVED_SIGMA,
+)
 from boost_jax.planner.ops.operators import Block, Coll, Ctx, Gemm, Op, StMatmul, divides, gpu
 from boost_jax.planner.ops.strategy_tables import GRID, NONE, Split, strategy_layers
 
@@ -98,10 +105,10 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
     op.saved_lowrank = m * r_kept + stats
     op.weights = din * g * r / (t if first else 1) + r * dsum / (t if second else 1)
     op.ring = 0
-    return _with_saved(op, b, fused, gpu(ctx))
+    return _with_saved(op, b, fused, gpu(ctx), group)
 
 
-def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
+def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False, group: str = "") -> Op:
     """Set what a projection group keeps for the backward: arrays of its first stages' outputs (the
     B outputs are kept by their consumers: attention, the MLP core, the residual add keeps none)."""
     if b.factored:
@@ -111,6 +118,9 @@ def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False) -> Op:
         if on_gpu:
             op.saved = a_out * kept
             op.saved32 = a_out * GPU_SAVED_ONLINE_NORM32 if fused else 0.0
+            if fused:  # in memory: the scanned stack's float32 copies (kept_arrays.GPU_KEPT_ONLINE_NORM32)
+                op.kept = (op.saved, a_out * GPU_KEPT_ONLINE_NORM32.get(group, GPU_SAVED_ONLINE_NORM32))
+            op.kept_unrolled = (a_out * min(kept, GPU_UNROLLED_SIGMA), 0.0)
         else:
             op.saved = a_out * (kept + (SAVED_ONLINE_NORM if fused else 0))
     return op

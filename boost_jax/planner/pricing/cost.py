@@ -35,14 +35,14 @@ from boost_jax.planner.pricing.plans import Cost
 # GPU_LOGIT_BUFFERS   1           the same, unpipelined GPU steps                         § 2026-11-27 (third)
 # GPU_LOGIT_CAST      1           compute-dtype [rows, chunk, V/t] cotangent, the same     § 2026-11-28 (planner picks)
 # BUFFER_OVERHEAD     1.10        XLA:CPU's packed temporaries over the live ones         benchmarks/planner_memory.py
-# GPU_BUFFER_OVERHEAD (1.0, 1.15) XLA:GPU's packing: one kind of parallelism, several     § 2026-11-27 (fifth)
+# GPU_BUFFER_OVERHEAD (1.0, 1.15) XLA:GPU's packing: else, a pipeline with another axis  § 2026-11-29
 # OPTIMIZER_TEMP      9           bytes per local parameter the update holds beyond g     compiled cola_7b steps
 # BACKWARD_LIVE       0.7         a backward's activation gradients, x its kept set       tests/test_planner.py
 # STAGE_COPY          1.0         kept sets a stage-remat tick's backward holds more      tests/test_planner_pipeline.py
 # CIRCULAR_COPIES     3.0         f32 stage-weight copies, circular, no stage remat, CPU  tests/test_planner_pipeline.py
 # F1B_IN_FLIGHT       2           1F1B items a stage holds beyond its ring (float32 CPU)  tests/test_planner_pipeline.py
 # F1B_IN_FLIGHT_GPU   3           the same in the GPU (bf16) program                      H100 1F1B compiles (history)
-# PIPELINED_SIGMA     3.0         stacked σ(A·x) arrays per A output the pipeliner adds   § 2026-11-27 (fifth)
+# PIPELINED_SIGMA     1.0         stacked σ(A·x) arrays per A output the pipeliner adds   § 2026-11-29
 # SCAN_DOUBLE_BUFFER  1.0         [layers, T, ff/t] arrays the double-buffered scan adds  § 2026-11-27 (third)
 # PIPELINER_NEEDS     (2 flags)   the XLA options under which PIPELINED_SIGMA applies     § 2026-11-27
 STATE_BYTES = 4
@@ -53,14 +53,14 @@ LOGIT_BUFFERS = 3
 GPU_LOGIT_BUFFERS = 1
 GPU_LOGIT_CAST = 1
 BUFFER_OVERHEAD = 1.10
-GPU_BUFFER_OVERHEAD = (1.0, 1.15)  # indexed by whether the step mixes kinds of parallelism
+GPU_BUFFER_OVERHEAD = (1.0, 1.15)  # indexed by whether a pipelined step mixes kinds of parallelism
 OPTIMIZER_TEMP = 9
 BACKWARD_LIVE = 0.7
 STAGE_COPY = 1.0
 CIRCULAR_COPIES = 3.0
 F1B_IN_FLIGHT = 2
 F1B_IN_FLIGHT_GPU = 3
-PIPELINED_SIGMA = 3.0
+PIPELINED_SIGMA = 1.0
 SCAN_DOUBLE_BUFFER = 1.0
 PIPELINER_NEEDS = ("xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_all_reduce")
 
@@ -85,8 +85,8 @@ def double_buffering(on: bool | None = None) -> bool:
 
 def buffer_overhead(gpu: bool, mixed: bool) -> float:
     """The allocation over the live temporaries: BUFFER_OVERHEAD for the float32 (CPU) program, else
-    GPU_BUFFER_OVERHEAD by whether the step mixes kinds of parallelism (two or more of data x fsdp,
-    tensor, pipeline and context)."""
+    GPU_BUFFER_OVERHEAD by whether the step mixes kinds of parallelism (a pipeline with data x fsdp,
+    tensor or context, but 1F1B without remat: memory.memory_bytes)."""
     return GPU_BUFFER_OVERHEAD[mixed] if gpu else BUFFER_OVERHEAD
 
 
@@ -311,11 +311,20 @@ def saved_bytes(op: Op, policy: str, act_bytes: int = 2) -> float:
     return op.saved * act_bytes + op.saved32 * 4
 
 
-def backward_working(ops: list, policy: str, act_bytes: int) -> float:
+def kept_bytes(op: Op, policy: str, act_bytes: int = 2, unrolled: bool = False) -> float:
+    """The bytes of `saved_bytes` the program keeps in memory: Op.kept (Op.kept_unrolled for an
+    unrolled stack) where the GPU program keeps other arrays than the time terms' passes count."""
+    pair = (op.kept_unrolled if unrolled and op.kept_unrolled is not None else None) or op.kept
+    if policy in ("full", "lowrank") or pair is None:
+        return saved_bytes(op, policy, act_bytes)
+    return pair[0] * act_bytes + pair[1] * 4
+
+
+def backward_working(ops: list, policy: str, act_bytes: int, unrolled: bool = False) -> float:
     """Bytes one layer's backward holds besides what is kept for it: the gradients of its
     activations (BACKWARD_LIVE x its kept-without-remat set), or under remat its recomputed
     activations (the whole set), plus st's received ring blocks."""
-    layer = sum(saved_bytes(op, "none", act_bytes) for op in ops)
+    layer = sum(kept_bytes(op, "none", act_bytes, unrolled) for op in ops)
     return layer * (BACKWARD_LIVE if policy == "none" else 1.0) + sum(op.ring for op in ops) * act_bytes
 
 

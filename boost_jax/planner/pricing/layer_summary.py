@@ -51,11 +51,16 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             grid_w=grid_w,
             tensor_colls=tensor_colls,
             recomputed=recomputed,
-            saved=sum(cost.saved_bytes(op, policy, opts.act_bytes) for op in ops) + carry,
-            working=cost.backward_working(ops, policy, opts.act_bytes),
+            saved=sum(cost.kept_bytes(op, policy, opts.act_bytes, pr.unrolled) for op in ops) + carry,
+            working=cost.backward_working(ops, policy, opts.act_bytes, pr.unrolled),
             tensor_links=links,
-            kept_none=sum(cost.saved_bytes(op, "none", opts.act_bytes) for op in ops),
+            kept_none=sum(cost.kept_bytes(op, "none", opts.act_bytes, pr.unrolled) for op in ops),
             bottleneck=sum(op.bottleneck for op in ops),
+            regathered=sum(
+                cost.saved_bytes(op, policy, opts.act_bytes) - cost.kept_bytes(op, policy, opts.act_bytes)
+                for op in ops
+                if op.kept is not None and "->" in op.name  # the edges' (sequence-parallel gathers')
+            ),
         )
     return pr.summaries[layer]
 

@@ -3,6 +3,8 @@ pipeline's buffers, the GPU program's stacked arrays, the transient peak and the
 
 from __future__ import annotations
 
+import dataclasses
+
 from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner.ops import operators
@@ -25,6 +27,17 @@ def memory_bytes(
     """Peak bytes per device by term (see the comments), their allocator overhead and total."""
     ctx, opts, policy, block = pr.ctx, pr.opts, pr.policy, pr.ctx.block
     stages, staged, per_tick = sched.stages, sched.staged, sched.layers_per_tick
+    if stages > 1 and summary.regathered:
+        # Pipelined, the sequence-parallel gathers' outputs count as kept: llama_7b's and llama_13b's
+        # megatron-SP GPipe plans on p4 x f8 x t2 (benchmarks/aot_fit_nopipe.json) compile 9% over the
+        # price without them
+        r = summary.regathered
+        summary = dataclasses.replace(
+            summary,
+            saved=summary.saved + r,
+            kept_none=summary.kept_none + r,
+            working=summary.working + cost.BACKWARD_LIVE * r,
+        )
     gpu = operators.gpu(ctx)
     replica, accumulator = gathered_replica(mesh, summary, sched, gpu)
     # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
@@ -82,8 +95,13 @@ def memory_bytes(
         kept += table
     memory["transient"] = max(loss, working, params * cost.OPTIMIZER_TEMP - kept)
     arguments = params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)  # parameters, Adam m and v
-    # XLA's packing: tight on a step with one kind of parallelism, looser where several meet
-    mixed = sum(n > 1 for n in (stages, mesh.data * mesh.fsdp, mesh.context, mesh.tensor)) > 1
+    # XLA's packing: what the counts above miss where a pipeline meets another kind of parallelism (cola
+    # 1F1B lowrank on 64 H100s, GPipe and circular plans without remat). Elsewhere the step allocates
+    # what they count: cola_7b btp f2 x t4 at seq 2048 (arguments and stacked arrays are the whole peak),
+    # llama_1b megatron-SP f16 x t4 and llama_1b 1F1B p4 x d2 x f8 without remat (0.99 and 1.03 of the
+    # compile without the gap)
+    others = sum(n > 1 for n in (mesh.data * mesh.fsdp, mesh.context, mesh.tensor))
+    mixed = stages > 1 and others > 0 and (policy != "none" or not sched.f1b)
     overhead = cost.buffer_overhead(gpu, mixed)
     memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments)
     memory["total"] = sum(memory.values())
@@ -97,8 +115,15 @@ def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bo
     stage32 = 0.0 if summary.grid_w else per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
     replica = stage32 if mesh.data * mesh.fsdp > 1 and stages > 1 else 0.0
     # one tick's float32 gradient of the weights it ran (a chunk: 1/V of the stage) waits before it is
-    # added: under stage remat with FSDP, and under 1F1B, whose backward takes each tick's by `jax.vjp`
-    tick = sched.f1b and stages > 1 and (gpu or replica > 0) or (staged and mesh.fsdp > 1 and replica > 0)
+    # added: under stage remat with FSDP, and under 1F1B, whose backward takes each tick's by `jax.vjp`,
+    # on the GPU and with FSDP (the float32 CPU program over data replicas alone adds it in place:
+    # tests/test_planner_pipeline.py's 1F1B data_none plan: priced 1.21x its compile with the term)
+    tick = (
+        sched.f1b
+        and stages > 1
+        and (gpu or mesh.fsdp > 1 and replica > 0)
+        or (staged and mesh.fsdp > 1 and replica > 0)
+    )
     accumulator = replica + (stage32 / sched.repeats if tick else 0.0)
     if sched.name == "circular" and not staged and not gpu:  # the reordered stage copies (cost.CIRCULAR_COPIES)
         accumulator += cost.CIRCULAR_COPIES * per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
@@ -139,12 +164,15 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     # plans gather their stage once before the tick loop, so it has no per-layer gather to move there.
     # Not with context parallelism: the README's cola_13b seq-32k plan (fsdp 4 x context 8 x tensor 2,
     # ring, bottleneck) compiles with the pipeliner under what the planner prices without the term
-    # (RESULTS.md 2026-11-27, "the collective pipeliner's memory").
+    # (RESULTS.md 2026-11-27, "the collective pipeliner's memory"). Nor on a tensor-split (online-norm) layer:
+    # cola_7b btp f2 x t4 at seq 2048 stacks one more bf16 qkv A output and one float32 copy of it fewer
+    # (RESULTS.md 2026-11-29).
     return (
         cost.PIPELINED_SIGMA * per_stage * summary.bottleneck * opts.act_bytes
         if sched.stages == 1
         and mesh.fsdp > 1
         and mesh.context == 1
+        and mesh.tensor == 1
         and gpu
         and pr.policy == "none"
         and summary.bottleneck

@@ -142,6 +142,9 @@ class LayerSummary:
     tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
     kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
     bottleneck: float = 0.0  # σ(A·x) A output elements the layer keeps (see cost.PIPELINED_SIGMA)
+    # bytes of `saved` the unpipelined GPU program gathers again instead of keeping (Op.kept: the
+    # sequence-parallel gathers' outputs), which a pipelined plan keeps (memory.memory_bytes)
+    regathered: float = 0.0
     # seconds of the layer's forward alone (what remat.pipeline=stage re-runs) and the collectives it
     # runs (tensor axis; st's permutes): priced on first use (stage_forward)
     forward: float | None = None
