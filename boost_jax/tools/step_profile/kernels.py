@@ -6,9 +6,11 @@ per step as its loops' trip counts say (a loop whose count the program hides, th
 runs `accumulation` times; each branch of a conditional counts as if it ran; each loop iteration
 reads its predicate back as one more launch). Bitcasts, tuples, parameters, constants and the `-done`
 halves of async pairs launch nothing. Each kernel carries its FLOPs (a dot's 2 x output x
-contraction; cuDNN attention's batched GEMMs, halved under a causal mask), the bytes it reads and
-writes in HBM (each operand once and each output, except that a dynamic-update-slice writes its
-update in place and a slice reads the slice) and, for a collective, the bytes it moves over the
+contraction; cuDNN attention's batched GEMMs, halved under a causal mask; a Pallas/Triton kernel
+whose name carries a GEMM shape, kernels/priced.py, that GEMM's: it is then priced as that GEMM, in
+its shape class; any other custom call has none), the bytes it reads and writes in HBM (each operand
+once and each output, except that a dynamic-update-slice writes its update in place and a slice
+reads the slice) and, for a collective, the bytes it moves over the
 target's links (hlo_comm's payload rules).
 """
 
@@ -18,6 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from boost_jax.kernels.priced import gemm_shape
 from boost_jax.tools.hlo_comm import (
     HloModule,
     Instruction,
@@ -472,8 +475,14 @@ def _kernel(
             k.flops = _attention_flops(k.attention)
         elif target == "__gpu$xla.gpu.triton" or target.startswith("triton_kernel_call"):
             name = re.search(r'\bname\s*=\s*"([^"]+)"|"name"\s*:\s*"([^"]+)"', ins.rest)
+            name = (name.group(1) or name.group(2)) if name else ""
             k.kind = "custom"
-            k.backend = f"{target} {(name.group(1) or name.group(2)) if name else ''}".strip()
+            k.backend = f"{target} {name}".strip()
+            shape = gemm_shape(name)
+            if shape:  # a kernel that names its GEMM (kernels/priced.py): priced as a GEMM of that shape
+                k.kind = "gemm"
+                k.gemm = (*shape, shape_dtype(op_shapes[0]) if op_shapes else "bf16")
+                k.flops = 2.0 * math.prod(shape)
         else:
             k.kind = "custom"
         return k
