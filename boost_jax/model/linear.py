@@ -97,8 +97,11 @@ def _use(dtype):
     return lambda w, names: gathered(w, names, dtype)
 
 
-def _first_stage(projs, x, grouped: bool, norm, route):
-    """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given)."""
+def _first_stage(projs, x, grouped: bool, norm, route, first=None):
+    """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given), or
+    from `first`, their output computed elsewhere (a kernel with the first stage inside)."""
+    if first is not None:
+        return [(projs, _bottleneck(projs, first) if projs[0].factored else first)]
     if norm is not None and route.fuses_norm:
         # The norm's statistics travel in the same all-reduce as the A partial products (BTP).
         a = jnp.stack([p.first_weight(_use(x.dtype)) for p in projs])
@@ -115,7 +118,7 @@ def _first_stage(projs, x, grouped: bool, norm, route):
     return out
 
 
-def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=()) -> list:
+def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=(), first=None) -> list:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
     run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `grouped=FIRST`
     groups the first stages only: each B is its own GEMM, so no output is sliced out of a batched one,
@@ -125,12 +128,13 @@ def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, k
     the first stage or run each projection its own way. `keep`: factored projections (of kinds
     without an extra term) whose second stage is left to the caller: for them the pair (σ(A x)
     [B, T, width], the second-stage weight [width, d_out] in its compute layout) comes back instead
-    of the output."""
+    of the output. `first`: the group's first-stage output [B, T, g, width], computed elsewhere (x is
+    then not read; kinds with an extra term need x)."""
     if route.replaces_projection:
         x = norm(x) if norm is not None else x
         return _with_extra(projs, [route.project(p, x) for p in projs], x, None)
     outs = []
-    for run, h in _first_stage(projs, x, grouped, norm, route):
+    for run, h in _first_stage(projs, x, grouped, norm, route, first):
         if not run[0].factored:
             outs.extend(h[:, :, i] for i in range(len(run)))
             continue
