@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from boost_jax.kernels.gated_gemm import gated_matmul, gated_reference
+from boost_jax.kernels.gated_gemm import act_matmuls, gated_matmul, gated_reference
 
 
 def _np_gated(g, u, w, ds, act):
@@ -84,9 +84,29 @@ def test_gated_gemm_refuses_bad_input_and_falls_back_on_small_sides():
     assert "pallas_call" not in str(small)  # a side under 16: plain jnp
 
 
+def test_act_matmuls_match_float64():
+    """σ read into each of a group's second-stage GEMMs: outputs, the group's input gradient (each
+    member's columns) and every weight gradient, on widths that fill no tile."""
+    rng = np.random.default_rng()
+    h = jnp.asarray(rng.normal(size=(2, 20, 3, 24)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.normal(size=(24, d)) / 5, jnp.float32) for d in (40, 17, 33))
+    dys = tuple(jnp.asarray(rng.normal(size=(2, 20, d)), jnp.float32) for d in (40, 17, 33))
+    ys, pull = jax.vjp(lambda h, ws: act_matmuls(h, ws, "silu", interpret=True), h, ws)
+    dh, dws = pull(dys)
+    hn = np.asarray(h, np.float64)
+    sig = 1 / (1 + np.exp(-hn))
+    a, da = hn * sig, sig * (1 + hn * (1 - sig))
+    for i, (w, dy) in enumerate(zip(ws, dys)):
+        w, dy = np.asarray(w, np.float64), np.asarray(dy, np.float64)
+        _close(ys[i], a[:, :, i] @ w, 1e-5)
+        _close(dh[:, :, i], (dy @ w.T) * da[:, :, i], 1e-5)
+        _close(dws[i], np.einsum("btr,btd->rd", a[:, :, i], dy), 1e-5)
+
+
 @pytest.mark.parametrize("only_lr_act", [True, False], ids=["gate_times_up", "swiglu"])
-def test_the_model_with_the_gate_in_its_gemm_equals_xlas(make_config, only_lr_act):
-    """A cola model whose MLP runs `model.gate_kernel=gemm` (interpreted) computes XLA's logits and
+def test_the_model_with_the_gate_and_sigma_in_its_gemms_equals_xlas(make_config, only_lr_act):
+    """A cola model whose MLP runs `model.gate_kernel=gemm` and whose projections read σ into their B
+    GEMMs (`model.bottleneck_kernel`, auto: with the gate; interpreted) computes XLA's logits and
     gradients."""
     from flax import nnx
 
@@ -98,6 +118,7 @@ def test_the_model_with_the_gate_in_its_gemm_equals_xlas(make_config, only_lr_ac
     runs = {}
     for impl in ("gemm", "xla"):
         cfg.model.gate_kernel = impl
+        cfg.model.group_linears = "first"  # q/k/v and gate/up: one member each of a group's kernels
         graphdef, state = nnx.split(build_model(cfg.model, seed=3))
 
         def loss(state, graphdef=graphdef):
@@ -105,7 +126,7 @@ def test_the_model_with_the_gate_in_its_gemm_equals_xlas(make_config, only_lr_ac
             return (logits * probe).sum(), logits
 
         jaxpr = str(jax.make_jaxpr(loss)(state))
-        assert ("pallas_call" in jaxpr) == (impl == "gemm")
+        assert ("gated_gemm_fwd" in jaxpr, "silu_gemm_fwd" in jaxpr) == (impl == "gemm",) * 2
         runs[impl] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
     (_, got), got_grads = runs["gemm"]
     (_, want), want_grads = runs["xla"]

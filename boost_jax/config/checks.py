@@ -144,6 +144,8 @@ def _check_model_shape(c: ml_collections.ConfigDict) -> None:
     check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
     gate = m.get("gate_kernel", "auto")
     check(gate in ("auto", "pallas", "gemm", "xla"), "model.gate_kernel", f"{gate!r} is not auto, pallas, gemm or xla")
+    sigma = m.get("bottleneck_kernel", "auto")
+    check(sigma in ("auto", "gemm", "xla"), "model.bottleneck_kernel", f"{sigma!r} is not auto, gemm or xla")
 
 
 def _check_lengths_and_init(c: ml_collections.ConfigDict) -> None:

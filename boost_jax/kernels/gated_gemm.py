@@ -65,8 +65,9 @@ def _act(g, act):
     return g, 1.0
 
 
-def _fwd(g_ref, u_ref, w_ref, s_ref, *, m, f, r, tiles, act):
-    """s[tile] = sum over F tiles of (act(g)·u)[rows, k] @ w[k, cols]."""
+def _fwd(*refs, m, f, r, tiles, act, gated, col0):
+    """s[tile] = sum over F tiles of (act(g)·u)[rows, k] @ w[k, cols] (g's columns from col0; no u: act(g))."""
+    g_ref, u_ref, w_ref, s_ref = refs if gated else (refs[0], None, *refs[1:])
     bm, bn, bk = tiles
     r0, rmask = _span(pl.program_id(0), m, bm)
     c0, cmask = _span(pl.program_id(1), r, bn)
@@ -74,18 +75,20 @@ def _fwd(g_ref, u_ref, w_ref, s_ref, *, m, f, r, tiles, act):
     def step(i, acc):
         k0, kmask = _span(i, f, bk)
         rows, ks = pl.ds(r0, bm), pl.ds(k0, bk)
-        g = plgpu.load(g_ref.at[rows, ks]).astype(_F32)
-        u = plgpu.load(u_ref.at[rows, ks]).astype(_F32)
-        h = jnp.where(kmask[None, :], _act(g, act)[0] * u, 0.0).astype(w_ref.dtype)
-        w = plgpu.load(w_ref.at[ks, pl.ds(c0, bn)])
-        return acc + _dot(h, w)
+        h = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + k0, bk)]).astype(_F32), act)[0]
+        if gated:
+            h = h * plgpu.load(u_ref.at[rows, ks]).astype(_F32)
+        h = jnp.where(kmask[None, :], h, 0.0).astype(w_ref.dtype)
+        return acc + _dot(h, plgpu.load(w_ref.at[ks, pl.ds(c0, bn)]))
 
     acc = jax.lax.fori_loop(0, pl.cdiv(f, bk), step, jnp.zeros((bm, bn), _F32))
     plgpu.store(s_ref.at[pl.ds(r0, bm), pl.ds(c0, bn)], acc.astype(s_ref.dtype), mask=rmask[:, None] & cmask[None, :])
 
 
-def _dx(g_ref, u_ref, w_ref, ds_ref, dg_ref, du_ref, *, m, f, r, tiles, act):
-    """dh[tile] = ds[rows] @ w[cols]ᵀ over R; then dg = dh·u·act'(g), du = dh·act(g) on the tile."""
+def _dx(*refs, m, f, r, tiles, act, gated, col0):
+    """dh[tile] = ds[rows] @ w[cols]ᵀ over R; then dg = dh·u·act'(g), du = dh·act(g) on the tile (no u:
+    dg = dh·act'(g))."""
+    g_ref, u_ref, w_ref, ds_ref, dg_ref, du_ref = refs if gated else (refs[0], None, *refs[1:], None)
     bm, bn, bk = tiles
     r0, rmask = _span(pl.program_id(0), m, bm)
     c0, cmask = _span(pl.program_id(1), f, bn)
@@ -99,16 +102,18 @@ def _dx(g_ref, u_ref, w_ref, ds_ref, dg_ref, du_ref, *, m, f, r, tiles, act):
         return acc + _dot(ds, plgpu.load(w_ref.at[cols, ks]), trans_b=True)
 
     dh = jax.lax.fori_loop(0, pl.cdiv(r, bk), step, jnp.zeros((bm, bn), _F32))
-    g = plgpu.load(g_ref.at[rows, cols]).astype(_F32)
-    u = plgpu.load(u_ref.at[rows, cols]).astype(_F32)
-    a, da = _act(g, act)
+    a, da = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + c0, bn)]).astype(_F32), act)
     mask = rmask[:, None] & cmask[None, :]
-    plgpu.store(dg_ref.at[rows, cols], (dh * u * da).astype(dg_ref.dtype), mask=mask)
-    plgpu.store(du_ref.at[rows, cols], (dh * a).astype(du_ref.dtype), mask=mask)
+    if gated:
+        u = plgpu.load(u_ref.at[rows, cols]).astype(_F32)
+        plgpu.store(du_ref.at[rows, cols], (dh * a).astype(du_ref.dtype), mask=mask)
+        dh = dh * u
+    plgpu.store(dg_ref.at[rows, cols], (dh * da).astype(dg_ref.dtype), mask=mask)
 
 
-def _dw(g_ref, u_ref, ds_ref, dw_ref, *, m, f, r, tiles, act):
+def _dw(*refs, m, f, r, tiles, act, gated, col0):
     """dw[tile] = sum over row tiles of (act(g)·u)[k, rows]ᵀ @ ds[k, cols] (rows of dw: F, columns: R)."""
+    g_ref, u_ref, ds_ref, dw_ref = refs if gated else (refs[0], None, *refs[1:])
     bm, bn, bk = tiles
     f0, fmask = _span(pl.program_id(0), f, bm)
     c0, cmask = _span(pl.program_id(1), r, bn)
@@ -117,19 +122,20 @@ def _dw(g_ref, u_ref, ds_ref, dw_ref, *, m, f, r, tiles, act):
     def step(i, acc):
         k0, kmask = _span(i, m, bk)
         ks = pl.ds(k0, bk)
-        g = plgpu.load(g_ref.at[ks, fs]).astype(_F32)
-        u = plgpu.load(u_ref.at[ks, fs]).astype(_F32)
-        h = jnp.where(kmask[:, None], _act(g, act)[0] * u, 0.0).astype(ds_ref.dtype)
+        h = _act(plgpu.load(g_ref.at[ks, pl.ds(col0 + f0, bm)]).astype(_F32), act)[0]
+        if gated:
+            h = h * plgpu.load(u_ref.at[ks, fs]).astype(_F32)
+        h = jnp.where(kmask[:, None], h, 0.0).astype(ds_ref.dtype)
         return acc + _dot(h, plgpu.load(ds_ref.at[ks, cols]), trans_a=True)
 
     acc = jax.lax.fori_loop(0, pl.cdiv(m, bk), step, jnp.zeros((bm, bn), _F32))
     plgpu.store(dw_ref.at[fs, cols], acc.astype(dw_ref.dtype), mask=fmask[:, None] & cmask[None, :])
 
 
-def _launch(kernel, base, grid_dims, tiles, gemm, inputs, outs, *, m, f, r, act, interpret):
+def _launch(kernel, base, grid_dims, tiles, gemm, inputs, outs, *, interpret, **kw):
     """One pallas_call of `kernel` on 2-D inputs; its name carries its GEMM (batch 1, m, n, k)."""
     return pl.pallas_call(
-        functools.partial(kernel, m=m, f=f, r=r, tiles=tiles, act=act),
+        functools.partial(kernel, tiles=tiles, **kw),
         grid=tuple(pl.cdiv(d, t) for d, t in zip(grid_dims, tiles[:2])),
         out_shape=outs,
         compiler_params=_PARAMS(num_warps=4, num_stages=2),
@@ -138,26 +144,30 @@ def _launch(kernel, base, grid_dims, tiles, gemm, inputs, outs, *, m, f, r, act,
     )(*inputs)
 
 
-def _kernels(which, act, interpret):
-    """The call `which` (fwd: (g, u, w) -> s; dx: (g, u, w, ds) -> (dg, du); dw: (g, u, ds) -> dw) on
-    [M, F] activations, batched under vmap (rows folded where w is shared, else one call per element)."""
+def _kernels(which, act, interpret, gated=True, col0=0, width=None):
+    """The call `which` on [M, F] activations (fwd: (g, u, w) -> s; dx: (g, u, w, ds) -> (dg, du); dw:
+    (g, u, ds) -> dw; without u where not `gated`, dx then -> dg), g's columns col0 .. col0 + width
+    read (width: F, default g's), batched under vmap (rows folded where w is shared, else one call
+    per element)."""
+    base = "gated_gemm" if gated else f"{act}_gemm"
 
     def call2d(*xs):
         g = xs[0]
-        (m, f), r = g.shape, xs[-1].shape[-1]
-        kw = dict(m=m, f=f, r=r, act=act, interpret=interpret)
+        m, f, r = g.shape[0], width or g.shape[1], xs[-1].shape[-1]
+        kw = dict(m=m, f=f, r=r, act=act, interpret=interpret, gated=gated, col0=col0)
         like = lambda *shape: jax.ShapeDtypeStruct(shape, g.dtype)  # noqa: E731
         if which == "fwd":
             tiles = (_tile(m, TILE_M), _tile(r, TILE_N), _tile(f, TILE_K))
-            return _launch(_fwd, "gated_gemm_fwd", (m, r), tiles, (m, r, f), xs, like(m, r), **kw)
+            return _launch(_fwd, f"{base}_fwd", (m, r), tiles, (m, r, f), xs, like(m, r), **kw)
         if which == "dx":
+            outs = [like(m, f)] * (2 if gated else 1)
             tiles = (_tile(m, TILE_M), _tile(f, TILE_N), _tile(r, TILE_K))
-            return tuple(_launch(_dx, "gated_gemm_dx", (m, f), tiles, (m, f, r), xs, [like(m, f)] * 2, **kw))
+            return tuple(_launch(_dx, f"{base}_dx", (m, f), tiles, (m, f, r), xs, outs, **kw))
         tiles = (_tile(f, TILE_M), _tile(r, TILE_N), _tile(m, TILE_K))
-        return _launch(_dw, "gated_gemm_dw", (f, r), tiles, (f, r, m), xs, like(f, r), **kw)
+        return _launch(_dw, f"{base}_dw", (f, r), tiles, (f, r, m), xs, like(f, r), **kw)
 
-    weight = 2 if which != "dw" else None  # the position of w (dw's inputs are all activations)
-    n_out = 2 if which == "dx" else 1
+    weight = (2 if gated else 1) if which != "dw" else None  # the position of w (dw's inputs: activations)
+    n_out = 2 if which == "dx" and gated else 1
 
     @custom_vmap
     def call(*xs):
@@ -165,7 +175,7 @@ def _kernels(which, act, interpret):
         out = call2d(*(x if i == weight else x.reshape(-1, x.shape[-1]) for i, x in enumerate(xs)))
         if which == "dw":
             return out
-        return tuple(o.reshape(*lead, -1) for o in out) if n_out == 2 else out.reshape(*lead, -1)
+        return tuple(o.reshape(*lead, -1) for o in out) if which == "dx" else out.reshape(*lead, -1)
 
     @call.def_vmap
     def rule(size, in_batched, *xs):
@@ -175,7 +185,7 @@ def _kernels(which, act, interpret):
             for i, (x, b) in enumerate(zip(xs, in_batched))
         ]
         out = call(*xs) if rows else jax.lax.map(lambda ys: call(*ys), tuple(xs))
-        return out, (True, True) if n_out == 2 else True
+        return out, (True,) * n_out if which == "dx" else True
 
     return call
 
@@ -222,6 +232,63 @@ def gated_matmul(g: jax.Array, u: jax.Array, w: jax.Array, act: str = "none", *,
     if _lowers(g.dtype, act, bool(interpret)):
         return gated_reference(g, u, w, act)
     return _gated(g, u, w, act, bool(interpret))
+
+
+def act_reference(h: jax.Array, ws, act: str = "silu") -> tuple:
+    """(act(h[..., i, :]) @ ws[i] for each i) in h's dtype, accumulated in float32 (plain jnp)."""
+    a = gate_reference(h, jnp.ones((), h.dtype), act)
+    return tuple(
+        jnp.einsum("...r,rd->...d", a[..., i, :], w.astype(h.dtype), preferred_element_type=_F32).astype(h.dtype)
+        for i, w in enumerate(ws)
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _act_stages(h, ws, act, interpret):
+    flat, r = h.reshape(*h.shape[:-2], -1), h.shape[-1]
+    return tuple(
+        _kernels("fwd", act, interpret, gated=False, col0=i * r, width=r)(flat, w.astype(h.dtype))
+        for i, w in enumerate(ws)
+    )
+
+
+def _act_fwd(h, ws, act, interpret):
+    return _act_stages(h, ws, act, interpret), (h, ws)
+
+
+def _act_bwd(act, interpret, res, dys):
+    h, ws = res
+    flat, r = h.reshape(*h.shape[:-2], -1), h.shape[-1]
+    dh, dws = [], []
+    for i, (w, dy) in enumerate(zip(ws, dys)):
+        dy = dy.astype(h.dtype)
+        dh.append(_kernels("dx", act, interpret, gated=False, col0=i * r, width=r)(flat, w.astype(h.dtype), dy)[0])
+        dws.append(_kernels("dw", act, interpret, gated=False, col0=i * r, width=r)(flat, dy).astype(w.dtype))
+    return jnp.stack(dh, axis=-2), tuple(dws)
+
+
+_act_stages.defvjp(_act_fwd, _act_bwd)
+
+
+def act_matmuls(h: jax.Array, ws, act: str = "silu", *, impl: str = "pallas", interpret=None) -> tuple:
+    """act(h[..., i, :]) @ ws[i] for each i (h: [..., G, r], the G first-stage outputs of a group before σ;
+    ws: G second-stage weights [r, d_i], cast to h's dtype): each one kernel each way with σ read into
+    the GEMM (a prologue forward, σ' an epilogue of the input gradient's GEMM). impl="xla", a side
+    under 16, or kernels that do not compile here: `act_reference`."""
+    ws = tuple(ws)
+    if act not in ACTS:
+        raise ValueError(f"unknown activation {act!r}; one of {ACTS}")
+    if impl not in ("pallas", "xla"):
+        raise ValueError(f"act_matmuls impl={impl!r}: pallas or xla")
+    if len(ws) != h.shape[-2] or any(w.ndim != 2 or w.shape[0] != h.shape[-1] for w in ws):
+        raise ValueError(f"act_matmuls: h {h.shape} and weights {[w.shape for w in ws]} do not fit")
+    rows = h.size // max(h.shape[-1] * h.shape[-2], 1)
+    small = min(rows, h.shape[-1], *(w.shape[1] for w in ws)) < MIN_DIM or h.size >= 2**31
+    if interpret is None:
+        interpret = platform.name() == "cpu"
+    if impl == "xla" or small or _lowers(h.dtype, act, bool(interpret)):
+        return act_reference(h, ws, act)
+    return _act_stages(h, ws, act, bool(interpret))
 
 
 _LOWERS: dict = {}  # (backend, device kind, dtype, act, interpret) -> "" when the kernels compile, else why not
