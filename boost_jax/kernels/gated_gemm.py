@@ -78,8 +78,8 @@ def _fwd(*refs, m, f, r, tiles, act, gated, col0):
         h = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + k0, bk)]).astype(_F32), act)[0]
         if gated:
             h = h * plgpu.load(u_ref.at[rows, ks]).astype(_F32)
-        h = jnp.where(kmask[None, :], h, 0.0).astype(w_ref.dtype)
-        return acc + _dot(h, plgpu.load(w_ref.at[ks, pl.ds(c0, bn)]))
+        h = jnp.where(kmask[None, :], h, 0.0).astype(s_ref.dtype)
+        return acc + _dot(h, plgpu.load(w_ref.at[ks, pl.ds(c0, bn)]).astype(s_ref.dtype))
 
     acc = jax.lax.fori_loop(0, pl.cdiv(f, bk), step, jnp.zeros((bm, bn), _F32))
     plgpu.store(s_ref.at[pl.ds(r0, bm), pl.ds(c0, bn)], acc.astype(s_ref.dtype), mask=rmask[:, None] & cmask[None, :])
@@ -99,7 +99,7 @@ def _dx(*refs, m, f, r, tiles, act, gated, col0):
         ks = pl.ds(k0, bk)
         ds = plgpu.load(ds_ref.at[rows, ks])
         ds = jnp.where(kmask[None, :], ds, jnp.zeros_like(ds))
-        return acc + _dot(ds, plgpu.load(w_ref.at[cols, ks]), trans_b=True)
+        return acc + _dot(ds, plgpu.load(w_ref.at[cols, ks]).astype(ds.dtype), trans_b=True)
 
     dh = jax.lax.fori_loop(0, pl.cdiv(r, bk), step, jnp.zeros((bm, bn), _F32))
     a, da = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + c0, bn)]).astype(_F32), act)
@@ -132,6 +132,17 @@ def _dw(*refs, m, f, r, tiles, act, gated, col0):
     plgpu.store(dw_ref.at[fs, cols], acc.astype(dw_ref.dtype), mask=fmask[:, None] & cmask[None, :])
 
 
+SMS = 132  # an H100's multiprocessors: a weight gradient's grid of fewer tiles leaves some idle
+
+
+def _spread(bm, bn, f, r):
+    """Output tiles of a weight gradient ([F, R]: few tiles, a long K loop over the rows) halved, the
+    larger first and not under 64, until the grid fills the GPU's multiprocessors."""
+    while -(-f // bm) * -(-r // bn) < SMS and max(bm, bn) > 64:
+        bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
+    return bm, bn
+
+
 def _launch(kernel, base, grid_dims, tiles, gemm, inputs, outs, *, interpret, **kw):
     """One pallas_call of `kernel` on 2-D inputs; its name carries its GEMM (batch 1, m, n, k)."""
     return pl.pallas_call(
@@ -144,11 +155,11 @@ def _launch(kernel, base, grid_dims, tiles, gemm, inputs, outs, *, interpret, **
     )(*inputs)
 
 
-def _kernels(which, act, interpret, gated=True, col0=0, width=None):
+def _kernels(which, act, interpret, gated=True, col0=0, width=None, out=None):
     """The call `which` on [M, F] activations (fwd: (g, u, w) -> s; dx: (g, u, w, ds) -> (dg, du); dw:
-    (g, u, ds) -> dw; without u where not `gated`, dx then -> dg), g's columns col0 .. col0 + width
-    read (width: F, default g's), batched under vmap (rows folded where w is shared, else one call
-    per element)."""
+    (g, u, ds) -> dw in dtype `out`; without u where not `gated`, dx then -> dg). g's columns col0 ..
+    col0 + width are read (width: F, default g's); w in any float dtype (cast per tile). Batched under
+    vmap: rows folded where w is shared, else one call per element."""
     base = "gated_gemm" if gated else f"{act}_gemm"
 
     def call2d(*xs):
@@ -163,8 +174,9 @@ def _kernels(which, act, interpret, gated=True, col0=0, width=None):
             outs = [like(m, f)] * (2 if gated else 1)
             tiles = (_tile(m, TILE_M), _tile(f, TILE_N), _tile(r, TILE_K))
             return tuple(_launch(_dx, f"{base}_dx", (m, f), tiles, (m, f, r), xs, outs, **kw))
-        tiles = (_tile(f, TILE_M), _tile(r, TILE_N), _tile(m, TILE_K))
-        return _launch(_dw, f"{base}_dw", (f, r), tiles, (f, r, m), xs, like(f, r), **kw)
+        tiles = (*_spread(_tile(f, TILE_M), _tile(r, TILE_N), f, r), _tile(m, TILE_K))
+        dw = jax.ShapeDtypeStruct((f, r), out or g.dtype)
+        return _launch(_dw, f"{base}_dw", (f, r), tiles, (f, r, m), xs, dw, **kw)
 
     weight = (2 if gated else 1) if which != "dw" else None  # the position of w (dw's inputs: activations)
     n_out = 2 if which == "dx" and gated else 1
@@ -192,7 +204,7 @@ def _kernels(which, act, interpret, gated=True, col0=0, width=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gated(g, u, w, act, interpret):
-    return _kernels("fwd", act, interpret)(g, u, w.astype(g.dtype))
+    return _kernels("fwd", act, interpret)(g, u, w)
 
 
 def _vjp_fwd(g, u, w, act, interpret):
@@ -202,9 +214,9 @@ def _vjp_fwd(g, u, w, act, interpret):
 def _vjp_bwd(act, interpret, res, ds):
     g, u, w = res
     ds = ds.astype(g.dtype)
-    dg, du = _kernels("dx", act, interpret)(g, u, w.astype(g.dtype), ds)
-    dw = _kernels("dw", act, interpret)(g, u, ds)
-    return dg, du, dw.astype(w.dtype)
+    dg, du = _kernels("dx", act, interpret)(g, u, w, ds)
+    dw = _kernels("dw", act, interpret, out=w.dtype)(g, u, ds)
+    return dg, du, dw
 
 
 _gated.defvjp(_vjp_fwd, _vjp_bwd)
@@ -213,7 +225,8 @@ MIN_DIM = 16  # Triton's dot takes no block under 16 on a side
 
 
 def gated_matmul(g: jax.Array, u: jax.Array, w: jax.Array, act: str = "none", *, impl: str = "pallas", interpret=None):
-    """(act(g)·u) @ w (g, u: [..., F] of one shape and dtype; w: [F, R], cast to g's dtype). impl="pallas":
+    """(act(g)·u) @ w (g, u: [..., F] of one shape and dtype; w: [F, R], read in its dtype and cast per
+    tile to g's; its gradient in w's dtype, accumulated in float32). impl="pallas":
     the kernels above (interpreted on CPU unless `interpret` says otherwise); "xla": `gated_reference`,
     which also runs where a side is under 16 or the kernels do not compile here (warned once)."""
     if act not in ACTS:
@@ -246,10 +259,7 @@ def act_reference(h: jax.Array, ws, act: str = "silu") -> tuple:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _act_stages(h, ws, act, interpret):
     flat, r = h.reshape(*h.shape[:-2], -1), h.shape[-1]
-    return tuple(
-        _kernels("fwd", act, interpret, gated=False, col0=i * r, width=r)(flat, w.astype(h.dtype))
-        for i, w in enumerate(ws)
-    )
+    return tuple(_kernels("fwd", act, interpret, gated=False, col0=i * r, width=r)(flat, w) for i, w in enumerate(ws))
 
 
 def _act_fwd(h, ws, act, interpret):
@@ -262,8 +272,8 @@ def _act_bwd(act, interpret, res, dys):
     dh, dws = [], []
     for i, (w, dy) in enumerate(zip(ws, dys)):
         dy = dy.astype(h.dtype)
-        dh.append(_kernels("dx", act, interpret, gated=False, col0=i * r, width=r)(flat, w.astype(h.dtype), dy)[0])
-        dws.append(_kernels("dw", act, interpret, gated=False, col0=i * r, width=r)(flat, dy).astype(w.dtype))
+        dh.append(_kernels("dx", act, interpret, gated=False, col0=i * r, width=r)(flat, w, dy)[0])
+        dws.append(_kernels("dw", act, interpret, gated=False, col0=i * r, width=r, out=w.dtype)(flat, dy))
     return jnp.stack(dh, axis=-2), tuple(dws)
 
 
@@ -272,9 +282,9 @@ _act_stages.defvjp(_act_fwd, _act_bwd)
 
 def act_matmuls(h: jax.Array, ws, act: str = "silu", *, impl: str = "pallas", interpret=None) -> tuple:
     """act(h[..., i, :]) @ ws[i] for each i (h: [..., G, r], the G first-stage outputs of a group before σ;
-    ws: G second-stage weights [r, d_i], cast to h's dtype): each one kernel each way with σ read into
-    the GEMM (a prologue forward, σ' an epilogue of the input gradient's GEMM). impl="xla", a side
-    under 16, or kernels that do not compile here: `act_reference`."""
+    ws: G second-stage weights [r, d_i], read in their dtype and cast per tile to h's): each one kernel
+    each way with σ read into the GEMM (a prologue forward, σ' an epilogue of the input gradient's
+    GEMM). impl="xla", a side under 16, or kernels that do not compile here: `act_reference`."""
     ws = tuple(ws)
     if act not in ACTS:
         raise ValueError(f"unknown activation {act!r}; one of {ACTS}")
