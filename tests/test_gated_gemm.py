@@ -103,7 +103,9 @@ def test_act_matmuls_match_float64():
         _close(dws[i], np.einsum("btr,btd->rd", a[:, :, i], dy), 1e-5)
 
 
-@pytest.mark.parametrize("only_lr_act", [True, False], ids=["gate_times_up", "swiglu"])
+@pytest.mark.parametrize(
+    "only_lr_act", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["gate_times_up", "swiglu"]
+)
 def test_the_model_with_the_gate_and_sigma_in_its_gemms_equals_xlas(make_config, only_lr_act):
     """A cola model whose MLP runs `model.gate_kernel=gemm` and whose projections read σ into their B
     GEMMs (`model.bottleneck_kernel`, auto: with the gate; interpreted) computes XLA's logits and
@@ -161,3 +163,20 @@ def test_gated_gemm_kernels_compile_for_h100_without_a_gpu():
         f"gated_gemm_dx__gemm_1x{m}x{f}x{r}": ((1, m, f, r), 2.0 * m * f * r),
         f"gated_gemm_dw__gemm_1x{f}x{r}x{m}": ((1, f, r, m), 2.0 * f * r * m),
     }, gemms
+
+
+def test_a_jax_without_pallas_triton_runs_the_references_loudly(monkeypatch):
+    """Where the kernels cannot compile (here: no Pallas Triton backend), plain jnp runs, with a warning
+    naming why: the same values."""
+    from boost_jax.kernels import gated_gemm
+
+    monkeypatch.setattr(gated_gemm, "plgpu", None)
+    monkeypatch.setattr(gated_gemm, "_LOWERS", {})
+    rng = np.random.default_rng()
+    g, u = (jnp.asarray(rng.normal(size=(20, 24)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.normal(size=(24, 16)), jnp.float32)
+    with pytest.warns(UserWarning, match="no Pallas Triton backend"):
+        s = gated_matmul(g, u, w, "silu")
+    _close(s, _np_gated(g, u, w, np.zeros((20, 16)), "silu")[0], 1e-6)
+    (y,) = act_matmuls(g.reshape(20, 1, 24), [w], "silu")  # warned once per key: no second warning
+    _close(y, _np_gated(g, np.ones_like(g), w, np.zeros((20, 16)), "silu")[0], 1e-6)

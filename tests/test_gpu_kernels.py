@@ -63,7 +63,7 @@ def test_attention_runs_natively_and_matches_xla(impl):
         assert _rel(a, r) <= 3e-2, f"{name}: {_rel(a, r):.2e}"
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 5e-3), (jnp.bfloat16, 3e-2)])  # f32: TF32 either way
 def test_gated_gemm_kernels_run_natively_and_match(dtype, tol):
     """kernels/gated_gemm.py compiled by Triton (not interpreted): the gate product in the down GEMM and
     σ in a group's B GEMMs, forward and every gradient, against the plain-jnp references; the program

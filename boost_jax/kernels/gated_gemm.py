@@ -305,8 +305,8 @@ _LOWERS: dict = {}  # (backend, device kind, dtype, act, interpret) -> "" when t
 
 
 def _lowers(dtype, act, interpret) -> str:
-    """Compile the three kernels once per target, dtype and activation on small odd shapes; the reason
-    when they cannot (warned once, and the plain-jnp computation runs)."""
+    """Compile every kernel once per target, dtype and activation on small odd shapes (the gated three
+    and σ's three); the reason when they cannot (warned once, and the plain-jnp computations run)."""
     kind = str(getattr(platform.device(), "device_kind", ""))
     key = (platform.name(), kind, jnp.dtype(dtype).name, act, interpret)
     if key not in _LOWERS:
@@ -314,12 +314,14 @@ def _lowers(dtype, act, interpret) -> str:
             if plgpu is None:
                 raise ImportError("this jax has no Pallas Triton backend")
             x, w = platform.abstract((40, 48), dtype), platform.abstract((48, 24), dtype)
+            h, v = platform.abstract((40, 2, 24), dtype), platform.abstract((24, 17), dtype)
 
-            def step(g, u, w):
+            def step(g, u, w, h, v):
                 s, back = jax.vjp(lambda g, u, w: _gated(g, u, w, act, interpret), g, u, w)
-                return back(s)
+                ys, back2 = jax.vjp(lambda h, ws: _act_stages(h, ws, act, interpret), h, (v, v))
+                return back(s), back2(ys)
 
-            jax.jit(step).lower(x, x, w).compile()
+            jax.jit(step).lower(x, x, w, h, v).compile()
             _LOWERS[key] = ""
         except Exception as e:  # noqa: BLE001 - any import/lowering/compile failure means "use XLA"
             _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
