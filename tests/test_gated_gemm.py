@@ -103,18 +103,55 @@ def test_act_matmuls_match_float64():
         _close(dws[i], np.einsum("btr,btd->rd", a[:, :, i], dy), 1e-5)
 
 
+def test_act_matmuls_with_rope_match_float64():
+    """RoPE inside two members' σ kernels (32-wide heads: two 16-wide halves each), the third plain:
+    outputs, the input gradient and the weight gradients against float64 numpy, positions at random."""
+    from boost_jax.kernels.gated_gemm import rope_table
+
+    rng = np.random.default_rng()
+    b, t, r, d, theta = 2, 20, 24, 32, 10000.0
+    h = jnp.asarray(rng.normal(size=(b, t, 3, r)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.normal(size=(r, n)) / 5, jnp.float32) for n in (3 * d, d, 2 * d))
+    dys = tuple(jnp.asarray(rng.normal(size=(b, t, w.shape[1])), jnp.float32) for w in ws)
+    pos = jnp.asarray(rng.integers(0, 4096, size=(b, t)))
+    flags = (True, True, False)
+    ys, pull = jax.vjp(
+        lambda h, ws: act_matmuls(h, ws, "silu", rope=(rope_table(pos, theta, d), flags), interpret=True), h, ws
+    )
+    dh, dws = pull(dys)
+    hn = np.asarray(h, np.float64)
+    sig = 1 / (1 + np.exp(-hn))
+    a, da = hn * sig, sig * (1 + hn * (1 - sig))
+    table = np.asarray(rope_table(pos, theta, d), np.float64)[:, :, None]  # the float32 angles RoPE uses
+    cos, sin = table[..., : d // 2], table[..., d // 2 :]
+    ang = np.asarray(pos, np.float64)[..., None, None] * theta ** (-np.arange(d // 2) / (d // 2))
+    np.testing.assert_allclose(cos, np.cos(ang), atol=2e-3)  # the table is RoPE's, to float32 angles
+    for i, (w, dy, f) in enumerate(zip(ws, dys, flags)):
+        w, dy = np.asarray(w, np.float64), np.asarray(dy, np.float64)
+        x = (a[:, :, i] @ w).reshape(b, t, -1, d)
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        y = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1) if f else x
+        g = dy.reshape(b, t, -1, d)
+        g1, g2 = g[..., : d // 2], g[..., d // 2 :]
+        pre = (np.concatenate([g1 * cos + g2 * sin, g2 * cos - g1 * sin], -1) if f else g).reshape(b, t, -1)
+        _close(ys[i], y.reshape(b, t, -1), 1e-5)
+        _close(dh[:, :, i], (pre @ w.T) * da[:, :, i], 1e-5)
+        _close(dws[i], np.einsum("btr,btd->rd", a[:, :, i], pre), 1e-5)
+
+
 @pytest.mark.parametrize(
     "only_lr_act", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["gate_times_up", "swiglu"]
 )
 def test_the_model_with_the_gate_and_sigma_in_its_gemms_equals_xlas(make_config, only_lr_act):
     """A cola model whose MLP runs `model.gate_kernel=gemm` and whose projections read σ into their B
-    GEMMs (`model.bottleneck_kernel`, auto: with the gate; interpreted) computes XLA's logits and
-    gradients."""
+    GEMMs, q's and k's with RoPE inside (`model.bottleneck_kernel`, auto: rope with the gate;
+    interpreted) computes XLA's logits and gradients."""
     from flax import nnx
 
     from boost_jax.model import build_model
 
-    cfg = make_config(**{"model.n_layers": 1, "model.only_lr_act": only_lr_act, "model.rank": 16})
+    heads = {"model.d_model": 64, "model.n_heads": 2, "model.n_kv_heads": 2}  # 32-wide heads: RoPE in the kernels
+    cfg = make_config(**{"model.n_layers": 1, "model.only_lr_act": only_lr_act, "model.rank": 16, **heads})
     tokens = jnp.asarray(np.random.default_rng().integers(0, 256, (2, 12)))
     probe = jax.random.normal(jax.random.key(8), (2, 12, cfg.model.vocab_size))
     runs = {}
@@ -128,7 +165,8 @@ def test_the_model_with_the_gate_and_sigma_in_its_gemms_equals_xlas(make_config,
             return (logits * probe).sum(), logits
 
         jaxpr = str(jax.make_jaxpr(loss)(state))
-        assert ("gated_gemm_fwd" in jaxpr, "silu_gemm_fwd" in jaxpr) == (impl == "gemm",) * 2
+        kernels = ("gated_gemm_fwd", "silu_gemm_fwd", "silu_rope_gemm_fwd")  # (the forward's jaxpr)
+        assert tuple(k in jaxpr for k in kernels) == (impl == "gemm",) * 3
         runs[impl] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
     (_, got), got_grads = runs["gemm"]
     (_, want), want_grads = runs["xla"]

@@ -145,7 +145,9 @@ def _check_model_shape(c: ml_collections.ConfigDict) -> None:
     gate = m.get("gate_kernel", "auto")
     check(gate in ("auto", "pallas", "gemm", "xla"), "model.gate_kernel", f"{gate!r} is not auto, pallas, gemm or xla")
     sigma = m.get("bottleneck_kernel", "auto")
-    check(sigma in ("auto", "gemm", "xla"), "model.bottleneck_kernel", f"{sigma!r} is not auto, gemm or xla")
+    check(
+        sigma in ("auto", "rope", "gemm", "xla"), "model.bottleneck_kernel", f"{sigma!r} is not auto, rope, gemm or xla"
+    )
 
 
 def _check_lengths_and_init(c: ml_collections.ConfigDict) -> None:

@@ -94,6 +94,12 @@ def _bottleneck(projs, h, tag: bool = True, act: bool = True):
     return projs[0].bottleneck(h) if act else h
 
 
+def rope_in_gemm(projs, grouped, route=GROUPED) -> bool:
+    """Whether `project` would run these projections' second stages as σ kernels that can rotate
+    their outputs by RoPE too (`project`'s `rope`; model.bottleneck_kernel=rope)."""
+    return projs[0].factored and projs[0].rope_in_gemm and _act_in_gemm(projs, route, grouped, ())
+
+
 def _act_in_gemm(run, route, grouped, keep) -> bool:
     """Whether the run's σ is read into its second-stage GEMMs (kernels/gated_gemm.py `act_matmuls`):
     the kind asks for it (`act_in_gemm`), each B is its own GEMM, none is kept for the caller, the
@@ -139,7 +145,7 @@ def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
     return out
 
 
-def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=(), first=None) -> list:
+def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=(), first=None, rope=None) -> list:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
     run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `grouped=FIRST`
     groups the first stages only: each B is its own GEMM, so no output is sliced out of a batched one,
@@ -150,7 +156,8 @@ def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, k
     without an extra term) whose second stage is left to the caller: for them the pair (σ(A x)
     [B, T, width], the second-stage weight [width, d_out] in its compute layout) comes back instead
     of the output. `first`: the group's first-stage output [B, T, g, width], computed elsewhere (x is
-    then not read; kinds with an extra term need x)."""
+    then not read; kinds with an extra term need x). `rope` = (table [B, T, head_dim], projections):
+    those outputs rotated by RoPE inside their σ kernels (only where `rope_in_gemm` says so)."""
     if route.replaces_projection:
         x = norm(x) if norm is not None else x
         return _with_extra(projs, [route.project(p, x) for p in projs], x, None)
@@ -160,7 +167,9 @@ def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, k
             outs.extend(h[:, :, i] for i in range(len(run)))
             continue
         if _act_in_gemm(run, route, grouped, keep):  # h before σ: σ read into each B's GEMM
-            outs.extend(act_matmuls(h, [p.second_weight(_use(h.dtype)) for p in run], run[0].act))
+            flags = tuple(rope is not None and any(p is q for q in rope[1]) for p in run)
+            spin = (rope[0], flags) if any(flags) else None
+            outs.extend(act_matmuls(h, [p.second_weight(_use(h.dtype)) for p in run], run[0].act, rope=spin))
             continue
         kept = lambda p: any(p is k for k in keep)  # noqa: E731
         by_shape = grouped is True

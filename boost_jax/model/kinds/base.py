@@ -93,11 +93,12 @@ class LinearKind(nnx.Module):
         self.d_in, self.d_out, self.group = d_in, d_out, group
         self.in_axis, self.out_axis = axes
         self.width = self.bottleneck_width(m, d_in, d_out)
-        # model.bottleneck_kernel: σ inside the second-stage GEMM's kernel (model/linear.py `project`)
+        # model.bottleneck_kernel: σ inside the second-stage GEMM's kernel (model/linear.py `project`), and
+        # with `rope` q's and k's RoPE too (auto: rope where model.gate_kernel resolved to gemm)
         choice = m.get("bottleneck_kernel", "auto")
-        self.act_in_gemm = bool(self.act) and (
-            choice == "gemm" or (choice == "auto" and m.get("gate_kernel") == "gemm")
-        )
+        choice = ("rope" if m.get("gate_kernel") == "gemm" else "xla") if choice == "auto" else choice
+        self.act_in_gemm = bool(self.act) and choice in ("gemm", "rope")
+        self.rope_in_gemm = self.act_in_gemm and choice == "rope"
 
     # --- what a kind defines -------------------------------------------------------------------
     @classmethod
