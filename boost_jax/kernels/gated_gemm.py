@@ -1,18 +1,17 @@
-"""The MLP's gate·up product inside the GEMM that reads it: s = (act(g)·u) @ w, one Pallas kernel each way.
+"""Elementwise work read into the GEMM that consumes it, one Pallas kernel each way per GEMM.
 
-    s = gated_matmul(g, u, w, act="none" | "silu", impl="pallas" | "xla")   # g, u: [..., F], w: [F, R]
+    s = gated_matmul(g, u, w, act)            # (act(g)·u) @ w: the MLP's gate product in the down GEMM
+    ys = act_matmuls(h, ws, act, rope=None)   # act(h[..., i, :]) @ ws[i]: CoLA's σ in each B GEMM
 
-A low-rank MLP's down projection starts with the r-wide GEMM (act(g)·u) @ A. Apart, the product is a
-kernel of its own (read g, u, write h; kernels/gate.py) and the GEMM reads h; its backward writes
-dh = ds @ Aᵀ, a kernel reads dh, g, u and writes dg, du, and A's gradient reads h. Here the forward
-GEMM computes act(g)·u per tile of its K loop (a prologue), the input gradient's GEMM writes
-dg = dh·u·act'(g) and du = dh·act(g) from its tile of dh (an epilogue), and A's gradient
-(act(g)·u)ᵀ @ ds recomputes the product per tile: no [.., F] tensor but g, u, dg, du crosses HBM.
-Float32 accumulation, results stored in the inputs' dtype. `gated_reference` is the plain-jnp
-computation (impl="xla" runs it). Tiles start at most at dim - block (never out of bounds, as
-kernels/gate.py's), masking what the previous tile covered. Each kernel's name carries its GEMM
-(kernels/priced.py) so the step-time table prices it as one. On CPU the kernels run in Pallas's
-interpreter; under vmap the batch is more rows (forward, input gradient) or one call per element.
+Apart, the product (or σ) is a kernel of its own (read, write) that the GEMM then reads, and the
+backward's GEMM writes dh for another kernel to multiply. Here the forward GEMM computes act(g)·u
+per tile of its K loop (a prologue), the input gradient's GEMM applies the product rule / act' to its
+tile of dh as it stores it (an epilogue), and the weight gradient recomputes the product per tile.
+`rope` also rotates q/k by RoPE in their kernels (a head's halves accumulated apart). Float32
+accumulation, results in the inputs' dtype; `gated_reference` / `act_reference` are the plain jnp
+(impl="xla"). Tiles start at most at dim - block (never out of bounds, as kernels/gate.py's),
+masking what the previous tile covered. Each kernel's name carries its GEMM (kernels/priced.py) for
+the step-time table. On CPU: Pallas's interpreter; under vmap: more rows, or one call per element.
 """
 
 from __future__ import annotations
