@@ -57,3 +57,14 @@ def test_a_tensor_parallel_stack_unrolls_only_under_remat_none(sizes):
     for more in ({"fsdp": 2}, {"pipeline": 2}, {"context": 2}):
         assert not given("none", **more)["scan_unroll"]
     assert not given("none", gpu=False)["scan_unroll"]
+
+
+def test_the_gate_product_inside_the_down_gemm_where_gate_and_up_are_apart():
+    """model.gate_kernel=auto: gemm (kernels/gated_gemm.py) on GPUs for factored kinds whose B's are not
+    grouped, pallas for a kind with an extra term from the input (sltrain), XLA's product where gate and
+    up are one GEMM (dense, a tensor split) and on CPUs."""
+    assert pick()["gate_kernel"] == pick(fsdp=8)["gate_kernel"] == pick(linear="lowrank")["gate_kernel"] == "gemm"
+    assert pick(linear="sltrain")["gate_kernel"] == "pallas"
+    assert (
+        pick(linear="dense")["gate_kernel"] == pick(tensor=2)["gate_kernel"] == pick(gpu=False)["gate_kernel"] == "xla"
+    )

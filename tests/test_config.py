@@ -91,6 +91,7 @@ def test_sltrain_configs_follow_the_recipe_they_state(path):
         ("kernels.residual_norm", "on", "kernels.residual_norm"),
         ("model.logits_dtype", "bfloat16", "model.logits_dtype"),
         ("model.gate_kernel", "triton", "model.gate_kernel"),
+        ("model.bottleneck_kernel", "pallas", "model.bottleneck_kernel"),
         ("model.group_linears", "second", "model.group_linears"),
     ],
 )

@@ -168,6 +168,18 @@ VARIANTS = {
         "model.n_layers": 4,
         "mesh": (1, 2, 2),
     },
+    # the gate product inside the down projection's first GEMM (kernels/gated_gemm.py), once per shard:
+    # along the batch under fsdp, in a pipeline's stages; where d_ff is split (Megatron) the gate kernel
+    # and XLA's GEMM instead
+    "gated_gemm_fsdp": {"model.gate_kernel": "gemm", "mesh": (1, 2, 4), "parallel.strategy": "vanilla"},
+    "gated_gemm_pipeline": {
+        "model.gate_kernel": "gemm",
+        "parallel.pipeline": 2,
+        "model.n_layers": 4,
+        "mesh": (1, 2, 2),
+        "parallel.strategy": "vanilla",
+    },
+    "gated_gemm_megatron": {"model.gate_kernel": "gemm", "parallel.strategy": "megatron"},
     "tied_embeddings_2x2x2": {"model.tie_embeddings": True, "mesh": (2, 2, 2)},
     "dense_ungrouped_2x2x2": {"model.linear": "dense", "model.group_linears": False, "mesh": (2, 2, 2)},
     "spatial_temporal_mlp_dense": {

@@ -188,6 +188,52 @@ def test_attention_time_grows_with_keys_and_adds_the_backward_side_passes():
         assert math.isclose(e * keys / (keys + hk), measured)
 
 
+def _custom_calls_hlo(m, n, k, name):
+    """An entry of two Triton custom calls on [m, k] x [k, n] bf16: one named by kernels/priced.py, one not."""
+    a, b, o = f"bf16[{m},{k}]{{1,0}}", f"bf16[{k},{n}]{{1,0}}", f"bf16[{m},{n}]{{1,0}}"
+    cfg = 'backend_config={debug = false, grid_x = 8 : i32, grid_y = 1 : i32, grid_z = 1 : i32, name = "%s"}'
+    return f"""HloModule jit_step, entry_computation_layout={{({a}, {b})->{o}}}
+
+ENTRY %main (a: {a}, b: {b}) -> {o} {{
+  %a = {a} parameter(0)
+  %b = {b} parameter(1)
+  %named = {o} custom-call(%a, %b), custom_call_target="__gpu$xla.gpu.triton", {cfg % name}
+  ROOT %plain = {o} custom-call(%a, %named), custom_call_target="__gpu$xla.gpu.triton", {cfg % "other_fwd"}
+}}
+"""
+
+
+def test_a_kernel_that_names_its_gemm_is_priced_as_that_gemm():
+    """A Pallas/Triton call named by kernels/priced.py carries 2 b m n k FLOPs and is priced as an XLA
+    GEMM of its shape class (max of compute at the class's efficiency and bytes); one without the
+    tag keeps 0 FLOPs and is priced by its bytes."""
+    from boost_jax.kernels.priced import gemm_name, gemm_shape
+
+    rng = np.random.default_rng()
+    m, n, k = (int(x) for x in rng.integers(17, 3000, size=3))
+    name = gemm_name("gated_gemm_fwd", 1, m, n, k)
+    assert gemm_shape(name) == (1, m, n, k) and gemm_shape("gate_fwd") is None
+    ks = by_name(step_kernels.kernels(_custom_calls_hlo(m, n, k, name)))
+    named, plain = ks["named"], ks["plain"]
+    assert (named.kind, named.gemm, named.flops, named.category) == (
+        "gemm",
+        (1, m, n, k, "bf16"),
+        2.0 * m * n * k,
+        "gemm",
+    )
+    assert named.bytes == 2 * (m * k + k * n + m * n) and plain.bytes == 2 * (m * k + 2 * m * n)
+    assert (plain.kind, plain.flops) == ("custom", 0.0)
+    eff = {c: float(rng.uniform(0.3, 0.9)) for c in step_pricing.GEMM_CLASSES}
+    c = step_pricing.Costs(eff, 0.4, 0.0)
+    t = step_pricing.TARGETS["h100"]
+    step_pricing.price(list(ks.values()), "h100", c)
+    cls = "large" if min(m, n, k) > step_pricing.LARGE_DIM else "medium"
+    want = max(2.0 * m * n * k / (t.bf16_flops * eff[cls]), named.bytes / t.hbm_bytes_per_s)
+    assert math.isclose(named.time_s, want) and math.isclose(plain.time_s, plain.bytes / t.hbm_bytes_per_s)
+    roof = max(2.0 * m * n * k / t.bf16_flops, named.bytes / t.hbm_peak())
+    assert math.isclose(step_pricing.roofline_time(named, t), roof)
+
+
 def test_gemm_classes():
     assert step_pricing.gemm_class((1, 8192, 32000, 2048, "bf16")) == "large"
     assert step_pricing.gemm_class((1, 8192, 512, 2048, "bf16")) == "medium"

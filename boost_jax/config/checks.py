@@ -143,7 +143,11 @@ def _check_model_shape(c: ml_collections.ConfigDict) -> None:
     check(m.dtype in DTYPES, "model.dtype", f"{m.dtype!r} is not one of {DTYPES}")
     check(m.param_dtype in DTYPES[1:], "model.param_dtype", f"{m.param_dtype!r} is not one of {DTYPES[1:]}")
     gate = m.get("gate_kernel", "auto")
-    check(gate in ("auto", "pallas", "xla"), "model.gate_kernel", f"{gate!r} is not auto, pallas or xla")
+    check(gate in ("auto", "pallas", "gemm", "xla"), "model.gate_kernel", f"{gate!r} is not auto, pallas, gemm or xla")
+    sigma = m.get("bottleneck_kernel", "auto")
+    check(
+        sigma in ("auto", "rope", "gemm", "xla"), "model.bottleneck_kernel", f"{sigma!r} is not auto, rope, gemm or xla"
+    )
 
 
 def _check_lengths_and_init(c: ml_collections.ConfigDict) -> None:

@@ -158,10 +158,16 @@ def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
     # unroll the layer scan. auto: unrolled on GPUs where only parallel.data splits the mesh (faster on
     # one H100, benchmarks/RESULTS.md), scanned elsewhere (compile time does not grow with depth).
     m.scan_unroll = config_dict.FieldReference("auto", field_type=object)  # auto | true | false
-    # auto | pallas | xla: the MLP's gate·up product (boost_jax/kernels/gate.py; pallas: one kernel each
-    # way, the backward's two gradients in one pass). auto: pallas on GPUs where the gate and up outputs
-    # are separate GEMMs' (a factored kind, group_linears not true), else xla.
+    # auto | gemm | pallas | xla: the MLP's gate·up product (pallas: one kernel each way, the backward's
+    # two gradients in one pass, boost_jax/kernels/gate.py; gemm: inside the down projection's first GEMM,
+    # one kernel each way, kernels/gated_gemm.py). auto: gemm on GPUs where the gate and up outputs are
+    # separate GEMMs' (a factored kind, group_linears not true), pallas for kinds with an extra term, else xla.
     m.gate_kernel = "auto"
+    # auto | rope | gemm | xla: CoLA's σ read into each second-stage (B) GEMM's kernel, σ' an epilogue of its
+    # input gradient (boost_jax/kernels/gated_gemm.py `act_matmuls`), on one device where each B is its own
+    # GEMM; rope: q's and k's RoPE inside their kernels too. auto: rope where model.gate_kernel resolves to
+    # gemm, else xla (σ and RoPE kernels of their own).
+    m.bottleneck_kernel = "auto"
     # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention/). auto: cudnn on a GPU in
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
     m.attention = "auto"

@@ -61,8 +61,10 @@ def triton_available() -> bool:
 #   the model the kernels are batched by kernels/row_batching.py.
 # - model.gate_kernel: the Pallas gate·up kernel on GPUs where the gate and up outputs are separate
 #   GEMMs' (a factored kind whose B's are not grouped): the backward's two gradients in one pass
-#   (benchmarks/RESULTS.md 2026-11-28, "the gate product in one kernel each way"); where a dense kind's
-#   gate/up (or grouped B's) run as one GEMM, XLA's product reads and writes the grouped output in place.
+#   (benchmarks/RESULTS.md 2026-11-28, "the gate product in one kernel each way"), and `gemm` (the product
+#   inside the down projection's first GEMM, kernels/gated_gemm.py; 2026-11-29) where that kind adds no
+#   term from its input (sltrain's does: pallas); where a dense kind's gate/up (or grouped B's) run as one
+#   GEMM, XLA's product reads and writes the grouped output in place.
 def pick(
     *, group, unroll, policy, norm, linear: str, gpu: bool, sizes: dict[str, int], triton: bool, gate=AUTO
 ) -> dict:
@@ -79,7 +81,8 @@ def pick(
         policy = "none" if unroll or not gpu else ("lowrank" if kind_class(linear).factored else "full")
     norm = choose_norm(norm, gpu=gpu, triton=triton).kernel  # the kernel part of the norm choice
     if gate == AUTO:
-        gate = "pallas" if gpu and kind_class(linear).factored and group is not True else "xla"
+        kind = kind_class(linear)
+        gate = "xla" if not (gpu and kind.factored and group is not True) else "pallas" if kind.has_extra else "gemm"
     return {
         "group_linears": group if group == "first" else bool(group),
         "scan_unroll": bool(unroll),

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.kernels.gated_gemm import act_matmuls
 from boost_jax.kernels.rmsnorm import add_rmsnorm
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import LinearKind
 from boost_jax.parallel.placement import GROUPED, Norm
-from boost_jax.parallel.rules import constrain, gathered, weight_einsum
+from boost_jax.parallel.rules import constrain, current, gathered, weight_einsum
 
 RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
 WHOLE_ROWS = ("act_batch", "act_seq", None)
@@ -83,13 +84,35 @@ def _runs(projs, shape):
         i += len(run)
 
 
-def _bottleneck(projs, h, tag: bool = True):
-    """σ on the fully reduced [B, T, g, r] first-stage output. The reduced tensor (before σ) is
-    what low-rank checkpointing saves: recomputing from it needs no collective."""
+def _bottleneck(projs, h, tag: bool = True, act: bool = True):
+    """σ on the fully reduced [B, T, g, r] first-stage output (`act` False: left to the second stage's
+    kernel). The reduced tensor (before σ) is what low-rank checkpointing saves: recomputing from it
+    needs no collective."""
     h = constrain(h, RANK_ACT)
     if tag:
         h = checkpoint_name(h, "lowrank")
-    return projs[0].bottleneck(h)
+    return projs[0].bottleneck(h) if act else h
+
+
+def rope_in_gemm(projs, grouped, route=GROUPED) -> bool:
+    """Whether `project` would run these projections' second stages as σ kernels that can rotate
+    their outputs by RoPE too (`project`'s `rope`; model.bottleneck_kernel=rope)."""
+    return projs[0].factored and projs[0].rope_in_gemm and _act_in_gemm(projs, route, grouped, ())
+
+
+def _act_in_gemm(run, route, grouped, keep) -> bool:
+    """Whether the run's σ is read into its second-stage GEMMs (kernels/gated_gemm.py `act_matmuls`):
+    the kind asks for it (`act_in_gemm`), each B is its own GEMM, none is kept for the caller, the
+    norm does not ride in the first stage's all-reduce, and the program runs on one device (the
+    kernels are not partitioned; a mesh runs σ and the GEMMs on XLA)."""
+    ctx = current()
+    return (
+        run[0].act_in_gemm
+        and grouped is not True
+        and not route.fuses_norm
+        and not any(p is k for p in run for k in keep)
+        and (ctx is None or ctx[0].size == 1)
+    )
 
 
 def _use(dtype):
@@ -97,8 +120,13 @@ def _use(dtype):
     return lambda w, names: gathered(w, names, dtype)
 
 
-def _first_stage(projs, x, grouped: bool, norm, route):
-    """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given)."""
+def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
+    """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given), or
+    from `first`, their output computed elsewhere (a kernel with the first stage inside); before σ
+    where the second stages' kernels apply it (`_act_in_gemm`)."""
+    if first is not None:
+        act = not _act_in_gemm(projs, route, grouped, keep)
+        return [(projs, _bottleneck(projs, first, act=act) if projs[0].factored else first)]
     if norm is not None and route.fuses_norm:
         # The norm's statistics travel in the same all-reduce as the A partial products (BTP).
         a = jnp.stack([p.first_weight(_use(x.dtype)) for p in projs])
@@ -111,11 +139,13 @@ def _first_stage(projs, x, grouped: bool, norm, route):
     for _, run in runs:
         w = jnp.stack([p.first_weight(_use(x.dtype)) for p in run])  # [g, d_in, width]
         h = weight_einsum("btd,gdr->btgr", x, w)
-        out.append((run, _bottleneck(run, h) if run[0].factored else h))
+        out.append(
+            (run, _bottleneck(run, h, act=not _act_in_gemm(run, route, grouped, keep)) if run[0].factored else h)
+        )
     return out
 
 
-def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=()) -> list:
+def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, keep=(), first=None, rope=None) -> list:
     """Apply projections that share input x (optionally normalised by `norm` first): one GEMM per
     run of equal first-stage shapes, one batched dot_general per run of equal B shapes. `grouped=FIRST`
     groups the first stages only: each B is its own GEMM, so no output is sliced out of a batched one,
@@ -125,14 +155,21 @@ def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, k
     the first stage or run each projection its own way. `keep`: factored projections (of kinds
     without an extra term) whose second stage is left to the caller: for them the pair (σ(A x)
     [B, T, width], the second-stage weight [width, d_out] in its compute layout) comes back instead
-    of the output."""
+    of the output. `first`: the group's first-stage output [B, T, g, width], computed elsewhere (x is
+    then not read; kinds with an extra term need x). `rope` = (table [B, T, head_dim], projections):
+    those outputs rotated by RoPE inside their σ kernels (only where `rope_in_gemm` says so)."""
     if route.replaces_projection:
         x = norm(x) if norm is not None else x
         return _with_extra(projs, [route.project(p, x) for p in projs], x, None)
     outs = []
-    for run, h in _first_stage(projs, x, grouped, norm, route):
+    for run, h in _first_stage(projs, x, grouped, norm, route, first, keep):
         if not run[0].factored:
             outs.extend(h[:, :, i] for i in range(len(run)))
+            continue
+        if _act_in_gemm(run, route, grouped, keep):  # h before σ: σ read into each B's GEMM
+            flags = tuple(rope is not None and any(p is q for q in rope[1]) for p in run)
+            spin = (rope[0], flags) if any(flags) else None
+            outs.extend(act_matmuls(h, [p.second_weight(_use(h.dtype)) for p in run], run[0].act, rope=spin))
             continue
         kept = lambda p: any(p is k for k in keep)  # noqa: E731
         by_shape = grouped is True

@@ -7,9 +7,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.kernels import platform
 from boost_jax.kernels.gate import gate_product
+from boost_jax.kernels.gated_gemm import gated_matmul
 from boost_jax.kernels.norm_choice import NormChoice
 from boost_jax.model import autos, remat
 from boost_jax.model import batch as batch_lib
@@ -21,6 +23,7 @@ from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain, gathered, logical_spec, take_rows, traced_mesh
 
+GATE_IN_GEMM = "gemm"  # model.gate_kernel: the gate product inside the down projection's first GEMM
 LOCAL_NORM = LOCAL.norm_choice()  # XLA's norm with separate adds on one device (kernels/norm_choice.py)
 
 
@@ -46,19 +49,47 @@ class MLP(nnx.Module):
 
     def __call__(self, x, norm):
         g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route)
+        s = self._gated_first(g, u) if self.gate_kernel == GATE_IN_GEMM else None
+        if s is not None:
+            return project([self.down], None, grouped=False, route=self.out_route, first=s[:, :, None])[0]
         h = self._gate(g, u)
         return project([self.down], constrain(h, CORE_AXES["act"]), grouped=False, route=self.out_route)[0]
+
+    def _act(self) -> str:
+        return "none" if self.only_lr_act else "silu"
 
     def _gate(self, g, u):
         """act(g)·u: `model.gate_kernel` (kernels/gate.py), the Pallas call once per shard on a mesh
         (elementwise: any layout of the activation splits it into independent pieces)."""
-        product = functools.partial(gate_product, act="none" if self.only_lr_act else "silu", impl=self.gate_kernel)
-        spec = logical_spec(CORE_AXES["act"], g.shape) if self.gate_kernel != "xla" else None
+        impl = "pallas" if self.gate_kernel == GATE_IN_GEMM else self.gate_kernel
+        product = functools.partial(gate_product, act=self._act(), impl=impl)
+        spec = logical_spec(CORE_AXES["act"], g.shape) if impl != "xla" else None
         if spec is None or self.mesh is None:
             return product(g, u)
         return jax.shard_map(
             product, mesh=traced_mesh(self.mesh), in_specs=(spec, spec), out_specs=spec, check_vma=False
         )(g, u)  # a pallas_call has no vma types
+
+    def _gated_first(self, g, u):
+        """`model.gate_kernel=gemm`: the down projection's first stage (act(g)·u) @ W1 as one kernel each
+        way (kernels/gated_gemm.py), once per shard on a mesh; None (the gate kernel and XLA's GEMM
+        run) where the kind adds a term from its input, its route replaces the projection, or the mesh
+        splits d_ff (each shard would hold a partial sum)."""
+        down = self.down
+        if down.has_extra or self.out_route.replaces_projection:
+            return None
+        w = down.first_weight(lambda w, names: gathered(w, names, g.dtype))
+        fused = functools.partial(gated_matmul, act=self._act(), impl="pallas")
+        spec = logical_spec(CORE_AXES["act"], g.shape)
+        if spec is None or self.mesh is None:
+            return fused(g, u, w)
+        parts = (*spec, *(None,) * (g.ndim - len(spec)))
+        if parts[-1] is not None:
+            return None
+        spec, out = P(*parts), P(*parts[:-1], None)
+        return jax.shard_map(
+            fused, mesh=traced_mesh(self.mesh), in_specs=(spec, spec, P()), out_specs=out, check_vma=False
+        )(g, u, w)
 
 
 class Block(nnx.Module):

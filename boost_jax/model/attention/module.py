@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from boost_jax.kernels.gated_gemm import rope_table
 from boost_jax.model.attention.documents import Documents
 from boost_jax.model.attention.registry import attend, blockwise
 from boost_jax.model.attention.rotary import rope
 from boost_jax.model.kinds import kind_class
-from boost_jax.model.linear import Projection, grouping, project
+from boost_jax.model.linear import Projection, grouping, project, rope_in_gemm
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain
 
@@ -41,12 +42,17 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         if self.context is not None and self.context.passes_bottleneck and cache is None:
             return self._bottleneck_ring(x, norm, positions, docs), cache
-        q, k, v = project([self.q, self.k, self.v], x, grouped=self.grouped, norm=norm, route=self.qkv_route)
+        qkv = [self.q, self.k, self.v]
+        fused = rope_in_gemm(qkv, self.grouped, self.qkv_route)  # RoPE inside q's and k's σ kernels
+        spin = (rope_table(positions, self.rope_theta, self.head_dim), (self.q, self.k)) if fused else None
+        q, k, v = project(qkv, x, grouped=self.grouped, norm=norm, route=self.qkv_route, rope=spin)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
-        q = constrain(rope(q, positions, self.rope_theta), ("act_batch", "act_seq", "act_heads", None))
-        k = constrain(rope(k, positions, self.rope_theta), ("act_batch", "act_seq", "act_kv_heads", None))
+        if not fused:
+            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
+        k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
         if cache is None:
             offset = 0

@@ -87,11 +87,18 @@ class LinearKind(nnx.Module):
     family: ClassVar[str] = ""
     factored: ClassVar[bool] = True  # a bottleneck between two stages (False: one d_in x d_out stage)
     has_extra: ClassVar[bool] = False  # `extra` adds a term from the normalised input rows
+    act: ClassVar[str] = ""  # `bottleneck`'s σ by name where a kernel can read it into the second GEMM
 
     def __init__(self, m, d_in: int, d_out: int, *, axes: tuple[str, str], group: str, rngs: nnx.Rngs, param_dtype):
         self.d_in, self.d_out, self.group = d_in, d_out, group
         self.in_axis, self.out_axis = axes
         self.width = self.bottleneck_width(m, d_in, d_out)
+        # model.bottleneck_kernel: σ inside the second-stage GEMM's kernel (model/linear.py `project`), and
+        # with `rope` q's and k's RoPE too (auto: rope where model.gate_kernel resolved to gemm)
+        choice = m.get("bottleneck_kernel", "auto")
+        choice = ("rope" if m.get("gate_kernel") == "gemm" else "xla") if choice == "auto" else choice
+        self.act_in_gemm = bool(self.act) and choice in ("gemm", "rope")
+        self.rope_in_gemm = self.act_in_gemm and choice == "rope"
 
     # --- what a kind defines -------------------------------------------------------------------
     @classmethod

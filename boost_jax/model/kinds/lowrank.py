@@ -93,6 +93,7 @@ class LowRank(LinearKind):
 
 class CoLA(LowRank):
     hf = ColaLayout(select=("lr_act_type", "silu"))
+    act = "silu"
 
     @classmethod
     def nonlinear(cls, m):

@@ -6,9 +6,11 @@ per step as its loops' trip counts say (a loop whose count the program hides, th
 runs `accumulation` times; each branch of a conditional counts as if it ran; each loop iteration
 reads its predicate back as one more launch). Bitcasts, tuples, parameters, constants and the `-done`
 halves of async pairs launch nothing. Each kernel carries its FLOPs (a dot's 2 x output x
-contraction; cuDNN attention's batched GEMMs, halved under a causal mask), the bytes it reads and
-writes in HBM (each operand once and each output, except that a dynamic-update-slice writes its
-update in place and a slice reads the slice) and, for a collective, the bytes it moves over the
+contraction; cuDNN attention's batched GEMMs, halved under a causal mask; a Pallas/Triton kernel
+whose name carries a GEMM shape, kernels/priced.py, that GEMM's: it is then priced as that GEMM, in
+its shape class; any other custom call has none), the bytes it reads and writes in HBM (each operand
+once and each output, except that a dynamic-update-slice writes its update in place and a slice
+reads the slice) and, for a collective, the bytes it moves over the
 target's links (hlo_comm's payload rules).
 """
 
@@ -18,6 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from boost_jax.kernels.priced import gemm_shape
 from boost_jax.tools.hlo_comm import (
     HloModule,
     Instruction,
@@ -456,27 +459,7 @@ def _kernel(
             k.kind = "fusion"
         return k
     if op == "custom-call":
-        target = _custom_target(ins)
-        k.backend = target
-        k.bytes = sum(shape_bytes(s) for s in op_shapes) + sum(
-            shape_bytes(s) for s in tuple_members(ins.shape) if not s.startswith("u8[") and not s.startswith("s8[")
-        )
-        if target.startswith("__cublas"):
-            k.kind = "gemm"
-            k.gemm = _cublas_shape(ins, symbols)
-            b, m, n, kk, _ = k.gemm
-            k.flops = float(2 * b * m * n * kk)
-        elif target.startswith("__cudnn$fmha"):
-            k.kind = "attention"
-            k.attention = _attention_shape(ins)
-            k.flops = _attention_flops(k.attention)
-        elif target == "__gpu$xla.gpu.triton" or target.startswith("triton_kernel_call"):
-            name = re.search(r'\bname\s*=\s*"([^"]+)"|"name"\s*:\s*"([^"]+)"', ins.rest)
-            k.kind = "custom"
-            k.backend = f"{target} {(name.group(1) or name.group(2)) if name else ''}".strip()
-        else:
-            k.kind = "custom"
-        return k
+        return _custom_call(k, ins, symbols, op_shapes)
     if op in ("dot", "convolution"):
         k.kind = "gemm"
         k.gemm = _dot_shape(ins, symbols)
@@ -493,6 +476,38 @@ def _kernel(
     else:
         k.bytes = sum(shape_bytes(s) for s in op_shapes) + shape_bytes(ins.shape)
     k.fused = (op,)
+    return k
+
+
+def _custom_call(k: Kernel, ins: Instruction, symbols: dict[str, str], op_shapes: list) -> Kernel:
+    """A custom call's kernel: cuBLAS GEMMs and cuDNN attention by their shapes, Pallas/Triton kernels
+    by name (a GEMM where the name carries one, kernels/priced.py), any other by its bytes alone."""
+    target = _custom_target(ins)
+    k.backend = target
+    k.bytes = sum(shape_bytes(s) for s in op_shapes) + sum(
+        shape_bytes(s) for s in tuple_members(ins.shape) if not s.startswith("u8[") and not s.startswith("s8[")
+    )
+    if target.startswith("__cublas"):
+        k.kind = "gemm"
+        k.gemm = _cublas_shape(ins, symbols)
+        b, m, n, kk, _ = k.gemm
+        k.flops = float(2 * b * m * n * kk)
+    elif target.startswith("__cudnn$fmha"):
+        k.kind = "attention"
+        k.attention = _attention_shape(ins)
+        k.flops = _attention_flops(k.attention)
+    elif target == "__gpu$xla.gpu.triton" or target.startswith("triton_kernel_call"):
+        name = re.search(r'\bname\s*=\s*"([^"]+)"|"name"\s*:\s*"([^"]+)"', ins.rest)
+        name = (name.group(1) or name.group(2)) if name else ""
+        k.kind = "custom"
+        k.backend = f"{target} {name}".strip()
+        shape = gemm_shape(name)
+        if shape:  # a kernel that names its GEMM (kernels/priced.py): priced as a GEMM of that shape
+            k.kind = "gemm"
+            k.gemm = (*shape, shape_dtype(op_shapes[0]) if op_shapes else "bf16")
+            k.flops = 2.0 * math.prod(shape)
+    else:
+        k.kind = "custom"
     return k
 
 

@@ -2,7 +2,9 @@
 measured steps (`Costs`, targets/step_costs.json, benchmarks/step_profile_fit.py), each kernel's
 time and the step's table by category (`price`, `profile`). A GEMM runs at max(FLOPs / (peak x the
 efficiency of its shape class), bytes / bandwidth), priced by its shape (`gemm_class`), never by the
-backend named (a deviceless compile has no GEMM autotuner); attention at a fitted efficiency; the
+backend named (a deviceless compile has no GEMM autotuner); a Pallas/Triton kernel that names its GEMM
+(kernels/priced.py) is such a GEMM and borrows its class's fitted efficiency (no constant of its own
+until a measured row has one); attention at a fitted efficiency; the
 rest at HBM bandwidth; a collective at its ring's bandwidth and latency, counted at its exposed part
 (overlap.py; `no_overlap_step_s` adds them in full); every launch costs `launch_s`. The roofline
 beside each category: each kernel at the GPU's dense bf16 peak or datasheet HBM bandwidth,
