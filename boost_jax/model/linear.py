@@ -100,19 +100,20 @@ def rope_in_gemm(projs, grouped, route=GROUPED) -> bool:
     return projs[0].factored and projs[0].rope_in_gemm and _act_in_gemm(projs, route, grouped, ())
 
 
+def act_kernels_run(act_in_gemm: bool, grouped, fuses_norm: bool, devices: int) -> bool:
+    """Whether a group's σ is read into its second-stage GEMMs (kernels/gated_gemm.py `act_matmuls`):
+    the kind asks for it (`act_in_gemm`), each B is its own GEMM, the norm does not ride in the first
+    stage's all-reduce, and the program runs on one device (the kernels are not partitioned; a mesh
+    runs σ and the GEMMs on XLA). The planner's memory terms read it too."""
+    return act_in_gemm and grouped is not True and not fuses_norm and devices == 1
+
+
 def _act_in_gemm(run, route, grouped, keep) -> bool:
-    """Whether the run's σ is read into its second-stage GEMMs (kernels/gated_gemm.py `act_matmuls`):
-    the kind asks for it (`act_in_gemm`), each B is its own GEMM, none is kept for the caller, the
-    norm does not ride in the first stage's all-reduce, and the program runs on one device (the
-    kernels are not partitioned; a mesh runs σ and the GEMMs on XLA)."""
+    """`act_kernels_run` for this run on the current mesh, where none of it is kept for the caller."""
     ctx = current()
-    return (
-        run[0].act_in_gemm
-        and grouped is not True
-        and not route.fuses_norm
-        and not any(p is k for p in run for k in keep)
-        and (ctx is None or ctx[0].size == 1)
-    )
+    return act_kernels_run(
+        run[0].act_in_gemm, grouped, route.fuses_norm, 1 if ctx is None else ctx[0].size
+    ) and not any(p is k for p in run for k in keep)
 
 
 def _use(dtype):

@@ -119,6 +119,7 @@ def plan_for(
             mesh.context,
             context_attention,
             context_kv,
+            mesh.devices,
         ),
         unrolled_cluster(cluster) if unrolled else cluster,
         remat,
@@ -213,6 +214,7 @@ def plan_candidates(
                             mesh.context,
                             attention,
                             kv,
+                            devices,
                         )
                         on = unrolled_cluster(cluster) if unrolled else cluster
                         pricers[key] = Pricer(ctx, on, policy, opts, unrolled)

@@ -93,12 +93,17 @@ class LinearKind(nnx.Module):
         self.d_in, self.d_out, self.group = d_in, d_out, group
         self.in_axis, self.out_axis = axes
         self.width = self.bottleneck_width(m, d_in, d_out)
-        # model.bottleneck_kernel: σ inside the second-stage GEMM's kernel (model/linear.py `project`), and
-        # with `rope` q's and k's RoPE too (auto: rope where model.gate_kernel resolved to gemm)
+        self.act_in_gemm, self.rope_in_gemm = self.bottleneck_kernels(m)
+
+    @classmethod
+    def bottleneck_kernels(cls, m) -> tuple[bool, bool]:
+        """(σ inside the second-stage GEMM's kernel (model/linear.py `project`), q's and k's RoPE too):
+        model.bottleneck_kernel of the model section m, whose model.gate_kernel is resolved (auto: rope
+        where that is gemm, else xla). The planner's memory terms read it too."""
         choice = m.get("bottleneck_kernel", "auto")
         choice = ("rope" if m.get("gate_kernel") == "gemm" else "xla") if choice == "auto" else choice
-        self.act_in_gemm = bool(self.act) and choice in ("gemm", "rope")
-        self.rope_in_gemm = self.act_in_gemm and choice == "rope"
+        act = bool(cls.act) and choice in ("gemm", "rope")
+        return act, act and choice == "rope"
 
     # --- what a kind defines -------------------------------------------------------------------
     @classmethod

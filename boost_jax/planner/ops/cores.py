@@ -4,13 +4,14 @@ K/V exchange) and the MLP activation."""
 from __future__ import annotations
 
 from boost_jax.planner.ops.kept_arrays import (
+    GPU_GATE_PRODUCT,
     GPU_SAVED_SWIGLU,
     GPU_UNROLLED_ATTENTION,
     GPU_UNROLLED_SWIGLU,
     RING_SCORE_BLOCKS,
     SAVED_SWIGLU,
 )
-from boost_jax.planner.ops.operators import Attn, Coll, Ctx, Gemm, Op, attention_class, divides, gpu
+from boost_jax.planner.ops.operators import Attn, Coll, Ctx, Gemm, Op, attention_class, divides, gpu, kernels_in_gemms
 
 
 def attention(ctx: Ctx, layout: str) -> Op | None:
@@ -119,9 +120,15 @@ def activation(ctx: Ctx, layout: str) -> Op | None:
     if layout == "P" or ctx.block.ff % fs:
         return None
     width = ctx.local(layout, ctx.block.ff)
-    return Op(
+    op = Op(
         f"act@{layout}",
         acts=width * (1 if ctx.block.only_lr_act else 2),
         saved=width * (GPU_SAVED_SWIGLU if gpu(ctx) else SAVED_SWIGLU)[ctx.block.only_lr_act],
         kept_unrolled=(width * GPU_UNROLLED_SWIGLU, 0.0) if gpu(ctx) else None,  # the memory of an unrolled stack
     )
+    # the gate product inside the down GEMM, where d_ff is whole (model/transformer.py MLP: a shard of
+    # d_ff falls back to the gate kernel): the product is not kept (kept_arrays.GPU_GATE_PRODUCT)
+    if kernels_in_gemms(ctx)[0] and fs == 1:
+        op.kept = (op.saved - GPU_GATE_PRODUCT * width, 0.0)
+        op.kept_unrolled = (width * (GPU_UNROLLED_SWIGLU - GPU_GATE_PRODUCT), 0.0)
+    return op

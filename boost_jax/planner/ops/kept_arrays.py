@@ -49,6 +49,17 @@ GPU_KEPT_ONLINE_NORM_INPUT32 = 2
 GPU_UNROLLED_SIGMA = 2
 GPU_UNROLLED_SWIGLU = 3
 GPU_UNROLLED_ATTENTION = 3
+# The kernels that read elementwise work into a GEMM (kernels/gated_gemm.py; which of them run: the
+# planner's operators.kernels_in_gemms, from the model's own rules), in memory (Op.kept, Op.kept_unrolled;
+# benchmarks/RESULTS.md 2026-11-29, "the planner's memory with the kernels in the GEMMs"): with the gate
+# product inside the down projection's first GEMM the MLP core keeps its gate and up, not their product:
+# one array of width ff fewer (cola_1b on one H100, 64 rows x 256, gate_kernel pallas -> gemm: unrolled
+# 43.85 -> 39.62 GB, 0.98 of a [T, ff] array per layer; scanned, remat none, 52.53 -> 48.58 GB, the
+# stacked bf16[L, T, ff] 3 -> 2). With σ inside the B GEMMs a σ(A·x) bottleneck keeps A's output alone,
+# scanned or unrolled (bottleneck_kernel xla -> gemm: unrolled 39.62 -> 36.80, 1.00 of the layer's A
+# outputs [T, 7r] per layer; scanned 48.58 -> 40.20, 2.97 of them; RoPE inside q's and k's moves nothing).
+GPU_GATE_PRODUCT = 1
+GPU_SIGMA_IN_GEMM = 1
 # The MLP core in the GPU program: llama_1b on 1 H100 (pallas norm) stacks bf16[L, T, ff] x 5 beside the
 # double-buffer copy of a sixth (cost.SCAN_DOUBLE_BUFFER), llama_7b megatron on tensor 8 bf16[L, T, ff/8]
 # x 5 and the copy. cola's gate·up keeps 2: cola_1b on 1 H100 stacks 3 distinct bf16[L, T, ff] buffers with

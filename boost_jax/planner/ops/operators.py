@@ -7,7 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.errors import ConfigError
+from boost_jax.model.autos import pick
 from boost_jax.model.kinds import kind_class
+from boost_jax.model.linear import act_kernels_run
+from boost_jax.model.transformer import GATE_IN_GEMM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,11 @@ class Block:
     norm_kernel: str = "auto"  # kernels.rmsnorm and kernels.residual_norm as configured (the memory model
     residual_norm: str = "auto"  # resolves them per plan: kernels/norm_choice.py)
     max_seq_len: int = 0  # model.max_seq_len: a plan at a longer train.seq_len raises it in its flags
+    # as configured (model/autos.py resolves them per plan: `kernels_in_gemms`)
+    linear: str = ""
+    group_linears: bool | str = "auto"
+    gate_kernel: str = "auto"
+    bottleneck_kernel: str = "auto"
 
     @classmethod
     def from_config(cls, cfg) -> Block:
@@ -61,6 +69,11 @@ class Block:
             norm_kernel=str(cfg.kernels.rmsnorm),
             residual_norm=str(cfg.kernels.get("residual_norm", "auto")),
             max_seq_len=int(m.max_seq_len),
+            linear=str(m.linear),
+            # a flag set over `auto` may read back as a string (benchmarks/aot_fit.py `reprice`)
+            group_linears={"true": True, "false": False}.get(str(m.group_linears).lower(), m.group_linears),
+            gate_kernel=str(m.get("gate_kernel", "auto")),
+            bottleneck_kernel=str(m.get("bottleneck_kernel", "auto")),
         )
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:
@@ -209,6 +222,7 @@ class Ctx:
     context: int = 1
     context_attention: str = "ring"
     context_kv: str = "full"
+    devices: int = 0  # GPUs of the whole mesh (1: the one-device program; 0: not given)
 
     @property
     def local_seq(self) -> int:
@@ -244,6 +258,41 @@ def gpu(ctx: Ctx) -> bool:
     """Whether the priced program is the GPU's: computed in bf16/fp16 (the CPU checks compile float32,
     as XLA:CPU runs bf16 partly in float32), so its kept arrays are the GPU_SAVED_* counts."""
     return ctx.act_bytes != 4
+
+
+def kernels_in_gemms(ctx: Ctx) -> tuple[bool, bool]:
+    """(the MLP's gate product inside the down projection's first GEMM, σ inside the B GEMMs) as the
+    GPU program of this plan runs them: model/autos.py `pick` resolves `auto` (the grouping and the
+    gate kernel on this tensor size), the kind's `bottleneck_kernels` and model/linear.py's
+    `act_kernels_run` the σ kernels (one device only). The gate's fallback where d_ff is split is
+    the MLP core's layout (cores.activation). Neither on the CPU's float32 program or a dense kind."""
+    b = ctx.block
+    if not gpu(ctx) or not b.factored or not b.linear:
+        return False, False
+    if ctx not in _KERNELS:
+        v = pick(
+            group=b.group_linears,
+            unroll=False,
+            policy="none",
+            norm="xla",
+            linear=b.linear,
+            gpu=True,
+            sizes={"tensor": ctx.t},
+            triton=False,
+            gate=b.gate_kernel,
+        )
+        act, _ = kind_class(b.linear).bottleneck_kernels(
+            {"bottleneck_kernel": b.bottleneck_kernel, "gate_kernel": v["gate_kernel"]}
+        )
+        fuses_norm = b.online_norm and ctx.t > 1  # BTP's online norm rides in the A all-reduce
+        _KERNELS[ctx] = (
+            v["gate_kernel"] == GATE_IN_GEMM,
+            act_kernels_run(act, v["group_linears"], fuses_norm, ctx.devices),
+        )
+    return _KERNELS[ctx]
+
+
+_KERNELS: dict = {}
 
 
 def attention_class(name: str):

@@ -11,12 +11,13 @@ from boost_jax.config import ST
 from boost_jax.planner.ops.kept_arrays import (
     GPU_KEPT_ONLINE_NORM32,
     GPU_SAVED_ONLINE_NORM32,
+    GPU_SIGMA_IN_GEMM,
     GPU_UNROLLED_SIGMA,
     SAVED_LINEAR,
     SAVED_ONLINE_NORM,
     SAVED_SIGMA,
 )
-from boost_jax.planner.ops.operators import Block, Coll, Ctx, Gemm, Op, StMatmul, divides, gpu
+from boost_jax.planner.ops.operators import Block, Coll, Ctx, Gemm, Op, StMatmul, divides, gpu, kernels_in_gemms
 from boost_jax.planner.ops.strategy_tables import GRID, NONE, Split, strategy_layers
 
 
@@ -76,13 +77,13 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
             op.st = [StMatmul(m, din, o, n, "W", shared=j > 0) for j, o in enumerate(douts)]
             op.acts, op.grid_weights = m * (g * din + dsum) / n, din * dsum / n
         op.ring = sum(s.ring() for s in op.st)
-        return _with_saved(op, b, False, gpu(ctx))
+        return _with_saved(op, ctx, False)
     first, second = split.first, split.second
     if not b.factored:  # one GEMM for the group: input features split (output partial), or output columns
         op.gemms = [Gemm(m, din / t if first == "in" else din, dsum / t if first == "out" else dsum, "W")]
         op.acts = m * dsum / t if first == "out" else m * dsum
         op.weights = din * dsum / t if first else din * dsum
-        return _with_saved(op, b, False, gpu(ctx))
+        return _with_saved(op, ctx, False)
     fused = fused_norm and first == "in"
     stats = m if fused else 0
     op.gemms = [Gemm(m, din / t if first == "in" else din, g * r / t if first == "rank" else g * r, "A")] + [
@@ -105,12 +106,13 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
     op.saved_lowrank = m * r_kept + stats
     op.weights = din * g * r / (t if first else 1) + r * dsum / (t if second else 1)
     op.ring = 0
-    return _with_saved(op, b, fused, gpu(ctx), group)
+    return _with_saved(op, ctx, fused, group)
 
 
-def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False, group: str = "") -> Op:
+def _with_saved(op: Op, ctx: Ctx, fused: bool, group: str = "") -> Op:
     """Set what a projection group keeps for the backward: arrays of its first stages' outputs (the
     B outputs are kept by their consumers: attention, the MLP core, the residual add keeps none)."""
+    b, on_gpu = ctx.block, gpu(ctx)
     if b.factored:
         a_out = sum(g.m * g.n for g in op.gemms if g.tag == "A") + sum(s.m * s.out / s.n for s in op.st if s.tag == "A")
         kept = SAVED_SIGMA if b.nonlinear else SAVED_LINEAR
@@ -121,6 +123,8 @@ def _with_saved(op: Op, b: Block, fused: bool, on_gpu: bool = False, group: str 
             if fused:  # in memory: the scanned stack's float32 copies (kept_arrays.GPU_KEPT_ONLINE_NORM32)
                 op.kept = (op.saved, a_out * GPU_KEPT_ONLINE_NORM32.get(group, GPU_SAVED_ONLINE_NORM32))
             op.kept_unrolled = (a_out * min(kept, GPU_UNROLLED_SIGMA), 0.0)
+            if b.nonlinear and kernels_in_gemms(ctx)[1]:  # σ inside the B GEMMs: A's output alone
+                op.kept = op.kept_unrolled = (a_out * GPU_SIGMA_IN_GEMM, op.saved32)
         else:
             op.saved = a_out * (kept + (SAVED_ONLINE_NORM if fused else 0))
     return op
