@@ -91,3 +91,28 @@ def test_an_under_priced_pick_fails(fit):
     for peak in (priced * 1.05, priced / (1 + OVER) * 0.99):
         with pytest.raises(AssertionError):
             test_no_recorded_pick_is_under_priced(fit, table, {**row, "peak_bytes": peak})
+
+
+@pytest.mark.parametrize(
+    "gate,sigma", [("gemm", "auto"), ("gemm", "xla"), ("pallas", "auto"), ("pallas", "gemm"), ("xla", "rope")]
+)
+def test_the_planner_prices_the_kernels_the_model_runs(make_config, gate, sigma):
+    """The memory terms' kernels (planner/ops/operators.py `kernels_in_gemms`: the gate product inside the
+    down GEMM, σ inside the B GEMMs) are the ones a one-device cola model builds (its forward's jaxpr,
+    one layer, on this CPU) for the same model.gate_kernel and model.bottleneck_kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.model import build_model
+    from boost_jax.planner.ops.operators import Block, Ctx, kernels_in_gemms
+
+    heads = {"model.d_model": 64, "model.n_heads": 2, "model.n_kv_heads": 2, "model.rank": 16}
+    cfg = make_config(**{"model.n_layers": 1, "model.linear": "cola", **heads})
+    cfg.model.gate_kernel, cfg.model.bottleneck_kernel, cfg.model.group_linears = gate, sigma, "first"
+    model = build_model(cfg.model, seed=0)
+    tokens = jnp.zeros((2, 12), jnp.int32)  # 24 rows: the kernels take no side under 16
+    jaxpr = str(jax.make_jaxpr(lambda t: model(t)[0])(tokens))
+    ran = ("gated_gemm_fwd" in jaxpr, "silu_gemm_fwd" in jaxpr or "silu_rope_gemm_fwd" in jaxpr)
+    ctx = Ctx(Block.from_config(cfg), 1, 8.0, 8, devices=1)  # bf16 (the GPU program), one device
+    assert kernels_in_gemms(ctx) == ran, (jaxpr.count("gemm_fwd"), ran)
+    assert kernels_in_gemms(Ctx(Block.from_config(cfg), 1, 8.0, 8, devices=8))[1] is False  # a mesh: XLA's σ
