@@ -19,7 +19,11 @@ UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
 OVER = 0.10  # and at most 10% above it
 # Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
 # once one is priced within UNDER, so that the entry goes.
-KNOWN_UNDER = {}
+KNOWN_UNDER = {
+    ("aot_fit_a100", "cola_7b", 8): "XLA's rematerialization at the A100's 40 GB: with the gate product inside the "
+    "down GEMM the 1F1B p2 x f4 step compiles at 36.9 GB (34.8 priced, 0.94) where the pass rewrites it, and at "
+    "35.5 (0.98) with the pass held off (--xla_gpu_memory_limit_slop_factor=300); benchmarks/RESULTS.md 2026-11-29",
+}
 
 
 def _fit():
