@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from boost_jax.planner import load_cluster
@@ -108,8 +109,6 @@ ENTRY %main (a: pred[], b: pred[], x: f32[{s},{s}]) -> f32[{s},{s}] {{
 
 @pytest.mark.parametrize("seed", [0, 2])  # the small branch costlier; the big one
 def test_a_conditional_is_priced_at_its_costliest_branch(seed):
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     s, copies = int(rng.integers(64, 2048)), int(rng.integers(1, 5))
     launch = float(rng.uniform(1e-6, 9e-6))
