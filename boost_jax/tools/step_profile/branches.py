@@ -4,7 +4,7 @@ has an item or not, the last stage runs the head), so each conditional is priced
 branch, the step of the device that takes it: the other branches' kernels are `skipped`. A branch's
 cost is its own kernels' plus, for each conditional inside it, that one's costliest branch's.
 `paths(module)`: every executed computation's chain of enclosing branches, outermost first, each a
-(conditional, branch computation) pair; nothing under a conditional has the empty chain. Nothing
+(conditional, branch computation) pair; one under no conditional has the empty chain. Nothing
 here imports jax.
 """
 
