@@ -401,6 +401,7 @@ def _reprice_table(args) -> dict:
             planner_bytes=priced.memory["total"],
             planner_parts=priced.memory,
             ratio=priced.memory["total"] / r["peak_bytes"],
+            planner_ms=priced.step_s * 1e3,
         )
         if not fixed and r in out["rows"]:
             now = plan(ROOT / "configs" / f"{r['model']}.py", r["devices"], cluster=cluster)

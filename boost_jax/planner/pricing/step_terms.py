@@ -101,6 +101,7 @@ class StepCollectives:
     data_rest: list  # the embedding's and head's, once
     rest: list  # [(collective, 1)] of the embedding, head and loss
     counted: list  # [(collective, how often it runs)]: all of the above, and the stage's re-run forward
+    outside: list = dataclasses.field(default_factory=list)  # [(collective, times)] before/after the tick loop
 
 
 def step_collectives(
@@ -148,7 +149,10 @@ def step_collectives(
         + rest_colls
         + [(c, 1) for c in data_rest + ends]
     )
-    return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted)
+    # Pipelined, the stage's and the embedding's and head's gathers run before the tick loop and their
+    # gradient reductions after it (the compiled step: nothing to run beside them): on the path.
+    outside = [(c, once) for c in data_once] + [(c, 1) for c in data_rest] if pipelined else []
+    return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted, outside)
 
 
 def parameters_per_device(
@@ -170,18 +174,19 @@ def step_seconds(
 ) -> tuple[float, float, float]:
     """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
     cluster = pr.cluster
-    data_seconds = sum(
-        times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in colls.counted if c.axis == "data_fsdp"
-    )
+    seconds = lambda pairs: sum(times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in pairs)  # noqa: E731
+    out = {id(c) for c, _ in colls.outside}
+    data_seconds = seconds((c, t) for c, t in colls.counted if c.axis == "data_fsdp" and id(c) not in out)
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
-    # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows.
+    # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows;
+    # those outside a pipeline's tick loop (colls.outside) have nothing beside them: all show.
     # Every tick runs every stage (bubble ticks compute on nothing), then hands over: ticks x stage.
     path = (
         sched.runs * (summary.cost.total + (summary.forward if sched.staged else 0.0))
         + colls.shift_seconds
         + rest_cost.total
     )
-    exposed = max(0.0, data_seconds - path)
+    exposed = max(0.0, data_seconds - path) + seconds(colls.outside)
     micro_seconds = path + exposed
     optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
     return grad_accum * micro_seconds + optimizer_seconds, exposed, optimizer_seconds

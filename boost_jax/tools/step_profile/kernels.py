@@ -3,8 +3,9 @@ a fusion, a GEMM (a Triton GEMM fusion, a cuBLAS or cuDNN call), cuDNN attention
 kernel, a copy, a collective. Each instruction of a computation the GPU executes (the entry, while
 bodies and conditions, conditional branches, async computations) is one kernel, run as many times
 per step as its loops' trip counts say (a loop whose count the program hides, the accumulation loop,
-runs `accumulation` times; each branch of a conditional counts as if it ran; each loop iteration
-reads its predicate back as one more launch). Bitcasts, tuples, parameters, constants and the `-done`
+runs `accumulation` times; a kernel in a conditional's branch carries the chain (`branch`): the
+pricing runs only each conditional's costliest branch, branches.py; each loop iteration reads its
+predicate back as one more launch). Bitcasts, tuples, parameters, constants and the `-done`
 halves of async pairs launch nothing. Each kernel carries its FLOPs (a dot's 2 x output x
 contraction; cuDNN attention's batched GEMMs, halved under a causal mask; a Pallas/Triton kernel
 whose name carries a GEMM shape, kernels/priced.py, that GEMM's: it is then priced as that GEMM, in
@@ -31,6 +32,7 @@ from boost_jax.tools.hlo_comm import (
     parse_module,
     parse_replica_groups,
 )
+from boost_jax.tools.step_profile.branches import paths
 from boost_jax.tools.step_profile.categories import categorize
 from boost_jax.tools.step_profile.overlap import called, windows
 from boost_jax.tools.step_profile.shapes import DTYPE_BYTES, shape_bytes, shape_dims, shape_dtype, tuple_members
@@ -107,6 +109,8 @@ class Kernel:
     collective: dict = field(default_factory=dict)  # kind, group_size, wire_bytes, steps, crosses_nodes
     category: str = ""
     remat_clone: bool = False  # a copy XLA's rematerialization made of another kernel (`remat_clone`)
+    branch: tuple = ()  # the conditionals' branches it runs in, outermost first (branches.paths)
+    skipped: bool = False  # in a branch the pricing takes not to run (branches.skip_untaken)
     window: tuple | None = None  # an async collective: the compute between its start and done (step_overlap)
     time_s: float = 0.0  # per execution, once priced
 
@@ -363,6 +367,7 @@ def kernels(hlo_text: str, accumulation: int = 1, mesh=None, gpus_per_node: int 
     module = parse_module(hlo_text)
     reader = _Reader(module, stack_frames(hlo_text))
     trips = module.trips(accumulation)
+    branch_of = paths(module)
     out = []
     for comp in _executed(module):
         count = trips.get(comp, 1) or 1
@@ -372,6 +377,7 @@ def kernels(hlo_text: str, accumulation: int = 1, mesh=None, gpus_per_node: int 
             if k is None:
                 continue
             k.category = categorize(k)
+            k.branch = branch_of.get(comp, ())
             out.append(k)
         # each iteration of a while loop reads its condition's predicate back on the host
     for (caller, callee), _ in module.loop_trips.items():
@@ -383,7 +389,7 @@ def kernels(hlo_text: str, accumulation: int = 1, mesh=None, gpus_per_node: int 
             and caller in trips
         ):
             k = Kernel(f"{callee} (loop predicate)", "while", "sync", (trips.get(callee) or 1), computation=callee)
-            k.category = categorize(k)
+            k.category, k.branch = categorize(k), branch_of.get(callee, ())
             out.append(k)
     windows(module, out, trips)
     return out

@@ -17,6 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from boost_jax.tools.step_profile.branches import skip_untaken
 from boost_jax.tools.step_profile.categories import CATEGORIES
 from boost_jax.tools.step_profile.kernels import Kernel, kernels
 from boost_jax.tools.step_profile.overlap import exposure
@@ -219,7 +220,8 @@ def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = Non
     does not hide; "no_overlap_step_s" adds them in full, the bound without overlap). XLA's
     rematerialized clones count `remat_clone_share` of their time and launches; "remat_clones" says
     what they would add in full. The roofline (`roofline_time`) by category and for the step, the
-    collectives' at their exposed share."""
+    collectives' at their exposed share. Each conditional runs its costliest branch (branches.py):
+    the others' kernels are `skipped`, their time "untaken_branches_s"."""
     t = TARGETS[target] if isinstance(target, str) else target
     c = c or costs(t.name)
     by = dict.fromkeys(CATEGORIES, 0.0)
@@ -228,6 +230,11 @@ def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = Non
     clones = {"kernels": 0, "launches": 0, "time_s": 0.0}
     for k in ks:
         k.time_s = kernel_time(k, t, c)
+    untaken = skip_untaken(
+        ks, lambda k: (c.remat_clone_share if k.remat_clone else 1.0) * k.count * (k.time_s + c.launch_s)
+    )
+    ks = [k for k in ks if not k.skipped]
+    for k in ks:
         share = c.remat_clone_share if k.remat_clone else 1.0
         by[k.category] += share * k.total_s()
         if k.kind != "collective":
@@ -253,6 +260,7 @@ def price(ks: list[Kernel], target: str | Target = "h100", c: Costs | None = Non
         "launches": int(round(n)),
         "remat_clones": clones,
         "remat_clone_share": c.remat_clone_share,
+        "untaken_branches_s": untaken,
         "costs": asdict(c),
     }
 
@@ -287,6 +295,7 @@ def collectives(ks: list[Kernel], t: Target, share: float = 1.0) -> dict:
 def summary(ks: list[Kernel], priced: dict, top: int = 15) -> dict:
     """The JSON of a priced program: step time, time by category, launches, FLOPs and bytes per
     category (HBM traffic; for collectives the bytes over the links) and the `top` kernels by time."""
+    ks = [k for k in ks if not k.skipped]  # a conditional's untaken branches (price)
     flops = dict.fromkeys(CATEGORIES, 0.0)
     hbm = dict.fromkeys(CATEGORIES, 0.0)
     kcount = dict.fromkeys(CATEGORIES, 0)
