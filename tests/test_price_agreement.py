@@ -35,12 +35,17 @@ SCAN = (
     "scanned stack (model.scan_unroll=false): the stacked activations' writes (Transformer.hidden "
     "fusions in the layer scan, copies/layout) cost more than the planner's kept term prices"
 )
+KERNELS = (
+    "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
+    "without their elementwise passes, the planner's time terms still charge them"
+)
 KNOWN = {
     **{("h100", m, 64): F1B for m in ("cola_1b", "llama_1b", "cola_7b", "cola_13b", "llama_13b")},
     **{("a100_40gb", m, n): F1B for m, n in (("cola_1b", 64), ("cola_7b", 8), ("cola_7b", 64), ("cola_13b", 64))},
     **{(t, m, 64): FSDP_TP for t, m in (("h100", "llama_7b"), ("a100_40gb", "llama_1b"), ("a100_40gb", "llama_7b"))},
     ("a100_40gb", "llama_13b", 64): FSDP_TP,
     ("h100", "llama_7b", 8): SCAN,
+    ("h100", "cola_13b", 8): KERNELS,
     ("a100_40gb", "cola_1b", 8): SCAN,
     ("a100_40gb", "llama_1b", 8): SCAN,
 }
