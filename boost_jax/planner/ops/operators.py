@@ -7,10 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from boost_jax.errors import ConfigError
-from boost_jax.model.autos import pick
 from boost_jax.model.kinds import kind_class
-from boost_jax.model.linear import act_kernels_run
-from boost_jax.model.transformer import GATE_IN_GEMM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +267,10 @@ def kernels_in_gemms(ctx: Ctx) -> tuple[bool, bool]:
     if not gpu(ctx) or not b.factored or not b.linear:
         return False, False
     if ctx not in _KERNELS:
+        from boost_jax.model.autos import pick  # lazy: the model imports jax; the planner loads without it
+        from boost_jax.model.linear import act_kernels_run  # lazy: as above
+        from boost_jax.model.transformer import GATE_IN_GEMM  # lazy: as above
+
         v = pick(
             group=b.group_linears,
             unroll=False,
