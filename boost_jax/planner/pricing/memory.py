@@ -72,7 +72,7 @@ def memory_bytes(
         # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
         "pipeliner": pipeliner_arrays(pr, mesh, summary, sched, gpu),
         # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
-        "double_buffer": double_buffer_array(pr, mesh, summary, sched, gpu, residual),
+        "double_buffer": double_buffer_array(pr, mesh, summary, sched, gpu),
     }
     if pr.unrolled and gpu:
         # Unrolled, each layer's backward writes its float32 gradient (added into the accumulator
@@ -181,17 +181,15 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     )
 
 
-def double_buffer_array(
-    pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool, residual: float
-) -> float:
+def double_buffer_array(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
     """The GPU program's double-buffered layer scan (when the program gets the flag; an unrolled stack
     has no scan to double-buffer), unpipelined: without remat it keeps one more stacked [layers, T,
     ff/t] array (cost.SCAN_DOUBLE_BUFFER); under remat lowrank on a tensor-split σ(A·x) layer it
-    allocates two buffers for the stack of the widest A output (qkv's, all-reduced over tensor) and
-    for the layer inputs' stack, one per copy of the loop body, both written in the forward scan
-    (A100 cola_13b and cola_1b btp f16 x t4: `loop_dynamic_update_slice_fusion.1` and its
-    `double_buffer_clone`, bf16[L, 3r, T] at two offsets, and bf16[L, T, d/t] twice; XLA's memory-usage
-    report, benchmarks/RESULTS.md 2026-11-29, "the planner's picks now")."""
+    allocates a second buffer for the stack of the widest A output (qkv's, all-reduced over tensor),
+    one per copy of the loop body (A100 cola_13b and cola_1b btp f16 x t4: `loop_dynamic_update_slice_fusion.1`
+    and its `double_buffer_clone`, bf16[L, 3r, T] at two offsets in XLA's memory-usage report). The
+    layer inputs' stack has two buffers too; counted as well, the cola plans on fsdp x tensor over-price
+    (benchmarks/RESULTS.md 2026-11-29, "the planner's picks now")."""
     ctx, opts = pr.ctx, pr.opts
     if sched.stages > 1 or not gpu or not opts.double_buffered or pr.unrolled:
         return 0.0
@@ -200,7 +198,7 @@ def double_buffer_array(
         return cost.SCAN_DOUBLE_BUFFER * layers * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
     widest = max((op.bottleneck for op in summary.ops), default=0.0)
     if pr.policy == "lowrank" and mesh.tensor > 1 and widest:
-        return cost.SCAN_DOUBLE_BUFFER * layers * (widest + residual) * opts.act_bytes
+        return cost.SCAN_DOUBLE_BUFFER * layers * widest * opts.act_bytes
     return 0.0
 
 
