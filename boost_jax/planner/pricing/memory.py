@@ -184,12 +184,12 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
 def double_buffer_array(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
     """The GPU program's double-buffered layer scan (when the program gets the flag; an unrolled stack
     has no scan to double-buffer), unpipelined: without remat it keeps one more stacked [layers, T,
-    ff/t] array (cost.SCAN_DOUBLE_BUFFER); under remat lowrank on a tensor-split σ(A·x) layer it
-    allocates a second buffer for the stack of the widest A output (qkv's, all-reduced over tensor),
-    one per copy of the loop body (A100 cola_13b and cola_1b btp f16 x t4: `loop_dynamic_update_slice_fusion.1`
-    and its `double_buffer_clone`, bf16[L, 3r, T] at two offsets in XLA's memory-usage report). The
-    layer inputs' stack has two buffers too; counted as well, the cola plans on fsdp x tensor over-price
-    (benchmarks/RESULTS.md 2026-11-29, "the planner's picks now")."""
+    ff/t] array (cost.SCAN_DOUBLE_BUFFER). Under remat lowrank on a tensor-split σ(A·x) layer XLA can
+    give the stack of the widest A output (qkv's, all-reduced over tensor) a second buffer, one per copy
+    of the loop body (A100 cola_13b btp f16 x t4: `loop_dynamic_update_slice_fusion.1` and its
+    `double_buffer_clone`, bf16[L, 3r, T] at two offsets in XLA's memory-usage report); some such
+    programs share one buffer (H100 cola_7b f16 x t4), and which do is not modelled: the term counts
+    the second buffer, an upper bound (benchmarks/RESULTS.md 2026-11-29, "the planner's picks now")."""
     ctx, opts = pr.ctx, pr.opts
     if sched.stages > 1 or not gpu or not opts.double_buffered or pr.unrolled:
         return 0.0
