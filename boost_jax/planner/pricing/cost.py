@@ -43,7 +43,7 @@ from boost_jax.planner.pricing.plans import Cost
 # F1B_IN_FLIGHT       2           1F1B items a stage holds beyond its ring (float32 CPU)  tests/test_planner_pipeline.py
 # F1B_IN_FLIGHT_GPU   3           the same in the GPU (bf16) program                      H100 1F1B compiles (history)
 # PIPELINED_SIGMA     1.0         stacked σ(A·x) arrays per A output the pipeliner adds   § 2026-11-29
-# SCAN_DOUBLE_BUFFER  1.0         [layers, T, ff/t] arrays the double-buffered scan adds  § 2026-11-27 (third)
+# SCAN_DOUBLE_BUFFER  1.0         stacked arrays the double-buffered scan adds (memory)   § 2026-11-27 (third), 11-29
 # PIPELINER_NEEDS     (2 flags)   the XLA options under which PIPELINED_SIGMA applies     § 2026-11-27
 STATE_BYTES = 4
 ADAM_STATE_BYTES = 16

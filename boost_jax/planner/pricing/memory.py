@@ -72,7 +72,7 @@ def memory_bytes(
         # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
         "pipeliner": pipeliner_arrays(pr, mesh, summary, sched, gpu),
         # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
-        "double_buffer": double_buffer_array(pr, mesh, sched, gpu),
+        "double_buffer": double_buffer_array(pr, mesh, summary, sched, gpu),
     }
     if pr.unrolled and gpu:
         # Unrolled, each layer's backward writes its float32 gradient (added into the accumulator
@@ -181,16 +181,25 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     )
 
 
-def double_buffer_array(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool) -> float:
-    """Unpipelined without remat, the GPU program's double-buffered layer scan keeps one more stacked
-    [layers, T, ff/t] array (cost.SCAN_DOUBLE_BUFFER), when the program gets the flag; an unrolled
-    stack has no scan to double-buffer."""
+def double_buffer_array(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
+    """The GPU program's double-buffered layer scan (when the program gets the flag; an unrolled stack
+    has no scan to double-buffer), unpipelined: without remat it keeps one more stacked [layers, T,
+    ff/t] array (cost.SCAN_DOUBLE_BUFFER). Under remat lowrank on a tensor-split σ(A·x) layer XLA can
+    give the stack of the widest A output (qkv's, all-reduced over tensor) a second buffer, one per copy
+    of the loop body (A100 cola_13b btp f16 x t4: `loop_dynamic_update_slice_fusion.1` and its
+    `double_buffer_clone`, bf16[L, 3r, T] at two offsets in XLA's memory-usage report); some such
+    programs share one buffer (H100 cola_7b f16 x t4), and which do is not modelled: the term counts
+    the second buffer, an upper bound (benchmarks/RESULTS.md 2026-11-29, "the planner's picks now")."""
     ctx, opts = pr.ctx, pr.opts
-    return (
-        cost.SCAN_DOUBLE_BUFFER * sched.layers_per_stage * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
-        if sched.stages == 1 and gpu and pr.policy == "none" and opts.double_buffered and not pr.unrolled
-        else 0.0
-    )
+    if sched.stages > 1 or not gpu or not opts.double_buffered or pr.unrolled:
+        return 0.0
+    layers = sched.layers_per_stage
+    if pr.policy == "none":
+        return cost.SCAN_DOUBLE_BUFFER * layers * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
+    widest = max((op.bottleneck for op in summary.ops), default=0.0)
+    if pr.policy == "lowrank" and mesh.tensor > 1 and widest:
+        return cost.SCAN_DOUBLE_BUFFER * layers * widest * opts.act_bytes
+    return 0.0
 
 
 def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weights: float) -> float:
