@@ -144,19 +144,19 @@ def _lowers(dtype, act, interpret) -> str:
     cannot (warned once, and XLA's product runs)."""
     kind = str(getattr(platform.device(), "device_kind", ""))
     key = (platform.name(), kind, jnp.dtype(dtype).name, act, interpret)
-    if key not in _LOWERS:
-        try:
-            if plgpu is None:
-                raise ImportError("this jax has no Pallas Triton backend")
-            x = platform.abstract((BLOCK + 1,), dtype)
-            step = lambda g, u: jax.vjp(lambda g, u: _gate_flat(g, u, act, interpret), g, u)[1](g)  # noqa: E731
-            jax.jit(step).lower(x, x).compile()
-            _LOWERS[key] = ""
-        except Exception as e:  # noqa: BLE001 - any import/lowering/compile failure means "use XLA"
-            _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
-            warnings.warn(
-                f"boost_jax gate: the Pallas gate kernel does not compile here ({_LOWERS[key]}); the MLP's "
-                "gate product runs on XLA (model.gate_kernel=xla says so without this warning)",
-                stacklevel=3,
-            )
-    return _LOWERS[key]
+
+    def compile_probe():
+        if plgpu is None:
+            raise ImportError("this jax has no Pallas Triton backend")
+        x = platform.abstract((BLOCK + 1,), dtype)
+        step = lambda g, u: jax.vjp(lambda g, u: _gate_flat(g, u, act, interpret), g, u)[1](g)  # noqa: E731
+        jax.jit(step).lower(x, x).compile()
+
+    def warn(reason):
+        warnings.warn(
+            f"boost_jax gate: the Pallas gate kernel does not compile here ({reason}); the MLP's "
+            "gate product runs on XLA (model.gate_kernel=xla says so without this warning)",
+            stacklevel=5,
+        )
+
+    return platform.probe_once(_LOWERS, key, compile_probe, warn)

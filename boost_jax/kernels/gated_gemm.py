@@ -441,26 +441,26 @@ def _lowers(dtype, act, interpret) -> str:
     σ's three, with and without RoPE); the reason when they cannot (warned once, and the plain-jnp computations run)."""
     kind = str(getattr(platform.device(), "device_kind", ""))
     key = (platform.name(), kind, jnp.dtype(dtype).name, act, interpret)
-    if key not in _LOWERS:
-        try:
-            if plgpu is None:
-                raise ImportError("this jax has no Pallas Triton backend")
-            x, w = platform.abstract((40, 48), dtype), platform.abstract((48, 24), dtype)
-            h, v = platform.abstract((40, 2, 24), dtype), platform.abstract((24, 32), dtype)
-            cs = platform.abstract((40, 32), _F32)  # one 32-wide head of RoPE in the first member
 
-            def step(g, u, w, h, v, cs):
-                s, back = jax.vjp(lambda g, u, w: _gated(g, u, w, act, interpret), g, u, w)
-                ys, back2 = jax.vjp(lambda h, ws: _act_stages(h, ws, cs, act, interpret, (True, False)), h, (v, v))
-                return back(s), back2(ys)
+    def compile_probe():
+        if plgpu is None:
+            raise ImportError("this jax has no Pallas Triton backend")
+        x, w = platform.abstract((40, 48), dtype), platform.abstract((48, 24), dtype)
+        h, v = platform.abstract((40, 2, 24), dtype), platform.abstract((24, 32), dtype)
+        cs = platform.abstract((40, 32), _F32)  # one 32-wide head of RoPE in the first member
 
-            jax.jit(step).lower(x, x, w, h, v, cs).compile()
-            _LOWERS[key] = ""
-        except Exception as e:  # noqa: BLE001 - any import/lowering/compile failure means "use XLA"
-            _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
-            warnings.warn(
-                f"boost_jax gated_matmul: the Pallas gate-in-GEMM kernels do not compile here ({_LOWERS[key]}); "
-                "the product and its GEMM run on XLA (model.gate_kernel=pallas or xla says so without this warning)",
-                stacklevel=3,
-            )
-    return _LOWERS[key]
+        def step(g, u, w, h, v, cs):
+            s, back = jax.vjp(lambda g, u, w: _gated(g, u, w, act, interpret), g, u, w)
+            ys, back2 = jax.vjp(lambda h, ws: _act_stages(h, ws, cs, act, interpret, (True, False)), h, (v, v))
+            return back(s), back2(ys)
+
+        jax.jit(step).lower(x, x, w, h, v, cs).compile()
+
+    def warn(reason):
+        warnings.warn(
+            f"boost_jax gated_matmul: the Pallas gate-in-GEMM kernels do not compile here ({reason}); "
+            "the product and its GEMM run on XLA (model.gate_kernel=pallas or xla says so without this warning)",
+            stacklevel=5,
+        )
+
+    return platform.probe_once(_LOWERS, key, compile_probe, warn)

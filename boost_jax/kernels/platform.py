@@ -114,3 +114,17 @@ def abstract(shape, dtype):
     if dev is None:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(dev))
+
+
+def probe_once(cache: dict, key, compile_probe, on_failure) -> str:
+    """`cache[key]`: "" when `compile_probe()` (a jit lower and compile of small shapes on the target,
+    built with `abstract`) succeeds, else why not (`Type: message`); probed once per key, and
+    `on_failure(reason)` called the first time (the kernel modules warn there, then run plain jnp)."""
+    if key not in cache:
+        try:
+            compile_probe()
+            cache[key] = ""
+        except Exception as e:  # noqa: BLE001 - any import/lowering/compile failure means "use XLA"
+            cache[key] = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
+            on_failure(cache[key])
+    return cache[key]

@@ -238,22 +238,19 @@ def _default_block_rows(d):
 def _probe(impl, x2, scale, br, compile_probe, why) -> str:
     """Run `compile_probe` once per (impl, backend, dtypes, d, block_rows): "" when the kernel
     compiles, else the reason, logged and (once per process) warned with `why(reason)`."""
-    global _WARNED
     backend = platform.name()
     kind = str(getattr(platform.device(), "device_kind", ""))  # probed per target GPU model
     key = (impl, backend, kind, jnp.dtype(x2.dtype), jnp.dtype(scale.dtype), x2.shape[1], br)
-    if key not in _LOWERS:
-        try:
-            compile_probe()
-            _LOWERS[key] = ""
-        except Exception as e:  # noqa: BLE001 - any import/lowering/compile failure means "use XLA"
-            _LOWERS[key] = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
-            message = why(backend, _LOWERS[key])
-            logging.warning(message)
-            if not _WARNED:
-                _WARNED = True
-                warnings.warn(message, stacklevel=4)
-    return _LOWERS[key]
+
+    def on_failure(reason):
+        global _WARNED
+        message = why(backend, reason)
+        logging.warning(message)
+        if not _WARNED:
+            _WARNED = True
+            warnings.warn(message, stacklevel=6)
+
+    return platform.probe_once(_LOWERS, key, compile_probe, on_failure)
 
 
 def _one_block(x2, scale, br):
