@@ -464,7 +464,7 @@ def test_a_failed_save_is_reported_once_and_leaves_no_partial_step(tmp_path):
     ckpt.manager.wait_until_finished = straggling
     with pytest.raises(
         CheckpointError,
-        match=r"saving step 4 failed \(OSError: \[Errno 28\] No space left on "
+        match=r"saving step 4 failed: No space left on device \[ENOSPC\] \(OSError: \[Errno 28\] No space left on "
         r"device\); its partial files were removed; the last good checkpoint "
         r"is step 3",
     ):

@@ -289,7 +289,7 @@ def test_failed_async_save_stops_at_once_and_cleans_up(reference, tmp_path, monk
     cfg = make(tmp_path / "run", **{"checkpoint.async_save": True})
     with pytest.raises(
         CheckpointError,
-        match=r"saving step 8 failed \(OSError: \[Errno 28\] No space left on "
+        match=r"saving step 8 failed: No space left on device \[ENOSPC\] \(OSError: \[Errno 28\] No space left on "
         r"device\); its partial files were removed; the last good "
         r"checkpoint is step 4",
     ):
@@ -526,7 +526,10 @@ def test_disk_full_at_the_final_save_is_one_error_and_nothing_half_written(refer
     disk_full_at(monkeypatch, 12)
     monkeypatch.setattr(MetricsWriter, "close", full_flush)
     cfg = make(tmp_path / "run", **{"checkpoint.async_save": True})
-    with pytest.raises(CheckpointError, match=r"saving step 12 failed .* the last good checkpoint is step 8"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saving step 12 failed: No space left on device \[ENOSPC\] .* the last good checkpoint is step 8",
+    ):
         train.run(cfg)
     out = capsys.readouterr()
     assert "note: closing the metrics writer failed (OSError" in out.out + out.err

@@ -17,6 +17,7 @@ good step and renames the bad ones aside (`N.corrupt`), never deleting them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import sys
@@ -482,7 +483,13 @@ class Checkpointer:
         removed = self._remove_partial()
         latest = self.committed_step()
         last = f"step {latest} in {self.directory}" if latest is not None else f"none (nothing in {self.directory})"
-        reason = "" if isinstance(e, OSError) else os_reason(e)  # an OSError's text starts with it
+        # the operating system's reason first, whichever writer hit it (tensorstore's message or a
+        # plain OSError from a metadata file): the line reads the same either way
+        reason = (
+            os_reason(e)
+            if not isinstance(e, OSError)
+            else (f"{e.strerror} [{errno.errorcode.get(e.errno, e.errno)}]" if e.strerror else None)
+        )
         self.failure = CheckpointError(
             f"saving step {step} failed{f': {reason}' if reason else ''} "
             f"({type(e).__name__}: {one_line(e)}); "
