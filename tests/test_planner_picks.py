@@ -19,13 +19,7 @@ UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
 OVER = 0.10  # and at most 10% above it
 # Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
 # once one is priced within UNDER, so that the entry goes.
-KNOWN_UNDER = {
-    ("aot_fit", "llama_13b", 64): "the unrolled Megatron-SP d8 x t8 step (40.7 GB priced, 48.2 compiled, 0.84): "
-    "its peak (the head's backward, where the backward starts) holds float32 transposed copies of the stacked "
-    "column-parallel weights (q, k, v, gate, up: `wrapped_transpose` of the parameters, 4.4 GB) and the whole "
-    "float32 gradient beside the activations, where the planner writes the unrolled backward's gradient into the "
-    "activations it frees (6.5 GB); benchmarks/RESULTS.md 2026-11-29",
-}
+KNOWN_UNDER: dict = {}
 
 
 def _fit():
