@@ -116,3 +116,32 @@ def test_the_planner_prices_the_kernels_the_model_runs(make_config, gate, sigma)
     ctx = Ctx(Block.from_config(cfg), 1, 8.0, 8, devices=1)  # bf16 (the GPU program), one device
     assert kernels_in_gemms(ctx) == ran, (jaxpr.count("gemm_fwd"), ran)
     assert kernels_in_gemms(Ctx(Block.from_config(cfg), 1, 8.0, 8, devices=8))[1] is False  # a mesh: XLA's σ
+
+
+def test_the_unrolled_megatron_step_counts_its_transposed_weight_copies(fit):
+    """The unrolled Megatron tensor-split step inside its accumulation loop (data > 1 or grad_accum > 1)
+    holds float32 copies of the stacked q, k, v, gate and up weights in the layout its GEMMs read
+    (planner/pricing/memory.py `layout_copies`): the recorded llama_13b pick on data 8 x tensor 8 is
+    priced that many bytes more, counted here from the model's widths, than the same layer with no loop
+    (data 1, grad_accum 1); accumulating on data 1 counts them again, a one-shard layer never."""
+    from boost_jax.tools.devices import load_config
+
+    table = json.loads((ROOT / "benchmarks" / "aot_fit.json").read_text())
+    pick = next(r for r in table["rows"] if r["model"] == "llama_13b" and r["devices"] == 64)
+    cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
+
+    def weights(data: int, accum: int, tensor: int = 8) -> float:
+        flags = pick["plan"].replace("parallel.data=8", f"parallel.data={data}")
+        flags = flags.replace("train.grad_accum=1", f"train.grad_accum={accum}")
+        flags = flags.replace("parallel.tensor=8", f"parallel.tensor={tensor}")
+        mesh = {**pick["mesh"], "data": data, "tensor": tensor}
+        row = {**pick, "plan": flags, "mesh": mesh}
+        return fit.reprice(row, cluster, table["pipelined_collectives"]).memory["weights"]
+
+    m = load_config(str(ROOT / "configs" / "llama_13b.py")).model
+    head_dim = m.d_model // m.n_heads
+    columns = m.d_model * (m.n_heads * head_dim + 2 * m.n_kv_heads * head_dim + 2 * m.d_ff)
+    copies = m.n_layers * columns / 8 * 4  # float32, split over tensor 8
+    assert weights(8, 1) - weights(1, 1) == pytest.approx(copies, rel=1e-6)
+    assert weights(1, 2) - weights(1, 1) == pytest.approx(copies, rel=1e-6)
+    assert weights(8, 1, tensor=1) == pytest.approx(weights(1, 2, tensor=1))  # one shard: no copies
