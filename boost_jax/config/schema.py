@@ -209,6 +209,9 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
     t.seq_len = 128  # tokens per row (the model reads seq_len, predicts the next of each)
     t.global_batch = 16  # sequences per optimizer step, all devices and micro-batches together
     t.grad_accum = 1  # micro-batches per optimizer step
+    # Cast the weights the model uses only in its compute dtype (the GEMMs' matrices, the embedding)
+    # once per step, before the micro-batches, not in each (runtime/state.py `step_casts`).
+    t.cast_once = True
     t.steps = 400  # the schedule's length
     t.stop_at_step = 0  # stop this invocation (with a checkpoint) at this step; 0: train.steps
     t.lr = 3e-3  # peak learning rate (AdamW), after the linear warmup
