@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.model import model_from_config
+from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.placement import Placement
 from boost_jax.parallel.rules import spec_for
 
@@ -48,6 +49,15 @@ def logical_axes(model) -> dict:
     return _unflatten(flat)
 
 
+def once_per_step(cfg) -> bool:
+    """train.weight_casts: whether the step casts the weights once (`step`); `auto`: for the factored
+    kinds (their copy is small beside the step's memory; a dense 7B's on four 40 GB GPUs is not:
+    benchmarks/RESULTS.md, 2026-11-29 ninth session)."""
+    if cfg.train.weight_casts == "auto":
+        return kind_class(cfg.model.linear).factored
+    return cfg.train.weight_casts == "step"
+
+
 def step_casts(model, axes: dict, mesh, strategy, enabled: bool = True) -> dict | None:
     """Per parameter, the compute dtype the train step casts it to once per step, before its
     micro-batches (runtime/step.py), or None: cast where used, in every micro-batch. A parameter
@@ -56,7 +66,7 @@ def step_casts(model, axes: dict, mesh, strategy, enabled: bool = True) -> dict 
     in the layout it is stored in (not gathered over `fsdp`: its gradient's reduction there runs in
     `grad_reduce_dtype` before it reaches the copy, which would round it). Not under a pipeline or
     spatial-temporal GEMMs (their own schedules take the weights as stored). None when nothing
-    qualifies or `enabled` is false (train.cast_once)."""
+    qualifies or `enabled` is false (`once_per_step`)."""
     dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
     if not enabled or model.pipeline is not None or strategy.st_groups:
         return None
@@ -136,7 +146,7 @@ def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
     }
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_values, shardings)
-    casts = step_casts(model, axes, mesh, strategy, bool(cfg.train.cast_once))
+    casts = step_casts(model, axes, mesh, strategy, once_per_step(cfg))
     return StateSpec(graphdef, abstract, shardings, axes, model.pipeline, casts)
 
 
