@@ -1,7 +1,8 @@
 """The weights cast to the compute dtype once per step (train.weight_casts=step, runtime/state.py `step_casts`):
 the step equals the step that casts them in every micro-batch, bit for bit; its gradient still
-accumulates in float32; and the casts of the weights sit outside the accumulation loop in the compiled
-program (inside it without the switch). Tiny bfloat16 models on emulated CPU devices."""
+accumulates in float32; and the casts of the weights sit outside the accumulation loop of the traced step
+(inside it without the switch; the GPU program's kernels: benchmarks/RESULTS.md, 2026-11-29 ninth session).
+Tiny bfloat16 models on emulated CPU devices."""
 
 import jax
 import jax.numpy as jnp
@@ -114,3 +115,22 @@ def test_the_weights_are_cast_outside_the_accumulation_loop_and_accumulate_in_fl
     assert got[False][1] - inside >= len(cast), (got, len(cast))
     for p in cast:
         assert ((2, *p.shape), "float32") in carry and not any(d == "bfloat16" and s[1:] == p.shape for s, d in carry)
+
+
+def test_which_weights_are_cast_once(tmp_path):
+    """`auto` casts once for a factored kind and not for dense; `step` never casts a norm scale, nor a
+    weight `fsdp` gathers (its gradient is reduced over fsdp before it would reach the bf16 copy)."""
+
+    def cast(**over):
+        spec = build(small_config(tmp_path, **{"model.dtype": "bfloat16", **over})).spec
+        flat = jax.tree_util.tree_flatten_with_path(spec.casts, is_leaf=_none)[0] if spec.casts else []
+        return {jax.tree_util.keystr(k) for k, v in flat if v is not None}
+
+    one = {"parallel.num_devices": 1, "parallel.data": 1}
+    assert cast(**one) and not cast(**one, **{"model.linear": "dense"})
+    assert cast(**one, **{"model.linear": "dense", "train.weight_casts": "step"})
+    assert not cast(**one, **{"train.weight_casts": "micro_batch"})
+    assert not cast(**one, **{"model.dtype": "float32"})  # nothing to cast
+    fsdp = cast(**{"parallel.num_devices": 4, "parallel.data": 1, "parallel.fsdp": 2, "parallel.tensor": 2})
+    whole = cast(**{"parallel.num_devices": 4, "parallel.data": 2, "parallel.tensor": 2})
+    assert fsdp < whole and all("scale" not in k for k in whole), (fsdp, whole)
