@@ -118,16 +118,17 @@ def test_the_weights_are_cast_outside_the_accumulation_loop_and_accumulate_in_fl
 
 
 def test_which_weights_are_cast_once(tmp_path):
-    """`auto` casts once for a factored kind and not for dense; `step` never casts a norm scale, nor a
-    weight `fsdp` gathers (its gradient is reduced over fsdp before it would reach the bf16 copy)."""
+    """`auto` casts once for a factored kind over several micro-batches, not for dense nor over one;
+    `step` never casts a norm scale, nor a weight `fsdp` gathers (its gradient is reduced over fsdp
+    before it would reach the bf16 copy)."""
 
     def cast(**over):
-        spec = build(small_config(tmp_path, **{"model.dtype": "bfloat16", **over})).spec
+        spec = build(small_config(tmp_path, **{"model.dtype": "bfloat16", "train.grad_accum": 2, **over})).spec
         flat = jax.tree_util.tree_flatten_with_path(spec.casts, is_leaf=_none)[0] if spec.casts else []
         return {jax.tree_util.keystr(k) for k, v in flat if v is not None}
 
     one = {"parallel.num_devices": 1, "parallel.data": 1}
-    assert cast(**one) and not cast(**one, **{"model.linear": "dense"})
+    assert cast(**one) and not cast(**one, **{"model.linear": "dense"}) and not cast(**one, **{"train.grad_accum": 1})
     assert cast(**one, **{"model.linear": "dense", "train.weight_casts": "step"})
     assert not cast(**one, **{"train.weight_casts": "micro_batch"})
     assert not cast(**one, **{"model.dtype": "float32"})  # nothing to cast

@@ -212,7 +212,7 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
     t.grad_accum = 1  # micro-batches per optimizer step
     # Where the weights the model uses only in its compute dtype (the GEMMs' matrices, the embedding)
     # are cast to it: step (once per step, before the micro-batches: faster, their copy lives through
-    # the step), micro_batch (in each), auto (step for the factored kinds; runtime/state.py `step_casts`).
+    # the step), micro_batch (in each), auto (step for the factored kinds at grad_accum > 1; runtime/state.py).
     t.weight_casts = "auto"
     t.steps = 400  # the schedule's length
     t.stop_at_step = 0  # stop this invocation (with a checkpoint) at this step; 0: train.steps

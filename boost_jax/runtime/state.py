@@ -51,10 +51,11 @@ def logical_axes(model) -> dict:
 
 def once_per_step(cfg) -> bool:
     """train.weight_casts: whether the step casts the weights once (`step`); `auto`: for the factored
-    kinds (their copy is small beside the step's memory; a dense 7B's on four 40 GB GPUs is not:
+    kinds over several micro-batches (with one, they are cast once anyway, and a scanned stack would
+    hold the whole copy; a dense 7B's copy does not fit beside its TP-4 step on 40 GB GPUs:
     benchmarks/RESULTS.md, 2026-11-29 ninth session)."""
     if cfg.train.weight_casts == "auto":
-        return kind_class(cfg.model.linear).factored
+        return kind_class(cfg.model.linear).factored and cfg.train.grad_accum > 1
     return cfg.train.weight_casts == "step"
 
 
