@@ -73,7 +73,7 @@ def step_casts(model, axes: dict, mesh, strategy, enabled: bool = True) -> dict 
         return None
     flat = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        names, value = _unflatten_get(axes, path), var.get_value()
+        names, value = _at(axes, path), var.get_value()
         same = spec_for(names, value.shape, mesh, strategy.rules) == spec_for(
             names, value.shape, mesh, strategy.compute_rules
         )
@@ -82,7 +82,8 @@ def step_casts(model, axes: dict, mesh, strategy, enabled: bool = True) -> dict 
     return _unflatten(flat) if any(flat.values()) else None
 
 
-def _unflatten_get(tree: dict, path: tuple):
+def _at(tree: dict, path: tuple):
+    """The entry of a nested dict at `path`."""
     for key in path:
         tree = tree[key]
     return tree
