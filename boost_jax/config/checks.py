@@ -19,6 +19,7 @@ from boost_jax.config.schema import (
     PIPELINE_SCHEDULES,
     PLANS,
     SHUFFLES,
+    WEIGHT_CASTS,
 )
 from boost_jax.errors import ConfigError
 
@@ -190,6 +191,7 @@ def _check_batch_splits_and_loss(c: ml_collections.ConfigDict) -> None:
     check(m.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0: the whole sequence in one piece)")
     check(m.z_loss >= 0, "model.z_loss", "must be >= 0 (0 disables the z-loss)")
     check(t.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0 (0: train.grad_accum)")
+    check(t.weight_casts in WEIGHT_CASTS, "train.weight_casts", f"{t.weight_casts!r} is not one of {WEIGHT_CASTS}")
     check(
         (t.eval_microbatches or t.grad_accum) < 1 or t.global_batch % (t.eval_microbatches or t.grad_accum) == 0,
         "train.eval_microbatches",

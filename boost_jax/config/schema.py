@@ -72,6 +72,7 @@ CONTEXT_ATTENTION = ("ring", "all_gather")  # parallel.context_attention (boost_
 CONTEXT_KV = ("full", "bottleneck")  # parallel.context_kv
 BATCHINGS = ("stream", "packed", "document")  # data.batching (boost_jax/data/loader.py)
 SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
+WEIGHT_CASTS = ("auto", "step", "micro_batch")  # train.weight_casts (boost_jax/runtime/state.py)
 
 
 AUTO_OR_BOOL = ("group_linears", "scan_unroll")  # model fields holding "auto" or a bool
@@ -209,6 +210,10 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
     t.seq_len = 128  # tokens per row (the model reads seq_len, predicts the next of each)
     t.global_batch = 16  # sequences per optimizer step, all devices and micro-batches together
     t.grad_accum = 1  # micro-batches per optimizer step
+    # Where the weights the model uses only in its compute dtype (the GEMMs' matrices, the embedding)
+    # are cast to it: step (once per step, before the micro-batches: faster, their copy lives through
+    # the step), micro_batch (in each), auto (step for the factored kinds at grad_accum > 1; runtime/state.py).
+    t.weight_casts = "auto"
     t.steps = 400  # the schedule's length
     t.stop_at_step = 0  # stop this invocation (with a checkpoint) at this step; 0: train.steps
     t.lr = 3e-3  # peak learning rate (AdamW), after the linear warmup

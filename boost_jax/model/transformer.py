@@ -164,6 +164,7 @@ class Transformer(nnx.Module):
         self.embed = nnx.Param(
             cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype),
             axes=("vocab_in", "embed"),
+            compute_only=True,
         )
 
         # One Block's parameters with a leading layer axis, so the stack runs as one lax.scan and
@@ -191,6 +192,7 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Param(
                 dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.d_model, param_dtype),
                 axes=("head_embed", "vocab"),
+                compute_only=True,
             )
 
     def init_cache(self, batch: int, max_len: int):

@@ -76,7 +76,10 @@ class HFLayout:
 
 class LinearKind(nnx.Module):
     """One linear map d_in -> d_out; `axes` = the logical names of its (in, out) dims; `group` = the
-    projection group a parallel plan partitions as a unit (qkv | o | mlp_in | mlp_out)."""
+    projection group a parallel plan partitions as a unit (qkv | o | mlp_in | mlp_out). A parameter the
+    kind reads only through `use` in the GEMM's dtype is declared with `compute_only=True` (nnx
+    metadata): the train step may cast it to the compute dtype once per step (runtime/state.py
+    `step_casts`); one it reads in float32 (a scale) must not be."""
 
     # The kind's own `model` fields {name: config.Field(default, help)}: registering the kind makes
     # them config keys (`--config.model.NAME=...`), read here as m.NAME.
