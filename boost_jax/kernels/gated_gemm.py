@@ -84,13 +84,18 @@ def _fwd(*refs, m, f, r, tiles, act, gated, col0):
     plgpu.store(s_ref.at[pl.ds(r0, bm), pl.ds(c0, bn)], acc.astype(s_ref.dtype), mask=rmask[:, None] & cmask[None, :])
 
 
-def _dx(*refs, m, f, r, tiles, act, gated, col0):
+def _at(at):
+    """The (row tile, column tile) a program computes: its grid position unless given."""
+    return at or (pl.program_id(0), pl.program_id(1))
+
+
+def _dx(*refs, m, f, r, tiles, act, gated, col0, at=None):
     """dh[tile] = ds[rows] @ w[cols]ᵀ over R; then dg = dh·u·act'(g), du = dh·act(g) on the tile (no u:
-    dg = dh·act'(g))."""
+    dg = dh·act'(g), stored at g's columns where `at` places the tile in a group's, `_group_dx`)."""
     g_ref, u_ref, w_ref, ds_ref, dg_ref, du_ref = refs if gated else (refs[0], None, *refs[1:], None)
     bm, bn, bk = tiles
-    r0, rmask = _span(pl.program_id(0), m, bm)
-    c0, cmask = _span(pl.program_id(1), f, bn)
+    r0, rmask = _span(_at(at)[0], m, bm)
+    c0, cmask = _span(_at(at)[1], f, bn)
     rows, cols = pl.ds(r0, bm), pl.ds(c0, bn)
 
     def step(i, acc):
@@ -107,7 +112,8 @@ def _dx(*refs, m, f, r, tiles, act, gated, col0):
         u = plgpu.load(u_ref.at[rows, cols]).astype(_F32)
         plgpu.store(du_ref.at[rows, cols], (dh * a).astype(du_ref.dtype), mask=mask)
         dh = dh * u
-    plgpu.store(dg_ref.at[rows, cols], (dh * da).astype(dg_ref.dtype), mask=mask)
+    out = pl.ds(col0 + c0, bn) if at else cols
+    plgpu.store(dg_ref.at[rows, out], (dh * da).astype(dg_ref.dtype), mask=mask)
 
 
 def _dw(*refs, m, f, r, tiles, act, gated, col0):
@@ -168,11 +174,12 @@ def _unrotated(ds_ref, rows, c1, half, cos, sin):
     return dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
 
 
-def _rope_dx(g_ref, w_ref, ds_ref, cs_ref, dg_ref, *, m, f, r, tiles, act, col0, **_):
-    """dh[tile] = (the unrotated ds)[rows] @ w[cols]ᵀ, a head (both halves) per K step; dg = dh·act'(g)."""
+def _rope_dx(g_ref, w_ref, ds_ref, cs_ref, dg_ref, *, m, f, r, tiles, act, col0, at=None, **_):
+    """dh[tile] = (the unrotated ds)[rows] @ w[cols]ᵀ, a head (both halves) per K step; dg = dh·act'(g)
+    (stored as `_dx` stores it)."""
     bm, bn, half = tiles
-    r0, rmask = _span(pl.program_id(0), m, bm)
-    c0, cmask = _span(pl.program_id(1), f, bn)
+    r0, rmask = _span(_at(at)[0], m, bm)
+    c0, cmask = _span(_at(at)[1], f, bn)
     rows, cols = pl.ds(r0, bm), pl.ds(c0, bn)
     cos, sin = _cos_sin(cs_ref, rows, half)
 
@@ -185,7 +192,8 @@ def _rope_dx(g_ref, w_ref, ds_ref, cs_ref, dg_ref, *, m, f, r, tiles, act, col0,
 
     dh = jax.lax.fori_loop(0, r // (2 * half), step, jnp.zeros((bm, bn), _F32))
     da = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + c0, bn)]).astype(_F32), act)[1]
-    plgpu.store(dg_ref.at[rows, cols], (dh * da).astype(dg_ref.dtype), mask=rmask[:, None] & cmask[None, :])
+    out = pl.ds(col0 + c0, bn) if at else cols
+    plgpu.store(dg_ref.at[rows, out], (dh * da).astype(dg_ref.dtype), mask=rmask[:, None] & cmask[None, :])
 
 
 def _rope_dw(g_ref, ds_ref, cs_ref, dw_ref, *, m, f, r, tiles, act, col0, **_):
@@ -277,27 +285,79 @@ def _kernels(which, act, interpret, gated=True, col0=0, width=None, out=None, ro
         return _launch(_dw, f"{base}_dw", (f, r), tiles, (f, r, m), xs, dw, **kw)
 
     weight = (2 if gated else 1) if which != "dw" else None  # the position of w (dw's inputs: activations)
-    n_out = 2 if which == "dx" and gated else 1
+    return _batched(call2d, () if weight is None else (weight,), {"fwd": "rows", "dx": "tuple"}.get(which, "whole"))
+
+
+def _batched(call2d, weights, out):
+    """call2d on 2-D inputs, the weights (at positions `weights`) as they are and the others' leading
+    dims folded into rows; the output: "rows" one [M, n] laid back to those dims, "tuple" several, "whole"
+    as it comes (a weight gradient). Under vmap: more rows where no weight is batched (one call), else
+    one call per element."""
 
     @custom_vmap
     def call(*xs):
         lead = xs[0].shape[:-1]
-        out = call2d(*(x if i == weight else x.reshape(-1, x.shape[-1]) for i, x in enumerate(xs)))
-        if which == "dw":
-            return out
-        return tuple(o.reshape(*lead, -1) for o in out) if which == "dx" else out.reshape(*lead, -1)
+        got = call2d(*(x if i in weights else x.reshape(-1, x.shape[-1]) for i, x in enumerate(xs)))
+        if out == "whole":
+            return got
+        return tuple(o.reshape(*lead, -1) for o in got) if out == "tuple" else got.reshape(*lead, -1)
 
     @call.def_vmap
     def rule(size, in_batched, *xs):
-        rows = weight is not None and not in_batched[weight]  # w shared: the batch is more rows, one call
+        rows = bool(weights) and not any(in_batched[i] for i in weights)  # w shared: one call, more rows
         xs = [
-            x if b or (rows and i == weight) else jnp.broadcast_to(x, (size, *x.shape))
+            x if b or (rows and i in weights) else jnp.broadcast_to(x, (size, *x.shape))
             for i, (x, b) in enumerate(zip(xs, in_batched))
         ]
-        out = call(*xs) if rows else jax.lax.map(lambda ys: call(*ys), tuple(xs))
-        return out, (True,) * n_out if which == "dx" else True
+        got = call(*xs) if rows else jax.lax.map(lambda ys: call(*ys), tuple(xs))
+        return got, (True,) * len(got) if out == "tuple" else True
 
     return call
+
+
+def _group_dx(*refs, m, f, widths, roped, half, tiles, act):
+    """A group's input gradient in one kernel (refs: h [M, G·f], then each member's w and dy, RoPE's
+    table where a member is rotated, dh [M, G·f]): program (i, j) computes column tile j of dh, in
+    member j // (f's tiles): `_dx`, or `_rope_dx` where that member is rotated, on its w and dy,
+    stored at its columns. No stack of G outputs after."""
+    g_ref, dg_ref, cs = refs[0], refs[-1], refs[1 + 2 * len(widths) : -1]
+    per, row, col = pl.cdiv(f, tiles[1]), pl.program_id(0), pl.program_id(1)  # (read outside the branches)
+    for i, (d, rot) in enumerate(zip(widths, roped)):
+        w_ref, ds_ref = refs[1 + 2 * i], refs[2 + 2 * i]
+        kw = dict(m=m, f=f, r=d, act=act, col0=i * f)
+
+        @pl.when(col // per == i)
+        def _(w_ref=w_ref, ds_ref=ds_ref, d=d, rot=rot, kw=kw, i=i):
+            at = (row, col - i * per)
+            if rot:
+                _rope_dx(g_ref, w_ref, ds_ref, cs[0], dg_ref, tiles=(*tiles, half), at=at, **kw)
+            else:
+                _dx(g_ref, w_ref, ds_ref, dg_ref, tiles=(*tiles, _tile(d, TILE_K)), gated=False, at=at, **kw)
+
+
+def _group_dx_call(act, interpret, roped):
+    """(h [..., G·f], w_0, dy_0, w_1, dy_1, ..., [table]) -> dh [..., G·f]: `_group_dx`, named for its
+    FLOPs as one GEMM (m, G·f, K) where the members' K agree, else (m, f, the sum of their K)."""
+    n = len(roped)
+
+    def call2d(g, *rest):
+        m, f = g.shape[0], g.shape[1] // n
+        widths = tuple(w.shape[1] for w in rest[0 : 2 * n : 2])
+        half = rest[-1].shape[-1] // 2 if any(roped) else 0
+        tiles = (_tile(m, TILE_M), _tile(f, TILE_N))
+        gemm = (m, n * f, widths[0]) if len(set(widths)) == 1 else (m, f, sum(widths))
+        base = f"{act}{'_rope' if any(roped) else ''}_group_gemm_dx"
+        kernel = functools.partial(_group_dx, m=m, f=f, widths=widths, roped=roped, half=half, tiles=tiles, act=act)
+        return pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(m, tiles[0]), n * pl.cdiv(f, tiles[1])),
+            out_shape=jax.ShapeDtypeStruct(g.shape, g.dtype),
+            compiler_params=_PARAMS(num_warps=4, num_stages=2),
+            interpret=interpret,
+            name=gemm_name(base, 1, *gemm),
+        )(g, *rest)
+
+    return _batched(call2d, tuple(range(1, 2 * n, 2)), "rows")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -392,13 +452,18 @@ def _act_fwd(h, ws, cs, act, interpret, roped):
 def _act_bwd(act, interpret, roped, res, dys):
     h, ws, cs = res
     flat, r = h.reshape(*h.shape[:-2], -1), h.shape[-1]
+    dys = tuple(dy.astype(h.dtype) for dy in dys)
     dh, dws = [], []
     for i, (w, dy) in enumerate(zip(ws, dys)):
-        dy, kw = dy.astype(h.dtype), dict(gated=False, col0=i * r, width=r, rope=roped[i])
+        kw = dict(gated=False, col0=i * r, width=r, rope=roped[i])
         table = (cs,) if roped[i] else ()
-        dh.append(_kernels("dx", act, interpret, **kw)(flat, w, dy, *table)[0])
+        if len(ws) == 1:
+            dh.append(_kernels("dx", act, interpret, **kw)(flat, w, dy, *table)[0])
         dws.append(_kernels("dw", act, interpret, out=w.dtype, **kw)(flat, dy, *table))
-    return jnp.stack(dh, axis=-2), tuple(dws), None if cs is None else jnp.zeros_like(cs)
+    if len(ws) > 1:  # one kernel writes every member's columns
+        pairs = [x for w, dy in zip(ws, dys) for x in (w, dy)]
+        dh = [_group_dx_call(act, interpret, roped)(flat, *pairs, *((cs,) if any(roped) else ()))]
+    return dh[0].reshape(h.shape), tuple(dws), None if cs is None else jnp.zeros_like(cs)
 
 
 _act_stages.defvjp(_act_fwd, _act_bwd)
