@@ -28,11 +28,10 @@ def token_losses(logits, labels):
     """(cross-entropy, logsumexp) per token of logits [..., V] (computed in float32) and int labels [...]."""
     logits = logits.astype(jnp.float32)
     top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
-    shifted = logits - top
+    lse = jnp.log(jnp.exp(logits - top).sum(axis=-1)) + top[..., 0]
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape[-1:], 0)
-    picked = jnp.where(vocab == labels[..., None], shifted, 0.0).sum(axis=-1)
-    lse = jnp.log(jnp.exp(shifted).sum(axis=-1))
-    return lse - picked, lse + top[..., 0]
+    picked = (logits * (vocab == labels[..., None])).sum(axis=-1)
+    return lse - picked, lse
 
 
 def logits_of(h, w, low: bool = False, cast=None):
