@@ -121,12 +121,14 @@ def add_norm_first(projs, pair, norm, grouped, route=GROUPED):
     """(first, y, stream) of the stream's residual add and `norm` (`pair` = (x, residual)) before these
     projections: where their first stages are one GEMM whose outputs the σ kernels read
     (`_act_in_gemm`) and the kinds ask for it (model.bottleneck_kernel=norm), the add and the norm run
-    inside that GEMM (kernels/norm_gemm.py) and `first` is its output [B, T, g, width] for `project`'s
-    `first` (y None); else `norm.add` runs and y is the normalised rows (first None)."""
+    inside that GEMM (kernels/norm_gemm.py, in place of the fused Triton add + norm) and `first` is its
+    output [B, T, g, width] for `project`'s `first` (y None); else `norm.add` runs and y is the
+    normalised rows (first None)."""
     p = projs[0]
     folds = (
         p.factored
         and getattr(p, "norm_in_gemm", False)
+        and norm.impl == "triton"  # it replaces the fused Triton add + norm
         and grouped
         and not route.fuses_norm
         and not route.replaces_projection
