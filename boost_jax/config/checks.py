@@ -147,7 +147,9 @@ def _check_model_shape(c: ml_collections.ConfigDict) -> None:
     check(gate in ("auto", "pallas", "gemm", "xla"), "model.gate_kernel", f"{gate!r} is not auto, pallas, gemm or xla")
     sigma = m.get("bottleneck_kernel", "auto")
     check(
-        sigma in ("auto", "rope", "gemm", "xla"), "model.bottleneck_kernel", f"{sigma!r} is not auto, rope, gemm or xla"
+        sigma in ("auto", "norm", "rope", "gemm", "xla"),
+        "model.bottleneck_kernel",
+        f"{sigma!r} is not auto, norm, rope, gemm or xla",
     )
 
 

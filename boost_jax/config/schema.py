@@ -164,10 +164,11 @@ def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
     # one kernel each way, kernels/gated_gemm.py). auto: gemm on GPUs where the gate and up outputs are
     # separate GEMMs' (a factored kind, group_linears not true), pallas for kinds with an extra term, else xla.
     m.gate_kernel = "auto"
-    # auto | rope | gemm | xla: CoLA's σ read into each second-stage (B) GEMM's kernel, σ' an epilogue of its
-    # input gradient (boost_jax/kernels/gated_gemm.py `act_matmuls`), on one device where each B is its own
-    # GEMM; rope: q's and k's RoPE inside their kernels too. auto: rope where model.gate_kernel resolves to
-    # gemm, else xla (σ and RoPE kernels of their own).
+    # auto | norm | rope | gemm | xla: CoLA's σ read into each second-stage (B) GEMM's kernel, σ' an epilogue of
+    # its input gradient (boost_jax/kernels/gated_gemm.py `act_matmuls`), on one device where each B is its own
+    # GEMM; rope: q's and k's RoPE inside their kernels too; norm: also the residual add + RMSNorm read into
+    # the first stage's GEMM (kernels/norm_gemm.py; with the fused add + norm). auto: norm where
+    # model.gate_kernel resolves to gemm, else xla (σ and RoPE kernels of their own).
     m.bottleneck_kernel = "auto"
     # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention/). auto: cudnn on a GPU in
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
