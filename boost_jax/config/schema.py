@@ -75,6 +75,16 @@ SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
 WEIGHT_CASTS = ("auto", "step", "micro_batch")  # train.weight_casts (boost_jax/runtime/state.py)
 
 
+def weights_cast_once(weight_casts: str, factored: bool, grad_accum: int) -> bool:
+    """train.weight_casts resolved: whether the train step casts the weights it uses only in the compute
+    dtype once per step (`step`), for a kind (factored or dense) at `grad_accum` micro-batches per step;
+    `auto`: the factored kinds over several micro-batches (runtime/state.py `once_per_step` says why).
+    The step reads it (`once_per_step`), and the planner for the copy's memory (planner/pricing/memory.py)."""
+    if weight_casts == "auto":
+        return factored and grad_accum > 1
+    return weight_casts == "step"
+
+
 AUTO_OR_BOOL = ("group_linears", "scan_unroll")  # model fields holding "auto" or a bool
 
 

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from boost_jax.config import weights_cast_once
 from boost_jax.model import model_from_config
 from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.placement import Placement
@@ -54,9 +55,7 @@ def once_per_step(cfg) -> bool:
     kinds over several micro-batches (with one, they are cast once anyway, and a scanned stack would
     hold the whole copy; a dense 7B's copy does not fit beside its TP-4 step on 40 GB GPUs:
     benchmarks/RESULTS.md, 2026-11-29 ninth session)."""
-    if cfg.train.weight_casts == "auto":
-        return kind_class(cfg.model.linear).factored and cfg.train.grad_accum > 1
-    return cfg.train.weight_casts == "step"
+    return weights_cast_once(cfg.train.weight_casts, kind_class(cfg.model.linear).factored, cfg.train.grad_accum)
 
 
 def step_casts(model, axes: dict, mesh, strategy, enabled: bool = True) -> dict | None:

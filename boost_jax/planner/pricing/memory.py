@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from boost_jax.config import PROJECTION_GROUPS
+from boost_jax.config import PROJECTION_GROUPS, ST, weights_cast_once
 from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner.ops import operators
@@ -76,7 +76,7 @@ def memory_bytes(
         "double_buffer": double_buffer_array(pr, mesh, summary, sched, gpu),
     }
     copies = layout_copies(pr, mesh, grad_accum, layer, summary, sched, gpu)
-    memory["weights"] += copies
+    memory["weights"] += copies + step_cast_copy(pr, mesh, grad_accum, layer, summary, sched, rest_fsdp_weights)
     if pr.unrolled and gpu:
         # Unrolled, each micro-batch's float32 gradient is written into what the backward frees of the
         # layers' kept activations. The accumulation loop's float32 carry is live from the loop's start
@@ -183,6 +183,22 @@ def layout_copies(
     column = {g for g in ("qkv", "mlp_in") if choice[g] == "megatron"}
     weights = sum(op.weights for op in summary.ops if op.name.split(":")[0] in column)
     return sched.layers_per_stage * weights * cost.STATE_BYTES
+
+
+def step_cast_copy(
+    pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary: LayerSummary, sched: Schedule, rest: float
+) -> float:
+    """The compute-dtype copy of the weights the train step casts once per step, before its micro-batches
+    (config/schema.py `weights_cast_once`, runtime/state.py `step_casts`): every weight the model uses only in the
+    compute dtype (the layers' matrices, the embedding and head: not the norm scales), in its stored
+    layout, live through the accumulation loop. None under a pipeline or spatial-temporal GEMMs, none
+    that `fsdp` gathers (with fsdp > 1 every matrix), none in a float32 program."""
+    block = pr.ctx.block
+    if not (operators.gpu(pr.ctx) and weights_cast_once(block.weight_casts, block.factored, grad_accum)):
+        return 0.0
+    if sched.stages > 1 or mesh.fsdp > 1 or ST in layer.choices:
+        return 0.0
+    return (sched.layers_per_stage * summary.fsdp_w + rest) * pr.opts.act_bytes
 
 
 def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
