@@ -110,6 +110,7 @@ def train_variants(smoke: bool) -> list[dict]:
     }
     at256 = {"train.seq_len": 256, "train.global_batch": 32}
     at4096 = {"train.seq_len": 4096, "train.global_batch": 4}
+    at2048 = {"train.seq_len": 2048, "train.global_batch": 2, "model.n_layers": 4}
     bf16 = {"model.param_dtype": "bfloat16"}
     cublas = {"xla:--xla_gpu_enable_triton_gemm": "false"}  # every GEMM through cuBLAS (XLA's Triton GEMMs off)
     rows += [
@@ -128,6 +129,11 @@ def train_variants(smoke: bool) -> list[dict]:
             ("train256", "cola_1b auto pallas gate product", "cola_1b", {"model.gate_kernel": "pallas"}),
             ("train256", "cola_1b auto xla sigma", "cola_1b", {"model.bottleneck_kernel": "xla"}),
             ("train256", "cola_1b auto xla rope", "cola_1b", {"model.bottleneck_kernel": "gemm"}),
+            # beyond 1B (issue 51 item 1): 350M at CoLA's micro-batch, 7B's widths at 4 layers, each beside its twin
+            ("train256", "cola_350m auto 256 x 64", "cola_350m", {"train.global_batch": 64}),
+            ("train256", "llama_350m auto 256 x 64", "llama_350m", {"train.global_batch": 64}),
+            ("train256", "cola_7b auto 4 layers 2048 x 2", "cola_7b", at2048),
+            ("train256", "llama_7b auto 4 layers 2048 x 2", "llama_7b", at2048),
             (
                 "train256",
                 "cola_1b auto seq 4096 pallas gate product",
