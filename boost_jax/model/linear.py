@@ -10,6 +10,8 @@ first-stage output is tagged `lowrank` for activation checkpointing (before σ).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 
 import jax
@@ -121,6 +123,76 @@ def _use(dtype):
     return lambda w, names: gathered(w, names, dtype)
 
 
+_MADE: contextvars.ContextVar = contextvars.ContextVar("made_stacks", default=None)  # {(member ids, stage): stack}
+
+
+def _weight(p, stage: str, dtype):
+    return p.first_weight(_use(dtype)) if stage == "first" else p.second_weight(_use(dtype))
+
+
+def _stacked(run, stage: str, dtype):
+    """The run's `stage` ("first" or "second") weights stacked [g, ...] in `dtype`: the stack made once
+    per step where one was handed in (`using_stacks`), else stacked here."""
+    made = _MADE.get()
+    got = None if made is None else made.get((tuple(id(p) for p in run), stage))
+    if got is not None and got.dtype == dtype:
+        return got
+    return jnp.stack([_weight(p, stage, dtype) for p in run])
+
+
+def stacked_runs(projs, grouped, route, keep=()):
+    """[(run, stage)]: the stacks of more than one weight that `project` makes for this group."""
+    if route.replaces_projection:
+        return []
+    out = []
+    firsts = _runs(projs, lambda p: p.first_shape) if grouped or route.fuses_norm else ()
+    for _, run in firsts:
+        out.append((run, "first"))
+        if not run[0].factored or _act_in_gemm(run, route, grouped, keep) or grouped is not True:
+            continue
+        kept = lambda p: any(p is k for k in keep)  # noqa: E731
+        out.extend((sub, "second") for _, sub in _runs(run, lambda p: (p.second_shape, kept(p))) if not kept(sub[0]))
+    return [(run, stage) for run, stage in out if len(run) > 1]
+
+
+def _group_runs(module):
+    """[(name, run, stage)] for every stack `project` makes in `module`'s groups (modules that name
+    their groups: `projection_groups`), each named by its members' paths in `module`."""
+    paths = {id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(module)}
+    out = []
+    for _, node in nnx.iter_graph(module):
+        for group in node.projection_groups() if hasattr(node, "projection_groups") else ():
+            for run, stage in stacked_runs(*group):
+                out.append((stage + ":" + ",".join(paths[id(p)] for p in run), run, stage))
+    return out
+
+
+def make_stacks(module, dtype) -> dict:
+    """{name: stack}: the stacked weights `module`'s projections run on (`project`'s grouped GEMMs), in
+    `dtype`, for the runs whose weights already come in `dtype` (cast once per step): made once, outside
+    the micro-batches, and handed back to `using_stacks`."""
+    out = {}
+    for name, run, stage in _group_runs(module):
+        weights = [_weight(p, stage, None) for p in run]
+        if all(w.dtype == dtype for w in weights):
+            out[name] = jnp.stack(weights)
+    return out
+
+
+@contextlib.contextmanager
+def using_stacks(module, made):
+    """`project` takes the stacks `made` (`make_stacks` of this module's weights) in place of stacking."""
+    if not made:
+        yield
+        return
+    runs = {name: (tuple(id(p) for p in run), stage) for name, run, stage in _group_runs(module)}
+    token = _MADE.set({runs[name]: stack for name, stack in made.items()})
+    try:
+        yield
+    finally:
+        _MADE.reset(token)
+
+
 def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
     """[(run, [B, T, g, width])] for the first stages of `projs` reading x (after `norm`, if given), or
     from `first`, their output computed elsewhere (a kernel with the first stage inside); before σ
@@ -130,7 +202,7 @@ def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
         return [(projs, _bottleneck(projs, first, act=act) if projs[0].factored else first)]
     if norm is not None and route.fuses_norm:
         # The norm's statistics travel in the same all-reduce as the A partial products (BTP).
-        a = jnp.stack([p.first_weight(_use(x.dtype)) for p in projs])
+        a = _stacked(projs, "first", x.dtype)
         h = route.norm_first_stage(x, norm.scale[...], a, eps=norm.eps, impl=norm.impl)
         return [(projs, _bottleneck(projs, h, tag=False))]  # tagged inside, before the division
     if norm is not None:
@@ -138,7 +210,7 @@ def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
     out = []
     runs = _runs(projs, lambda p: p.first_shape) if grouped else ((i, [p]) for i, p in enumerate(projs))
     for _, run in runs:
-        w = jnp.stack([p.first_weight(_use(x.dtype)) for p in run])  # [g, d_in, width]
+        w = _stacked(run, "first", x.dtype)  # [g, d_in, width]
         h = weight_einsum("btd,gdr->btgr", x, w)
         out.append(
             (run, _bottleneck(run, h, act=not _act_in_gemm(run, route, grouped, keep)) if run[0].factored else h)
@@ -179,7 +251,7 @@ def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, k
             if kept(group[0]):
                 outs.extend((h[:, :, i + j], p.second_weight(_use(h.dtype))) for j, p in enumerate(group))
                 continue
-            b = jnp.stack([p.second_weight(_use(h.dtype)) for p in group])  # [g, r, d_out]
+            b = _stacked(group, "second", h.dtype)  # [g, r, d_out]
             y = weight_einsum("btgr,gro->btgo", h[:, :, i : i + len(group)], b)
             outs.extend(y[:, :, j] for j in range(len(group)))
     return _with_extra(projs, outs, x, norm)
