@@ -21,6 +21,13 @@ CASES = {
         "parallel.tensor": 2,
         "parallel.strategy": "megatron",
     },
+    "data2_megatron_tensor2_unrolled": {  # the stacks made per layer (Transformer.weight_stacks)
+        "parallel.num_devices": 4,
+        "parallel.data": 2,
+        "parallel.tensor": 2,
+        "parallel.strategy": "megatron",
+        "model.scan_unroll": True,
+    },
 }
 
 
@@ -152,12 +159,13 @@ def _weight_stacks(jaxpr, inside: bool = False, found=None) -> list:
     return found
 
 
-def test_the_grouped_weights_are_stacked_outside_the_accumulation_loop(tmp_path):
+@pytest.mark.parametrize("case", ["data2_megatron_tensor2", "data2_megatron_tensor2_unrolled"])
+def test_the_grouped_weights_are_stacked_outside_the_accumulation_loop(tmp_path, case):
     """The grouped projections' stacked weights (Transformer.weight_stacks) are made once, from the cast
     copy, before the accumulation loop; no micro-batch stacks a weight (without the switch each does)."""
     got = {}
     for on in (True, False):
-        built = _built(tmp_path / str(on), "data2_megatron_tensor2", on)
+        built = _built(tmp_path / str(on), case, on)
         assert built.cfg.model.group_linears is True
         jaxpr = jax.make_jaxpr(built.train_step)(built.spec.abstract, built.abstract_batch()).jaxpr
         got[on] = _weight_stacks(jaxpr)[:2]

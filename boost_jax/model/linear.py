@@ -141,18 +141,27 @@ def _stacked(run, stage: str, dtype):
 
 
 def stacked_runs(projs, grouped, route, keep=()):
-    """[(run, stage)]: the stacks of more than one weight that `project` makes for this group."""
+    """[(run, stage)]: the stacked weights [g, ...] that `project` runs this group on (g may be 1)."""
     if route.replaces_projection:
         return []
+    kept = lambda p: any(p is k for k in keep)  # noqa: E731
     out = []
-    firsts = _runs(projs, lambda p: p.first_shape) if grouped or route.fuses_norm else ()
+    firsts = (
+        _runs(projs, lambda p: p.first_shape)
+        if grouped or route.fuses_norm
+        else ((i, [p]) for i, p in enumerate(projs))
+    )
     for _, run in firsts:
         out.append((run, "first"))
-        if not run[0].factored or _act_in_gemm(run, route, grouped, keep) or grouped is not True:
+        if not run[0].factored or _act_in_gemm(run, route, grouped, keep):
             continue
-        kept = lambda p: any(p is k for k in keep)  # noqa: E731
-        out.extend((sub, "second") for _, sub in _runs(run, lambda p: (p.second_shape, kept(p))) if not kept(sub[0]))
-    return [(run, stage) for run, stage in out if len(run) > 1]
+        subs = (
+            _runs(run, lambda p: (p.second_shape, kept(p)))
+            if grouped is True
+            else ((i, [p]) for i, p in enumerate(run))
+        )
+        out.extend((sub, "second") for _, sub in subs if not kept(sub[0]))
+    return out
 
 
 def _group_runs(module):

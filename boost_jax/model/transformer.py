@@ -217,12 +217,16 @@ class Transformer(nnx.Module):
         else:
             if self.fuse_residual:  # the stream and the last block's output, added in the next norm
                 x = (x, jnp.zeros_like(x))
-            x, cache = jax.lax.scan(
-                lambda h, xs: layer(h, xs[0], xs[1], positions, docs, xs[2]),
-                x,
-                (layer_state, cache, stacks),
-                unroll=self.n_layers if self.unroll else 1,
-            )
+            if isinstance(stacks, list):  # made per layer (`weight_stacks` of an unrolled stack)
+                for i, made in enumerate(stacks):
+                    x, _ = layer(x, jax.tree.map(lambda w, i=i: w[i], layer_state), None, positions, docs, made)
+            else:
+                x, cache = jax.lax.scan(
+                    lambda h, xs: layer(h, xs[0], xs[1], positions, docs, xs[2]),
+                    x,
+                    (layer_state, cache, stacks),
+                    unroll=self.n_layers if self.unroll else 1,
+                )
         return _final(self.final_norm, x), cache
 
     def _embedded(self, tokens, positions, cache, docs):
@@ -261,12 +265,16 @@ class Transformer(nnx.Module):
 
         return remat.wrap(layer, self.remat_policy), layer_state
 
-    def weight_stacks(self) -> dict:
-        """{name: [L, g, ...]}: the layers' grouped projection weights stacked as `project` runs them
-        (linear.py `make_stacks`), for the groups whose weights come in the compute dtype: what the train
-        step makes once per step from its cast copy and hands `next_token_loss` (runtime/step.py)."""
+    def weight_stacks(self) -> dict | list:
+        """{name: [L, g, ...]}: the layers' projection weights stacked as `project` runs them (linear.py
+        `make_stacks`), for the groups whose weights come in the compute dtype; an unrolled stack gets them
+        as a list of each layer's {name: [g, ...]}. What the train step makes once per step from its
+        cast copy and hands `next_token_loss` (runtime/step.py)."""
         graphdef, layer_state = nnx.split(self.layers)
-        return jax.vmap(lambda state: make_stacks(nnx.merge(graphdef, state), self.dtype))(layer_state)
+        made = jax.vmap(lambda state: make_stacks(nnx.merge(graphdef, state), self.dtype))(layer_state)
+        if not self.unroll:
+            return made
+        return [jax.tree.map(lambda w, i=i: w[i], made) for i in range(self.n_layers)]  # no slice per micro-batch
 
     def head_weight(self):
         if self.tie_embeddings:
