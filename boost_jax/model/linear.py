@@ -136,7 +136,7 @@ def _stacked(run, stage: str, dtype):
     made = _MADE.get()
     got = None if made is None else made.get((tuple(id(p) for p in run), stage))
     if got is not None and got.dtype == dtype:
-        return got
+        return jnp.moveaxis(got, 1, 0) if stage == "first" else got  # made [d_in, g, width]: `make_stacks`
     return jnp.stack([_weight(p, stage, dtype) for p in run])
 
 
@@ -183,8 +183,9 @@ def make_stacks(module, dtype) -> dict:
     out = {}
     for name, run, stage in _group_runs(module):
         weights = [_weight(p, stage, None) for p in run]
-        if all(w.dtype == dtype for w in weights):
-            out[name] = jnp.stack(weights)
+        if all(w.dtype == dtype for w in weights):  # the first stages [d_in, g, width]: the layout of
+            # the GEMM reading them (d_in contracted, g x width its columns), so none is transposed per use
+            out[name] = jnp.stack(weights, axis=1 if stage == "first" else 0)
     return out
 
 
@@ -261,8 +262,8 @@ def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, k
                 outs.extend((h[:, :, i + j], p.second_weight(_use(h.dtype))) for j, p in enumerate(group))
                 continue
             b = _stacked(group, "second", h.dtype)  # [g, r, d_out]
-            y = weight_einsum("btgr,gro->btgo", h[:, :, i : i + len(group)], b)
-            outs.extend(y[:, :, j] for j in range(len(group)))
+            y = weight_einsum("btgr,gro->gbto", h[:, :, i : i + len(group)], b)  # g leading: each output
+            outs.extend(y[j] for j in range(len(group)))  # a contiguous block, as the batched GEMM writes it
     return _with_extra(projs, outs, x, norm)
 
 

@@ -266,9 +266,9 @@ class Transformer(nnx.Module):
         return remat.wrap(layer, self.remat_policy), layer_state
 
     def weight_stacks(self) -> dict | list:
-        """{name: [L, g, ...]}: the layers' projection weights stacked as `project` runs them (linear.py
+        """{name: [L, ...]}: the layers' projection weights stacked as `project` runs them (linear.py
         `make_stacks`), for the groups whose weights come in the compute dtype; an unrolled stack gets them
-        as a list of each layer's {name: [g, ...]}. What the train step makes once per step from its
+        as a list of each layer's {name: [...]}. What the train step makes once per step from its
         cast copy and hands `next_token_loss` (runtime/step.py)."""
         graphdef, layer_state = nnx.split(self.layers)
         made = jax.vmap(lambda state: make_stacks(nnx.merge(graphdef, state), self.dtype))(layer_state)
