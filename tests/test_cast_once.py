@@ -21,6 +21,13 @@ CASES = {
         "parallel.tensor": 2,
         "parallel.strategy": "megatron",
     },
+    "data2_megatron_tensor2_unrolled": {  # the stacks made per layer (Transformer.weight_stacks)
+        "parallel.num_devices": 4,
+        "parallel.data": 2,
+        "parallel.tensor": 2,
+        "parallel.strategy": "megatron",
+        "model.scan_unroll": True,
+    },
 }
 
 
@@ -135,3 +142,32 @@ def test_which_weights_are_cast_once(tmp_path):
     fsdp = cast(**{"parallel.num_devices": 4, "parallel.data": 1, "parallel.fsdp": 2, "parallel.tensor": 2})
     whole = cast(**{"parallel.num_devices": 4, "parallel.data": 2, "parallel.tensor": 2})
     assert fsdp < whole and all("scale" not in k for k in whole), (fsdp, whole)
+
+
+def _weight_stacks(jaxpr, inside: bool = False, found=None) -> list:
+    """[stacks of several bfloat16 weights outside the accumulation loop (the step's first scan), inside
+    it] in a traced step (jax's `stack` primitive, or a concatenate)."""
+    found = found if found is not None else [0, 0, False]
+    for eqn in jaxpr.eqns:
+        several = len(eqn.invars) > 1 and all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)
+        if eqn.primitive.name in ("stack", "concatenate") and several:
+            found[inside] += 1
+        loop = eqn.primitive.name == "scan" and not inside and not found[2]
+        found[2] = found[2] or loop
+        for sub in _subjaxprs(eqn):
+            _weight_stacks(sub, inside or loop, found)
+    return found
+
+
+@pytest.mark.parametrize("case", ["data2_megatron_tensor2", "data2_megatron_tensor2_unrolled"])
+def test_the_grouped_weights_are_stacked_outside_the_accumulation_loop(tmp_path, case):
+    """The grouped projections' stacked weights (Transformer.weight_stacks) are made once, from the cast
+    copy, before the accumulation loop; no micro-batch stacks a weight (without the switch each does)."""
+    got = {}
+    for on in (True, False):
+        built = _built(tmp_path / str(on), case, on)
+        assert built.cfg.model.group_linears is True
+        jaxpr = jax.make_jaxpr(built.train_step)(built.spec.abstract, built.abstract_batch()).jaxpr
+        got[on] = _weight_stacks(jaxpr)[:2]
+    assert got[True][0] >= 2 and got[True][1] == 0, got  # the qkv and gate/up A's and B's: outside only
+    assert got[False][0] == 0 and got[False][1] >= got[True][0], got

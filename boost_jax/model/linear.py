@@ -10,6 +10,8 @@ first-stage output is tagged `lowrank` for activation checkpointing (before σ).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 
 import jax
@@ -140,7 +142,8 @@ def add_norm_first(projs, pair, norm, grouped, route=GROUPED):
         y, stream = norm.add(*pair)
         return None, y, stream
     x, residual = pair
-    w = jnp.concatenate([q.first_weight(_use(x.dtype)) for q in projs], axis=1)  # [d_in, g·width]
+    w = _stacked(projs, "first", x.dtype)  # [g, d_in, width]: the stack made once per step, if one was
+    w = jnp.moveaxis(w, 0, 1).reshape(w.shape[1], -1)  # [d_in, g·width]: the members' columns side by side
     z, stream = add_norm_matmul(x, residual, norm.scale[...], w, norm.eps, norm_impl=norm.impl)
     return z.reshape(*z.shape[:-1], len(projs), -1), None, constrain(stream, RESIDUAL)
 
@@ -148,6 +151,86 @@ def add_norm_first(projs, pair, norm, grouped, route=GROUPED):
 def _use(dtype):
     """The `use` hook for stage weights feeding a GEMM in `dtype`: gathered (FSDP) in that dtype."""
     return lambda w, names: gathered(w, names, dtype)
+
+
+_MADE: contextvars.ContextVar = contextvars.ContextVar("made_stacks", default=None)  # {(member ids, stage): stack}
+
+
+def _weight(p, stage: str, dtype):
+    return p.first_weight(_use(dtype)) if stage == "first" else p.second_weight(_use(dtype))
+
+
+def _stacked(run, stage: str, dtype):
+    """The run's `stage` ("first" or "second") weights stacked [g, ...] in `dtype`: the stack made once
+    per step where one was handed in (`using_stacks`), else stacked here."""
+    made = _MADE.get()
+    got = None if made is None else made.get((tuple(id(p) for p in run), stage))
+    if got is not None and got.dtype == dtype:
+        return jnp.moveaxis(got, 1, 0) if stage == "first" else got  # made [d_in, g, width]: `make_stacks`
+    return jnp.stack([_weight(p, stage, dtype) for p in run])
+
+
+def stacked_runs(projs, grouped, route, keep=()):
+    """[(run, stage)]: the stacked weights [g, ...] that `project` runs this group on (g may be 1)."""
+    if route.replaces_projection:
+        return []
+    kept = lambda p: any(p is k for k in keep)  # noqa: E731
+    out = []
+    firsts = (
+        _runs(projs, lambda p: p.first_shape)
+        if grouped or route.fuses_norm
+        else ((i, [p]) for i, p in enumerate(projs))
+    )
+    for _, run in firsts:
+        out.append((run, "first"))
+        if not run[0].factored or _act_in_gemm(run, route, grouped, keep):
+            continue
+        subs = (
+            _runs(run, lambda p: (p.second_shape, kept(p)))
+            if grouped is True
+            else ((i, [p]) for i, p in enumerate(run))
+        )
+        out.extend((sub, "second") for _, sub in subs if not kept(sub[0]))
+    return out
+
+
+def _group_runs(module):
+    """[(name, run, stage)] for every stack `project` makes in `module`'s groups (modules that name
+    their groups: `projection_groups`), each named by its members' paths in `module`."""
+    paths = {id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(module)}
+    out = []
+    for _, node in nnx.iter_graph(module):
+        for group in node.projection_groups() if hasattr(node, "projection_groups") else ():
+            for run, stage in stacked_runs(*group):
+                out.append((stage + ":" + ",".join(paths[id(p)] for p in run), run, stage))
+    return out
+
+
+def make_stacks(module, dtype) -> dict:
+    """{name: stack}: the stacked weights `module`'s projections run on (`project`'s grouped GEMMs), in
+    `dtype`, for the runs whose weights already come in `dtype` (cast once per step): made once, outside
+    the micro-batches, and handed back to `using_stacks`."""
+    out = {}
+    for name, run, stage in _group_runs(module):
+        weights = [_weight(p, stage, None) for p in run]
+        if all(w.dtype == dtype for w in weights):  # the first stages [d_in, g, width]: the layout of
+            # the GEMM reading them (d_in contracted, g x width its columns), so none is transposed per use
+            out[name] = jnp.stack(weights, axis=1 if stage == "first" else 0)
+    return out
+
+
+@contextlib.contextmanager
+def using_stacks(module, made):
+    """`project` takes the stacks `made` (`make_stacks` of this module's weights) in place of stacking."""
+    if not made:
+        yield
+        return
+    runs = {name: (tuple(id(p) for p in run), stage) for name, run, stage in _group_runs(module)}
+    token = _MADE.set({runs[name]: stack for name, stack in made.items()})
+    try:
+        yield
+    finally:
+        _MADE.reset(token)
 
 
 def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
@@ -159,7 +242,7 @@ def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
         return [(projs, _bottleneck(projs, first, act=act) if projs[0].factored else first)]
     if norm is not None and route.fuses_norm:
         # The norm's statistics travel in the same all-reduce as the A partial products (BTP).
-        a = jnp.stack([p.first_weight(_use(x.dtype)) for p in projs])
+        a = _stacked(projs, "first", x.dtype)
         h = route.norm_first_stage(x, norm.scale[...], a, eps=norm.eps, impl=norm.impl)
         return [(projs, _bottleneck(projs, h, tag=False))]  # tagged inside, before the division
     if norm is not None:
@@ -167,7 +250,7 @@ def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
     out = []
     runs = _runs(projs, lambda p: p.first_shape) if grouped else ((i, [p]) for i, p in enumerate(projs))
     for _, run in runs:
-        w = jnp.stack([p.first_weight(_use(x.dtype)) for p in run])  # [g, d_in, width]
+        w = _stacked(run, "first", x.dtype)  # [g, d_in, width]
         h = weight_einsum("btd,gdr->btgr", x, w)
         out.append(
             (run, _bottleneck(run, h, act=not _act_in_gemm(run, route, grouped, keep)) if run[0].factored else h)
@@ -208,9 +291,9 @@ def project(projs, x, *, grouped: bool | str = True, norm=None, route=GROUPED, k
             if kept(group[0]):
                 outs.extend((h[:, :, i + j], p.second_weight(_use(h.dtype))) for j, p in enumerate(group))
                 continue
-            b = jnp.stack([p.second_weight(_use(h.dtype)) for p in group])  # [g, r, d_out]
-            y = weight_einsum("btgr,gro->btgo", h[:, :, i : i + len(group)], b)
-            outs.extend(y[:, :, j] for j in range(len(group)))
+            b = _stacked(group, "second", h.dtype)  # [g, r, d_out]
+            y = weight_einsum("btgr,gro->gbto", h[:, :, i : i + len(group)], b)  # g leading: each output
+            outs.extend(y[j] for j in range(len(group)))  # a contiguous block, as the batched GEMM writes it
     return _with_extra(projs, outs, x, norm)
 
 

@@ -18,7 +18,16 @@ from boost_jax.model import batch as batch_lib
 from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
-from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, add_norm_first, grouping, project
+from boost_jax.model.linear import (
+    RESIDUAL,
+    Projection,
+    RMSNorm,
+    add_norm_first,
+    grouping,
+    make_stacks,
+    project,
+    using_stacks,
+)
 from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain, gathered, logical_spec, take_rows, traced_mesh
@@ -55,6 +64,10 @@ class MLP(nnx.Module):
             return project([self.down], None, grouped=False, route=self.out_route, first=s[:, :, None])[0]
         h = self._gate(g, u)
         return project([self.down], constrain(h, CORE_AXES["act"]), grouped=False, route=self.out_route)[0]
+
+    def projection_groups(self):
+        """[(projections, grouped, route, keep)]: the groups `__call__` hands `project`."""
+        return [([self.gate, self.up], self.grouped, self.in_route, ()), ([self.down], False, self.out_route, ())]
 
     def _act(self) -> str:
         return "none" if self.only_lr_act else "silu"
@@ -202,10 +215,11 @@ class Transformer(nnx.Module):
         shape = (self.n_layers, batch, max_len, self.n_kv_heads, self.head_dim)
         return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
 
-    def hidden(self, tokens, positions=None, cache=None, docs=None):
+    def hidden(self, tokens, positions=None, cache=None, docs=None, stacks=None):
         """Final-norm hidden states [B, T, d] (and the updated cache, or None). `docs`
         (attention.Documents): attention stays inside each row's documents. Under context parallelism
-        the states come in the context layout (`self.context.layout` of the positions)."""
+        the states come in the context layout (`self.context.layout` of the positions). `stacks`: the
+        layers' grouped weights made once per step (`weight_stacks`; None: stacked in each layer)."""
         x, positions, given_positions, docs = self._embedded(tokens, positions, cache, docs)
         layer, layer_state = self._layer_stack()
         if self.pipeline is not None and cache is None:
@@ -215,12 +229,16 @@ class Transformer(nnx.Module):
         else:
             if self.fuse_residual:  # the stream and the last block's output, added in the next norm
                 x = (x, jnp.zeros_like(x))
-            x, cache = jax.lax.scan(
-                lambda h, xs: layer(h, xs[0], xs[1], positions, docs),
-                x,
-                (layer_state, cache),
-                unroll=self.n_layers if self.unroll else 1,
-            )
+            if isinstance(stacks, list):  # made per layer (`weight_stacks` of an unrolled stack)
+                for i, made in enumerate(stacks):
+                    x, _ = layer(x, jax.tree.map(lambda w, i=i: w[i], layer_state), None, positions, docs, made)
+            else:
+                x, cache = jax.lax.scan(
+                    lambda h, xs: layer(h, xs[0], xs[1], positions, docs, xs[2]),
+                    x,
+                    (layer_state, cache, stacks),
+                    unroll=self.n_layers if self.unroll else 1,
+                )
         return _final(self.final_norm, x), cache
 
     def _embedded(self, tokens, positions, cache, docs):
@@ -252,10 +270,23 @@ class Transformer(nnx.Module):
         """(layer(h, state, cache, positions[, docs]) -> (h, cache), the stacked layers' state [L, ...])."""
         graphdef, layer_state = nnx.split(self.layers)
 
-        def layer(x, state, layer_cache, pos, docs=None):
-            return nnx.merge(graphdef, state)(x, pos, layer_cache, docs)
+        def layer(x, state, layer_cache, pos, docs=None, stacks=None):
+            block = nnx.merge(graphdef, state)
+            with using_stacks(block, stacks):
+                return block(x, pos, layer_cache, docs)
 
         return remat.wrap(layer, self.remat_policy), layer_state
+
+    def weight_stacks(self) -> dict | list:
+        """{name: [L, ...]}: the layers' projection weights stacked as `project` runs them (linear.py
+        `make_stacks`), for the groups whose weights come in the compute dtype; an unrolled stack gets them
+        as a list of each layer's {name: [...]}. What the train step makes once per step from its
+        cast copy and hands `next_token_loss` (runtime/step.py)."""
+        graphdef, layer_state = nnx.split(self.layers)
+        made = jax.vmap(lambda state: make_stacks(nnx.merge(graphdef, state), self.dtype))(layer_state)
+        if not self.unroll:
+            return made
+        return [jax.tree.map(lambda w, i=i: w[i], made) for i in range(self.n_layers)]  # no slice per micro-batch
 
     def head_weight(self):
         if self.tie_embeddings:
@@ -270,11 +301,11 @@ class Transformer(nnx.Module):
             logits = self.context.unlayout(logits)
         return logits, cache
 
-    def next_token_loss(self, batch, with_z_loss: bool = True):
+    def next_token_loss(self, batch, with_z_loss: bool = True, stacks=None):
         """Next-token cross-entropy (float32), chunked over positions by `model.loss_chunk` so no
         float32 [B, T, V] logits exist; plus `model.z_loss` when asked. A stream batch (tokens
         [B, T+1]) gives the mean over its targets; a batch of documents (boost_jax/model/batch.py) the
-        *sum* over the targets that count (the step divides by the global count)."""
+        *sum* over the targets that count (the step divides by the global count). `stacks`: `hidden`'s."""
         tokens = batch_lib.tokens_of(batch)
         positions, docs = None, None
         if batch_lib.is_documents(batch):
@@ -313,7 +344,7 @@ class Transformer(nnx.Module):
                 labels=labels,
                 mask=mask,
             )
-        h, _ = self.hidden(tokens[:, :-1], positions, docs=docs)
+        h, _ = self.hidden(tokens[:, :-1], positions, docs=docs, stacks=stacks)
         return loss(h, self.head_weight(), labels, mask=mask)
 
 

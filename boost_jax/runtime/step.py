@@ -24,10 +24,11 @@ from boost_jax.parallel.rules import use_rules
 from boost_jax.runtime.state import trainable, with_frozen
 
 
-def next_token_loss(graphdef, params, batch, with_z_loss: bool = True):
+def next_token_loss(graphdef, params, batch, with_z_loss: bool = True, stacks=None):
     """Next-token cross-entropy (float32; boost_jax/model/loss.py): the mean of a stream batch
-    (tokens [B, T+1]), the sum over the counted targets of a batch of documents (model/batch.py)."""
-    return nnx.merge(graphdef, params).next_token_loss(batch, with_z_loss)
+    (tokens [B, T+1]), the sum over the counted targets of a batch of documents (model/batch.py);
+    `stacks`: the model's grouped weights made once per step (`cast_once`)."""
+    return nnx.merge(graphdef, params).next_token_loss(batch, with_z_loss, stacks=stacks)
 
 
 def bind(fn, mesh=None, strategy=None):
@@ -59,15 +60,20 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         mean over every counted target of the global batch, however they fall into micro-batches."""
         params = state["params"]
         trained = trainable(params)  # differentiated; fixed integer leaves ride along unchanged
-        in_use = cast_once(trained, casts, mesh, param_specs)
+        stacks = lambda t: nnx.merge(graphdef, with_frozen(t, params)).weight_stacks()  # noqa: E731
+        in_use = cast_once(trained, casts, mesh, param_specs, stacks)
+
+        def loss_fn(t, x):
+            used, made = in_use(t)
+            return next_token_loss(graphdef, with_frozen(used, params), x, stacks=made)
+
         extra = {}
         if batch_lib.is_documents(batch):
             inputs, targets = batch_lib.counts(batch)
             scale = accumulation_pieces(batch, mesh, strategy) / jnp.maximum(targets, 1).astype(jnp.float32)
-            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(in_use(t), params), x) * scale  # noqa: E731
+            unscaled = loss_fn
+            loss_fn = lambda t, x: unscaled(t, x) * scale  # noqa: E731
             extra = {"tokens": inputs, "targets": targets}
-        else:
-            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(in_use(t), params), x)  # noqa: E731
         if pipeline is not None:
             # The stage weights' gradient over data x fsdp once per step (parallel/pipeline/stack.py).
             loss, grads = pipeline.accumulate(loss_fn, trained, batch, param_specs)
@@ -89,13 +95,16 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
     return bind(train_step, mesh, strategy)
 
 
-def cast_once(trained, casts, mesh=None, specs=None):
-    """`t -> t` with each parameter `casts` names replaced by its copy in that dtype, made here, once
-    (outside the accumulation loop, laid out as the parameter: `specs`), so no micro-batch casts it
-    again; the gradient still flows to the parameter itself, in its own dtype (`_copy`), so the
-    accumulation, its dtype and the optimizer are unchanged. Without `casts`: the identity."""
+def cast_once(trained, casts, mesh=None, specs=None, stacks=None):
+    """`t -> (t, the stacks)` with each parameter `casts` names replaced by its copy in that dtype, made
+    here, once (outside the accumulation loop, laid out as the parameter: `specs`), so no micro-batch
+    casts it again; the gradient still flows to the parameter itself, in its own dtype (`_copy`), so the
+    accumulation, its dtype and the optimizer are unchanged. `stacks` (t -> {name: array}: the model's
+    grouped weights in the layout its GEMMs read, Transformer.weight_stacks) runs here too, once, on
+    the copies, so no micro-batch stacks them again; their gradient goes back through it to the
+    parameters. Without `casts`: `t -> (t, None)`."""
     if casts is None:
-        return lambda t: t
+        return lambda t: (t, None)
     none = lambda x: x is None  # noqa: E731
 
     def copy(dtype, w, spec):
@@ -105,7 +114,28 @@ def cast_once(trained, casts, mesh=None, specs=None):
         return c if mesh is None or spec is None else jax.lax.with_sharding_constraint(c, NamedSharding(mesh, spec))
 
     copies = jax.tree.map(copy, casts, trained, casts if specs is None else specs, is_leaf=none)
-    return lambda t: jax.tree.map(lambda c, w: w if c is None else _copy(w, c), copies, t, is_leaf=none)
+    made = None
+    if stacks is not None:  # the stacks and the way back to the copies, outside the loop
+        made, pullback = jax.vjp(
+            stacks, jax.tree.map(lambda c, w: w if c is None else c, copies, trained, is_leaf=none)
+        )
+        dtypes = jax.tree.map(lambda w: w.dtype, trained)
+
+        @jax.custom_vjp
+        def made_from(t):
+            """`made` in stacks(t)'s place: its gradient goes to t through the stacks' own backward
+            (their slices), widened to each parameter's dtype as the casts' backward widens it."""
+            return made
+
+        made_from.defvjp(
+            lambda t: (made, None), lambda _, g: (jax.tree.map(lambda c, d: c.astype(d), pullback(g)[0], dtypes),)
+        )
+
+    def in_use(t):
+        used = jax.tree.map(lambda c, w: w if c is None else _copy(w, c), copies, t, is_leaf=none)
+        return used, made_from(t) if made else None
+
+    return in_use
 
 
 @jax.custom_vjp

@@ -35,6 +35,11 @@ class Attention(nnx.Module):
         self.qkv_route, self.o_route = (placement.group(g, factored) for g in ("qkv", "o"))
         self.context = placement.context()  # None, or the sequence split over `context`
 
+    def projection_groups(self):
+        """[(projections, grouped, route, keep)]: the groups `__call__` hands `project`."""
+        keep = (self.k, self.v) if self.context is not None and self.context.passes_bottleneck else ()
+        return [([self.q, self.k, self.v], self.grouped, self.qkv_route, keep), ([self.o], False, self.o_route, ())]
+
     def __call__(self, x, norm, positions, cache=None, docs: Documents | None = None, first=None):
         """x: the block's input residual; `norm` is applied first (fused with the A's under BTP).
         Without a cache the tokens sit at positions 0..T-1 (RoPE uses `positions`) and `docs`, if
