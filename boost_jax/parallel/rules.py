@@ -182,10 +182,11 @@ def _gather_fwd(w, stored, compute, dtype, reduce_dtype):
 
 
 def _gather_bwd(stored, compute, dtype, reduce_dtype, like, g):
-    # Widen first, in the compute layout (where autodiff's transpose would put it: XLA partitions the
-    # gradient as before), then lay out as stored: whatever reduction is left runs in reduce_dtype.
-    g = jax.lax.with_sharding_constraint(g.astype(reduce_dtype), compute)
-    return (jax.lax.with_sharding_constraint(g, stored).astype(like.dtype),)
+    # Widen, then lay out as stored: whatever reduction is left runs in reduce_dtype, and a weight
+    # gradient summed over the batch's fsdp split (a GEMM's, `weight_einsum`) is reduce-scattered
+    # straight into the stored layout. Pinning it to the compute layout first made XLA all-reduce it
+    # at gathered size over fsdp, then slice (benchmarks/RESULTS.md 2026-11-29, ninth session, h-agree).
+    return (jax.lax.with_sharding_constraint(g.astype(reduce_dtype), stored).astype(like.dtype),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -276,12 +277,16 @@ def _varying(x) -> set:
 _weight_einsum.defvjp(_weight_einsum_fwd, _weight_einsum_bwd)
 
 
-def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """table[ids] for a weight table (an embedding) in its compute dtype, whose gradient (a
-    scatter-add of the rows' gradients, then reduced over the batch axes) is accumulated in the
-    strategy's `grad_reduce_dtype` when that is wider. Outside a strategy: table[ids]."""
+def take_rows(table: jax.Array, ids: jax.Array, names: Sequence[str | None] = ("vocab_in", "embed")) -> jax.Array:
+    """table[ids] for a weight table (an embedding, its dims named `names`) in its compute dtype and
+    layout (`gathered`), whose gradient (a scatter-add of the rows' gradients, then reduced over the
+    batch axes) is accumulated in the strategy's `grad_reduce_dtype` when that is wider, and reduced
+    in the compute layout: left free, XLA partitions the scatter-add over the table's fsdp split,
+    all-gathering every row's float32 gradient instead. Outside a strategy: table[ids]."""
     ctx = _CURRENT.get()
     if ctx is None:
         return table[ids]
-    wide = jnp.promote_types(table.dtype, ctx[1].grad_reduce_dtype)  # widen only: the rows are unchanged
-    return table.astype(wide)[ids].astype(table.dtype)
+    mesh, strategy = ctx
+    wide = jnp.promote_types(table.dtype, strategy.grad_reduce_dtype)  # widen only: the rows are unchanged
+    compute = NamedSharding(traced_mesh(mesh), spec_for(names, table.shape, mesh, strategy.compute_rules))
+    return jax.lax.with_sharding_constraint(table.astype(wide), compute)[ids].astype(table.dtype)
