@@ -27,11 +27,10 @@ CLUSTERS = {
 # the pick's table by category; benchmarks/RESULTS.md 2026-11-29, "one price for one program", and the
 # ninth session's h-agree entry).
 FSDP_TP = (
-    "fsdp x tensor: the per-layer fsdp reduce-scatters (and gathers) run beside one GEMM each (the "
-    "weight gradient passes `rules._gradients_together`'s barrier reduced), each paying its ring "
-    "latency across nodes, exposed in the table where the planner hides them behind the micro-batch; "
-    "the recorded tables still all-reduce the weight gradients at gathered size (before rules' "
-    "reduce-scatter: A100 cola_1b 306.3 -> 229.2 ms recompiled)"
+    "fsdp x tensor: the planner hides each layer's fsdp gathers and gradient reduce-scatters behind the "
+    "micro-batch, the table finds most of them exposed; and the recorded tables are the program before "
+    "rules reduce-scattered the weight gradients (it all-reduced them at gathered size): recompiled, "
+    "0.39-0.55 (benchmarks/RESULTS.md 2026-11-29, ninth session, h-agree)"
 )
 SCAN = (
     "scanned stack (model.scan_unroll=false): the stacked activations' writes (Transformer.hidden "
@@ -39,15 +38,18 @@ SCAN = (
 )
 KERNELS = (
     "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
-    "without their elementwise passes, the planner's time terms still charge them (cola_1b on 8 H100s: "
-    "layers, head and optimizer 167 ms priced, 136 ms of the table's kernels; its data all-reduce now "
-    "on the path, as compiled, shows it)"
+    "without their elementwise passes, the planner's time terms still charge them"
+)
+COMPUTE = (
+    "the planner's layer compute over the table's kernels (data 8, unrolled: layers and head 161.3 ms "
+    "priced, 127.5 ms of GEMMs, attention, norm, elementwise, copies and loss in the table); its 1.13 "
+    "before hid the data all-reduce the table finds exposed (11.9 of 13.5 ms)"
 )
 KNOWN = {
     **{("h100", m, 64): FSDP_TP for m in ("llama_1b", "llama_7b")},
     **{("a100_40gb", m, 64): FSDP_TP for m in ("cola_1b", "llama_1b", "llama_7b", "cola_13b", "llama_13b")},
     ("h100", "llama_7b", 8): SCAN,
-    ("h100", "cola_1b", 8): KERNELS,
+    ("h100", "cola_1b", 8): COMPUTE,
     ("h100", "cola_13b", 8): KERNELS,
     ("a100_40gb", "cola_1b", 8): SCAN,
     ("a100_40gb", "llama_1b", 8): SCAN,
