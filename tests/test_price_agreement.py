@@ -209,3 +209,49 @@ def test_the_data_islands_reduction_is_on_the_path_once_per_step(model, devices)
         p = c.size
         want += times * (2 * (p - 1) / p * 4 * c.elements / link.bandwidth + 2 * (p - 1) * link.latency)
     assert plan.exposed_dp_s == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.slow  # two deviceless 8-GPU compiles of a small model (~1 minute)
+@pytest.mark.parametrize("fsdp,tensor", [(8, 1), (4, 2)])
+def test_fsdp_weight_gradients_are_reduce_scattered_not_all_reduced(make_config, fsdp, tensor):
+    """The GPU program (8 deviceless H100s, BTP CoLA) reduces each fsdp-stored weight's gradient with a
+    float32 reduce-scatter into its shard, at least one layer's weights' worth (7 projections' A and B
+    per tensor shard), and all-reduces over fsdp nothing as big as one projection's weight (the norm
+    scales and scalars, which XLA combines; it all-reduced the weight gradients at gathered size, then
+    sliced them)."""
+    from boost_jax.runtime.build import build  # lazy: jax and the model, for this slow test only
+    from boost_jax.tools import aot
+    from boost_jax.tools.hlo_comm import parse_collectives
+
+    if not aot.available():
+        pytest.skip(f"needs the aot extra: {aot.INSTALL}")
+    d = 64
+    cfg = make_config(
+        **{
+            "model.dtype": "auto",
+            "model.d_model": d,
+            "model.n_heads": 4,
+            "model.n_kv_heads": 2,
+            "model.d_ff": 128,
+            "model.rank": 16,
+            "train.seq_len": 64,
+            "model.max_seq_len": 64,
+            "model.linear": "cola",
+            "parallel.data": 1,
+            "parallel.fsdp": fsdp,
+            "parallel.tensor": tensor,
+            "parallel.strategy": "btp",
+        }
+    )
+    cfg.data.source = "embedded"
+    built = build(cfg, aot.devices("h100", 8))
+    colls = [
+        c
+        for c in parse_collectives(built.lower_train().compile().as_text(), built.mesh)
+        if "fsdp" in c.axes and c.kind in ("all-reduce", "reduce-scatter") and c.dtype in ("f32", "bf16")
+    ]
+    one = d * cfg.model.rank // tensor  # the smallest projection weight per tensor shard
+    wide = [(c.kind, c.elements, c.op_name) for c in colls if c.kind == "all-reduce" and c.elements >= one]
+    assert not wide, wide
+    scattered = sum(c.elements for c in colls if c.kind == "reduce-scatter" and c.dtype == "f32")
+    assert scattered >= 7 * 2 * cfg.model.rank * d / tensor, scattered
