@@ -89,11 +89,6 @@ def data_colls(
     return once, per_pass
 
 
-def _data_reduce(mesh: Mesh, colls: list) -> Coll:
-    """The all-reduce over data (x fsdp) among data_colls' collectives (the first: context's follows)."""
-    return next(c for c in colls if c.kind == "all-reduce" and c.size == mesh.data * mesh.fsdp)
-
-
 @dataclasses.dataclass
 class StepCollectives:
     """Every collective of one accumulation micro-batch but the layers' tensor-axis ones."""
@@ -147,28 +142,16 @@ def step_collectives(
     # Pipelined (but st), the stage's gather and gradient reduction run once per optimizer step, not
     # per accumulation micro-batch (boost_jax/parallel/pipeline/): 1/grad_accum of them per micro-batch.
     once = sched.layers_per_stage / grad_accum if pipelined and not summary.grid_w else sched.layers_per_stage
-    # The data island (parallel/grad_reduce.py: data > 1, unpipelined, no st groups) sums each
-    # replica's float32 gradient over data once per step, after the accumulation loop's backward
-    # (XLA combines the layers' all-reduces into a few there): on the path, once per optimizer step.
-    island = (
-        []
-        if pipelined or mesh.data == 1 or summary.grid_w
-        else [_data_reduce(mesh, data), _data_reduce(mesh, data_rest)]
-    )
-    reduced = {id(c) for c in island}
-    data, data_rest = [c for c in data if id(c) not in reduced], [c for c in data_rest if id(c) not in reduced]
-    island = [(c, times / grad_accum) for c, times in zip(island, (sched.layers_per_stage, 1))]
     counted = (
         [(c, sched.executed) for c in data + redo]
         + [(c, once) for c in data_once]
         + shifts
         + rest_colls
         + [(c, 1) for c in data_rest + ends]
-        + island
     )
     # Pipelined, the stage's and the embedding's and head's gathers run before the tick loop and their
     # gradient reductions after it (the compiled step: nothing to run beside them): on the path.
-    outside = ([(c, once) for c in data_once] + [(c, 1) for c in data_rest] if pipelined else []) + island
+    outside = [(c, once) for c in data_once] + [(c, 1) for c in data_rest] if pipelined else []
     return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted, outside)
 
 
@@ -196,8 +179,7 @@ def step_seconds(
     data_seconds = seconds((c, t) for c, t in colls.counted if c.axis == "data_fsdp" and id(c) not in out)
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
     # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows;
-    # those outside a pipeline's tick loop and the data island's reduction after the backward
-    # (colls.outside) have nothing beside them: all show.
+    # those outside a pipeline's tick loop (colls.outside) have nothing beside them: all show.
     # Every tick runs every stage (bubble ticks compute on nothing), then hands over: ticks x stage.
     path = (
         sched.runs * (summary.cost.total + (summary.forward if sched.staged else 0.0))
