@@ -120,7 +120,10 @@ def train_variants(smoke: bool) -> list[dict]:
             ("train256", "llama_1b auto", "llama_1b", {}),
             ("train256", "cola_1b auto seq 4096", "cola_1b", at4096),
             ("train256", "llama_1b auto seq 4096", "llama_1b", at4096),
-            # this session's changes first, each against its `auto` row above: the gate product, CoLA's σ
+            # the residual add + norm inside the first-stage GEMMs (kernels/norm_gemm.py) off: the norm apart
+            ("train256", "cola_1b auto norm apart", "cola_1b", {"model.bottleneck_kernel": "rope"}),
+            ("train256", "cola_1b auto seq 4096 norm apart", "cola_1b", {**at4096, "model.bottleneck_kernel": "rope"}),
+            # the changes before, each against its `auto` row above: the gate product, CoLA's σ
             # and q/k's RoPE inside the GEMMs (kernels/gated_gemm.py) all off, then one at a time
             ("train256", "cola_1b auto pallas gate product", "cola_1b", {"model.gate_kernel": "pallas"}),
             ("train256", "cola_1b auto xla sigma", "cola_1b", {"model.bottleneck_kernel": "xla"}),

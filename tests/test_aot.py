@@ -174,15 +174,23 @@ def test_defaults_resolve_to_the_fast_program_on_one_h100(make_config):
     }, aot.resolved(built.cfg)
     text = built.lower_train().compile().as_text()
     k = aot.kernels(text)
-    layers = cfg.model.n_layers
+    layers, n = cfg.model.n_layers, cfg.train.global_batch * cfg.train.seq_len
     assert k["cudnn attention (fwd, causal)"] == layers and k["cudnn attention (bwd, causal)"] == layers, k
     assert k["triton kernel (jax-triton)"] >= 2 * (2 * layers + 1), k  # every norm, forward and backward
     # kernels.residual_norm=auto: every norm runs as the fused residual add + norm, one kernel each way
-    # (the first block's adds zeros to the embedding; the final norm adds the last block's output)
-    assert _fused_add_norms(text) == (2 * layers + 1, 2 * layers + 1), _fused_add_norms(text)
+    # (the first block's adds zeros to the embedding; the final norm adds the last block's output);
+    # model.bottleneck_kernel=auto (norm): q/k/v's and gate/up's adds write no normalised rows, their
+    # first-stage GEMMs normalise what they load (kernels/norm_gemm.py), one kernel each way per group
+    assert _fused_add_norms(text) == (1, 2 * layers + 1), _fused_add_norms(text)
+    d, r = cfg.model.d_model, cfg.model.rank
+    assert [
+        k.get(f"triton kernel norm_gemm_{p}__gemm_1x{shape}")
+        for p, g in (("fwd", 3), ("dw", 3), ("fwd", 2), ("dw", 2))
+        for shape in [f"{n}x{g * r}x{d}" if p == "fwd" else f"{d}x{g * r}x{n}"]
+    ] == [layers] * 4, k
     # model.gate_kernel=auto: the MLP's gate product inside the down projection's first GEMM, one Pallas
     # kernel each way per layer (the input gradient's and the weight's), named for the step-time table
-    n, f, r = cfg.train.global_batch * cfg.train.seq_len, cfg.model.d_ff, cfg.model.rank
+    f = cfg.model.d_ff
     assert [
         k.get(f"triton kernel gated_gemm_{p}__gemm_1x{shape}")
         for p, shape in (("fwd", f"{n}x{r}x{f}"), ("dx", f"{n}x{f}x{r}"), ("dw", f"{f}x{r}x{n}"))

@@ -144,7 +144,7 @@ def test_act_matmuls_with_rope_match_float64():
 )
 def test_the_model_with_the_gate_and_sigma_in_its_gemms_equals_xlas(make_config, only_lr_act):
     """A cola model whose MLP runs `model.gate_kernel=gemm` and whose projections read σ into their B
-    GEMMs, q's and k's with RoPE inside (`model.bottleneck_kernel`, auto: rope with the gate;
+    GEMMs, q's and k's with RoPE inside (`model.bottleneck_kernel`, auto: norm with the gate;
     interpreted) computes XLA's logits and gradients."""
     from flax import nnx
 
@@ -201,6 +201,34 @@ def test_gated_gemm_kernels_compile_for_h100_without_a_gpu():
         f"gated_gemm_dx__gemm_1x{m}x{f}x{r}": ((1, m, f, r), 2.0 * m * f * r),
         f"gated_gemm_dw__gemm_1x{f}x{r}x{m}": ((1, f, r, m), 2.0 * f * r * m),
     }, gemms
+
+
+def test_a_groups_input_gradient_is_one_kernel_for_h100_without_a_gpu():
+    """q/k/v-shaped (two members rotated by RoPE, 32-wide heads): the σ kernels lower for a deviceless
+    H100 and the group's input gradient is ONE kernel writing every member's columns, named for the
+    GEMM of its FLOPs; no member's own input-gradient kernel and no stack after."""
+    from jax.sharding import SingleDeviceSharding
+
+    from boost_jax.kernels import platform
+    from boost_jax.kernels.gated_gemm import rope_table
+    from boost_jax.tools import aot
+    from boost_jax.tools.step_profile.kernels import kernels
+
+    dev = aot.devices("h100", 1)[0]
+    sd = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(dev))  # noqa: E731
+    m, r, n = 300, 40, 96
+
+    def step(h, ws, pos, dys):
+        rope = (rope_table(pos, 10000.0, 32), (True, True, False))
+        ys, pull = jax.vjp(lambda h, ws: act_matmuls(h, ws, "silu", rope=rope), h, ws)
+        return ys, pull(dys)
+
+    with platform.target([dev]):
+        args = sd(3, 100, 3, r), (sd(r, n),) * 3, sd(3, 100, dt=jnp.int32), (sd(3, 100, n),) * 3
+        text = jax.jit(step).lower(*args).compile().as_text()
+    names = [k.backend.split()[-1] for k in kernels(text) if k.kind == "gemm"]
+    assert [x for x in names if "_dx" in x] == [f"silu_rope_group_gemm_dx__gemm_1x{m}x{3 * r}x{n}"], names
+    assert sum("_fwd" in x for x in names) == sum("_dw" in x for x in names) == 3, names
 
 
 def test_a_jax_without_pallas_triton_runs_the_references_loudly(monkeypatch):

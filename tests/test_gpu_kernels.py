@@ -86,5 +86,31 @@ def test_gated_gemm_kernels_run_natively_and_match(dtype, tol):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert _rel(a, b) < tol
     text = jax.jit(lambda: both(G.gated_matmul, G.act_matmuls)).lower().compile().as_text()
-    for name in ("gated_gemm_fwd", "gated_gemm_dx", "gated_gemm_dw", "silu_gemm_fwd", "silu_gemm_dx", "silu_gemm_dw"):
+    names = ("gated_gemm_fwd", "gated_gemm_dx", "gated_gemm_dw", "silu_gemm_fwd", "silu_group_gemm_dx", "silu_gemm_dw")
+    for name in names:  # the group's input gradient: one kernel for its three members
+        assert f'name = "{name}__gemm_' in text, name
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 5e-3), (jnp.bfloat16, 3e-2)])  # f32: TF32 either way
+def test_norm_gemm_kernels_run_natively_and_match(dtype, tol):
+    """kernels/norm_gemm.py compiled (the Triton add's statistics, the Pallas GEMMs that normalise what
+    they load, the add + norm's backward): z, h and every gradient against the plain-jnp reference; the
+    program holds the named kernels (no fallback)."""
+    from boost_jax.kernels import norm_gemm as N
+
+    rng = np.random.default_rng()
+    x, r = (jnp.asarray(rng.normal(size=(4, 300, 2048)), dtype) for _ in range(2))
+    s = jnp.asarray(1 + 0.1 * rng.normal(size=(2048,)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2048, 1536)) / 40, dtype)
+
+    def run(fn):
+        out, pull = jax.vjp(lambda x, r, s, w: fn(x, r, s, w, EPS), x, r, s, w)
+        return (*out, *pull(out))
+
+    got = jax.jit(lambda: run(N.add_norm_matmul))()
+    want = jax.jit(lambda: run(lambda *a: N.add_norm_reference(*a, norm_impl="xla")))()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert _rel(a, b) < tol
+    text = jax.jit(lambda: run(N.add_norm_matmul)).lower().compile().as_text()
+    for name in ("norm_gemm_fwd", "norm_gemm_dw"):
         assert f'name = "{name}__gemm_' in text, name

@@ -19,13 +19,7 @@ UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
 OVER = 0.10  # and at most 10% above it
 # Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
 # once one is priced within UNDER, so that the entry goes.
-KNOWN_UNDER = {
-    ("aot_fit", "llama_13b", 64): "the unrolled Megatron-SP d8 x t8 step (40.7 GB priced, 48.2 compiled, 0.84): "
-    "its peak (the head's backward, where the backward starts) holds float32 transposed copies of the stacked "
-    "column-parallel weights (q, k, v, gate, up: `wrapped_transpose` of the parameters, 4.4 GB) and the whole "
-    "float32 gradient beside the activations, where the planner writes the unrolled backward's gradient into the "
-    "activations it frees (6.5 GB); benchmarks/RESULTS.md 2026-11-29",
-}
+KNOWN_UNDER: dict = {}
 
 
 def _fit():
@@ -122,3 +116,97 @@ def test_the_planner_prices_the_kernels_the_model_runs(make_config, gate, sigma)
     ctx = Ctx(Block.from_config(cfg), 1, 8.0, 8, devices=1)  # bf16 (the GPU program), one device
     assert kernels_in_gemms(ctx) == ran, (jaxpr.count("gemm_fwd"), ran)
     assert kernels_in_gemms(Ctx(Block.from_config(cfg), 1, 8.0, 8, devices=8))[1] is False  # a mesh: XLA's σ
+
+
+def test_the_unrolled_megatron_step_counts_its_transposed_weight_copies(fit):
+    """The unrolled Megatron tensor-split step inside its accumulation loop (data > 1 or grad_accum > 1)
+    holds float32 copies of the stacked q, k, v, gate and up weights in the layout its GEMMs read
+    (planner/pricing/memory.py `layout_copies`): the recorded llama_13b pick on data 8 x tensor 8 is
+    priced that many bytes more, counted here from the model's widths, than the same layer with no loop
+    (data 1, grad_accum 1); accumulating on data 1 counts them again, a one-shard layer never."""
+    from boost_jax.tools.devices import load_config
+
+    table = json.loads((ROOT / "benchmarks" / "aot_fit.json").read_text())
+    pick = next(r for r in table["rows"] if r["model"] == "llama_13b" and r["devices"] == 64)
+    cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
+
+    def weights(data: int, accum: int, tensor: int = 8) -> float:
+        flags = pick["plan"].replace("parallel.data=8", f"parallel.data={data}")
+        flags = flags.replace("train.grad_accum=1", f"train.grad_accum={accum}")
+        flags = flags.replace("parallel.tensor=8", f"parallel.tensor={tensor}")
+        mesh = {**pick["mesh"], "data": data, "tensor": tensor}
+        row = {**pick, "plan": flags, "mesh": mesh}
+        return fit.reprice(row, cluster, table["pipelined_collectives"]).memory["weights"]
+
+    m = load_config(str(ROOT / "configs" / "llama_13b.py")).model
+    head_dim = m.d_model // m.n_heads
+    columns = m.d_model * (m.n_heads * head_dim + 2 * m.n_kv_heads * head_dim + 2 * m.d_ff)
+    copies = m.n_layers * columns / 8 * 4  # float32, split over tensor 8
+    assert weights(8, 1) - weights(1, 1) == pytest.approx(copies, rel=1e-6)
+    assert weights(1, 2) - weights(1, 1) == pytest.approx(copies, rel=1e-6)
+    assert weights(8, 1, tensor=1) == pytest.approx(weights(1, 2, tensor=1))  # one shard: no copies
+
+
+def _step_cast_elements(model: str, flags: str, mesh: dict) -> int:
+    """Per device, the parameters the train step casts once per step: runtime/state.py `step_casts` on the
+    abstract model of `model` with the plan `flags` (the `auto` fields and dtype as a GPU resolves them), each counted
+    in its stored layout on `mesh` (axis -> size)."""
+    import math
+
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+
+    from boost_jax.model import autos, model_from_config
+    from boost_jax.parallel.rules import as_tuple, spec_for
+    from boost_jax.parallel.strategies import get_strategy
+    from boost_jax.runtime.state import logical_axes, once_per_step, step_casts
+    from boost_jax.tools import aot
+
+    gpu = ["--config.model.dtype=bfloat16"]  # `auto` on a GPU
+    cfg = aot.load(str(ROOT / "configs" / f"{model}.py"), [f"--config.{f}" for f in flags.split()] + gpu)
+    cfg = autos.apply(cfg, autos.rules(cfg, True, mesh, True))
+    abstract = nnx.eval_shape(lambda: model_from_config(cfg))
+    axes = logical_axes(abstract)
+    strategy = get_strategy(cfg.parallel)
+    casts = step_casts(abstract, axes, AbstractMesh(tuple(mesh.values()), tuple(mesh)), strategy, once_per_step(cfg))
+    total = 0
+    for path, var in nnx.to_flat_state(nnx.state(abstract)):
+        cast, names = casts, axes
+        for key in path:
+            cast, names = (cast or {}).get(key), names[key]
+        if cast:
+            spec = spec_for(
+                names, var.get_value().shape, AbstractMesh(tuple(mesh.values()), tuple(mesh)), strategy.rules
+            )
+            total += var.get_value().size // math.prod(mesh[a] for ax in spec for a in as_tuple(ax))
+    return total
+
+
+def test_the_planner_counts_the_weights_the_step_casts_once(fit):
+    """train.weight_casts `auto` casts a factored kind's compute-only weights to bf16 once per step at
+    grad_accum > 1 and keeps the copy through the micro-batches (runtime/state.py): the recorded cola_7b
+    pick on 2 H100s (tensor 2, 16 micro-batches) is priced 2 bytes per parameter the step casts (counted by
+    the runtime's own `step_casts` on the abstract model, in its tensor-split layout) more than the same plan
+    with `micro_batch`; at grad_accum 1 and over fsdp (which gathers them) the step casts none, and the
+    planner adds nothing."""
+    table = json.loads((ROOT / "benchmarks" / "aot_fit.json").read_text())
+    pick = next(r for r in table["smallest"] if r["model"] == "cola_7b" and r["devices"] == 2)
+    cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
+
+    def copy(flags: str, mesh: dict) -> tuple[float, int]:
+        row = {**pick, "plan": flags, "mesh": {**pick["mesh"], **mesh}}
+        auto, once = (
+            fit.reprice({**row, "plan": flags + casts}, cluster, table["pipelined_collectives"]).memory["weights"]
+            for casts in ("", " train.weight_casts=micro_batch")
+        )
+        sizes = {a: row["mesh"][a] for a in ("pipeline", "data", "fsdp", "context", "tensor")}
+        return auto - once, 2 * _step_cast_elements(pick["model"], flags, sizes)
+
+    plan = pick["plan"]
+    assert "train.grad_accum=16" in plan and "parallel.tensor=2" in plan
+    priced, cast = copy(plan, {})
+    assert cast > 0 and priced == pytest.approx(cast, rel=1e-3)
+    one = plan.replace("train.grad_accum=16", "train.grad_accum=1")
+    assert copy(one, {}) == (0.0, 0)
+    fsdp = plan.replace("parallel.fsdp=1", "parallel.fsdp=2").replace("parallel.tensor=2", "parallel.tensor=1")
+    assert copy(fsdp, {"fsdp": 2, "tensor": 1}) == (0.0, 0)

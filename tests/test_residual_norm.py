@@ -116,15 +116,18 @@ def test_triton_add_kernels_interpreted_match_float64(tmp_path):
         tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
         for a, b in zip(got, want):
             _close(a, b, tol)
+        h = np.asarray(got[1], np.float64)  # the statistics-only forward (kernels/norm_gemm.py): 1/rms of h
+        _close(out[f"add_inv{i}"], 1 / np.sqrt((h * h).mean(-1) + eps), 1e-5)
 
 
 def test_triton_add_kernels_compile_for_h100_without_a_gpu():
-    """Both fused kernels compile to PTX and a cubin for sm_90 on this CPU host; rows are 128-bit loads."""
+    """The fused kernels (and the statistics-only forward) compile to PTX and a cubin for sm_90 on this
+    CPU host; rows are 128-bit loads."""
     pytest.importorskip("triton", reason="needs triton (pip install triton; on GPUs the `gpu` extra)")
     from boost_jax.kernels import rmsnorm_triton as T
 
     kernels = T.compile_for_cuda(jnp.bfloat16, jnp.float32, n_rows=64, d=2048)
-    for name in ("add_fwd", "add_bwd"):
+    for name in ("add_fwd", "add_rms", "add_bwd"):
         ptx = kernels[name].asm["ptx"]
         assert ".target sm_90" in ptx and len(kernels[name].asm["cubin"]) > 1000, name
         assert "ld.global.v4.b32" in ptx, name

@@ -275,6 +275,11 @@ def test_remat_clones_are_priced_at_their_share():
             "norm",
         ),
         ({"kind": "custom", "opcode": "custom-call", "backend": "__gpu$xla.gpu.triton rmsnorm_fwd"}, "norm"),
+        (  # the add + norm kernels of a GEMM that normalises its rows (its GEMMs stay GEMMs)
+            {"kind": "custom", "opcode": "custom-call", "source": "boost_jax/kernels/norm_gemm.py:_stats:119"},
+            "norm",
+        ),
+        ({"kind": "gemm", "opcode": "custom-call", "source": "boost_jax/kernels/norm_gemm.py:_kernel:98"}, "gemm"),
         (
             {
                 "kind": "fusion",

@@ -8,7 +8,7 @@ CASES.npz holds, per case i: `x{i}`, `w{i}`, `dy{i}`, `ds{i}` (bfloat16 stored a
 `y{i}`, `s{i}`, `dx{i}`, `dw{i}` (dw: the
 kernel's [programs, d] partials, summed) as the kernels wrote them; a case with a residual `r{i}` and
 h's gradient `dh{i}` also runs the fused residual add + norm into `add_y{i}`, `add_h{i}`, `add_dx{i}`,
-`add_dw{i}`. Triton's interpreter expects torch
+`add_dw{i}`, and `add_inv{i}` (1/rms, kernels/norm_gemm.py's statistics). Triton's interpreter expects torch
 tensors; `HostArray` gives a numpy array the few torch methods it calls (the data stays in place).
 """
 
@@ -78,7 +78,7 @@ def run_case(T, x, w, dy, ds, eps, rows, programs, x_dtype):
 
 
 def run_add_case(T, x, r, w, dy, dh, eps, rows, programs, x_dtype):
-    """The fused residual add + norm: (y, h, dx, dscale)."""
+    """The fused residual add + norm: (y, h, dx, dscale, 1/rms from the statistics-only forward)."""
     n, d = x.shape
     y, h = np.zeros_like(x), np.zeros_like(x)
     p = programs or T.programs(n, rows)
@@ -87,7 +87,10 @@ def run_add_case(T, x, r, w, dy, dh, eps, rows, programs, x_dtype):
     consts = dict(n_rows=n, d=d, eps=eps, ROWS=rows, BLOCK_D=T.block_d(d))
     T.add_rmsnorm_fwd_kernel[(-(-n // rows),)](hx(x), hx(r), HostArray(w), hx(y), hx(h), **consts)
     T.add_rmsnorm_bwd_kernel[(p,)](hx(h), HostArray(w), hx(dy), hx(dh), hx(dx), HostArray(dw), **consts, PROGRAMS=p)
-    return y, h, dx, dw.sum(axis=0)
+    h2, inv = np.zeros_like(x), np.zeros(n, np.float32)
+    T.add_rms_fwd_kernel[(-(-n // rows),)](hx(x), hx(r), HostArray(w), hx(h2), HostArray(inv), **consts)
+    assert np.array_equal(h2, h), "the statistics-only forward wrote another h"
+    return y, h, dx, dw.sum(axis=0), inv
 
 
 def main(cases_path, out_path):
@@ -123,7 +126,7 @@ def main(cases_path, out_path):
                 int(cases[f"programs{i}"]),
                 str(cases[f"x{i}_dtype"]),
             )
-            out.update({f"add_{k}{i}": v for k, v in zip(("y", "h", "dx", "dw"), got)})
+            out.update({f"add_{k}{i}": v for k, v in zip(("y", "h", "dx", "dw", "inv"), got)})
         i += 1
     np.savez(out_path, **out)
 

@@ -19,6 +19,7 @@ from boost_jax.config.schema import (
     PIPELINE_SCHEDULES,
     PLANS,
     SHUFFLES,
+    WEIGHT_CASTS,
 )
 from boost_jax.errors import ConfigError
 
@@ -146,7 +147,9 @@ def _check_model_shape(c: ml_collections.ConfigDict) -> None:
     check(gate in ("auto", "pallas", "gemm", "xla"), "model.gate_kernel", f"{gate!r} is not auto, pallas, gemm or xla")
     sigma = m.get("bottleneck_kernel", "auto")
     check(
-        sigma in ("auto", "rope", "gemm", "xla"), "model.bottleneck_kernel", f"{sigma!r} is not auto, rope, gemm or xla"
+        sigma in ("auto", "norm", "rope", "gemm", "xla"),
+        "model.bottleneck_kernel",
+        f"{sigma!r} is not auto, norm, rope, gemm or xla",
     )
 
 
@@ -190,6 +193,7 @@ def _check_batch_splits_and_loss(c: ml_collections.ConfigDict) -> None:
     check(m.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0: the whole sequence in one piece)")
     check(m.z_loss >= 0, "model.z_loss", "must be >= 0 (0 disables the z-loss)")
     check(t.eval_microbatches >= 0, "train.eval_microbatches", "must be >= 0 (0: train.grad_accum)")
+    check(t.weight_casts in WEIGHT_CASTS, "train.weight_casts", f"{t.weight_casts!r} is not one of {WEIGHT_CASTS}")
     check(
         (t.eval_microbatches or t.grad_accum) < 1 or t.global_batch % (t.eval_microbatches or t.grad_accum) == 0,
         "train.eval_microbatches",

@@ -72,6 +72,17 @@ CONTEXT_ATTENTION = ("ring", "all_gather")  # parallel.context_attention (boost_
 CONTEXT_KV = ("full", "bottleneck")  # parallel.context_kv
 BATCHINGS = ("stream", "packed", "document")  # data.batching (boost_jax/data/loader.py)
 SHUFFLES = ("feistel", "numpy")  # data.shuffle (boost_jax/data/shuffle.py)
+WEIGHT_CASTS = ("auto", "step", "micro_batch")  # train.weight_casts (boost_jax/runtime/state.py)
+
+
+def weights_cast_once(weight_casts: str, factored: bool, grad_accum: int) -> bool:
+    """train.weight_casts resolved: whether the train step casts the weights it uses only in the compute
+    dtype once per step (`step`), for a kind (factored or dense) at `grad_accum` micro-batches per step;
+    `auto`: the factored kinds over several micro-batches (runtime/state.py `once_per_step` says why).
+    The step reads it (`once_per_step`), and the planner for the copy's memory (planner/pricing/memory.py)."""
+    if weight_casts == "auto":
+        return factored and grad_accum > 1
+    return weight_casts == "step"
 
 
 AUTO_OR_BOOL = ("group_linears", "scan_unroll")  # model fields holding "auto" or a bool
@@ -163,10 +174,11 @@ def _model_section(c: ml_collections.ConfigDict, owned: dict) -> None:
     # one kernel each way, kernels/gated_gemm.py). auto: gemm on GPUs where the gate and up outputs are
     # separate GEMMs' (a factored kind, group_linears not true), pallas for kinds with an extra term, else xla.
     m.gate_kernel = "auto"
-    # auto | rope | gemm | xla: CoLA's σ read into each second-stage (B) GEMM's kernel, σ' an epilogue of its
-    # input gradient (boost_jax/kernels/gated_gemm.py `act_matmuls`), on one device where each B is its own
-    # GEMM; rope: q's and k's RoPE inside their kernels too. auto: rope where model.gate_kernel resolves to
-    # gemm, else xla (σ and RoPE kernels of their own).
+    # auto | norm | rope | gemm | xla: CoLA's σ read into each second-stage (B) GEMM's kernel, σ' an epilogue of
+    # its input gradient (boost_jax/kernels/gated_gemm.py `act_matmuls`), on one device where each B is its own
+    # GEMM; rope: q's and k's RoPE inside their kernels too; norm: also the residual add + RMSNorm read into
+    # the first stage's GEMM (kernels/norm_gemm.py; with the fused add + norm). auto: norm where
+    # model.gate_kernel resolves to gemm, else xla (σ and RoPE kernels of their own).
     m.bottleneck_kernel = "auto"
     # auto | xla | chunked | pallas | cudnn (boost_jax/model/attention/). auto: cudnn on a GPU in
     # bf16/fp16, else xla up to 1024 keys, else chunked (blockwise, O(T) memory).
@@ -209,6 +221,10 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
     t.seq_len = 128  # tokens per row (the model reads seq_len, predicts the next of each)
     t.global_batch = 16  # sequences per optimizer step, all devices and micro-batches together
     t.grad_accum = 1  # micro-batches per optimizer step
+    # Where the weights the model uses only in its compute dtype (the GEMMs' matrices, the embedding)
+    # are cast to it: step (once per step, before the micro-batches: faster, their copy lives through
+    # the step), micro_batch (in each), auto (step for the factored kinds at grad_accum > 1; runtime/state.py).
+    t.weight_casts = "auto"
     t.steps = 400  # the schedule's length
     t.stop_at_step = 0  # stop this invocation (with a checkpoint) at this step; 0: train.steps
     t.lr = 3e-3  # peak learning rate (AdamW), after the linear warmup

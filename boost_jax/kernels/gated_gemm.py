@@ -31,10 +31,10 @@ from boost_jax.kernels.priced import gemm_name
 try:  # Pallas's Triton backend (deprecated in jax 0.11; kernels/rmsnorm.py says why it is pinned)
     from jax.experimental.pallas import triton as plgpu
 
-    _PARAMS = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
-    _dot = getattr(plgpu, "dot", None) or pl.dot
+    PARAMS = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+    dot = getattr(plgpu, "dot", None) or pl.dot
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed jax
-    plgpu = _PARAMS = _dot = None
+    plgpu = PARAMS = dot = None
 
 _F32 = jnp.float32
 TILE_M, TILE_N, TILE_K = 128, 128, 64  # the largest tiles (powers of two); a smaller dim takes its own power
@@ -46,11 +46,11 @@ def gated_reference(g: jax.Array, u: jax.Array, w: jax.Array, act: str = "none")
     return jnp.einsum("...f,fr->...r", h, w.astype(h.dtype), preferred_element_type=_F32).astype(h.dtype)
 
 
-def _tile(dim: int, most: int) -> int:
+def tile_size(dim: int, most: int) -> int:
     return min(most, 1 << (dim.bit_length() - 1))
 
 
-def _span(i, dim, tile):
+def span(i, dim, tile):
     """(start, mask): tile i of a dim, started at most at dim - tile; the mask drops what tile i - 1 covered."""
     start = jnp.minimum(i * tile, dim - tile)
     return start, start + jnp.arange(tile) >= i * tile
@@ -68,37 +68,42 @@ def _fwd(*refs, m, f, r, tiles, act, gated, col0):
     """s[tile] = sum over F tiles of (act(g)·u)[rows, k] @ w[k, cols] (g's columns from col0; no u: act(g))."""
     g_ref, u_ref, w_ref, s_ref = refs if gated else (refs[0], None, *refs[1:])
     bm, bn, bk = tiles
-    r0, rmask = _span(pl.program_id(0), m, bm)
-    c0, cmask = _span(pl.program_id(1), r, bn)
+    r0, rmask = span(pl.program_id(0), m, bm)
+    c0, cmask = span(pl.program_id(1), r, bn)
 
     def step(i, acc):
-        k0, kmask = _span(i, f, bk)
+        k0, kmask = span(i, f, bk)
         rows, ks = pl.ds(r0, bm), pl.ds(k0, bk)
         h = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + k0, bk)]).astype(_F32), act)[0]
         if gated:
             h = h * plgpu.load(u_ref.at[rows, ks]).astype(_F32)
         h = jnp.where(kmask[None, :], h, 0.0).astype(s_ref.dtype)
-        return acc + _dot(h, plgpu.load(w_ref.at[ks, pl.ds(c0, bn)]).astype(s_ref.dtype))
+        return acc + dot(h, plgpu.load(w_ref.at[ks, pl.ds(c0, bn)]).astype(s_ref.dtype))
 
     acc = jax.lax.fori_loop(0, pl.cdiv(f, bk), step, jnp.zeros((bm, bn), _F32))
     plgpu.store(s_ref.at[pl.ds(r0, bm), pl.ds(c0, bn)], acc.astype(s_ref.dtype), mask=rmask[:, None] & cmask[None, :])
 
 
-def _dx(*refs, m, f, r, tiles, act, gated, col0):
+def _at(at):
+    """The (row tile, column tile) a program computes: its grid position unless given."""
+    return at or (pl.program_id(0), pl.program_id(1))
+
+
+def _dx(*refs, m, f, r, tiles, act, gated, col0, at=None):
     """dh[tile] = ds[rows] @ w[cols]ᵀ over R; then dg = dh·u·act'(g), du = dh·act(g) on the tile (no u:
-    dg = dh·act'(g))."""
+    dg = dh·act'(g), stored at g's columns where `at` places the tile in a group's, `_group_dx`)."""
     g_ref, u_ref, w_ref, ds_ref, dg_ref, du_ref = refs if gated else (refs[0], None, *refs[1:], None)
     bm, bn, bk = tiles
-    r0, rmask = _span(pl.program_id(0), m, bm)
-    c0, cmask = _span(pl.program_id(1), f, bn)
+    r0, rmask = span(_at(at)[0], m, bm)
+    c0, cmask = span(_at(at)[1], f, bn)
     rows, cols = pl.ds(r0, bm), pl.ds(c0, bn)
 
     def step(i, acc):
-        k0, kmask = _span(i, r, bk)
+        k0, kmask = span(i, r, bk)
         ks = pl.ds(k0, bk)
         ds = plgpu.load(ds_ref.at[rows, ks])
         ds = jnp.where(kmask[None, :], ds, jnp.zeros_like(ds))
-        return acc + _dot(ds, plgpu.load(w_ref.at[cols, ks]).astype(ds.dtype), trans_b=True)
+        return acc + dot(ds, plgpu.load(w_ref.at[cols, ks]).astype(ds.dtype), trans_b=True)
 
     dh = jax.lax.fori_loop(0, pl.cdiv(r, bk), step, jnp.zeros((bm, bn), _F32))
     a, da = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + c0, bn)]).astype(_F32), act)
@@ -107,25 +112,26 @@ def _dx(*refs, m, f, r, tiles, act, gated, col0):
         u = plgpu.load(u_ref.at[rows, cols]).astype(_F32)
         plgpu.store(du_ref.at[rows, cols], (dh * a).astype(du_ref.dtype), mask=mask)
         dh = dh * u
-    plgpu.store(dg_ref.at[rows, cols], (dh * da).astype(dg_ref.dtype), mask=mask)
+    out = pl.ds(col0 + c0, bn) if at else cols
+    plgpu.store(dg_ref.at[rows, out], (dh * da).astype(dg_ref.dtype), mask=mask)
 
 
 def _dw(*refs, m, f, r, tiles, act, gated, col0):
     """dw[tile] = sum over row tiles of (act(g)·u)[k, rows]ᵀ @ ds[k, cols] (rows of dw: F, columns: R)."""
     g_ref, u_ref, ds_ref, dw_ref = refs if gated else (refs[0], None, *refs[1:])
     bm, bn, bk = tiles
-    f0, fmask = _span(pl.program_id(0), f, bm)
-    c0, cmask = _span(pl.program_id(1), r, bn)
+    f0, fmask = span(pl.program_id(0), f, bm)
+    c0, cmask = span(pl.program_id(1), r, bn)
     fs, cols = pl.ds(f0, bm), pl.ds(c0, bn)
 
     def step(i, acc):
-        k0, kmask = _span(i, m, bk)
+        k0, kmask = span(i, m, bk)
         ks = pl.ds(k0, bk)
         h = _act(plgpu.load(g_ref.at[ks, pl.ds(col0 + f0, bm)]).astype(_F32), act)[0]
         if gated:
             h = h * plgpu.load(u_ref.at[ks, fs]).astype(_F32)
         h = jnp.where(kmask[:, None], h, 0.0).astype(ds_ref.dtype)
-        return acc + _dot(h, plgpu.load(ds_ref.at[ks, cols]), trans_a=True)
+        return acc + dot(h, plgpu.load(ds_ref.at[ks, cols]), trans_a=True)
 
     acc = jax.lax.fori_loop(0, pl.cdiv(m, bk), step, jnp.zeros((bm, bn), _F32))
     plgpu.store(dw_ref.at[fs, cols], acc.astype(dw_ref.dtype), mask=fmask[:, None] & cmask[None, :])
@@ -140,18 +146,18 @@ def _rope_fwd(g_ref, w_ref, cs_ref, s_ref, *, m, f, r, tiles, act, col0, **_):
     """One head's output columns (program 1: the head), its halves x1, x2 accumulated apart over the
     K loop, stored rotated: x1·cos - x2·sin, x2·cos + x1·sin (RoPE's rotate-half)."""
     bm, half, bk = tiles
-    r0, rmask = _span(pl.program_id(0), m, bm)
+    r0, rmask = span(pl.program_id(0), m, bm)
     c1 = pl.program_id(1) * 2 * half
     rows = pl.ds(r0, bm)
 
     def step(i, acc):
-        k0, kmask = _span(i, f, bk)
+        k0, kmask = span(i, f, bk)
         ks = pl.ds(k0, bk)
         h = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + k0, bk)]).astype(_F32), act)[0]
         h = jnp.where(kmask[None, :], h, 0.0).astype(s_ref.dtype)
         w1 = plgpu.load(w_ref.at[ks, pl.ds(c1, half)]).astype(s_ref.dtype)
         w2 = plgpu.load(w_ref.at[ks, pl.ds(c1 + half, half)]).astype(s_ref.dtype)
-        return acc[0] + _dot(h, w1), acc[1] + _dot(h, w2)
+        return acc[0] + dot(h, w1), acc[1] + dot(h, w2)
 
     zero = jnp.zeros((bm, half), _F32)
     x1, x2 = jax.lax.fori_loop(0, pl.cdiv(f, bk), step, (zero, zero))
@@ -168,11 +174,12 @@ def _unrotated(ds_ref, rows, c1, half, cos, sin):
     return dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin
 
 
-def _rope_dx(g_ref, w_ref, ds_ref, cs_ref, dg_ref, *, m, f, r, tiles, act, col0, **_):
-    """dh[tile] = (the unrotated ds)[rows] @ w[cols]ᵀ, a head (both halves) per K step; dg = dh·act'(g)."""
+def _rope_dx(g_ref, w_ref, ds_ref, cs_ref, dg_ref, *, m, f, r, tiles, act, col0, at=None, **_):
+    """dh[tile] = (the unrotated ds)[rows] @ w[cols]ᵀ, a head (both halves) per K step; dg = dh·act'(g)
+    (stored as `_dx` stores it)."""
     bm, bn, half = tiles
-    r0, rmask = _span(pl.program_id(0), m, bm)
-    c0, cmask = _span(pl.program_id(1), f, bn)
+    r0, rmask = span(_at(at)[0], m, bm)
+    c0, cmask = span(_at(at)[1], f, bn)
     rows, cols = pl.ds(r0, bm), pl.ds(c0, bn)
     cos, sin = _cos_sin(cs_ref, rows, half)
 
@@ -180,29 +187,30 @@ def _rope_dx(g_ref, w_ref, ds_ref, cs_ref, dg_ref, *, m, f, r, tiles, act, col0,
         d1, d2 = _unrotated(ds_ref, rows, j * 2 * half, half, cos, sin)
         w1 = plgpu.load(w_ref.at[cols, pl.ds(j * 2 * half, half)]).astype(dg_ref.dtype)
         w2 = plgpu.load(w_ref.at[cols, pl.ds(j * 2 * half + half, half)]).astype(dg_ref.dtype)
-        acc = acc + _dot(d1.astype(dg_ref.dtype), w1, trans_b=True)
-        return acc + _dot(d2.astype(dg_ref.dtype), w2, trans_b=True)
+        acc = acc + dot(d1.astype(dg_ref.dtype), w1, trans_b=True)
+        return acc + dot(d2.astype(dg_ref.dtype), w2, trans_b=True)
 
     dh = jax.lax.fori_loop(0, r // (2 * half), step, jnp.zeros((bm, bn), _F32))
     da = _act(plgpu.load(g_ref.at[rows, pl.ds(col0 + c0, bn)]).astype(_F32), act)[1]
-    plgpu.store(dg_ref.at[rows, cols], (dh * da).astype(dg_ref.dtype), mask=rmask[:, None] & cmask[None, :])
+    out = pl.ds(col0 + c0, bn) if at else cols
+    plgpu.store(dg_ref.at[rows, out], (dh * da).astype(dg_ref.dtype), mask=rmask[:, None] & cmask[None, :])
 
 
 def _rope_dw(g_ref, ds_ref, cs_ref, dw_ref, *, m, f, r, tiles, act, col0, **_):
     """dw[:, one head's columns] = sum over row tiles of act(g)[k, rows]ᵀ @ (the unrotated ds)[k, head]."""
     bm, half, bk = tiles
-    f0, fmask = _span(pl.program_id(0), f, bm)
+    f0, fmask = span(pl.program_id(0), f, bm)
     c1 = pl.program_id(1) * 2 * half
 
     def step(i, acc):
-        k0, kmask = _span(i, m, bk)
+        k0, kmask = span(i, m, bk)
         ks = pl.ds(k0, bk)
         a = _act(plgpu.load(g_ref.at[ks, pl.ds(col0 + f0, bm)]).astype(_F32), act)[0]
         a = jnp.where(kmask[:, None], a, 0.0).astype(ds_ref.dtype)
         cos, sin = _cos_sin(cs_ref, ks, half)
         d1, d2 = _unrotated(ds_ref, ks, c1, half, cos, sin)
         d1, d2 = d1.astype(ds_ref.dtype), d2.astype(ds_ref.dtype)
-        return acc[0] + _dot(a, d1, trans_a=True), acc[1] + _dot(a, d2, trans_a=True)
+        return acc[0] + dot(a, d1, trans_a=True), acc[1] + dot(a, d2, trans_a=True)
 
     zero = jnp.zeros((bm, half), _F32)
     acc1, acc2 = jax.lax.fori_loop(0, pl.cdiv(m, bk), step, (zero, zero))
@@ -217,12 +225,12 @@ def _rope_call(which, xs, kw, like, base, out):
     m, f, r = kw["m"], kw["f"], kw["r"]
     half = xs[-1].shape[-1] // 2
     if which == "fwd":
-        tiles = (_tile(m, TILE_M), half, _tile(f, TILE_K))
+        tiles = (tile_size(m, TILE_M), half, tile_size(f, TILE_K))
         return _launch(_rope_fwd, f"{base}_fwd", (m, r // 2), tiles, (m, r, f), xs, like(m, r), **kw)
     if which == "dx":
-        tiles = (_tile(m, TILE_M), _tile(f, TILE_N), half)
+        tiles = (tile_size(m, TILE_M), tile_size(f, TILE_N), half)
         return tuple(_launch(_rope_dx, f"{base}_dx", (m, f), tiles, (m, f, r), xs, [like(m, f)], **kw))
-    tiles = (_tile(f, TILE_M), half, _tile(m, TILE_K))
+    tiles = (tile_size(f, TILE_M), half, tile_size(m, TILE_K))
     dw = jax.ShapeDtypeStruct((f, r), out or xs[0].dtype)
     return _launch(_rope_dw, f"{base}_dw", (f, r // 2), tiles, (f, r, m), xs, dw, **kw)
 
@@ -230,7 +238,7 @@ def _rope_call(which, xs, kw, like, base, out):
 SMS = 132  # an H100's multiprocessors: a weight gradient's grid of fewer tiles leaves some idle
 
 
-def _spread(bm, bn, f, r):
+def spread(bm, bn, f, r):
     """Output tiles of a weight gradient ([F, R]: few tiles, a long K loop over the rows) halved, the
     larger first and not under 64, until the grid fills the GPU's multiprocessors."""
     while -(-f // bm) * -(-r // bn) < SMS and max(bm, bn) > 64:
@@ -244,7 +252,7 @@ def _launch(kernel, base, grid_dims, tiles, gemm, inputs, outs, *, interpret, **
         functools.partial(kernel, tiles=tiles, **kw),
         grid=tuple(pl.cdiv(d, t) for d, t in zip(grid_dims, tiles[:2])),
         out_shape=outs,
-        compiler_params=_PARAMS(num_warps=4, num_stages=2),
+        compiler_params=PARAMS(num_warps=4, num_stages=2),
         interpret=interpret,
         name=gemm_name(base, 1, *gemm),
     )(*inputs)
@@ -266,38 +274,90 @@ def _kernels(which, act, interpret, gated=True, col0=0, width=None, out=None, ro
         if rope:
             return _rope_call(which, xs, kw, like, base, out)
         if which == "fwd":
-            tiles = (_tile(m, TILE_M), _tile(r, TILE_N), _tile(f, TILE_K))
+            tiles = (tile_size(m, TILE_M), tile_size(r, TILE_N), tile_size(f, TILE_K))
             return _launch(_fwd, f"{base}_fwd", (m, r), tiles, (m, r, f), xs, like(m, r), **kw)
         if which == "dx":
             outs = [like(m, f)] * (2 if gated else 1)
-            tiles = (_tile(m, TILE_M), _tile(f, TILE_N), _tile(r, TILE_K))
+            tiles = (tile_size(m, TILE_M), tile_size(f, TILE_N), tile_size(r, TILE_K))
             return tuple(_launch(_dx, f"{base}_dx", (m, f), tiles, (m, f, r), xs, outs, **kw))
-        tiles = (*_spread(_tile(f, TILE_M), _tile(r, TILE_N), f, r), _tile(m, TILE_K))
+        tiles = (*spread(tile_size(f, TILE_M), tile_size(r, TILE_N), f, r), tile_size(m, TILE_K))
         dw = jax.ShapeDtypeStruct((f, r), out or g.dtype)
         return _launch(_dw, f"{base}_dw", (f, r), tiles, (f, r, m), xs, dw, **kw)
 
     weight = (2 if gated else 1) if which != "dw" else None  # the position of w (dw's inputs: activations)
-    n_out = 2 if which == "dx" and gated else 1
+    return batched(call2d, () if weight is None else (weight,), {"fwd": "rows", "dx": "tuple"}.get(which, "whole"))
+
+
+def batched(call2d, weights, out):
+    """call2d on 2-D inputs, the weights (at positions `weights`) as they are and the others' leading
+    dims folded into rows; the output: "rows" one [M, n] laid back to those dims, "tuple" several, "whole"
+    as it comes (a weight gradient). Under vmap: more rows where no weight is batched (one call), else
+    one call per element."""
 
     @custom_vmap
     def call(*xs):
         lead = xs[0].shape[:-1]
-        out = call2d(*(x if i == weight else x.reshape(-1, x.shape[-1]) for i, x in enumerate(xs)))
-        if which == "dw":
-            return out
-        return tuple(o.reshape(*lead, -1) for o in out) if which == "dx" else out.reshape(*lead, -1)
+        got = call2d(*(x if i in weights else x.reshape(-1, x.shape[-1]) for i, x in enumerate(xs)))
+        if out == "whole":
+            return got
+        return tuple(o.reshape(*lead, -1) for o in got) if out == "tuple" else got.reshape(*lead, -1)
 
     @call.def_vmap
     def rule(size, in_batched, *xs):
-        rows = weight is not None and not in_batched[weight]  # w shared: the batch is more rows, one call
+        rows = bool(weights) and not any(in_batched[i] for i in weights)  # w shared: one call, more rows
         xs = [
-            x if b or (rows and i == weight) else jnp.broadcast_to(x, (size, *x.shape))
+            x if b or (rows and i in weights) else jnp.broadcast_to(x, (size, *x.shape))
             for i, (x, b) in enumerate(zip(xs, in_batched))
         ]
-        out = call(*xs) if rows else jax.lax.map(lambda ys: call(*ys), tuple(xs))
-        return out, (True,) * n_out if which == "dx" else True
+        got = call(*xs) if rows else jax.lax.map(lambda ys: call(*ys), tuple(xs))
+        return got, (True,) * len(got) if out == "tuple" else True
 
     return call
+
+
+def _group_dx(*refs, m, f, widths, roped, half, tiles, act):
+    """A group's input gradient in one kernel (refs: h [M, G·f], then each member's w and dy, RoPE's
+    table where a member is rotated, dh [M, G·f]): program (i, j) computes column tile j of dh, in
+    member j // (f's tiles): `_dx`, or `_rope_dx` where that member is rotated, on its w and dy,
+    stored at its columns. No stack of G outputs after."""
+    g_ref, dg_ref, cs = refs[0], refs[-1], refs[1 + 2 * len(widths) : -1]
+    per, row, col = pl.cdiv(f, tiles[1]), pl.program_id(0), pl.program_id(1)  # (read outside the branches)
+    for i, (d, rot) in enumerate(zip(widths, roped)):
+        w_ref, ds_ref = refs[1 + 2 * i], refs[2 + 2 * i]
+        kw = dict(m=m, f=f, r=d, act=act, col0=i * f)
+
+        @pl.when(col // per == i)
+        def _(w_ref=w_ref, ds_ref=ds_ref, d=d, rot=rot, kw=kw, i=i):
+            at = (row, col - i * per)
+            if rot:
+                _rope_dx(g_ref, w_ref, ds_ref, cs[0], dg_ref, tiles=(*tiles, half), at=at, **kw)
+            else:
+                _dx(g_ref, w_ref, ds_ref, dg_ref, tiles=(*tiles, tile_size(d, TILE_K)), gated=False, at=at, **kw)
+
+
+def _group_dx_call(act, interpret, roped):
+    """(h [..., G·f], w_0, dy_0, w_1, dy_1, ..., [table]) -> dh [..., G·f]: `_group_dx`, named for its
+    FLOPs as one GEMM (m, G·f, K) where the members' K agree, else (m, f, the sum of their K)."""
+    n = len(roped)
+
+    def call2d(g, *rest):
+        m, f = g.shape[0], g.shape[1] // n
+        widths = tuple(w.shape[1] for w in rest[0 : 2 * n : 2])
+        half = rest[-1].shape[-1] // 2 if any(roped) else 0
+        tiles = (tile_size(m, TILE_M), tile_size(f, TILE_N))
+        gemm = (m, n * f, widths[0]) if len(set(widths)) == 1 else (m, f, sum(widths))
+        base = f"{act}{'_rope' if any(roped) else ''}_group_gemm_dx"
+        kernel = functools.partial(_group_dx, m=m, f=f, widths=widths, roped=roped, half=half, tiles=tiles, act=act)
+        return pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(m, tiles[0]), n * pl.cdiv(f, tiles[1])),
+            out_shape=jax.ShapeDtypeStruct(g.shape, g.dtype),
+            compiler_params=PARAMS(num_warps=4, num_stages=2),
+            interpret=interpret,
+            name=gemm_name(base, 1, *gemm),
+        )(g, *rest)
+
+    return batched(call2d, tuple(range(1, 2 * n, 2)), "rows")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -392,13 +452,18 @@ def _act_fwd(h, ws, cs, act, interpret, roped):
 def _act_bwd(act, interpret, roped, res, dys):
     h, ws, cs = res
     flat, r = h.reshape(*h.shape[:-2], -1), h.shape[-1]
+    dys = tuple(dy.astype(h.dtype) for dy in dys)
     dh, dws = [], []
     for i, (w, dy) in enumerate(zip(ws, dys)):
-        dy, kw = dy.astype(h.dtype), dict(gated=False, col0=i * r, width=r, rope=roped[i])
+        kw = dict(gated=False, col0=i * r, width=r, rope=roped[i])
         table = (cs,) if roped[i] else ()
-        dh.append(_kernels("dx", act, interpret, **kw)(flat, w, dy, *table)[0])
+        if len(ws) == 1:
+            dh.append(_kernels("dx", act, interpret, **kw)(flat, w, dy, *table)[0])
         dws.append(_kernels("dw", act, interpret, out=w.dtype, **kw)(flat, dy, *table))
-    return jnp.stack(dh, axis=-2), tuple(dws), None if cs is None else jnp.zeros_like(cs)
+    if len(ws) > 1:  # one kernel writes every member's columns
+        pairs = [x for w, dy in zip(ws, dys) for x in (w, dy)]
+        dh = [_group_dx_call(act, interpret, roped)(flat, *pairs, *((cs,) if any(roped) else ()))]
+    return dh[0].reshape(h.shape), tuple(dws), None if cs is None else jnp.zeros_like(cs)
 
 
 _act_stages.defvjp(_act_fwd, _act_bwd)

@@ -328,7 +328,8 @@ def _triton_add_runs(x2, scale, block_rows):
 
     def calls(T, rows, x, w, dy, ds):
         del ds
-        return T.add_fwd_call(x, dy, w, 1e-6, rows), T.add_bwd_call(x, w, dy, dy, 1e-6, rows)
+        stats = T.add_rms_call(x, dy, w, 1e-6, rows)  # the statistics-only forward (kernels/norm_gemm.py)
+        return T.add_fwd_call(x, dy, w, 1e-6, rows), T.add_bwd_call(x, w, dy, dy, 1e-6, rows), stats
 
     return _probe(
         "triton add",
@@ -342,6 +343,11 @@ def _triton_add_runs(x2, scale, block_rows):
             f"jax-triton ({install_hint('gpu')}); elsewhere set kernels.residual_norm=separate."
         ),
     )
+
+
+def triton_add_failure(x2, scale, block_rows=None) -> str:
+    """ "" when the fused add + norm's Triton kernels run here ([R, d] rows x2), else why not (warned once)."""
+    return _triton_add_runs(x2, scale, block_rows)
 
 
 def add_rmsnorm_reference(x, residual, scale, eps):

@@ -154,6 +154,34 @@ def add_rmsnorm_fwd_kernel(
 
 
 @triton.jit
+def add_rms_fwd_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    h_ptr,
+    inv_ptr,
+    n_rows: tl.constexpr,
+    d: tl.constexpr,
+    eps: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # add_rmsnorm_fwd_kernel without y: h and each row's rsqrt(mean h² + eps) (float32), for a GEMM
+    # that normalises the rows it loads (kernels/norm_gemm.py). w_ptr (the scale) is not read.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < d)[None, :]
+    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    tl.store(inv_ptr + rows, tl.rsqrt(tl.sum(hf * hf, axis=1) / d + eps), mask=rmask)
+
+
+@triton.jit
 def add_rmsnorm_bwd_kernel(
     h_ptr,
     w_ptr,
@@ -274,6 +302,12 @@ def add_fwd_call(x2, r2, scale, eps, rows):
     return _forward(add_rmsnorm_fwd_kernel, "add_rmsnorm_fwd", (x2, r2, scale), [row, row], eps, rows)
 
 
+def add_rms_call(x2, r2, scale, eps, rows):
+    """(h = x2 + r2, rsqrt(mean(h²) + eps) [R] float32): `add_fwd_call` without y (scale unread)."""
+    outs = [jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((x2.shape[0],), _F32)]
+    return _forward(add_rms_fwd_kernel, "add_rms_fwd", (x2, r2, scale), outs, eps, rows)
+
+
 def add_bwd_call(h2, scale, dy, dh, eps, rows):
     return _backward(add_rmsnorm_bwd_kernel, "add_rmsnorm_bwd", (h2, scale, dy, dh), eps, rows)
 
@@ -312,7 +346,18 @@ def _add_calls(eps, rows):
     """`_calls` for the fused residual add + norm."""
     fwd = row_batching.forward(lambda x2, r2, scale: add_fwd_call(x2, r2, scale, eps, rows))
     bwd = row_batching.backward(lambda h2, scale, dy, dh: add_bwd_call(h2, scale, dy, dh, eps, rows))
-    return fwd, bwd
+    return fwd, bwd, row_batching.forward(lambda x2, r2, scale: add_rms_call(x2, r2, scale, eps, rows))
+
+
+def add_rms_rows(x2, r2, scale, eps, rows):
+    """(h = x2 + r2 [R, d], rsqrt(mean(h²) + eps) [R] float32), not differentiated: the caller's
+    custom_vjp runs `add_rmsnorm_bwd_rows` with the normalised rows' gradient."""
+    return _add_calls(eps, rows)[2](x2, r2, scale)
+
+
+def add_rmsnorm_bwd_rows(h2, scale, dy, dh, eps, rows):
+    """(dx = dr, dscale) of y = rmsnorm(h)·scale, h = x + r, from dy and h's own gradient dh."""
+    return _add_calls(eps, rows)[1](h2, scale, dy.astype(h2.dtype), dh.astype(h2.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -345,8 +390,8 @@ def compile_for_cuda(
     x_dtype, scale_dtype, n_rows: int, d: int, *, eps: float = 1e-6, rows: int | None = None, capability: int = 90
 ) -> dict:
     """Compile the kernels for an NVIDIA GPU of compute `capability` (90: H100/H200) without one:
-    {"fwd"|"bwd"|"add_fwd"|"add_bwd": triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata)}. Pointers are
-    declared 16-byte aligned, the assumption jax-triton makes for every array it passes."""
+    {"fwd"|"bwd"|"add_fwd"|"add_rms"|"add_bwd": triton's CompiledKernel (asm["ptx"], asm["cubin"],
+    metadata)}. Pointers are declared 16-byte aligned, the assumption jax-triton makes for every array it passes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -362,6 +407,7 @@ def compile_for_cuda(
             {**consts, "PROGRAMS": programs(n_rows, rows)},
         ),
         "add_fwd": (add_rmsnorm_fwd_kernel, [f"*{xt}", f"*{xt}", f"*{wt}", f"*{xt}", f"*{xt}"], consts),
+        "add_rms": (add_rms_fwd_kernel, [f"*{xt}", f"*{xt}", f"*{wt}", f"*{xt}", "*fp32"], consts),
         "add_bwd": (
             add_rmsnorm_bwd_kernel,
             [f"*{xt}", f"*{wt}", f"*{xt}", f"*{xt}", f"*{xt}", "*fp32"],

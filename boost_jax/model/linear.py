@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.kernels.gated_gemm import act_matmuls
+from boost_jax.kernels.norm_gemm import add_norm_matmul
 from boost_jax.kernels.rmsnorm import add_rmsnorm
 from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
@@ -114,6 +115,34 @@ def _act_in_gemm(run, route, grouped, keep) -> bool:
     return act_kernels_run(
         run[0].act_in_gemm, grouped, route.fuses_norm, 1 if ctx is None else ctx[0].size
     ) and not any(p is k for p in run for k in keep)
+
+
+def add_norm_first(projs, pair, norm, grouped, route=GROUPED):
+    """(first, y, stream) of the stream's residual add and `norm` (`pair` = (x, residual)) before these
+    projections: where their first stages are one GEMM whose outputs the σ kernels read
+    (`_act_in_gemm`) and the kinds ask for it (model.bottleneck_kernel=norm), the add and the norm run
+    inside that GEMM (kernels/norm_gemm.py, in place of the fused Triton add + norm) and `first` is its
+    output [B, T, g, width] for `project`'s `first` (y None); else `norm.add` runs and y is the
+    normalised rows (first None)."""
+    p = projs[0]
+    folds = (
+        p.factored
+        and getattr(p, "norm_in_gemm", False)
+        and norm.impl == "triton"  # it replaces the fused Triton add + norm
+        and grouped
+        and not route.fuses_norm
+        and not route.replaces_projection
+        and not any(q.has_extra for q in projs)
+        and len({q.first_shape for q in projs}) == 1
+        and _act_in_gemm(projs, route, grouped, ())
+    )
+    if not folds:
+        y, stream = norm.add(*pair)
+        return None, y, stream
+    x, residual = pair
+    w = jnp.concatenate([q.first_weight(_use(x.dtype)) for q in projs], axis=1)  # [d_in, g·width]
+    z, stream = add_norm_matmul(x, residual, norm.scale[...], w, norm.eps, norm_impl=norm.impl)
+    return z.reshape(*z.shape[:-1], len(projs), -1), None, constrain(stream, RESIDUAL)
 
 
 def _use(dtype):

@@ -18,7 +18,7 @@ from boost_jax.model import batch as batch_lib
 from boost_jax.model.attention import Attention, Documents
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import dense_init
-from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, grouping, project
+from boost_jax.model.linear import RESIDUAL, Projection, RMSNorm, add_norm_first, grouping, project
 from boost_jax.model.loss import head_loss, logits_of
 from boost_jax.parallel.placement import LOCAL
 from boost_jax.parallel.rules import constrain, gathered, logical_spec, take_rows, traced_mesh
@@ -47,8 +47,9 @@ class MLP(nnx.Module):
         self.in_route, self.out_route = (placement.group(g, factored) for g in ("mlp_in", "mlp_out"))
         self.gate_kernel, self.mesh = cfg.get("gate_kernel", "xla"), placement.mesh
 
-    def __call__(self, x, norm):
-        g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route)
+    def __call__(self, x, norm, first=None):
+        """`first`: gate's and up's first stages computed elsewhere (model/linear.py `add_norm_first`)."""
+        g, u = project([self.gate, self.up], x, grouped=self.grouped, norm=norm, route=self.in_route, first=first)
         s = self._gated_first(g, u) if self.gate_kernel == GATE_IN_GEMM else None
         if s is not None:
             return project([self.down], None, grouped=False, route=self.out_route, first=s[:, :, None])[0]
@@ -108,14 +109,16 @@ class Block(nnx.Module):
         self.fuse_residual = bool(norm.fused_add)
 
     def __call__(self, x, positions, cache=None, docs=None):
+        attn, mlp = self.attn, self.mlp
         if isinstance(x, tuple):  # (stream, the previous block's MLP output): add it in this norm
-            y, x = self.attn_norm.add(*x)
-            h, cache = self.attn(y, None, positions, cache, docs)
+            first, y, x = add_norm_first([attn.q, attn.k, attn.v], x, self.attn_norm, attn.grouped, attn.qkv_route)
+            h, cache = attn(x if y is None else y, None, positions, cache, docs, first=first)
         else:
-            h, cache = self.attn(x, self.attn_norm, positions, cache, docs)
+            h, cache = attn(x, self.attn_norm, positions, cache, docs)
         if self.fuse_residual:
-            y, x = self.mlp_norm.add(x, h)
-            return (constrain(x, RESIDUAL), constrain(self.mlp(y, None), RESIDUAL)), cache
+            first, y, x = add_norm_first([mlp.gate, mlp.up], (x, h), self.mlp_norm, mlp.grouped, mlp.in_route)
+            out = mlp(x if y is None else y, None, first=first)
+            return (constrain(x, RESIDUAL), constrain(out, RESIDUAL)), cache
         x = constrain(x + h, RESIDUAL)
         x = constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL)
         return x, cache
@@ -164,6 +167,7 @@ class Transformer(nnx.Module):
         self.embed = nnx.Param(
             cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype),
             axes=("vocab_in", "embed"),
+            compute_only=True,
         )
 
         # One Block's parameters with a leading layer axis, so the stack runs as one lax.scan and
@@ -191,6 +195,7 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Param(
                 dense_init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.d_model, param_dtype),
                 axes=("head_embed", "vocab"),
+                compute_only=True,
             )
 
     def init_cache(self, batch: int, max_len: int):

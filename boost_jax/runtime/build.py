@@ -137,6 +137,7 @@ def build(cfg, devices=None, optimizer=None, *, validated: bool = False) -> Buil
             strategy,
             jax.tree.map(lambda s: s.spec, spec.shardings["params"]),
             spec.pipeline,
+            spec.casts,
         ),
         donate_argnums=0,
         in_shardings=(spec.shardings, batch_sharding),

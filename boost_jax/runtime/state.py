@@ -20,7 +20,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from boost_jax.config import weights_cast_once
 from boost_jax.model import model_from_config
+from boost_jax.model.kinds import kind_class
 from boost_jax.parallel.placement import Placement
 from boost_jax.parallel.rules import spec_for
 
@@ -32,6 +34,7 @@ class StateSpec:
     shardings: dict  # NamedShardings of the train state
     axes: dict  # logical axis names of every parameter
     pipeline: object = None  # the placement's pipeline schedule of the model (None: its layers scan)
+    casts: dict | None = None  # per parameter, the dtype the train step casts it to once per step (`step_casts`)
 
 
 def logical_axes(model) -> dict:
@@ -45,6 +48,44 @@ def logical_axes(model) -> dict:
             raise ValueError(f"parameter {'/'.join(map(str, path))} has shape {shape} but axes {names}")
         flat[path] = names
     return _unflatten(flat)
+
+
+def once_per_step(cfg) -> bool:
+    """train.weight_casts: whether the step casts the weights once (`step`); `auto`: for the factored
+    kinds over several micro-batches (with one, they are cast once anyway, and a scanned stack would
+    hold the whole copy; a dense 7B's copy does not fit beside its TP-4 step on 40 GB GPUs:
+    benchmarks/RESULTS.md, 2026-11-29 ninth session)."""
+    return weights_cast_once(cfg.train.weight_casts, kind_class(cfg.model.linear).factored, cfg.train.grad_accum)
+
+
+def step_casts(model, axes: dict, mesh, strategy, enabled: bool = True) -> dict | None:
+    """Per parameter, the compute dtype the train step casts it to once per step, before its
+    micro-batches (runtime/step.py), or None: cast where used, in every micro-batch. A parameter
+    qualifies when the model declares it used only in the compute dtype (`compute_only` metadata:
+    the GEMMs' matrices, the embedding; not the norm scales), is stored in another dtype, and is used
+    in the layout it is stored in (not gathered over `fsdp`: its gradient's reduction there runs in
+    `grad_reduce_dtype` before it reaches the copy, which would round it). Not under a pipeline or
+    spatial-temporal GEMMs (their own schedules take the weights as stored). None when nothing
+    qualifies or `enabled` is false (`once_per_step`)."""
+    dtype = jnp.dtype(getattr(model, "dtype", jnp.float32))
+    if not enabled or model.pipeline is not None or strategy.st_groups:
+        return None
+    flat = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        names, value = _at(axes, path), var.get_value()
+        same = spec_for(names, value.shape, mesh, strategy.rules) == spec_for(
+            names, value.shape, mesh, strategy.compute_rules
+        )
+        ok = var.get_metadata().get("compute_only", False) and value.dtype != dtype and same
+        flat[path] = dtype.name if ok else None
+    return _unflatten(flat) if any(flat.values()) else None
+
+
+def _at(tree: dict, path: tuple):
+    """The entry of a nested dict at `path`."""
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def _unflatten(flat: dict) -> dict:
@@ -106,7 +147,8 @@ def state_spec(cfg, tx, mesh, strategy) -> StateSpec:
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
     }
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_values, shardings)
-    return StateSpec(graphdef, abstract, shardings, axes, model.pipeline)
+    casts = step_casts(model, axes, mesh, strategy, once_per_step(cfg))
+    return StateSpec(graphdef, abstract, shardings, axes, model.pipeline, casts)
 
 
 def init_state(cfg, tx, spec: StateSpec) -> dict:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from boost_jax.kernels import platform
 from boost_jax.model import batch as batch_lib
@@ -42,11 +43,12 @@ def bind(fn, mesh=None, strategy=None):
     return bound
 
 
-def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_specs=None, pipeline=None):
+def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_specs=None, pipeline=None, casts=None):
     """The train step of the model `graphdef` on `mesh` under `strategy` (None: one device);
     `pipeline`: the model's pipeline schedule as its placement chose it (StateSpec.pipeline; None: its
     layers scan), which accumulates the gradient; `param_specs`: the parameters' PartitionSpecs (a
-    pipeline's reordered stage weights keep them)."""
+    pipeline's reordered stage weights keep them); `casts`: per parameter, the dtype it is cast to once
+    per step, before the micro-batches (StateSpec.casts, runtime/state.py `step_casts`; None: none)."""
 
     def train_step(state, batch):
         """batch: [grad_accum, micro_batch, T+1] (or a batch of documents with those leading dims).
@@ -57,14 +59,15 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         mean over every counted target of the global batch, however they fall into micro-batches."""
         params = state["params"]
         trained = trainable(params)  # differentiated; fixed integer leaves ride along unchanged
+        in_use = cast_once(trained, casts, mesh, param_specs)
         extra = {}
         if batch_lib.is_documents(batch):
             inputs, targets = batch_lib.counts(batch)
             scale = accumulation_pieces(batch, mesh, strategy) / jnp.maximum(targets, 1).astype(jnp.float32)
-            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x) * scale  # noqa: E731
+            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(in_use(t), params), x) * scale  # noqa: E731
             extra = {"tokens": inputs, "targets": targets}
         else:
-            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(t, params), x)  # noqa: E731
+            loss_fn = lambda t, x: next_token_loss(graphdef, with_frozen(in_use(t), params), x)  # noqa: E731
         if pipeline is not None:
             # The stage weights' gradient over data x fsdp once per step (parallel/pipeline/stack.py).
             loss, grads = pipeline.accumulate(loss_fn, trained, batch, param_specs)
@@ -84,6 +87,43 @@ def make_train_step(graphdef, tx, schedule, mesh=None, strategy=None, param_spec
         return new_state, metrics
 
     return bind(train_step, mesh, strategy)
+
+
+def cast_once(trained, casts, mesh=None, specs=None):
+    """`t -> t` with each parameter `casts` names replaced by its copy in that dtype, made here, once
+    (outside the accumulation loop, laid out as the parameter: `specs`), so no micro-batch casts it
+    again; the gradient still flows to the parameter itself, in its own dtype (`_copy`), so the
+    accumulation, its dtype and the optimizer are unchanged. Without `casts`: the identity."""
+    if casts is None:
+        return lambda t: t
+    none = lambda x: x is None  # noqa: E731
+
+    def copy(dtype, w, spec):
+        if dtype is None or w is None:
+            return None
+        c = w.astype(dtype)
+        return c if mesh is None or spec is None else jax.lax.with_sharding_constraint(c, NamedSharding(mesh, spec))
+
+    copies = jax.tree.map(copy, casts, trained, casts if specs is None else specs, is_leaf=none)
+    return lambda t: jax.tree.map(lambda c, w: w if c is None else _copy(w, c), copies, t, is_leaf=none)
+
+
+@jax.custom_vjp
+def _copy(w, copy):
+    """`copy` (w in another dtype, made once per step) in w's place; the gradient goes to w, widened to
+    w's dtype, as the cast it replaces would have sent it."""
+    return copy
+
+
+def _copy_fwd(w, copy):
+    return copy, jnp.zeros((0,), w.dtype)
+
+
+def _copy_bwd(like, g):
+    return g.astype(like.dtype), None
+
+
+_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
 def optimizer_update(tx, grads, opt_state, trained, loss):

@@ -35,17 +35,18 @@ class Attention(nnx.Module):
         self.qkv_route, self.o_route = (placement.group(g, factored) for g in ("qkv", "o"))
         self.context = placement.context()  # None, or the sequence split over `context`
 
-    def __call__(self, x, norm, positions, cache=None, docs: Documents | None = None):
+    def __call__(self, x, norm, positions, cache=None, docs: Documents | None = None, first=None):
         """x: the block's input residual; `norm` is applied first (fused with the A's under BTP).
         Without a cache the tokens sit at positions 0..T-1 (RoPE uses `positions`) and `docs`, if
-        given, keeps every query inside its document; decoding with a cache ignores it."""
+        given, keeps every query inside its document; decoding with a cache ignores it. `first`: q's,
+        k's and v's first stages computed elsewhere (model/linear.py `add_norm_first`; one device)."""
         b, t, _ = x.shape
-        if self.context is not None and self.context.passes_bottleneck and cache is None:
+        if first is None and self.context is not None and self.context.passes_bottleneck and cache is None:
             return self._bottleneck_ring(x, norm, positions, docs), cache
         qkv = [self.q, self.k, self.v]
         fused = rope_in_gemm(qkv, self.grouped, self.qkv_route)  # RoPE inside q's and k's σ kernels
         spin = (rope_table(positions, self.rope_theta, self.head_dim), (self.q, self.k)) if fused else None
-        q, k, v = project(qkv, x, grouped=self.grouped, norm=norm, route=self.qkv_route, rope=spin)
+        q, k, v = project(qkv, x, grouped=self.grouped, norm=norm, route=self.qkv_route, rope=spin, first=first)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)

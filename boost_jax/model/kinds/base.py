@@ -76,7 +76,10 @@ class HFLayout:
 
 class LinearKind(nnx.Module):
     """One linear map d_in -> d_out; `axes` = the logical names of its (in, out) dims; `group` = the
-    projection group a parallel plan partitions as a unit (qkv | o | mlp_in | mlp_out)."""
+    projection group a parallel plan partitions as a unit (qkv | o | mlp_in | mlp_out). A parameter the
+    kind reads only through `use` in the GEMM's dtype is declared with `compute_only=True` (nnx
+    metadata): the train step may cast it to the compute dtype once per step (runtime/state.py
+    `step_casts`); one it reads in float32 (a scale) must not be."""
 
     # The kind's own `model` fields {name: config.Field(default, help)}: registering the kind makes
     # them config keys (`--config.model.NAME=...`), read here as m.NAME.
@@ -94,16 +97,23 @@ class LinearKind(nnx.Module):
         self.in_axis, self.out_axis = axes
         self.width = self.bottleneck_width(m, d_in, d_out)
         self.act_in_gemm, self.rope_in_gemm = self.bottleneck_kernels(m)
+        self.norm_in_gemm = self.rope_in_gemm and self._bottleneck_choice(m) == "norm"
 
     @classmethod
     def bottleneck_kernels(cls, m) -> tuple[bool, bool]:
         """(σ inside the second-stage GEMM's kernel (model/linear.py `project`), q's and k's RoPE too):
-        model.bottleneck_kernel of the model section m, whose model.gate_kernel is resolved (auto: rope
-        where that is gemm, else xla). The planner's memory terms read it too."""
+        model.bottleneck_kernel of the model section m, whose model.gate_kernel is resolved (auto: norm
+        where that is gemm, else xla; norm: rope and the residual add + norm read into the first stage's
+        GEMM, `norm_in_gemm`). The planner's memory terms read it too."""
+        choice = cls._bottleneck_choice(m)
+        act = bool(cls.act) and choice in ("gemm", "rope", "norm")
+        return act, act and choice in ("rope", "norm")
+
+    @staticmethod
+    def _bottleneck_choice(m) -> str:
+        """model.bottleneck_kernel with auto resolved: norm where model.gate_kernel is gemm, else xla."""
         choice = m.get("bottleneck_kernel", "auto")
-        choice = ("rope" if m.get("gate_kernel") == "gemm" else "xla") if choice == "auto" else choice
-        act = bool(cls.act) and choice in ("gemm", "rope")
-        return act, act and choice == "rope"
+        return ("norm" if m.get("gate_kernel") == "gemm" else "xla") if choice == "auto" else choice
 
     # --- what a kind defines -------------------------------------------------------------------
     @classmethod

@@ -16,7 +16,9 @@ class Dense(LinearKind):
 
     def __init__(self, m, d_in, d_out, *, axes, group, rngs, param_dtype):
         super().__init__(m, d_in, d_out, axes=axes, group=group, rngs=rngs, param_dtype=param_dtype)
-        self.w = nnx.Param(dense_init(rngs.params(), (d_in, d_out), d_in, d_out, param_dtype), axes=axes)
+        self.w = nnx.Param(
+            dense_init(rngs.params(), (d_in, d_out), d_in, d_out, param_dtype), axes=axes, compute_only=True
+        )
 
     @classmethod
     def bottleneck_width(cls, m, d_in, d_out):

@@ -77,8 +77,16 @@ class LowRank(LinearKind):
     def __init__(self, m, d_in, d_out, *, axes, group, rngs, param_dtype):
         super().__init__(m, d_in, d_out, axes=axes, group=group, rngs=rngs, param_dtype=param_dtype)
         r = self.width
-        self.a = nnx.Param(factor_init(rngs.params(), (d_in, r), d_in, d_out, r, param_dtype), axes=(axes[0], "rank"))
-        self.b = nnx.Param(factor_init(rngs.params(), (r, d_out), d_in, d_out, r, param_dtype), axes=("rank", axes[1]))
+        self.a = nnx.Param(
+            factor_init(rngs.params(), (d_in, r), d_in, d_out, r, param_dtype),
+            axes=(axes[0], "rank"),
+            compute_only=True,
+        )
+        self.b = nnx.Param(
+            factor_init(rngs.params(), (r, d_out), d_in, d_out, r, param_dtype),
+            axes=("rank", axes[1]),
+            compute_only=True,
+        )
 
     @classmethod
     def n_params(cls, m, d_in, d_out):

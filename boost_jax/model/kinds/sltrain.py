@@ -61,9 +61,11 @@ class SparseLowRank(LowRank):
         # SLTrain's init: A ~ U(±1/sqrt(d_in)) (Kaiming-uniform), B = 0, S values ~ U(±1/sqrt(d_in)).
         bound = d_in**-0.5
         self.a = nnx.Param(
-            jax.random.uniform(rngs.params(), (d_in, r), param_dtype, -bound, bound), axes=(axes[0], "rank")
+            jax.random.uniform(rngs.params(), (d_in, r), param_dtype, -bound, bound),
+            axes=(axes[0], "rank"),
+            compute_only=True,
         )
-        self.b = nnx.Param(jnp.zeros((r, d_out), param_dtype), axes=("rank", axes[1]))
+        self.b = nnx.Param(jnp.zeros((r, d_out), param_dtype), axes=("rank", axes[1]), compute_only=True)
         n_in, n_out, nb = d_in // b, d_out // b, n_blocks(m, d_in, d_out)
         flat = jnp.sort(jax.random.choice(rngs.params(), n_in * n_out, (nb,), replace=False)).astype(jnp.int32)
         self.s_in = Support(flat // n_out, axes=("sparse_blocks",))
@@ -71,6 +73,7 @@ class SparseLowRank(LowRank):
         self.s = nnx.Param(
             jax.random.uniform(rngs.params(), (nb, b, b), param_dtype, -bound, bound),
             axes=("sparse_blocks", None, None),
+            compute_only=True,
         )
 
     @classmethod

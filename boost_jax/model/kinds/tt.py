@@ -93,12 +93,20 @@ class TensorTrain(LinearKind):
                 "rank" if k == self.h - 1 else "tt_rank",
             )
             std = (shape[0] * shape[2]) ** -0.25 * scale
-            setattr(self, f"in_{k}", nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype), axes=names))
+            setattr(
+                self,
+                f"in_{k}",
+                nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype), axes=names, compute_only=True),
+            )
         for k, shape in enumerate(second):
             last = k == self.h - 1
             names = ("rank" if k == 0 else "tt_rank", axes[1] if last else None, None if last else "tt_rank")
             std = (shape[0] * shape[2]) ** -0.25 * scale
-            setattr(self, f"out_{k}", nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype), axes=names))
+            setattr(
+                self,
+                f"out_{k}",
+                nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype), axes=names, compute_only=True),
+            )
 
     @classmethod
     def n_params(cls, m, d_in, d_out):

@@ -7,6 +7,7 @@ from boost_jax.planner.ops.kept_arrays import (
     GPU_GATE_PRODUCT,
     GPU_SAVED_SWIGLU,
     GPU_UNROLLED_ATTENTION,
+    GPU_UNROLLED_ATTENTION_MEGATRON,
     GPU_UNROLLED_SWIGLU,
     RING_SCORE_BLOCKS,
     SAVED_SWIGLU,
@@ -47,6 +48,8 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
         op.saved32 = rows
     if ctx.context > 1:
         context_exchange(ctx, op, fs)
+    elif gpu(ctx) and ctx.t > 1 and not b.factored:  # an unrolled Megatron layer: q, k, v and the output
+        op.kept_unrolled = (op.saved - (c.kept - GPU_UNROLLED_ATTENTION_MEGATRON) * ctx.local(layout, q), op.saved32)
     elif gpu(ctx):  # the memory of an unrolled stack (kept_arrays.GPU_UNROLLED_ATTENTION)
         more = GPU_UNROLLED_ATTENTION if ctx.t > 1 or not b.factored else 0
         op.kept_unrolled = (op.saved + more * ctx.local(layout, q), op.saved32)

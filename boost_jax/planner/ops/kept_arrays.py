@@ -49,6 +49,12 @@ GPU_KEPT_ONLINE_NORM_INPUT32 = 2
 GPU_UNROLLED_SIGMA = 2
 GPU_UNROLLED_SWIGLU = 3
 GPU_UNROLLED_ATTENTION = 3
+# An unrolled Megatron (dense, tensor-split) layer's attention keeps q, k (rotated), v and the output, and
+# none of the counts' further arrays: 4 arrays of q's width where the scanned count (its cost class's
+# `kept`) says 5 and the rule above 8 (llama_13b data 8 x tensor 8 and llama_1b data 16 x tensor 4,
+# Megatron-SP: per layer bf16[T, q/t] x 4 beside the norms' bf16[T/t, d] x 4 at the peak: benchmarks/
+# RESULTS.md 2026-11-29, ninth session).
+GPU_UNROLLED_ATTENTION_MEGATRON = 4
 # The kernels that read elementwise work into a GEMM (kernels/gated_gemm.py; which of them run: the
 # planner's operators.kernels_in_gemms, from the model's own rules), in memory (Op.kept, Op.kept_unrolled;
 # benchmarks/RESULTS.md 2026-11-29, "the planner's memory with the kernels in the GEMMs"): with the gate

@@ -36,6 +36,7 @@ class Block:
     group_linears: bool | str = "auto"
     gate_kernel: str = "auto"
     bottleneck_kernel: str = "auto"
+    weight_casts: str = "auto"  # train.weight_casts (the step's bf16 copy: planner/pricing/memory.py)
 
     @classmethod
     def from_config(cls, cfg) -> Block:
@@ -71,6 +72,7 @@ class Block:
             group_linears={"true": True, "false": False}.get(str(m.group_linears).lower(), m.group_linears),
             gate_kernel=str(m.get("gate_kernel", "auto")),
             bottleneck_kernel=str(m.get("bottleneck_kernel", "auto")),
+            weight_casts=str(cfg.train.get("weight_casts", "auto")),
         )
 
     def projections(self, group: str) -> tuple[int, tuple[int, ...]]:

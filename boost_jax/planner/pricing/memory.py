@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from boost_jax.config import PROJECTION_GROUPS, ST, weights_cast_once
 from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner.ops import operators
@@ -74,11 +75,18 @@ def memory_bytes(
         # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
         "double_buffer": double_buffer_array(pr, mesh, summary, sched, gpu),
     }
+    copies = layout_copies(pr, mesh, grad_accum, layer, summary, sched, gpu)
+    memory["weights"] += copies + step_cast_copy(pr, mesh, grad_accum, layer, summary, sched, rest_fsdp_weights)
     if pr.unrolled and gpu:
-        # Unrolled, each layer's backward writes its float32 gradient (added into the accumulator
-        # when accumulating) into what it frees of that layer's kept activations: the peak holds the
-        # states with the activations beyond the gradient's bytes
+        # Unrolled, each micro-batch's float32 gradient is written into what the backward frees of the
+        # layers' kept activations. The accumulation loop's float32 carry is live from the loop's start
+        # (llama_1b data 8, cola_7b data 16 x tensor 4, llama_13b data 8 x tensor 8 hold it at their
+        # peaks, the backward's start): on the data-only and BTP layers the unrolled counts were read
+        # from (kept_arrays.py GPU_UNROLLED_*) the credit takes it too, standing for what those counts
+        # keep over their programs; a Megatron tensor-split layer (its counts its program's) keeps it
+        # (benchmarks/RESULTS.md 2026-11-29, ninth session, "the unrolled Megatron-SP pick")
         grads = memory["states"] - params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)
+        grads -= params * cost.STATE_BYTES if copies else 0.0
         memory["activations"] = max(memory["activations"] - grads, 0.0)
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
@@ -154,6 +162,43 @@ def kept_weights(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule,
         if mesh.fsdp > 1
         else 0.0
     )
+
+
+def layout_copies(
+    pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary: LayerSummary, sched: Schedule, gpu: bool
+) -> float:
+    """Float32 copies of the stacked column-parallel weights (Megatron's qkv and mlp_in, split by their
+    outputs over tensor) in the layout their GEMMs read: in the unrolled GPU step inside its
+    accumulation loop (data > 1 or grad_accum > 1), XLA's layout assignment takes the layout the
+    layers' GEMMs want for the loop-invariant stacked float32 parameters and transposes each once
+    before the loop (`wrapped_transpose`, f32[out/t, L, d]); the copies live to the backward's end.
+    The row-parallel weights (o, mlp_out) and BTP's layers keep their own layout, and a step without
+    the loop (grad_accum 1 on data 1) copies none (llama_13b data 8 x tensor 8 Megatron-SP holds q, k,
+    v, gate and up so; cola_7b data 16 x tensor 4 BTP and llama_1b data 8 none: benchmarks/RESULTS.md
+    2026-11-29, ninth session)."""
+    loop = grad_accum > 1 or mesh.data > 1
+    if not (pr.unrolled and gpu and sched.stages == 1 and mesh.tensor > 1 and loop):
+        return 0.0
+    choice = dict(zip(PROJECTION_GROUPS, layer.choices))
+    column = {g for g in ("qkv", "mlp_in") if choice[g] == "megatron"}
+    weights = sum(op.weights for op in summary.ops if op.name.split(":")[0] in column)
+    return sched.layers_per_stage * weights * cost.STATE_BYTES
+
+
+def step_cast_copy(
+    pr: Pricer, mesh: Mesh, grad_accum: int, layer: Layer, summary: LayerSummary, sched: Schedule, rest: float
+) -> float:
+    """The compute-dtype copy of the weights the train step casts once per step, before its micro-batches
+    (config/schema.py `weights_cast_once`, runtime/state.py `step_casts`): every weight the model uses only in the
+    compute dtype (the layers' matrices, the embedding and head: not the norm scales), in its stored
+    layout, live through the accumulation loop. None under a pipeline or spatial-temporal GEMMs, none
+    that `fsdp` gathers (with fsdp > 1 every matrix), none in a float32 program."""
+    block = pr.ctx.block
+    if not (operators.gpu(pr.ctx) and weights_cast_once(block.weight_casts, block.factored, grad_accum)):
+        return 0.0
+    if sched.stages > 1 or mesh.fsdp > 1 or ST in layer.choices:
+        return 0.0
+    return (sched.layers_per_stage * summary.fsdp_w + rest) * pr.opts.act_bytes
 
 
 def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:

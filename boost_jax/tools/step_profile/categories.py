@@ -64,7 +64,9 @@ def categorize(k) -> str:
         return "gemm"
     if kind == "custom" and "norm" in name:
         return "norm"
-    if "boost_jax/kernels/rmsnorm.py" in source or re.search(r":(\w*\.)?(RMSNorm|Norm)\.", source):
+    if any(f"boost_jax/kernels/{m}.py" in source for m in ("rmsnorm", "norm_gemm")) or re.search(
+        r":(\w*\.)?(RMSNorm|Norm)\.", source
+    ):  # norm_gemm: its add + norm kernels (its GEMMs are GEMMs, above)
         return "norm"
     if source.startswith("boost_jax/model/loss.py"):
         return "loss"
