@@ -213,7 +213,7 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=
     reduce_dtype = jnp.dtype(ctx[1].grad_reduce_dtype)
     rows = _row_split(*ctx, x.shape[0]) if together is _gradients_together else None
     if rows:
-        return _weight_einsum_parts(spec, preferred_element_type, reduce_dtype, rows, x, w)
+        return _weight_einsum_parts(spec, preferred_element_type, reduce_dtype, rows, ctx[0], x, w)
     x, w = together(x, w)
     return _weight_einsum(spec, preferred_element_type, reduce_dtype, x, w)
 
@@ -290,26 +290,27 @@ def _varying(x) -> set:
 _weight_einsum.defvjp(_weight_einsum_fwd, _weight_einsum_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _weight_einsum_parts(spec, out_dtype, reduce_dtype, rows, x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _weight_einsum_parts(spec, out_dtype, reduce_dtype, rows, mesh, x, w):
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
 
 
-def _weight_einsum_parts_fwd(spec, out_dtype, reduce_dtype, rows, x, w):
+def _weight_einsum_parts_fwd(spec, out_dtype, reduce_dtype, rows, mesh, x, w):
     return _weight_einsum_fwd(spec, out_dtype, reduce_dtype, x, w)
 
 
-def _weight_einsum_parts_bwd(spec, out_dtype, reduce_dtype, rows, res, g):
+def _weight_einsum_parts_bwd(spec, out_dtype, reduce_dtype, rows, mesh, res, g):
     """`_weight_einsum_bwd` with the weight gradient summed over the row split after the barrier:
     each row shard's own float32 product (a local GEMM, [shards, ...]) passes the barrier with the
     input gradient, so the weight-gradient GEMM runs beside the input gradient's all-reduce over
     `tensor`, and the reduction over the shards (a reduce-scatter into the stored layout, `gathered`)
-    runs after it, beside what follows, not before the input gradient is used."""
+    runs after it, beside what follows, not before the input gradient is used. `mesh`: the forward's
+    (a backward may be traced after the rules' context has exited)."""
     x, wc, like = res
     (xs, ws), out = (part.split(",") for part in spec.replace(" ", "").split("->"))
     g = g.astype(x.dtype)
     dx = jnp.einsum(f"{out[0]},{ws}->{xs}", g, wc)
-    mesh = traced_mesh(_CURRENT.get()[0])
+    mesh = traced_mesh(mesh)
     n = math.prod(mesh.shape[a] for a in rows)
     split = lambda t: jax.lax.with_sharding_constraint(  # noqa: E731 - [shards, ...] split over the row axes
         t, NamedSharding(mesh, P(rows, *([P.UNCONSTRAINED] * (t.ndim - 1))))
