@@ -44,7 +44,10 @@ def edge(
         op.colls += [Coll("all-gather", full, t, 1, "fwd")]
     else:  # between two split layouts: each device keeps its overlap, swaps the rest
         op.colls += [Coll("all-to-all", full / t, t, 1, "fwd"), Coll("all-to-all", full / t, t, 1, "bwd")]
-    op.acts = ctx.local(dst, width)
+    # An all-reduce (P -> R) hands back the producer's own elements summed: the GEMM that wrote the
+    # partial output counts them (its acts), and no kernel but the collective touches them in between
+    # (the compiled vanilla / Megatron steps: no elementwise kernel on an all-reduce's output).
+    op.acts = 0.0 if (src, dst) == ("P", "R") else ctx.local(dst, width)
     if saves and not (gpu(ctx) and not ctx.block.fused_norm):  # its output is a GEMM's input, kept for
         # the weight gradient (a normalised row gathered); with XLA's norm the GPU program keeps the
         # token shard instead (GPU_SAVED_NORM_XLA["S"])
