@@ -220,13 +220,11 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=
 
 def _row_split(mesh: Mesh, strategy: Strategy, rows: int) -> tuple | None:
     """The mesh axes x's rows (its first dim) are split over, when the batch is split on them alone
-    (not on the sequence too) and evenly: None otherwise."""
+    (not on the sequence too): None otherwise."""
     seq = next((as_tuple(a) for name, a in strategy.rules if name == "act_seq"), ())
     if math.prod(mesh.shape.get(a, 1) for a in seq) > 1:
         return None
-    axes = as_tuple(spec_for(("act_batch",), (rows,), mesh, strategy.rules)[0] if rows else None)
-    n = math.prod(mesh.shape.get(a, 1) for a in axes)
-    return axes if axes and rows % n == 0 else None  # rows that do not divide (a row per micro-batch): not split
+    return as_tuple(spec_for(("act_batch",), (rows,), mesh, strategy.rules)[0] if rows else None) or None
 
 
 @jax.custom_vjp
@@ -314,23 +312,17 @@ def _weight_einsum_parts_bwd(spec, out_dtype, reduce_dtype, rows, mesh, res, g):
     dx = jnp.einsum(f"{out[0]},{ws}->{xs}", g, wc)
     mesh = traced_mesh(mesh)
     n = math.prod(mesh.shape[a] for a in rows)
-    shard, row = next(c for c in "nmpqsuvwxyz" if c not in spec), xs[0]  # x's first dim: the split rows
-
-    def split(t, at):  # t with its dim `at` split over the row axes
-        dims = [P.UNCONSTRAINED] * t.ndim
-        dims[at] = rows
-        return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P(*dims)))
-
-    def local(t, names):  # (t with the row dim as [shards, rows / shards], its names): the rows stay in place
-        at = names.index(row)
-        t = t.reshape(*t.shape[:at], n, t.shape[at] // n, *t.shape[at + 1 :])
-        return split(t, at), names[:at] + shard + names[at:]
-
-    (xl, xn), (gl, gn) = local(x, xs), local(g, out[0])  # the output may lead with another dim (`gbto`)
-    parts = split(jnp.einsum(f"{xn},{gn}->{shard}{ws}", xl, gl, preferred_element_type=reduce_dtype), 0)
+    split = lambda t: jax.lax.with_sharding_constraint(  # noqa: E731 - [shards, ...] split over the row axes
+        t, NamedSharding(mesh, P(rows, *([P.UNCONSTRAINED] * (t.ndim - 1))))
+    )
+    shard = next(c for c in "nmpqsuvwxyz" if c not in spec)
+    local = lambda t: split(t.reshape(n, t.shape[0] // n, *t.shape[1:]))  # noqa: E731
+    parts = split(
+        jnp.einsum(f"{shard}{xs},{shard}{out[0]}->{shard}{ws}", local(x), local(g), preferred_element_type=reduce_dtype)
+    )
     dx, parts = jax.lax.optimization_barrier((dx, parts))
     dw = jnp.einsum(
-        f"{shard}{ws},{shard}->{ws}", parts, split(jnp.ones((n,), parts.dtype), 0)
+        f"{shard}{ws},{shard}->{ws}", parts, split(jnp.ones((n,), parts.dtype))
     )  # a GEMM contracting the split: reduce-scattered
     return dx, dw.astype(like.dtype)
 
