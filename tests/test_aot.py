@@ -515,9 +515,6 @@ def test_aot_fit_fixed_plans_within_10_percent(tmp_path):
     for r in out["rows"]:
         mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
         why = (r["model"], mesh, r["planner_parts"], r["peak_bytes"])
-        if (r["model"], mesh) in FIXED_UNDER:  # fails once the row is back within 10%: drop its entry
-            assert r["ratio"] < 0.9, ("back within 10%, drop it from FIXED_UNDER", *why)
-            continue
         assert r["ratio"] >= 0.9, why  # never priced more than 10% under its compile
         if (r["model"], mesh) in FIXED_OVER:  # fails once the row is back within 11%: drop its entry
             assert r["ratio"] > 1.11, ("back within 11%, drop it from FIXED_OVER", *why)
@@ -530,12 +527,6 @@ def test_aot_fit_fixed_plans_within_10_percent(tmp_path):
 # Fixed plans the memory model over-prices by more than 11%, each with why (none since the re-fit of
 # 2026-11-29, benchmarks/RESULTS.md: the collective pipeliner's term and XLA's packing).
 FIXED_OVER: dict = {}
-# Fixed plans priced more than 10% under their compile, each with why.
-FIXED_UNDER = {
-    ("cola_7b", "1x1x2x4"): "XLA's buffer packing since the fsdp x tensor weight gradients pass the barrier "
-    "per row shard (parallel/rules.py): the live peak is the old program's, the allocation 42.7 -> 52.3 GB "
-    "(benchmarks/RESULTS.md 2026-11-29, ninth session, h-rec)",
-}
 
 
 README_AOT = (

@@ -18,16 +18,8 @@ TABLES = ("aot_fit", "aot_fit_a100", "aot_fit_fixed")
 UNDER = 0.03  # the planner may price a pick at most 3% below its compiled peak
 OVER = 0.10  # and at most 10% above it
 # Picks the memory model under-prices by more than UNDER, each with why: the test fails (strict xfail)
-# once one is priced within UNDER, so that the entry goes. (table, model, GPUs, mesh p x d x f x t).
-PACKING = (
-    "XLA's buffer packing, not what is live: recompiled with the fsdp weight gradients reduce-scattered "
-    "(parallel/rules.py) the live peak in XLA's live-range report is the old program's to the byte, the "
-    "allocation grew (benchmarks/RESULTS.md 2026-11-29, ninth session, h-rec)"
-)
-KNOWN_UNDER: dict = {
-    ("aot_fit_a100", "llama_7b", 64, "1x1x16x4"): PACKING,
-    ("aot_fit_fixed", "cola_7b", 8, "1x1x2x4"): PACKING,
-}
+# once one is priced within UNDER, so that the entry goes.
+KNOWN_UNDER: dict = {}
 
 
 def _fit():
@@ -44,8 +36,8 @@ def _picks():
         for r in d["rows"] + d["smallest"]:
             if not r.get("plan"):
                 continue  # no plan fits: nothing was compiled
+            key = (table, r["model"], r["devices"])
             mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
-            key = (table, r["model"], r["devices"], mesh)
             marks = [pytest.mark.xfail(reason=KNOWN_UNDER[key], strict=True)] if key in KNOWN_UNDER else []
             out.append(pytest.param(d, r, id=f"{table}-{r['model']}-{r['devices']}-{mesh}", marks=marks))
     return out

@@ -26,9 +26,9 @@ DATA_TP = (
     "micro-batch"
 )
 FSDP_TP = (
-    "fsdp x tensor: the planner hides each layer's fsdp gathers and gradient reduce-scatters behind the "
-    "micro-batch, the table finds most of them exposed (0.39-0.55, the tables recompiled with the weight "
-    "gradients reduce-scattered: benchmarks/RESULTS.md 2026-11-29, ninth session, h-rec)"
+    "fsdp x tensor: the program all-reduces each weight gradient over fsdp in float32 at gathered "
+    "size (rules.weight_einsum) where the planner prices a reduce-scatter, and the table finds most "
+    "of the per-layer fsdp traffic exposed where the planner hides it behind the micro-batch"
 )
 SCAN = (
     "scanned stack (model.scan_unroll=false): the stacked activations' writes (Transformer.hidden "
@@ -38,21 +38,15 @@ KERNELS = (
     "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
     "without their elementwise passes, the planner's time terms still charge them"
 )
-REMAT_CLONES = (
-    "fsdp 2 x tensor 4 at accumulation 8 under the 40 GB budget: XLA's rematerialization clones "
-    "weight-gradient GEMMs (`*.remat`), which the table prices and the planner does not (its GEMMs "
-    "1891.9 -> 2269.5 ms at the same FLOPs once the fsdp gradients were reduce-scattered: "
-    "benchmarks/RESULTS.md 2026-11-29, ninth session, h-agree)"
-)
 KNOWN = {
     **{("h100", m, 64): DATA_TP for m in ("cola_1b", "cola_7b", "cola_13b", "llama_13b")},
     ("a100_40gb", "cola_7b", 64): DATA_TP,
     **{("h100", m, 64): FSDP_TP for m in ("llama_1b", "llama_7b")},
     **{("a100_40gb", m, 64): FSDP_TP for m in ("cola_1b", "llama_1b", "llama_7b", "cola_13b", "llama_13b")},
+    ("h100", "llama_7b", 8): SCAN,
     ("h100", "cola_13b", 8): KERNELS,
     ("a100_40gb", "cola_1b", 8): SCAN,
     ("a100_40gb", "llama_1b", 8): SCAN,
-    ("a100_40gb", "llama_7b", 8): REMAT_CLONES,
 }
 
 
@@ -176,49 +170,3 @@ def test_a_pipelines_collectives_outside_its_tick_loop_are_on_the_path():
         want += times * (wire * b / link.bandwidth + steps * link.latency)
     assert any(c.axis == "pipeline_weights" for c, _ in plan.step_colls)  # the head's gradient over all 64
     assert plan.exposed_dp_s == pytest.approx(want, rel=1e-6)
-
-
-@pytest.mark.slow  # two deviceless 8-GPU compiles of a small model (~1 minute)
-@pytest.mark.parametrize("fsdp,tensor", [(8, 1), (4, 2)])
-def test_fsdp_weight_gradients_are_reduce_scattered_not_all_reduced(make_config, fsdp, tensor):
-    """The GPU program (8 deviceless H100s, BTP CoLA) reduces each fsdp-stored weight's gradient with a
-    float32 reduce-scatter into its shard, at least one layer's weights' worth (7 projections' A and B
-    per tensor shard), and all-reduces over fsdp nothing as big as one projection's weight (the norm
-    scales and scalars, which XLA combines; it all-reduced the weight gradients at gathered size, then
-    sliced them)."""
-    from boost_jax.runtime.build import build  # lazy: jax and the model, for this slow test only
-    from boost_jax.tools import aot
-    from boost_jax.tools.hlo_comm import parse_collectives
-
-    if not aot.available():
-        pytest.skip(f"needs the aot extra: {aot.INSTALL}")
-    d = 64
-    cfg = make_config(
-        **{
-            "model.dtype": "auto",
-            "model.d_model": d,
-            "model.n_heads": 4,
-            "model.n_kv_heads": 2,
-            "model.d_ff": 128,
-            "model.rank": 16,
-            "train.seq_len": 64,
-            "model.max_seq_len": 64,
-            "model.linear": "cola",
-            "parallel.data": 1,
-            "parallel.fsdp": fsdp,
-            "parallel.tensor": tensor,
-            "parallel.strategy": "btp",
-        }
-    )
-    cfg.data.source = "embedded"
-    built = build(cfg, aot.devices("h100", 8))
-    colls = [
-        c
-        for c in parse_collectives(built.lower_train().compile().as_text(), built.mesh)
-        if "fsdp" in c.axes and c.kind in ("all-reduce", "reduce-scatter") and c.dtype in ("f32", "bf16")
-    ]
-    one = d * cfg.model.rank // tensor  # the smallest projection weight per tensor shard
-    wide = [(c.kind, c.elements, c.op_name) for c in colls if c.kind == "all-reduce" and c.elements >= one]
-    assert not wide, wide
-    scattered = sum(c.elements for c in colls if c.kind == "reduce-scatter" and c.dtype == "f32")
-    assert scattered >= 7 * 2 * cfg.model.rank * d / tensor, scattered

@@ -182,11 +182,10 @@ def _gather_fwd(w, stored, compute, dtype, reduce_dtype):
 
 
 def _gather_bwd(stored, compute, dtype, reduce_dtype, like, g):
-    # Widen, then lay out as stored: whatever reduction is left runs in reduce_dtype, and a weight
-    # gradient summed over the batch's fsdp split (a GEMM's, `weight_einsum`) is reduce-scattered
-    # straight into the stored layout. Pinning it to the compute layout first made XLA all-reduce it
-    # at gathered size over fsdp, then slice (benchmarks/RESULTS.md 2026-11-29, ninth session, h-agree).
-    return (jax.lax.with_sharding_constraint(g.astype(reduce_dtype), stored).astype(like.dtype),)
+    # Widen first, in the compute layout (where autodiff's transpose would put it: XLA partitions the
+    # gradient as before), then lay out as stored: whatever reduction is left runs in reduce_dtype.
+    g = jax.lax.with_sharding_constraint(g.astype(reduce_dtype), compute)
+    return (jax.lax.with_sharding_constraint(g, stored).astype(like.dtype),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -210,21 +209,8 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array, preferred_element_type=
     if not _batch_is_split(*ctx):
         x, wc = together(x, w.astype(x.dtype))  # the barrier before the gradient's cast to w's dtype
         return jnp.einsum(spec, x, wc, preferred_element_type=preferred_element_type)
-    reduce_dtype = jnp.dtype(ctx[1].grad_reduce_dtype)
-    rows = _row_split(*ctx, x.shape[0]) if together is _gradients_together else None
-    if rows:
-        return _weight_einsum_parts(spec, preferred_element_type, reduce_dtype, rows, ctx[0], x, w)
     x, w = together(x, w)
-    return _weight_einsum(spec, preferred_element_type, reduce_dtype, x, w)
-
-
-def _row_split(mesh: Mesh, strategy: Strategy, rows: int) -> tuple | None:
-    """The mesh axes x's rows (its first dim) are split over, when the batch is split on them alone
-    (not on the sequence too): None otherwise."""
-    seq = next((as_tuple(a) for name, a in strategy.rules if name == "act_seq"), ())
-    if math.prod(mesh.shape.get(a, 1) for a in seq) > 1:
-        return None
-    return as_tuple(spec_for(("act_batch",), (rows,), mesh, strategy.rules)[0] if rows else None) or None
+    return _weight_einsum(spec, preferred_element_type, jnp.dtype(ctx[1].grad_reduce_dtype), x, w)
 
 
 @jax.custom_vjp
@@ -290,56 +276,12 @@ def _varying(x) -> set:
 _weight_einsum.defvjp(_weight_einsum_fwd, _weight_einsum_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _weight_einsum_parts(spec, out_dtype, reduce_dtype, rows, mesh, x, w):
-    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
-
-
-def _weight_einsum_parts_fwd(spec, out_dtype, reduce_dtype, rows, mesh, x, w):
-    return _weight_einsum_fwd(spec, out_dtype, reduce_dtype, x, w)
-
-
-def _weight_einsum_parts_bwd(spec, out_dtype, reduce_dtype, rows, mesh, res, g):
-    """`_weight_einsum_bwd` with the weight gradient summed over the row split after the barrier:
-    each row shard's own float32 product (a local GEMM, [shards, ...]) passes the barrier with the
-    input gradient, so the weight-gradient GEMM runs beside the input gradient's all-reduce over
-    `tensor`, and the reduction over the shards (a reduce-scatter into the stored layout, `gathered`)
-    runs after it, beside what follows, not before the input gradient is used. `mesh`: the forward's
-    (a backward may be traced after the rules' context has exited)."""
-    x, wc, like = res
-    (xs, ws), out = (part.split(",") for part in spec.replace(" ", "").split("->"))
-    g = g.astype(x.dtype)
-    dx = jnp.einsum(f"{out[0]},{ws}->{xs}", g, wc)
-    mesh = traced_mesh(mesh)
-    n = math.prod(mesh.shape[a] for a in rows)
-    split = lambda t: jax.lax.with_sharding_constraint(  # noqa: E731 - [shards, ...] split over the row axes
-        t, NamedSharding(mesh, P(rows, *([P.UNCONSTRAINED] * (t.ndim - 1))))
-    )
-    shard = next(c for c in "nmpqsuvwxyz" if c not in spec)
-    local = lambda t: split(t.reshape(n, t.shape[0] // n, *t.shape[1:]))  # noqa: E731
-    parts = split(
-        jnp.einsum(f"{shard}{xs},{shard}{out[0]}->{shard}{ws}", local(x), local(g), preferred_element_type=reduce_dtype)
-    )
-    dx, parts = jax.lax.optimization_barrier((dx, parts))
-    dw = jnp.einsum(
-        f"{shard}{ws},{shard}->{ws}", parts, split(jnp.ones((n,), parts.dtype))
-    )  # a GEMM contracting the split: reduce-scattered
-    return dx, dw.astype(like.dtype)
-
-
-_weight_einsum_parts.defvjp(_weight_einsum_parts_fwd, _weight_einsum_parts_bwd)
-
-
-def take_rows(table: jax.Array, ids: jax.Array, names: Sequence[str | None] = ("vocab_in", "embed")) -> jax.Array:
-    """table[ids] for a weight table (an embedding, its dims named `names`) in its compute dtype and
-    layout (`gathered`), whose gradient (a scatter-add of the rows' gradients, then reduced over the
-    batch axes) is accumulated in the strategy's `grad_reduce_dtype` when that is wider, and reduced
-    in the compute layout: left free, XLA partitions the scatter-add over the table's fsdp split,
-    all-gathering every row's float32 gradient instead. Outside a strategy: table[ids]."""
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] for a weight table (an embedding) in its compute dtype, whose gradient (a
+    scatter-add of the rows' gradients, then reduced over the batch axes) is accumulated in the
+    strategy's `grad_reduce_dtype` when that is wider. Outside a strategy: table[ids]."""
     ctx = _CURRENT.get()
     if ctx is None:
         return table[ids]
-    mesh, strategy = ctx
-    wide = jnp.promote_types(table.dtype, strategy.grad_reduce_dtype)  # widen only: the rows are unchanged
-    compute = NamedSharding(traced_mesh(mesh), spec_for(names, table.shape, mesh, strategy.compute_rules))
-    return jax.lax.with_sharding_constraint(table.astype(wide), compute)[ids].astype(table.dtype)
+    wide = jnp.promote_types(table.dtype, ctx[1].grad_reduce_dtype)  # widen only: the rows are unchanged
+    return table.astype(wide)[ids].astype(table.dtype)

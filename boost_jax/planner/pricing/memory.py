@@ -229,15 +229,22 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
 def double_buffer_array(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
     """The GPU program's double-buffered layer scan (when the program gets the flag; an unrolled stack
     has no scan to double-buffer), unpipelined: without remat it keeps one more stacked [layers, T,
-    ff/t] array (cost.SCAN_DOUBLE_BUFFER). Under remat the scan's stacks share their buffers with
-    their `double_buffer_clone`s: A100 cola_13b btp f16 x t4 remat lowrank gave qkv's stacked A outputs
-    and the layer inputs' stack a second buffer each while the program all-reduced its fsdp weight
-    gradients at gathered size, and neither since it reduce-scatters them (parallel/rules.py; XLA's
-    memory-usage report: benchmarks/RESULTS.md 2026-11-29, ninth session, h-rec)."""
+    ff/t] array (cost.SCAN_DOUBLE_BUFFER). Under remat lowrank on a tensor-split σ(A·x) layer XLA can
+    give the stack of the widest A output (qkv's, all-reduced over tensor) a second buffer, one per copy
+    of the loop body (A100 cola_13b btp f16 x t4: `loop_dynamic_update_slice_fusion.1` and its
+    `double_buffer_clone`, bf16[L, 3r, T] at two offsets in XLA's memory-usage report); some such
+    programs share one buffer (H100 cola_7b f16 x t4), and which do is not modelled: the term counts
+    the second buffer, an upper bound (benchmarks/RESULTS.md 2026-11-29, "the planner's picks now")."""
     ctx, opts = pr.ctx, pr.opts
-    if sched.stages > 1 or not gpu or not opts.double_buffered or pr.unrolled or pr.policy != "none":
+    if sched.stages > 1 or not gpu or not opts.double_buffered or pr.unrolled:
         return 0.0
-    return cost.SCAN_DOUBLE_BUFFER * sched.layers_per_stage * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
+    layers = sched.layers_per_stage
+    if pr.policy == "none":
+        return cost.SCAN_DOUBLE_BUFFER * layers * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
+    widest = max((op.bottleneck for op in summary.ops), default=0.0)
+    if pr.policy == "lowrank" and mesh.tensor > 1 and widest:
+        return cost.SCAN_DOUBLE_BUFFER * layers * widest * opts.act_bytes
+    return 0.0
 
 
 def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weights: float) -> float:
