@@ -58,13 +58,14 @@ CASES = {
 RECORDED_ON = ("0.10.2", "AMD EPYC")
 RTOL_ELSEWHERE = 1e-5
 RECORDED = {
-    # Re-recorded on this project's AMD EPYC host when BTP's online norm stopped dividing each device's rows
-    # by their local rms before the A GEMM (parallel/online_norm.py): the BTP cases move in their last bits;
-    # the rest move by the host's rounding alone (the Intel host's values agreed with these within 4e-7).
+    # Re-recorded on 2026-11-29 (ninth session) when grouped second stages started writing their outputs
+    # g-leading (model/linear.py `project`, `btgr,gro->gbto`: each output a contiguous block): the float32
+    # sums move in their last bits in every case but btp_st_2x2x2; before that, when BTP's online norm
+    # stopped dividing each device's rows by their local rms before the A GEMM (parallel/online_norm.py).
     "btp_2x2x2_accum2": [
         ("0x1.6d18ae0000000p+2", "0x1.2b1d000000000p+1"),
-        ("0x1.725e840000000p+2", "0x1.bc08580000000p+0"),
-        ("0x1.7520040000000p+2", "0x1.fa10800000000p+0"),
+        ("0x1.725e840000000p+2", "0x1.bc08560000000p+0"),
+        ("0x1.7520040000000p+2", "0x1.fa10860000000p+0"),
     ],
     "btp_st_2x2x2": [
         ("0x1.6d18ac0000000p+2", "0x1.2b1d000000000p+1"),
@@ -72,24 +73,24 @@ RECORDED = {
         ("0x1.7520040000000p+2", "0x1.fa10860000000p+0"),
     ],
     "megatron_sp_pallas_norm": [
-        ("0x1.6d18ae0000000p+2", "0x1.2b1d040000000p+1"),
-        ("0x1.725e860000000p+2", "0x1.bc08560000000p+0"),
-        ("0x1.7520040000000p+2", "0x1.fa10840000000p+0"),
+        ("0x1.6d18ac0000000p+2", "0x1.2b1d020000000p+1"),
+        ("0x1.725e860000000p+2", "0x1.bc08580000000p+0"),
+        ("0x1.7520020000000p+2", "0x1.fa10840000000p+0"),
     ],
     "one_device": [
         ("0x1.6d18ba0000000p+2", "0x1.2b1d020000000p+1"),
-        ("0x1.725e800000000p+2", "0x1.bc08580000000p+0"),
-        ("0x1.751ffc0000000p+2", "0x1.fa108a0000000p+0"),
+        ("0x1.725e800000000p+2", "0x1.bc08540000000p+0"),
+        ("0x1.751ffa0000000p+2", "0x1.fa10820000000p+0"),
     ],
     "sltrain_btp_tp2": [
         ("0x1.73bdcc0000000p+2", "0x1.b2c9640000000p+1"),
         ("0x1.7423d00000000p+2", "0x1.79fc240000000p+1"),
-        ("0x1.75da1a0000000p+2", "0x1.a21ddc0000000p+1"),
+        ("0x1.75da1a0000000p+2", "0x1.a21dda0000000p+1"),
     ],
     "vanilla_pipeline_fsdp_lowrank_remat": [
-        ("0x1.6d18ac0000000p+2", "0x1.2b1d040000000p+1"),
+        ("0x1.6d18ac0000000p+2", "0x1.2b1d020000000p+1"),
         ("0x1.725e840000000p+2", "0x1.bc08580000000p+0"),
-        ("0x1.7520040000000p+2", "0x1.fa10800000000p+0"),
+        ("0x1.7520040000000p+2", "0x1.fa10880000000p+0"),
     ],
 }
 

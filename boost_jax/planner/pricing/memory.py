@@ -9,6 +9,7 @@ from boost_jax.config import PROJECTION_GROUPS, ST, weights_cast_once
 from boost_jax.kernels.norm_choice import choose_norm
 from boost_jax.parallel.pipeline.arithmetic import ring_slots
 from boost_jax.planner.ops import operators
+from boost_jax.planner.ops.strategy_tables import strategy_layers
 from boost_jax.planner.pricing import cost
 from boost_jax.planner.pricing.plans import Layer, Mesh
 from boost_jax.planner.pricing.pricer import LayerSummary, Pricer
@@ -179,8 +180,15 @@ def layout_copies(
     loop = grad_accum > 1 or mesh.data > 1
     if not (pr.unrolled and gpu and sched.stages == 1 and mesh.tensor > 1 and loop):
         return 0.0
+    block = pr.ctx.block
+    tables = {t.name: t for t in strategy_layers(block.factored, block.online_norm)}
+
+    def by_outputs(group: str, choice: str) -> bool:  # the group's weights split by their outputs alone
+        split = tables[choice].splits[PROJECTION_GROUPS.index(group)] if choice in tables else None
+        return split is not None and (split.first, split.second)[block.factored] == "out" and split.first != "in"
+
     choice = dict(zip(PROJECTION_GROUPS, layer.choices))
-    column = {g for g in ("qkv", "mlp_in") if choice[g] == "megatron"}
+    column = {g for g in ("qkv", "mlp_in") if by_outputs(g, choice[g])}
     weights = sum(op.weights for op in summary.ops if op.name.split(":")[0] in column)
     return sched.layers_per_stage * weights * cost.STATE_BYTES
 
