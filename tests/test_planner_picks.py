@@ -210,3 +210,29 @@ def test_the_planner_counts_the_weights_the_step_casts_once(fit):
     assert copy(one, {}) == (0.0, 0)
     fsdp = plan.replace("parallel.fsdp=1", "parallel.fsdp=2").replace("parallel.tensor=2", "parallel.tensor=1")
     assert copy(fsdp, {"fsdp": 2, "tensor": 1}) == (0.0, 0)
+
+
+def test_the_planner_keeps_no_normalised_rows_where_the_norm_is_read_into_the_gemm(fit):
+    """model.bottleneck_kernel `auto` on one GPU (gate_kernel=gemm) reads each residual add + norm into
+    the grouped first stage's GEMM (kernels/norm_gemm.py): the norm keeps the stream and 1/rms, not the
+    normalised rows. The recorded cola_1b pick on one H100 is priced one [tokens, d] compute-dtype array
+    per norm per layer lower than the same plan with `rope` (the norm apart), a difference equal to that
+    count by hand; on two devices (where the kernels do not run) the choice changes nothing."""
+    from boost_jax.tools.devices import load_config
+
+    table = json.loads((ROOT / "benchmarks" / "aot_fit.json").read_text())
+    pick = next(r for r in table["smallest"] if r["model"] == "cola_1b" and r["devices"] == 1)
+    cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
+
+    def total(flags: str, mesh: dict) -> float:
+        row = {**pick, "plan": flags, "mesh": {**pick["mesh"], **mesh}}
+        return fit.reprice(row, cluster, table["pipelined_collectives"]).memory["total"]
+
+    plan = pick["plan"]
+    cfg = load_config(str(ROOT / "configs" / "cola_1b.py"))
+    tokens = cfg.train.global_batch // int(plan.split("train.grad_accum=")[1].split()[0]) * cfg.train.seq_len
+    rows = 2 * cfg.model.n_layers * tokens * cfg.model.d_model * 2  # two norms a layer, bf16
+    saved = total(plan + " model.bottleneck_kernel=rope", {}) - total(plan, {})
+    assert saved == pytest.approx(rows, rel=1e-6)
+    two = plan.replace("parallel.data=1", "parallel.data=2")
+    assert total(two + " model.bottleneck_kernel=rope", {"data": 2}) == total(two, {"data": 2})

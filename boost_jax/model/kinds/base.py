@@ -97,7 +97,7 @@ class LinearKind(nnx.Module):
         self.in_axis, self.out_axis = axes
         self.width = self.bottleneck_width(m, d_in, d_out)
         self.act_in_gemm, self.rope_in_gemm = self.bottleneck_kernels(m)
-        self.norm_in_gemm = self.rope_in_gemm and self._bottleneck_choice(m) == "norm"
+        self.norm_in_gemm = self.norm_kernel(m)
 
     @classmethod
     def bottleneck_kernels(cls, m) -> tuple[bool, bool]:
@@ -108,6 +108,13 @@ class LinearKind(nnx.Module):
         choice = cls._bottleneck_choice(m)
         act = bool(cls.act) and choice in ("gemm", "rope", "norm")
         return act, act and choice in ("rope", "norm")
+
+    @classmethod
+    def norm_kernel(cls, m) -> bool:
+        """Whether model.bottleneck_kernel (resolved as `bottleneck_kernels` does) reads the residual add +
+        norm into the first stage's GEMM (model/linear.py `add_norm_first`). The planner's memory terms
+        read it too."""
+        return cls.bottleneck_kernels(m)[1] and cls._bottleneck_choice(m) == "norm"
 
     @staticmethod
     def _bottleneck_choice(m) -> str:

@@ -9,7 +9,7 @@ from boost_jax.planner.ops.kept_arrays import (
     GPU_SAVED_NORM_XLA,
     SAVED_NORM,
 )
-from boost_jax.planner.ops.operators import Coll, Ctx, Op, gpu
+from boost_jax.planner.ops.operators import Coll, Ctx, Op, gpu, norm_in_gemm
 
 
 def edge(
@@ -79,6 +79,10 @@ def norm(ctx: Ctx, layout: str, fused: bool) -> Op:
     if fused and gpu(ctx) and ctx.block.fused_norm:  # the online norm's float32 arrays, in memory (scanned)
         op.kept = (op.saved, op.saved32 + GPU_KEPT_ONLINE_NORM_INPUT32 * width)
         op.kept_unrolled = (op.saved, op.saved32)
+    if gpu(ctx) and norm_in_gemm(ctx):  # in memory: the GEMM after it normalises the rows it loads, so
+        # no normalised rows are kept, only the stream and 1/rms (kernels/norm_gemm.py; the time terms
+        # keep their passes)
+        op.kept = op.kept_unrolled = ((kept - 1) * width, op.saved32)
     if fs > 1 and not fused:  # the statistics are kept by the lowrank policy: never recomputed
         op.colls = [Coll("all-reduce", ctx.tokens / ts, fs, 1, p, saved=p == "fwd") for p in ("fwd", "bwd")]
     return op

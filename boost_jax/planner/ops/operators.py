@@ -284,15 +284,25 @@ def kernels_in_gemms(ctx: Ctx) -> tuple[bool, bool]:
             triton=False,
             gate=b.gate_kernel,
         )
-        act, _ = kind_class(b.linear).bottleneck_kernels(
-            {"bottleneck_kernel": b.bottleneck_kernel, "gate_kernel": v["gate_kernel"]}
-        )
+        m = {"bottleneck_kernel": b.bottleneck_kernel, "gate_kernel": v["gate_kernel"]}
+        act, _ = kind_class(b.linear).bottleneck_kernels(m)
         fuses_norm = b.online_norm and ctx.t > 1  # BTP's online norm rides in the A all-reduce
+        runs = act_kernels_run(act, v["group_linears"], fuses_norm, ctx.devices)
         _KERNELS[ctx] = (
             v["gate_kernel"] == GATE_IN_GEMM,
-            act_kernels_run(act, v["group_linears"], fuses_norm, ctx.devices),
+            runs,
+            # the residual add + norm inside the grouped first stage's GEMM (model/linear.py
+            # `add_norm_first`): where the σ kernels run, the fused norm does and the first stages are grouped
+            runs and b.fused_norm and bool(v["group_linears"]) and kind_class(b.linear).norm_kernel(m),
         )
-    return _KERNELS[ctx]
+    return _KERNELS[ctx][:2]
+
+
+def norm_in_gemm(ctx: Ctx) -> bool:
+    """Whether the GPU program of this plan reads each norm into the GEMM after it (`kernels_in_gemms`'
+    conditions and model.bottleneck_kernel=norm): the norm then keeps no normalised rows, only the
+    stream and each row's 1/rms (kernels/norm_gemm.py)."""
+    return kernels_in_gemms(ctx)[1] and _KERNELS[ctx][2]
 
 
 _KERNELS: dict = {}
