@@ -63,7 +63,7 @@ def test_accumulated_gradient_matches_single_device(make_config, mesh, reduce_dt
     cfg = par_config(
         make_config, "btp", "cola", mesh, **{"parallel.grad_reduce_dtype": reduce_dtype, "model.dtype": compute}
     )
-    (loss, grads), (ref_loss, ref_grads), _ = accumulated(cfg)
+    (loss, grads), (ref_loss, ref_grads), *_ = accumulated(cfg)
     tol = 1e-5 if reduce_dtype == compute == "float32" else 2e-2 if compute == "float32" else 5e-2
     assert abs(float(loss) - ref_loss) <= (1e-5 if compute == "float32" else 1e-2) * abs(ref_loss)
     assert_close_tree(jax.device_get(grads), ref_grads, tol)
@@ -76,23 +76,41 @@ def test_the_gpu_accumulation_loop_matches_single_device(make_config, monkeypatc
     plain loop (data 1), and the compiled step has a loop of unknown trip count (the scan's has one)."""
     monkeypatch.setattr(grad_reduce, "hides_trip_count", lambda: True)
     cfg = par_config(make_config, "btp", "cola", mesh, **{"train.grad_accum": 2})
-    (loss, grads), (ref_loss, ref_grads), collectives = accumulated(cfg)
+    (loss, grads), (ref_loss, ref_grads), collectives, _ = accumulated(cfg)
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
     assert_close_tree(jax.device_get(grads), ref_grads, 1e-5)
     assert any(c.trips is None for c in collectives()), "no loop of unknown trip count"
 
 
-def accumulated(cfg):
-    """((loss, grads) of grad_reduce.accumulate_grads over 2 micro-batches on cfg's mesh, the
-    one-device (loss, grads), a function giving the compiled step's collectives)."""
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_one_micro_batch_island_matches_single_device(make_config, monkeypatch, reduce_dtype):
+    """grad_accum 1 through the data island (no accumulation loop: each gradient summed over `data`
+    straight from the backward), data 2 x fsdp 2 x tensor 2, as a GPU step builds it: the one-device
+    loss and gradient, and the step runs no accumulation loop (the GPU's is a `while`:
+    grad_reduce.each_micro_batch) and sums the gradient over `data` outside any loop."""
+    monkeypatch.setattr(grad_reduce, "hides_trip_count", lambda: True)
+    cfg = par_config(make_config, "btp", "cola", (2, 2, 2), **{"parallel.grad_reduce_dtype": reduce_dtype})
+    (loss, grads), (ref_loss, ref_grads), collectives, jaxpr = accumulated(cfg, micro_batches=1)
+    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(jax.device_get(grads), ref_grads, 1e-5 if reduce_dtype == "float32" else 2e-2)
+    assert "while[" not in str(jaxpr()), "an accumulation loop at grad_accum 1"
+    ops = [c for c in collectives() if c.kind == "all-reduce" and "data" in c.axes]
+    assert ops and not any(c.in_loop for c in ops)
+
+
+def accumulated(cfg, micro_batches=2):
+    """((loss, grads) of grad_reduce.accumulate_grads over `micro_batches` on cfg's mesh, the
+    one-device (loss, grads), functions giving the compiled step's collectives and its jaxpr)."""
     params_host, tokens, ref = reference(cfg)
     built = build(cfg)
     m, spec = built.mesh, built.spec
     params = jax.device_put(params_host, spec.shardings["params"])
-    batch = jax.device_put(tokens.reshape(2, -1, tokens.shape[-1]), NamedSharding(m, P(None, ("data", "fsdp"))))
+    rows = NamedSharding(m, P(None, ("data", "fsdp")))
+    batch = jax.device_put(tokens.reshape(micro_batches, -1, tokens.shape[-1]), rows)
     grad_fn = jax.value_and_grad(lambda p, x: next_token_loss(spec.graphdef, p, x))
     step = jax.jit(built.bind(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b, m, built.strategy)))
-    return step(params, batch), ref, lambda: parse_collectives(step.lower(params, batch).compile().as_text(), m)
+    collectives = lambda: parse_collectives(step.lower(params, batch).compile().as_text(), m)  # noqa: E731
+    return step(params, batch), ref, collectives, lambda: jax.make_jaxpr(step)(params, batch)
 
 
 # ------------------------------------------------------------------ GPipe: once per pass

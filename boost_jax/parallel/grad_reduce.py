@@ -4,7 +4,8 @@ Left to GSPMD, a step of `grad_accum` micro-batches all-reduces the gradient ove
 micro-batch, in the backward's dtype. Here each data replica computes its own gradient: the
 micro-batch is viewed as [data, rows/data, T+1] and the loss vmapped over that dim with
 `spmd_axis_name="data"`, under the strategy's rules with `data` removed; the per-replica gradients
-are accumulated in float32, still split over `data`, and summed once at the end. Over `fsdp` the
+are accumulated in float32, still split over `data`, and summed once at the end (at grad_accum 1
+no loop and no accumulator: each weight's gradient summed as the backward makes it). Over `fsdp` the
 gradient is still reduce-scattered once per micro-batch: that keeps the accumulator sharded like
 the parameters, and deferring it would need an unsharded gradient buffer on every device.
 
@@ -126,14 +127,18 @@ def accumulate_grads(grad_fn, params, batch, mesh=None, strategy=None):
         t, NamedSharding(mesh, P("data", *([P.UNCONSTRAINED] * (t.ndim - 1))))
     )
 
+    dtype = jnp.dtype(strategy.grad_reduce_dtype)
+    reduce = lambda g, p: (g.astype(dtype).sum(0).astype(jnp.float32) / (a * d)).astype(p.dtype)  # noqa: E731
+    if a == 1:
+        # No loop and no accumulator: each weight's gradient is summed over `data` straight from the
+        # backward, so its all-reduce can run beside the backward of the layers before it.
+        l, g = per_replica(params, jax.tree.map(lambda t: t[0], x))
+        return l.mean(), jax.tree.map(lambda g, p: reduce(g.astype(jnp.float32), p), g, params)
+
     def micro(acc, tokens):
         l, g = per_replica(params, tokens)
         return jax.tree.map(lambda s, g: split(s + g.astype(jnp.float32)), acc, g), l
 
     zeros = jax.tree.map(lambda p: split(jnp.zeros((d,) + p.shape, jnp.float32)), params)
     acc, loss = each_micro_batch(micro, zeros, x, loss_shape=(d,))  # one loss per data replica
-    dtype = jnp.dtype(strategy.grad_reduce_dtype)
-    grads = jax.tree.map(
-        lambda g, p: (g.astype(dtype).sum(0).astype(jnp.float32) / (a * d)).astype(p.dtype), acc, params
-    )
-    return loss, grads
+    return loss, jax.tree.map(reduce, acc, params)
