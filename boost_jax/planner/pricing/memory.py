@@ -15,6 +15,12 @@ from boost_jax.planner.pricing.plans import Layer, Mesh
 from boost_jax.planner.pricing.pricer import LayerSummary, Pricer
 from boost_jax.planner.pricing.schedule import Schedule
 
+# Bytes per local parameter the optimizer update holds beyond the gradient where no accumulation loop
+# runs (grad_accum 1, unpipelined; cost.OPTIMIZER_TEMP elsewhere): read from the live ranges of the
+# llama_13b data 8 x tensor 8 Megatron-SP pick's deviceless H100 compile (benchmarks/RESULTS.md
+# 2026-11-29, tenth session, h-island)
+UPDATE_TEMP_NO_LOOP = 2
+
 
 def memory_bytes(
     pr: Pricer,
@@ -79,16 +85,8 @@ def memory_bytes(
     copies = layout_copies(pr, mesh, grad_accum, layer, summary, sched, gpu)
     memory["weights"] += copies + step_cast_copy(pr, mesh, grad_accum, layer, summary, sched, rest_fsdp_weights)
     if pr.unrolled and gpu:
-        # Unrolled, each micro-batch's float32 gradient is written into what the backward frees of the
-        # layers' kept activations. The accumulation loop's float32 carry is live from the loop's start
-        # (llama_1b data 8, cola_7b data 16 x tensor 4, llama_13b data 8 x tensor 8 hold it at their
-        # peaks, the backward's start): on the data-only and BTP layers the unrolled counts were read
-        # from (kept_arrays.py GPU_UNROLLED_*) the credit takes it too, standing for what those counts
-        # keep over their programs; a Megatron tensor-split layer (its counts its program's) keeps it
-        # (benchmarks/RESULTS.md 2026-11-29, ninth session, "the unrolled Megatron-SP pick")
-        grads = memory["states"] - params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)
-        grads -= params * cost.STATE_BYTES if copies else 0.0
-        memory["activations"] = max(memory["activations"] - grads, 0.0)
+        credit = unrolled_credit(pr, mesh, grad_accum, layer, summary, sched, params, memory["states"], copies)
+        memory["activations"] = max(memory["activations"] - credit, 0.0)
     kept = memory["weights"] + memory["gathered"] + memory["activations"] + memory["pipeline"]
     # Under stage remat a tick's backward first re-runs one chunk of L/(S V) layers, which keep what
     # the layer policy keeps, then runs their backward one layer at a time.
@@ -102,7 +100,8 @@ def memory_bytes(
         table = rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)
         memory["pipeline"], loss = table, loss - table
         kept += table
-    memory["transient"] = max(loss, working, params * cost.OPTIMIZER_TEMP - kept)
+    update = cost.OPTIMIZER_TEMP if grad_accum > 1 or stages > 1 else UPDATE_TEMP_NO_LOOP
+    memory["transient"] = max(loss, working, params * update - kept)
     arguments = params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)  # parameters, Adam m and v
     # XLA's packing: what the counts above miss where a pipeline meets another kind of parallelism (cola
     # 1F1B lowrank on 64 H100s, GPipe and circular plans without remat). Elsewhere the step allocates
@@ -115,6 +114,32 @@ def memory_bytes(
     memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments)
     memory["total"] = sum(memory.values())
     return memory
+
+
+def unrolled_credit(
+    pr: Pricer,
+    mesh: Mesh,
+    grad_accum: int,
+    layer: Layer,
+    summary: LayerSummary,
+    sched: Schedule,
+    params: float,
+    states: float,
+    copies: float,
+) -> float:
+    """What the unrolled GPU step's kept-activation counts over-count. Unrolled, each micro-batch's float32
+    gradient is written into what the backward frees of the layers' kept activations. The accumulation
+    loop's float32 carry is live from the loop's start (llama_1b data 8, cola_7b data 16 x tensor 4,
+    llama_13b data 8 x tensor 8 held it at their peaks, the backward's start): on the data-only and BTP
+    layers the unrolled counts were read from (kept_arrays.py GPU_UNROLLED_*) the credit takes it too,
+    standing for what those counts keep over their programs; a Megatron tensor-split layer (its counts its
+    program's) keeps it (benchmarks/RESULTS.md 2026-11-29, ninth session, "the unrolled Megatron-SP pick").
+    At grad_accum 1 no loop runs (parallel/grad_reduce.py), so no carry: on the data-only and BTP layers
+    those counts' share of it goes too (tenth session, h-island)."""
+    grads = states - params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)
+    grads -= params * cost.STATE_BYTES if copies else 0.0
+    column = column_weights(pr, layer, summary) if mesh.tensor > 1 else 0.0
+    return grads + (params * cost.STATE_BYTES if grad_accum == 1 and sched.stages == 1 and not column else 0.0)
 
 
 def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> tuple[float, float]:
@@ -170,16 +195,21 @@ def layout_copies(
 ) -> float:
     """Float32 copies of the stacked column-parallel weights (Megatron's qkv and mlp_in, split by their
     outputs over tensor) in the layout their GEMMs read: in the unrolled GPU step inside its
-    accumulation loop (data > 1 or grad_accum > 1), XLA's layout assignment takes the layout the
+    accumulation loop (grad_accum > 1), XLA's layout assignment takes the layout the
     layers' GEMMs want for the loop-invariant stacked float32 parameters and transposes each once
     before the loop (`wrapped_transpose`, f32[out/t, L, d]); the copies live to the backward's end.
     The row-parallel weights (o, mlp_out) and BTP's layers keep their own layout, and a step without
-    the loop (grad_accum 1 on data 1) copies none (llama_13b data 8 x tensor 8 Megatron-SP holds q, k,
-    v, gate and up so; cola_7b data 16 x tensor 4 BTP and llama_1b data 8 none: benchmarks/RESULTS.md
-    2026-11-29, ninth session)."""
-    loop = grad_accum > 1 or mesh.data > 1
-    if not (pr.unrolled and gpu and sched.stages == 1 and mesh.tensor > 1 and loop):
+    the loop (grad_accum 1, the data island's too) copies none (llama_13b data 8 x tensor 8 Megatron-SP
+    held q, k, v, gate and up so inside the island's loop at grad_accum 1, which no longer runs one;
+    cola_7b data 16 x tensor 4 BTP and llama_1b data 8 none: benchmarks/RESULTS.md 2026-11-29)."""
+    if not (pr.unrolled and gpu and sched.stages == 1 and mesh.tensor > 1 and grad_accum > 1):
         return 0.0
+    return sched.layers_per_stage * column_weights(pr, layer, summary) * cost.STATE_BYTES
+
+
+def column_weights(pr: Pricer, layer: Layer, summary: LayerSummary) -> float:
+    """One layer's weights (elements per tensor shard) in the groups `layer` splits by their outputs
+    alone (Megatron's qkv and mlp_in; none under BTP), read from the strategy tables."""
     block = pr.ctx.block
     tables = {t.name: t for t in strategy_layers(block.factored, block.online_norm)}
 
@@ -189,8 +219,7 @@ def layout_copies(
 
     choice = dict(zip(PROJECTION_GROUPS, layer.choices))
     column = {g for g in ("qkv", "mlp_in") if by_outputs(g, choice[g])}
-    weights = sum(op.weights for op in summary.ops if op.name.split(":")[0] in column)
-    return sched.layers_per_stage * weights * cost.STATE_BYTES
+    return sum(op.weights for op in summary.ops if op.name.split(":")[0] in column)
 
 
 def step_cast_copy(
