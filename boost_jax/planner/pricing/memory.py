@@ -134,12 +134,14 @@ def unrolled_credit(
     layers the unrolled counts were read from (kept_arrays.py GPU_UNROLLED_*) the credit takes it too,
     standing for what those counts keep over their programs; a Megatron tensor-split layer (its counts its
     program's) keeps it (benchmarks/RESULTS.md 2026-11-29, ninth session, "the unrolled Megatron-SP pick").
-    At grad_accum 1 no loop runs (parallel/grad_reduce.py), so no carry: on the data-only and BTP layers
-    those counts' share of it goes too (tenth session, h-island)."""
+    At grad_accum 1 the data island (data > 1) runs no loop since the tenth session (parallel/grad_reduce.py),
+    so no carry: on the data-only and BTP layers those counts' share of it goes too (a one-replica step at
+    grad_accum 1 never ran the loop, and its price stays)."""
     grads = states - params * (cost.ADAM_STATE_BYTES - cost.STATE_BYTES)
     grads -= params * cost.STATE_BYTES if copies else 0.0
     column = column_weights(pr, layer, summary) if mesh.tensor > 1 else 0.0
-    return grads + (params * cost.STATE_BYTES if grad_accum == 1 and sched.stages == 1 and not column else 0.0)
+    island = mesh.data > 1 and grad_accum == 1 and sched.stages == 1
+    return grads + (params * cost.STATE_BYTES if island and not column else 0.0)
 
 
 def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> tuple[float, float]:
