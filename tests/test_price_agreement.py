@@ -25,10 +25,15 @@ DATA_TP = (
     "(cola_1b on 64 H100s: 49.4 of 54.2 ms of collectives), where the planner hides them behind the "
     "micro-batch"
 )
-SCAN_FSDP_2 = (
-    "fsdp 2 x tensor 4 at accumulation 8, scanned: the table finds the fsdp all-reduces beside almost no "
-    "compute (2560 of 2631 ms exposed) where the planner hides a third of the passes' compute behind them, "
-    "and the scanned stack's copies (copies/layout 1013 ms) the planner's kept term prices lower"
+DATA = (
+    "data only, accumulation 2: the data-replica island's gradient all-reduces after the accumulation "
+    "loop, exposed in the table (A100 cola_1b on 8: 214.9 of 218.2 ms), where the planner hides them "
+    "behind the micro-batch"
+)
+F1B = (
+    "1F1B: per-tick work the size of the stage's weights the planner lacks (the float32 stage gradient "
+    "accumulated and the gathered weights cast every tick), M + 2S - 2 lockstep ticks where the planner "
+    "prices M + S - 1 (benchmarks/RESULTS.md 2026-11-29, 'one price for one program')"
 )
 KERNELS = (
     "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
@@ -38,7 +43,8 @@ KNOWN = {
     **{("h100", m, 64): DATA_TP for m in ("cola_1b", "cola_7b", "cola_13b", "llama_13b")},
     ("a100_40gb", "cola_7b", 64): DATA_TP,
     ("h100", "cola_13b", 8): KERNELS,
-    ("a100_40gb", "llama_7b", 8): SCAN_FSDP_2,
+    ("a100_40gb", "cola_1b", 8): DATA,
+    **{("a100_40gb", m, 8): F1B for m in ("cola_7b", "llama_7b", "cola_13b")},
 }
 
 
