@@ -209,8 +209,8 @@ def step_seconds(
 # The share of a layer pass's compute its own fsdp collectives hide behind: each runs inside the
 # layer's pass (the scanned stack's loop body), beside only the compute XLA schedules between its
 # start and its done: the gather before the forward GEMMs that read it, each gradient's all-reduce
-# after the backward GEMM that makes it (the step-time table on the fsdp picks: 0.28-0.34 of their
-# compute, benchmarks/RESULTS.md 2026-11-29, tenth session, h-fsdptp).
+# after the backward GEMM that makes it (read off the step-time tables of the fsdp x tensor picks:
+# benchmarks/RESULTS.md 2026-11-29, tenth session, h-fsdptp).
 FSDP_HIDDEN_SHARE = 1 / 3
 
 
