@@ -230,11 +230,11 @@ def _alpha_beta(kind: str, nbytes: float, p: int, link) -> float:
 def test_the_fsdp_step_reduces_each_weight_gradient_in_its_layer_pass(fsdp, tensor, sp):
     """An fsdp plan (no pipeline), as the compiled program runs it: each layer gathers its weights (bf16)
     and all-reduces each weight matrix's float32 gradient over fsdp at its gathered size (one all-reduce
-    per grouped projection, `rules.weight_einsum`), and the norm scales' gradient (over the tensor shards
-    too under sequence parallelism), inside the layer's pass, where they hide behind a third of the
-    pass's compute (step_terms.FSDP_HIDDEN_SHARE); the embedding's and head's gathers and reductions
-    have nothing beside them. llama_60m's shapes, the exposed seconds by the alpha-beta formula by hand,
-    on 4-GPU nodes (the fsdp groups cross them)."""
+    per grouped projection under a tensor axis, `rules.weight_einsum`; one a layer without, combined),
+    and the norm scales' gradient (over the tensor shards too under sequence parallelism), inside the
+    layer's pass, where they hide behind a third of the pass's compute (step_terms.FSDP_HIDDEN_SHARE);
+    the embedding's and head's gathers and reductions have nothing beside them. llama_60m's shapes, the
+    exposed seconds by the alpha-beta formula by hand, on 4-GPU nodes (the fsdp groups cross them)."""
     from boost_jax.planner import Layer, Mesh, Options, plan_for
     from boost_jax.planner.pricing.step_terms import FSDP_HIDDEN_SHARE
     from boost_jax.planner.verify import uniform_layer
@@ -250,9 +250,11 @@ def test_the_fsdp_step_reduces_each_weight_gradient_in_its_layer_pass(fsdp, tens
     plan = plan_for(cfg, cluster, Mesh(1, fsdp, tensor), 1, "none", layer, Options(batch=64, seq=256))
     link = lambda size, stride: cluster.inter if size * stride > 4 else cluster.intra  # noqa: E731
     w = (d * (q + 2 * kv) + q * d + 2 * d * ff + ff * d) / tensor  # one layer's matrices on a tensor shard
+    matrices = 4 if tensor > 1 else 1
     per_layer = (
         _alpha_beta("all-gather", 2 * w, fsdp, link(fsdp, tensor))
-        + 4 * _alpha_beta("all-reduce", 4 * w / 4, fsdp, link(fsdp, tensor))  # qkv, o, mlp_in, mlp_out
+        # qkv, o, mlp_in, mlp_out, each beside its GEMM under a tensor axis; combined by XLA without one
+        + matrices * _alpha_beta("all-reduce", 4 * w / matrices, fsdp, link(fsdp, tensor))
         + (
             _alpha_beta("all-reduce", 4 * 2 * d, fsdp * tensor, link(fsdp * tensor, 1))
             if sp

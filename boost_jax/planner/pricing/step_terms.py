@@ -51,10 +51,10 @@ def data_colls(
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
     backward when remat recomputes the forward). Each weight gradient is all-reduced over data x fsdp
     in float32 at its gathered size, then sliced to the stored shard (the compiled HLO: GSPMD reduces
-    `rules.weight_einsum`'s float32 product in the compute layout), one all-reduce per weight matrix
-    (`matrices` of the layer; the norm scales' in one more, over the tensor shards too where the
-    residual is split over them, `seq_split`); the trainer sums micro-batch gradients in the
-    parameters' layout, so this happens once per micro-batch.
+    `rules.weight_einsum`'s float32 product in the compute layout), in `matrices` all-reduces (one per
+    weight matrix under a tensor axis, one a layer without), the norm scales' in one more (over the
+    tensor shards too where the residual is split over them, `seq_split`); the trainer sums
+    micro-batch gradients in the parameters' layout, so this happens once per micro-batch.
     Pipelined (boost_jax/parallel/pipeline/, read from its compiled HLO): the stage's weights are
     gathered once before the tick loop, every batch replica accumulates its own float32 gradient over
     the ticks, and that is all-reduced over data x fsdp once per pass, at full size (the accumulator is
@@ -142,7 +142,9 @@ def step_collectives(
         pr.policy,
         pipelined=pipelined,
         grid_weights=summary.grid_w,
-        matrices=summary.matrices,
+        # one all-reduce per matrix where `rules.weight_einsum`'s barrier (a tensor axis) keeps each beside its
+        # GEMM; without one XLA's all-reduce combiner merges a layer's
+        matrices=summary.matrices if mesh.tensor > 1 else 1,
         seq_split=layer.residual == "S",
     )
     # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
