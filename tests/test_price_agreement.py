@@ -31,9 +31,9 @@ DATA = (
     "behind the micro-batch"
 )
 F1B = (
-    "1F1B: per-tick work the size of the stage's weights the planner lacks (the float32 stage gradient "
-    "accumulated and the gathered weights cast every tick), M + 2S - 2 lockstep ticks where the planner "
-    "prices M + S - 1 (benchmarks/RESULTS.md 2026-11-29, 'one price for one program')"
+    "1F1B: per-tick work the planner lacks (A100 cola_7b on 8: elementwise 2108 ms, led by one_f_one_b "
+    "`_Tick._forward` at_head and `_Tick._backward`, 35 runs each; copies/layout 1103 ms), and M + 2S - 2 "
+    "lockstep ticks where the planner prices M + S - 1 (benchmarks/RESULTS.md 2026-11-29)"
 )
 KERNELS = (
     "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
