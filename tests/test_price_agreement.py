@@ -33,14 +33,15 @@ DATA_ONLY = (
     "program hides the data all-reduce (1.4 of 13.5 ms exposed; the table 148.0 -> 135.1 ms), which "
     "had covered it"
 )
-FSDP_TP = (
-    "fsdp x tensor: the program all-reduces each weight gradient over fsdp in float32 at gathered "
-    "size (rules.weight_einsum) where the planner prices a reduce-scatter, and the table finds most "
-    "of the per-layer fsdp traffic exposed where the planner hides it behind the micro-batch"
+DATA = (
+    "data only, accumulation 2: the data-replica island's gradient all-reduces after the accumulation "
+    "loop, exposed in the table (A100 cola_1b on 8: 214.9 of 218.2 ms), where the planner hides them "
+    "behind the micro-batch"
 )
-SCAN = (
-    "scanned stack (model.scan_unroll=false): the stacked activations' writes (Transformer.hidden "
-    "fusions in the layer scan, copies/layout) cost more than the planner's kept term prices"
+F1B = (
+    "1F1B: per-tick work the planner lacks (A100 cola_7b on 8: elementwise 2108 ms, led by one_f_one_b "
+    "`_Tick._forward` at_head and `_Tick._backward`, 35 runs each; copies/layout 1103 ms), and M + 2S - 2 "
+    "lockstep ticks where the planner prices M + S - 1 (benchmarks/RESULTS.md 2026-11-29)"
 )
 KERNELS = (
     "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
@@ -49,13 +50,10 @@ KERNELS = (
 KNOWN = {
     **{("h100", m, 64): DATA_TP for m in ("cola_1b", "cola_7b", "cola_13b", "llama_13b")},
     ("a100_40gb", "cola_7b", 64): DATA_TP,
-    **{("h100", m, 64): FSDP_TP for m in ("llama_1b", "llama_7b")},
-    **{("a100_40gb", m, 64): FSDP_TP for m in ("cola_1b", "llama_1b", "llama_7b", "cola_13b", "llama_13b")},
-    ("h100", "llama_7b", 8): SCAN,
     ("h100", "cola_13b", 8): KERNELS,
     ("h100", "cola_1b", 8): DATA_ONLY,
-    ("a100_40gb", "cola_1b", 8): SCAN,
-    ("a100_40gb", "llama_1b", 8): SCAN,
+    ("a100_40gb", "cola_1b", 8): DATA,
+    **{("a100_40gb", m, 8): F1B for m in ("cola_7b", "llama_7b", "cola_13b")},
 }
 
 

@@ -56,6 +56,8 @@ def layer_summary(pr: Pricer, layer: Layer) -> LayerSummary:
             tensor_links=links,
             kept_none=sum(cost.kept_bytes(op, "none", opts.act_bytes, pr.unrolled) for op in ops),
             bottleneck=sum(op.bottleneck for op in ops),
+            # one einsum per stage of a group (a group's projections share it: grouped linears)
+            matrices=max(1, sum(len({g.tag for g in op.gemms}) for op in ops if op.weights)),
             regathered=sum(
                 cost.saved_bytes(op, policy, opts.act_bytes) - cost.kept_bytes(op, policy, opts.act_bytes)
                 for op in ops

@@ -142,6 +142,7 @@ class LayerSummary:
     tensor_links: dict  # bytes on each link: intra / inter (tensor + recomputed collectives)
     kept_none: float  # activation bytes the layer keeps without remat (its recompute under stage remat)
     bottleneck: float = 0.0  # σ(A·x) A output elements the layer keeps (see cost.PIPELINED_SIGMA)
+    matrices: int = 1  # weight matrices whose gradient is reduced over data/fsdp (one einsum each)
     # bytes of `saved` the unpipelined GPU program gathers again instead of keeping (Op.kept: the
     # sequence-parallel gathers' outputs), which a pipelined plan keeps (memory.memory_bytes)
     regathered: float = 0.0

@@ -43,13 +43,18 @@ def data_colls(
     remat: str,
     pipelined: bool = False,
     grid_weights: float = 0.0,
+    matrices: int = 1,
+    seq_split: bool = False,
 ) -> tuple[list[Coll], list[Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
-    backward when remat recomputes the forward). The gradients are reduce-scattered over fsdp alone,
-    else all-reduced over data (x fsdp), as the compiled HLO does; the trainer sums micro-batch
-    gradients in the parameters' layout, so this happens once per micro-batch.
+    backward when remat recomputes the forward). Each weight gradient is all-reduced over data x fsdp
+    in float32 at its gathered size, then sliced to the stored shard (the compiled HLO: GSPMD reduces
+    `rules.weight_einsum`'s float32 product in the compute layout), in `matrices` all-reduces (one per
+    weight matrix under a tensor axis, one a layer without), the norm scales' in one more (over the
+    tensor shards too where the residual is split over them, `seq_split`); the trainer sums
+    micro-batch gradients in the parameters' layout, so this happens once per micro-batch.
     Pipelined (boost_jax/parallel/pipeline/, read from its compiled HLO): the stage's weights are
     gathered once before the tick loop, every batch replica accumulates its own float32 gradient over
     the ticks, and that is all-reduced over data x fsdp once per pass, at full size (the accumulator is
@@ -77,13 +82,13 @@ def data_colls(
             once.append(Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
             if remat != "none":
                 per_pass.append(Coll("all-gather", fsdp_weights, f, t, "bwd", "data_fsdp"))
-        if d > 1 or (pipelined and f > 1):
-            per_pass.append(Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
-        elif f > 1:
-            per_pass += [
-                Coll("reduce-scatter", fsdp_weights, f, t, "bwd", "data_fsdp"),
-                Coll("all-reduce", other_weights, f, t, "bwd", "data_fsdp"),
-            ]
+        if d > 1 and f == 1:
+            per_pass.append(Coll("all-reduce", fsdp_weights + other_weights, d, t, "bwd", "data_fsdp"))
+        elif f > 1:  # each weight gradient all-reduced at its gathered size, one per matrix (see above)
+            per_pass += [Coll("all-reduce", fsdp_weights / matrices, d * f, t, "bwd", "data_fsdp")] * matrices
+            # the norm scales' gradient: over the token shards too where the residual is split over tensor
+            norm_ways = t if seq_split else 1
+            per_pass.append(Coll("all-reduce", other_weights, d * f * norm_ways, t // norm_ways, "bwd", "data_fsdp"))
     if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
         per_pass.append(Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd", "data_fsdp"))
     return once, per_pass
@@ -131,10 +136,19 @@ def step_collectives(
     )
 
     data_once, data = data_colls(
-        mesh, summary.fsdp_w, summary.norm_w, pr.policy, pipelined=pipelined, grid_weights=summary.grid_w
+        mesh,
+        summary.fsdp_w,
+        summary.norm_w,
+        pr.policy,
+        pipelined=pipelined,
+        grid_weights=summary.grid_w,
+        # one all-reduce per matrix where `rules.weight_einsum`'s barrier (a tensor axis) keeps each beside its
+        # GEMM; without one XLA's all-reduce combiner merges a layer's
+        matrices=summary.matrices if mesh.tensor > 1 else 1,
+        seq_split=layer.residual == "S",
     )
     # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
-    data_rest = sum(data_colls(mesh, rest_fsdp_weights, ctx.block.d, "none", pipelined=pipelined), [])
+    data_rest = sum(data_colls(mesh, rest_fsdp_weights, ctx.block.d, "none", pipelined=pipelined, matrices=2), [])
     rest_colls = [(c, 1) for op in rest for c in op.colls]
     if sched.f1b:  # the head runs per micro-batch at the last stage, its gradient summed over stages and replicas
         data_rest, rest_colls = f1b_rest(pr, layer.residual, mesh, sched.microbatches, data_rest, rest)
@@ -187,9 +201,32 @@ def step_seconds(
         + rest_cost.total
     )
     exposed = max(0.0, data_seconds - path) + seconds(colls.outside)
+    if sched.stages == 1 and any(c.axis == "data_fsdp" and c.kind == "all-gather" for c in colls.data_once):
+        exposed = fsdp_exposed(pr, summary, sched, colls)  # fsdp: each layer's gathers and reductions in its pass
     micro_seconds = path + exposed
     optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
     return grad_accum * micro_seconds + optimizer_seconds, exposed, optimizer_seconds
+
+
+# The share of a layer pass's compute its own fsdp collectives hide behind: each runs inside the
+# layer's pass (the scanned stack's loop body), beside only the compute XLA schedules between its
+# start and its done: the gather before the forward GEMMs that read it, each gradient's all-reduce
+# after the backward GEMM that makes it (read off the step-time tables of the fsdp x tensor picks:
+# benchmarks/RESULTS.md 2026-11-29, tenth session, h-fsdptp).
+FSDP_HIDDEN_SHARE = 1 / 3
+
+
+def fsdp_exposed(pr: Pricer, summary: LayerSummary, sched: Schedule, colls: StepCollectives) -> float:
+    """Exposed data/fsdp seconds of one micro-batch where each layer's fsdp traffic runs inside its
+    pass: the layer passes' collectives beyond FSDP_HIDDEN_SHARE of their compute (not their tensor
+    collectives: a collective hides behind no other), and the embedding's and head's in full (their
+    gathers before the first layer, their gradients' all-reduces after the last: nothing beside)."""
+    seconds = lambda pairs: sum(times * cost.coll_seconds(c, pr.cluster, pr.opts.act_bytes) for c, times in pairs)  # noqa: E731
+    layers = seconds((c, sched.executed) for c in colls.data) + seconds(
+        (c, sched.layers_per_stage) for c in colls.data_once
+    )
+    compute = sched.runs * (summary.cost.total - summary.cost.comm)
+    return max(0.0, layers - FSDP_HIDDEN_SHARE * compute) + seconds((c, 1) for c in colls.data_rest)
 
 
 def link_bytes_per_step(

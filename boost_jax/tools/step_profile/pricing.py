@@ -93,7 +93,9 @@ TARGETS = {
         10e-6,
         20e9,
         20e-6,
-        source="A100 SXM4 40GB: 1.56 TB/s HBM2, 312 TFLOP/s bf16, NVLink3",
+        # four a node, as the cluster the planner plans the 40 GB part on (configs/clusters/a100_4x.py)
+        gpus_per_node=4,
+        source="A100 SXM4 40GB: 1.56 TB/s HBM2, 312 TFLOP/s bf16, NVLink3, 4 GPUs a node",
         hbm_peak_bytes_per_s=1.555e12,
     ),
 }
