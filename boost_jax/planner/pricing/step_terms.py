@@ -107,6 +107,7 @@ class StepCollectives:
     rest: list  # [(collective, 1)] of the embedding, head and loss
     counted: list  # [(collective, how often it runs)]: all of the above, and the stage's re-run forward
     outside: list = dataclasses.field(default_factory=list)  # [(collective, times)] before/after the tick loop
+    island: list = dataclasses.field(default_factory=list)  # [(collective, times)]: the data island's, once a step
 
 
 def step_collectives(
@@ -166,7 +167,11 @@ def step_collectives(
     # Pipelined, the stage's and the embedding's and head's gathers run before the tick loop and their
     # gradient reductions after it (the compiled step: nothing to run beside them): on the path.
     outside = [(c, once) for c in data_once] + [(c, 1) for c in data_rest] if pipelined else []
-    return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted, outside)
+    # The data-replica island (parallel/grad_reduce.py: data > 1, no pipeline, no st grid) sums each
+    # layer weight's gradient over data once per step (1/grad_accum of it per micro-batch): see island_exposed.
+    runs_island = mesh.data > 1 and mesh.fsdp == 1 and not pipelined and not summary.grid_w
+    island = [(c, sched.executed / grad_accum) for c in data] if runs_island else []
+    return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted, outside, island)
 
 
 def parameters_per_device(
@@ -189,7 +194,7 @@ def step_seconds(
     """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
     cluster = pr.cluster
     seconds = lambda pairs: sum(times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in pairs)  # noqa: E731
-    out = {id(c) for c, _ in colls.outside}
+    out = {id(c) for c, _ in colls.outside + colls.island}
     data_seconds = seconds((c, t) for c, t in colls.counted if c.axis == "data_fsdp" and id(c) not in out)
     # Data/fsdp collectives run on their own stream, mostly over other links (their groups span nodes,
     # tensor groups usually do not): they hide behind the whole micro-batch, only the excess shows;
@@ -200,7 +205,9 @@ def step_seconds(
         + colls.shift_seconds
         + rest_cost.total
     )
-    exposed = max(0.0, data_seconds - path) + seconds(colls.outside)
+    exposed = (
+        max(0.0, data_seconds - path) + seconds(colls.outside) + island_exposed(pr, grad_accum, summary, sched, colls)
+    )
     if sched.stages == 1 and any(c.axis == "data_fsdp" and c.kind == "all-gather" for c in colls.data_once):
         exposed = fsdp_exposed(pr, summary, sched, colls)  # fsdp: each layer's gathers and reductions in its pass
     micro_seconds = path + exposed
@@ -227,6 +234,20 @@ def fsdp_exposed(pr: Pricer, summary: LayerSummary, sched: Schedule, colls: Step
     )
     compute = sched.runs * (summary.cost.total - summary.cost.comm)
     return max(0.0, layers - FSDP_HIDDEN_SHARE * compute) + seconds((c, 1) for c in colls.data_rest)
+
+
+def island_exposed(
+    pr: Pricer, grad_accum: int, summary: LayerSummary, sched: Schedule, colls: StepCollectives
+) -> float:
+    """Exposed seconds per micro-batch of the data island's layer-weight reductions (colls.island): after
+    the accumulation loop (grad_accum > 1) nothing runs beside them; at grad_accum 1 (no loop) they start
+    only when the stacked weights' gradients are complete, with layer 0's backward, and hide behind the
+    weight-gradient GEMMs XLA defers past it: FSDP_HIDDEN_SHARE of the layers' compute, as an fsdp
+    layer's own traffic does (benchmarks/RESULTS.md 2026-11-29, tenth session, the lead)."""
+    seconds = sum(times * cost.coll_seconds(c, pr.cluster, pr.opts.act_bytes) for c, times in colls.island)
+    if grad_accum > 1:
+        return seconds
+    return max(0.0, seconds - FSDP_HIDDEN_SHARE * sched.runs * (summary.cost.total - summary.cost.comm))
 
 
 def link_bytes_per_step(
