@@ -274,3 +274,36 @@ def test_the_fsdp_step_reduces_each_weight_gradient_in_its_layer_pass(fsdp, tens
     # hidden behind the whole micro-batch, tensor collectives included (the term before), less would show
     path = L * plan.layer_cost.total + plan.rest_cost.total
     assert max(0.0, L * per_layer + rest - path) < 0.95 * want
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_the_data_island_reduces_the_layer_gradients_once_a_step_exposed_as_compiled(grad_accum):
+    """A data x tensor plan (no fsdp, no pipeline) runs the data-replica island (parallel/grad_reduce.py):
+    each layer's float32 gradient (its matrices and norm scales, per tensor shard) is all-reduced over
+    data once per step. After the accumulation loop (grad_accum > 1) nothing runs beside it: all of it
+    shows; at grad_accum 1 it starts with layer 0's backward and hides behind a third of the layers'
+    compute (step_terms.FSDP_HIDDEN_SHARE). llama_60m's shapes, by the alpha-beta formula by hand."""
+    from boost_jax.planner import Layer, Mesh, Options, plan_for
+    from boost_jax.planner.pricing.step_terms import FSDP_HIDDEN_SHARE
+    from boost_jax.planner.verify import uniform_layer
+    from boost_jax.tools.devices import load_config
+
+    cfg = load_config(str(ROOT / "configs/llama_60m.py"))
+    m = cfg.model
+    d, ff, L, V = int(m.d_model), int(m.d_ff), int(m.n_layers), int(m.vocab_size)
+    data, tensor = 8, 2
+    layer = uniform_layer(cfg, "megatron", False)
+    assert isinstance(layer, Layer)
+    plan = plan_for(cfg, H100, Mesh(data, 1, tensor), grad_accum, "none", layer, Options(batch=16, seq=256))
+    link = H100.inter if data * tensor > H100.gpus_per_node else H100.intra
+    w = (4 * d * d + 3 * d * ff) / tensor + 2 * d  # one layer's matrices on a tensor shard, its norm scales whole
+    per_step = L * _alpha_beta("all-reduce", 4 * w, data, link)
+    compute = L * (plan.layer_cost.total - plan.layer_cost.comm)
+    rest = _alpha_beta("all-reduce", 4 * (2 * V * d / tensor + d), data, link)  # embedding, head, final norm
+    rest = max(0.0, rest - (L * plan.layer_cost.total + plan.rest_cost.total))
+    if grad_accum == 1:
+        assert per_step > FSDP_HIDDEN_SHARE * compute  # the case exposes part of it
+        want = per_step - FSDP_HIDDEN_SHARE * compute
+    else:
+        want = per_step / grad_accum  # per micro-batch: once a step, nothing beside
+    assert plan.exposed_dp_s == pytest.approx(want + rest, rel=1e-6)
