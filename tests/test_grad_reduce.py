@@ -285,3 +285,25 @@ def test_a_placed_model_traced_outside_its_rules_is_refused(make_config):
     with pytest.raises(RuntimeError, match="traced outside its rules.*boost_jax.runtime.build"):
         jax.jit(lambda p, t: next_token_loss(built.spec.graphdef, p, t)).lower(built.spec.abstract["params"], tokens)
     jax.jit(built.loss_fn()).lower(built.spec.abstract["params"], tokens)  # the bound form lowers
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+@pytest.mark.parametrize("a", [2, 3, 4])
+def test_the_plain_loop_starts_from_the_first_micro_batch(monkeypatch, hidden, a):
+    """The plain accumulation (first micro-batch before the loop from PEEL_FROM on, in the scan and
+    in the GPU loop of hidden count): the mean loss and gradient of float64 formulas on fresh random
+    micro-batches, and `loop_trips` counts the loop's trips."""
+    monkeypatch.setattr(grad_reduce, "hides_trip_count", lambda: hidden)
+    rng = np.random.default_rng(a)
+    w, x = rng.standard_normal(5), rng.standard_normal((a, 3, 5))
+
+    def grad_fn(p, t):
+        loss = lambda p: jax.numpy.mean((t @ p["w"]) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss)(p)
+
+    loss, grads = jax.jit(lambda p, b: grad_reduce.accumulate_grads(grad_fn, p, b))({"w": w.astype(np.float32)}, x)
+    want_loss = np.mean([np.mean((t @ w) ** 2) for t in x])
+    want_grad = np.mean([2 * t.T @ (t @ w) / t.shape[0] for t in x], axis=0)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads["w"]), want_grad, rtol=1e-5, atol=1e-6)
+    assert grad_reduce.loop_trips(a) == (a - 1 if a >= grad_reduce.PEEL_FROM else a)
