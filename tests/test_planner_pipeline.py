@@ -152,8 +152,13 @@ def test_search_covers_schedules_repeats_and_stage_remat():
         sized_config("13b", "cola"), H100, 32, Options(batch=512, seq=256, top=200, pipeline=(4,)), flops_per_token=1.0
     )
     kinds = {(p.schedule, p.stage_remat) for p in res.plans}  # each partitioning at its best schedule
-    assert ("1f1b", "none") in kinds and any(s == "circular" for s, _ in kinds), kinds
+    assert any(s == "circular" for s, _ in kinds) and ("gpipe", "none") in kinds, kinds
     assert res.best_runnable is not None
+    # on 2 GPUs only 1F1B's ring (ring_slots items whatever M) leaves room for the micro-batches it needs
+    tight = search(
+        sized_config("13b", "cola"), H100, 2, Options(batch=512, seq=256, top=200, pipeline=(2,)), flops_per_token=1.0
+    )
+    assert tight.best_runnable is not None and tight.best_runnable.schedule == "1f1b"
     for schedule, v in (("circular", 5), ("1f1b", 2), ("1f1b", 1)):
         p = plan_for(
             sized_config("13b", "cola"),
@@ -380,3 +385,40 @@ def test_verify_refuses_what_it_does_not_compare():
     meg = plan_for(cfg, A100, Mesh(2, 1, 2, 2), 1, "none", Layer(*uniform_plan("megatron")), opts, 1.0)
     assert "residual" in pipeline_refusal(meg)
     assert pipeline_refusal(plan_for(cfg, A100, Mesh(2, 1, 2, 2), 1, "none", BTP, opts, 1.0)) == ""
+
+
+def test_1f1b_ticks_pay_for_their_accumulators_and_ring(monkeypatch):
+    """1F1B's tick loop moves, every one of its V M + V S + S - 2 lockstep ticks, the chunk's weights
+    (float32 gradient accumulators, zero-filled gradient buffers, casts: F1B_WEIGHT_BYTES a weight, the
+    embedding's and head's included) and one item's kept activations (the ring, the chunk's stacked
+    residuals: F1B_ITEM_PASSES): the step pays exactly that over the same plan without the term, by hand
+    from the model's shapes (a dense layer: 4 d^2 + 3 d ff + 2 d; fsdp gathers the stage before the
+    loop); GPipe's program (autodiff of its tick loop) does not pay it."""
+    from boost_jax.config import PROJECTION_GROUPS
+    from boost_jax.planner.pricing import step_terms
+
+    cfg = base_config()
+    d, ff, vocab, layers, stages, m = 256, 688, 512, 8, 4, 8
+    cfg.model.update(
+        linear="dense", d_model=d, n_heads=4, n_kv_heads=4, d_ff=ff, vocab_size=vocab, max_seq_len=64, n_layers=layers
+    )
+    replicated = Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
+    opts = Options(batch=64, seq=64, check_memory=False)
+
+    def step(schedule):
+        p = plan_for(cfg, A100, Mesh(1, 2, 1, pipeline=stages), 1, "none", replicated, opts, 1.0, m, schedule)
+        return p.step_s, p.memory["activations"]
+
+    (f1b, kept), (gpipe, _) = step("1f1b"), step("gpipe")
+    per_weight, per_kept = step_terms.F1B_WEIGHT_BYTES, step_terms.F1B_ITEM_PASSES
+    monkeypatch.setattr(step_terms, "F1B_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(step_terms, "F1B_ITEM_PASSES", 0)
+    (f1b_without, _), (gpipe_without, _) = step("1f1b"), step("gpipe")
+    assert gpipe == gpipe_without
+    ticks = m + 2 * stages - 2
+    chunk = layers // stages * (4 * d * d + 3 * d * ff + 2 * d)  # the stage's layers, gathered over fsdp 2
+    ends = 2 * vocab * d + d  # embedding, head, final norm
+    item = kept / (ring_slots(stages, 1, False) + cost.F1B_IN_FLIGHT_GPU)  # the ring's items, as memory prices them
+    moved = per_weight * (chunk + ends) + per_kept * item
+    assert moved > 0
+    assert f1b - f1b_without == pytest.approx(ticks * moved / A100.hbm_bandwidth, rel=1e-9)

@@ -38,11 +38,6 @@ DATA = (
     "loop, exposed in the table (A100 cola_1b on 8: 214.9 of 218.2 ms), where the planner hides them "
     "behind the micro-batch"
 )
-F1B = (
-    "1F1B: per-tick work the planner lacks (A100 cola_7b on 8: elementwise 2108 ms, led by one_f_one_b "
-    "`_Tick._forward` at_head and `_Tick._backward`, 35 runs each; copies/layout 1103 ms), and M + 2S - 2 "
-    "lockstep ticks where the planner prices M + S - 1 (benchmarks/RESULTS.md 2026-11-29)"
-)
 KERNELS = (
     "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
     "without their elementwise passes, the planner's time terms still charge them"
@@ -53,7 +48,6 @@ KNOWN = {
     ("h100", "cola_13b", 8): KERNELS,
     ("h100", "cola_1b", 8): DATA_ONLY,
     ("a100_40gb", "cola_1b", 8): DATA,
-    **{("a100_40gb", m, 8): F1B for m in ("cola_7b", "llama_7b", "cola_13b")},
 }
 
 

@@ -190,8 +190,10 @@ def step_seconds(
     colls: StepCollectives,
     rest_cost: Cost,
     params: float,
+    ticks_s: float = 0.0,
 ) -> tuple[float, float, float]:
-    """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
+    """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds). `ticks_s`: the
+    tick loop's own work beyond its layer passes, per micro-batch (`f1b_tick_seconds`)."""
     cluster = pr.cluster
     seconds = lambda pairs: sum(times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in pairs)  # noqa: E731
     out = {id(c) for c, _ in colls.outside + colls.island}
@@ -204,6 +206,7 @@ def step_seconds(
         sched.runs * (summary.cost.total + (summary.forward if sched.staged else 0.0))
         + colls.shift_seconds
         + rest_cost.total
+        + ticks_s
     )
     exposed = (
         max(0.0, data_seconds - path) + seconds(colls.outside) + island_exposed(pr, grad_accum, summary, sched, colls)
@@ -213,6 +216,32 @@ def step_seconds(
     micro_seconds = path + exposed
     optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
     return grad_accum * micro_seconds + optimizer_seconds, exposed, optimizer_seconds
+
+
+# 1F1B's per-tick work beyond its layer passes, in HBM bytes at the cluster's bandwidth (read off the
+# step-time tables of the A100 1F1B picks: benchmarks/RESULTS.md 2026-11-29, tenth session, h-1f1b)
+F1B_WEIGHT_BYTES = 40  # per element of a tick's chunk weights and of the embedding and head (float32 accumulators)
+F1B_ITEM_PASSES = 20  # per byte of an item's kept activations (the ring, the chunk's stacked residuals)
+
+
+def f1b_tick_seconds(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, head_weights: float) -> float:
+    """The 1F1B tick loop's own work per accumulation micro-batch (parallel/pipeline/one_f_one_b.py), beyond
+    its layer passes' compute, every one of its V M + V S + S - 2 lockstep ticks: memory-bound passes
+    over (1) the tick's chunk weights as the device holds them (gathered over fsdp before the loop; st's
+    grid weights stay split): the chunk's float32 gradient added into the stage's (`_add_at`), the
+    zero-filled float32 buffers the chunk's backward writes each layer's gradient into and their copies,
+    the weights cast to the compute dtype for the forward and the backward, the loop carry's copies;
+    (2) the embedding and head (`head_weights`, per tensor shard): their float32 gradients accumulated in
+    the tick's branches (`at_head`, `embed_grad`); (3) one item's kept activations: written into the
+    ring and read back (`_Tick._forward`, `_backward`), stacked by the chunk's layer scan and read by its
+    backward. The constants count bytes at the cluster's peak HBM bandwidth, as `elementwise_passes` does.
+    0 for the other schedules (their tick loop is differentiated by autodiff: another program)."""
+    if not sched.f1b:
+        return 0.0
+    chunk = sched.layers_per_tick * (summary.fsdp_w + summary.norm_w + summary.grid_w / mesh.fsdp)
+    item = sched.layers_per_tick * summary.saved
+    moved = F1B_WEIGHT_BYTES * (chunk + head_weights) + F1B_ITEM_PASSES * item
+    return sched.handovers * moved / pr.cluster.hbm_bandwidth
 
 
 # The share of a layer pass's compute its own fsdp collectives hide behind: each runs inside the

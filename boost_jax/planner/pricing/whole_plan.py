@@ -12,6 +12,7 @@ from boost_jax.planner.pricing.plans import Layer, Mesh, Plan
 from boost_jax.planner.pricing.pricer import Pricer
 from boost_jax.planner.pricing.schedule import Schedule, schedule_of
 from boost_jax.planner.pricing.step_terms import (
+    f1b_tick_seconds,
     link_bytes_per_step,
     parameters_per_device,
     step_collectives,
@@ -44,7 +45,8 @@ def price_plan(
     rest_fsdp_weights = sum(op.weights for op in rest) - block.d  # the final norm is not fsdp-sharded
     colls = step_collectives(pr, mesh, grad_accum, layer, summary, sched, rest, rest_fsdp_weights)
     params = parameters_per_device(mesh, summary, sched, rest_fsdp_weights, block.d)
-    step_s, exposed, optimizer_s = step_seconds(pr, grad_accum, summary, sched, colls, rest_cost, params)
+    ticks_s = f1b_tick_seconds(pr, mesh, summary, sched, rest[0].weights + rest[1].weights)
+    step_s, exposed, optimizer_s = step_seconds(pr, grad_accum, summary, sched, colls, rest_cost, params, ticks_s)
     memory = memory_bytes(pr, mesh, grad_accum, layer, summary, sched, params, rest_fsdp_weights)
     links = link_bytes_per_step(pr, grad_accum, summary, sched, colls)
     status, strategy, sp, flags = trainer_overrides(pr, mesh, grad_accum, layer, sched)
