@@ -152,7 +152,7 @@ def test_a_pick_that_does_not_fit_the_device_falls_back(tmp_path, capsys, monkey
     """A device memory (parallel.device_memory_gb) under the compiled peak of the planner's pick: the trainer
     says so in one line (the pick, its compiled GB, the device's GB) and trains the planner's next plan
     whose compiled step fits, named by its own line."""
-    monkeypatch.setattr(auto_module, "MAX_COMPILES", 8)  # however many picks the ranking puts first
+    monkeypatch.setattr(auto_module, "MAX_COMPILES", 16)  # however many picks the ranking puts first
     cfg = small_config(
         tmp_path / "run",
         **{
