@@ -190,8 +190,9 @@ def step_seconds(
     colls: StepCollectives,
     rest_cost: Cost,
     params: float,
+    fsdp: int = 1,
 ) -> tuple[float, float, float]:
-    """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds)."""
+    """(step seconds, exposed data/fsdp seconds per micro-batch, optimizer seconds). fsdp: the mesh's."""
     cluster = pr.cluster
     seconds = lambda pairs: sum(times * cost.coll_seconds(c, cluster, pr.opts.act_bytes) for c, times in pairs)  # noqa: E731
     out = {id(c) for c, _ in colls.outside + colls.island}
@@ -204,6 +205,7 @@ def step_seconds(
         sched.runs * (summary.cost.total + (summary.forward if sched.staged else 0.0))
         + colls.shift_seconds
         + rest_cost.total
+        + tick_weight_seconds(pr, summary, sched, fsdp)
     )
     exposed = (
         max(0.0, data_seconds - path) + seconds(colls.outside) + island_exposed(pr, grad_accum, summary, sched, colls)
@@ -213,6 +215,21 @@ def step_seconds(
     micro_seconds = path + exposed
     optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
     return grad_accum * micro_seconds + optimizer_seconds, exposed, optimizer_seconds
+
+
+def tick_weight_seconds(pr: Pricer, summary: LayerSummary, sched: Schedule, fsdp: int = 1) -> float:
+    """Seconds per micro-batch a GPipe or circular tick loop spends on its chunk's weights beside the
+    layers' own work (the compiled step, boost_jax/parallel/pipeline/gspmd.py): every tick slices each
+    layer's compute-dtype weights out of the stage's stack (and casts the float32 copies again where the
+    backward re-runs the forward), and every backward tick makes the chunk's float32 weight gradient
+    (zeroed, written layer by layer into its stack) and adds it into the gradient the loop carries:
+    cost.TICK_WEIGHT_TRAFFIC bytes per weight element of the chunk (whole: the per-replica copies are
+    gathered over fsdp, the st grid's stay split), bubble ticks included. 1F1B runs its own loop
+    (parallel/pipeline/one_f_one_b.py): not priced here."""
+    if sched.stages == 1 or sched.f1b:
+        return 0.0
+    chunk = sched.layers_per_tick * (summary.fsdp_w + summary.norm_w + summary.grid_w / fsdp)
+    return sched.ticks * chunk * cost.TICK_WEIGHT_TRAFFIC / pr.cluster.hbm_bandwidth
 
 
 # The share of a layer pass's compute its own fsdp collectives hide behind: each runs inside the

@@ -44,7 +44,7 @@ def price_plan(
     rest_fsdp_weights = sum(op.weights for op in rest) - block.d  # the final norm is not fsdp-sharded
     colls = step_collectives(pr, mesh, grad_accum, layer, summary, sched, rest, rest_fsdp_weights)
     params = parameters_per_device(mesh, summary, sched, rest_fsdp_weights, block.d)
-    step_s, exposed, optimizer_s = step_seconds(pr, grad_accum, summary, sched, colls, rest_cost, params)
+    step_s, exposed, optimizer_s = step_seconds(pr, grad_accum, summary, sched, colls, rest_cost, params, mesh.fsdp)
     memory = memory_bytes(pr, mesh, grad_accum, layer, summary, sched, params, rest_fsdp_weights)
     links = link_bytes_per_step(pr, grad_accum, summary, sched, colls)
     status, strategy, sp, flags = trainer_overrides(pr, mesh, grad_accum, layer, sched)
