@@ -253,6 +253,32 @@ def test_the_triton_norm_runs_where_the_model_is_vmapped(make_config, mesh):
         assert fwd == bwd == 2 * layers + 1, (fwd, bwd)
 
 
+@pytest.mark.slow  # a deviceless 8-GPU compile of the tiny model (about 13 s here)
+@pytest.mark.parametrize(
+    "schedule",
+    [{}, {"parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2}],
+    ids=["gpipe", "circular"],
+)
+def test_the_gpu_pipeline_hands_over_with_one_permute_each_way(make_config, schedule):
+    """GPipe or circular on pipeline 2 x data 2 x fsdp 2 (the stage state split over the batch replicas),
+    compiled for 8 H100s: each tick hands the stage outputs on with one collective-permute over
+    `pipeline` each way, and nothing else in the tick loop moves the state over `pipeline` (left to
+    GSPMD, XLA:GPU rolled it with an all-reduce, three all-to-alls and permutes over every device,
+    every tick)."""
+    from boost_jax.runtime.build import build
+    from boost_jax.tools.hlo_comm import parse_collectives
+
+    cfg = _tiny(
+        make_config,
+        **{"parallel.pipeline": 2, "parallel.data": 2, "parallel.fsdp": 2, "parallel.microbatches": 4},
+        **{"train.global_batch": 16, "train.grad_accum": 1, "model.n_layers": 4, **schedule},
+    )
+    built = build(cfg, aot.devices("h100", 8))
+    colls = parse_collectives(built.lower_train().compile().as_text(), built.mesh)
+    over = [(c.kind, c.axes) for c in colls if c.in_loop and "pipeline" in c.axes]
+    assert over and set(over) == {("collective-permute", ("pipeline",))}, over
+
+
 def _executed(hlo_text, mesh) -> dict:
     return {kind: c["elements"] for kind, c in aot.collectives(hlo_text, mesh).items()}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_planner import A100, H100, with_overrides
 
-from boost_jax.config import base_config, sized_config
+from boost_jax.config import PROJECTION_GROUPS, base_config, sized_config
 from boost_jax.parallel.pipeline.arithmetic import bubble_fraction, ring_slots, ticks_1f1b
 from boost_jax.planner import Layer, Mesh, Options, plan_for, search
 from boost_jax.planner.ops.strategy_tables import uniform_plan
@@ -422,3 +422,34 @@ def test_1f1b_ticks_pay_for_their_accumulators_and_ring(monkeypatch):
     moved = per_weight * (chunk + ends) + per_kept * item
     assert moved > 0
     assert f1b - f1b_without == pytest.approx(ticks * moved / A100.hbm_bandwidth, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
+def test_every_tick_moves_its_chunks_weights(monkeypatch, schedule, repeats):
+    """A GPipe or circular tick loop works on its chunk's weights every tick beside the layers' own work
+    (slices, the backward's float32 gradient made and added into the loop's): cost.TICK_WEIGHT_TRAFFIC
+    bytes per weight of the chunk, counted from the model's own parameters here; 1F1B and an unpipelined
+    step pay none of it."""
+    import jax  # lazy: builds the model abstractly, only here
+    from flax import nnx
+
+    from boost_jax.model.transformer import build_model
+
+    cfg = small_config()
+    cfg.model.n_layers = 8
+    layers = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg.model))))["layers"]
+    per_layer = sum(math.prod(x.shape) for x in jax.tree.leaves(layers)) / 8
+    opts = Options(batch=64, seq=64, check_memory=False)
+    whole = Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")  # one tensor shard: nothing split
+
+    def step(traffic, mesh, sched, v):
+        monkeypatch.setattr(cost, "TICK_WEIGHT_TRAFFIC", traffic)
+        return plan_for(cfg, H100, mesh, 1, "none", whole, opts, 1.0, 4, schedule=sched, repeats=v).step_s
+
+    stages, m = 2, 4
+    ticks = repeats * m + stages - 1
+    want = ticks * (8 // (stages * repeats)) * per_layer * 32 / H100.hbm_bandwidth
+    pipe = Mesh(1, 1, 1, stages)
+    assert step(32, pipe, schedule, repeats) - step(0, pipe, schedule, repeats) == pytest.approx(want, rel=1e-6)
+    assert step(32, pipe, "1f1b", 1) == step(0, pipe, "1f1b", 1)
+    assert step(32, Mesh(2, 1, 1, 1), "gpipe", 1) == step(0, Mesh(2, 1, 1, 1), "gpipe", 1)

@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boost_jax.parallel import rules
 from boost_jax.parallel.grad_reduce import without_axis
@@ -213,6 +214,10 @@ def run(
             extra = (jnp.repeat(extra[0], n),) + tuple(jax.tree.map(split, e) for e in extra[1:])
         else:
             extra = jax.tree.map(split, extra)
-        return vmapped(staged, split(inputs), *extra).reshape(inputs.shape)
+        out = vmapped(staged, split(inputs), *extra).reshape(inputs.shape)
+        # the stage state as the tick loop carries it: stages over `pipeline`, rows over the replica axes
+        # (left to GSPMD, the forward shift's roll gathered the whole state over every device per tick)
+        tail = [P.UNCONSTRAINED] * (out.ndim - 2)
+        return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P("pipeline", axes, *tail)))
 
     return schedule_fn(run_stages, staged, x, stages, microbatches, unroll, rows)

@@ -31,6 +31,7 @@ from boost_jax.planner.pricing.plans import Cost
 # ADAM_STATE_BYTES    16          bytes per parameter: fp32 param + grad + Adam m, v      the trainer's float32
 # ACCUM_BYTES         4           bytes per parameter of the grad_accum > 1 accumulator   the trainer's float32
 # OPTIMIZER_TRAFFIC   32          HBM bytes per parameter per AdamW update                counted (p, m, v r/w; g)
+# TICK_WEIGHT_TRAFFIC 32          HBM bytes per weight of a pipeline tick's chunk, a tick  counted, H100 HLO (§ 11-29)
 # LOGIT_BUFFERS       3           f32 [rows, chunk, V/t] loss arrays (CPU, pipelined)     tests/test_planner.py
 # GPU_LOGIT_BUFFERS   1           the same, unpipelined GPU steps                         § 2026-11-27 (third)
 # GPU_LOGIT_CAST      1           compute-dtype [rows, chunk, V/t] cotangent, the same     § 2026-11-28 (planner picks)
@@ -49,6 +50,7 @@ STATE_BYTES = 4
 ADAM_STATE_BYTES = 16
 ACCUM_BYTES = 4
 OPTIMIZER_TRAFFIC = 32
+TICK_WEIGHT_TRAFFIC = 32
 LOGIT_BUFFERS = 3
 GPU_LOGIT_BUFFERS = 1
 GPU_LOGIT_CAST = 1

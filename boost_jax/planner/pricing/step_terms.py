@@ -244,6 +244,21 @@ def f1b_tick_seconds(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     return sched.handovers * moved / pr.cluster.hbm_bandwidth
 
 
+def tick_weight_seconds(pr: Pricer, summary: LayerSummary, sched: Schedule, fsdp: int = 1) -> float:
+    """Seconds per micro-batch a GPipe or circular tick loop spends on its chunk's weights beside the
+    layers' own work (the compiled step, boost_jax/parallel/pipeline/gspmd.py): every tick slices each
+    layer's compute-dtype weights out of the stage's stack (and casts the float32 copies again where the
+    backward re-runs the forward), and every backward tick makes the chunk's float32 weight gradient
+    (zeroed, written layer by layer into its stack) and adds it into the gradient the loop carries:
+    cost.TICK_WEIGHT_TRAFFIC bytes per weight element of the chunk (whole: the per-replica copies are
+    gathered over fsdp, the st grid's stay split), bubble ticks included. 1F1B runs its own loop
+    (parallel/pipeline/one_f_one_b.py): not priced here."""
+    if sched.stages == 1 or sched.f1b:
+        return 0.0
+    chunk = sched.layers_per_tick * (summary.fsdp_w + summary.norm_w + summary.grid_w / fsdp)
+    return sched.ticks * chunk * cost.TICK_WEIGHT_TRAFFIC / pr.cluster.hbm_bandwidth
+
+
 # The share of a layer pass's compute its own fsdp collectives hide behind: each runs inside the
 # layer's pass (the scanned stack's loop body), beside only the compute XLA schedules between its
 # start and its done: the gather before the forward GEMMs that read it, each gradient's all-reduce

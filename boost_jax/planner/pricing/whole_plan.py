@@ -17,6 +17,7 @@ from boost_jax.planner.pricing.step_terms import (
     parameters_per_device,
     step_collectives,
     step_seconds,
+    tick_weight_seconds,
 )
 from boost_jax.planner.pricing.trainer_flags import linear_partition, runnable
 
@@ -46,6 +47,7 @@ def price_plan(
     colls = step_collectives(pr, mesh, grad_accum, layer, summary, sched, rest, rest_fsdp_weights)
     params = parameters_per_device(mesh, summary, sched, rest_fsdp_weights, block.d)
     ticks_s = f1b_tick_seconds(pr, mesh, summary, sched, rest[0].weights + rest[1].weights)
+    ticks_s += tick_weight_seconds(pr, summary, sched, mesh.fsdp)  # GPipe / circular (0 for 1F1B)
     step_s, exposed, optimizer_s = step_seconds(pr, grad_accum, summary, sched, colls, rest_cost, params, ticks_s)
     memory = memory_bytes(pr, mesh, grad_accum, layer, summary, sched, params, rest_fsdp_weights)
     links = link_bytes_per_step(pr, grad_accum, summary, sched, colls)
