@@ -132,8 +132,9 @@ class Block(nnx.Module):
             first, y, x = add_norm_first([mlp.gate, mlp.up], (x, h), self.mlp_norm, mlp.grouped, mlp.in_route)
             out = mlp(x if y is None else y, None, first=first)
             return (constrain(x, RESIDUAL), constrain(out, RESIDUAL)), cache
-        x = constrain(x + h, RESIDUAL)
-        x = constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL)
+        # Each sum as the next group's route stores it (BTP's online norm: in the stream's dtype).
+        x = mlp.in_route.stream(constrain(x + h, RESIDUAL))
+        x = attn.qkv_route.stream(constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL))
         return x, cache
 
 
