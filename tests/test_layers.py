@@ -164,8 +164,8 @@ def test_online_norm_reduces_partials_in_the_compute_dtype():
 def test_online_norm_stores_the_residual_stream_in_its_dtype(make_config):
     """BTP's online-norm groups store each residual sum through an optimization barrier (so XLA keeps
     the bf16 stream and its gradient in bf16 between kernels): the value and gradient are the
-    identity's (against the float64 formula), and the train step's program holds one barrier on the
-    stream per residual add, forward and transposed; without online norm (BTP's sync norm, Megatron) none."""
+    identity's (against the float64 formula), and the unrolled stack's train step holds barriers on the
+    stream (a layer's two adds, forward and transposed); a scanned stack, BTP's sync norm and Megatron none."""
     from boost_jax.parallel.placement import GROUPED, OnlineNorm
     from boost_jax.runtime.build import build
     from boost_jax.runtime.state import trainable, with_frozen
@@ -179,7 +179,7 @@ def test_online_norm_stores_the_residual_stream_in_its_dtype(make_config):
         got = jax.grad(f)(jnp.asarray(x, jnp.float32))
         np.testing.assert_allclose(np.asarray(got), 2 * w * x, rtol=1e-6, atol=1e-6)
 
-    def stream_barriers(strategy, online):
+    def stream_barriers(strategy, online, unroll=True):
         d = 64
         cfg = make_config(
             **{
@@ -191,6 +191,7 @@ def test_online_norm_stores_the_residual_stream_in_its_dtype(make_config):
                 "model.linear": "cola",
                 "parallel.strategy": strategy,
                 "parallel.online_norm": online,
+                "model.scan_unroll": unroll,
                 "parallel.tensor": 4,
                 "parallel.num_devices": 4,
             }
@@ -205,5 +206,8 @@ def test_online_norm_stores_the_residual_stream_in_its_dtype(make_config):
         one = re.compile(rf"= stablehlo.optimization_barrier %[\w#]+ : tensor<\d+x\d+x{d}x")
         return sum(bool(one.search(line)) for line in text.splitlines())
 
-    assert stream_barriers("btp", True) == 4  # the layer's two adds, forward and transposed (one scan body)
-    assert stream_barriers("btp", False) == stream_barriers("megatron", True) == 0
+    count = stream_barriers("btp", True)  # a layer body lowered once serves every call of it
+    assert count and count % 4 == 0, count
+    # none where XLA:GPU cannot schedule them (a scanned stack), nor without online norm
+    assert stream_barriers("btp", True, unroll=False) == stream_barriers("btp", False) == 0
+    assert stream_barriers("megatron", True) == 0
