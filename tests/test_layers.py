@@ -1,5 +1,7 @@
 """Layer math against plain numpy formulas on fresh random inputs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,3 +159,55 @@ def test_online_norm_reduces_partials_in_the_compute_dtype():
     text = jax.jit(f).lower(*bf16).as_text()
     partial_sums = [ln for ln in text.splitlines() if "stablehlo.reduce" in ln and "tensor<4x2x5x3x8x" in ln]
     assert partial_sums and all("xbf16>" in ln.split("->")[-1] for ln in partial_sums), partial_sums
+
+
+def test_online_norm_stores_the_residual_stream_in_its_dtype(make_config):
+    """BTP's online-norm groups store each residual sum through an optimization barrier (so XLA keeps
+    the bf16 stream and its gradient in bf16 between kernels): the value and gradient are the
+    identity's (against the float64 formula), and the unrolled stack's train step holds barriers on the
+    stream (a layer's two adds, forward and transposed); a scanned stack, BTP's sync norm and Megatron none."""
+    from boost_jax.parallel.placement import GROUPED, OnlineNorm
+    from boost_jax.runtime.build import build
+    from boost_jax.runtime.state import trainable, with_frozen
+    from boost_jax.runtime.step import next_token_loss
+
+    mesh = jax.make_mesh((1, 1, 4), ("data", "fsdp", "tensor"))
+    rng = np.random.default_rng(11)
+    x, w = rng.standard_normal((2, 2, 5, 32))
+    for route in (OnlineNorm(mesh, "float32"), GROUPED):
+        f = lambda v: jnp.sum(jnp.asarray(w, jnp.float32) * route.stream(v) ** 2)  # noqa: E731
+        got = jax.grad(f)(jnp.asarray(x, jnp.float32))
+        np.testing.assert_allclose(np.asarray(got), 2 * w * x, rtol=1e-6, atol=1e-6)
+
+    def stream_barriers(strategy, online, unroll=True):
+        d = 64
+        cfg = make_config(
+            **{
+                "model.d_model": d,
+                "model.n_heads": 8,
+                "model.n_kv_heads": 8,
+                "model.d_ff": 128,
+                "model.rank": 16,
+                "model.linear": "cola",
+                "parallel.strategy": strategy,
+                "parallel.online_norm": online,
+                "model.scan_unroll": unroll,
+                "parallel.tensor": 4,
+                "parallel.num_devices": 4,
+            }
+        )
+        built = build(cfg)
+        spec = built.spec
+        params = built.init_state()["params"]
+        tokens = jnp.zeros((cfg.train.global_batch // cfg.train.grad_accum, cfg.train.seq_len + 1), jnp.int32)
+        loss = jax.value_and_grad(lambda t, p, b: next_token_loss(spec.graphdef, with_frozen(t, p), b))
+        text = jax.jit(built.bind(loss)).lower(trainable(params), params, tokens).as_text()
+        # a barrier on one [B, T, d] value (the others in the program pair a GEMM's operands)
+        one = re.compile(rf"= stablehlo.optimization_barrier %[\w#]+ : tensor<\d+x\d+x{d}x")
+        return sum(bool(one.search(line)) for line in text.splitlines())
+
+    count = stream_barriers("btp", True)  # a layer body lowered once serves every call of it
+    assert count and count % 4 == 0, count
+    # none where XLA:GPU cannot schedule them (a scanned stack), nor without online norm
+    assert stream_barriers("btp", True, unroll=False) == stream_barriers("btp", False) == 0
+    assert stream_barriers("megatron", True) == 0

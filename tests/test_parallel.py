@@ -145,6 +145,8 @@ VARIANTS = {
     "sequence_parallel": {"parallel.strategy": "megatron", "parallel.sequence_parallel": True},
     "ungrouped": {"model.group_linears": False},
     "pallas_online_norm": {"kernels.rmsnorm": "pallas"},
+    # the unrolled stack: the online norm's residual sums stored through a barrier (Block.stores_stream)
+    "unrolled_online_norm": {"model.scan_unroll": True},
     "pallas_megatron": {"kernels.rmsnorm": "pallas", "parallel.strategy": "megatron"},
     # the residual adds deferred into the norms (model/transformer.py Block), the norm per shard
     "fused_residual_megatron": {

@@ -120,6 +120,12 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, **kw)
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype, placement=placement)
         self.fuse_residual = bool(norm.fused_add)
+        # Where the stack runs unrolled outside a pipeline, each residual sum is stored as the next group's
+        # route stores it (`Grouped.stream`). In a scanned stack (a pipeline's too) XLA:GPU cannot schedule
+        # the online norm's barrier once it double-buffers the loop: the sums stay as XLA keeps them.
+        self.stores_stream = bool(cfg.scan_unroll) and (
+            placement.mesh is None or placement.mesh.shape.get("pipeline", 1) == 1
+        )
 
     def __call__(self, x, positions, cache=None, docs=None):
         attn, mlp = self.attn, self.mlp
@@ -132,8 +138,9 @@ class Block(nnx.Module):
             first, y, x = add_norm_first([mlp.gate, mlp.up], (x, h), self.mlp_norm, mlp.grouped, mlp.in_route)
             out = mlp(x if y is None else y, None, first=first)
             return (constrain(x, RESIDUAL), constrain(out, RESIDUAL)), cache
-        x = constrain(x + h, RESIDUAL)
-        x = constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL)
+        store = (lambda route, v: route.stream(v)) if self.stores_stream else (lambda route, v: v)
+        x = store(mlp.in_route, constrain(x + h, RESIDUAL))
+        x = store(attn.qkv_route, constrain(x + self.mlp(x, self.mlp_norm), RESIDUAL))
         return x, cache
 
 

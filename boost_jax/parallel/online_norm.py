@@ -43,6 +43,20 @@ _sum_parts.defvjp(
 )
 
 
+def stored_stream(x: jax.Array) -> jax.Array:
+    """The residual stream x (the sum of a residual add, read by the next online norm and the next add)
+    stored in its own dtype between kernels. XLA compiling for an A100 computes a bf16 add in float32
+    and, where it may keep excess precision, drops the float32 -> bf16 -> float32 round trip, so the
+    stream and its gradient travel between kernels in float32 (twice the bytes of every read and write
+    of the [T, d_i] shard, forward and backward). An optimization barrier on the sum keeps the round
+    trip: the add's kernel writes x's dtype, the norm's statistics and scaled rows read it, and the
+    barrier's transpose does the same for the gradient, whose one backward kernel (the norm's gradient
+    plus the residual's) then writes x's dtype alone. The values are the program's own: a no-op under
+    jnp semantics, and in float32 (CPU) nothing changes. The block applies it where its stack runs
+    unrolled (model/transformer.py `Block.stores_stream`)."""
+    return jax.lax.optimization_barrier(x)
+
+
 def online_norm_matmul(x, scale, a_stack, *, eps: float, mesh, axis: str = "tensor", reduce_dtype=None):
     """x: [B, T, d] (d split over `axis`), scale: [d], a_stack: [g, d, r] -> [B, T, g, r] = norm(x)·A_g.
     `reduce_dtype`: the strategy's gradient-reduction dtype (parallel.grad_reduce_dtype)."""

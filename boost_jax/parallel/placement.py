@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.kernels.norm_choice import NormChoice, choose_norm
 from boost_jax.parallel import rules
 from boost_jax.parallel.context import Context
-from boost_jax.parallel.online_norm import online_norm_matmul
+from boost_jax.parallel.online_norm import online_norm_matmul, stored_stream
 from boost_jax.parallel.pipeline.stack import Pipeline
 from boost_jax.parallel.rules import Strategy
 from boost_jax.parallel.spatial_temporal import project_sharded
@@ -89,6 +89,10 @@ class Grouped:
     fuses_norm = False  # the group's norm is fused with its first stage (`norm_first_stage`)
     replaces_projection = False  # `project` computes each projection's output
 
+    def stream(self, x):
+        """The residual stream this group's norm reads, as the block hands it on: unchanged."""
+        return x
+
 
 GROUPED = Grouped()
 
@@ -100,6 +104,11 @@ class OnlineNorm(Grouped):
     mesh: Mesh
     reduce_dtype: str  # parallel.grad_reduce_dtype: A's gradient is summed over the batch in it
     fuses_norm = True
+
+    def stream(self, x):
+        """The residual stream stored in its own dtype between kernels (parallel/online_norm.py
+        `stored_stream`): the statistics and scaled rows read it, its gradient is written likewise."""
+        return stored_stream(x)
 
     def norm_first_stage(self, x, scale, a_stack, *, eps, impl):
         """norm(x)·A_g for the group's stacked A's. `impl` (the norm's kernel) is not used: the local
