@@ -27,6 +27,20 @@ KNOWN_OFF = {
     ("aot_fit", "llama_1b", 8): "the unrolled data-only counts (kept_arrays.py GPU_UNROLLED_*) keep what they "
     "kept over the looped program (1.09 of it): without the loop's carry the peak fell 5.3 GB, the price "
     "4.9 GB (the carry), 1.101 of the compile",
+    # picks the tenth session's time terms moved to, recorded as compiled; which part of the price the compile
+    # does not hold is not read yet (benchmarks/RESULTS.md 2026-11-29, tenth session, the lead)
+    (
+        "aot_fit_a100",
+        "llama_7b",
+        8,
+        "1x1x4x2",
+    ): "fsdp 4 x tensor 2, remat full, one micro-batch: priced 35.4 GB (activations 17.2), compiled 37.1 (0.954)",
+    ("aot_fit_a100", "llama_7b", 64): "circular pipeline 4 x fsdp 4 x tensor 4: priced 33.0 GB (activations 19.4, "
+    "allocator 4.1), compiled 25.9 (1.271)",
+    ("aot_fit_a100", "cola_13b", 64): "data 16 x tensor 4, scanned lowrank stack: priced 32.0 GB (activations 6.7, "
+    "double buffer 2.5), compiled 28.3 (1.128)",
+    ("aot_fit_a100", "llama_13b", 64): "GPipe pipeline 8 x fsdp 2 x tensor 4: priced 31.1 GB (activations 18.4, "
+    "allocator 3.7), compiled 27.1 (1.146)",
 }
 
 
@@ -46,7 +60,8 @@ def _picks():
                 continue  # no plan fits: nothing was compiled
             key = (table, r["model"], r["devices"])
             mesh = "x".join(str(r["mesh"][a]) for a in ("pipeline", "data", "fsdp", "tensor"))
-            marks = [pytest.mark.xfail(reason=KNOWN_OFF[key], strict=True)] if key in KNOWN_OFF else []
+            why = KNOWN_OFF.get(key) or KNOWN_OFF.get((*key, mesh))  # (table, model, GPUs[, mesh p x d x f x t])
+            marks = [pytest.mark.xfail(reason=why, strict=True)] if why else []
             out.append(pytest.param(d, r, id=f"{table}-{r['model']}-{r['devices']}-{mesh}", marks=marks))
     return out
 
