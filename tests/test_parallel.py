@@ -104,6 +104,8 @@ def reference(cfg):
 def _reference(cfg):
     single = cfg.copy_and_resolve_references()
     single.parallel.update(ONE_DEVICE, num_devices=1)
+    # the key leaves out the parallel section: the reference reduces nothing in a narrower dtype either
+    single.parallel.grad_reduce_dtype = "float32"
     single.remat.pipeline = "none"
     params = perturb_zero_factors(jax.device_get(build(single).init_state()["params"]))
     tokens = build_loaders(single)[0].batch(0)
