@@ -294,8 +294,10 @@ def compile_config(
         "xla_budget": "gpu" if profile else "deviceless",
     }
     lower = {"train": built.lower_train, "eval": built.lower_eval}
-    # The accumulation loop's trips (its count is hidden from XLA in the GPU program).
-    trips = loop_trips(int(cfg.train.grad_accum), built.mesh, built.strategy)
+    # The train step's accumulation loop trips (its count is hidden from XLA in the GPU program; the
+    # first micro-batch may run before it); the eval step maps its slices as before.
+    trips = {"train": loop_trips(int(cfg.train.grad_accum), built.mesh, built.strategy)}
+    trips["eval"] = int(cfg.train.grad_accum)
     for program in programs:
         t0 = time.perf_counter()
         try:
@@ -310,11 +312,11 @@ def compile_config(
         except Exception as e:  # noqa: BLE001 - XLA's refusals, on one line
             raise AotError(f"config cannot compile its {program} step for {target}: {_one_line(e)}") from e
         out[program] = {
-            **analyze(compiled, built.mesh, memory, usable, trips),
+            **analyze(compiled, built.mesh, memory, usable, trips[program]),
             "compile_s": time.perf_counter() - t0,
         }
         if (profile or table) and program == "train":
-            out["profile"] = step_pricing.profile(compiled.as_text(), target, trips, built.mesh)
+            out["profile"] = step_pricing.profile(compiled.as_text(), target, trips[program], built.mesh)
     return out
 
 
