@@ -15,7 +15,8 @@ applied to the config and its train step is compiled for that many H100s without
 (`boost_jax.tools.aot`): the compiled peak per GPU, whether it fits 90% of the 80 GB
 (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, the cluster's usable share), the planner's own peak for the same
 plan with their ratio, and the planner's step ms beside the step-time table's for the compiled program
-(`table_ms`: tools/step_profile on the same compile). `--target` and `--cluster` pick another GPU and the
+(`table_ms`: tools/step_profile on the program compiled under the GPU's memory budget, the one it runs).
+`--target` and `--cluster` pick another GPU and the
 cluster the planner plans for (keep the two the same part: a100_40gb with a100_4x.py, whose GPUs have
 40 GB). `--smallest` also finds, per model, the fewest GPUs (powers of two) on which the planner's best
 plan compiles within the usable memory. `--recompile` compiles a json's plans again with this checkout
@@ -27,6 +28,7 @@ Needs the aot extra.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -81,7 +83,7 @@ def row(
     cfg = aot.load(str(config), flags)
     t0 = time.perf_counter()
     rep = REUSE.get((config.stem, devices, target, " ".join(f.removeprefix("--config.") for f in flags)))
-    rep = rep or aot.compile_config(cfg, target, devices, programs=("train",), table=True)
+    rep = rep or compile_pick(cfg, target, devices)
     train = rep["train"]
     return {
         **out,
@@ -102,9 +104,21 @@ def row(
     }
 
 
+def compile_pick(cfg, target: str, devices: int) -> dict:
+    """A plan's train step compiled twice: the plain deviceless compile (its memory, which the memory model
+    is checked against) and the compile under the GPU's memory budget, whose step-time table prices the
+    program the GPU runs (`aot.compile_config(profile=True)`: near the memory limit the deviceless
+    budget makes XLA rematerialize kernels the GPU does not run)."""
+    from boost_jax.tools import aot  # lazy: the aot extra loads JAX
+
+    rep = aot.compile_config(cfg, target, devices, programs=("train",))
+    rep["profile"] = aot.compile_config(cfg, target, devices, programs=("train",), profile=True)["profile"]
+    return rep
+
+
 def step_ms(priced, rep: dict) -> dict:
-    """The planner's step ms of a plan beside the step-time table's of its compile (`table_ms`, where the
-    compile was priced: tools/step_profile on the same deviceless program, no extra compile)."""
+    """The planner's step ms of a plan beside the step-time table's of its compile under the GPU's budget
+    (`table_ms`, where the compile was priced: `compile_pick`)."""
     out = {"planner_ms": priced.step_s * 1e3}
     if rep.get("profile"):
         out["table_ms"] = rep["profile"]["predicted_step_s"] * 1e3
@@ -196,7 +210,7 @@ def fixed_row(
         Options(batch=batch, seq=seq, attention="cudnn", check_memory=False),
     )
     t0 = time.perf_counter()
-    rep = aot.compile_config(cfg, target, p * d * f * t, programs=("train",), table=True)
+    rep = compile_pick(cfg, target, p * d * f * t)
     return {
         "model": name,
         "devices": p * d * f * t,
@@ -227,7 +241,7 @@ def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
     mesh; no search, no compile): the Plan, whose memory["total"] compares with the row's compiled
     `peak_bytes`. `pipelined`: the collective pipeliner's options the row was compiled with (the
     json's `pipelined_collectives`; None: this process's)."""
-    from boost_jax.config import PROJECTION_GROUPS
+    from boost_jax.config import PROJECTION_GROUPS, ST
     from boost_jax.planner import Layer, Mesh, Options, load_cluster, plan_for
     from boost_jax.planner.pricing.cost import PIPELINER_NEEDS
     from boost_jax.planner.verify import uniform_layer
@@ -248,6 +262,11 @@ def reprice(r: dict, cluster: Path = CLUSTER, pipelined: list | None = None):
         if mesh.tensor > 1
         else Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")  # one tensor shard: nothing is split
     )
+    st = str(p.linear_partition)  # the plan's spatial-temporal groups ("st": all of them; "mlp_in=st,...")
+    if st:
+        groups = PROJECTION_GROUPS if st == ST else [g.split("=")[0] for g in st.split(",")]
+        choices = tuple(ST if g in groups else c for g, c in zip(PROJECTION_GROUPS, layer.choices))
+        layer = dataclasses.replace(layer, choices=choices)
     opts = Options(
         batch=int(t.global_batch),
         seq=int(t.seq_len),
@@ -278,13 +297,7 @@ def recompile(r: dict, target: str, cluster: Path, pipelined: list | None) -> di
 
     flags = [f"--config.{f}" for f in r["plan"].split()]
     t0 = time.perf_counter()
-    rep = aot.compile_config(
-        aot.load(str(ROOT / "configs" / f"{r['model']}.py"), flags),
-        target,
-        r["devices"],
-        programs=("train",),
-        table=True,
-    )
+    rep = compile_pick(aot.load(str(ROOT / "configs" / f"{r['model']}.py"), flags), target, r["devices"])
     priced = reprice(r, cluster, pipelined)
     return {
         **{k: v for k, v in r.items() if k not in ("kernels",)},

@@ -276,13 +276,16 @@ def test_the_fsdp_step_reduces_each_weight_gradient_in_its_layer_pass(fsdp, tens
     assert max(0.0, L * per_layer + rest - path) < 0.95 * want
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_the_data_island_reduces_the_layer_gradients_once_a_step_exposed_as_compiled(grad_accum):
-    """A data x tensor plan (no fsdp, no pipeline) runs the data-replica island (parallel/grad_reduce.py):
-    each layer's float32 gradient (its matrices and norm scales, per tensor shard) is all-reduced over
-    data once per step. After the accumulation loop (grad_accum > 1) nothing runs beside it: all of it
-    shows; at grad_accum 1 it starts with layer 0's backward and hides behind a third of the layers'
-    compute (step_terms.FSDP_HIDDEN_SHARE). llama_60m's shapes, by the alpha-beta formula by hand."""
+@pytest.mark.parametrize("data,fsdp,grad_accum", [(8, 1, 1), (8, 1, 2), (2, 4, 1)])
+def test_the_data_island_reduces_every_gradient_once_a_step_exposed_as_compiled(data, fsdp, grad_accum):
+    """A data x (fsdp x) tensor plan (no pipeline) runs the data-replica island (parallel/grad_reduce.py):
+    each replica's float32 gradient (per tensor shard; under fsdp each weight's reduced over fsdp at its
+    gathered size in its layer's pass, then kept at its stored shard) is all-reduced over data once a
+    step, the layers', the embedding's and head's and the final norm's. It starts when the backward is
+    over (the stacked layer weights' gradient is complete with layer 0's backward): only the optimizer
+    runs beside it. The fsdp traffic inside the layer passes hides behind a third of their compute
+    (step_terms.FSDP_HIDDEN_SHARE), the embedding's and head's not at all. llama_60m's shapes, by the
+    alpha-beta formula by hand."""
     from boost_jax.planner import Layer, Mesh, Options, plan_for
     from boost_jax.planner.pricing.step_terms import FSDP_HIDDEN_SHARE
     from boost_jax.planner.verify import uniform_layer
@@ -291,19 +294,26 @@ def test_the_data_island_reduces_the_layer_gradients_once_a_step_exposed_as_comp
     cfg = load_config(str(ROOT / "configs/llama_60m.py"))
     m = cfg.model
     d, ff, L, V = int(m.d_model), int(m.d_ff), int(m.n_layers), int(m.vocab_size)
-    data, tensor = 8, 2
+    tensor = 2
     layer = uniform_layer(cfg, "megatron", False)
     assert isinstance(layer, Layer)
-    plan = plan_for(cfg, H100, Mesh(data, 1, tensor), grad_accum, "none", layer, Options(batch=16, seq=256))
-    link = H100.inter if data * tensor > H100.gpus_per_node else H100.intra
-    w = (4 * d * d + 3 * d * ff) / tensor + 2 * d  # one layer's matrices on a tensor shard, its norm scales whole
-    per_step = L * _alpha_beta("all-reduce", 4 * w, data, link)
-    compute = L * (plan.layer_cost.total - plan.layer_cost.comm)
-    rest = _alpha_beta("all-reduce", 4 * (2 * V * d / tensor + d), data, link)  # embedding, head, final norm
-    rest = max(0.0, rest - (L * plan.layer_cost.total + plan.rest_cost.total))
-    if grad_accum == 1:
-        assert per_step > FSDP_HIDDEN_SHARE * compute  # the case exposes part of it
-        want = per_step - FSDP_HIDDEN_SHARE * compute
-    else:
-        want = per_step / grad_accum  # per micro-batch: once a step, nothing beside
-    assert plan.exposed_dp_s == pytest.approx(want + rest, rel=1e-6)
+    plan = plan_for(cfg, H100, Mesh(data, fsdp, tensor), grad_accum, "none", layer, Options(batch=16, seq=256))
+    link = lambda size, stride: H100.inter if size * stride > H100.gpus_per_node else H100.intra  # noqa: E731
+    w = (4 * d * d + 3 * d * ff) / tensor  # one layer's matrices on a tensor shard
+    rest_w = 2 * V * d / tensor  # the embedding and the head
+    island = L * _alpha_beta("all-reduce", 4 * (w / fsdp + 2 * d), data, link(data, fsdp * tensor))
+    island += _alpha_beta("all-reduce", 4 * (rest_w / fsdp + d), data, link(data, fsdp * tensor))
+    want = max(0.0, island - plan.optimizer_s) / grad_accum  # per micro-batch
+    if fsdp > 1:  # each layer's gathers and gradient reductions over fsdp in its pass; the ends' in full
+        per_layer = (
+            _alpha_beta("all-gather", 2 * w, fsdp, link(fsdp, tensor))
+            + 4 * _alpha_beta("all-reduce", 4 * w / 4, fsdp, link(fsdp, tensor))  # one per grouped projection
+            + _alpha_beta("all-reduce", 4 * 2 * d, fsdp, link(fsdp, tensor))  # the norm scales
+        )
+        compute = L * (plan.layer_cost.total - plan.layer_cost.comm)
+        want += max(0.0, L * per_layer - FSDP_HIDDEN_SHARE * compute)
+        want += _alpha_beta("all-gather", 2 * rest_w, fsdp, link(fsdp, tensor))
+        want += 2 * _alpha_beta("all-reduce", 4 * rest_w / 2, fsdp, link(fsdp, tensor))
+        want += _alpha_beta("all-reduce", 4 * d, fsdp, link(fsdp, tensor))  # the final norm
+    assert island > plan.optimizer_s  # the case exposes part of it
+    assert plan.exposed_dp_s == pytest.approx(want, rel=1e-6)

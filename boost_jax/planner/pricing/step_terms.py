@@ -45,7 +45,8 @@ def data_colls(
     grid_weights: float = 0.0,
     matrices: int = 1,
     seq_split: bool = False,
-) -> tuple[list[Coll], list[Coll]]:
+    island: bool = False,
+) -> tuple[list[Coll], list[Coll], list[Coll]]:
     """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
@@ -67,9 +68,17 @@ def data_colls(
     step all-reduces it over `context` before the fsdp/data reduction, or with it) is all-reduced over
     `context` too, once per micro-batch: context acts like data for the gradients. (Where the mesh
     also has data or fsdp, XLA folds part of the two reductions into one over both axes: the
-    separate pricing here is an upper bound on those bytes.)"""
+    separate pricing here is an upper bound on those bytes.)
+    `island` (the data-replica island runs: parallel/grad_reduce.py): the per-pass reductions are over
+    fsdp only (each replica's gradient), and the third list holds the island's sum over data of the
+    stored shard (float32), once per optimizer step: -> (once, per_pass, island)."""
     t, f, d = mesh.tensor, mesh.fsdp, mesh.data
-    once, per_pass = [], []
+    once, per_pass, reduced = [], [], []
+    if island:  # the replicas' gradients, each at its stored shard, summed over data once a step
+        reduced.append(
+            Coll("all-reduce", fsdp_weights / f + other_weights, d, f * mesh.context * t, "bwd", "data_fsdp")
+        )
+        d = 1
     if pipelined and not grid_weights:
         if f > 1:
             once.append(Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
@@ -91,7 +100,7 @@ def data_colls(
             per_pass.append(Coll("all-reduce", other_weights, d * f * norm_ways, t // norm_ways, "bwd", "data_fsdp"))
     if mesh.context > 1:  # the weights are replicated over `context`: their gradient is summed over it
         per_pass.append(Coll("all-reduce", fsdp_weights + other_weights, mesh.context, mesh.tensor, "bwd", "data_fsdp"))
-    return once, per_pass
+    return once, per_pass, reduced
 
 
 @dataclasses.dataclass
@@ -136,7 +145,10 @@ def step_collectives(
         cost.coll_seconds(c, cluster, act_bytes) for c in ends
     )
 
-    data_once, data = data_colls(
+    # The data-replica island (parallel/grad_reduce.py: data > 1, no pipeline, no st grid) sums every
+    # gradient over data once per step, after the backward: see island_exposed.
+    runs_island = mesh.data > 1 and not pipelined and not summary.grid_w
+    data_once, data, island_layer = data_colls(
         mesh,
         summary.fsdp_w,
         summary.norm_w,
@@ -147,9 +159,13 @@ def step_collectives(
         # GEMM; without one XLA's all-reduce combiner merges a layer's
         matrices=summary.matrices if mesh.tensor > 1 else 1,
         seq_split=layer.residual == "S",
+        island=runs_island,
     )
     # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
-    data_rest = sum(data_colls(mesh, rest_fsdp_weights, ctx.block.d, "none", pipelined=pipelined, matrices=2), [])
+    rest_once, rest_pass, island_rest = data_colls(
+        mesh, rest_fsdp_weights, ctx.block.d, "none", pipelined=pipelined, matrices=2, island=runs_island
+    )
+    data_rest = rest_once + rest_pass
     rest_colls = [(c, 1) for op in rest for c in op.colls]
     if sched.f1b:  # the head runs per micro-batch at the last stage, its gradient summed over stages and replicas
         data_rest, rest_colls = f1b_rest(pr, layer.residual, mesh, sched.microbatches, data_rest, rest)
@@ -157,8 +173,10 @@ def step_collectives(
     # Pipelined (but st), the stage's gather and gradient reduction run once per optimizer step, not
     # per accumulation micro-batch (boost_jax/parallel/pipeline/): 1/grad_accum of them per micro-batch.
     once = sched.layers_per_stage / grad_accum if pipelined and not summary.grid_w else sched.layers_per_stage
+    island = [(c, sched.executed / grad_accum) for c in island_layer] + [(c, 1 / grad_accum) for c in island_rest]
     counted = (
-        [(c, sched.executed) for c in data + redo]
+        island
+        + [(c, sched.executed) for c in data + redo]
         + [(c, once) for c in data_once]
         + shifts
         + rest_colls
@@ -167,10 +185,6 @@ def step_collectives(
     # Pipelined, the stage's and the embedding's and head's gathers run before the tick loop and their
     # gradient reductions after it (the compiled step: nothing to run beside them): on the path.
     outside = [(c, once) for c in data_once] + [(c, 1) for c in data_rest] if pipelined else []
-    # The data-replica island (parallel/grad_reduce.py: data > 1, no pipeline, no st grid) sums each
-    # layer weight's gradient over data once per step (1/grad_accum of it per micro-batch): see island_exposed.
-    runs_island = mesh.data > 1 and mesh.fsdp == 1 and not pipelined and not summary.grid_w
-    island = [(c, sched.executed / grad_accum) for c in data] if runs_island else []
     return StepCollectives(shift, ends, shift_seconds, data_once, data, data_rest, rest_colls, counted, outside, island)
 
 
@@ -208,13 +222,12 @@ def step_seconds(
         + rest_cost.total
         + ticks_s
     )
-    exposed = (
-        max(0.0, data_seconds - path) + seconds(colls.outside) + island_exposed(pr, grad_accum, summary, sched, colls)
-    )
+    optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
+    exposed = max(0.0, data_seconds - path) + seconds(colls.outside)
     if sched.stages == 1 and any(c.axis == "data_fsdp" and c.kind == "all-gather" for c in colls.data_once):
         exposed = fsdp_exposed(pr, summary, sched, colls)  # fsdp: each layer's gathers and reductions in its pass
+    exposed += island_exposed(pr, grad_accum, optimizer_seconds, colls)
     micro_seconds = path + exposed
-    optimizer_seconds = params * cost.OPTIMIZER_TRAFFIC / cluster.hbm_bandwidth
     return grad_accum * micro_seconds + optimizer_seconds, exposed, optimizer_seconds
 
 
@@ -280,18 +293,15 @@ def fsdp_exposed(pr: Pricer, summary: LayerSummary, sched: Schedule, colls: Step
     return max(0.0, layers - FSDP_HIDDEN_SHARE * compute) + seconds((c, 1) for c in colls.data_rest)
 
 
-def island_exposed(
-    pr: Pricer, grad_accum: int, summary: LayerSummary, sched: Schedule, colls: StepCollectives
-) -> float:
-    """Exposed seconds per micro-batch of the data island's layer-weight reductions (colls.island): after
-    the accumulation loop (grad_accum > 1) nothing runs beside them; at grad_accum 1 (no loop) they start
-    only when the stacked weights' gradients are complete, with layer 0's backward, and hide behind the
-    weight-gradient GEMMs XLA defers past it: FSDP_HIDDEN_SHARE of the layers' compute, as an fsdp
-    layer's own traffic does (benchmarks/RESULTS.md 2026-11-29, tenth session, the lead)."""
+def island_exposed(pr: Pricer, grad_accum: int, optimizer_seconds: float, colls: StepCollectives) -> float:
+    """Exposed seconds per micro-batch of the data island's reductions (colls.island, 1/grad_accum of
+    the step's per micro-batch). They start when the backward is over: a layer's weights are one
+    stacked array [L, ...] (unrolled stacks too), whose gradient is complete only with layer 0's
+    backward, and the embedding's with the last (after the accumulation loop, grad_accum > 1). Beside
+    them runs only the optimizer's update of the gradients already summed: the step waits for the rest
+    (the compiled step's schedule, benchmarks/RESULTS.md 2026-11-29, eleventh session)."""
     seconds = sum(times * cost.coll_seconds(c, pr.cluster, pr.opts.act_bytes) for c, times in colls.island)
-    if grad_accum > 1:
-        return seconds
-    return max(0.0, seconds - FSDP_HIDDEN_SHARE * sched.runs * (summary.cost.total - summary.cost.comm))
+    return max(0.0, seconds - optimizer_seconds / grad_accum)
 
 
 def link_bytes_per_step(
