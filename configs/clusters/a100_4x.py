@@ -47,7 +47,15 @@ def get_config():
     # element produced is moved through HBM about this many times over forward + backward (written,
     # read by its consumer, read again by the backward, its gradient written and read).
     c.elementwise_passes = 6
+    # HBM passes per byte of activation kept for the backward (boost_jax/planner/pricing/cost.py): the
+    # scanned layer stack writes each kept array into its stacked residual and reads it back, the same
+    # XLA program on any GPU. Not measured on an A100: h100_8x.py's fit to measured H100 steps, taken as
+    # it is; the A100 step-time tables of the scanned picks agree (benchmarks/RESULTS.md 2026-11-29,
+    # eleventh session).
+    c.kept_passes = 8.919
     c.fitted = {
+        "kept_passes": "8.919: h100_8x.py's fit to the measured H100 steps of benchmarks/h100_measured.json "
+        "(2026-11-26 to 2026-11-27), the same program's passes; not refitted on an A100",
         "intra_bandwidth": "least squares (with intra_latency) to BOOST's LLaMA-7B TP-4 per-layer forward "
         "times on A100 NVLink: full-rank 2.01 ms, vanilla low-rank 9.87 ms, BTP 1.85 ms "
         "(batch 4 x seq 4096, bf16); the fit gives 217 GB/s, rounded to 220",
