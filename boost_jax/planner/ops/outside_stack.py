@@ -17,12 +17,15 @@ def embedding(ctx: Ctx, residual: str) -> Op:
     return op
 
 
-def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
+def head(ctx: Ctx, residual: str, row_groups: int = 1, grad_ways: int = 1) -> Op:
     """Gather the hidden rows, final norm, vocab-parallel LM head and loss: 3 scalars per token for the
-    loss's reductions, and the head's input gradient all-reduced in the backward. The loss runs in
-    pieces (model/loss.py): chunks of model.loss_chunk positions, times `row_groups` (pipelined: one
-    per pipeline micro-batch); each piece reduces its own scalars, and a loss in several pieces
-    recomputes each one's logits, reductions included, in the backward."""
+    loss's reductions, and the head's input gradient all-reduced in the backward (over tensor, times
+    `grad_ways`: a GPipe or circular pipeline hands every stage the finished micro-batches and sums
+    their gradient over pipeline x tensor, one all-reduce, the compiled step's
+    `placement.PerShardNorm`). The loss runs in pieces (model/loss.py): chunks of model.loss_chunk
+    positions, times `row_groups` (pipelined: one per pipeline micro-batch); each piece reduces its
+    own scalars, and a loss in several pieces recomputes each one's logits (the head GEMM: four
+    passes), reductions included, in the backward."""
     b, t, m = ctx.block, ctx.t, ctx.tokens
     seq = ctx.local_seq  # under context each device scans its own positions (model/loss.py seq_groups)
     pieces = (-(-seq // b.loss_chunk) if 0 < b.loss_chunk < seq else 1) * row_groups
@@ -30,15 +33,16 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
     op.name = f"{residual}->head"
     op.gemms = [Gemm(m, b.d, b.vocab / t, "head")]
     op.weights = b.d * b.vocab / t + b.d
-    if 0 < b.loss_chunk < seq:  # the chunked loss recomputes each chunk's logits in the backward
+    if pieces > 1:  # the chunked loss recomputes each piece's logits in the backward
         op.gemm_passes = 4.0
     if t > 1:
-        scalars = [
+        op.colls = op.colls + [
             Coll("all-reduce", 3 * m / pieces, t, 1, phase)
             for phase in ("fwd",) + ("bwd",) * (pieces > 1)
             for _ in range(pieces)
         ]
-        op.colls = op.colls + scalars + [Coll("all-reduce", m * b.d, t, 1, "bwd")]
+    if t * grad_ways > 1:
+        op.colls = op.colls + [Coll("all-reduce", m * b.d, t * grad_ways, 1, "bwd")]
     return op
 
 

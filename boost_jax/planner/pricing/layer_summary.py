@@ -80,13 +80,14 @@ def stage_forward(pr: Pricer, s: LayerSummary) -> LayerSummary:
     return s
 
 
-def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, Cost]:
+def rest_ops(pr: Pricer, residual: str, microbatches: int, grad_ways: int = 1) -> tuple[list, Cost]:
     """Embedding, head and loss (and their cost) of one accumulation micro-batch: outside the
-    pipeline they run on all its rows, on every stage."""
-    key = (residual, microbatches)
+    pipeline they run on all its rows, on every stage. `grad_ways`: see outside_stack.head (a GPipe
+    or circular pipeline's stages)."""
+    key = (residual, microbatches, grad_ways)
     if key not in pr.rests:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
-        rest = [embedding(ctx, residual), head(ctx, residual, microbatches)]
+        rest = [embedding(ctx, residual), head(ctx, residual, microbatches, grad_ways)]
         pr.rests[key] = (
             rest,
             sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), Cost()),

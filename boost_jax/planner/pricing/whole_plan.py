@@ -42,7 +42,9 @@ def price_plan(
     sched = schedule_of(block.layers, mesh.pipeline, microbatches, schedule, repeats, stage_remat)
     if sched.staged:
         stage_forward(pr, summary)
-    rest, rest_cost = rest_ops(pr, layer.residual, sched.microbatches)
+    # a GPipe or circular pipeline sums the head's input gradient over its stages too (outside_stack.head)
+    gspmd_stages = sched.stages if sched.stages > 1 and not sched.f1b else 1
+    rest, rest_cost = rest_ops(pr, layer.residual, sched.microbatches, gspmd_stages)
     rest_fsdp_weights = sum(op.weights for op in rest) - block.d  # the final norm is not fsdp-sharded
     colls = step_collectives(pr, mesh, grad_accum, layer, summary, sched, rest, rest_fsdp_weights)
     params = parameters_per_device(mesh, summary, sched, rest_fsdp_weights, block.d)
