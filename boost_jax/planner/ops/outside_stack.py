@@ -51,9 +51,10 @@ def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int, schedule: str
     stream of one pipeline micro-batch in its layout, moves one stage on (a roll over the `pipeline`
     axis: one collective-permute); the backward sends its gradient back, and (GPipe, circular) sums the
     gradient of the micro-batch entering stage 0 over the pipeline axis (the micro-batch buffer it is
-    read from is replicated over it: one all-reduce per tick, as the compiled scan runs it; 1F1B files
-    it at stage 0 and hands it over once per pass). `stride`: devices per stage (the pipeline axis is
-    outermost)."""
+    read from is replicated over it: one all-reduce per tick, as the scanned program runs it on the
+    CPU, where XLA:GPU sums the M micro-batches' gradient once after the loop: step_terms.gpu_shifts;
+    1F1B files it at stage 0 and hands it over once per pass). `stride`: devices per stage (the
+    pipeline axis is outermost)."""
     if stages <= 1:
         return []
     elements = ctx.local(residual, ctx.block.d)
