@@ -530,7 +530,8 @@ def test_a_pipelines_stage_copies_are_float32_and_its_head_gradient_sums_over_th
     in float32, their summed gradient goes back to the fsdp-split stack by a reduce-scatter (an
     all-reduce with a data axis); the head's input gradient is summed over pipeline x tensor, and the
     loss, one piece per pipeline micro-batch, runs the head GEMM four times (its logits recomputed in
-    the backward). 1F1B keeps the compute-dtype gathers, the all-reduce and the head's tensor-only sum."""
+    the backward). 1F1B keeps the compute-dtype gathers, the all-reduce, the head's tensor-only sum and
+    its three passes (each micro-batch's loss by itself)."""
     from boost_jax.planner.pricing import cost
 
     stages, t, fsdp, m, batch, seq = 2, 2, 2, 4, 64, 64
@@ -552,3 +553,4 @@ def test_a_pipelines_stage_copies_are_float32_and_its_head_gradient_sums_over_th
     ctx = Ctx(Block.from_config(cfg), t, rows, seq)
     assert cfg.model.loss_chunk == 0 or cfg.model.loss_chunk >= seq  # one piece a row group
     assert head(ctx, "R", 1).gemm_passes == 3 and head(ctx, "R", m).gemm_passes == 4
+    assert head(ctx, "R", m, per_item=True).gemm_passes == 3  # 1F1B: one loss per micro-batch

@@ -17,7 +17,7 @@ def embedding(ctx: Ctx, residual: str) -> Op:
     return op
 
 
-def head(ctx: Ctx, residual: str, row_groups: int = 1, grad_ways: int = 1) -> Op:
+def head(ctx: Ctx, residual: str, row_groups: int = 1, grad_ways: int = 1, per_item: bool = False) -> Op:
     """Gather the hidden rows, final norm, vocab-parallel LM head and loss: 3 scalars per token for the
     loss's reductions, and the head's input gradient all-reduced in the backward (over tensor, times
     `grad_ways`: a GPipe or circular pipeline hands every stage the finished micro-batches and sums
@@ -25,7 +25,9 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1, grad_ways: int = 1) -> Op
     `placement.PerShardNorm`). The loss runs in pieces (model/loss.py): chunks of model.loss_chunk
     positions, times `row_groups` (pipelined: one per pipeline micro-batch); each piece reduces its
     own scalars, and a loss in several pieces recomputes each one's logits (the head GEMM: four
-    passes), reductions included, in the backward."""
+    passes), reductions included, in the backward. `per_item` (1F1B): each micro-batch's head and loss
+    run by themselves (their own vjp, `one_f_one_b.fused_loss`): the row groups are not pieces of one
+    loss, none is recomputed."""
     b, t, m = ctx.block, ctx.t, ctx.tokens
     seq = ctx.local_seq  # under context each device scans its own positions (model/loss.py seq_groups)
     pieces = (-(-seq // b.loss_chunk) if 0 < b.loss_chunk < seq else 1) * row_groups
@@ -33,7 +35,7 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1, grad_ways: int = 1) -> Op
     op.name = f"{residual}->head"
     op.gemms = [Gemm(m, b.d, b.vocab / t, "head")]
     op.weights = b.d * b.vocab / t + b.d
-    if pieces > 1:  # the chunked loss recomputes each piece's logits in the backward
+    if pieces // (row_groups if per_item else 1) > 1:  # the chunked loss recomputes each piece's logits
         op.gemm_passes = 4.0
     if t > 1:
         op.colls = op.colls + [
