@@ -470,30 +470,36 @@ def _dense(d=256, ff=688, vocab=512, layers=8):
 def test_a_tick_scan_stacks_its_kept_activations_and_circular_selects_its_chunk(monkeypatch, schedule, repeats):
     """GPipe and circular ticks stack what the chunk's layers keep (TICK_ITEM_PASSES per byte of it: under
     remat full each layer's input, the micro-batch's tokens x d in the compute dtype, by hand), and a
-    circular tick selects its chunk of the stage's V (CIRCULAR_CHUNK_TRAFFIC per weight of the chunk,
-    gathered over fsdp: a dense layer's 4 d^2 + 3 d ff + 2 d): the step pays exactly that over the same
-    plan without the two terms, every tick, bubble ticks included; 1F1B (its own loop) pays neither."""
+    circular tick selects its chunk of the stage's V (CIRCULAR_SELECT_TRAFFIC per weight of the chunk,
+    gathered over fsdp: a dense layer's 4 d^2 + 3 d ff + 2 d) and stacks it for the backward
+    (CIRCULAR_STACK_PASSES per byte: float32 under remat full, none under stage remat): the step pays
+    exactly that over the same plan without the terms, every tick, bubble ticks included; 1F1B (its own
+    loop) pays none."""
     from boost_jax.planner.pricing import step_terms
 
     d, ff, layers, stages, m, batch, seq, fsdp = 256, 688, 8, 4, 8, 64, 64, 2
     cfg, replicated = _dense(d, ff, layers=layers)
     opts = Options(batch=batch, seq=seq, check_memory=False)
 
-    def step(sched, v):
+    def step(sched, v, stage="none"):
         mesh = Mesh(1, fsdp, 1, pipeline=stages)
-        return plan_for(cfg, A100, mesh, 1, "full", replicated, opts, 1.0, m, sched, v).step_s
+        return plan_for(cfg, A100, mesh, 1, "full", replicated, opts, 1.0, m, sched, v, stage).step_s
 
-    (piped, f1b) = step(schedule, repeats), step("1f1b", 1)
-    item_passes, chunk_traffic = step_terms.TICK_ITEM_PASSES, step_terms.CIRCULAR_CHUNK_TRAFFIC
-    monkeypatch.setattr(step_terms, "TICK_ITEM_PASSES", 0)
-    monkeypatch.setattr(step_terms, "CIRCULAR_CHUNK_TRAFFIC", 0)
+    piped, staged, f1b = step(schedule, repeats), step(schedule, repeats, "stage"), step("1f1b", 1)
+    names = ("TICK_ITEM_PASSES", "CIRCULAR_SELECT_TRAFFIC", "CIRCULAR_STACK_PASSES")
+    item_passes, select, stack = (getattr(step_terms, n) for n in names)
+    assert min(item_passes, select, stack) > 0
+    for n in names:
+        monkeypatch.setattr(step_terms, n, 0)
     assert step("1f1b", 1) == f1b
     ticks, per_tick = repeats * m + stages - 1, layers // (stages * repeats)
     kept = per_tick * (batch * seq // fsdp // m) * d * 2  # each layer's input, bf16, one replica's rows
     chunk = per_tick * (4 * d * d + 3 * d * ff + 2 * d)
-    moved = item_passes * kept + (chunk_traffic * chunk if schedule == "circular" else 0)
-    assert item_passes > 0 and chunk_traffic > 0
+    circular = schedule == "circular"
+    moved = item_passes * kept + (select + stack * 4) * chunk * circular
     assert piped - step(schedule, repeats) == pytest.approx(ticks * moved / A100.hbm_bandwidth, rel=1e-9)
+    moved = item_passes * kept + select * chunk * circular
+    assert staged - step(schedule, repeats, "stage") == pytest.approx(ticks * moved / A100.hbm_bandwidth, rel=1e-9)
 
 
 def _alpha_beta(kind: str, nbytes: float, p: int, link) -> float:

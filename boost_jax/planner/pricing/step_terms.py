@@ -265,8 +265,12 @@ def f1b_tick_seconds(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
 # (sources parallel/pipeline/gspmd.py and unnamed copies, inside the tick loop or on its [ticks, ...]
 # stacks), over the share of the datasheet bandwidth its copy kernels reach (0.68). Read off the A100
 # llama_7b circular and llama_13b GPipe picks on 64 (benchmarks/RESULTS.md 2026-11-29, eleventh
-# session, h-pipe); the layer scan's own stacks inside a tick are the cluster's kept_passes.
-CIRCULAR_CHUNK_TRAFFIC = 54  # per chunk weight element, circular: 54.7 (7b)
+# session, h-pipe; the circular constants also off the pick they moved to, 13b circular V 10 under remat
+# full); the layer scan's own stacks inside a tick are the cluster's kept_passes.
+# circular, per chunk weight element, both together: 54.7 with the stack in bf16 (7b, remat none), 69.6 in
+# float32 (13b, V 10, remat full); the two below solve the pair
+CIRCULAR_SELECT_TRAFFIC = 40  # per chunk weight element: circular's float32 chunk selection
+CIRCULAR_STACK_PASSES = 7.5  # per byte of the selected chunk circular's tick scan stacks
 TICK_ITEM_PASSES = 15  # per byte of the chunk's kept activations: 14.0 (7b circular), 16.7 (13b GPipe)
 
 
@@ -279,8 +283,11 @@ def tick_weight_seconds(pr: Pricer, summary: LayerSummary, sched: Schedule, fsdp
     into its stack) and adds it into the gradient the loop carries: cost.TICK_WEIGHT_TRAFFIC bytes
     per weight element of the chunk (whole: the per-replica copies are gathered over fsdp, the st
     grid's stay split); circular's tick also selects its chunk of the stage's V (`stage_fn`'s
-    dynamic index, float32, and its scatter-add into the V chunks' gradient in the backward) and
-    stacks the selected compute-dtype weights for the backward tick: CIRCULAR_CHUNK_TRAFFIC more;
+    dynamic index, float32, and its scatter-add into the V chunks' gradient in the backward):
+    CIRCULAR_SELECT_TRAFFIC more, and its scan stacks the selected chunk for the backward tick
+    (written, zero-filled, sliced back): CIRCULAR_STACK_PASSES per byte of it, the compute-dtype
+    cast without remat, the float32 selection under a remat policy (the layers' checkpoints take the
+    float32 weights), none under remat.pipeline=stage (the stage's checkpoint keeps no chunk);
     (2) on its activations: the tick scan stacks what the chunk's layers keep, [ticks, ...] per
     array (zero-filled, the layer scan's stack copied in, the whole stack copied between the forward
     and backward loops, sliced and converted by the backward tick): TICK_ITEM_PASSES per byte of the
@@ -289,7 +296,10 @@ def tick_weight_seconds(pr: Pricer, summary: LayerSummary, sched: Schedule, fsdp
     if sched.stages == 1 or sched.f1b:
         return 0.0
     chunk = sched.layers_per_tick * (summary.fsdp_w + summary.norm_w + summary.grid_w / fsdp)
-    per_weight = cost.TICK_WEIGHT_TRAFFIC + (CIRCULAR_CHUNK_TRAFFIC if sched.name == "circular" else 0)
+    per_weight = cost.TICK_WEIGHT_TRAFFIC
+    if sched.name == "circular":
+        stacked = 0 if sched.staged else pr.opts.act_bytes if pr.policy == "none" else cost.STATE_BYTES
+        per_weight += CIRCULAR_SELECT_TRAFFIC + CIRCULAR_STACK_PASSES * stacked
     item = sched.layers_per_tick * summary.saved
     return sched.ticks * (chunk * per_weight + item * TICK_ITEM_PASSES) / pr.cluster.hbm_bandwidth
 
