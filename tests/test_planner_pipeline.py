@@ -14,6 +14,8 @@ from test_planner import A100, H100, with_overrides
 from boost_jax.config import PROJECTION_GROUPS, base_config, sized_config
 from boost_jax.parallel.pipeline.arithmetic import bubble_fraction, ring_slots, ticks_1f1b
 from boost_jax.planner import Layer, Mesh, Options, plan_for, search
+from boost_jax.planner.ops.operators import Block, Ctx
+from boost_jax.planner.ops.outside_stack import head
 from boost_jax.planner.ops.strategy_tables import uniform_plan
 from boost_jax.planner.pricing import cost
 from boost_jax.planner.search_space import check_pipeline, pipeline_variants
@@ -453,3 +455,108 @@ def test_every_tick_moves_its_chunks_weights(monkeypatch, schedule, repeats):
     assert step(32, pipe, schedule, repeats) - step(0, pipe, schedule, repeats) == pytest.approx(want, rel=1e-6)
     assert step(32, pipe, "1f1b", 1) == step(0, pipe, "1f1b", 1)
     assert step(32, Mesh(2, 1, 1, 1), "gpipe", 1) == step(0, Mesh(2, 1, 1, 1), "gpipe", 1)
+
+
+def _dense(d=256, ff=688, vocab=512, layers=8):
+    """A small dense model (a layer's weights: 4 d^2 + 3 d ff + 2 d) and its replicated layer plan."""
+    cfg = base_config()
+    cfg.model.update(
+        linear="dense", d_model=d, n_heads=4, n_kv_heads=4, d_ff=ff, vocab_size=vocab, max_seq_len=64, n_layers=layers
+    )
+    return cfg, Layer("R", ("none",) * len(PROJECTION_GROUPS), "R", "R")
+
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
+def test_a_tick_scan_stacks_its_kept_activations_and_circular_selects_its_chunk(monkeypatch, schedule, repeats):
+    """GPipe and circular ticks stack what the chunk's layers keep (TICK_ITEM_PASSES per byte of it: under
+    remat full each layer's input, the micro-batch's tokens x d in the compute dtype, by hand), and a
+    circular tick selects its chunk of the stage's V (CIRCULAR_SELECT_TRAFFIC per weight of the chunk,
+    gathered over fsdp: a dense layer's 4 d^2 + 3 d ff + 2 d) and stacks it for the backward
+    (CIRCULAR_STACK_PASSES per byte: float32 under remat full, none under stage remat): the step pays
+    exactly that over the same plan without the terms, every tick, bubble ticks included; 1F1B (its own
+    loop) pays none."""
+    from boost_jax.planner.pricing import step_terms
+
+    d, ff, layers, stages, m, batch, seq, fsdp = 256, 688, 8, 4, 8, 64, 64, 2
+    cfg, replicated = _dense(d, ff, layers=layers)
+    opts = Options(batch=batch, seq=seq, check_memory=False)
+
+    def step(sched, v, stage="none"):
+        mesh = Mesh(1, fsdp, 1, pipeline=stages)
+        return plan_for(cfg, A100, mesh, 1, "full", replicated, opts, 1.0, m, sched, v, stage).step_s
+
+    piped, staged, f1b = step(schedule, repeats), step(schedule, repeats, "stage"), step("1f1b", 1)
+    names = ("TICK_ITEM_PASSES", "CIRCULAR_SELECT_TRAFFIC", "CIRCULAR_STACK_PASSES")
+    item_passes, select, stack = (getattr(step_terms, n) for n in names)
+    assert min(item_passes, select, stack) > 0
+    for n in names:
+        monkeypatch.setattr(step_terms, n, 0)
+    assert step("1f1b", 1) == f1b
+    ticks, per_tick = repeats * m + stages - 1, layers // (stages * repeats)
+    kept = per_tick * (batch * seq // fsdp // m) * d * 2  # each layer's input, bf16, one replica's rows
+    chunk = per_tick * (4 * d * d + 3 * d * ff + 2 * d)
+    circular = schedule == "circular"
+    moved = item_passes * kept + (select + stack * 4) * chunk * circular
+    assert piped - step(schedule, repeats) == pytest.approx(ticks * moved / A100.hbm_bandwidth, rel=1e-9)
+    moved = item_passes * kept + select * chunk * circular
+    assert staged - step(schedule, repeats, "stage") == pytest.approx(ticks * moved / A100.hbm_bandwidth, rel=1e-9)
+
+
+def _alpha_beta(kind: str, nbytes: float, p: int, link) -> float:
+    steps, wire = {"all-reduce": (2 * (p - 1), 2 * (p - 1) / p), "collective-permute": (1, 1.0)}.get(
+        kind, (p - 1, (p - 1) / p)
+    )
+    return wire * nbytes / link.bandwidth + steps * link.latency
+
+
+def test_the_stage_zero_gradient_sum_runs_once_a_pass_on_the_gpu():
+    """GPipe: the scanned step sums the gradient of the micro-batch entering stage 0 over `pipeline`
+    every tick (its collectives, what `--verify` compares with the CPU program), where XLA:GPU sums the
+    M micro-batches' gradient once after the loop (the compiled GPU steps): the hand-overs are priced
+    as every tick's permute each way, that one all-reduce and the pass's ends (a permute, an all-reduce
+    and a permute back of the M finished micro-batches), by the alpha-beta formula by hand."""
+    d, stages, m, batch, seq = 256, 4, 8, 64, 64
+    cfg, replicated = _dense(d)
+    opts = Options(batch=batch, seq=seq, check_memory=False)
+    p = plan_for(cfg, A100, Mesh(1, 1, 1, pipeline=stages), 1, "none", replicated, opts, 1.0, m, "gpipe")
+    ticks, e = m + stages - 1, batch * seq // m * d  # one micro-batch's residual stream, replicated
+    link = A100.intra  # 4 stages of one GPU each: one node
+    permute, every = (
+        _alpha_beta(k, n * 2, stages, link) for k, n in (("collective-permute", e), ("all-reduce", m * e))
+    )
+    ends = 2 * _alpha_beta("collective-permute", m * e * 2, stages, link) + every
+    assert p.shift_s == pytest.approx(ticks * 2 * permute + every + ends, rel=1e-9)
+    per_tick = [t for c, t in p.step_colls if c.axis == "pipeline" and c.kind == "all-reduce" and c.elements == e]
+    assert per_tick == [ticks]  # the scanned program's (CPU) count
+
+
+@pytest.mark.parametrize("schedule,data", [("gpipe", 1), ("circular", 1), ("gpipe", 2), ("1f1b", 1)])
+def test_a_pipelines_stage_copies_are_float32_and_its_head_gradient_sums_over_the_stages(schedule, data):
+    """GPipe and circular (gspmd.py's `replica_copies`): the stage's copies are made and gathered over fsdp
+    in float32, their summed gradient goes back to the fsdp-split stack by a reduce-scatter (an
+    all-reduce with a data axis); the head's input gradient is summed over pipeline x tensor, and the
+    loss, one piece per pipeline micro-batch, runs the head GEMM four times (its logits recomputed in
+    the backward). 1F1B keeps the compute-dtype gathers, the all-reduce, the head's tensor-only sum and
+    its three passes (each micro-batch's loss by itself)."""
+    from boost_jax.planner.pricing import cost
+
+    stages, t, fsdp, m, batch, seq = 2, 2, 2, 4, 64, 64
+    cfg = small_config()
+    cfg.model.n_layers = 4
+    opts = Options(batch=batch, seq=seq, check_memory=False)
+    mesh = Mesh(data, fsdp, t, pipeline=stages)
+    p = plan_for(cfg, A100, mesh, 1, "none", BTP, opts, 1.0, m, schedule, 2 if schedule == "circular" else 1)
+    gspmd = schedule != "1f1b"
+    stage = [c for c in p.layer_colls if c.axis == "data_fsdp"]  # pipelined: the stage's, once a pass
+    gathers = [c for c in stage if c.kind == "all-gather"]
+    assert len(gathers) == 1 and gathers[0].size == fsdp and gathers[0].float32 == gspmd
+    assert cost.coll_bytes(gathers[0], 2) == gathers[0].elements * (4 if gspmd else 2)
+    want = "reduce-scatter" if gspmd and data == 1 else "all-reduce"
+    assert [c.kind for c in stage if c.phase == "bwd"] == [want] and stage[-1].size == data * fsdp
+    rows = batch * seq // (data * fsdp) // (1 if gspmd else m)  # the head's rows: all, or 1F1B's one micro-batch
+    grad = [c for c in p.rest_colls if c.kind == "all-reduce" and c.elements == rows * cfg.model.d_model]
+    assert grad and all(c.size == (stages * t if gspmd else t) for c in grad)
+    ctx = Ctx(Block.from_config(cfg), t, rows, seq)
+    assert cfg.model.loss_chunk == 0 or cfg.model.loss_chunk >= seq  # one piece a row group
+    assert head(ctx, "R", 1).gemm_passes == 3 and head(ctx, "R", m).gemm_passes == 4
+    assert head(ctx, "R", m, per_item=True).gemm_passes == 3  # 1F1B: one loss per micro-batch

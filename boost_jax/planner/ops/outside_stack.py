@@ -17,12 +17,17 @@ def embedding(ctx: Ctx, residual: str) -> Op:
     return op
 
 
-def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
+def head(ctx: Ctx, residual: str, row_groups: int = 1, grad_ways: int = 1, per_item: bool = False) -> Op:
     """Gather the hidden rows, final norm, vocab-parallel LM head and loss: 3 scalars per token for the
-    loss's reductions, and the head's input gradient all-reduced in the backward. The loss runs in
-    pieces (model/loss.py): chunks of model.loss_chunk positions, times `row_groups` (pipelined: one
-    per pipeline micro-batch); each piece reduces its own scalars, and a loss in several pieces
-    recomputes each one's logits, reductions included, in the backward."""
+    loss's reductions, and the head's input gradient all-reduced in the backward (over tensor, times
+    `grad_ways`: a GPipe or circular pipeline hands every stage the finished micro-batches and sums
+    their gradient over pipeline x tensor, one all-reduce, the compiled step's
+    `placement.PerShardNorm`). The loss runs in pieces (model/loss.py): chunks of model.loss_chunk
+    positions, times `row_groups` (pipelined: one per pipeline micro-batch); each piece reduces its
+    own scalars, and a loss in several pieces recomputes each one's logits (the head GEMM: four
+    passes), reductions included, in the backward. `per_item` (1F1B): each micro-batch's head and loss
+    run by themselves (their own vjp, `one_f_one_b.fused_loss`): the row groups are not pieces of one
+    loss, none is recomputed."""
     b, t, m = ctx.block, ctx.t, ctx.tokens
     seq = ctx.local_seq  # under context each device scans its own positions (model/loss.py seq_groups)
     pieces = (-(-seq // b.loss_chunk) if 0 < b.loss_chunk < seq else 1) * row_groups
@@ -30,15 +35,16 @@ def head(ctx: Ctx, residual: str, row_groups: int = 1) -> Op:
     op.name = f"{residual}->head"
     op.gemms = [Gemm(m, b.d, b.vocab / t, "head")]
     op.weights = b.d * b.vocab / t + b.d
-    if 0 < b.loss_chunk < seq:  # the chunked loss recomputes each chunk's logits in the backward
+    if pieces // (row_groups if per_item else 1) > 1:  # the chunked loss recomputes each piece's logits
         op.gemm_passes = 4.0
     if t > 1:
-        scalars = [
+        op.colls = op.colls + [
             Coll("all-reduce", 3 * m / pieces, t, 1, phase)
             for phase in ("fwd",) + ("bwd",) * (pieces > 1)
             for _ in range(pieces)
         ]
-        op.colls = op.colls + scalars + [Coll("all-reduce", m * b.d, t, 1, "bwd")]
+    if t * grad_ways > 1:
+        op.colls = op.colls + [Coll("all-reduce", m * b.d, t * grad_ways, 1, "bwd")]
     return op
 
 
@@ -47,9 +53,10 @@ def stage_shift(ctx: Ctx, residual: str, stages: int, stride: int, schedule: str
     stream of one pipeline micro-batch in its layout, moves one stage on (a roll over the `pipeline`
     axis: one collective-permute); the backward sends its gradient back, and (GPipe, circular) sums the
     gradient of the micro-batch entering stage 0 over the pipeline axis (the micro-batch buffer it is
-    read from is replicated over it: one all-reduce per tick, as the compiled scan runs it; 1F1B files
-    it at stage 0 and hands it over once per pass). `stride`: devices per stage (the pipeline axis is
-    outermost)."""
+    read from is replicated over it: one all-reduce per tick, as the scanned program runs it on the
+    CPU, where XLA:GPU sums the M micro-batches' gradient once after the loop: step_terms.gpu_shifts;
+    1F1B files it at stage 0 and hands it over once per pass). `stride`: devices per stage (the
+    pipeline axis is outermost)."""
     if stages <= 1:
         return []
     elements = ctx.local(residual, ctx.block.d)

@@ -80,13 +80,15 @@ def stage_forward(pr: Pricer, s: LayerSummary) -> LayerSummary:
     return s
 
 
-def rest_ops(pr: Pricer, residual: str, microbatches: int) -> tuple[list, Cost]:
+def rest_ops(pr: Pricer, residual: str, microbatches: int, stages: int = 1, f1b: bool = False) -> tuple[list, Cost]:
     """Embedding, head and loss (and their cost) of one accumulation micro-batch: outside the
-    pipeline they run on all its rows, on every stage."""
-    key = (residual, microbatches)
+    pipeline they run on all its rows, on every stage. A GPipe or circular pipeline (`stages` > 1)
+    sums the head's input gradient over its stages too, 1F1B (`f1b`) runs the head and loss per
+    micro-batch (outside_stack.head's `grad_ways`, `per_item`)."""
+    key = (residual, microbatches, stages, f1b)
     if key not in pr.rests:
         ctx = pr.ctx if microbatches == 1 else dataclasses.replace(pr.ctx, tokens=pr.ctx.tokens * microbatches)
-        rest = [embedding(ctx, residual), head(ctx, residual, microbatches)]
+        rest = [embedding(ctx, residual), head(ctx, residual, microbatches, 1 if f1b else stages, f1b)]
         pr.rests[key] = (
             rest,
             sum((cost.price(op, pr.cluster, "none", pr.ctx.attention, pr.opts.act_bytes) for op in rest), Cost()),

@@ -36,6 +36,17 @@ def f1b_rest(pr: Pricer, residual: str, mesh: Mesh, microbatches: int, dp_rest: 
     return dp_rest, [(c, 1) for c in rest[0].colls] + [(c, microbatches) for c in one.colls]
 
 
+def gpu_shifts(shifts: list, sched: Schedule) -> list:
+    """The tick loop's hand-overs as the GPU program runs them: the scanned step sums the gradient of
+    the micro-batch entering stage 0 over `pipeline` every tick (stage_shift: what the CPU program,
+    `--verify`, runs), where XLA:GPU moves that all-reduce out of the loop: one all-reduce of the M
+    micro-batches' accumulated gradient after it (the compiled GPipe and circular steps' tables)."""
+    return [
+        (dataclasses.replace(c, elements=c.elements * sched.microbatches), 1) if c.kind == "all-reduce" else (c, t)
+        for c, t in shifts
+    ]
+
+
 def data_colls(
     mesh: Mesh,
     fsdp_weights: float,
@@ -45,9 +56,10 @@ def data_colls(
     grid_weights: float = 0.0,
     matrices: int = 1,
     seq_split: bool = False,
+    copies: bool = False,
     island: bool = False,
 ) -> tuple[list[Coll], list[Coll], list[Coll]]:
-    """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass):
+    """Data/fsdp traffic of one layer's parameters (elements per tensor shard) as (once, per_pass, island):
     `once` runs once per layer per accumulation micro-batch, `per_pass` once per layer pass (every
     GPipe tick when pipelined). FSDP gathers the weights before use, in the compute dtype (again in the
     backward when remat recomputes the forward). Each weight gradient is all-reduced over data x fsdp
@@ -60,8 +72,10 @@ def data_colls(
     gathered once before the tick loop, every batch replica accumulates its own float32 gradient over
     the ticks, and that is all-reduced over data x fsdp once per pass, at full size (the accumulator is
     the whole stage's gradient), so both land in `once`; nothing over data/fsdp runs per tick, remat
-    included (the gathered copies are the loop's inputs). Pipelined st plans keep GSPMD's placement
-    (see pipeline.once_per_pass_axes), priced as below.
+    included (the gathered copies are the loop's inputs). `copies` (GPipe, circular: gspmd.py's
+    `replica_copies`): the copies are made in float32 and gathered so, and their summed gradient goes
+    back to the fsdp-split stack by a reduce-scatter where there is no data axis (the compiled step).
+    Pipelined st plans keep GSPMD's placement (see pipeline.once_per_pass_axes), priced as below.
     st's weights (`grid_weights`) stay split over fsdp: their gradient, summed over the grid's rows
     by the Cannon schedule, is only all-reduced over data.
     Under parallel.context = C the gradient of every weight (per tensor shard, whole: the compiled
@@ -81,9 +95,10 @@ def data_colls(
         d = 1
     if pipelined and not grid_weights:
         if f > 1:
-            once.append(Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp"))
+            once.append(Coll("all-gather", fsdp_weights, f, t, "fwd", "data_fsdp", float32=copies))
         if d * f > 1:
-            once.append(Coll("all-reduce", fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
+            kind = "reduce-scatter" if copies and d == 1 else "all-reduce"
+            once.append(Coll(kind, fsdp_weights + other_weights, d * f, t, "bwd", "data_fsdp"))
     else:
         if grid_weights and d > 1:
             per_pass.append(Coll("all-reduce", grid_weights / f, d, f * t, "bwd", "data_fsdp"))
@@ -141,9 +156,9 @@ def step_collectives(
     # The tick loop is a scan: every tick hands over each way (the last forward one feeds nothing,
     # but the scanned step runs it).
     shifts = [(c, sched.handovers) for c in shift]
-    shift_seconds = sum(times * cost.coll_seconds(c, cluster, act_bytes) for c, times in shifts) + sum(
-        cost.coll_seconds(c, cluster, act_bytes) for c in ends
-    )
+    shift_seconds = sum(
+        times * cost.coll_seconds(c, cluster, act_bytes) for c, times in gpu_shifts(shifts, sched)
+    ) + sum(cost.coll_seconds(c, cluster, act_bytes) for c in ends)
 
     # The data-replica island (parallel/grad_reduce.py: data > 1, no pipeline, no st grid) sums every
     # gradient over data once per step, after the backward: see island_exposed.
@@ -159,6 +174,7 @@ def step_collectives(
         # GEMM; without one XLA's all-reduce combiner merges a layer's
         matrices=summary.matrices if mesh.tensor > 1 else 1,
         seq_split=layer.residual == "S",
+        copies=pipelined and not sched.f1b,
         island=runs_island,
     )
     # embedding and head, once (pipelined: their gradient is all-reduced over fsdp too, as compiled)
@@ -257,19 +273,48 @@ def f1b_tick_seconds(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     return sched.handovers * moved / pr.cluster.hbm_bandwidth
 
 
+# A GPipe or circular tick's work beyond its layer passes that cost.TICK_WEIGHT_TRAFFIC leaves out, in
+# HBM bytes at the cluster's bandwidth: the bytes the step-time table's kernels of the tick scan move
+# (sources parallel/pipeline/gspmd.py and unnamed copies, inside the tick loop or on its [ticks, ...]
+# stacks), over the share of the datasheet bandwidth its copy kernels reach (0.68). Read off the A100
+# llama_7b circular and llama_13b GPipe picks on 64 (benchmarks/RESULTS.md 2026-11-29, eleventh
+# session, h-pipe; the circular constants also off the pick they moved to, 13b circular V 10 under remat
+# full); the layer scan's own stacks inside a tick are the cluster's kept_passes.
+# circular, per chunk weight element, both together: 54.7 with the stack in bf16 (7b, remat none), 69.6 in
+# float32 (13b, V 10, remat full); the two below solve the pair
+CIRCULAR_SELECT_TRAFFIC = 40  # per chunk weight element: circular's float32 chunk selection
+CIRCULAR_STACK_PASSES = 7.5  # per byte of the selected chunk circular's tick scan stacks
+TICK_ITEM_PASSES = 15  # per byte of the chunk's kept activations: 14.0 (7b circular), 16.7 (13b GPipe)
+
+
 def tick_weight_seconds(pr: Pricer, summary: LayerSummary, sched: Schedule, fsdp: int = 1) -> float:
-    """Seconds per micro-batch a GPipe or circular tick loop spends on its chunk's weights beside the
-    layers' own work (the compiled step, boost_jax/parallel/pipeline/gspmd.py): every tick slices each
-    layer's compute-dtype weights out of the stage's stack (and casts the float32 copies again where the
-    backward re-runs the forward), and every backward tick makes the chunk's float32 weight gradient
-    (zeroed, written layer by layer into its stack) and adds it into the gradient the loop carries:
-    cost.TICK_WEIGHT_TRAFFIC bytes per weight element of the chunk (whole: the per-replica copies are
-    gathered over fsdp, the st grid's stay split), bubble ticks included. 1F1B runs its own loop
-    (parallel/pipeline/one_f_one_b.py): not priced here."""
+    """Seconds per micro-batch a GPipe or circular tick loop spends beside the layers' own work (the
+    compiled step, boost_jax/parallel/pipeline/gspmd.py), every tick, bubble ticks included:
+    (1) on its chunk's weights: every tick slices each layer's compute-dtype weights out of the
+    stage's stack (and casts the float32 copies again where the backward re-runs the forward), and
+    every backward tick makes the chunk's float32 weight gradient (zeroed, written layer by layer
+    into its stack) and adds it into the gradient the loop carries: cost.TICK_WEIGHT_TRAFFIC bytes
+    per weight element of the chunk (whole: the per-replica copies are gathered over fsdp, the st
+    grid's stay split); circular's tick also selects its chunk of the stage's V (`stage_fn`'s
+    dynamic index, float32, and its scatter-add into the V chunks' gradient in the backward):
+    CIRCULAR_SELECT_TRAFFIC more, and its scan stacks the selected chunk for the backward tick
+    (written, zero-filled, sliced back): CIRCULAR_STACK_PASSES per byte of it, the compute-dtype
+    cast without remat, the float32 selection under a remat policy (the layers' checkpoints take the
+    float32 weights), none under remat.pipeline=stage (the stage's checkpoint keeps no chunk);
+    (2) on its activations: the tick scan stacks what the chunk's layers keep, [ticks, ...] per
+    array (zero-filled, the layer scan's stack copied in, the whole stack copied between the forward
+    and backward loops, sliced and converted by the backward tick): TICK_ITEM_PASSES per byte of the
+    chunk's kept set (remat.pipeline=stage: the re-run forward's, priced alike). 1F1B runs its own loop
+    (parallel/pipeline/one_f_one_b.py, f1b_tick_seconds): not priced here."""
     if sched.stages == 1 or sched.f1b:
         return 0.0
     chunk = sched.layers_per_tick * (summary.fsdp_w + summary.norm_w + summary.grid_w / fsdp)
-    return sched.ticks * chunk * cost.TICK_WEIGHT_TRAFFIC / pr.cluster.hbm_bandwidth
+    per_weight = cost.TICK_WEIGHT_TRAFFIC
+    if sched.name == "circular":
+        stacked = 0 if sched.staged else pr.opts.act_bytes if pr.policy == "none" else cost.STATE_BYTES
+        per_weight += CIRCULAR_SELECT_TRAFFIC + CIRCULAR_STACK_PASSES * stacked
+    item = sched.layers_per_tick * summary.saved
+    return sched.ticks * (chunk * per_weight + item * TICK_ITEM_PASSES) / pr.cluster.hbm_bandwidth
 
 
 # The share of a layer pass's compute its own fsdp collectives hide behind: each runs inside the

@@ -42,7 +42,7 @@ def price_plan(
     sched = schedule_of(block.layers, mesh.pipeline, microbatches, schedule, repeats, stage_remat)
     if sched.staged:
         stage_forward(pr, summary)
-    rest, rest_cost = rest_ops(pr, layer.residual, sched.microbatches)
+    rest, rest_cost = rest_ops(pr, layer.residual, sched.microbatches, sched.stages, sched.f1b)
     rest_fsdp_weights = sum(op.weights for op in rest) - block.d  # the final norm is not fsdp-sharded
     colls = step_collectives(pr, mesh, grad_accum, layer, summary, sched, rest, rest_fsdp_weights)
     params = parameters_per_device(mesh, summary, sched, rest_fsdp_weights, block.d)
@@ -107,10 +107,11 @@ def lower_bound(
     if stages == 1 or schedule == "gpipe":
         repeats = 1
     staged = stages > 1 and stage_remat == "stage"
-    key = (layer, m, staged)
+    f1b = stages > 1 and schedule == "1f1b"
+    key = (layer, m, staged, f1b)
     if key not in pr.bounds:
         s = layer_summary(pr, layer)
-        rest, rest_cost = rest_ops(pr, layer.residual, m)
+        rest, rest_cost = rest_ops(pr, layer.residual, m, 1, f1b)  # the head's gradient over tensor only
         pr.bounds[key] = (
             s.cost.total + (stage_forward(pr, s).forward if staged else 0.0),
             s.fsdp_w + s.grid_w,
