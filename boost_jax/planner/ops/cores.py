@@ -134,4 +134,7 @@ def activation(ctx: Ctx, layout: str) -> Op | None:
     if kernels_in_gemms(ctx)[0] and fs == 1:
         op.kept = (op.saved - GPU_GATE_PRODUCT * width, 0.0)
         op.kept_unrolled = (width * (GPU_UNROLLED_SWIGLU - GPU_GATE_PRODUCT), 0.0)
+        # no elementwise kernel: the down GEMM's prologue forms the product, its input gradient's
+        # epilogue the two gradients (kernels/gated_gemm.py; their traffic: cost.gated_gemm_seconds)
+        op.acts = 0.0
     return op

@@ -110,6 +110,9 @@ class Gemm:
     k: float
     n: float
     tag: str  # A (first stage), B (second stage), W (dense), head
+    # the MLP's gate product read into this GEMM (model.gate_kernel=gemm, kernels/gated_gemm.py): its k
+    # is d_ff, and it loads the gate and up outputs in place of their product (cost.gated_gemm_seconds)
+    gated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
