@@ -112,7 +112,10 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
     # the gate and up outputs read by the gated down GEMM pass through no elementwise kernel: their loads
     # and stores are that GEMM's operand traffic (cost.gated_gemm_seconds)
     outputs = 0.0 if gate and group == "mlp_in" else dsum / (t if second == "out" else 1)
-    op.acts = m * (2 * r_kept + outputs)
+    # A's output and σ of it; σ inside the B GEMMs (their prologue, σ' in the input gradient's epilogue)
+    # writes no σ(A·x) (kernels/gated_gemm.py `act_matmuls`)
+    sigma = 0.0 if b.nonlinear and kernels_in_gemms(ctx)[1] else r_kept
+    op.acts = m * (r_kept + sigma + outputs)
     op.saved_lowrank = m * r_kept + stats
     op.weights = din * g * r / (t if first else 1) + r * dsum / (t if second else 1)
     op.ring = 0
