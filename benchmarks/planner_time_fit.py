@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MEASURED = ROOT / "benchmarks/h100_measured.json"
+# the date the gate product and σ went inside the GEMMs (kernels/gated_gemm.py, model.gate_kernel=gemm
+# and model.bottleneck_kernel under `auto`): a row measured before ran XLA's, whatever `auto` picks now
+KERNELS_IN_GEMMS_SINCE = "2026-11-29"
 CLUSTER = ROOT / "configs/clusters/h100_8x.py"
 # (constant, True when the time is linear in its inverse): what the fit may set
 FITTABLE = (
@@ -122,6 +125,10 @@ def row_config(row: dict):
         node[path[-1]] = value
     cfg.train.seq_len, cfg.train.global_batch, cfg.train.grad_accum = row["seq"], row["batch"], 1
     cfg.model.max_seq_len = max(int(cfg.model.max_seq_len), row["seq"])
+    if row["date"] < KERNELS_IN_GEMMS_SINCE:  # the step ran XLA's gate product and σ (the kernels came later)
+        for name in ("gate_kernel", "bottleneck_kernel"):
+            if f"model.{name}" not in row["overrides"]:
+                cfg.model[name] = "xla"
     # What `auto` left in the row resolves to on the one GPU it ran on (boost_jax/model/autos.py).
     picks = autos.rules(cfg, gpu=True, sizes={}, triton=True)
     with cfg.ignore_type():

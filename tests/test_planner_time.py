@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from boost_jax.planner import load_cluster
@@ -317,3 +318,48 @@ def test_the_data_island_reduces_every_gradient_once_a_step_exposed_as_compiled(
         want += _alpha_beta("all-reduce", 4 * d, fsdp, link(fsdp, tensor))  # the final norm
     assert island > plan.optimizer_s  # the case exposes part of it
     assert plan.exposed_dp_s == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed,remat,devices", [(0, "none", 8), (1, "lowrank", 8), (2, "none", 1), (3, "lowrank", 1)])
+def test_the_kernels_in_the_gemms_leave_their_elementwise_passes_out(seed, remat, devices):
+    """model.gate_kernel=gemm (kernels/gated_gemm.py): the down projection's first GEMM forms the gate
+    product in its prologue, its input gradient's epilogue writes both gradients, so the compiled
+    program runs no elementwise kernel on the gate and up outputs or their product (cola_1b on 8 H100s,
+    data 8: kernels/gate.py's elementwise kernels gone, the gated GEMMs slower than the plain one by
+    their operand traffic; benchmarks/RESULTS.md 2026-11-29, eleventh session). On one device σ(A·x)
+    is read into the B GEMMs too and q, k rotated by RoPE there (model.bottleneck_kernel under `auto`):
+    no σ output, no RoPE pass. The planner's layer drops those passes and prices the gated GEMM's three
+    kernels each at the slower of its compute and its traffic; by hand on fresh CoLA shapes, against
+    the same plan with XLA's gate, σ and RoPE."""
+    from boost_jax.planner import Layer, Mesh, Options, plan_for
+    from boost_jax.planner.ops.operators import Block
+    from boost_jax.tools.devices import load_config
+
+    rng = np.random.default_rng(seed)
+    cfg = load_config(str(ROOT / "configs/cola_60m.py"))
+    m = cfg.model
+    m.d_ff, m.rank = int(rng.integers(4, 40)) * 64, int(rng.integers(1, 16)) * 32
+    ff, r, d = int(m.d_ff), int(m.rank), int(m.d_model)
+    kv = int(m.n_kv_heads) * d // int(m.n_heads)
+    only_lr_act = Block.from_config(cfg).only_lr_act
+    batch, seq = devices * int(rng.integers(1, 9)), 256
+    layer = Layer("R", ("none",) * 4, "R", "R")  # one tensor shard: nothing split
+
+    def layer_cost(gate: str, sigma: str):
+        m.gate_kernel, m.bottleneck_kernel = gate, sigma
+        plan = plan_for(cfg, H100, Mesh(devices, 1, 1), 1, remat, layer, Options(batch=batch, seq=seq))
+        return plan.layer_cost
+
+    kernels, plain = layer_cost("gemm", "auto"), layer_cost("xla", "xla")
+    t, ab, bw = batch // devices * seq, 2, H100.hbm_bandwidth
+    # the elementwise passes of the product (and silu(gate) in SwiGLU) and of the gate and up outputs;
+    # on one device of σ(A·x) (qkv's 3 r, o's r, mlp_in's 2 r, mlp_out's r) and of the rotated q and k
+    width = ff * (1 if only_lr_act else 2) + 2 * ff + (7 * r + d + kv if devices == 1 else 0)
+    passes = H100.elementwise_passes * width * t * ab / bw
+    redo = passes / 3 if remat != "none" else 0.0  # a remat policy's re-run forward: a third (cost.price)
+    s = np.prod([x / (x + H100.gemm_half_dim) for x in (t, ff, r)])
+    compute = 2 * t * ff * r / (H100.peak_flops * H100.gemm_efficiency * s)
+    moved = [2 * t * ff + ff * r + t * r, 4 * t * ff + ff * r + t * r, 2 * t * ff + t * r + ff * r]
+    gated = sum(max(compute, e * ab / bw) for e in moved) - 3 * compute
+    assert plain.total - kernels.total == pytest.approx(passes + redo - gated, rel=1e-9)
+    assert plain.comm == kernels.comm and plain.kept == kernels.kept

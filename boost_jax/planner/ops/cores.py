@@ -12,7 +12,18 @@ from boost_jax.planner.ops.kept_arrays import (
     RING_SCORE_BLOCKS,
     SAVED_SWIGLU,
 )
-from boost_jax.planner.ops.operators import Attn, Coll, Ctx, Gemm, Op, attention_class, divides, gpu, kernels_in_gemms
+from boost_jax.planner.ops.operators import (
+    Attn,
+    Coll,
+    Ctx,
+    Gemm,
+    Op,
+    attention_class,
+    divides,
+    gpu,
+    kernels_in_gemms,
+    rope_in_gemm,
+)
 
 
 def attention(ctx: Ctx, layout: str) -> Op | None:
@@ -28,7 +39,9 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
         return None
     q, kv = b.heads * b.head_dim, b.kv_heads * b.head_dim
     op = Op(f"attention@{layout}")
-    op.acts = ctx.local(layout, 2 * q + kv)  # rotated q, k and the output
+    # rotated q, k (by the q and k σ kernels where they rotate them: no RoPE kernel) and the output
+    op.acts = ctx.local(layout, q if rope_in_gemm(ctx) else 2 * q + kv)
+    gathered = 0.0
     if ts > 1:
         gathered = ctx.tokens * 2 * kv / fs
         op.colls = [Coll("all-gather", gathered, ts, 1, "fwd"), Coll("reduce-scatter", gathered, ts, 1, "bwd")]
@@ -39,7 +52,7 @@ def attention(ctx: Ctx, layout: str) -> Op | None:
     # Kept: q, k, v and the output (and K/V gathered over a token split); materialised scores in
     # float32 (+ the probabilities in the compute dtype), else the log-sum-exp per row and head.
     c = attention_class(ctx.attention)
-    op.saved = ctx.local(layout, 2 * q + 2 * kv + (c.kept - 4) * q) + (op.acts - ctx.local(layout, 2 * q + kv))
+    op.saved = ctx.local(layout, 2 * q + 2 * kv + (c.kept - 4) * q) + gathered
     rows = op.attn.queries * op.attn.heads
     if c.kept_scores:
         op.saved32 = c.kept_scores * rows * ctx.seq
@@ -134,4 +147,7 @@ def activation(ctx: Ctx, layout: str) -> Op | None:
     if kernels_in_gemms(ctx)[0] and fs == 1:
         op.kept = (op.saved - GPU_GATE_PRODUCT * width, 0.0)
         op.kept_unrolled = (width * (GPU_UNROLLED_SWIGLU - GPU_GATE_PRODUCT), 0.0)
+        # no elementwise kernel: the down GEMM's prologue forms the product, its input gradient's
+        # epilogue the two gradients (kernels/gated_gemm.py; their traffic: cost.gated_gemm_seconds)
+        op.acts = 0.0
     return op

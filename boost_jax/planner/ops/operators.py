@@ -110,6 +110,9 @@ class Gemm:
     k: float
     n: float
     tag: str  # A (first stage), B (second stage), W (dense), head
+    # the MLP's gate product read into this GEMM (model.gate_kernel=gemm, kernels/gated_gemm.py): its k
+    # is d_ff, and it loads the gate and up outputs in place of their product (cost.gated_gemm_seconds)
+    gated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,8 +297,16 @@ def kernels_in_gemms(ctx: Ctx) -> tuple[bool, bool]:
             # the residual add + norm inside the grouped first stage's GEMM (model/linear.py
             # `add_norm_first`): where the σ kernels run, the fused norm does and the first stages are grouped
             runs and b.fused_norm and bool(v["group_linears"]) and kind_class(b.linear).norm_kernel(m),
+            # q and k rotated by RoPE inside their σ kernels (model/linear.py `rope_in_gemm`)
+            runs and kind_class(b.linear).bottleneck_kernels(m)[1],
         )
     return _KERNELS[ctx][:2]
+
+
+def rope_in_gemm(ctx: Ctx) -> bool:
+    """Whether the GPU program of this plan rotates q and k by RoPE inside their σ kernels
+    (`kernels_in_gemms`' σ and model.bottleneck_kernel rope or norm): no RoPE kernel of its own."""
+    return kernels_in_gemms(ctx)[1] and _KERNELS[ctx][3]
 
 
 def norm_in_gemm(ctx: Ctx) -> bool:

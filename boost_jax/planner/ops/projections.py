@@ -86,9 +86,16 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
         return _with_saved(op, ctx, False)
     fused = fused_norm and first == "in"
     stats = m if fused else 0
-    op.gemms = [Gemm(m, din / t if first == "in" else din, g * r / t if first == "rank" else g * r, "A")] + [
-        Gemm(m, r / t if second == "rank" else r, o / t if second == "out" else o, "B") for o in douts
-    ]
+    gate = gate_in_gemm(ctx, group, split)
+    op.gemms = [
+        Gemm(
+            m,
+            din / t if first == "in" else din,
+            g * r / t if first == "rank" else g * r,
+            "A",
+            gated=gate and group == "mlp_out",
+        )
+    ] + [Gemm(m, r / t if second == "rank" else r, o / t if second == "out" else o, "B") for o in douts]
     if first == "in" and second == "rank":  # the partial r-wide products land split over the rank
         op.colls = [
             Coll("reduce-scatter", m * g * r, t, 1, "fwd", saved=True),
@@ -102,11 +109,31 @@ def group_op(ctx: Ctx, group: str, split: Split, fused_norm: bool = False) -> Op
     if second == "out" and first != "rank":  # B's input gradient is partial over its output columns
         op.colls.append(Coll("all-reduce", m * g * r, t, 1, "bwd"))
     r_kept = g * r / t if first == "rank" or second == "rank" else g * r  # A's output on this device
-    op.acts = m * (2 * r_kept + dsum / (t if second == "out" else 1))
+    # the gate and up outputs read by the gated down GEMM pass through no elementwise kernel: their loads
+    # and stores are that GEMM's operand traffic (cost.gated_gemm_seconds)
+    outputs = 0.0 if gate and group == "mlp_in" else dsum / (t if second == "out" else 1)
+    # A's output and σ of it; σ inside the B GEMMs (their prologue, σ' in the input gradient's epilogue)
+    # writes no σ(A·x) (kernels/gated_gemm.py `act_matmuls`)
+    sigma = 0.0 if b.nonlinear and kernels_in_gemms(ctx)[1] else r_kept
+    op.acts = m * (r_kept + sigma + outputs)
     op.saved_lowrank = m * r_kept + stats
     op.weights = din * g * r / (t if first else 1) + r * dsum / (t if second else 1)
     op.ring = 0
     return _with_saved(op, ctx, fused, group)
+
+
+def gate_in_gemm(ctx: Ctx, group: str, split: Split) -> bool:
+    """Whether this factored MLP group meets the gate product inside the down projection's first GEMM
+    (operators.kernels_in_gemms): mlp_in's gate and up outputs feed it, mlp_out's A GEMM is it; where
+    d_ff is whole on the device (mlp_in's B outputs, mlp_out's A input not split: cores.activation's
+    fallback to the gate kernel otherwise)."""
+    if group == "mlp_in":
+        whole = split.second != "out"
+    elif group == "mlp_out":
+        whole = split.first != "in"
+    else:
+        return False
+    return whole and kernels_in_gemms(ctx)[0]
 
 
 def _with_saved(op: Op, ctx: Ctx, fused: bool, group: str = "") -> Op:

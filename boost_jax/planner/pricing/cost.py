@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from boost_jax import xla_gpu_flags
 from boost_jax.parallel.pipeline.arithmetic import ticks, ticks_1f1b
-from boost_jax.planner.ops.operators import Attn, Coll, Op, StMatmul, attention_class
+from boost_jax.planner.ops.operators import Attn, Coll, Gemm, Op, StMatmul, attention_class
 from boost_jax.planner.pricing.cluster import Cluster
 from boost_jax.planner.pricing.plans import Cost
 
@@ -159,6 +159,23 @@ def gemm_seconds(m: float, k: float, n: float, cluster: Cluster) -> float:
     return 2 * m * k * n / (cluster.peak_flops * gemm_efficiency(m, k, n, cluster))
 
 
+def gated_gemm_seconds(g: Gemm, cluster: Cluster, act_bytes: int) -> tuple[float, float, float]:
+    """(forward, input gradient, weight gradient) of the gated down GEMM (act(gate)·up) @ W, gate and up
+    [m, k] (kernels/gated_gemm.py): each kernel the slower of its GEMM's compute and its operand
+    traffic through HBM, in elements: the forward reads gate and up (2mk) and W (kn) and writes mn; the
+    input gradient reads dY (mn), W, gate and up and writes both their gradients (4mk + kn + mn); the
+    weight gradient reads gate, up and dY and writes dW (2mk + mn + kn)."""
+    compute = gemm_seconds(g.m, g.k, g.n, cluster)
+    mk, kn, mn = g.m * g.k, g.k * g.n, g.m * g.n
+    moved = (2 * mk + kn + mn, 4 * mk + kn + mn, 2 * mk + mn + kn)
+    return tuple(max(compute, e * act_bytes / cluster.hbm_bandwidth) for e in moved)
+
+
+def forward_seconds(g: Gemm, cluster: Cluster, act_bytes: int) -> float:
+    """Forward time of one GEMM of an operator (a gated one as `gated_gemm_seconds`)."""
+    return gated_gemm_seconds(g, cluster, act_bytes)[0] if g.gated else gemm_seconds(g.m, g.k, g.n, cluster)
+
+
 def st_seconds(st: StMatmul, cluster: Cluster, act_bytes: int) -> tuple[float, float]:
     """(forward, backward) of P(n x n): each phase is n local GEMMs whose n-1 one-hop permutes run
     under the GEMMs (double-buffered), so a step costs max(GEMM, its two transfers)."""
@@ -271,12 +288,17 @@ def hops_exposed(colls: list, attention_s: float, cluster: Cluster, act_bytes: i
 def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "materialized", act_bytes: int = 2) -> Cost:
     """Forward + backward (+ recompute) time of one operator on one device. `attention`: one of
     attention cost classes (see attention_kind)."""
-    gemm = [gemm_seconds(g.m, g.k, g.n, cluster) for g in op.gemms]
+    gemm = [forward_seconds(g, cluster, act_bytes) for g in op.gemms]
+    # a GEMM's backward costs twice its forward (gemm_passes 3), a gated one's kernels their own
+    passes = sum(
+        sum(gated_gemm_seconds(g, cluster, act_bytes)) if g.gated else op.gemm_passes * t
+        for g, t in zip(op.gemms, gemm)
+    )
     st = [st_seconds(s, cluster, act_bytes) for s in op.st]
     attn = attention_seconds(op.attn, attention, cluster) if op.attn else (0.0, 0.0)
     elementwise = cluster.elementwise_passes * op.acts * act_bytes / cluster.hbm_bandwidth
     cost = Cost(
-        compute=op.gemm_passes * sum(gemm) + sum(map(sum, st)) + sum(attn) + elementwise,
+        compute=passes + sum(map(sum, st)) + sum(attn) + elementwise,
         comm=sum(
             max(0.0, coll_seconds(c, cluster, act_bytes) - (gemm[0] if c.beside_gemm and gemm else 0.0))
             for c in op.colls
@@ -290,7 +312,7 @@ def price(op: Op, cluster: Cluster, policy: str = "none", attention: str = "mate
     if policy != "none":
         g_re, st_re, attn_re, c_re = recomputed(op, policy)
         cost.recompute = (
-            sum(gemm_seconds(g.m, g.k, g.n, cluster) for g in g_re)
+            sum(forward_seconds(g, cluster, act_bytes) for g in g_re)
             + sum(st_seconds(s, cluster, act_bytes)[0] for s in st_re)
             + attn[0] * attn_re
             + elementwise / 3 * op.recompute
