@@ -181,3 +181,37 @@ def test_a_pipelines_collectives_outside_its_tick_loop_are_on_the_path():
         want += times * (wire * b / link.bandwidth + steps * link.latency)
     assert any(c.axis == "pipeline_weights" for c, _ in plan.step_colls)  # the head's gradient over all 64
     assert plan.exposed_dp_s == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("partition", ["mlp_in=st", "st"])
+def test_a_recorded_plans_spatial_temporal_groups_are_priced(partition):
+    """aot_fit re-prices a recorded plan with its `parallel.linear_partition` groups spatial-temporal (the
+    A100 llama_1b pick on 8 once ran mlp_in as st, and was priced as plain Megatron): the same price as
+    the planner's for the layer with those groups st, by hand, and another than without them."""
+    import dataclasses
+
+    from boost_jax.config import PROJECTION_GROUPS
+    from boost_jax.planner import Mesh, Options, plan_for
+    from boost_jax.planner.verify import uniform_layer
+    from boost_jax.tools.devices import load_config
+
+    spec = importlib.util.spec_from_file_location("aot_fit", ROOT / "benchmarks" / "aot_fit.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    flags = "parallel.data=2 parallel.fsdp=2 parallel.tensor=2 parallel.strategy=megatron train.global_batch=64 "
+    flags += "train.grad_accum=2 train.seq_len=256 remat.policy=none model.scan_unroll=false"
+    row = {"model": "llama_1b", "devices": 8, "mesh": {"pipeline": 1, "data": 2, "fsdp": 2, "tensor": 2}}
+    cluster = ROOT / "configs" / "clusters" / "a100_4x.py"
+    st = fit.reprice({**row, "plan": f"{flags} parallel.linear_partition={partition}"}, cluster)
+    plain = fit.reprice({**row, "plan": flags}, cluster)
+    groups = PROJECTION_GROUPS if partition == "st" else ("mlp_in",)
+    cfg = load_config(str(ROOT / "configs" / "llama_1b.py"))
+    base = uniform_layer(cfg, "megatron")
+    layer = dataclasses.replace(
+        base, choices=tuple("st" if g in groups else c for g, c in zip(PROJECTION_GROUPS, base.choices))
+    )
+    want = plan_for(
+        cfg, load_cluster(cluster), Mesh(2, 2, 2), 2, "none", layer, Options(batch=64, seq=256, check_memory=False)
+    )
+    assert st.layer == layer and plain.layer == base
+    assert st.step_s == pytest.approx(want.step_s, rel=1e-12) and st.step_s != pytest.approx(plain.step_s, rel=1e-3)
