@@ -144,14 +144,20 @@ def test_the_planner_prices_the_kernels_the_model_runs(make_config, gate, sigma)
 def test_the_unrolled_megatron_step_counts_its_transposed_weight_copies(fit):
     """The unrolled Megatron tensor-split step inside its accumulation loop (grad_accum > 1) holds float32
     copies of the stacked q, k, v, gate and up weights in the layout its GEMMs read
-    (planner/pricing/memory.py `layout_copies`): the recorded llama_13b pick on data 8 x tensor 8 at
+    (planner/pricing/memory.py `layout_copies`): llama_13b's plan on 64 H100s, data 8 x tensor 8, at
     grad_accum 2 is priced that many bytes more, counted here from the model's widths, than at grad_accum
     1, where no loop runs (parallel/grad_reduce.py: the data island's neither), so data 8 and data 1 are
-    priced alike; accumulating on data 1 counts them again, a one-shard layer never."""
+    priced alike; accumulating on data 1 counts them again, a one-shard layer never. (The plan was the
+    H100 llama_13b pick on 64 until 2026-11-29.)"""
     from boost_jax.tools.devices import load_config
 
     table = json.loads((ROOT / "benchmarks" / "aot_fit.json").read_text())
-    pick = next(r for r in table["rows"] if r["model"] == "llama_13b" and r["devices"] == 64)
+    plan = (
+        "parallel.data=8 parallel.fsdp=1 parallel.tensor=8 parallel.strategy=megatron parallel.sequence_parallel=true "
+    )
+    plan += "train.global_batch=512 train.grad_accum=1 train.seq_len=256 remat.policy=none model.scan_unroll=true"
+    mesh = {"pipeline": 1, "data": 8, "fsdp": 1, "context": 1, "tensor": 8}
+    pick = {"model": "llama_13b", "devices": 64, "plan": plan, "mesh": mesh}
     cluster = ROOT / "configs" / "clusters" / f"{table['cluster']}.py"
 
     def weights(data: int, accum: int, tensor: int = 8) -> float:
