@@ -18,47 +18,9 @@ from boost_jax.tools.step_profile import pricing as step_pricing
 ROOT = Path(__file__).resolve().parents[1]
 FITS = {"h100": ROOT / "benchmarks" / "aot_fit.json", "a100_40gb": ROOT / "benchmarks" / "aot_fit_a100.json"}
 
-# (target, model, GPUs): why the planner and the table still differ by more than 15% (each read from
-# the pick's table by category; benchmarks/RESULTS.md 2026-11-29, "one price for one program").
-DATA_TP = (
-    "data x tensor (Megatron-SP) at one micro-batch: the data island's all-reduces of the stacked layer "
-    "weights' gradients, complete only with the whole backward, are priced behind a third of the layers' "
-    "compute (step_terms.island_exposed: H100 llama_13b on 64 0.59 -> 0.81); the Megatron-SP picks read "
-    "0.78-0.82 where the BTP picks on 64 read 0.89-0.96; their tables are not read by category yet"
-)
-DATA_ONLY = (
-    "data 8, one tensor shard: the planner prices the layers' compute at 152.0 ms against the table's "
-    "122.8 ms of kernels besides the optimizer, loss and collectives; without the accumulation loop the "
-    "program hides the data all-reduce (1.4 of 13.5 ms exposed; the table 148.0 -> 135.1 ms), which "
-    "had covered it"
-)
-FSDP_SMALL = (
-    "fsdp 4 x tensor 2 on 8 A100s (4 a node): the table finds the weight-gradient all-reduces 1081 of "
-    "1170 ms exposed and the gathers 371 of 493, where the planner hides them behind a third of the "
-    "layers' compute (step_terms.FSDP_HIDDEN_SHARE, read off the 64-GPU picks) and exposes 184 ms"
-)
-PIPELINE = (
-    "GPipe / circular on 64 A100s: the tick loop's weight traffic runs at the table's copy bandwidth "
-    "(0.68 of the datasheet the planner's TICK_WEIGHT_TRAFFIC is priced at), the head and loss the "
-    "chunked loss recomputes, the head's input-gradient sum over pipeline x tensor (not priced)"
-)
-UNREAD = (
-    "a pick the tenth session's time terms moved to, compiled and recorded (benchmarks/RESULTS.md "
-    "2026-11-29, tenth session, the lead); its table is not read by category yet"
-)
-KERNELS = (
-    "the gate product and sigma inside the GEMMs (kernels/gated_gemm.py): the table prices the program "
-    "without their elementwise passes, the planner's time terms still charge them"
-)
-KNOWN = {
-    **{("h100", m, 64): DATA_TP for m in ("llama_1b", "llama_7b", "llama_13b")},
-    ("a100_40gb", "llama_1b", 64): DATA_TP,
-    ("h100", "cola_13b", 8): KERNELS,
-    ("h100", "cola_1b", 8): DATA_ONLY,
-    ("a100_40gb", "llama_7b", 8): FSDP_SMALL,
-    **{("a100_40gb", m, 64): PIPELINE for m in ("llama_7b", "llama_13b")},
-    **{("a100_40gb", m, 8): UNREAD for m in ("cola_1b", "llama_1b", "cola_7b")},
-}
+# (target, model, GPUs): why the planner and the table still differ by more than 15% on a row, each
+# read from the pick's table by category. None since 2026-11-29 (eleventh session): benchmarks/RESULTS.md.
+KNOWN: dict = {}
 
 
 def _rows():
