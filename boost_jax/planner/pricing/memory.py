@@ -117,7 +117,11 @@ def memory_bytes(
     others = sum(n > 1 for n in (mesh.data * mesh.fsdp, mesh.context, mesh.tensor))
     mixed = stages > 1 and others > 0 and (policy != "none" or not sched.f1b)
     overhead = cost.buffer_overhead(gpu, mixed)
-    memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments)
+    # the stacked float32 chunks are whole buffers the tick loop writes in place, each one of XLA's logical
+    # buffers at its exact size: no packing over them (benchmarks/RESULTS.md 2026-11-29, eleventh session,
+    # h-cmem: the circular remat compiles priced with and without it)
+    whole = remat_chunks(pr, mesh, summary, sched, gpu)
+    memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments - whole)
     memory["total"] = sum(memory.values())
     return memory
 
