@@ -93,12 +93,6 @@ def memory_bytes(
     # The tick loop's backward also holds each replica's float32 stage-gradient accumulator (under stage
     # remat with FSDP, and one tick's stage weight gradient before it is added).
     stage_copy = cost.STAGE_COPY * summary.kept_none if policy == "none" and per_tick > 1 else 0.0
-    if remat_chunks(pr, mesh, summary, sched, gpu):
-        # the backward re-runs each layer from its stacked chunk, not from the replica, which dies at the
-        # forward's end as the stage-gradient accumulator (the replica's size) is born: one of the two is
-        # live at a time (the circular remat compiles of benchmarks/RESULTS.md 2026-11-29, eleventh session,
-        # h-cmem, peak at the forward's end, the replica live and no accumulator yet)
-        accumulator -= replica
     working = accumulator + (per_tick * summary.saved + summary.working + stage_copy if staged else summary.working)
     if sched.f1b and gpu:
         # 1F1B embeds and runs the head inside its schedule: the tables as used and their float32
@@ -117,11 +111,11 @@ def memory_bytes(
     others = sum(n > 1 for n in (mesh.data * mesh.fsdp, mesh.context, mesh.tensor))
     mixed = stages > 1 and others > 0 and (policy != "none" or not sched.f1b)
     overhead = cost.buffer_overhead(gpu, mixed)
-    # the stacked float32 chunks are whole buffers the tick loop writes in place, each one of XLA's logical
-    # buffers at its exact size: no packing over them (benchmarks/RESULTS.md 2026-11-29, eleventh session,
-    # h-cmem: the circular remat compiles priced with and without it)
-    whole = remat_chunks(pr, mesh, summary, sched, gpu)
-    memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments - whole)
+    # circular's stacked float32 chunks are whole buffers, written in place: no packing over them (RESULTS.md
+    # 2026-11-29, eleventh session, h-cmem: the circular remat compiles priced with and without it)
+    memory["allocator"] = (overhead - 1) * (
+        sum(memory.values()) - arguments - remat_chunks(pr, mesh, summary, sched, gpu)
+    )
     memory["total"] = sum(memory.values())
     return memory
 
@@ -175,6 +169,12 @@ def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bo
         or ((staged or gpipe_remat) and mesh.fsdp > 1 and replica > 0)
     )
     accumulator = replica + (stage32 / sched.repeats if tick else 0.0)
+    if sched.name == "circular" and not staged and gpu and remat:
+        # the backward re-runs each layer from its stacked chunk (`remat_chunks`), not from the replica, which
+        # dies at the forward's end as the accumulator (the replica's size) is born: one of the two is live
+        # at a time (the circular remat compiles of benchmarks/RESULTS.md 2026-11-29, eleventh session,
+        # h-cmem, peak at the forward's end, the replica live and no accumulator yet)
+        accumulator -= replica
     if sched.name == "circular" and not staged and not gpu:  # the reordered stage copies (cost.CIRCULAR_COPIES)
         accumulator += cost.CIRCULAR_COPIES * per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
     return replica, accumulator
