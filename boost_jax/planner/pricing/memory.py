@@ -47,7 +47,7 @@ def memory_bytes(
             working=summary.working + cost.BACKWARD_LIVE * r,
         )
     gpu = operators.gpu(ctx)
-    replica, accumulator = gathered_replica(mesh, summary, sched, gpu)
+    replica, accumulator = gathered_replica(mesh, summary, sched, gpu, policy != "none")
     # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
     f1b_items = ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
     microbatches = sched.microbatches
@@ -111,7 +111,11 @@ def memory_bytes(
     others = sum(n > 1 for n in (mesh.data * mesh.fsdp, mesh.context, mesh.tensor))
     mixed = stages > 1 and others > 0 and (policy != "none" or not sched.f1b)
     overhead = cost.buffer_overhead(gpu, mixed)
-    memory["allocator"] = (overhead - 1) * (sum(memory.values()) - arguments)
+    # circular's stacked float32 chunks are whole buffers, written in place: no packing over them (RESULTS.md
+    # 2026-11-29, eleventh session, h-cmem: the circular remat compiles priced with and without it)
+    memory["allocator"] = (overhead - 1) * (
+        sum(memory.values()) - arguments - remat_chunks(pr, mesh, summary, sched, gpu)
+    )
     memory["total"] = sum(memory.values())
     return memory
 
@@ -144,23 +148,33 @@ def unrolled_credit(
     return grads + (params * cost.STATE_BYTES if island and not column else 0.0)
 
 
-def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> tuple[float, float]:
+def gathered_replica(mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool, remat: bool) -> tuple[float, float]:
     """(each batch replica's float32 copy of its stage's weights, the float32 bytes its backward holds
-    for their gradient): pipelined over data x fsdp, st aside; 0 otherwise."""
+    for their gradient): pipelined over data x fsdp, st aside; 0 otherwise. `remat`: a layer remat policy."""
     stages, staged, per_stage = sched.stages, sched.staged, sched.layers_per_stage
     stage32 = 0.0 if summary.grid_w else per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
     replica = stage32 if mesh.data * mesh.fsdp > 1 and stages > 1 else 0.0
     # one tick's float32 gradient of the weights it ran (a chunk: 1/V of the stage) waits before it is
     # added: under stage remat with FSDP, and under 1F1B, whose backward takes each tick's by `jax.vjp`,
     # on the GPU and with FSDP (the float32 CPU program over data replicas alone adds it in place:
-    # tests/test_planner_pipeline.py's 1F1B data_none plan: priced 1.21x its compile with the term)
+    # tests/test_planner_pipeline.py's 1F1B data_none plan: priced 1.21x its compile with the term),
+    # and under GPipe with a layer remat policy and FSDP, whose tick backward writes the stage's gradient
+    # into a fresh [L/S] stack before adding it (llama_13b GPipe p4 x f4 x t4 remat full on 64 A100s: the
+    # backward's peak holds both, benchmarks/RESULTS.md 2026-11-29, eleventh session, h-cmem)
+    gpipe_remat = sched.name == "gpipe" and remat and not staged
     tick = (
         sched.f1b
         and stages > 1
         and (gpu or mesh.fsdp > 1 and replica > 0)
-        or (staged and mesh.fsdp > 1 and replica > 0)
+        or ((staged or gpipe_remat) and mesh.fsdp > 1 and replica > 0)
     )
     accumulator = replica + (stage32 / sched.repeats if tick else 0.0)
+    if sched.name == "circular" and not staged and gpu and remat:
+        # the backward re-runs each layer from its stacked chunk (`remat_chunks`), not from the replica, which
+        # dies at the forward's end as the accumulator (the replica's size) is born: one of the two is live
+        # at a time (the circular remat compiles of benchmarks/RESULTS.md 2026-11-29, eleventh session,
+        # h-cmem, peak at the forward's end, the replica live and no accumulator yet)
+        accumulator -= replica
     if sched.name == "circular" and not staged and not gpu:  # the reordered stage copies (cost.CIRCULAR_COPIES)
         accumulator += cost.CIRCULAR_COPIES * per_stage * (summary.fsdp_w + summary.norm_w) * cost.STATE_BYTES
     return replica, accumulator
@@ -170,7 +184,7 @@ def kept_weights(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule,
     """The compute-layout weights kept for the backward: without remat every layer's (FSDP: gathered);
     with it, one layer's gathered weights and gradient, double-buffered."""
     opts, policy, stages, per_stage = pr.opts, pr.policy, sched.stages, sched.layers_per_stage
-    weights = summary.fsdp_w + summary.grid_w / mesh.fsdp  # one layer's weights as its GEMMs read them
+    weights = gemm_weights(mesh, summary)
     # Pipelined without stage remat, the GPU program (bf16 compute) keeps the compute-dtype copies of
     # the stage's weights its GEMMs read for the backward (the float32 program reads the gathered
     # float32 replica itself): GPipe casts the stage's weights once before the tick loop (loop
@@ -182,7 +196,7 @@ def kept_weights(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule,
     if stages > 1 and gpu and not sched.staged and policy == "none":
         tick_weights = (sched.runs if sched.name == "circular" else per_stage) * weights * opts.act_bytes
     return (
-        tick_weights
+        tick_weights + remat_chunks(pr, mesh, summary, sched, gpu)
         if stages > 1
         else per_stage * weights * opts.act_bytes
         if policy == "none"
@@ -190,6 +204,25 @@ def kept_weights(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule,
         if mesh.fsdp > 1
         else 0.0
     )
+
+
+def remat_chunks(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
+    """The float32 chunks a circular GPU tick loop stacks under a layer remat policy (full, lowrank) without
+    stage remat: each tick selects its chunk of the stage's float32 weights (L/(S V) layers, the norm
+    scales with them) and hands it to the layers, which cast it inside their checkpoint, so the scan keeps
+    the selected float32 chunk as a residual, ticks x L/(S V) layers of it (f32[ticks, L/(S V), 1, d, ff/t]
+    and its siblings in XLA's memory-usage report of circular remat plans on 64 A100s: benchmarks/RESULTS.md
+    2026-11-29, eleventh session, h-cmem). GPipe's stage weights are loop invariant (not stacked);
+    remat.pipeline=stage re-selects the chunk in the tick's backward. The float32 CPU program's circular
+    copies are cost.CIRCULAR_COPIES's (`gathered_replica`)."""
+    if not (gpu and sched.name == "circular" and sched.stages > 1 and not sched.staged and pr.policy != "none"):
+        return 0.0
+    return sched.runs * (gemm_weights(mesh, summary) + summary.norm_w) * cost.STATE_BYTES
+
+
+def gemm_weights(mesh: Mesh, summary: LayerSummary) -> float:
+    """One layer's weights as its GEMMs read them (FSDP: gathered; st's grid: its own shard)."""
+    return summary.fsdp_w + summary.grid_w / mesh.fsdp
 
 
 def layout_copies(
