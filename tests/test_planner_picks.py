@@ -35,12 +35,6 @@ KNOWN_OFF = {
         8,
         "1x1x4x2",
     ): "fsdp 4 x tensor 2, remat full, one micro-batch: priced 35.4 GB (activations 17.2), compiled 37.1 (0.954)",
-    ("aot_fit_a100", "llama_7b", 64): "circular pipeline 4 x fsdp 4 x tensor 4: priced 33.0 GB (activations 19.4, "
-    "allocator 4.1), compiled 25.9 (1.271)",
-    ("aot_fit_a100", "cola_13b", 64): "data 16 x tensor 4, scanned lowrank stack: priced 32.0 GB (activations 6.7, "
-    "double buffer 2.5), compiled 28.3 (1.128)",
-    ("aot_fit_a100", "llama_13b", 64): "GPipe pipeline 8 x fsdp 2 x tensor 4: priced 31.1 GB (activations 18.4, "
-    "allocator 3.7), compiled 27.1 (1.146)",
 }
 
 
