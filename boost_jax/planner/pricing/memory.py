@@ -70,7 +70,8 @@ def memory_bytes(
             else sched.runs * (summary.saved + fused_add_carry(pr, mesh, sched, gpu) * residual * opts.act_bytes)
         ),
         # the peak's transient part: the loss's float32 logits chunk with the embedding table and
-        # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
+        # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction
+        # (unpipelined on the GPU under remat: `remat_loss_peak`),
         # or one layer's backward (its recomputed activations under remat, st's and the context
         # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
         "transient": 0.0,
@@ -316,13 +317,13 @@ def loss_peak(
 
 def remat_loss_peak(pr: Pricer, mesh: Mesh, working: float) -> float:
     """The unpipelined GPU step's loss beside the kept activations, under a remat policy: the head GEMM's
-    logits and their cotangent in the compute dtype (model.logits_dtype) with the LM head as used, then
-    the cotangent with the head's float32 gradient at its gathered size, then the cotangent (its dW GEMM
-    scheduled late) through the last layer's recomputed backward (`working`). The embedding's gradient
-    comes at the backward's end, after the kept activations. Read from the deviceless H100 compiles'
-    live ranges of cola_1b data 8 x fsdp 8 (the data island) and cola_7b fsdp 8, remat lowrank
-    (benchmarks/RESULTS.md 2026-11-29, eleventh session, h-mem2); without remat the loss keeps the
-    count above (not read)."""
+    logits and their cotangent in the compute dtype (model.logits_dtype `compute`, the default) with the
+    LM head as used, then the cotangent with the head's float32 gradient at its gathered size, then the
+    cotangent (its dW GEMM scheduled late) through the last layer's recomputed backward (`working`). The
+    embedding's gradient comes at the backward's end, after the kept activations. Read from the
+    deviceless H100 compiles' live ranges of cola_1b data 8 x fsdp 8 (the data island) and cola_7b fsdp
+    8, remat lowrank (benchmarks/RESULTS.md 2026-11-29, eleventh session, h-mem2); without remat the
+    loss keeps the count above (not read)."""
     ctx, a, block = pr.ctx, pr.opts.act_bytes, pr.ctx.block
     chunk = block.loss_chunk
     positions = ctx.local_seq if not 0 < chunk < ctx.local_seq else chunk
