@@ -27,14 +27,6 @@ KNOWN_OFF = {
     ("aot_fit", "llama_1b", 8): "the unrolled data-only counts (kept_arrays.py GPU_UNROLLED_*) keep what they "
     "kept over the looped program (1.09 of it): without the loop's carry the peak fell 5.3 GB, the price "
     "4.9 GB (the carry), 1.101 of the compile",
-    # picks the tenth session's time terms moved to, recorded as compiled; which part of the price the compile
-    # does not hold is not read yet (benchmarks/RESULTS.md 2026-11-29, tenth session, the lead)
-    (
-        "aot_fit_a100",
-        "llama_7b",
-        8,
-        "1x1x4x2",
-    ): "fsdp 4 x tensor 2, remat full, one micro-batch: priced 35.4 GB (activations 17.2), compiled 37.1 (0.954)",
 }
 
 
@@ -261,3 +253,51 @@ def test_the_planner_keeps_no_normalised_rows_where_the_norm_is_read_into_the_ge
     assert saved == pytest.approx(rows, rel=1e-6)
     two = plan.replace("parallel.data=1", "parallel.data=2")
     assert total(two + " model.bottleneck_kernel=rope", {"data": 2}) == total(two, {"data": 2})
+
+
+def _priced(fit, model: str, devices: int, flags: dict, mesh: dict) -> dict:
+    """The planner's memory terms of the recorded H100 pick of `model` on `devices` GPUs with `flags`
+    (key -> value) and `mesh` (axis -> size) changed."""
+    table = json.loads((ROOT / "benchmarks" / "aot_fit.json").read_text())
+    pick = next(r for r in table["rows"] if r["model"] == model and r["devices"] == devices)
+    plan = " ".join(f"{k}={flags.get(k, v)}" for k, v in (f.split("=") for f in pick["plan"].split()))
+    row = {**pick, "plan": plan, "mesh": {**pick["mesh"], **mesh}}
+    return fit.reprice(
+        row, ROOT / "configs" / "clusters" / f"{table['cluster']}.py", table["pipelined_collectives"]
+    ).memory
+
+
+def test_the_remat_step_holds_the_logits_cotangent_and_the_head_gradient(fit):
+    """Under a remat policy the unpipelined GPU step's loss holds, beside the kept activations, the logits'
+    bf16 cotangent [rows, T, V] with the LM head's float32 gradient [d, V] at its gathered size, or the
+    cotangent through the last layer's backward (planner/pricing/memory.py `remat_loss_peak`; what the
+    deviceless compile of the recorded H100 cola_1b pick on data 8 x fsdp 8, remat lowrank, held at its
+    peak): that pick's transient is those two, counted here from the model's widths; without remat the loss
+    keeps its float32 logits and both tables' gradients and casts, counted the same way."""
+    from boost_jax.tools.devices import load_config
+
+    m = load_config(str(ROOT / "configs" / "cola_1b.py")).model
+    memory = _priced(fit, "cola_1b", 64, {}, {})
+    rows, seq = 512 // 64, 256
+    assert memory["transient"] == pytest.approx(rows * seq * m.vocab_size * 2 + m.d_model * m.vocab_size * 4)
+    none = _priced(fit, "cola_1b", 64, {"remat.policy": "none"}, {})
+    loss = rows * seq * m.vocab_size * (4 + 2) + 2 * m.d_model * m.vocab_size * (4 + 2)
+    assert none["transient"] >= loss * (1 - 1e-9)
+
+
+def test_the_island_step_gives_the_qkv_stack_no_second_buffer(fit):
+    """The double-buffered layer scan under remat lowrank on a tensor-split σ(A·x) layer may give the
+    stack of qkv's A outputs a second buffer (planner/pricing/memory.py `double_buffer_array`); in the data
+    island's step at grad_accum 1 its clones share one (the deviceless compiles of the recorded H100
+    cola_7b and cola_13b picks, data 8 x fsdp 4 x tensor 2): that pick of cola_7b is priced none, the
+    same plan on data 1 x fsdp 32 (no island) the stack once more, bf16 [layers, rows, T, 3 r] counted
+    here from the model's widths, and at grad_accum 2 (the island's loop) half of it."""
+    from boost_jax.tools.devices import load_config
+
+    m = load_config(str(ROOT / "configs" / "cola_7b.py")).model
+    stack = m.n_layers * (512 // 32) * 256 * 3 * m.rank * 2
+    assert _priced(fit, "cola_7b", 64, {}, {})["double_buffer"] == 0.0
+    folded = {"parallel.data": 1, "parallel.fsdp": 32}
+    assert _priced(fit, "cola_7b", 64, folded, {"data": 1, "fsdp": 32})["double_buffer"] == pytest.approx(stack)
+    accum = _priced(fit, "cola_7b", 64, {"train.grad_accum": 2}, {})["double_buffer"]
+    assert accum == pytest.approx(stack / 2)

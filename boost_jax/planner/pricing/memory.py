@@ -51,7 +51,7 @@ def memory_bytes(
     # 1F1B's kept items per stage (a stage input each under stage remat, else a chunk's kept set)
     f1b_items = ring_slots(stages, sched.repeats, staged) + (cost.F1B_IN_FLIGHT_GPU if gpu else cost.F1B_IN_FLIGHT)
     microbatches = sched.microbatches
-    loss = loss_peak(pr, mesh, sched, gpu, rest_fsdp_weights)
+    loss = loss_peak(pr, mesh, sched, gpu, rest_fsdp_weights, summary.working)
     residual = ctx.local(layer.residual, block.d)  # one stage input
     memory = {
         "states": cost.state_bytes(params, grad_accum),
@@ -70,7 +70,8 @@ def memory_bytes(
             else sched.runs * (summary.saved + fused_add_carry(pr, mesh, sched, gpu) * residual * opts.act_bytes)
         ),
         # the peak's transient part: the loss's float32 logits chunk with the embedding table and
-        # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction,
+        # LM head as used (FSDP: gathered) and their whole gradients before the fsdp reduction
+        # (unpipelined on the GPU under remat: `remat_loss_peak`),
         # or one layer's backward (its recomputed activations under remat, st's and the context
         # ring's buffers), or the optimizer update's new state beyond what the backward kept (then freed)
         "transient": 0.0,
@@ -80,7 +81,7 @@ def memory_bytes(
         # XLA's collective pipeliner's stacked bottleneck arrays (cost.PIPELINED_SIGMA)
         "pipeliner": pipeliner_arrays(pr, mesh, summary, sched, gpu),
         # the double-buffered layer scan's extra stacked array (cost.SCAN_DOUBLE_BUFFER)
-        "double_buffer": double_buffer_array(pr, mesh, summary, sched, gpu),
+        "double_buffer": double_buffer_array(pr, mesh, grad_accum, summary, sched, gpu),
     }
     copies = layout_copies(pr, mesh, grad_accum, layer, summary, sched, gpu)
     memory["weights"] += copies + step_cast_copy(pr, mesh, grad_accum, layer, summary, sched, rest_fsdp_weights)
@@ -298,7 +299,9 @@ def pipeliner_arrays(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sched
     )
 
 
-def double_buffer_array(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Schedule, gpu: bool) -> float:
+def double_buffer_array(
+    pr: Pricer, mesh: Mesh, grad_accum: int, summary: LayerSummary, sched: Schedule, gpu: bool
+) -> float:
     """The GPU program's double-buffered layer scan (when the program gets the flag; an unrolled stack
     has no scan to double-buffer), unpipelined: without remat it keeps one more stacked [layers, T,
     ff/t] array (cost.SCAN_DOUBLE_BUFFER). Under remat lowrank on a tensor-split σ(A·x) layer XLA can
@@ -306,7 +309,10 @@ def double_buffer_array(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sc
     of the loop body (A100 cola_13b btp f16 x t4: `loop_dynamic_update_slice_fusion.1` and its
     `double_buffer_clone`, bf16[L, 3r, T] at two offsets in XLA's memory-usage report); some such
     programs share one buffer (H100 cola_7b f16 x t4), and which do is not modelled: the term counts
-    the second buffer, an upper bound (benchmarks/RESULTS.md 2026-11-29, "the planner's picks now")."""
+    the second buffer, an upper bound (benchmarks/RESULTS.md 2026-11-29, "the planner's picks now"), but
+    in the data island's step at grad_accum 1 (parallel/grad_reduce.py: the layer scan vmapped over the
+    data replicas), whose clones share the one buffer (H100 cola_7b and cola_13b data 8 x fsdp 4 x tensor 2:
+    RESULTS.md 2026-11-29, eleventh session, h-mem2)."""
     ctx, opts = pr.ctx, pr.opts
     if sched.stages > 1 or not gpu or not opts.double_buffered or pr.unrolled:
         return 0.0
@@ -314,16 +320,22 @@ def double_buffer_array(pr: Pricer, mesh: Mesh, summary: LayerSummary, sched: Sc
     if pr.policy == "none":
         return cost.SCAN_DOUBLE_BUFFER * layers * ctx.tokens * ctx.block.ff / mesh.tensor * opts.act_bytes
     widest = max((op.bottleneck for op in summary.ops), default=0.0)
-    if pr.policy == "lowrank" and mesh.tensor > 1 and widest:
+    island = mesh.data > 1 and grad_accum == 1 and not summary.grid_w
+    if pr.policy == "lowrank" and mesh.tensor > 1 and widest and not island:
         return cost.SCAN_DOUBLE_BUFFER * layers * widest * opts.act_bytes
     return 0.0
 
 
-def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weights: float) -> float:
+def loss_peak(
+    pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weights: float, working: float = 0.0
+) -> float:
     """The loss's float32 logits chunk with the embedding table and LM head as used (FSDP: gathered) and
     their gradients. Pipelined, the loss runs one pipeline micro-batch's rows at a time (model/loss.py
-    row_groups); its GPU count is the unpipelined program's only (cost.GPU_LOGIT_BUFFERS)."""
+    row_groups); its GPU count is the unpipelined program's only (cost.GPU_LOGIT_BUFFERS). The
+    unpipelined GPU step under a remat policy: `remat_loss_peak` (`working`: one layer's backward)."""
     ctx, opts, block = pr.ctx, pr.opts, pr.ctx.block
+    if gpu and sched.stages == 1 and pr.policy != "none":
+        return remat_loss_peak(pr, mesh, working)
     microbatches = sched.microbatches
     rest_tokens = ctx.tokens * microbatches
     return cost.loss_bytes(
@@ -334,6 +346,23 @@ def loss_peak(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool, rest_fsdp_weig
         gpu and sched.stages == 1,
         opts.act_bytes,
     ) + rest_fsdp_weights * cost.table_bytes(mesh.fsdp, opts.act_bytes)
+
+
+def remat_loss_peak(pr: Pricer, mesh: Mesh, working: float) -> float:
+    """The unpipelined GPU step's loss beside the kept activations, under a remat policy: the head GEMM's
+    logits and their cotangent in the compute dtype (model.logits_dtype `compute`, the default) with the
+    LM head as used, then the cotangent with the head's float32 gradient at its gathered size, then the
+    cotangent (its dW GEMM scheduled late) through the last layer's recomputed backward (`working`). The
+    embedding's gradient comes at the backward's end, after the kept activations. Read from the
+    deviceless H100 compiles' live ranges of cola_1b data 8 x fsdp 8 (the data island) and cola_7b fsdp
+    8, remat lowrank (benchmarks/RESULTS.md 2026-11-29, eleventh session, h-mem2); without remat the
+    loss keeps the count above (not read)."""
+    ctx, a, block = pr.ctx, pr.opts.act_bytes, pr.ctx.block
+    chunk = block.loss_chunk
+    positions = ctx.local_seq if not 0 < chunk < ctx.local_seq else chunk
+    logits = ctx.tokens / ctx.local_seq * positions * block.vocab / mesh.tensor  # elements, one chunk
+    head = block.d * block.vocab / mesh.tensor
+    return max(2 * a * logits + a * head, a * logits + cost.STATE_BYTES * head, a * logits + working)
 
 
 def fused_add_carry(pr: Pricer, mesh: Mesh, sched: Schedule, gpu: bool) -> int:
