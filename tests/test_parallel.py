@@ -455,3 +455,27 @@ def test_pipeline_schedules_match_single_device(make_config, strategy, schedule)
     assert len(trips) == 2 and set(trips) == {arithmetic.ticks(p.pipeline, m, v)} == {v * m + p.pipeline - 1}, trips
     # Of the S x ticks stage-ticks, V M S do work (every micro-batch crosses every stage V times).
     assert arithmetic.bubble_fraction(p.pipeline, m, v) == pytest.approx(1 - v * m / trips[0])
+
+
+def test_megatron_sp_gathers_the_sequence_not_the_weights(make_config):
+    """Megatron-SP on fsdp x tensor with more tokens per device than weight columns (where GSPMD, left
+    free, gathers the column-parallel weights over `tensor` and moves the GEMM outputs to the heads /
+    d_ff split by all-to-alls): loss and gradients match one device, and the compiled step moves the
+    sequence instead, by all-gathers in front of those GEMMs (rules.regathered), with no all-to-all.
+    (Their input gradients' reduce-scatters show as all-reduces in a CPU program.)"""
+    cfg = par_config(
+        make_config,
+        "megatron",
+        "dense",
+        (1, 4, 2),
+        **{"parallel.sequence_parallel": True, "train.global_batch": 64, "train.seq_len": 32},
+    )
+    params, tokens, (ref_loss, ref_grads) = reference(cfg)
+    loss, grads, colls = loss_and_grads(cfg, params, tokens, collectives=True)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_close_tree(grads, ref_grads, 1e-5)
+    assert "all-to-all" not in {c.kind for c in colls}, sorted({c.kind for c in colls})
+    # the residual rows [B/fsdp, T, d] gathered over tensor (float32 here), a whole number of times per layer
+    rows = 64 // 4 * 32 * 64
+    gathered = [c for c in colls if c.kind == "all-gather" and c.axes == ("tensor",) and c.elements % rows == 0]
+    assert gathered, [c for c in colls if c.axes == ("tensor",)]

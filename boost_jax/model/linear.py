@@ -26,11 +26,12 @@ from boost_jax.kernels.rmsnorm import rmsnorm as rmsnorm_rows
 from boost_jax.model.kinds import kind_class
 from boost_jax.model.kinds.base import LinearKind
 from boost_jax.parallel.placement import GROUPED, Norm
-from boost_jax.parallel.rules import constrain, current, gathered, weight_einsum
+from boost_jax.parallel.rules import constrain, current, gathered, regathered, weight_einsum
 
 RANK_ACT = ("act_batch", "act_seq", None, "act_rank")  # [B, T, group, r]
 WHOLE_ROWS = ("act_batch", "act_seq", None)
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
+GEMM_ROWS = ("act_batch", "act_seq", "act_embed")  # a GEMM's input rows: the residual as its GEMMs read it
 
 
 def Projection(
@@ -249,6 +250,8 @@ def _first_stage(projs, x, grouped: bool, norm, route, first=None, keep=()):
         x = norm(x)
     out = []
     runs = _runs(projs, lambda p: p.first_shape) if grouped else ((i, [p]) for i, p in enumerate(projs))
+    if projs[0].in_axis == "embed":  # the residual, read whole along the sequence (Megatron-SP's gather)
+        x = regathered(x, GEMM_ROWS, RESIDUAL)
     for _, run in runs:
         w = _stacked(run, "first", x.dtype)  # [g, d_in, width]
         h = weight_einsum("btd,gdr->btgr", x, w)

@@ -149,6 +149,35 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     )
 
 
+def regathered(x: jax.Array, names: Sequence[str | None], stored: Sequence[str | None]) -> jax.Array:
+    """An activation laid out as `stored`, pinned to the layout `names` for the GEMM reading it; its
+    gradient goes back to `stored` directly. Megatron-SP's pair: the residual split along the sequence
+    over `tensor` is all-gathered in front of the column-parallel GEMMs (left to GSPMD, it gathers the
+    weight over `tensor` instead where the tokens outweigh it, and moves the output's columns by an
+    all-to-all), and the GEMM's partial input gradient is reduce-scattered into the sequence split
+    (pinned to `names` on its way back, it would be all-reduced, then sliced). Where both names give
+    one layout, or outside a strategy: x."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        return x
+    mesh, strategy = ctx
+    to, back = (spec_for(n, x.shape, mesh, strategy.rules) for n in (names, stored))
+    if to == back:
+        return x
+    return _regather(x, NamedSharding(traced_mesh(mesh), to), NamedSharding(traced_mesh(mesh), back))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _regather(x, to, back):
+    return jax.lax.with_sharding_constraint(x, to)
+
+
+_regather.defvjp(
+    lambda x, to, back: (_regather(x, to, back), None),
+    lambda to, back, _, g: (jax.lax.with_sharding_constraint(g, back),),
+)
+
+
 def gathered(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
     """A weight in its compute layout and `dtype` (default: its own): FSDP's all-gather happens here,
     right before use, on the local shard already cast to `dtype` (a bf16 gather moves half the bytes
