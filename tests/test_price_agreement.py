@@ -20,13 +20,7 @@ FITS = {"h100": ROOT / "benchmarks" / "aot_fit.json", "a100_40gb": ROOT / "bench
 
 # (target, model, GPUs): why the planner and the table still differ by more than 15% on a row, each
 # read from the pick's table by category (benchmarks/RESULTS.md 2026-11-29, eleventh session, the lead).
-SP_FSDP = (
-    "Megatron-SP on fsdp 4 x tensor 2, scanned, remat full: GSPMD runs the MLP's column-parallel GEMMs on "
-    "the token shard with the weight gathered whole over tensor ([16384, 22016, 4096]), with float32 "
-    "transposes of the weights (`rules.weight_einsum`); the table's GEMMs 3759 ms and copies 634 against "
-    "3363 and 144 for the same mesh without sequence parallelism, which the planner prices as Megatron-SP"
-)
-KNOWN = {("a100_40gb", "llama_7b", 8): SP_FSDP}
+KNOWN: dict = {}  # none since 2026-11-29 (eleventh session)
 
 
 def _rows():
