@@ -351,7 +351,7 @@ def test_toys_in_the_planner(toys):
     )
     assert (plan.runnable, plan.strategy) == ("yes", "toy_split")
     assert "--config.parallel.strategy=toy_split " in plan.overrides
-    res = search(gqa, cluster, 8, Options(batch=64, seq=2048, attention="toy_attention", top=40, pipeline=(1,)), 1.0)
+    res = search(gqa, cluster, 8, Options(batch=64, seq=2048, attention="toy_attention", top=200, pipeline=(1,)), 1.0)
     assert any("toy_split" in p.layer.choices for p in res.plans if p.mesh.tensor == 4)
 
     small = base_config()
