@@ -589,14 +589,10 @@ NOT_PIPELINED = (
 )
 
 
-# The compiled peak fell from 8.4 to 7.7 GB when the chunked loss stopped building a [B, c, V] iota
-# and casting the head weight per chunk (model/loss.py, 2026-11-28); the planner prices it 8.9 GB
-# (1.15x): XLA's packing overhead and the sequence-parallel gathers' outputs, which the GPipe and
-# circular plans of benchmarks/aot_fit_nopipe.json need (without the overhead they are priced 0.88-0.95,
-# without the gathers llama_7b's and llama_13b's GPipe SP plans 0.92 and 0.91: RESULTS.md 2026-11-29).
-# Safe side: a strict xfail until the pipelined terms are split by schedule.
+# The planner prices this plan 8.9 GB, counting the sequence-parallel gathers' outputs. Its compile
+# peaked at 7.7 GB (1.15x, a strict xfail) until `rules.regathered` (2026-11-29, eleventh session, h-spf)
+# made the column-parallel GEMMs read the residual gathered over the sequence: about 8.7 GB since.
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the pipelined SP plan priced 1.15x its compile (safe side)", strict=True)
 def test_planner_peak_of_a_pipelined_plan_within_10_percent_of_the_h100_compile(tmp_path):
     """llama_1b's widths with 8 layers, circular V 2 over pipeline 2 x fsdp 2 x tensor 2 (megatron-SP),
     M 4, batch 128 x seq 256, XLA's norm: the planner's peak per GPU within 10% of the deviceless H100
